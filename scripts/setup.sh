@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One-time, idempotent setup: a Python venv with the libtorch tch 0.26 links against (torch 2.13.0)
+# and the pinned test packages, a .libtorch link to it, and .cargo/config.toml pointing LIBTORCH there.
+# After this, plain `cargo build` / `cargo test` work from the repo root.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+TORCH_VERSION=2.13.0
+PY=${PYTHON:-python3}
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PY --version 2>&1)"
+  "$PY" -m venv .venv
+fi
+VPY="$root/.venv/bin/python"
+
+have_torch=$("$VPY" -c "import torch,sys; sys.stdout.write(torch.__version__)" 2>/dev/null || true)
+if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
+  log "installing torch==$TORCH_VERSION (about 4.5 GB with its NVIDIA runtime wheels; a few minutes)"
+  "$VPY" -m pip install --quiet --disable-pip-version-check --upgrade pip
+  "$VPY" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION"
+else
+  log "torch $have_torch already installed"
+fi
+
+stamp=.venv/.requirements-dev.sha
+want=$(sha256sum requirements-dev.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing requirements-dev.txt"
+  "$VPY" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+  echo "$want" > "$stamp"
+else
+  log "requirements-dev.txt already installed"
+fi
+
+torch_dir=$("$VPY" -c "import torch,os; print(os.path.dirname(torch.__file__))")
+ln -sfn "$torch_dir" .libtorch
+log ".libtorch -> $torch_dir"
+
+mkdir -p .cargo
+cat > .cargo/config.toml <<TOML
+# Written by scripts/setup.sh: points torch-sys at the libtorch inside .venv (torch $TORCH_VERSION).
+[env]
+# The real path, not the .libtorch link: libtorch finds its NVIDIA libraries through
+# \$ORIGIN-relative rpaths, which only resolve from the package's own location.
+LIBTORCH = "$torch_dir"
+TITAN_PYTHON = { value = ".venv/bin/python", relative = true }
+TOML
+log "done: LIBTORCH=$root/.libtorch"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: setup (idempotent), build every binary, run every test.
+# Interop tests use the real PyTorch / safetensors / transformers / pyarrow from .venv.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/setup.sh
+export TITAN_PYTHON="$root/.venv/bin/python"
+cargo build --workspace --bins --locked
+cargo test --workspace --locked

@@ -1,0 +1,3 @@
+//! titan-train: a lean Llama-3 trainer on libtorch (through tch).
+//!
+//! Foundation skeleton; issue 2 builds the model, config, data, optimizer and training loop.

@@ -1,0 +1,3 @@
+fn main() {
+    println!("tch cuda available: {}", tch::Cuda::is_available());
+}
