@@ -3,6 +3,7 @@
 //!
 //! Foundation skeleton; issue 3 builds the formats and commands.
 
+pub mod dcp;
 pub mod dtype;
 
 pub use dtype::Dtype;

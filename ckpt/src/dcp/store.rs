@@ -1,0 +1,135 @@
+//! Where a checkpoint's files live: the seam for plugging in object stores.
+
+use std::fs::File;
+use std::io;
+use std::path::{Component, Path, PathBuf};
+
+use super::source::ReadAt;
+
+/// Read access to the files of one checkpoint directory, by path relative to it.
+///
+/// [`LocalDir`] reads a local folder; an object-store implementation maps `relative_path` to a
+/// key under the checkpoint prefix and `read_range` to a ranged GET. Paths given to these
+/// methods have already passed [`check_relative_path`].
+pub trait CheckpointStore {
+    /// How `relative_path` is named in messages (a path or URL).
+    fn describe(&self, relative_path: &str) -> String;
+    /// The length of a file.
+    fn file_len(&self, relative_path: &str) -> io::Result<u64>;
+    /// Bytes `offset .. offset + len` of a file; a short file is an `UnexpectedEof` error.
+    fn read_range(&self, relative_path: &str, offset: u64, len: u64) -> io::Result<Vec<u8>>;
+}
+
+/// A checkpoint directory on a local (or mounted) file system.
+#[derive(Debug, Clone)]
+pub struct LocalDir {
+    root: PathBuf,
+}
+
+impl LocalDir {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        LocalDir { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn path(&self, relative_path: &str) -> PathBuf {
+        self.root.join(relative_path)
+    }
+}
+
+impl CheckpointStore for LocalDir {
+    fn describe(&self, relative_path: &str) -> String {
+        self.path(relative_path).display().to_string()
+    }
+
+    fn file_len(&self, relative_path: &str) -> io::Result<u64> {
+        Ok(std::fs::metadata(self.path(relative_path))?.len())
+    }
+
+    fn read_range(&self, relative_path: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        let file = File::open(self.path(relative_path))?;
+        file.read_vec(offset, len)
+    }
+}
+
+/// A byte range of a store's file, readable at any offset (small reads for zip directories).
+pub struct StoreSlice<'a, S: CheckpointStore + ?Sized> {
+    pub store: &'a S,
+    pub relative_path: &'a str,
+    pub start: u64,
+    pub len: u64,
+}
+
+impl<S: CheckpointStore + ?Sized> ReadAt for StoreSlice<'_, S> {
+    fn size(&self) -> u64 {
+        self.len
+    }
+
+    fn read_exact_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let end = offset.checked_add(buf.len() as u64);
+        if end.is_none_or(|e| e > self.len) {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read past the end of the item",
+            ));
+        }
+        let data =
+            self.store
+                .read_range(self.relative_path, self.start + offset, buf.len() as u64)?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+}
+
+/// Refuses relative paths from metadata that could leave the checkpoint directory: absolute
+/// paths, `..`, `.`, backslashes, drive prefixes, NUL, empty components.
+pub fn check_relative_path(p: &str) -> Result<(), String> {
+    let bad = |why: &str| {
+        Err(format!(
+            "relative path `{p}` {why}; refusing to read outside the checkpoint"
+        ))
+    };
+    if p.is_empty() {
+        return bad("is empty");
+    }
+    if p.contains('\\') || p.contains('\0') || p.contains(':') {
+        return bad("contains `\\`, `:` or NUL");
+    }
+    if p.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
+        return bad("has an empty, `.` or `..` component or is absolute");
+    }
+    if Path::new(p)
+        .components()
+        .any(|c| !matches!(c, Component::Normal(_)))
+    {
+        return bad("is not a plain relative path");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_paths_stay_inside() {
+        assert!(check_relative_path("__0_0.distcp").is_ok());
+        assert!(check_relative_path("sub/__1_0.distcp").is_ok());
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../../x",
+            "./x",
+            "a//b",
+            "C:\\x",
+            "a\\..\\b",
+            "x/",
+        ] {
+            assert!(check_relative_path(bad).is_err(), "{bad}");
+        }
+    }
+}
