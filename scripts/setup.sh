@@ -36,6 +36,14 @@ else
   log "requirements-dev.txt already installed"
 fi
 
+# The titan-obs TUI test (tests/tests/tui_tmux.rs) drives the gantt inside tmux.
+if ! command -v tmux >/dev/null 2>&1; then
+  log "installing tmux (for the titan-obs TUI test)"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tmux >/dev/null
+fi
+
 torch_dir=$("$VPY" -c "import torch,os; print(os.path.dirname(torch.__file__))")
 ln -sfn "$torch_dir" .libtorch
 log ".libtorch -> $torch_dir"
