@@ -8,7 +8,7 @@ use super::metadata::{
     ChunkStorageMetadata, ItemMetadata, Metadata, StorageInfo, TensorStorageMetadata,
 };
 use super::pickle::{self, Limits, Value};
-use super::store::{CheckpointStore, LocalDir, StoreSlice, check_relative_path};
+use super::store::{CheckpointStore, LocalDir, PrefetchedSlice, StoreSlice, check_relative_path};
 use super::tensor_item::{self, ItemError, TensorItemLayout};
 use super::transform::{self, Transform};
 use crate::Dtype;
@@ -223,6 +223,27 @@ impl<S: CheckpointStore> DcpReader<S> {
         move |source| DcpError::Item { file, item, source }
     }
 
+    /// An untransformed item, with its zip head and directory already fetched.
+    fn prefetched<'a>(
+        &'a self,
+        info: &'a StorageInfo,
+        what: &str,
+    ) -> Result<PrefetchedSlice<'a, S>> {
+        let slice = StoreSlice {
+            store: &self.store,
+            relative_path: &info.relative_path,
+            start: info.offset,
+            len: info.length,
+        };
+        PrefetchedSlice::new(slice).map_err(|e| DcpError::Io {
+            file: self.store.describe(&info.relative_path),
+            source: std::io::Error::new(
+                e.kind(),
+                format!("{what} at {}+{}: {e}", info.offset, info.length),
+            ),
+        })
+    }
+
     /// Reads an item's bytes and undoes its transforms (`limit` bounds the decoded size).
     fn item_bytes(&self, info: &StorageInfo, what: &str, limit: u64) -> Result<Vec<u8>> {
         let file = self.store.describe(&info.relative_path);
@@ -269,12 +290,7 @@ impl<S: CheckpointStore> DcpReader<S> {
                 msg: format!("{what}: {msg}"),
             })?;
         let layout = if transforms.is_empty() {
-            let slice = StoreSlice {
-                store: &self.store,
-                relative_path: &info.relative_path,
-                start: info.offset,
-                len: info.length,
-            };
+            let slice = self.prefetched(info, &what)?;
             Some(tensor_item::parse_tensor_item(&slice).map_err(self.item_error(info, what))?)
         } else {
             None
@@ -300,12 +316,7 @@ impl<S: CheckpointStore> DcpReader<S> {
                 msg: format!("{what}: {msg}"),
             })?;
         let (layout, data) = if transforms.is_empty() {
-            let slice = StoreSlice {
-                store: &self.store,
-                relative_path: &info.relative_path,
-                start: info.offset,
-                len: info.length,
-            };
+            let slice = self.prefetched(info, &what)?;
             let layout = tensor_item::parse_tensor_item(&slice)
                 .map_err(self.item_error(info, what.clone()))?;
             let data = layout

@@ -958,3 +958,128 @@ fn is_constructible(g: &Global) -> bool {
         || *g == Global::REBUILD_TENSOR_V2
         || *g == Global::REBUILD_PARAMETER
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dcp::pickle::{Protocol, pickle};
+    use proptest::prelude::*;
+
+    /// A pickle shaped like DCP metadata, to mutate.
+    fn sample() -> Vec<u8> {
+        let chunk = Value::Object(Box::new(Object::new_with_state(
+            Global::CHUNK_STORAGE_METADATA,
+            Value::Dict(vec![
+                (
+                    Value::str("offsets"),
+                    Value::Tuple(vec![Value::Int(0), Value::Int(70000)]),
+                ),
+                (
+                    Value::str("sizes"),
+                    Value::Tuple(vec![Value::Int(3), Value::Int(-1)]),
+                ),
+            ]),
+        )));
+        let v = Value::Dict(vec![
+            (
+                Value::str("chunks"),
+                Value::List(vec![chunk.clone(), chunk]),
+            ),
+            (Value::str("f"), Value::Float(1.5)),
+            (Value::str("b"), Value::Bytes(vec![1, 2, 3])),
+            (Value::str("layout"), Value::Global(Global::TORCH_STRIDED)),
+            (Value::str("big"), Value::Int(1 << 40)),
+        ]);
+        pickle(&v, Protocol::DEFAULT)
+    }
+
+    #[test]
+    fn sample_round_trips() {
+        assert!(unpickle(&sample()).is_ok());
+    }
+
+    #[test]
+    fn every_truncation_is_an_error() {
+        let s = sample();
+        for cut in 0..s.len() {
+            assert!(unpickle(&s[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn shared_references_cannot_blow_up() {
+        // x = []; then 64 times: x = (x, x). A naive tree would have 2^64 nodes.
+        let mut p = vec![0x80, 4, b']'];
+        for _ in 0..64 {
+            p.extend_from_slice(&[b'2', 0x86]); // DUP, TUPLE2
+        }
+        p.push(b'.');
+        let e = unpickle(&p).unwrap_err();
+        assert!(matches!(e, PickleError::Limit { .. }), "{e}");
+    }
+
+    #[test]
+    fn deep_nesting_and_cycles_are_limited() {
+        // 100k nested lists: [[[...]]] built with APPEND.
+        let n = 100_000;
+        let mut p = vec![0x80, 4];
+        p.extend(std::iter::repeat_n(b']', n));
+        p.extend(std::iter::repeat_n(b'a', n - 1));
+        p.push(b'.');
+        assert!(matches!(unpickle(&p), Err(PickleError::Limit { .. })));
+        // l = []; l.append(l)
+        let p = [0x80, 4, b']', 0x94, b'h', 0, b'a', b'.'];
+        assert!(matches!(unpickle(&p), Err(PickleError::Limit { .. })));
+    }
+
+    #[test]
+    fn huge_lengths_do_not_allocate() {
+        for op in [b'X', b'B', 0x8d, 0x8e, 0x96] {
+            let mut p = vec![0x80, 4, op];
+            p.extend_from_slice(&[0xff; 8]);
+            p.push(b'.');
+            assert!(
+                matches!(unpickle(&p), Err(PickleError::Truncated { .. })),
+                "op {op:#x}"
+            );
+        }
+        let limits = Limits {
+            max_memo: 2,
+            ..Limits::default()
+        };
+        let p = [0x80, 4, b'N', 0x94, 0x94, 0x94, b'.'];
+        assert!(matches!(
+            unpickle_with_limits(&p, &limits),
+            Err(PickleError::Limit { .. })
+        ));
+    }
+
+    #[test]
+    fn disallowed_globals_are_named() {
+        let e = unpickle(b"\x80\x02cos\nsystem\nX\x02\x00\x00\x00ls\x85R.").unwrap_err();
+        assert!(e.to_string().contains("`os.system`"), "{e}");
+        let e = unpickle(b"\x80\x04\x8c\x08builtins\x8c\x04eval\x93.").unwrap_err();
+        assert!(e.to_string().contains("`builtins.eval`"), "{e}");
+        // Allowed but not callable: a dtype cannot be REDUCEd.
+        assert!(unpickle(b"\x80\x02ctorch\nfloat32\n)R.").is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn random_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = unpickle(&data);
+        }
+
+        #[test]
+        fn mutated_pickles_never_panic(edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8)) {
+            let mut s = sample();
+            for (at, b) in edits {
+                let n = s.len();
+                s[at % n] = b;
+            }
+            let _ = unpickle(&s);
+        }
+    }
+}
