@@ -1,9 +1,26 @@
 //! titan-ckpt: read, write and transform PyTorch Distributed Checkpoint (DCP) and Hugging Face
 //! safetensors checkpoints without libtorch.
 //!
-//! Foundation skeleton; issue 3 builds the formats and commands.
+//! Every input format is read into a [`CheckpointPlan`] (`formats`): tensor name -> dtype, global
+//! shape and chunks, each chunk a box of the tensor plus where its bytes are. Commands work on
+//! plans: `consolidate` and `convert` plan output files and run the copy engine (`write`), which
+//! streams chunk bytes through bounded buffers (`assemble`, `cast`); `inspect`, `verify` and
+//! `diff` report on plans. `storage` hides whether bytes are local or in an object store.
 
+pub mod adapter;
+pub mod assemble;
+pub mod cast;
+pub mod consolidate;
 pub mod dcp;
 pub mod dtype;
+pub mod error;
+pub mod formats;
+pub mod inspect;
+pub mod plan;
+pub mod safetensors;
+pub mod storage;
+pub mod write;
 
 pub use dtype::Dtype;
+pub use error::{Error, Result};
+pub use plan::{CheckpointPlan, Chunk, ChunkSource, Encoding, Format, TensorPlan};

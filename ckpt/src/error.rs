@@ -1,0 +1,93 @@
+//! The error type: every failure names the file (and the tensor, when there is one) at fault.
+
+use std::fmt;
+
+/// A titan-ckpt failure.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading or writing `file` failed.
+    #[error("{file}: {source}")]
+    Io {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// An object store request for `file` failed.
+    #[error("{file}: {source}")]
+    Store {
+        file: String,
+        #[source]
+        source: object_store::Error,
+    },
+    /// The checkpoint's bytes or metadata are not what the format requires.
+    #[error("{file}{tensor}: {reason}", tensor = TensorSuffix(tensor))]
+    Invalid {
+        file: String,
+        tensor: Option<String>,
+        reason: String,
+    },
+    /// A DCP native checkpoint is unreadable (the message names file and item).
+    #[error(transparent)]
+    Dcp(Box<crate::dcp::DcpError>),
+    /// The command line or its arguments are wrong (exit code 2).
+    #[error("{0}")]
+    Usage(String),
+}
+
+struct TensorSuffix<'a>(&'a Option<String>);
+
+impl fmt::Display for TensorSuffix<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(t) => write!(f, ": tensor `{t}`"),
+            None => Ok(()),
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<crate::dcp::DcpError> for Error {
+    fn from(e: crate::dcp::DcpError) -> Error {
+        Error::Dcp(Box::new(e))
+    }
+}
+
+impl Error {
+    /// An invalid-checkpoint error about `file` as a whole.
+    pub fn invalid(file: impl fmt::Display, reason: impl Into<String>) -> Error {
+        Error::Invalid {
+            file: file.to_string(),
+            tensor: None,
+            reason: reason.into(),
+        }
+    }
+
+    /// An invalid-checkpoint error about one tensor in `file`.
+    pub fn tensor(file: impl fmt::Display, tensor: &str, reason: impl Into<String>) -> Error {
+        Error::Invalid {
+            file: file.to_string(),
+            tensor: Some(tensor.to_string()),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn io(file: impl fmt::Display, source: std::io::Error) -> Error {
+        Error::Io {
+            file: file.to_string(),
+            source,
+        }
+    }
+
+    pub fn usage(msg: impl Into<String>) -> Error {
+        Error::Usage(msg.into())
+    }
+
+    /// The process exit code for this error: 2 for usage errors, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Usage(_) => 2,
+            _ => 1,
+        }
+    }
+}

@@ -1,0 +1,47 @@
+"""Small S3 client for the object store tests (boto3 against the local moto server).
+
+usage: ckpt_s3.py ENDPOINT BUCKET mkbucket
+       ckpt_s3.py ENDPOINT BUCKET put DIR PREFIX     upload every file of DIR under PREFIX/
+       ckpt_s3.py ENDPOINT BUCKET get PREFIX DIR     download every object under PREFIX/ into DIR
+       ckpt_s3.py ENDPOINT BUCKET ls PREFIX          print object names under PREFIX/, one a line
+"""
+
+import os
+import sys
+
+import boto3
+
+
+def main():
+    endpoint, bucket, cmd, *args = sys.argv[1:]
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+        region_name="us-east-1",
+    )
+    if cmd == "mkbucket":
+        s3.create_bucket(Bucket=bucket)
+    elif cmd == "put":
+        d, prefix = args
+        for f in sorted(os.listdir(d)):
+            s3.upload_file(os.path.join(d, f), bucket, f"{prefix}/{f}")
+    elif cmd == "get":
+        prefix, d = args
+        os.makedirs(d, exist_ok=True)
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
+            s3.download_file(bucket, o["Key"], os.path.join(d, o["Key"][len(prefix) + 1 :]))
+    elif cmd == "ls":
+        (prefix,) = args
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
+            print(o["Key"][len(prefix) + 1 :])
+        # Unfinished multipart uploads would be partial output too.
+        for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", []):
+            print("UPLOAD-IN-PROGRESS", u["Key"])
+    else:
+        sys.exit(f"unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    main()

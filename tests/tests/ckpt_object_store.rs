@@ -1,0 +1,185 @@
+//! titan-ckpt on an S3-compatible object store: a local moto server (moto[server] from
+//! requirements-dev.txt, `.venv/bin/moto_server`) started on a free port for the test. Inputs are
+//! read with ranged GETs, outputs written with multipart uploads that complete only at the end.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use titan_tests::{bin, python_script, workspace_root};
+
+struct Moto {
+    child: Child,
+    endpoint: String,
+}
+
+impl Moto {
+    fn start() -> Moto {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(workspace_root().join(".venv/bin/moto_server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start .venv/bin/moto_server (pip install 'moto[server]')");
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(60), "moto_server did not start");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Moto {
+            child,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    fn s3(&self, args: &[&str]) -> String {
+        let o = python_script("tests/python/ckpt_s3.py")
+            .arg(&self.endpoint)
+            .arg("ckpt")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "ckpt_s3.py {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn ckpt(&self) -> Command {
+        let mut c = Command::new(bin("titan-ckpt"));
+        c.arg("--quiet")
+            .env("AWS_ENDPOINT", &self.endpoint)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1");
+        c
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn ok(cmd: &mut Command) -> Output {
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&o.stderr));
+    o
+}
+
+/// A safetensors file with DCP_SHARDING_INFO from (name, dtype, shape, offsets, element size).
+fn shard(entries: &[(&str, &str, Vec<u64>, Vec<u64>, u64)], seed: u64) -> Vec<u8> {
+    let mut header = serde_json::Map::new();
+    let mut info = serde_json::Map::new();
+    let mut pos = 0u64;
+    for (name, dtype, shape, offsets, es) in entries {
+        let n = shape.iter().product::<u64>() * es;
+        header.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}));
+        info.insert(name.to_string(), json!({ "saved_offsets": offsets }));
+        pos += n;
+    }
+    header.insert(
+        "__metadata__".into(),
+        json!({"DCP_SHARDING_INFO": serde_json::to_string(&info).unwrap(), "DCP_VERSION": "1.0", "format": "pt"}),
+    );
+    let json = serde_json::to_vec(&header).unwrap();
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    out.extend((0..pos).map(|i| ((i * 31 + seed * 7) % 253) as u8));
+    out
+}
+
+/// Two ranks: `big` (F32 [2048, 4096], 32 MiB, row-sharded: multipart-sized), `col` column-sharded, `n` int64.
+fn fixture(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("shard-00001-model-00001-of-00001.safetensors"),
+        shard(
+            &[
+                ("big", "F32", vec![1024, 4096], vec![0, 0], 4),
+                ("col", "BF16", vec![64, 50], vec![0, 0], 2),
+                ("n", "I64", vec![5], vec![0], 8),
+            ],
+            1,
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("shard-00002-model-00001-of-00001.safetensors"),
+        shard(
+            &[
+                ("big", "F32", vec![1024, 4096], vec![1024, 0], 4),
+                ("col", "BF16", vec![64, 50], vec![0, 50], 2),
+            ],
+            2,
+        ),
+    )
+    .unwrap();
+}
+
+fn files_equal(a: &Path, b: &Path) {
+    let mut names: Vec<_> = std::fs::read_dir(a).unwrap().map(|e| e.unwrap().file_name()).collect();
+    names.sort();
+    let mut other: Vec<_> = std::fs::read_dir(b).unwrap().map(|e| e.unwrap().file_name()).collect();
+    other.sort();
+    assert_eq!(names, other);
+    for n in names {
+        assert!(std::fs::read(a.join(&n)).unwrap() == std::fs::read(b.join(&n)).unwrap(), "{n:?} differs");
+    }
+}
+
+#[test]
+fn consolidate_from_and_to_s3() {
+    let moto = Moto::start();
+    moto.s3(&["mkbucket"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let local_in = tmp.path().join("in");
+    fixture(&local_in);
+    moto.s3(&["put", local_in.to_str().unwrap(), "ckpt/in"]);
+
+    // Reference: local to local.
+    let reference = tmp.path().join("ref");
+    ok(moto.ckpt().arg("consolidate").arg(&local_in).arg(&reference).args(["--max-shard-size", "20MB"]));
+
+    // inspect and verify read headers with ranged GETs.
+    let o = ok(moto.ckpt().args(["inspect", "s3://ckpt/ckpt/in", "--json"]));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["format"], "dcp-hf");
+    assert_eq!(v["parameter_count"], 2048 * 4096 + 64 * 100 + 5);
+
+    // S3 -> S3: the 32 MiB file goes up as a multipart upload; index written last by rank 0.
+    ok(moto.ckpt().args(["consolidate", "s3://ckpt/ckpt/in", "s3://ckpt/ckpt/out", "--max-shard-size", "20MB"]));
+    let listed = moto.s3(&["ls", "ckpt/out"]);
+    assert!(!listed.contains("UPLOAD-IN-PROGRESS"), "{listed}");
+    let got = tmp.path().join("got");
+    moto.s3(&["get", "ckpt/out", got.to_str().unwrap()]);
+    files_equal(&reference, &got);
+    ok(moto.ckpt().args(["verify", "s3://ckpt/ckpt/out"]));
+
+    // S3 -> local and local -> S3 agree too.
+    let from_s3 = tmp.path().join("from_s3");
+    ok(moto.ckpt().args(["consolidate", "s3://ckpt/ckpt/in"]).arg(&from_s3).args(["--max-shard-size", "20MB"]));
+    files_equal(&reference, &from_s3);
+    ok(moto.ckpt().arg("diff").arg(&reference).arg("s3://ckpt/ckpt/out"));
+
+    // Bad input on S3: a truncated shard fails with the URL named and leaves no object behind.
+    let bad = tmp.path().join("bad");
+    fixture(&bad);
+    let p = bad.join("shard-00002-model-00001-of-00001.safetensors");
+    let b = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &b[..b.len() - 100]).unwrap();
+    moto.s3(&["put", bad.to_str().unwrap(), "ckpt/bad"]);
+    let o = moto
+        .ckpt()
+        .args(["consolidate", "s3://ckpt/ckpt/bad", "s3://ckpt/ckpt/bad-out"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("s3://ckpt/ckpt/bad/shard-00002") && err.contains("truncated"), "{err}");
+    assert_eq!(moto.s3(&["ls", "ckpt/bad-out"]), "");
+}
