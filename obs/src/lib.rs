@@ -1,80 +1,57 @@
 //! titan-obs: record what every rank of a job does and when, and read it back for analysis.
 //!
-//! The recording side is a process-global recorder set up once by [`init`]; hot-path calls
-//! ([`span`], [`instant`], [`scalar`], [`set_step`], [`add_step_tag`]) append to a thread-local
-//! buffer that a background thread drains into per-rank Parquet part files
-//! (`<run>/obs/rank-<R>/part-<N>.parquet`). The reading side loads those parts for the
-//! `titan-obs` commands (summary, metrics, export, TUI).
+//! # Recording
+//! A process-global recorder set up once by [`init`] (or [`init_with`]) and closed by
+//! [`finish`]. Hot-path calls — [`span`] (a nestable per-thread guard), [`instant`],
+//! [`scalar`], [`SpanGuard::error`] — append a fixed-size record to the calling thread's
+//! pre-allocated single-producer ring (no lock, no allocation, no syscall: time comes from
+//! the vDSO monotonic clock, names are `&'static str`). One background thread drains the
+//! rings and closes a Parquet (zstd) part file `<run>/obs/rank-<R>/part-<N>.parquet` every
+//! `flush_interval` or `max_records_per_part` records, written under a temporary name and
+//! renamed (or uploaded in one PUT for object_store URLs), so a kill -9 loses at most the
+//! last interval. [`set_step`] and [`add_step_tag`] are process-wide and attach to records.
+//! [`set_clock_offset_ns`] stores this rank's clock offset to rank 0 in the part footers.
 //!
-//! NOTE: this is the foundation skeleton: the public recording API below is the contract that
-//! titan-train and titan-ckpt code against; issue 4 fills in the implementation.
+//! Scalar naming: `scalar("training/loss", v, Reduce::Mean)` is shown by `titan-obs metrics`
+//! as `training/loss_mean` (name + `_` + reduce), torchtitan's console format; scalars whose
+//! name starts with `validation/` go on a `validate step:` line.
+//!
+//! # Schema
+//! [`schema`] holds the typed columns (see `obs/SCHEMA.md`): [`Kind`], [`Source`], [`Reduce`],
+//! column names and footer keys.
+//!
+//! # Reading
+//! [`read::load`] loads every rank's parts of a run (local dir or URL) in parallel into a
+//! [`read::Run`]: typed columnar tables ([`read::Spans`] with rank/thread/name/step/start/dur/
+//! depth/seq/parent, [`read::Instants`], [`read::Scalars`], [`read::Errors`]), run-wide name and
+//! tag dictionaries, per-(rank, step) tags, per-rank footer info, and a [`read::LoadReport`] of
+//! missing ranks and corrupt parts (by path) — one bad part never fails the load.
+//! [`read::Columns`] selects which optional columns to decode.
+//!
+//! # Synthetic runs
+//! [`synth::write_run`] writes a real multi-rank run (ranks x steps x spans-per-step, injected
+//! [`synth::Straggler`]s, checkpoint/validation steps, scalars) for benchmarks, tests and the TUI.
+//!
+//! # Analysis
+//! [`analysis`] computes what the `titan-obs` commands print: [`analysis::summary`] (per-phase
+//! statistics, stragglers, tagged steps), [`analysis::metrics`] (torchtitan's aggregated
+//! per-step lines) and [`analysis::chrome`] (Chrome Trace Event JSON for Perfetto).
 
-use std::time::Duration;
+pub mod analysis;
+pub mod clock;
+pub mod location;
+pub mod part;
+pub mod read;
+mod record;
+mod recorder;
+mod ring;
+pub mod schema;
+pub mod synth;
 
-/// Which program produced the records.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
-    Trainer,
-    Validator,
-    Ckpt,
-}
-
-/// How a scalar is reduced across ranks when metrics are aggregated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reduce {
-    Mean,
-    Max,
-    Min,
-    Sum,
-}
-
-/// Where and as whom this process records.
-#[derive(Debug, Clone)]
-pub struct InitOptions {
-    /// Run location: a local directory or an object_store URL; parts go under `<run>/obs/`.
-    pub run: String,
-    pub source: Source,
-    pub rank: u32,
-    pub local_rank: u32,
-    pub world_size: u32,
-    /// A new part file is closed at least this often (torchtitan-style `observability.flush_interval_s`).
-    pub flush_interval: Duration,
-}
-
-/// Starts recording for this process. Records made before `init` are dropped.
-pub fn init(_opts: InitOptions) -> anyhow::Result<()> {
-    Ok(())
-}
-
-/// Flushes every buffered record and closes the last part file. Call before exit.
-pub fn finish() -> anyhow::Result<()> {
-    Ok(())
-}
-
-/// A timed region; the span ends when the guard drops. Spans nest per thread.
-#[must_use = "the span ends when this guard is dropped"]
-pub struct SpanGuard {
-    _private: (),
-}
-
-impl SpanGuard {
-    /// Marks the span as failed with `message` (recorded as an `error` record inside it).
-    pub fn error(&self, _message: &str) {}
-}
-
-/// Opens a span named `name` (a phase name such as `forward_backward`).
-pub fn span(_name: &'static str) -> SpanGuard {
-    SpanGuard { _private: () }
-}
-
-/// Records a point event.
-pub fn instant(_name: &'static str) {}
-
-/// Records a scalar metric for the current step, with its cross-rank reduction.
-pub fn scalar(_name: &'static str, _value: f64, _reduce: Reduce) {}
-
-/// Sets the current training step attached to subsequent records.
-pub fn set_step(_step: u64) {}
-
-/// Tags the current step (e.g. `checkpoint`, `validation`).
-pub fn add_step_tag(_tag: &'static str) {}
+pub use read::{Columns, LoadReport, ReadOptions, Run, load};
+pub use record::NO_STEP;
+pub use recorder::{
+    InitOptions, SpanGuard, Tuning, WriterStats, add_step_tag, error, finish, finish_with_stats,
+    init, init_with, instant, scalar, set_clock_offset_ns, set_step, span, wait_drained,
+};
+pub use schema::{Kind, Reduce, Source};

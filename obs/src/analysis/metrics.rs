@@ -1,0 +1,244 @@
+//! torchtitan's aggregated per-step metrics from the recorded scalars.
+//!
+//! A scalar `training/loss` recorded with `Reduce::Mean` on every rank becomes the column
+//! `training/loss_mean`: the mean over ranks (and over repeated records of one rank in a step).
+//! Scalars named `validation/...` form separate `validate step:` lines.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::read::Run;
+use crate::record::NO_STEP;
+use crate::schema::Reduce;
+
+/// One aggregated line.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MetricsLine {
+    pub step: u64,
+    pub validation: bool,
+    /// `(name_reduce, value)` in first-recorded order.
+    pub values: Vec<(String, f64)>,
+}
+
+#[derive(Default)]
+struct Acc {
+    sum: f64,
+    count: u64,
+    min: f64,
+    max: f64,
+}
+
+impl Acc {
+    fn add(&mut self, v: f64) {
+        if self.count == 0 {
+            self.min = v;
+            self.max = v;
+        } else {
+            self.min = self.min.min(v);
+            self.max = self.max.max(v);
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+    fn get(&self, r: Reduce) -> f64 {
+        match r {
+            Reduce::Mean => self.sum / self.count as f64,
+            Reduce::Sum => self.sum,
+            Reduce::Min => self.min,
+            Reduce::Max => self.max,
+        }
+    }
+}
+
+/// Aggregates the run's scalars per step (steps without a step number are skipped).
+pub fn metrics(run: &Run) -> Vec<MetricsLine> {
+    let sc = &run.scalars;
+    // (step, validation) -> column order + accumulators.
+    let mut lines: BTreeMap<(u64, bool), (Vec<(u32, Reduce)>, BTreeMap<(u32, Reduce), Acc>)> =
+        BTreeMap::new();
+    for i in 0..sc.rank.len() {
+        let step = sc.step[i];
+        if step == NO_STEP || sc.value[i].is_nan() {
+            continue;
+        }
+        let name = sc.name[i];
+        let validation = run.name(name).starts_with("validation/");
+        let (order, accs) = lines.entry((step, validation)).or_default();
+        let key = (name, sc.reduce[i]);
+        let acc = accs.entry(key).or_insert_with(|| {
+            order.push(key);
+            Acc::default()
+        });
+        acc.add(sc.value[i]);
+    }
+    lines
+        .into_iter()
+        .map(|((step, validation), (order, accs))| MetricsLine {
+            step,
+            validation,
+            values: order
+                .into_iter()
+                .map(|k| (format!("{}_{}", run.name(k.0), k.1), accs[&k].get(k.1)))
+                .collect(),
+        })
+        .collect()
+}
+
+/// Formats a value the way torchtitan's console does: about four significant digits,
+/// one decimal for large values (`8.028`, `50810.5`, `0.19`, `0.0026`).
+pub fn format_value(v: f64) -> String {
+    if !v.is_finite() {
+        return format!("{v}");
+    }
+    let a = v.abs();
+    if a >= 1000.0 {
+        return format!("{v:.1}");
+    }
+    if a == 0.0 {
+        return "0".into();
+    }
+    let digits = 4 - (a.log10().floor() as i32 + 1);
+    let s = format!("{v:.*}", digits.max(0) as usize);
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+/// `step:  1  training/loss_mean: 8.028  ...` / `validate step:  5  validation/loss_mean: 4.78`.
+pub fn format_line(line: &MetricsLine) -> String {
+    let mut s = String::new();
+    let prefix = if line.validation {
+        "validate step:"
+    } else {
+        "step:"
+    };
+    let _ = write!(s, "{prefix} {:>2}", line.step);
+    for (k, v) in &line.values {
+        let _ = write!(s, "  {k}: {}", format_value(*v));
+    }
+    s
+}
+
+/// CSV with one row per line: `kind,step,<every column>` (empty where a line lacks it).
+pub fn to_csv(lines: &[MetricsLine]) -> String {
+    let mut cols: Vec<&str> = Vec::new();
+    for l in lines {
+        for (k, _) in &l.values {
+            if !cols.contains(&k.as_str()) {
+                cols.push(k);
+            }
+        }
+    }
+    let mut out = String::from("kind,step");
+    for c in &cols {
+        out.push(',');
+        out.push_str(&csv_field(c));
+    }
+    out.push('\n');
+    for l in lines {
+        let _ = write!(
+            out,
+            "{},{}",
+            if l.validation {
+                "validation"
+            } else {
+                "training"
+            },
+            l.step
+        );
+        for c in &cols {
+            out.push(',');
+            if let Some((_, v)) = l.values.iter().find(|(k, _)| k == c) {
+                let _ = write!(out, "{v}");
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_like_torchtitan() {
+        assert_eq!(format_value(8.02812), "8.028");
+        assert_eq!(format_value(50810.53), "50810.5");
+        assert_eq!(format_value(0.19), "0.19");
+        assert_eq!(format_value(361.44), "361.4");
+        assert_eq!(format_value(0.026), "0.026");
+        assert_eq!(format_value(0.0026), "0.0026");
+        assert_eq!(format_value(4.78), "4.78");
+        assert_eq!(format_value(0.0), "0");
+    }
+
+    #[test]
+    fn line_format() {
+        let l = MetricsLine {
+            step: 1,
+            validation: false,
+            values: vec![
+                ("training/loss_mean".into(), 8.028),
+                ("training/grad_norm_max".into(), 50810.5),
+            ],
+        };
+        assert_eq!(
+            format_line(&l),
+            "step:  1  training/loss_mean: 8.028  training/grad_norm_max: 50810.5"
+        );
+        let v = MetricsLine {
+            step: 5,
+            validation: true,
+            values: vec![("validation/loss_mean".into(), 4.78)],
+        };
+        assert_eq!(
+            format_line(&v),
+            "validate step:  5  validation/loss_mean: 4.78"
+        );
+    }
+
+    #[test]
+    fn reductions() {
+        let mut a = Acc::default();
+        for v in [1.0, 5.0, 3.0] {
+            a.add(v);
+        }
+        assert_eq!(a.get(Reduce::Mean), 3.0);
+        assert_eq!(a.get(Reduce::Sum), 9.0);
+        assert_eq!(a.get(Reduce::Min), 1.0);
+        assert_eq!(a.get(Reduce::Max), 5.0);
+    }
+
+    #[test]
+    fn csv_has_union_of_columns() {
+        let lines = vec![
+            MetricsLine {
+                step: 1,
+                validation: false,
+                values: vec![("a_mean".into(), 1.5)],
+            },
+            MetricsLine {
+                step: 1,
+                validation: true,
+                values: vec![("b_max".into(), 2.0)],
+            },
+        ];
+        assert_eq!(
+            to_csv(&lines),
+            "kind,step,a_mean,b_max\ntraining,1,1.5,\nvalidation,1,,2\n"
+        );
+    }
+}

@@ -1,0 +1,486 @@
+//! Where the time went: per-phase statistics across ranks and steps, stragglers, and the
+//! cost of checkpoint/validation steps.
+
+use std::collections::{BTreeMap, HashMap};
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use super::stats::{DurationStats, median_f64};
+use crate::read::{NameId, Run};
+use crate::record::NO_STEP;
+
+/// Straggler detection thresholds.
+#[derive(Debug, Clone, Copy)]
+pub struct StragglerOptions {
+    /// A rank must be above the cross-rank median in at least this share of steps...
+    pub min_share_of_steps: f64,
+    /// ...and its median time / the cross-rank median must be at least 1 + this.
+    pub min_excess_ratio: f64,
+}
+
+impl Default for StragglerOptions {
+    fn default() -> Self {
+        StragglerOptions {
+            min_share_of_steps: 0.75,
+            min_excess_ratio: 0.05,
+        }
+    }
+}
+
+/// Statistics of one phase (span name) over all ranks and steps.
+#[derive(Debug, Clone, Serialize)]
+pub struct PhaseStats {
+    pub name: String,
+    /// Smallest nesting depth the phase was seen at (0 = top level).
+    pub depth: u16,
+    pub count: u64,
+    pub total_ns: i64,
+    pub mean_ns: f64,
+    pub p50_ns: i64,
+    pub p95_ns: i64,
+    pub max_ns: i64,
+    /// Share of the step time spent in this phase (spans inside steps only); None for
+    /// phases outside steps (init, teardown) or when the run has no step time.
+    pub share_of_step: Option<f64>,
+}
+
+/// A rank that is consistently slower than the others in one phase.
+#[derive(Debug, Clone, Serialize)]
+pub struct Straggler {
+    pub phase: String,
+    pub rank: u32,
+    /// Steps where this rank was the slowest of all ranks, out of `steps`.
+    pub slowest_steps: u64,
+    /// Steps where this rank was above the cross-rank median, out of `steps`.
+    pub above_median_steps: u64,
+    pub steps: u64,
+    /// Median over steps of (this rank's time - the cross-rank median).
+    pub median_excess_ns: f64,
+    /// Median over steps of (this rank's time / the cross-rank median).
+    pub median_ratio: f64,
+}
+
+/// A step tagged checkpoint/validation (or any tag) and what it cost.
+#[derive(Debug, Clone, Serialize)]
+pub struct TaggedStep {
+    pub step: u64,
+    pub tags: Vec<String>,
+    /// Slowest rank's time in top-level spans of this step.
+    pub wall_ns: i64,
+    /// `wall_ns` minus the median wall time of untagged steps.
+    pub extra_ns: i64,
+    /// Slowest rank's time in spans named like the tags (e.g. the `checkpoint` span).
+    pub tagged_phase_ns: i64,
+}
+
+/// The whole summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub run: String,
+    pub ranks: u32,
+    pub world_size: u32,
+    pub steps: u64,
+    pub spans: u64,
+    pub errors: u64,
+    /// Median over untagged steps of the slowest rank's step time.
+    pub median_step_ns: i64,
+    pub phases: Vec<PhaseStats>,
+    pub stragglers: Vec<Straggler>,
+    pub tagged_steps: Vec<TaggedStep>,
+    pub missing_ranks: Vec<u32>,
+    pub corrupt_parts: Vec<(String, String)>,
+}
+
+/// Computes the summary of a loaded run (loaded with at least [`crate::Columns::SUMMARY`]).
+pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
+    let spans = &run.spans;
+    let n = spans.len();
+    let has_depth = spans.depth.len() == n;
+    let n_names = run.names.len();
+
+    // Group span indices by name (counting sort): one u32 per span.
+    let mut counts = vec![0usize; n_names + 1];
+    for &name in &spans.name {
+        counts[name as usize + 1] += 1;
+    }
+    for i in 1..counts.len() {
+        counts[i] += counts[i - 1];
+    }
+    let offsets = counts.clone();
+    let mut order = vec![0u32; n];
+    {
+        let mut next = counts;
+        for (i, &name) in spans.name.iter().enumerate() {
+            let slot = &mut next[name as usize];
+            order[*slot] = i as u32;
+            *slot += 1;
+        }
+    }
+
+    // Dense step and rank indices.
+    let ranks: Vec<u32> = {
+        let mut r: Vec<u32> = run.ranks.keys().copied().collect();
+        if r.is_empty() {
+            r = spans.rank.clone();
+            r.sort_unstable();
+            r.dedup();
+        }
+        r
+    };
+    let rank_index: HashMap<u32, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    let mut steps: Vec<u64> = spans
+        .step
+        .iter()
+        .copied()
+        .filter(|&s| s != NO_STEP)
+        .collect();
+    steps.sort_unstable();
+    steps.dedup();
+    let step_index: HashMap<u64, usize> = steps.iter().enumerate().map(|(i, &s)| (s, i)).collect();
+
+    // Step time per (step, rank): top-level spans inside steps.
+    let n_ranks = ranks.len();
+    let n_steps = steps.len();
+    let mut wall = vec![0i64; n_steps * n_ranks];
+    let step_name = run.name_id("step");
+    let mut step_total = 0i64;
+    for i in 0..n {
+        let s = spans.step[i];
+        if s == NO_STEP {
+            continue;
+        }
+        let top = if has_depth {
+            spans.depth[i] == 0
+        } else {
+            Some(spans.name[i]) == step_name
+        };
+        if top {
+            wall[step_index[&s] * n_ranks + rank_index[&spans.rank[i]]] += spans.dur_ns[i];
+        }
+        if Some(spans.name[i]) == step_name {
+            step_total += spans.dur_ns[i];
+        }
+    }
+    if step_name.is_none() {
+        step_total = wall.iter().sum();
+    }
+
+    let per_phase: Vec<(PhaseStats, Vec<Straggler>)> = (0..n_names)
+        .into_par_iter()
+        .filter(|&id| offsets[id + 1] > offsets[id])
+        .map(|id| {
+            let idx = &order[offsets[id]..offsets[id + 1]];
+            phase(
+                run,
+                id as NameId,
+                idx,
+                &rank_index,
+                &step_index,
+                &ranks,
+                step_total,
+                opts,
+            )
+        })
+        .collect();
+    let mut phases = Vec::with_capacity(per_phase.len());
+    let mut stragglers = Vec::new();
+    for (p, s) in per_phase {
+        phases.push(p);
+        stragglers.extend(s);
+    }
+    phases.sort_by(|a, b| {
+        (
+            a.share_of_step.is_none(),
+            std::cmp::Reverse(a.total_ns),
+            &a.name,
+        )
+            .cmp(&(
+                b.share_of_step.is_none(),
+                std::cmp::Reverse(b.total_ns),
+                &b.name,
+            ))
+    });
+    stragglers.sort_by(|a, b| b.median_excess_ns.total_cmp(&a.median_excess_ns));
+
+    // Tagged steps and their cost relative to untagged steps.
+    let mut step_tags: BTreeMap<u64, u64> = BTreeMap::new();
+    for (&(_, step), tags) in &run.step_tags {
+        *step_tags.entry(step).or_default() |= tags.0;
+    }
+    let wall_of = |si: usize| -> i64 {
+        wall[si * n_ranks..(si + 1) * n_ranks]
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    };
+    let mut untagged: Vec<f64> = steps
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| step_tags.get(s).is_none_or(|t| *t == 0))
+        .map(|(si, _)| wall_of(si) as f64)
+        .collect();
+    let median_step = if untagged.is_empty() {
+        0.0
+    } else {
+        median_f64(&mut untagged)
+    };
+    let mut tagged_phase: HashMap<(u64, u32), i64> = HashMap::new();
+    let tag_name_ids: Vec<Option<NameId>> = run.tags.iter().map(|t| run.name_id(t)).collect();
+    if !step_tags.is_empty() {
+        let wanted: Vec<NameId> = tag_name_ids.iter().flatten().copied().collect();
+        for i in 0..n {
+            if spans.step[i] != NO_STEP && wanted.contains(&spans.name[i]) {
+                *tagged_phase
+                    .entry((spans.step[i], spans.rank[i]))
+                    .or_default() += spans.dur_ns[i];
+            }
+        }
+    }
+    let tagged_steps = step_tags
+        .iter()
+        .filter(|(_, t)| **t != 0)
+        .filter_map(|(&step, &mask)| {
+            let si = *step_index.get(&step)?;
+            let w = wall_of(si);
+            let phase_ns = ranks
+                .iter()
+                .map(|&r| tagged_phase.get(&(step, r)).copied().unwrap_or(0))
+                .max()
+                .unwrap_or(0);
+            Some(TaggedStep {
+                step,
+                tags: (0..run.tags.len().min(64))
+                    .filter(|&i| mask & (1 << i) != 0)
+                    .map(|i| run.tags[i].clone())
+                    .collect(),
+                wall_ns: w,
+                extra_ns: w - median_step as i64,
+                tagged_phase_ns: phase_ns,
+            })
+        })
+        .collect();
+
+    Summary {
+        run: run.location.clone(),
+        ranks: ranks.len() as u32,
+        world_size: run.report.world_size,
+        steps: steps.len() as u64,
+        spans: n as u64,
+        errors: run.errors.rank.len() as u64,
+        median_step_ns: median_step as i64,
+        phases,
+        stragglers,
+        tagged_steps,
+        missing_ranks: run.report.missing_ranks.clone(),
+        corrupt_parts: run
+            .report
+            .corrupt_parts
+            .iter()
+            .map(|c| (c.path.clone(), c.error.clone()))
+            .collect(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn phase(
+    run: &Run,
+    id: NameId,
+    idx: &[u32],
+    rank_index: &HashMap<u32, usize>,
+    step_index: &HashMap<u64, usize>,
+    ranks: &[u32],
+    step_total: i64,
+    opts: &StragglerOptions,
+) -> (PhaseStats, Vec<Straggler>) {
+    let spans = &run.spans;
+    let has_depth = spans.depth.len() == spans.len();
+    let mut durs: Vec<i64> = idx.iter().map(|&i| spans.dur_ns[i as usize]).collect();
+    let depth = if has_depth {
+        idx.iter()
+            .map(|&i| spans.depth[i as usize])
+            .min()
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    let in_step_total: i64 = idx
+        .iter()
+        .filter(|&&i| spans.step[i as usize] != NO_STEP)
+        .map(|&i| spans.dur_ns[i as usize])
+        .sum();
+    let any_in_step = idx.iter().any(|&i| spans.step[i as usize] != NO_STEP);
+    let st = DurationStats::compute(&mut durs);
+    drop(durs);
+    let share = (any_in_step && step_total > 0).then(|| in_step_total as f64 / step_total as f64);
+    let name = run.name(id).to_string();
+    let stats = PhaseStats {
+        name: name.clone(),
+        depth,
+        count: st.count,
+        total_ns: st.total_ns,
+        mean_ns: st.mean_ns,
+        p50_ns: st.p50_ns,
+        p95_ns: st.p95_ns,
+        max_ns: st.max_ns,
+        share_of_step: share,
+    };
+    if !any_in_step || ranks.len() < 2 {
+        return (stats, Vec::new());
+    }
+    let n_ranks = ranks.len();
+    // Time per (step, rank) in this phase; -1 = the rank did not run it in that step.
+    let mut cell = vec![-1i64; step_index.len() * n_ranks];
+    for &i in idx {
+        let i = i as usize;
+        let s = spans.step[i];
+        if s == NO_STEP {
+            continue;
+        }
+        let c = &mut cell[step_index[&s] * n_ranks + rank_index[&spans.rank[i]]];
+        *c = if *c < 0 {
+            spans.dur_ns[i]
+        } else {
+            *c + spans.dur_ns[i]
+        };
+    }
+    let stragglers = find_stragglers(&cell, n_ranks, opts)
+        .into_iter()
+        .map(|s| Straggler {
+            phase: name.clone(),
+            rank: ranks[s.rank_index],
+            slowest_steps: s.slowest_steps,
+            above_median_steps: s.above_median_steps,
+            steps: s.steps,
+            median_excess_ns: s.median_excess_ns,
+            median_ratio: s.median_ratio,
+        })
+        .collect();
+    (stats, stragglers)
+}
+
+/// Straggler found in a steps x ranks matrix (by rank index).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MatrixStraggler {
+    pub rank_index: usize,
+    pub slowest_steps: u64,
+    pub above_median_steps: u64,
+    pub steps: u64,
+    pub median_excess_ns: f64,
+    pub median_ratio: f64,
+}
+
+/// Finds ranks that are consistently slow in a row-major steps x ranks matrix of times
+/// (negative = absent). Only steps where at least two ranks ran the phase count.
+pub fn find_stragglers(
+    cell: &[i64],
+    n_ranks: usize,
+    opts: &StragglerOptions,
+) -> Vec<MatrixStraggler> {
+    if n_ranks < 2 {
+        return Vec::new();
+    }
+    let mut slowest = vec![0u64; n_ranks];
+    let mut above = vec![0u64; n_ranks];
+    let mut present_steps = vec![0u64; n_ranks];
+    let mut excess: Vec<Vec<f64>> = vec![Vec::new(); n_ranks];
+    let mut ratio: Vec<Vec<f64>> = vec![Vec::new(); n_ranks];
+    let mut row_vals: Vec<f64> = Vec::with_capacity(n_ranks);
+    for row in cell.chunks_exact(n_ranks) {
+        row_vals.clear();
+        row_vals.extend(row.iter().filter(|&&v| v >= 0).map(|&v| v as f64));
+        if row_vals.len() < 2 {
+            continue;
+        }
+        let med = median_f64(&mut row_vals);
+        let (mut arg, mut best) = (usize::MAX, i64::MIN);
+        for (r, &v) in row.iter().enumerate() {
+            if v < 0 {
+                continue;
+            }
+            present_steps[r] += 1;
+            if v > best {
+                best = v;
+                arg = r;
+            }
+            if v as f64 > med {
+                above[r] += 1;
+            }
+            excess[r].push(v as f64 - med);
+            if med > 0.0 {
+                ratio[r].push(v as f64 / med);
+            }
+        }
+        slowest[arg] += 1;
+    }
+    let mut out = Vec::new();
+    for r in 0..n_ranks {
+        let steps = present_steps[r];
+        if steps == 0 {
+            continue;
+        }
+        let mr = median_f64(&mut ratio[r]);
+        if (above[r] as f64) < opts.min_share_of_steps * steps as f64
+            || !(mr >= 1.0 + opts.min_excess_ratio)
+        {
+            continue;
+        }
+        out.push(MatrixStraggler {
+            rank_index: r,
+            slowest_steps: slowest[r],
+            above_median_steps: above[r],
+            steps,
+            median_excess_ns: median_f64(&mut excess[r]),
+            median_ratio: mr,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_consistently_slow_rank() {
+        // 4 ranks x 10 steps; rank 2 is 50% slower, others jitter a little.
+        let mut cell = Vec::new();
+        for s in 0..10i64 {
+            for r in 0..4i64 {
+                let base = 100 + (s * 7 + r * 3) % 5;
+                cell.push(if r == 2 { base * 3 / 2 } else { base });
+            }
+        }
+        let found = find_stragglers(&cell, 4, &StragglerOptions::default());
+        assert_eq!(found.len(), 1);
+        let s = &found[0];
+        assert_eq!(s.rank_index, 2);
+        assert_eq!(s.slowest_steps, 10);
+        assert_eq!(s.steps, 10);
+        assert!((s.median_ratio - 1.5).abs() < 0.05, "{}", s.median_ratio);
+        assert!(s.median_excess_ns > 40.0 && s.median_excess_ns < 60.0);
+    }
+
+    #[test]
+    fn jitter_alone_is_not_a_straggler() {
+        let mut cell = Vec::new();
+        for s in 0..50i64 {
+            for r in 0..8i64 {
+                cell.push(1000 + ((s * 31 + r * 17) % 23));
+            }
+        }
+        assert!(find_stragglers(&cell, 8, &StragglerOptions::default()).is_empty());
+    }
+
+    #[test]
+    fn absent_cells_are_ignored() {
+        // Rank 1 only ran the phase in one step: it cannot be judged on one step alone with
+        // the other ranks absent there.
+        let cell = vec![10, -1, 10, -1, 10, 50];
+        let found = find_stragglers(&cell, 2, &StragglerOptions::default());
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].rank_index, 1);
+        assert_eq!(found[0].steps, 1);
+    }
+}

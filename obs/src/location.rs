@@ -1,0 +1,157 @@
+//! Where a run lives: a local directory or an object_store URL (`s3://`, `gs://`, `az://`,
+//! `memory://`, `file://`). Parts live under `<run>/obs/rank-<R>/part-<N>.parquet`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use object_store::ObjectStore;
+use object_store::path::Path as StorePath;
+
+/// A run location, parsed once.
+#[derive(Clone)]
+pub enum Location {
+    Local(PathBuf),
+    Object {
+        url: String,
+        store: Arc<dyn ObjectStore>,
+        base: StorePath,
+    },
+}
+
+impl std::fmt::Debug for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Location::Local(p) => write!(f, "{}", p.display()),
+            Location::Object { url, .. } => f.write_str(url),
+        }
+    }
+}
+
+impl Location {
+    /// Parses `run`: anything with `scheme://` is an object store URL, the rest a local path.
+    ///
+    /// Credentials and endpoints come from the environment the way each store documents it
+    /// (e.g. `AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT`, `AWS_ALLOW_HTTP=true` for a local S3).
+    pub fn parse(run: &str) -> Result<Location> {
+        if !run.contains("://") {
+            return Ok(Location::Local(PathBuf::from(run)));
+        }
+        let url = url::Url::parse(run).with_context(|| format!("`{run}` is not a valid URL"))?;
+        if url.scheme() == "file" {
+            let path = url
+                .to_file_path()
+                .map_err(|_| anyhow::anyhow!("`{run}` is not a valid file:// URL"))?;
+            return Ok(Location::Local(path));
+        }
+        let (scheme, path) = object_store::ObjectStoreScheme::parse(&url)
+            .with_context(|| format!("`{run}`: unsupported object store URL"))?;
+        let store: Arc<dyn ObjectStore> = match scheme {
+            object_store::ObjectStoreScheme::AmazonS3 => Arc::new(
+                object_store::aws::AmazonS3Builder::from_env()
+                    .with_url(run)
+                    .build()
+                    .with_context(|| format!("configuring S3 for `{run}`"))?,
+            ),
+            object_store::ObjectStoreScheme::GoogleCloudStorage => Arc::new(
+                object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_url(run)
+                    .build()
+                    .with_context(|| format!("configuring GCS for `{run}`"))?,
+            ),
+            object_store::ObjectStoreScheme::MicrosoftAzure => Arc::new(
+                object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .with_url(run)
+                    .build()
+                    .with_context(|| format!("configuring Azure for `{run}`"))?,
+            ),
+            object_store::ObjectStoreScheme::Memory => memory_store(&url),
+            other => bail!("`{run}`: object store scheme {other:?} is not supported for runs"),
+        };
+        Ok(Location::Object {
+            url: run.trim_end_matches('/').to_string(),
+            store,
+            base: StorePath::parse(path)
+                .with_context(|| format!("`{run}`: invalid object path"))?,
+        })
+    }
+
+    /// The directory (or prefix) holding one rank's parts, for messages.
+    pub fn rank_display(&self, rank: u32) -> String {
+        match self {
+            Location::Local(p) => rank_dir(p, rank).display().to_string(),
+            Location::Object { url, .. } => format!("{url}/obs/rank-{rank}"),
+        }
+    }
+}
+
+/// `memory://` stores are process-global per host name so a writer and a reader in one
+/// process (tests) see the same objects.
+fn memory_store(url: &url::Url) -> Arc<dyn ObjectStore> {
+    use std::collections::HashMap;
+    use std::sync::{LazyLock, Mutex};
+    static STORES: LazyLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> =
+        LazyLock::new(Default::default);
+    let key = url.host_str().unwrap_or("").to_string();
+    STORES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key)
+        .or_insert_with(|| Arc::new(object_store::memory::InMemory::new()))
+        .clone()
+}
+
+/// `<run>/obs/rank-<R>`.
+pub fn rank_dir(run: &Path, rank: u32) -> PathBuf {
+    run.join("obs").join(format!("rank-{rank}"))
+}
+
+/// File name of part `index`: zero-padded so a plain listing sorts in time order.
+pub fn part_file_name(index: u64) -> String {
+    format!("part-{index:06}.parquet")
+}
+
+/// Parses `part-<N>.parquet` into N.
+pub fn parse_part_file_name(name: &str) -> Option<u64> {
+    name.strip_prefix("part-")?
+        .strip_suffix(".parquet")?
+        .parse()
+        .ok()
+}
+
+/// Parses `rank-<R>` into R.
+pub fn parse_rank_dir_name(name: &str) -> Option<u32> {
+    name.strip_prefix("rank-")?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        assert_eq!(part_file_name(7), "part-000007.parquet");
+        assert_eq!(parse_part_file_name("part-000007.parquet"), Some(7));
+        assert_eq!(parse_part_file_name("part-12.parquet"), Some(12));
+        assert_eq!(parse_part_file_name(".part-1.parquet.tmp"), None);
+        assert_eq!(parse_rank_dir_name("rank-31"), Some(31));
+        assert_eq!(parse_rank_dir_name("rank-x"), None);
+    }
+
+    #[test]
+    fn parses_local_and_urls() {
+        assert!(matches!(
+            Location::parse("/tmp/run").unwrap(),
+            Location::Local(_)
+        ));
+        assert!(matches!(
+            Location::parse("file:///tmp/run").unwrap(),
+            Location::Local(_)
+        ));
+        assert!(matches!(
+            Location::parse("memory://t/run").unwrap(),
+            Location::Object { .. }
+        ));
+        assert!(Location::parse("ftp://x/y").is_err());
+    }
+}

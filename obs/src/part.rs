@@ -1,0 +1,372 @@
+//! Building and writing one Parquet part file: typed rows -> Arrow columns -> zstd Parquet,
+//! written under a temporary name and renamed into place (or uploaded in one PUT), so a reader
+//! never sees half a part.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use arrow::array::{
+    ArrayRef, DictionaryArray, Float64Builder, Int32Array, Int64Builder, ListBuilder, StringArray,
+    StringBuilder, StringDictionaryBuilder, UInt16Builder, UInt32Array, UInt32Builder,
+    UInt64Builder,
+};
+use arrow::datatypes::Int32Type;
+use arrow::record_batch::RecordBatch;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::KeyValue;
+use parquet::file::properties::WriterProperties;
+
+use object_store::ObjectStoreExt as _;
+
+use crate::location::{Location, part_file_name, rank_dir};
+use crate::schema::{Kind, Reduce, SCHEMA_VERSION, arrow_schema, meta};
+
+/// Who wrote a part: constant columns plus footer metadata.
+#[derive(Debug, Clone)]
+pub struct PartHeader {
+    pub run_id: String,
+    pub source: String,
+    pub host: String,
+    pub rank: u32,
+    pub local_rank: u32,
+    pub world_size: u32,
+    pub pid: u32,
+    /// Add to this rank's start_ns to get rank 0's clock.
+    pub clock_offset_ns: i64,
+    pub threads: BTreeMap<u32, String>,
+    /// Free-form run metadata (JSON object), e.g. the config the run was started with.
+    pub run_metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+impl PartHeader {
+    fn key_values(&self, part: u64) -> Vec<KeyValue> {
+        let threads: serde_json::Map<String, serde_json::Value> = self
+            .threads
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::String(v.clone())))
+            .collect();
+        [
+            (meta::SCHEMA_VERSION, SCHEMA_VERSION.to_string()),
+            (meta::RUN_ID, self.run_id.clone()),
+            (meta::SOURCE, self.source.clone()),
+            (meta::HOST, self.host.clone()),
+            (meta::RANK, self.rank.to_string()),
+            (meta::LOCAL_RANK, self.local_rank.to_string()),
+            (meta::WORLD_SIZE, self.world_size.to_string()),
+            (meta::PID, self.pid.to_string()),
+            (meta::PART, part.to_string()),
+            (meta::CLOCK_OFFSET_NS, self.clock_offset_ns.to_string()),
+            (
+                meta::THREADS,
+                serde_json::Value::Object(threads).to_string(),
+            ),
+            (
+                meta::RUN_METADATA,
+                serde_json::Value::Object(self.run_metadata.clone()).to_string(),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| KeyValue::new(k.to_string(), v))
+        .collect()
+    }
+}
+
+/// One row, borrowed: what the recorder and the synthetic generator both produce.
+#[derive(Debug, Clone, Copy)]
+pub struct Row<'a> {
+    pub thread: u32,
+    pub seq: u64,
+    pub kind: Kind,
+    pub name: &'a str,
+    pub step: Option<u64>,
+    pub start_ns: i64,
+    pub dur_ns: Option<i64>,
+    pub value: Option<f64>,
+    pub reduce: Option<Reduce>,
+    pub depth: u16,
+    pub parent: Option<u64>,
+    pub tags: &'a [&'a str],
+    pub message: Option<&'a str>,
+}
+
+/// Accumulates rows of one part as Arrow columns.
+pub struct PartBuilder {
+    rows: usize,
+    thread: UInt32Builder,
+    thread_name: Vec<i32>,
+    seq: UInt64Builder,
+    kind: Vec<i32>,
+    name: StringDictionaryBuilder<Int32Type>,
+    step: UInt64Builder,
+    start_ns: Int64Builder,
+    dur_ns: Int64Builder,
+    value: Float64Builder,
+    reduce: Vec<Option<i32>>,
+    depth: UInt16Builder,
+    parent: UInt64Builder,
+    tags: ListBuilder<StringBuilder>,
+    message: StringBuilder,
+}
+
+const KINDS: [&str; 4] = ["span", "instant", "scalar", "error"];
+const REDUCES: [&str; 4] = ["mean", "max", "min", "sum"];
+
+fn kind_key(k: Kind) -> i32 {
+    match k {
+        Kind::Span => 0,
+        Kind::Instant => 1,
+        Kind::Scalar => 2,
+        Kind::Error => 3,
+    }
+}
+
+fn reduce_key(r: Reduce) -> i32 {
+    match r {
+        Reduce::Mean => 0,
+        Reduce::Max => 1,
+        Reduce::Min => 2,
+        Reduce::Sum => 3,
+    }
+}
+
+impl Default for PartBuilder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PartBuilder {
+    pub fn new() -> Self {
+        PartBuilder {
+            rows: 0,
+            thread: UInt32Builder::new(),
+            thread_name: Vec::new(),
+            seq: UInt64Builder::new(),
+            kind: Vec::new(),
+            name: StringDictionaryBuilder::new(),
+            step: UInt64Builder::new(),
+            start_ns: Int64Builder::new(),
+            dur_ns: Int64Builder::new(),
+            value: Float64Builder::new(),
+            reduce: Vec::new(),
+            depth: UInt16Builder::new(),
+            parent: UInt64Builder::new(),
+            tags: ListBuilder::new(StringBuilder::new()).with_field(arrow::datatypes::Field::new(
+                "item",
+                arrow::datatypes::DataType::Utf8,
+                false,
+            )),
+            message: StringBuilder::new(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows == 0
+    }
+
+    /// Appends one row. `thread_key` indexes the header's thread list order (see `finish`).
+    pub fn push(&mut self, row: &Row<'_>) {
+        self.rows += 1;
+        self.thread.append_value(row.thread);
+        self.thread_name.push(row.thread as i32);
+        self.seq.append_value(row.seq);
+        self.kind.push(kind_key(row.kind));
+        self.name.append_value(row.name);
+        self.step.append_option(row.step);
+        self.start_ns.append_value(row.start_ns);
+        self.dur_ns.append_option(row.dur_ns);
+        self.value.append_option(row.value);
+        self.reduce.push(row.reduce.map(reduce_key));
+        self.depth.append_value(row.depth);
+        self.parent.append_option(row.parent);
+        for t in row.tags {
+            self.tags.values().append_value(t);
+        }
+        self.tags.append(true);
+        self.message.append_option(row.message);
+    }
+
+    /// Turns the accumulated rows into a record batch and resets the builder.
+    pub fn finish(&mut self, header: &PartHeader) -> Result<RecordBatch> {
+        let n = self.rows;
+        self.rows = 0;
+        let constant = |v: &str| -> ArrayRef {
+            Arc::new(
+                DictionaryArray::<Int32Type>::try_new(
+                    Int32Array::from(vec![0; n]),
+                    Arc::new(StringArray::from(vec![v])),
+                )
+                .expect("constant dictionary"),
+            )
+        };
+        let fixed_dict = |keys: Vec<i32>, values: &[&str]| -> ArrayRef {
+            Arc::new(
+                DictionaryArray::<Int32Type>::try_new(
+                    Int32Array::from(keys),
+                    Arc::new(StringArray::from(values.to_vec())),
+                )
+                .expect("fixed dictionary keys are in range"),
+            )
+        };
+        // Thread names: keys are thread ids; the dictionary holds every id up to the largest.
+        let max_thread = self.thread_name.iter().copied().max().unwrap_or(0).max(0) as u32;
+        let thread_names: Vec<String> = (0..=max_thread)
+            .map(|t| {
+                header
+                    .threads
+                    .get(&t)
+                    .cloned()
+                    .unwrap_or_else(|| format!("thread-{t}"))
+            })
+            .collect();
+        let thread_names_ref: Vec<&str> = thread_names.iter().map(String::as_str).collect();
+        let reduce = std::mem::take(&mut self.reduce);
+        let reduce: ArrayRef = Arc::new(
+            DictionaryArray::<Int32Type>::try_new(
+                Int32Array::from(reduce),
+                Arc::new(StringArray::from(REDUCES.to_vec())),
+            )
+            .expect("reduce keys are in range"),
+        );
+        let columns: Vec<ArrayRef> = vec![
+            constant(&header.run_id),
+            constant(&header.source),
+            constant(&header.host),
+            Arc::new(UInt32Array::from(vec![header.rank; n])),
+            Arc::new(UInt32Array::from(vec![header.local_rank; n])),
+            Arc::new(UInt32Array::from(vec![header.pid; n])),
+            Arc::new(self.thread.finish()),
+            fixed_dict(std::mem::take(&mut self.thread_name), &thread_names_ref),
+            Arc::new(self.seq.finish()),
+            fixed_dict(std::mem::take(&mut self.kind), &KINDS),
+            Arc::new(self.name.finish()),
+            Arc::new(self.step.finish()),
+            Arc::new(self.start_ns.finish()),
+            Arc::new(self.dur_ns.finish()),
+            Arc::new(self.value.finish()),
+            reduce,
+            Arc::new(self.depth.finish()),
+            Arc::new(self.parent.finish()),
+            Arc::new(self.tags.finish()),
+            Arc::new(self.message.finish()),
+        ];
+        // A fresh dictionary builder per part: dictionaries must not grow across parts.
+        self.name = StringDictionaryBuilder::new();
+        RecordBatch::try_new(arrow_schema(), columns).context("building the part's record batch")
+    }
+}
+
+/// Encodes a batch as one zstd Parquet file with the header in the footer.
+pub fn encode(batch: &RecordBatch, header: &PartHeader, part: u64) -> Result<Vec<u8>> {
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
+        .set_dictionary_enabled(true)
+        .set_max_row_group_row_count(Some(1 << 20))
+        .set_key_value_metadata(Some(header.key_values(part)))
+        .build();
+    let mut out = Vec::with_capacity(batch.get_array_memory_size() / 4 + 4096);
+    let mut writer = ArrowWriter::try_new(&mut out, batch.schema(), Some(props))?;
+    writer.write(batch)?;
+    writer.close()?;
+    Ok(out)
+}
+
+/// Writes encoded parts of one rank to the run location.
+pub struct PartSink {
+    location: Location,
+    rank: u32,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl PartSink {
+    /// Prepares `<run>/obs/rank-<rank>/` (creating it for local runs).
+    pub fn new(location: Location, rank: u32) -> Result<Self> {
+        let runtime = match &location {
+            Location::Local(run) => {
+                let dir = rank_dir(run, rank);
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                None
+            }
+            Location::Object { .. } => Some(
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .context("starting the upload runtime")?,
+            ),
+        };
+        Ok(PartSink {
+            location,
+            rank,
+            runtime,
+        })
+    }
+
+    /// The next unused part index (parts from an earlier process of this rank are kept).
+    pub fn next_part_index(&self) -> Result<u64> {
+        let existing = match &self.location {
+            Location::Local(run) => {
+                let dir = rank_dir(run, self.rank);
+                std::fs::read_dir(&dir)
+                    .with_context(|| format!("listing {}", dir.display()))?
+                    .filter_map(|e| e.ok())
+                    .filter_map(|e| crate::location::parse_part_file_name(e.file_name().to_str()?))
+                    .max()
+            }
+            Location::Object { store, base, .. } => {
+                use futures::TryStreamExt;
+                let prefix = base.clone().join("obs").join(format!("rank-{}", self.rank));
+                let rt = self.runtime.as_ref().expect("object sinks have a runtime");
+                let metas: Vec<object_store::ObjectMeta> = rt
+                    .block_on(store.list(Some(&prefix)).try_collect())
+                    .with_context(|| {
+                        format!("listing {}", self.location.rank_display(self.rank))
+                    })?;
+                metas
+                    .iter()
+                    .filter_map(|m| crate::location::parse_part_file_name(m.location.filename()?))
+                    .max()
+            }
+        };
+        Ok(existing.map_or(0, |n| n + 1))
+    }
+
+    /// Writes part `index` atomically; returns where it went.
+    pub fn put(&self, index: u64, bytes: Vec<u8>) -> Result<String> {
+        let name = part_file_name(index);
+        match &self.location {
+            Location::Local(run) => {
+                let dir = rank_dir(run, self.rank);
+                let tmp = dir.join(format!(".{name}.tmp"));
+                let dst = dir.join(&name);
+                let mut f = std::fs::File::create(&tmp)
+                    .with_context(|| format!("creating {}", tmp.display()))?;
+                f.write_all(&bytes)
+                    .with_context(|| format!("writing {}", tmp.display()))?;
+                drop(f);
+                std::fs::rename(&tmp, &dst)
+                    .with_context(|| format!("renaming {} to {}", tmp.display(), dst.display()))?;
+                Ok(dst.display().to_string())
+            }
+            Location::Object { store, base, .. } => {
+                let path = base
+                    .clone()
+                    .join("obs")
+                    .join(format!("rank-{}", self.rank))
+                    .join(name.as_str());
+                let rt = self.runtime.as_ref().expect("object sinks have a runtime");
+                let shown = format!("{}/{}", self.location.rank_display(self.rank), name);
+                rt.block_on(store.put(&path, bytes.into()))
+                    .with_context(|| format!("uploading {shown}"))?;
+                Ok(shown)
+            }
+        }
+    }
+}

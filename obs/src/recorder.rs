@@ -1,0 +1,746 @@
+//! The process-global recorder: thread-local rings on the hot path, one writer thread that
+//! drains them into part files.
+//!
+//! Hot path cost (span enter + exit): two vDSO clock reads, a thread-local borrow, and one
+//! ring slot write with a Release store. No lock, no allocation, no syscall. Locks exist only
+//! on rare paths: a thread's first record (ring registration), `add_step_tag` (tag table),
+//! `init`/`finish`.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::clock::{EpochAnchor, monotonic_ns};
+use crate::location::Location;
+use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use crate::record::{NO_STEP, RawRecord};
+use crate::ring::Ring;
+use crate::schema::{Kind, Reduce, Source};
+
+/// Where and as whom this process records.
+#[derive(Debug, Clone)]
+pub struct InitOptions {
+    /// Run location: a local directory or an object_store URL; parts go under `<run>/obs/`.
+    pub run: String,
+    pub source: Source,
+    pub rank: u32,
+    pub local_rank: u32,
+    pub world_size: u32,
+    /// A new part file is closed at least this often (torchtitan-style `observability.flush_interval_s`).
+    pub flush_interval: Duration,
+}
+
+/// Less common recorder settings, for [`init_with`].
+#[derive(Debug, Clone)]
+pub struct Tuning {
+    /// A part is closed early once it holds this many records.
+    pub max_records_per_part: usize,
+    /// Records each thread's ring holds before the thread waits for the writer.
+    pub ring_capacity: usize,
+    /// The run id written into every record; default: the last component of the run location.
+    pub run_id: Option<String>,
+    /// Free-form run metadata stored in every part's footer.
+    pub run_metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            max_records_per_part: 250_000,
+            ring_capacity: 16 * 1024,
+            run_id: None,
+            run_metadata: Default::default(),
+        }
+    }
+}
+
+/// Set while a recorder is running; checked (Relaxed) at the top of every hot-path call.
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+/// Bumped by every `init`, so threads re-register their ring with a new recorder.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+static STEP: AtomicU64 = AtomicU64::new(NO_STEP);
+static STEP_TAGS: AtomicU64 = AtomicU64::new(0);
+static CLOCK_OFFSET_NS: AtomicI64 = AtomicI64::new(0);
+static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+
+/// Shared between the recording threads and the writer thread.
+struct Shared {
+    generation: u64,
+    rings: Mutex<Vec<Arc<Ring>>>,
+    next_thread: AtomicU64,
+    ring_capacity: usize,
+    /// Interned step tags; bit i of a record's tag mask = `tags[i]`.
+    tags: Mutex<Vec<&'static str>>,
+    wake: Condvar,
+    wake_lock: Mutex<WriterSignal>,
+}
+
+#[derive(Default)]
+struct WriterSignal {
+    shutdown: bool,
+    kick: bool,
+}
+
+struct Recorder {
+    shared: Arc<Shared>,
+    writer: JoinHandle<Result<WriterStats>>,
+}
+
+/// What the writer did, returned by [`finish`].
+#[derive(Debug, Clone, Default)]
+pub struct WriterStats {
+    pub records: u64,
+    pub parts: u64,
+    /// Where each part went, in order.
+    pub part_paths: Vec<String>,
+}
+
+struct Local {
+    generation: u64,
+    ring: Option<Arc<Ring>>,
+    shared: Option<Arc<Shared>>,
+    seq: u64,
+    depth: u16,
+    parents: [u64; MAX_TRACKED_DEPTH],
+}
+
+const MAX_TRACKED_DEPTH: usize = 64;
+
+thread_local! {
+    static LOCAL: RefCell<Local> = const {
+        RefCell::new(Local {
+            generation: 0,
+            ring: None,
+            shared: None,
+            seq: 0,
+            depth: 0,
+            parents: [0; MAX_TRACKED_DEPTH],
+        })
+    };
+}
+
+impl Local {
+    /// Makes sure this thread has a ring registered with the current recorder.
+    #[inline]
+    fn ensure_ring(&mut self) -> bool {
+        let generation = GENERATION.load(Ordering::Acquire);
+        if self.generation == generation && self.ring.is_some() {
+            return true;
+        }
+        self.register(generation)
+    }
+
+    #[cold]
+    fn register(&mut self, generation: u64) -> bool {
+        let guard = RECORDER.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(rec) = guard.as_ref() else {
+            return false;
+        };
+        if rec.shared.generation != generation {
+            return false;
+        }
+        let shared = rec.shared.clone();
+        drop(guard);
+        let id = shared.next_thread.fetch_add(1, Ordering::Relaxed) as u32;
+        let name = std::thread::current()
+            .name()
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("thread-{id}"));
+        let ring = Arc::new(Ring::new(shared.ring_capacity, id, name));
+        shared
+            .rings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ring.clone());
+        self.ring = Some(ring);
+        self.shared = Some(shared);
+        self.generation = generation;
+        self.seq = 0;
+        self.depth = 0;
+        true
+    }
+
+    #[inline]
+    fn push(&mut self, record: RawRecord) {
+        let Some(ring) = self.ring.as_ref() else {
+            return;
+        };
+        // SAFETY: this thread is the ring's only producer.
+        let mut record = match unsafe { ring.try_push(record) } {
+            Ok(()) => return,
+            Err(r) => r,
+        };
+        // Full: wake the writer and wait for room. Never drop a record.
+        let shared = self.shared.as_ref().expect("registered with a ring");
+        loop {
+            shared.kick();
+            std::thread::yield_now();
+            match unsafe { ring.try_push(record) } {
+                Ok(()) => return,
+                Err(r) => record = r,
+            }
+            if !ACTIVE.load(Ordering::Relaxed) {
+                return;
+            }
+        }
+    }
+}
+
+impl Shared {
+    fn kick(&self) {
+        let mut s = self.wake_lock.lock().unwrap_or_else(|e| e.into_inner());
+        s.kick = true;
+        self.wake.notify_one();
+    }
+}
+
+/// Starts recording for this process. Records made before `init` are dropped.
+pub fn init(opts: InitOptions) -> Result<()> {
+    init_with(opts, Tuning::default())
+}
+
+/// [`init`] with explicit tuning (part size, ring size, run id, run metadata).
+pub fn init_with(opts: InitOptions, tuning: Tuning) -> Result<()> {
+    if opts.world_size == 0 || opts.rank >= opts.world_size {
+        bail!(
+            "observability init: rank {} is outside world size {}",
+            opts.rank,
+            opts.world_size
+        );
+    }
+    if opts.flush_interval.is_zero() {
+        bail!("observability init: flush_interval must be > 0");
+    }
+    let mut guard = RECORDER.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.is_some() {
+        bail!("observability is already initialised in this process; call finish() first");
+    }
+    let location = Location::parse(&opts.run)?;
+    let sink = PartSink::new(location, opts.rank)
+        .with_context(|| format!("preparing the trace output of rank {}", opts.rank))?;
+    let first_part = sink.next_part_index()?;
+    let run_id = tuning.run_id.clone().unwrap_or_else(|| {
+        opts.run
+            .trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .unwrap_or("run")
+            .to_string()
+    });
+    let header = PartHeader {
+        run_id,
+        source: opts.source.as_str().to_string(),
+        host: hostname(),
+        rank: opts.rank,
+        local_rank: opts.local_rank,
+        world_size: opts.world_size,
+        pid: std::process::id(),
+        clock_offset_ns: CLOCK_OFFSET_NS.load(Ordering::Relaxed),
+        threads: BTreeMap::new(),
+        run_metadata: tuning.run_metadata.clone(),
+    };
+    let generation = GENERATION.load(Ordering::Relaxed) + 1;
+    let shared = Arc::new(Shared {
+        generation,
+        rings: Mutex::new(Vec::new()),
+        next_thread: AtomicU64::new(0),
+        ring_capacity: tuning.ring_capacity,
+        tags: Mutex::new(Vec::new()),
+        wake: Condvar::new(),
+        wake_lock: Mutex::new(WriterSignal::default()),
+    });
+    let writer = Writer {
+        shared: shared.clone(),
+        sink,
+        header,
+        anchor: EpochAnchor::now(),
+        next_part: first_part,
+        flush_interval: opts.flush_interval,
+        max_records: tuning.max_records_per_part.max(1),
+        builder: PartBuilder::new(),
+        step_tags: HashMap::new(),
+        stats: WriterStats::default(),
+        first_error: None,
+    };
+    let handle = std::thread::Builder::new()
+        .name("titan-obs-writer".into())
+        .spawn(move || writer.run())
+        .context("starting the trace writer thread")?;
+    STEP.store(NO_STEP, Ordering::Relaxed);
+    STEP_TAGS.store(0, Ordering::Relaxed);
+    *guard = Some(Recorder {
+        shared,
+        writer: handle,
+    });
+    GENERATION.store(generation, Ordering::Release);
+    ACTIVE.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Flushes every buffered record and closes the last part file. Call before exit.
+///
+/// Returns an error naming the part that could not be written, if any could not.
+pub fn finish() -> Result<()> {
+    finish_with_stats().map(|_| ())
+}
+
+/// [`finish`], returning what was written.
+pub fn finish_with_stats() -> Result<WriterStats> {
+    let Some(rec) = RECORDER.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        return Ok(WriterStats::default());
+    };
+    ACTIVE.store(false, Ordering::Release);
+    {
+        let mut s = rec
+            .shared
+            .wake_lock
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        s.shutdown = true;
+        rec.shared.wake.notify_one();
+    }
+    match rec.writer.join() {
+        Ok(r) => r,
+        Err(_) => bail!("the trace writer thread panicked"),
+    }
+}
+
+/// Sets this rank's clock offset to rank 0 (ns to add to local times), e.g. measured by the
+/// launcher over the process group. Applies to parts closed from now on.
+pub fn set_clock_offset_ns(offset_ns: i64) {
+    CLOCK_OFFSET_NS.store(offset_ns, Ordering::Relaxed);
+}
+
+/// A timed region; the span ends when the guard drops. Spans nest per thread.
+#[must_use = "the span ends when this guard is dropped"]
+pub struct SpanGuard {
+    name: &'static str,
+    start: u64,
+    seq: u64,
+    parent: u64,
+    depth: u16,
+    generation: u64,
+    // Spans belong to the thread that opened them (nesting is per thread).
+    _not_send: PhantomData<*const ()>,
+}
+
+impl SpanGuard {
+    /// Marks the span as failed with `message` (recorded as an `error` record inside it).
+    pub fn error(&self, message: &str) {
+        if self.generation == 0 {
+            return;
+        }
+        record_error(self.name, message, self.seq, self.depth + 1);
+    }
+}
+
+impl Drop for SpanGuard {
+    #[inline]
+    fn drop(&mut self) {
+        if self.generation == 0 {
+            return;
+        }
+        let end = monotonic_ns();
+        let step = STEP.load(Ordering::Relaxed);
+        let tags = STEP_TAGS.load(Ordering::Relaxed);
+        let _ = LOCAL.try_with(|l| {
+            let mut l = l.borrow_mut();
+            if l.generation != self.generation {
+                return;
+            }
+            l.depth = self.depth;
+            l.push(RawRecord {
+                kind: Kind::Span,
+                reduce: Reduce::Mean,
+                depth: self.depth,
+                name: self.name,
+                seq: self.seq,
+                parent: self.parent,
+                step,
+                tags,
+                start_mono: self.start,
+                dur_ns: end.saturating_sub(self.start),
+                value: 0.0,
+                message: None,
+            });
+        });
+    }
+}
+
+/// Opens a span named `name` (a phase name such as `forward_backward`).
+#[inline]
+pub fn span(name: &'static str) -> SpanGuard {
+    let mut guard = SpanGuard {
+        name,
+        start: 0,
+        seq: 0,
+        parent: 0,
+        depth: 0,
+        generation: 0,
+        _not_send: PhantomData,
+    };
+    if !ACTIVE.load(Ordering::Relaxed) {
+        return guard;
+    }
+    let _ = LOCAL.try_with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.ensure_ring() {
+            return;
+        }
+        l.seq += 1;
+        let depth = l.depth;
+        guard.seq = l.seq;
+        guard.depth = depth;
+        guard.parent = if depth == 0 {
+            0
+        } else {
+            l.parents[(depth as usize - 1).min(MAX_TRACKED_DEPTH - 1)]
+        };
+        if (depth as usize) < MAX_TRACKED_DEPTH {
+            l.parents[depth as usize] = guard.seq;
+        }
+        l.depth = depth.saturating_add(1);
+        guard.generation = l.generation;
+    });
+    if guard.generation != 0 {
+        guard.start = monotonic_ns();
+    }
+    guard
+}
+
+#[inline]
+fn point(kind: Kind, name: &'static str, value: f64, reduce: Reduce, message: Option<&str>) {
+    if !ACTIVE.load(Ordering::Relaxed) {
+        return;
+    }
+    let now = monotonic_ns();
+    let step = STEP.load(Ordering::Relaxed);
+    let tags = STEP_TAGS.load(Ordering::Relaxed);
+    let _ = LOCAL.try_with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.ensure_ring() {
+            return;
+        }
+        l.seq += 1;
+        let depth = l.depth;
+        let parent = if depth == 0 {
+            0
+        } else {
+            l.parents[(depth as usize - 1).min(MAX_TRACKED_DEPTH - 1)]
+        };
+        let seq = l.seq;
+        l.push(RawRecord {
+            kind,
+            reduce,
+            depth,
+            name,
+            seq,
+            parent,
+            step,
+            tags,
+            start_mono: now,
+            dur_ns: 0,
+            value,
+            message: message.map(Into::into),
+        });
+    });
+}
+
+fn record_error(name: &'static str, message: &str, parent: u64, depth: u16) {
+    if !ACTIVE.load(Ordering::Relaxed) {
+        return;
+    }
+    let now = monotonic_ns();
+    let step = STEP.load(Ordering::Relaxed);
+    let tags = STEP_TAGS.load(Ordering::Relaxed);
+    let _ = LOCAL.try_with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.ensure_ring() {
+            return;
+        }
+        l.seq += 1;
+        let seq = l.seq;
+        l.push(RawRecord {
+            kind: Kind::Error,
+            reduce: Reduce::Mean,
+            depth,
+            name,
+            seq,
+            parent,
+            step,
+            tags,
+            start_mono: now,
+            dur_ns: 0,
+            value: 0.0,
+            message: Some(message.into()),
+        });
+    });
+}
+
+/// Records a point event.
+#[inline]
+pub fn instant(name: &'static str) {
+    point(Kind::Instant, name, 0.0, Reduce::Mean, None);
+}
+
+/// Records an error outside of any span guard (inside the innermost open span, if any).
+pub fn error(name: &'static str, message: &str) {
+    point(Kind::Error, name, 0.0, Reduce::Mean, Some(message));
+}
+
+/// Records a scalar metric for the current step, with its cross-rank reduction.
+#[inline]
+pub fn scalar(name: &'static str, value: f64, reduce: Reduce) {
+    point(Kind::Scalar, name, value, reduce, None);
+}
+
+/// Sets the current training step attached to subsequent records (process-wide, so data
+/// loader threads see it too). A new step clears the step tags.
+pub fn set_step(step: u64) {
+    if STEP.swap(step, Ordering::Relaxed) != step {
+        STEP_TAGS.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Tags the current step (e.g. `checkpoint`, `validation`): every record of this step made
+/// from now on carries the tag, an `instant` named after the tag marks when it was added,
+/// and readers apply it to the whole step. Up to 64 distinct tags per process.
+pub fn add_step_tag(tag: &'static str) {
+    if !ACTIVE.load(Ordering::Relaxed) {
+        return;
+    }
+    let bit = {
+        let guard = RECORDER.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(rec) = guard.as_ref() else { return };
+        let mut tags = rec.shared.tags.lock().unwrap_or_else(|e| e.into_inner());
+        match tags.iter().position(|t| *t == tag) {
+            Some(i) => i,
+            None if tags.len() < 64 => {
+                tags.push(tag);
+                tags.len() - 1
+            }
+            None => {
+                tracing::warn!("step tag `{tag}` dropped: more than 64 distinct tags");
+                return;
+            }
+        }
+    };
+    STEP_TAGS.fetch_or(1 << bit, Ordering::Relaxed);
+    instant(tag);
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is writable for its length; gethostname NUL-terminates on success.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// The background writer: drains rings, closes parts on time or size.
+struct Writer {
+    shared: Arc<Shared>,
+    sink: PartSink,
+    header: PartHeader,
+    anchor: EpochAnchor,
+    next_part: u64,
+    flush_interval: Duration,
+    max_records: usize,
+    builder: PartBuilder,
+    /// Union of tag masks seen per step, so records of a step drained before the tag was
+    /// added still carry it when their part closes after it.
+    step_tags: HashMap<u64, u64>,
+    stats: WriterStats,
+    first_error: Option<anyhow::Error>,
+}
+
+/// Records drained but not yet converted (conversion needs the step's final tag set).
+struct Pending {
+    thread: u32,
+    record: RawRecord,
+}
+
+impl Writer {
+    fn run(mut self) -> Result<WriterStats> {
+        // Drain often enough that rings rarely fill and a part closes close to its deadline.
+        let tick =
+            (self.flush_interval / 8).clamp(Duration::from_millis(5), Duration::from_millis(100));
+        let mut part_opened = Instant::now();
+        let mut pending: Vec<Pending> = Vec::new();
+        loop {
+            let shutdown = {
+                let mut s = self
+                    .shared
+                    .wake_lock
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if !s.shutdown && !s.kick {
+                    s = self
+                        .shared
+                        .wake
+                        .wait_timeout(s, tick)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                s.kick = false;
+                s.shutdown
+            };
+            self.drain(&mut pending);
+            let due = part_opened.elapsed() >= self.flush_interval;
+            if shutdown || pending.len() >= self.max_records || (due && !pending.is_empty()) {
+                while !pending.is_empty() {
+                    let take = pending.len().min(self.max_records);
+                    let rest = pending.split_off(take);
+                    self.close_part(std::mem::replace(&mut pending, rest));
+                }
+                part_opened = Instant::now();
+            } else if due {
+                part_opened = Instant::now();
+            }
+            if shutdown {
+                break;
+            }
+        }
+        match self.first_error.take() {
+            Some(e) => Err(e),
+            None => Ok(self.stats),
+        }
+    }
+
+    fn drain(&mut self, pending: &mut Vec<Pending>) {
+        let rings = self
+            .shared
+            .rings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for ring in &rings {
+            let thread = ring.thread;
+            // SAFETY: the writer thread is every ring's only consumer.
+            unsafe {
+                ring.drain(|record| {
+                    if record.step != NO_STEP && record.tags != 0 {
+                        *self.step_tags.entry(record.step).or_default() |= record.tags;
+                    }
+                    pending.push(Pending { thread, record });
+                })
+            };
+            self.header
+                .threads
+                .entry(thread)
+                .or_insert_with(|| ring.thread_name.clone());
+        }
+        drop(rings);
+        // Forget rings whose thread has exited (only the registry holds them) and are empty.
+        self.shared
+            .rings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|r| Arc::strong_count(r) > 1 || !r.is_empty());
+    }
+
+    fn close_part(&mut self, records: Vec<Pending>) {
+        let tag_names: Vec<&'static str> = self
+            .shared
+            .tags
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut tag_buf: Vec<&str> = Vec::with_capacity(4);
+        for p in &records {
+            let r = &p.record;
+            let step = (r.step != NO_STEP).then_some(r.step);
+            let mask = r.tags
+                | step
+                    .and_then(|s| self.step_tags.get(&s).copied())
+                    .unwrap_or(0);
+            tag_buf.clear();
+            for (i, t) in tag_names.iter().enumerate() {
+                if mask & (1 << i) != 0 {
+                    tag_buf.push(t);
+                }
+            }
+            self.builder.push(&Row {
+                thread: p.thread,
+                seq: r.seq,
+                kind: r.kind,
+                name: r.name,
+                step,
+                start_ns: self.anchor.to_epoch(r.start_mono),
+                dur_ns: (r.kind == Kind::Span).then_some(r.dur_ns as i64),
+                value: (r.kind == Kind::Scalar).then_some(r.value),
+                reduce: (r.kind == Kind::Scalar).then_some(r.reduce),
+                depth: r.depth,
+                parent: (r.parent != 0).then_some(r.parent),
+                tags: &tag_buf,
+                message: r.message.as_deref(),
+            });
+        }
+        // Old steps cannot gain tags any more; keep the map small.
+        if let Some(&last) = self.step_tags.keys().max() {
+            self.step_tags.retain(|&s, _| s + 2 >= last);
+        }
+        self.header.clock_offset_ns = CLOCK_OFFSET_NS.load(Ordering::Relaxed);
+        let index = self.next_part;
+        let n = records.len() as u64;
+        let result = self
+            .builder
+            .finish(&self.header)
+            .and_then(|batch| encode(&batch, &self.header, index))
+            .and_then(|bytes| self.sink.put(index, bytes));
+        match result {
+            Ok(path) => {
+                self.next_part += 1;
+                self.stats.parts += 1;
+                self.stats.records += n;
+                self.stats.part_paths.push(path);
+            }
+            Err(e) => {
+                tracing::error!(
+                    "trace part {index} of rank {} lost: {e:#}",
+                    self.header.rank
+                );
+                self.next_part += 1;
+                if self.first_error.is_none() {
+                    self.first_error = Some(e.context(format!(
+                        "writing trace part {index} of rank {}",
+                        self.header.rank
+                    )));
+                }
+            }
+        }
+    }
+}
+
+/// Blocks until the writer has taken every record this thread has made so far (or `timeout`
+/// passes); returns whether it did. For benchmarks and tests that must not time the writer.
+pub fn wait_drained(timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    let ring_and_shared = LOCAL
+        .try_with(|l| {
+            let l = l.borrow();
+            Some((l.ring.clone()?, l.shared.clone()?))
+        })
+        .ok()
+        .flatten();
+    let Some((ring, shared)) = ring_and_shared else {
+        return true;
+    };
+    while !ring.is_empty() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        shared.kick();
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    true
+}

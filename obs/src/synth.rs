@@ -1,0 +1,422 @@
+//! Synthetic multi-rank runs written as real part files: for benchmarks, the TUI and tests.
+//!
+//! Every rank records the same step structure (torchtitan's phases), with deterministic
+//! jitter, injected stragglers (a rank whose phase takes `factor` times longer), step tags
+//! for checkpoint/validation steps, and the usual per-step scalars.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result, bail};
+use rayon::prelude::*;
+
+use crate::location::Location;
+use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use crate::schema::{Kind, Reduce};
+
+/// A rank that is slow in one phase.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Straggler {
+    pub rank: u32,
+    /// Phase name (e.g. `forward_backward`); its whole subtree is slowed down.
+    pub phase: String,
+    /// Duration multiplier, e.g. 1.5 = 50% slower.
+    pub factor: f64,
+}
+
+/// Shape of a synthetic run.
+#[derive(Debug, Clone)]
+pub struct SynthConfig {
+    pub run_id: String,
+    pub ranks: u32,
+    pub steps: u64,
+    /// Spans per rank per step (at least 1); checkpoint/validation steps add one span each.
+    pub spans_per_step: usize,
+    /// Steps per part file (each rank writes ceil(steps / steps_per_part) parts).
+    pub steps_per_part: u64,
+    pub stragglers: Vec<Straggler>,
+    /// Tag every n-th step `checkpoint` and add a `checkpoint` span (None = never).
+    pub checkpoint_every: Option<u64>,
+    /// Tag every n-th step `validation` and add a `validation` span and `validation/loss`.
+    pub validation_every: Option<u64>,
+    /// Write the per-step scalars (loss, grad_norm, tps, ...).
+    pub scalars: bool,
+    /// Relative random jitter of every duration (0.05 = +-5%).
+    pub jitter: f64,
+    pub seed: u64,
+    /// Unix epoch ns of the first step's start.
+    pub start_ns: i64,
+}
+
+impl Default for SynthConfig {
+    fn default() -> Self {
+        SynthConfig {
+            run_id: "synthetic".into(),
+            ranks: 4,
+            steps: 20,
+            spans_per_step: 40,
+            steps_per_part: 100,
+            stragglers: Vec::new(),
+            checkpoint_every: Some(10),
+            validation_every: Some(5),
+            scalars: true,
+            jitter: 0.05,
+            seed: 42,
+            start_ns: 1_750_000_000_000_000_000,
+        }
+    }
+}
+
+/// What [`write_run`] wrote.
+#[derive(Debug, Clone, Default)]
+pub struct SynthStats {
+    pub spans: u64,
+    pub records: u64,
+    pub parts: u64,
+    pub bytes: u64,
+}
+
+/// One node of the per-step phase tree.
+#[derive(Debug, Clone)]
+struct Phase {
+    name: &'static str,
+    /// Own time (leaf duration, or overhead on top of the children).
+    base_ns: i64,
+    children: Vec<Phase>,
+}
+
+fn leaf(name: &'static str, base_ns: i64) -> Phase {
+    Phase {
+        name,
+        base_ns,
+        children: vec![],
+    }
+}
+
+fn count(p: &Phase) -> usize {
+    1 + p.children.iter().map(count).sum::<usize>()
+}
+
+/// The step tree with exactly `n` spans (torchtitan's phases; microbatches fill the rest).
+fn step_template(n: usize) -> Phase {
+    const MS: i64 = 1_000_000;
+    let optimizer = Phase {
+        name: "optimizer",
+        base_ns: MS / 5,
+        children: vec![
+            leaf("clip", MS),
+            leaf("optimizer_step", 6 * MS),
+            leaf("lr", MS / 10),
+        ],
+    };
+    let mut root = Phase {
+        name: "step",
+        base_ns: MS / 2,
+        children: vec![
+            leaf("data_loading", 3 * MS),
+            Phase {
+                name: "forward_backward",
+                base_ns: MS / 2,
+                children: vec![],
+            },
+            optimizer,
+            leaf("collect_dist_metrics", 2 * MS),
+        ],
+    };
+    let mut spans = count(&root);
+    let mut micro = 0;
+    while spans + 3 <= n {
+        root.children[1].children.push(Phase {
+            name: "microbatch",
+            base_ns: MS / 10,
+            children: vec![leaf("forward", 10 * MS), leaf("backward", 20 * MS)],
+        });
+        spans += 3;
+        micro += 1;
+    }
+    let extras = ["gc", "allocator_cleanup"];
+    for e in extras.iter().take(n.saturating_sub(spans)) {
+        root.children.push(leaf(e, MS / 2));
+    }
+    let _ = micro;
+    // Fewer spans than the fixed phases: prune from the end.
+    while count(&root) > n.max(1) {
+        prune_last(&mut root);
+    }
+    root
+}
+
+fn prune_last(p: &mut Phase) -> bool {
+    if let Some(last) = p.children.last_mut() {
+        if !prune_last(last) {
+            p.children.pop();
+        }
+        true
+    } else {
+        false
+    }
+}
+
+/// splitmix64: small, fast, deterministic.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn sym(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+}
+
+struct SpanOut {
+    name: &'static str,
+    depth: u16,
+    seq: u64,
+    parent: u64,
+    start: i64,
+    dur: i64,
+}
+
+struct Emitter<'a> {
+    rng: Rng,
+    jitter: f64,
+    factors: &'a BTreeMap<&'a str, f64>,
+    seq: u64,
+    out: Vec<SpanOut>,
+}
+
+impl Emitter<'_> {
+    /// Lays out `p` starting at `start`; returns its duration.
+    fn emit(&mut self, p: &Phase, start: i64, depth: u16, parent: u64, factor: f64) -> i64 {
+        let factor = factor * self.factors.get(p.name).copied().unwrap_or(1.0);
+        self.seq += 1;
+        let seq = self.seq;
+        let idx = self.out.len();
+        self.out.push(SpanOut {
+            name: p.name,
+            depth,
+            seq,
+            parent,
+            start,
+            dur: 0,
+        });
+        let own = ((p.base_ns as f64) * (1.0 + self.jitter * self.rng.sym()) * factor) as i64;
+        let mut t = start + own / 2;
+        for c in &p.children {
+            t += self.emit(c, t, depth + 1, seq, factor);
+        }
+        let dur = (t - start) + own - own / 2;
+        self.out[idx].dur = dur;
+        dur
+    }
+}
+
+/// Writes a synthetic run to `run` (local dir or object store URL), ranks in parallel.
+pub fn write_run(run: &str, cfg: &SynthConfig) -> Result<SynthStats> {
+    if cfg.ranks == 0 || cfg.steps_per_part == 0 {
+        bail!("synthetic run needs at least one rank and steps_per_part >= 1");
+    }
+    let location = Location::parse(run)?;
+    let stats = (
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+    );
+    let template = step_template(cfg.spans_per_step);
+    (0..cfg.ranks)
+        .into_par_iter()
+        .try_for_each(|rank| -> Result<()> {
+            let s = write_rank(&location, cfg, &template, rank)?;
+            stats.0.fetch_add(s.spans, Ordering::Relaxed);
+            stats.1.fetch_add(s.records, Ordering::Relaxed);
+            stats.2.fetch_add(s.parts, Ordering::Relaxed);
+            stats.3.fetch_add(s.bytes, Ordering::Relaxed);
+            Ok(())
+        })?;
+    Ok(SynthStats {
+        spans: stats.0.into_inner(),
+        records: stats.1.into_inner(),
+        parts: stats.2.into_inner(),
+        bytes: stats.3.into_inner(),
+    })
+}
+
+fn write_rank(
+    location: &Location,
+    cfg: &SynthConfig,
+    template: &Phase,
+    rank: u32,
+) -> Result<SynthStats> {
+    let sink = PartSink::new(location.clone(), rank)
+        .with_context(|| format!("preparing rank {rank} of the synthetic run"))?;
+    let header = PartHeader {
+        run_id: cfg.run_id.clone(),
+        source: "trainer".into(),
+        host: format!("node-{}", rank / 8),
+        rank,
+        local_rank: rank % 8,
+        world_size: cfg.ranks,
+        pid: 10_000 + rank,
+        clock_offset_ns: 0,
+        threads: BTreeMap::from([(0, "main".to_string())]),
+        run_metadata: serde_json::Map::from_iter([(
+            "synthetic".to_string(),
+            serde_json::Value::Bool(true),
+        )]),
+    };
+    let factors: BTreeMap<&str, f64> = cfg
+        .stragglers
+        .iter()
+        .filter(|s| s.rank == rank)
+        .map(|s| (s.phase.as_str(), s.factor))
+        .collect();
+    let mut em = Emitter {
+        rng: Rng(cfg.seed ^ (rank as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)),
+        jitter: cfg.jitter,
+        factors: &factors,
+        seq: 0,
+        out: Vec::with_capacity(cfg.spans_per_step + 2),
+    };
+    let mut stats = SynthStats::default();
+    let mut builder = PartBuilder::new();
+    let mut part = 0u64;
+    let mut t = cfg.start_ns;
+    const SCALARS: [(&str, Reduce); 6] = [
+        ("training/loss", Reduce::Mean),
+        ("training/grad_norm", Reduce::Max),
+        ("trainer_memory/reserved_gib", Reduce::Max),
+        ("trainer_throughput/tps", Reduce::Mean),
+        ("trainer_throughput/tflops", Reduce::Mean),
+        ("trainer_throughput/mfu_pct", Reduce::Mean),
+    ];
+    for step in 1..=cfg.steps {
+        let mut tags: Vec<&str> = Vec::new();
+        let ckpt = cfg.checkpoint_every.is_some_and(|e| e > 0 && step % e == 0);
+        let val = cfg.validation_every.is_some_and(|e| e > 0 && step % e == 0);
+        if ckpt {
+            tags.push("checkpoint");
+        }
+        if val {
+            tags.push("validation");
+        }
+        em.out.clear();
+        let dur = em.emit(template, t, 0, 0, 1.0);
+        let mut end = t + dur;
+        for (on, name, ms) in [(val, "validation", 40), (ckpt, "checkpoint", 150)] {
+            if on {
+                let phase = leaf(name, ms * 1_000_000);
+                end += em.emit(&phase, end, 0, 0, 1.0);
+            }
+        }
+        for s in &em.out {
+            builder.push(&Row {
+                thread: 0,
+                seq: s.seq,
+                kind: Kind::Span,
+                name: s.name,
+                step: Some(step),
+                start_ns: s.start,
+                dur_ns: Some(s.dur),
+                value: None,
+                reduce: None,
+                depth: s.depth,
+                parent: (s.parent != 0).then_some(s.parent),
+                tags: &tags,
+                message: None,
+            });
+        }
+        stats.spans += em.out.len() as u64;
+        let mut point = |kind: Kind, name: &str, value: Option<f64>, reduce: Option<Reduce>| {
+            em.seq += 1;
+            builder.push(&Row {
+                thread: 0,
+                seq: em.seq,
+                kind,
+                name,
+                step: Some(step),
+                start_ns: end,
+                dur_ns: None,
+                value,
+                reduce,
+                depth: 0,
+                parent: None,
+                tags: &tags,
+                message: None,
+            });
+        };
+        for tag in &tags {
+            point(Kind::Instant, tag, None, None);
+        }
+        if cfg.scalars {
+            let loss = 8.0 * (-(step as f64) / 200.0).exp() + 0.01 * rank as f64;
+            let values = [
+                loss,
+                1.0 + rank as f64,
+                0.19,
+                361.4 - rank as f64,
+                0.026,
+                0.0026,
+            ];
+            for ((name, reduce), v) in SCALARS.iter().zip(values) {
+                point(Kind::Scalar, name, Some(v), Some(*reduce));
+            }
+            if val {
+                point(
+                    Kind::Scalar,
+                    "validation/loss",
+                    Some(loss + 0.1),
+                    Some(Reduce::Mean),
+                );
+            }
+        }
+        t = end + 100_000;
+        if step % cfg.steps_per_part == 0 || step == cfg.steps {
+            stats.records += builder.len() as u64;
+            let batch = builder.finish(&header)?;
+            let bytes = encode(&batch, &header, part)?;
+            stats.bytes += bytes.len() as u64;
+            sink.put(part, bytes)?;
+            part += 1;
+            stats.parts += 1;
+        }
+    }
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_has_exactly_the_requested_span_count() {
+        for n in [1, 3, 8, 9, 11, 40, 41, 100] {
+            assert_eq!(count(&step_template(n)), n, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn children_fit_inside_parents() {
+        let factors = BTreeMap::new();
+        let mut em = Emitter {
+            rng: Rng(1),
+            jitter: 0.1,
+            factors: &factors,
+            seq: 0,
+            out: vec![],
+        };
+        em.emit(&step_template(40), 1000, 0, 0, 1.0);
+        for s in &em.out {
+            if s.parent != 0 {
+                let p = em.out.iter().find(|p| p.seq == s.parent).unwrap();
+                assert!(s.start >= p.start && s.start + s.dur <= p.start + p.dur);
+                assert_eq!(s.depth, p.depth + 1);
+            }
+        }
+    }
+}
