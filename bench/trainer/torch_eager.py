@@ -1,0 +1,136 @@
+"""Plain PyTorch eager training of the same Llama-3 debug model, batch and seq_len as titan-train:
+the baseline for bench/trainer/run.sh.
+
+Same architecture as torchtitan's llama3 (complex RoPE with llama3 scaling, RMSNorm, SwiGLU, causal
+SDPA), fp32, loss = summed CE / valid tokens, clip_grad_norm_(1.0), torch.optim.AdamW with
+torchtitan's hyper-parameters, same intra-op thread count. Tokens are random ids (data loading
+is not what is measured; titan-train's tokenization is included in its own numbers).
+
+Prints one JSON line: tokens/s over the timed steps (after warmup) and peak RSS.
+"""
+
+import argparse
+import json
+import math
+import resource
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        q, k = rope(q, freqs_cis), rope(k, freqs_cis)
+        n_rep = self.n_heads // self.n_kv_heads
+        if n_rep > 1:
+            k = k[:, :, :, None, :].expand(b, s, self.n_kv_heads, n_rep, self.head_dim).reshape(b, s, -1, self.head_dim)
+            v = v[:, :, :, None, :].expand(b, s, self.n_kv_heads, n_rep, self.head_dim).reshape(b, s, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def rope(x, freqs_cis):
+    b, s, h, d = x.shape
+    xc = torch.view_as_complex(x.float().reshape(b, s, h, d // 2, 2))
+    return torch.view_as_real(xc * freqs_cis[:s].view(1, s, 1, d // 2)).flatten(3).type_as(x)
+
+
+def freqs(head_dim, end, theta=500000.0):
+    f = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    factor, low, high, old = 8.0, 1.0, 4.0, 8192
+    wavelen = 2 * math.pi / f
+    smooth = (old / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old / low, f / factor, f)
+    mid = (wavelen >= old / high) & (wavelen <= old / low)
+    scaled = torch.where(mid, (1 - smooth) * f / factor + smooth * f, scaled)
+    t = torch.arange(end).float()
+    angles = torch.outer(t, scaled)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+class Block(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, hidden, eps):
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.attention_norm = nn.RMSNorm(dim, eps=eps)
+        self.ffn_norm = nn.RMSNorm(dim, eps=eps)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class Llama(nn.Module):
+    def __init__(self, dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab=2048, multiple_of=256, seq_len=256):
+        super().__init__()
+        hidden = int(2 * 4 * dim / 3)
+        hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, n_heads, n_kv_heads, hidden, 1e-5) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("freqs_cis", freqs(dim // n_heads, seq_len), persistent=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h)).float()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = Llama(seq_len=a.seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    start = None
+    for step in range(1, a.steps + 1):
+        if step == a.warmup + 1:
+            start = time.perf_counter()
+        window = torch.randint(0, 2048, (a.batch, a.seq_len + 1))
+        inputs, labels = window[:, :-1], window[:, 1:]
+        ntokens = (labels != -100).sum()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / ntokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        loss.item()
+    elapsed = time.perf_counter() - start
+    tokens = (a.steps - a.warmup) * a.batch * a.seq_len
+    print(json.dumps({
+        "impl": "torch_eager",
+        "tps": tokens / elapsed,
+        "threads": torch.get_num_threads(),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }))
+
+
+if __name__ == "__main__":
+    main()
