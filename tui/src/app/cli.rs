@@ -1,0 +1,152 @@
+//! The TUI's command-line entry points, called from `main.rs`: `titan-obs RUN [--follow]`
+//! opens the gantt, `titan-obs gantt RUN --svg/--png` writes a static one.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::Args;
+
+use super::export::{self, GanttImageOptions, MAX_IMAGE_ROWS};
+use super::source::RunSource;
+use super::terminal::{self, EXIT_USAGE, TimelineSource};
+
+/// Options of the interactive view (`titan-obs RUN`).
+#[derive(Debug, Clone, Args)]
+pub struct OpenArgs {
+    /// Re-read new part files every second (watch a running job).
+    #[arg(long)]
+    pub follow: bool,
+}
+
+/// `titan-obs gantt RUN --svg OUT.svg [--png OUT.png]`: a static gantt for reports and PRs.
+#[derive(Debug, Clone, Args)]
+pub struct GanttArgs {
+    /// Run directory (holding obs/rank-*/part-*.parquet) or object store URL.
+    pub run: String,
+    /// Write an SVG here.
+    #[arg(long, value_name = "OUT.svg")]
+    pub svg: Option<PathBuf>,
+    /// Write a PNG here.
+    #[arg(long, value_name = "OUT.png")]
+    pub png: Option<PathBuf>,
+    /// Image width in pixels.
+    #[arg(long, default_value_t = 1600)]
+    pub width: u32,
+    /// Only these steps, e.g. `10..20` (inclusive) or `15`.
+    #[arg(long, value_name = "A..B", value_parser = parse_steps)]
+    pub steps: Option<(u64, u64)>,
+    /// One row per phase showing min/median/max across ranks (automatic above
+    /// 600 lane rows, unless --lanes).
+    #[arg(long, conflicts_with = "lanes")]
+    pub collapsed: bool,
+    /// Always one row per rank/thread/depth, however many.
+    #[arg(long)]
+    pub lanes: bool,
+    /// Hide spans nested deeper than this (0 = top-level spans only).
+    #[arg(long, value_name = "N")]
+    pub max_depth: Option<u8>,
+}
+
+fn parse_steps(s: &str) -> Result<(u64, u64), String> {
+    let bad = || format!("expected a step range like 10..20 or one step like 15, got {s:?}");
+    match s.split_once("..") {
+        Some((a, b)) => {
+            let a = a.trim().parse().map_err(|_| bad())?;
+            let b = b
+                .trim()
+                .trim_start_matches('=')
+                .parse()
+                .map_err(|_| bad())?;
+            Ok((a, b))
+        }
+        None => {
+            let a = s.trim().parse().map_err(|_| bad())?;
+            Ok((a, a))
+        }
+    }
+}
+
+/// `titan-obs RUN`: returns the process exit code.
+pub fn open(run: &str, args: &OpenArgs) -> i32 {
+    if !terminal::has_terminal() {
+        eprint!("{}", terminal::no_terminal_message("titan-obs"));
+        return EXIT_USAGE;
+    }
+    let mut source = RunSource::new(run);
+    match terminal::run(&mut source, args.follow) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("titan-obs: {e:#}");
+            1
+        }
+    }
+}
+
+/// `titan-obs gantt`: returns the process exit code.
+pub fn gantt(args: &GanttArgs) -> i32 {
+    match gantt_inner(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("titan-obs gantt: {e:#}");
+            if e.downcast_ref::<UsageError>().is_some() {
+                EXIT_USAGE
+            } else {
+                1
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct UsageError(String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+fn gantt_inner(args: &GanttArgs) -> anyhow::Result<()> {
+    if args.svg.is_none() && args.png.is_none() {
+        return Err(
+            UsageError("nothing to write: give --svg OUT.svg and/or --png OUT.png".into()).into(),
+        );
+    }
+    let mut source = RunSource::new(&args.run);
+    let t = source.load()?;
+    if t.span_count == 0 {
+        bail!("{} has no spans to draw", args.run);
+    }
+    for w in &t.warnings {
+        eprintln!("titan-obs gantt: warning: {w}");
+    }
+    let lane_rows: usize = t.lanes.iter().map(|l| l.rows.len()).sum();
+    let collapsed = args.collapsed || (!args.lanes && lane_rows > MAX_IMAGE_ROWS);
+    if collapsed && !args.collapsed {
+        eprintln!(
+            "titan-obs gantt: {lane_rows} lane rows would make a very tall image; drawing one row per phase \
+             (min/median/max across ranks) instead (--lanes to force lanes)"
+        );
+    }
+    let opts = GanttImageOptions {
+        width: args.width,
+        steps: args.steps,
+        collapsed,
+        max_depth: args.max_depth,
+    };
+    let scene = export::scene(&t, &opts).map_err(|e| UsageError(format!("{e:#}")))?;
+    if let Some(p) = &args.svg {
+        export::write_atomic(p, export::to_svg(&scene).as_bytes())
+            .with_context(|| format!("writing the SVG {}", p.display()))?;
+        eprintln!("wrote {} ({}x{})", p.display(), scene.width, scene.height);
+    }
+    if let Some(p) = &args.png {
+        let png = export::to_png(&scene)?;
+        export::write_atomic(p, &png)
+            .with_context(|| format!("writing the PNG {}", p.display()))?;
+        eprintln!("wrote {} ({}x{})", p.display(), scene.width, scene.height);
+    }
+    Ok(())
+}

@@ -1,0 +1,567 @@
+//! The in-memory timeline the gantt draws from, built once per (re)load.
+//!
+//! Everything the renderer needs per frame is precomputed here: spans live in per-lane,
+//! per-depth rows as sorted struct-of-arrays (within one row spans never overlap, so both
+//! `start` and `end` are sorted and the visible window is two binary searches away), the
+//! per-(phase, step) cross-rank statistics that drive straggler marks and the selection panel,
+//! one collapsed row per phase, the phase summary table and the per-step metric series.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::stats::{self, DurStats, PhaseSummary};
+
+/// Nanoseconds relative to the run's origin (the earliest span start).
+pub type Ns = i64;
+
+/// Index into [`Timeline::phases`].
+pub type PhaseId = u16;
+
+/// Step value of a span recorded outside any step (init, teardown).
+pub const NO_STEP: u32 = u32::MAX;
+
+/// Span flag: this rank's time in this phase at this step is far above the cross-rank median.
+pub const FLAG_STRAGGLER: u8 = 1;
+/// Span flag: an error was recorded inside the span.
+pub const FLAG_ERROR: u8 = 2;
+
+/// A rank's time in a phase is a straggler when it is at least this many times the median...
+pub const STRAGGLER_RATIO: f64 = 1.5;
+/// ...and at least this much slower in absolute terms (ignores jitter on tiny phases).
+pub const STRAGGLER_MIN_EXCESS_NS: Ns = 50_000;
+
+/// How the per-rank values of a scalar are combined into one value per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduce {
+    Mean,
+    Max,
+    Min,
+    Sum,
+}
+
+impl Reduce {
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Reduce::Mean => "mean",
+            Reduce::Max => "max",
+            Reduce::Min => "min",
+            Reduce::Sum => "sum",
+        }
+    }
+
+    fn apply(self, values: &[f64]) -> f64 {
+        match self {
+            Reduce::Mean => values.iter().sum::<f64>() / values.len().max(1) as f64,
+            Reduce::Max => values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            Reduce::Min => values.iter().copied().fold(f64::INFINITY, f64::min),
+            Reduce::Sum => values.iter().sum(),
+        }
+    }
+}
+
+/// One span as read from a run, in absolute (epoch) nanoseconds.
+#[derive(Debug, Clone)]
+pub struct SpanInput<'a> {
+    pub rank: u32,
+    /// Recording thread id; each distinct thread of a rank gets its own lane.
+    pub thread: u64,
+    pub name: &'a str,
+    pub step: Option<u64>,
+    pub start_ns: i64,
+    pub dur_ns: i64,
+    pub depth: u8,
+    pub tags: &'a [&'a str],
+    pub error: bool,
+}
+
+/// A span's place in the timeline: lane, row within the lane, index within the row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpanRef {
+    pub lane: u32,
+    pub row: u16,
+    pub ix: u32,
+}
+
+/// All spans of one (lane, depth) that do not overlap, sorted by start.
+#[derive(Debug, Default, Clone)]
+pub struct SpanRow {
+    pub depth: u8,
+    pub start: Vec<Ns>,
+    pub end: Vec<Ns>,
+    pub phase: Vec<PhaseId>,
+    pub step: Vec<u32>,
+    pub tagset: Vec<u16>,
+    pub flags: Vec<u8>,
+}
+
+impl SpanRow {
+    pub fn len(&self) -> usize {
+        self.start.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.start.is_empty()
+    }
+
+    /// Index of the first span that ends after `t`.
+    pub fn first_ending_after(&self, t: Ns) -> usize {
+        self.end.partition_point(|&e| e <= t)
+    }
+
+    /// Index of the first span that starts at or after `t`.
+    pub fn first_starting_at_or_after(&self, t: Ns) -> usize {
+        self.start.partition_point(|&s| s < t)
+    }
+
+    /// The span covering time `t`, if any.
+    pub fn at(&self, t: Ns) -> Option<usize> {
+        let i = self.first_ending_after(t);
+        (i < self.len() && self.start[i] <= t).then_some(i)
+    }
+}
+
+/// One recording thread of one rank, drawn as one sub-row per nesting depth.
+#[derive(Debug, Clone)]
+pub struct Lane {
+    pub rank: u32,
+    pub thread: u64,
+    /// Position of this thread among its rank's threads (0 = the first one seen).
+    pub thread_ix: u32,
+    pub rows: Vec<SpanRow>,
+}
+
+/// A training step: where it starts and ends across all ranks, and its tags.
+#[derive(Debug, Clone)]
+pub struct StepMark {
+    pub step: u64,
+    pub start: Ns,
+    pub end: Ns,
+    pub tags: Vec<u16>,
+}
+
+/// One phase at one step in collapsed mode: the spread of that phase across ranks.
+#[derive(Debug, Clone, Copy)]
+pub struct CollapsedBar {
+    pub step: u32,
+    /// Median over ranks of the phase's first start in the step.
+    pub start: Ns,
+    pub stats: DurStats,
+}
+
+impl CollapsedBar {
+    pub fn is_straggler(&self) -> bool {
+        stats::is_straggler(self.stats.max, self.stats.median)
+    }
+}
+
+/// One phase as a single lane: min/median/max over ranks per step, sorted by start.
+#[derive(Debug, Clone)]
+pub struct CollapsedRow {
+    pub phase: PhaseId,
+    pub bars: Vec<CollapsedBar>,
+    /// Longest bar (max duration); bounds the backward search for bars overlapping a time.
+    pub max_len: Ns,
+}
+
+/// Per-step values of one scalar, reduced across ranks.
+#[derive(Debug, Clone)]
+pub struct MetricSeries {
+    pub name: String,
+    pub reduce: Reduce,
+    pub points: Vec<(u64, f64)>,
+}
+
+impl MetricSeries {
+    pub fn at_step(&self, step: u64) -> Option<f64> {
+        self.points
+            .binary_search_by_key(&step, |p| p.0)
+            .ok()
+            .map(|i| self.points[i].1)
+    }
+}
+
+/// Everything the TUI and the static renderer show about one run.
+#[derive(Debug, Clone, Default)]
+pub struct Timeline {
+    /// A name for the title bar (the run directory).
+    pub title: String,
+    /// Epoch nanoseconds of t = 0.
+    pub origin_ns: i64,
+    /// End of the last span, relative to the origin.
+    pub end: Ns,
+    pub phases: Vec<String>,
+    /// Phases in display order (shallowest first, then by first appearance).
+    pub phase_order: Vec<PhaseId>,
+    pub tag_names: Vec<String>,
+    /// Distinct tag combinations carried by spans; index 0 is the empty set.
+    pub tagsets: Vec<Vec<u16>>,
+    pub lanes: Vec<Lane>,
+    pub ranks: Vec<u32>,
+    pub steps: Vec<StepMark>,
+    /// Cross-rank statistics of each phase's per-rank time at each step.
+    pub phase_step: HashMap<(PhaseId, u32), DurStats>,
+    pub collapsed: Vec<CollapsedRow>,
+    pub summary: Vec<PhaseSummary>,
+    pub metrics: Vec<MetricSeries>,
+    pub span_count: usize,
+    /// Problems met while reading (missing ranks, corrupt parts); shown, never fatal.
+    pub warnings: Vec<String>,
+}
+
+impl Timeline {
+    pub fn phase_name(&self, p: PhaseId) -> &str {
+        &self.phases[p as usize]
+    }
+
+    pub fn phase_id(&self, name: &str) -> Option<PhaseId> {
+        self.phases
+            .iter()
+            .position(|n| n == name)
+            .map(|i| i as PhaseId)
+    }
+
+    pub fn tags_of(&self, tagset: u16) -> impl Iterator<Item = &str> {
+        self.tagsets[tagset as usize]
+            .iter()
+            .map(|&t| self.tag_names[t as usize].as_str())
+    }
+
+    pub fn row(&self, r: SpanRef) -> &SpanRow {
+        &self.lanes[r.lane as usize].rows[r.row as usize]
+    }
+
+    /// Index into `steps` of step number `step`.
+    pub fn step_index(&self, step: u64) -> Option<usize> {
+        self.steps.binary_search_by_key(&step, |s| s.step).ok()
+    }
+
+    /// The step whose time range contains `t` (the last one starting at or before `t`).
+    pub fn step_at(&self, t: Ns) -> Option<&StepMark> {
+        let i = self.steps.partition_point(|s| s.start <= t);
+        (i > 0).then(|| &self.steps[i - 1]).filter(|s| t <= s.end)
+    }
+
+    /// The training scalar called `needle` (`loss` finds `training/loss`, not `validation/loss`).
+    pub fn metric(&self, needle: &str) -> Option<&MetricSeries> {
+        let suffix = format!("/{needle}");
+        self.metrics
+            .iter()
+            .find(|m| m.name == needle)
+            .or_else(|| {
+                self.metrics
+                    .iter()
+                    .find(|m| m.name.ends_with(&suffix) && !m.name.starts_with("validation/"))
+            })
+            .or_else(|| self.metrics.iter().find(|m| m.name.contains(needle)))
+    }
+
+    pub fn threads_per_rank_max(&self) -> u32 {
+        self.lanes
+            .iter()
+            .map(|l| l.thread_ix + 1)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RawSpan {
+    start: i64,
+    dur: i64,
+    phase: PhaseId,
+    depth: u8,
+    error: bool,
+    step: u32,
+    tagset: u16,
+}
+
+/// Collects spans, step tags and scalars, then precomputes a [`Timeline`].
+#[derive(Default)]
+pub struct TimelineBuilder {
+    title: String,
+    phases: Vec<String>,
+    phase_ix: HashMap<String, PhaseId>,
+    tag_names: Vec<String>,
+    tag_ix: HashMap<String, u16>,
+    tagsets: Vec<Vec<u16>>,
+    tagset_ix: HashMap<Vec<u16>, u16>,
+    lanes: BTreeMap<(u32, u64), Vec<RawSpan>>,
+    step_tags: BTreeMap<u64, BTreeSet<u16>>,
+    scalars: BTreeMap<String, (Reduce, BTreeMap<u64, Vec<f64>>)>,
+    ranks: BTreeSet<u32>,
+    warnings: Vec<String>,
+}
+
+impl TimelineBuilder {
+    pub fn new(title: impl Into<String>) -> Self {
+        let mut b = Self {
+            title: title.into(),
+            ..Self::default()
+        };
+        b.tagsets.push(Vec::new());
+        b.tagset_ix.insert(Vec::new(), 0);
+        b
+    }
+
+    /// Id of phase `name`, for [`Self::add_span_ids`].
+    pub fn phase(&mut self, name: &str) -> PhaseId {
+        if let Some(&p) = self.phase_ix.get(name) {
+            return p;
+        }
+        let p = PhaseId::try_from(self.phases.len()).unwrap_or(PhaseId::MAX);
+        self.phases.push(name.to_string());
+        self.phase_ix.insert(name.to_string(), p);
+        p
+    }
+
+    fn tag(&mut self, name: &str) -> u16 {
+        if let Some(&t) = self.tag_ix.get(name) {
+            return t;
+        }
+        let t = u16::try_from(self.tag_names.len()).unwrap_or(u16::MAX);
+        self.tag_names.push(name.to_string());
+        self.tag_ix.insert(name.to_string(), t);
+        t
+    }
+
+    /// Id of a set of tags, for [`Self::add_span_ids`].
+    pub fn tagset(&mut self, tags: &[&str]) -> u16 {
+        if tags.is_empty() {
+            return 0;
+        }
+        let mut ids: Vec<u16> = tags.iter().map(|t| self.tag(t)).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        if let Some(&s) = self.tagset_ix.get(&ids) {
+            return s;
+        }
+        let s = u16::try_from(self.tagsets.len()).unwrap_or(u16::MAX);
+        self.tagsets.push(ids.clone());
+        self.tagset_ix.insert(ids, s);
+        s
+    }
+
+    /// Declares a rank as part of the run even if it recorded nothing yet.
+    pub fn add_rank(&mut self, rank: u32) {
+        self.ranks.insert(rank);
+    }
+
+    pub fn add_span(&mut self, s: &SpanInput<'_>) {
+        let phase = self.phase(s.name);
+        let tagset = self.tagset(s.tags);
+        let step = s
+            .step
+            .map(|v| u32::try_from(v).unwrap_or(NO_STEP - 1))
+            .unwrap_or(NO_STEP);
+        self.ranks.insert(s.rank);
+        self.lanes
+            .entry((s.rank, s.thread))
+            .or_default()
+            .push(RawSpan {
+                start: s.start_ns,
+                dur: s.dur_ns.max(0),
+                phase,
+                depth: s.depth,
+                error: s.error,
+                step,
+                tagset,
+            });
+    }
+
+    /// Adds a span whose phase and tag set are already interned (the fast path for big runs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_span_ids(
+        &mut self,
+        rank: u32,
+        thread: u64,
+        phase: PhaseId,
+        tagset: u16,
+        step: Option<u64>,
+        start_ns: i64,
+        dur_ns: i64,
+        depth: u8,
+        error: bool,
+    ) {
+        let step = step
+            .map(|v| u32::try_from(v).unwrap_or(NO_STEP - 1))
+            .unwrap_or(NO_STEP);
+        self.ranks.insert(rank);
+        self.lanes.entry((rank, thread)).or_default().push(RawSpan {
+            start: start_ns,
+            dur: dur_ns.max(0),
+            phase,
+            depth,
+            error,
+            step,
+            tagset,
+        });
+    }
+
+    /// Tags a step (e.g. `checkpoint`, `validation`); shown as a marker on the step row.
+    pub fn add_step_tag(&mut self, step: u64, tag: &str) {
+        let t = self.tag(tag);
+        self.step_tags.entry(step).or_default().insert(t);
+    }
+
+    pub fn add_scalar(&mut self, name: &str, step: u64, value: f64, reduce: Reduce) {
+        let entry = self
+            .scalars
+            .entry(name.to_string())
+            .or_insert_with(|| (reduce, BTreeMap::new()));
+        entry.1.entry(step).or_default().push(value);
+    }
+
+    pub fn add_warning(&mut self, w: impl Into<String>) {
+        self.warnings.push(w.into());
+    }
+
+    /// Sorts, splits into rows and precomputes every statistic.
+    pub fn finish(self) -> Timeline {
+        let origin = self
+            .lanes
+            .values()
+            .flat_map(|v| v.iter().map(|s| s.start))
+            .min()
+            .unwrap_or(0);
+        let span_count = self.lanes.values().map(Vec::len).sum();
+        let mut thread_counter: HashMap<u32, u32> = HashMap::new();
+        let mut lanes = Vec::with_capacity(self.lanes.len());
+        for ((rank, thread), raw) in self.lanes {
+            let thread_ix = {
+                let c = thread_counter.entry(rank).or_insert(0);
+                *c += 1;
+                *c - 1
+            };
+            lanes.push(Lane {
+                rank,
+                thread,
+                thread_ix,
+                rows: build_rows(raw, origin),
+            });
+        }
+        let end = lanes
+            .iter()
+            .flat_map(|l| l.rows.iter().filter_map(|r| r.end.last().copied()))
+            .max()
+            .unwrap_or(0);
+        let steps = build_steps(&lanes, &self.step_tags);
+        let phase_order = build_phase_order(&lanes, self.phases.len());
+        let per_rank = stats::per_rank_phase_step(&lanes);
+        let phase_step = stats::cross_rank_stats(&per_rank);
+        stats::mark_stragglers(&mut lanes, &per_rank, &phase_step);
+        let collapsed = stats::collapsed_rows(&per_rank, &phase_step, &phase_order);
+        let summary = stats::phase_summary(&lanes, self.phases.len(), self.phase_ix.get("step"));
+        let metrics = self
+            .scalars
+            .into_iter()
+            .map(|(name, (reduce, by_step))| MetricSeries {
+                name,
+                reduce,
+                points: by_step
+                    .into_iter()
+                    .map(|(step, vals)| (step, reduce.apply(&vals)))
+                    .collect(),
+            })
+            .collect();
+        Timeline {
+            title: self.title,
+            origin_ns: origin,
+            end,
+            phases: self.phases,
+            phase_order,
+            tag_names: self.tag_names,
+            tagsets: self.tagsets,
+            lanes,
+            ranks: self.ranks.into_iter().collect(),
+            steps,
+            phase_step,
+            collapsed,
+            summary,
+            metrics,
+            span_count,
+            warnings: self.warnings,
+        }
+    }
+}
+
+/// Splits one thread's spans into non-overlapping rows, one or more per depth.
+///
+/// Properly nested spans of one thread never overlap at the same depth, so normally there is
+/// exactly one row per depth; an overlap (clock adjustments, a misbehaving recorder) opens an
+/// extra row for that depth instead of breaking the sorted-ends invariant binary search relies on.
+fn build_rows(mut raw: Vec<RawSpan>, origin: i64) -> Vec<SpanRow> {
+    raw.sort_unstable_by_key(|s| (s.depth, s.start));
+    let mut rows: Vec<SpanRow> = Vec::new();
+    let mut first_row_of_depth = 0;
+    let mut current_depth = None;
+    for s in raw {
+        if current_depth != Some(s.depth) {
+            current_depth = Some(s.depth);
+            first_row_of_depth = rows.len();
+        }
+        let start = s.start - origin;
+        let end = start + s.dur;
+        let row_ix = (first_row_of_depth..rows.len())
+            .find(|&r| rows[r].end.last().is_none_or(|&e| e <= start))
+            .unwrap_or_else(|| {
+                rows.push(SpanRow {
+                    depth: s.depth,
+                    ..SpanRow::default()
+                });
+                rows.len() - 1
+            });
+        let row = &mut rows[row_ix];
+        row.start.push(start);
+        row.end.push(end);
+        row.phase.push(s.phase);
+        row.step.push(s.step);
+        row.tagset.push(s.tagset);
+        row.flags.push(if s.error { FLAG_ERROR } else { 0 });
+    }
+    rows
+}
+
+fn build_steps(lanes: &[Lane], step_tags: &BTreeMap<u64, BTreeSet<u16>>) -> Vec<StepMark> {
+    let mut bounds: BTreeMap<u32, (Ns, Ns)> = BTreeMap::new();
+    for lane in lanes {
+        for row in &lane.rows {
+            for i in 0..row.len() {
+                if row.step[i] == NO_STEP {
+                    continue;
+                }
+                let b = bounds.entry(row.step[i]).or_insert((Ns::MAX, Ns::MIN));
+                b.0 = b.0.min(row.start[i]);
+                b.1 = b.1.max(row.end[i]);
+            }
+        }
+    }
+    bounds
+        .into_iter()
+        .map(|(step, (start, end))| StepMark {
+            step: step as u64,
+            start,
+            end,
+            tags: step_tags
+                .get(&(step as u64))
+                .map(|t| t.iter().copied().collect())
+                .unwrap_or_default(),
+        })
+        .collect()
+}
+
+fn build_phase_order(lanes: &[Lane], n: usize) -> Vec<PhaseId> {
+    let mut first: Vec<(u8, Ns)> = vec![(u8::MAX, Ns::MAX); n];
+    for lane in lanes {
+        for row in &lane.rows {
+            for i in 0..row.len() {
+                let f = &mut first[row.phase[i] as usize];
+                // Rows are sorted by start, so the first occurrence per row is the earliest.
+                if (row.depth, row.start[i]) < *f {
+                    *f = (row.depth, row.start[i]);
+                }
+            }
+        }
+    }
+    let mut order: Vec<PhaseId> = (0..n as PhaseId).collect();
+    order.sort_by_key(|&p| first[p as usize]);
+    order
+}

@@ -1,0 +1,95 @@
+//! Phase colours: fixed ones for torchtitan's phase names (so a phase looks the same in every
+//! run), a palette for the rest; xterm-256 indices so the SVG/PNG renderer can use the same RGB.
+
+use ratatui::style::Color;
+
+const PALETTE: [u8; 12] = [167, 74, 143, 108, 179, 61, 132, 37, 173, 98, 150, 31];
+
+/// xterm-256 colour index of a phase.
+pub fn phase_index(name: &str) -> u8 {
+    match name {
+        "step" => 240,
+        "data_loading" => 178,
+        "prefetch" => 186,
+        "forward_backward" => 33,
+        "microbatch" => 62,
+        "forward" => 75,
+        "backward" => 69,
+        "optimizer" => 35,
+        "optimizer_step" => 41,
+        "clip_grad" => 71,
+        "lr_update" => 114,
+        "checkpoint" | "checkpoint_save" => 170,
+        "checkpoint_load" => 176,
+        "validation" => 44,
+        "gc" => 130,
+        "collect_dist_metrics" => 139,
+        "tokenizer" => 102,
+        "dataloader" => 136,
+        "model_build" => 96,
+        "parallelism" => 66,
+        "teardown" => 244,
+        _ => {
+            // FNV-1a: stable across runs and platforms.
+            let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            });
+            PALETTE[(h % PALETTE.len() as u64) as usize]
+        }
+    }
+}
+
+pub fn phase_color(name: &str) -> Color {
+    Color::Indexed(phase_index(name))
+}
+
+/// Straggler highlight.
+pub const STRAGGLER: Color = Color::Indexed(196);
+pub const STRAGGLER_INDEX: u8 = 196;
+
+/// RGB of an xterm-256 colour index.
+pub fn rgb(index: u8) -> (u8, u8, u8) {
+    const BASIC: [(u8, u8, u8); 16] = [
+        (0, 0, 0),
+        (205, 0, 0),
+        (0, 205, 0),
+        (205, 205, 0),
+        (0, 0, 238),
+        (205, 0, 205),
+        (0, 205, 205),
+        (229, 229, 229),
+        (127, 127, 127),
+        (255, 0, 0),
+        (0, 255, 0),
+        (255, 255, 0),
+        (92, 92, 255),
+        (255, 0, 255),
+        (0, 255, 255),
+        (255, 255, 255),
+    ];
+    match index {
+        0..=15 => BASIC[index as usize],
+        16..=231 => {
+            let i = index - 16;
+            let level = |v: u8| if v == 0 { 0 } else { 55 + 40 * v };
+            (level(i / 36), level((i / 6) % 6), level(i % 6))
+        }
+        _ => {
+            let g = 8 + 10 * (index - 232);
+            (g, g, g)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xterm_cube_and_grey() {
+        assert_eq!(rgb(16), (0, 0, 0));
+        assert_eq!(rgb(196), (255, 0, 0));
+        assert_eq!(rgb(33), (0, 135, 255));
+        assert_eq!(rgb(240), (88, 88, 88));
+    }
+}

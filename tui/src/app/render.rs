@@ -1,0 +1,887 @@
+//! Drawing one frame: title, legend, step row, time axis, gantt lanes, selection details,
+//! metrics charts, phase summary, status line and the help overlay.
+//!
+//! The gantt is written straight into the frame buffer; its cost is proportional to the
+//! number of screen cells (see `cells`), never to the number of spans.
+
+use ratatui::Frame;
+use ratatui::buffer::Buffer;
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::symbols;
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Axis, Block, Chart, Clear, Dataset, GraphType, Paragraph, Row, Table};
+
+use super::cells::{self, Cell, CollapsedCell, Spread, Window};
+use super::model::{FLAG_ERROR, FLAG_STRAGGLER, NO_STEP, Ns, Timeline};
+use super::palette::{STRAGGLER, phase_color};
+use super::stats::{is_straggler, step_label};
+use super::units::{dur, nice_step, tick_label};
+use super::view::{Mode, RowRef, Selection, View};
+
+/// Things outside the timeline shown in the chrome.
+#[derive(Debug, Default, Clone)]
+pub struct Chrome {
+    /// `--follow` status, e.g. "following: 12 parts".
+    pub follow: Option<String>,
+}
+
+/// Where the gantt landed on screen (for mouse hit-testing).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// The time-proportional part of the lanes (labels excluded).
+    pub gantt: Rect,
+}
+
+const DIM: Color = Color::Indexed(244);
+const DETAILS_H: u16 = 3;
+
+/// Draws a full frame and records the gantt size in `v` for cell-sized moves and paging.
+pub fn draw(f: &mut Frame, t: &Timeline, v: &mut View, chrome: &Chrome) -> Geometry {
+    let area = f.area();
+    let panels = (v.show_metrics || v.show_summary) && area.height >= 30;
+    let panel_h = if panels {
+        (area.height / 3).clamp(8, 14)
+    } else {
+        0
+    };
+    let [
+        title,
+        legend,
+        steps,
+        axis,
+        lanes,
+        sep,
+        details,
+        panel,
+        status,
+    ] = Layout::vertical([
+        Constraint::Length(1),
+        Constraint::Length(1),
+        Constraint::Length(1),
+        Constraint::Length(1),
+        Constraint::Min(3),
+        Constraint::Length(1),
+        Constraint::Length(DETAILS_H),
+        Constraint::Length(panel_h),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+
+    let label_w = label_width(t, v).min(area.width / 3);
+    let gantt = Rect {
+        x: lanes.x + label_w,
+        width: lanes.width.saturating_sub(label_w),
+        ..lanes
+    };
+    v.cols = gantt.width.max(1) as usize;
+    v.visible_rows = gantt.height.max(1) as usize;
+    v.keep_cursor_row_visible();
+
+    let buf = f.buffer_mut();
+    draw_title(buf, title, t, v, chrome);
+    draw_legend(buf, legend, t, v);
+    draw_steps(buf, steps, label_w, t, v);
+    draw_axis(buf, axis, label_w, v);
+    draw_lanes(buf, lanes, label_w, t, v);
+    draw_separator(buf, sep, v);
+    draw_details(buf, details, t, v);
+    if panels {
+        draw_panels(f, panel, t, v);
+    }
+    draw_status(f.buffer_mut(), status, t, v);
+    if v.help {
+        draw_help(f, area);
+    }
+    Geometry { gantt }
+}
+
+fn label_width(t: &Timeline, v: &View) -> u16 {
+    let w = match v.mode {
+        Mode::Lanes => {
+            let max_rank = t.ranks.last().copied().unwrap_or(0);
+            let threads = t.threads_per_rank_max() > 1;
+            format!("r{max_rank}").len() + if threads { 3 } else { 0 } + 5
+        }
+        Mode::Collapsed => {
+            t.collapsed
+                .iter()
+                .map(|c| t.phase_name(c.phase).chars().count())
+                .max()
+                .unwrap_or(4)
+                .min(22)
+                + 2
+        }
+    };
+    w.max(8) as u16
+}
+
+fn draw_title(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View, chrome: &Chrome) {
+    let style = Style::new().bg(Color::Indexed(236)).fg(Color::White);
+    buf.set_style(area, style);
+    let mode = match v.mode {
+        Mode::Lanes => "lanes",
+        Mode::Collapsed => "collapsed: min/median/max across ranks",
+    };
+    let mut text = format!(
+        " titan-obs  {}  │ {} ranks, {} lanes, {} spans, {} steps │ {mode}",
+        t.title,
+        t.ranks.len(),
+        t.lanes.len(),
+        t.span_count,
+        t.steps.len()
+    );
+    if let Some(f) = &chrome.follow {
+        text.push_str(&format!(" │ {f}"));
+    }
+    if !t.warnings.is_empty() {
+        text.push_str(&format!(" │ ⚠ {}", t.warnings[0]));
+        if t.warnings.len() > 1 {
+            text.push_str(&format!(" (+{} more)", t.warnings.len() - 1));
+        }
+    }
+    buf.set_stringn(
+        area.x,
+        area.y,
+        text,
+        area.width as usize,
+        style.add_modifier(Modifier::BOLD),
+    );
+}
+
+fn draw_legend(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
+    let mut x = area.x;
+    let right = area.right();
+    let put = |buf: &mut Buffer, s: &str, style: Style, x: &mut u16| {
+        if *x >= right {
+            return;
+        }
+        let (nx, _) = buf.set_stringn(*x, area.y, s, (right - *x) as usize, style);
+        *x = nx;
+    };
+    for &p in &t.phase_order {
+        let name = t.phase_name(p);
+        put(buf, "█", Style::new().fg(phase_color(name)), &mut x);
+        put(buf, &format!("{name} "), Style::new(), &mut x);
+    }
+    put(buf, "▓", Style::new().fg(STRAGGLER), &mut x);
+    put(buf, "straggler ", Style::new(), &mut x);
+    if v.mode == Mode::Collapsed {
+        put(buf, "█all ▓median ░max ", Style::new().fg(DIM), &mut x);
+    }
+}
+
+/// One character per step tag on the step row.
+fn tag_letter(tag: &str) -> char {
+    match tag {
+        "checkpoint" => 'C',
+        "validation" => 'V',
+        "gc" => 'G',
+        _ => tag
+            .chars()
+            .next()
+            .map(|c| c.to_ascii_uppercase())
+            .unwrap_or('?'),
+    }
+}
+
+fn draw_steps(buf: &mut Buffer, area: Rect, label_w: u16, t: &Timeline, v: &View) {
+    buf.set_stringn(
+        area.x,
+        area.y,
+        " step",
+        label_w as usize,
+        Style::new().fg(DIM),
+    );
+    let cols = v.cols;
+    let x0 = area.x + label_w;
+    let w = v.window;
+    let lo = t.steps.partition_point(|s| s.end < w.t0);
+    let hi = t.steps.partition_point(|s| s.start < w.t1);
+    if lo >= hi {
+        return;
+    }
+    // When steps are denser than the labels, label every k-th (k from 1/2/5 x 10^n).
+    let visible = hi - lo;
+    let k = nice_step(visible as f64 * 6.0 / cols.max(1) as f64) as usize;
+    let mut next_free: i64 = 0;
+    for s in &t.steps[lo..hi] {
+        let col = w.col_of(s.start, cols);
+        let tagged = !s.tags.is_empty();
+        if !tagged && (s.step as usize) % k != 0 {
+            continue;
+        }
+        if col < next_free.max(0) || col >= cols as i64 {
+            continue;
+        }
+        let mut label = format!("│{}", s.step);
+        for &tag in &s.tags {
+            label.push(tag_letter(&t.tag_names[tag as usize]));
+        }
+        let style = if tagged {
+            Style::new()
+                .fg(Color::Indexed(170))
+                .add_modifier(Modifier::BOLD)
+        } else {
+            Style::new().fg(Color::Indexed(250))
+        };
+        let max = cols - col as usize;
+        buf.set_stringn(x0 + col as u16, area.y, &label, max, style);
+        next_free = col + label.chars().count() as i64 + 1;
+    }
+}
+
+fn draw_axis(buf: &mut Buffer, area: Rect, label_w: u16, v: &View) {
+    let cols = v.cols;
+    let w = v.window;
+    buf.set_stringn(
+        area.x,
+        area.y,
+        " time",
+        label_w as usize,
+        Style::new().fg(DIM),
+    );
+    let x0 = area.x + label_w;
+    let per_col = w.width() as f64 / cols.max(1) as f64;
+    let step = nice_step(per_col * 12.0);
+    let mut tick = w.t0.div_euclid(step) * step;
+    if tick < w.t0 {
+        tick += step;
+    }
+    let style = Style::new().fg(Color::Indexed(250));
+    let mut next_free = 0i64;
+    while tick < w.t1 {
+        let col = w.col_of(tick, cols);
+        if col >= next_free && col < cols as i64 {
+            let label = format!("╷{}", tick_label(tick, step));
+            buf.set_stringn(x0 + col as u16, area.y, &label, cols - col as usize, style);
+            next_free = col + label.chars().count() as i64 + 1;
+        }
+        tick += step;
+    }
+    let c = w.col_of(v.cursor, cols);
+    if (0..cols as i64).contains(&c) {
+        buf[(x0 + c as u16, area.y)]
+            .set_char('▼')
+            .set_style(Style::new().fg(Color::Yellow).add_modifier(Modifier::BOLD));
+    }
+}
+
+fn row_label(t: &Timeline, row: RowRef) -> String {
+    match row {
+        RowRef::Span { lane, row: r } => {
+            let l = &t.lanes[lane as usize];
+            if r == 0 {
+                let multi = t
+                    .lanes
+                    .get(lane as usize + 1)
+                    .is_some_and(|n| n.rank == l.rank)
+                    || l.thread_ix > 0;
+                if multi {
+                    format!("r{}.t{}", l.rank, l.thread_ix)
+                } else {
+                    format!("r{}", l.rank)
+                }
+            } else {
+                format!("  d{}", l.rows[r as usize].depth)
+            }
+        }
+        RowRef::Phase(p) => t.phase_name(t.collapsed[p as usize].phase).to_string(),
+    }
+}
+
+fn draw_lanes(buf: &mut Buffer, area: Rect, label_w: u16, t: &Timeline, v: &View) {
+    let cols = v.cols;
+    let x0 = area.x + label_w;
+    let w = v.window;
+    let cursor_col = w.col_of(v.cursor, cols);
+    let step_cols = step_boundary_cols(t, w, cols);
+    let mut span_cells: Vec<Option<Cell>> = Vec::with_capacity(cols);
+    let mut bar_cells: Vec<Option<CollapsedCell>> = Vec::with_capacity(cols);
+    for screen_row in 0..area.height as usize {
+        let ri = v.scroll + screen_row;
+        let Some(&row) = v.rows.get(ri) else { break };
+        let y = area.y + screen_row as u16;
+        let is_cursor_row = ri == v.cursor_row;
+        let label = row_label(t, row);
+        let label_style = if is_cursor_row {
+            Style::new().fg(Color::Yellow).add_modifier(Modifier::BOLD)
+        } else {
+            Style::new().fg(Color::Indexed(250))
+        };
+        buf.set_stringn(
+            area.x,
+            y,
+            if is_cursor_row { "▶" } else { " " },
+            1,
+            label_style,
+        );
+        buf.set_stringn(area.x + 1, y, &label, label_w as usize - 2, label_style);
+        for &c in &step_cols {
+            buf[(x0 + c as u16, y)]
+                .set_char('┊')
+                .set_fg(Color::Indexed(238));
+        }
+        match row {
+            RowRef::Span { lane, row: r } => {
+                let sr = &t.lanes[lane as usize].rows[r as usize];
+                cells::row_cells(sr, w, cols, &mut span_cells);
+                let selected = match v.selected {
+                    Some(Selection::Span(s)) if s.lane == lane && s.row == r => Some(s.ix),
+                    _ => None,
+                };
+                paint_span_cells(buf, x0, y, t, sr, &span_cells, selected);
+            }
+            RowRef::Phase(p) => {
+                let cr = &t.collapsed[p as usize];
+                cells::collapsed_cells(cr, w, cols, &mut bar_cells);
+                let color = phase_color(t.phase_name(cr.phase));
+                let selected = match v.selected {
+                    Some(Selection::Bar { row, bar }) if row == p => Some(bar),
+                    _ => None,
+                };
+                for (c, cell) in bar_cells.iter().enumerate() {
+                    let Some(cell) = cell else { continue };
+                    let ch = match cell.spread {
+                        Spread::AllRanks => '█',
+                        Spread::ToMedian => '▓',
+                        Spread::ToMax => '░',
+                    };
+                    let fg = if cell.straggler { STRAGGLER } else { color };
+                    let b = &mut buf[(x0 + c as u16, y)];
+                    b.set_char(ch).set_fg(fg).set_bg(Color::Reset);
+                    if selected == Some(cell.bar) {
+                        b.set_bg(Color::White);
+                    }
+                }
+            }
+        }
+        if is_cursor_row && (0..cols as i64).contains(&cursor_col) {
+            let b = &mut buf[(x0 + cursor_col as u16, y)];
+            b.modifier.insert(Modifier::REVERSED);
+            if b.symbol() == " " {
+                b.set_char('│').set_fg(Color::Yellow);
+            }
+        }
+    }
+}
+
+/// Columns of step starts, when steps are sparse enough for boundary lines to help.
+fn step_boundary_cols(t: &Timeline, w: Window, cols: usize) -> Vec<usize> {
+    let lo = t.steps.partition_point(|s| s.start < w.t0);
+    let hi = t.steps.partition_point(|s| s.start < w.t1);
+    if hi - lo > cols / 4 {
+        return Vec::new();
+    }
+    t.steps[lo..hi]
+        .iter()
+        .map(|s| w.col_of(s.start, cols))
+        .filter(|&c| (0..cols as i64).contains(&c))
+        .map(|c| c as usize)
+        .collect()
+}
+
+fn paint_span_cells(
+    buf: &mut Buffer,
+    x0: u16,
+    y: u16,
+    t: &Timeline,
+    row: &super::model::SpanRow,
+    cells: &[Option<Cell>],
+    selected: Option<u32>,
+) {
+    let mut c = 0;
+    while c < cells.len() {
+        let Some(cell) = cells[c] else {
+            c += 1;
+            continue;
+        };
+        // A run of cells filled by one span gets its name written into the bar.
+        if let Some(ix) = cell.span {
+            let mut end = c + 1;
+            while end < cells.len() && cells[end].is_some_and(|n| n.span == Some(ix)) {
+                end += 1;
+            }
+            let i = ix as usize;
+            let color = phase_color(t.phase_name(row.phase[i]));
+            let flags = row.flags[i];
+            let is_sel = selected == Some(ix);
+            let (bg, fg) = if is_sel {
+                (Color::White, Color::Black)
+            } else {
+                (color, Color::Black)
+            };
+            let mut name = String::new();
+            if flags & FLAG_STRAGGLER != 0 {
+                name.push('!');
+            }
+            if flags & FLAG_ERROR != 0 {
+                name.push('✗');
+            }
+            name.push_str(t.phase_name(row.phase[i]));
+            let run = end - c;
+            let straggler = flags & FLAG_STRAGGLER != 0;
+            if run >= 3 {
+                let truncated = name.chars().count() > run;
+                let mut chars = name.chars();
+                for cc in c..end {
+                    let ch = if truncated && cc + 1 == end {
+                        '…'
+                    } else {
+                        chars.next().unwrap_or(' ')
+                    };
+                    let b = &mut buf[(x0 + cc as u16, y)];
+                    b.set_char(ch).set_fg(fg).set_bg(bg);
+                    if straggler {
+                        b.set_fg(STRAGGLER).modifier.insert(Modifier::BOLD);
+                    }
+                }
+            } else {
+                for cc in c..end {
+                    let partial = cells[cc].is_some_and(|x| x.coverage < 0.5);
+                    let b = &mut buf[(x0 + cc as u16, y)];
+                    if is_sel {
+                        b.set_char('█').set_fg(Color::White).set_bg(Color::Reset);
+                    } else if straggler {
+                        b.set_char('▓').set_fg(STRAGGLER).set_bg(color);
+                    } else {
+                        b.set_char(if partial { '▐' } else { '█' })
+                            .set_fg(color)
+                            .set_bg(Color::Reset);
+                    }
+                }
+            }
+            c = end;
+            continue;
+        }
+        let color = phase_color(t.phase_name(cell.phase));
+        let b = &mut buf[(x0 + c as u16, y)];
+        if cell.straggler {
+            b.set_char('▓').set_fg(STRAGGLER).set_bg(color);
+        } else if cell.coverage >= 0.5 {
+            b.set_char('█').set_fg(color).set_bg(Color::Reset);
+        } else {
+            b.set_char('▒').set_fg(color).set_bg(Color::Reset);
+        }
+        c += 1;
+    }
+}
+
+fn draw_separator(buf: &mut Buffer, area: Rect, v: &View) {
+    let style = Style::new().fg(Color::Indexed(240));
+    let rows = v.rows.len();
+    let shown_to = (v.scroll + v.visible_rows).min(rows);
+    let text = format!(
+        "── rows {}-{} of {} ",
+        if rows == 0 { 0 } else { v.scroll + 1 },
+        shown_to,
+        rows
+    );
+    let line: String = text
+        .chars()
+        .chain(std::iter::repeat('─'))
+        .take(area.width as usize)
+        .collect();
+    buf.set_stringn(area.x, area.y, line, area.width as usize, style);
+}
+
+fn draw_details(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
+    let lines = match v.selected {
+        Some(sel) => selection_lines(t, sel, true),
+        None => match v.hit(t) {
+            Some(sel) => {
+                let mut l = selection_lines(t, sel, false);
+                l.truncate(2);
+                l.push("Enter or click selects · Tab/Shift-Tab walk the spans of this row".into());
+                l
+            }
+            None => vec![
+                format!(
+                    "cursor {}{}",
+                    dur(v.cursor),
+                    t.step_at(v.cursor)
+                        .map(|s| format!(" (step {})", s.step))
+                        .unwrap_or_default()
+                ),
+                "move the cursor onto a span (arrows, or click) and press Enter to select it"
+                    .into(),
+            ],
+        },
+    };
+    for (i, line) in lines.iter().take(area.height as usize).enumerate() {
+        let style = if i == 0 && v.selected.is_some() {
+            Style::new().add_modifier(Modifier::BOLD)
+        } else {
+            Style::new()
+        };
+        buf.set_stringn(
+            area.x + 1,
+            area.y + i as u16,
+            line,
+            area.width.saturating_sub(1) as usize,
+            style,
+        );
+    }
+}
+
+/// The text of the details panel for a span or a collapsed bar.
+pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<String> {
+    let head = if selected { "selected" } else { "under cursor" };
+    match sel {
+        Selection::Span(r) => {
+            let lane = &t.lanes[r.lane as usize];
+            let row = t.row(r);
+            let i = r.ix as usize;
+            let phase = row.phase[i];
+            let name = t.phase_name(phase);
+            let d = row.end[i] - row.start[i];
+            let step = step_label(row.step[i]);
+            let tags: Vec<&str> = t.tags_of(row.tagset[i]).collect();
+            let mut l1 = format!(
+                "{head}: {name}  rank {}{}  step {}  start {}  duration {}  depth {}  tags {}",
+                lane.rank,
+                if t.threads_per_rank_max() > 1 {
+                    format!(" thread {}", lane.thread_ix)
+                } else {
+                    String::new()
+                },
+                step.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
+                dur(row.start[i]),
+                dur(d),
+                row.depth,
+                if tags.is_empty() {
+                    "-".to_string()
+                } else {
+                    tags.join(",")
+                },
+            );
+            if row.flags[i] & FLAG_ERROR != 0 {
+                l1.push_str("  ERROR recorded");
+            }
+            let l2 = match t.phase_step.get(&(phase, row.step[i])) {
+                Some(st) => {
+                    let mine = per_rank_value(t, lane.rank, phase, row.step[i]);
+                    let mut s = format!(
+                        "{name} at {} on {} ranks: min {} (r{})  median {}  max {} (r{})",
+                        step.map(|s| format!("step {s}"))
+                            .unwrap_or_else(|| "init".into()),
+                        st.ranks,
+                        dur(st.min),
+                        st.min_rank,
+                        dur(st.median),
+                        dur(st.max),
+                        st.max_rank
+                    );
+                    if st.ranks > 1 && is_straggler(mine, st.median) {
+                        s.push_str(&format!(
+                            "  ▲ STRAGGLER: rank {} {:.2}x median",
+                            lane.rank,
+                            mine as f64 / st.median.max(1) as f64
+                        ));
+                    }
+                    s
+                }
+                None => String::new(),
+            };
+            vec![l1, l2]
+        }
+        Selection::Bar { row, bar } => {
+            let cr = &t.collapsed[row as usize];
+            let b = &cr.bars[bar as usize];
+            let name = t.phase_name(cr.phase);
+            let st = b.stats;
+            let step = step_label(b.step)
+                .map(|s| format!("step {s}"))
+                .unwrap_or_else(|| "init".into());
+            let mut l2 = format!(
+                "min {} (r{})  median {}  max {} (r{})",
+                dur(st.min),
+                st.min_rank,
+                dur(st.median),
+                dur(st.max),
+                st.max_rank
+            );
+            if b.is_straggler() {
+                l2.push_str(&format!(
+                    "  ▲ STRAGGLER: rank {} {:.2}x median",
+                    st.max_rank,
+                    st.max as f64 / st.median.max(1) as f64
+                ));
+            }
+            vec![
+                format!(
+                    "{head}: {name}  {step}  on {} ranks  median start {}",
+                    st.ranks,
+                    dur(b.start)
+                ),
+                l2,
+            ]
+        }
+    }
+}
+
+/// A rank's total time in a phase at a step (what the cross-rank statistics compare).
+fn per_rank_value(t: &Timeline, rank: u32, phase: u16, step: u32) -> Ns {
+    let lo = t.lanes.partition_point(|l| l.rank < rank);
+    let mut total = 0;
+    for lane in t.lanes[lo..].iter().take_while(|l| l.rank == rank) {
+        for row in &lane.rows {
+            // Only the rows of this phase's depth can hold it; scan the step's time range.
+            let Some(si) = t.step_index(step as u64).filter(|_| step != NO_STEP) else {
+                total += (0..row.len())
+                    .filter(|&k| row.phase[k] == phase && row.step[k] == step)
+                    .map(|k| row.end[k] - row.start[k])
+                    .sum::<Ns>();
+                continue;
+            };
+            let s = &t.steps[si];
+            let a = row.first_ending_after(s.start);
+            let b = row.first_starting_at_or_after(s.end + 1);
+            total += (a..b.max(a))
+                .filter(|&k| row.phase[k] == phase && row.step[k] == step)
+                .map(|k| row.end[k] - row.start[k])
+                .sum::<Ns>();
+        }
+    }
+    total
+}
+
+fn draw_panels(f: &mut Frame, area: Rect, t: &Timeline, v: &View) {
+    let (metrics, summary) = match (v.show_metrics, v.show_summary) {
+        (true, true) => {
+            let [a, b] =
+                Layout::horizontal([Constraint::Percentage(45), Constraint::Percentage(55)])
+                    .areas(area);
+            (Some(a), Some(b))
+        }
+        (true, false) => (Some(area), None),
+        (false, true) => (None, Some(area)),
+        (false, false) => (None, None),
+    };
+    if let Some(a) = metrics {
+        let [l, r] =
+            Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(a);
+        let step = t.step_at(v.cursor).map(|s| s.step);
+        draw_metric(f, l, t, "loss", step);
+        draw_metric(f, r, t, "tps", step);
+    }
+    if let Some(a) = summary {
+        draw_summary(f, a, t);
+    }
+}
+
+fn draw_metric(f: &mut Frame, area: Rect, t: &Timeline, needle: &str, step: Option<u64>) {
+    let Some(m) = t.metric(needle) else {
+        let p = Paragraph::new(format!("no `{needle}` scalar recorded"))
+            .block(Block::bordered().title(needle.to_string()));
+        f.render_widget(p, area);
+        return;
+    };
+    let pts: Vec<(f64, f64)> = m.points.iter().map(|&(s, y)| (s as f64, y)).collect();
+    let (x0, x1) = (
+        pts.first().map_or(0.0, |p| p.0),
+        pts.last().map_or(1.0, |p| p.0),
+    );
+    let (mut y0, mut y1) = pts
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
+            (a.min(p.1), b.max(p.1))
+        });
+    if !y0.is_finite() {
+        (y0, y1) = (0.0, 1.0);
+    }
+    if y1 - y0 < 1e-12 {
+        y1 = y0 + 1.0;
+    }
+    let title = match step.and_then(|s| m.at_step(s).map(|y| (s, y))) {
+        Some((s, y)) => format!(
+            "{}_{} · step {s}: {}",
+            m.name,
+            m.reduce.suffix(),
+            fmt_value(y)
+        ),
+        None => format!("{}_{}", m.name, m.reduce.suffix()),
+    };
+    let cursor_line: Vec<(f64, f64)> = step
+        .map(|s| vec![(s as f64, y0), (s as f64, y1)])
+        .unwrap_or_default();
+    let mut sets = vec![
+        Dataset::default()
+            .marker(symbols::Marker::Braille)
+            .graph_type(GraphType::Line)
+            .style(Style::new().fg(Color::Indexed(75)))
+            .data(&pts),
+    ];
+    if !cursor_line.is_empty() {
+        sets.push(
+            Dataset::default()
+                .marker(symbols::Marker::Braille)
+                .graph_type(GraphType::Line)
+                .style(Style::new().fg(Color::Yellow))
+                .data(&cursor_line),
+        );
+    }
+    let chart = Chart::new(sets)
+        .block(Block::bordered().title(title))
+        .x_axis(
+            Axis::default()
+                .bounds([x0, x1.max(x0 + 1.0)])
+                .labels([format!("{x0:.0}"), format!("step {x1:.0}")])
+                .style(Style::new().fg(DIM)),
+        )
+        .y_axis(
+            Axis::default()
+                .bounds([y0, y1])
+                .labels([fmt_value(y0), fmt_value(y1)])
+                .style(Style::new().fg(DIM)),
+        );
+    f.render_widget(chart, area);
+}
+
+fn fmt_value(v: f64) -> String {
+    let a = v.abs();
+    if a >= 1e6 {
+        format!("{:.2}M", v / 1e6)
+    } else if a >= 1e4 {
+        format!("{:.1}k", v / 1e3)
+    } else if a >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
+    let header = Row::new([
+        "phase", "count", "total", "mean", "p50", "p95", "max", "%step", "slow",
+    ])
+    .style(Style::new().add_modifier(Modifier::BOLD));
+    let rows: Vec<Row> = t
+        .summary
+        .iter()
+        .map(|s| {
+            let name = t.phase_name(s.phase);
+            Row::new(vec![
+                Line::from(vec![
+                    Span::styled("█ ", Style::new().fg(phase_color(name))),
+                    Span::raw(name.to_string()),
+                ]),
+                Line::from(s.count.to_string()),
+                Line::from(dur(s.total)),
+                Line::from(dur(s.mean)),
+                Line::from(dur(s.p50)),
+                Line::from(dur(s.p95)),
+                Line::from(dur(s.max)),
+                Line::from(
+                    s.share_of_step
+                        .map(|x| format!("{:.1}", x * 100.0))
+                        .unwrap_or_else(|| "-".into()),
+                ),
+                Line::from(s.stragglers.to_string()),
+            ])
+        })
+        .collect();
+    let widths = [
+        Constraint::Min(12),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(8),
+        Constraint::Length(6),
+        Constraint::Length(5),
+    ];
+    let table = Table::new(rows, widths)
+        .header(header)
+        .block(Block::bordered().title("phases (all ranks, all steps)"));
+    f.render_widget(table, area);
+}
+
+fn draw_status(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
+    let style = Style::new().bg(Color::Indexed(236)).fg(Color::White);
+    buf.set_style(area, style);
+    let left = if let Some(p) = &v.prompt {
+        format!(" jump to step: {p}▏ (Enter to go, Esc to cancel)")
+    } else if let Some(m) = &v.message {
+        format!(" {m}")
+    } else {
+        let w = v.window;
+        format!(
+            " window {} – {} ({})  cursor {}{}",
+            tick_label(w.t0, nice_step(w.width() as f64 / 100.0)),
+            tick_label(w.t1, nice_step(w.width() as f64 / 100.0)),
+            dur(w.width()),
+            dur(v.cursor),
+            t.step_at(v.cursor)
+                .map(|s| format!(" step {}", s.step))
+                .unwrap_or_default()
+        )
+    };
+    let right =
+        " ←→ move  +/- zoom  [ ] step  g jump  f fit  Enter select  c collapse  ? help  q quit ";
+    buf.set_stringn(area.x, area.y, &left, area.width as usize, style);
+    let rw = right.chars().count() as u16;
+    let lw = left.chars().count() as u16;
+    if area.width > lw + rw {
+        buf.set_stringn(
+            area.right() - rw,
+            area.y,
+            right,
+            rw as usize,
+            style.fg(Color::Indexed(250)),
+        );
+    }
+}
+
+/// Key reference shown by `?`.
+pub const HELP: &[(&str, &str)] = &[
+    ("← → / h l", "move the cursor one column"),
+    ("H L / Shift+← →", "pan a quarter window"),
+    ("↑ ↓ / k j", "move between lanes"),
+    ("PgUp PgDn / wheel", "scroll lanes"),
+    ("+ = i / - o", "zoom in / out around the cursor"),
+    ("f / 0", "fit the whole run"),
+    ("] / n, [ / p", "next / previous step"),
+    ("g N Enter", "jump to step N"),
+    ("Enter / click", "select the span under the cursor"),
+    ("Tab / Shift+Tab", "select next / previous span in the lane"),
+    ("Esc", "clear selection, close help"),
+    (
+        "c",
+        "collapse: one lane per phase (min/median/max across ranks)",
+    ),
+    ("m / s", "toggle metrics charts / phase summary"),
+    ("?", "this help"),
+    ("q / Ctrl+C", "quit"),
+];
+
+fn draw_help(f: &mut Frame, area: Rect) {
+    let w = 72.min(area.width);
+    let h = (HELP.len() as u16 + 6).min(area.height);
+    let r = Rect {
+        x: area.x + (area.width - w) / 2,
+        y: area.y + (area.height - h) / 2,
+        width: w,
+        height: h,
+    };
+    let mut lines: Vec<Line> = HELP
+        .iter()
+        .map(|(k, d)| {
+            Line::from(vec![
+                Span::styled(format!(" {k:<20}"), Style::new().fg(Color::Yellow)),
+                Span::raw(*d),
+            ])
+        })
+        .collect();
+    lines.push(Line::from(""));
+    lines.push(Line::from(
+        " ▓ red = straggler: a rank ≥1.5x the median of that phase at that step",
+    ));
+    lines.push(Line::from(" step row: C checkpoint, V validation"));
+    f.render_widget(Clear, r);
+    f.render_widget(
+        Paragraph::new(lines).block(Block::bordered().title(" keys (? or Esc closes) ")),
+        r,
+    );
+}

@@ -1,0 +1,191 @@
+//! Adapter from the `titan_obs` reader ([`titan_obs::read::Run`]) to the TUI's [`Timeline`],
+//! and the run-directory source that `--follow` polls.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use titan_obs::read::{ReadOptions, Run};
+
+use super::model::{PhaseId, Reduce, Timeline, TimelineBuilder};
+use super::terminal::TimelineSource;
+
+fn reduce(r: titan_obs::Reduce) -> Reduce {
+    match r {
+        titan_obs::Reduce::Mean => Reduce::Mean,
+        titan_obs::Reduce::Max => Reduce::Max,
+        titan_obs::Reduce::Min => Reduce::Min,
+        titan_obs::Reduce::Sum => Reduce::Sum,
+    }
+}
+
+/// Builds the timeline of a loaded run. Spans carry their (rank, step)'s tags; a span is
+/// marked failed when an error record names it as parent.
+pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
+    let mut b = TimelineBuilder::new(title);
+    for &rank in run.ranks.keys() {
+        b.add_rank(rank);
+    }
+    for r in &run.report.missing_ranks {
+        b.add_warning(format!("rank {r} has no readable part"));
+    }
+    for c in &run.report.corrupt_parts {
+        b.add_warning(format!("corrupt part {}: {}", c.path, c.error));
+    }
+
+    let e = &run.errors;
+    let failed: HashSet<(u32, u32, u64)> = (0..e.rank.len())
+        .filter(|&i| e.parent.get(i).is_some_and(|&p| p != 0))
+        .map(|i| {
+            (
+                e.rank[i],
+                e.thread.get(i).copied().unwrap_or(0),
+                e.parent[i],
+            )
+        })
+        .collect();
+
+    let phase_of: Vec<PhaseId> = run.names.iter().map(|n| b.phase(n)).collect();
+    let mut tagset_of: HashMap<u64, u16> = HashMap::new();
+    let s = &run.spans;
+    let has = |v: usize| v == s.len();
+    let (has_start, has_thread, has_depth, has_seq) = (
+        has(s.start_ns.len()),
+        has(s.thread.len()),
+        has(s.depth.len()),
+        has(s.seq.len()),
+    );
+    let mut last_key = (u32::MAX, u64::MAX);
+    let mut last_tagset = 0u16;
+    for i in 0..s.len() {
+        let rank = s.rank[i];
+        let step = s.step[i];
+        if (rank, step) != last_key {
+            last_key = (rank, step);
+            let bits = run.step_tags.get(&(rank, step)).map_or(0, |t| t.0);
+            last_tagset = *tagset_of.entry(bits).or_insert_with(|| {
+                let names: Vec<&str> = titan_obs::read::TagSet(bits)
+                    .iter()
+                    .filter_map(|t| run.tags.get(t as usize).map(String::as_str))
+                    .collect();
+                b.tagset(&names)
+            });
+        }
+        let thread = if has_thread { s.thread[i] } else { 0 };
+        let error = has_seq && !failed.is_empty() && failed.contains(&(rank, thread, s.seq[i]));
+        b.add_span_ids(
+            rank,
+            thread as u64,
+            phase_of[s.name[i] as usize],
+            last_tagset,
+            (step != titan_obs::NO_STEP).then_some(step),
+            if has_start { s.start_ns[i] } else { 0 },
+            s.dur_ns[i],
+            if has_depth {
+                s.depth[i].min(u8::MAX as u16) as u8
+            } else {
+                0
+            },
+            error,
+        );
+    }
+    for (&(_, step), tags) in &run.step_tags {
+        for t in tags.iter() {
+            if let Some(name) = run.tags.get(t as usize) {
+                b.add_step_tag(step, name);
+            }
+        }
+    }
+    let sc = &run.scalars;
+    for i in 0..sc.rank.len() {
+        if sc.step[i] == titan_obs::NO_STEP {
+            continue;
+        }
+        b.add_scalar(
+            run.name(sc.name[i]),
+            sc.step[i],
+            sc.value[i],
+            reduce(sc.reduce[i]),
+        );
+    }
+    b.finish()
+}
+
+/// A run directory (or object store URL) read with `titan_obs::read::load`.
+pub struct RunSource {
+    run: String,
+    title: String,
+    /// What the last load saw, to tell whether anything changed.
+    signature: Option<Signature>,
+    parts: usize,
+}
+
+/// The set of part files (name and size) of a local run; `None` for object store URLs.
+type Signature = Vec<(String, u64)>;
+
+impl RunSource {
+    pub fn new(run: &str) -> Self {
+        let title = Path::new(run.trim_end_matches('/'))
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| run.to_string());
+        Self {
+            run: run.to_string(),
+            title,
+            signature: None,
+            parts: 0,
+        }
+    }
+
+    fn local_signature(&self) -> Option<Signature> {
+        if self.run.contains("://") {
+            return None;
+        }
+        let obs = Path::new(&self.run).join("obs");
+        let mut sig = Vec::new();
+        for rank in std::fs::read_dir(&obs).ok()?.flatten() {
+            for part in std::fs::read_dir(rank.path()).ok()?.flatten() {
+                let name = part.file_name().to_string_lossy().into_owned();
+                // Parts are renamed into place when complete: temporaries are not parts yet.
+                if !name.ends_with(".parquet") || name.starts_with('.') {
+                    continue;
+                }
+                let len = part.metadata().map(|m| m.len()).unwrap_or(0);
+                sig.push((
+                    format!("{}/{name}", rank.file_name().to_string_lossy()),
+                    len,
+                ));
+            }
+        }
+        sig.sort();
+        Some(sig)
+    }
+
+    fn read(&mut self) -> anyhow::Result<Timeline> {
+        let run = titan_obs::read::load(&self.run, &ReadOptions::default())?;
+        self.parts = run.report.parts_read;
+        Ok(timeline_from_run(&run, &self.title))
+    }
+}
+
+impl TimelineSource for RunSource {
+    fn load(&mut self) -> anyhow::Result<Timeline> {
+        self.signature = self.local_signature();
+        self.read()
+    }
+
+    fn reload_if_changed(&mut self) -> anyhow::Result<Option<Timeline>> {
+        let sig = self.local_signature();
+        if sig.is_some() && sig == self.signature {
+            return Ok(None);
+        }
+        let before = self.parts;
+        self.signature = sig;
+        let t = self.read()?;
+        // Object store runs cannot be listed cheaply here: reload and compare part counts.
+        Ok((self.signature.is_some() || self.parts != before).then_some(t))
+    }
+
+    fn describe(&self) -> String {
+        format!("{} parts", self.parts)
+    }
+}
