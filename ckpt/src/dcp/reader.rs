@@ -359,6 +359,15 @@ impl<S: CheckpointStore> DcpReader<S> {
         check_tiling(fqn, t)?;
         let es = t.properties.dtype.size();
         let numel: u64 = t.size.iter().product();
+        if t.chunks.len() == 1 {
+            // One chunk that tiles the tensor is the tensor: no copy.
+            let chunk = self.read_chunk(fqn, 0)?;
+            return Ok(TensorData {
+                dtype: t.properties.dtype,
+                shape: t.size.clone(),
+                data: chunk.data,
+            });
+        }
         let mut out = vec![0u8; numel as usize * es];
         for i in 0..t.chunks.len() {
             let chunk = self.read_chunk(fqn, i)?;

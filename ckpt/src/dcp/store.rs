@@ -68,6 +68,18 @@ impl<S: CheckpointStore + ?Sized> ReadAt for StoreSlice<'_, S> {
         self.len
     }
 
+    /// One store read straight into the returned buffer (no bounce copy for large data).
+    fn read_vec(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        if offset.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read past the end of the item",
+            ));
+        }
+        self.store
+            .read_range(self.relative_path, self.start + offset, len)
+    }
+
     fn read_exact_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let end = offset.checked_add(buf.len() as u64);
         if end.is_none_or(|e| e > self.len) {
@@ -121,6 +133,17 @@ impl<'a, S: CheckpointStore + ?Sized> PrefetchedSlice<'a, S> {
 impl<S: CheckpointStore + ?Sized> ReadAt for PrefetchedSlice<'_, S> {
     fn size(&self) -> u64 {
         self.inner.len
+    }
+
+    fn read_vec(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        let end = offset.saturating_add(len);
+        if end <= self.head.len() as u64 || offset >= self.tail_start {
+            let mut buf = vec![0u8; usize::try_from(len).map_err(io::Error::other)?];
+            self.read_exact_at(offset, &mut buf)?;
+            Ok(buf)
+        } else {
+            self.inner.read_vec(offset, len)
+        }
     }
 
     fn read_exact_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
