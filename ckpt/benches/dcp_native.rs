@@ -45,7 +45,8 @@ fn write(dir: &Path, zstd: bool, data: &[u8]) {
             w.add_tensor_chunk(FileKey { rank, k: 0 }, chunk).unwrap();
         }
     }
-    w.add_object(FileKey::default(), "step", &Value::Int(1)).unwrap();
+    w.add_object(FileKey::default(), "step", &Value::Int(1))
+        .unwrap();
     w.finish().unwrap();
 }
 
@@ -84,7 +85,9 @@ fn bench(c: &mut Criterion) {
     for zstd in [false, true] {
         let name = if zstd { "zstd" } else { "plain" };
         let dir = root.join(name);
-        g.bench_function(format!("write_{name}"), |b| b.iter(|| write(&dir, zstd, &data)));
+        g.bench_function(format!("write_{name}"), |b| {
+            b.iter(|| write(&dir, zstd, &data))
+        });
         write(&dir, zstd, &data);
         g.bench_function(format!("read_{name}"), |b| {
             b.iter(|| {
