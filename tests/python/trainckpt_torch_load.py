@@ -1,0 +1,79 @@
+"""Loads a titan-train DCP checkpoint with torch.distributed.checkpoint into a plain state dict
+and checks it against the expected values (a safetensors file of state key -> tensor).
+
+Also loads its optimizer keys into a real torch.optim.AdamW through
+set_optimizer_state_dict(flatten_optimizer_state_dict=True), as torchtitan does.
+
+usage: trainckpt_torch_load.py CHECKPOINT_DIR EXPECTED.safetensors
+"""
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+warnings.filterwarnings("ignore")
+ckpt_dir, expected_path = sys.argv[1], sys.argv[2]
+expected = load_file(expected_path)
+md = dcp.FileSystemReader(ckpt_dir).read_metadata()
+
+sd = {}
+for key, item in md.state_dict_metadata.items():
+    if isinstance(item, TensorStorageMetadata):
+        sd[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    else:
+        assert isinstance(item, BytesStorageMetadata), (key, item)
+        sd[key] = None
+dcp.load(sd, checkpoint_id=ckpt_dir)
+
+tensor_keys = {k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+missing = tensor_keys - expected.keys()
+assert not missing, f"checkpoint tensors not expected: {sorted(missing)[:5]}"
+assert not (expected.keys() - tensor_keys), f"missing from the checkpoint: {sorted(expected.keys() - tensor_keys)[:5]}"
+for key, want in expected.items():
+    got = sd[key]
+    assert got.dtype == want.dtype and got.shape == want.shape, (key, got.dtype, want.dtype, got.shape, want.shape)
+    assert torch.equal(got, want), f"{key} differs"
+
+step = int(sd["train_state.step"])
+assert sd["lr_scheduler.last_epoch"] == step, sd["lr_scheduler.last_epoch"]
+assert sd["dataloader.world_size"] == 1
+loader = json.loads(sd["dataloader.dp_rank_0"])
+assert loader["dp_rank"] == 0 and loader["dp_world"] == 1, loader
+
+# A module tree with the same fqns, and a real AdamW loading our flattened optimizer state.
+model_keys = [k for k in tensor_keys if not k.startswith(("optimizer.", "train_state."))]
+root = torch.nn.Module()
+for fqn in sorted(model_keys):
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, torch.nn.Parameter(sd[fqn].clone()))
+assert set(root.state_dict().keys()) == set(model_keys)
+opt = torch.optim.AdamW(root.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+options = StateDictOptions(flatten_optimizer_state_dict=True)
+flat = {k[len("optimizer."):]: v for k, v in sd.items() if k.startswith("optimizer.")}
+set_optimizer_state_dict(root, opt, optim_state_dict=flat, options=options)
+back = get_optimizer_state_dict(root, opt, options=options)
+assert set(back.keys()) == set(flat.keys()), sorted(set(back.keys()) ^ set(flat.keys()))[:5]
+for k, v in back.items():
+    if isinstance(v, torch.Tensor):
+        assert torch.equal(v, flat[k]), f"optimizer {k} differs after set_optimizer_state_dict"
+# The optimizer really steps from the loaded state (bias correction uses the loaded step).
+for p in root.parameters():
+    p.grad = torch.ones_like(p)
+opt.step()
+assert all(int(s["step"]) == step + 1 for s in opt.state.values())
+print(f"OK: {len(tensor_keys)} tensors and {len(sd) - len(tensor_keys)} objects match; AdamW resumed at step {step}")

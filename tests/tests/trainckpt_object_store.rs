@@ -1,0 +1,169 @@
+//! titan-train checkpoints to an S3-compatible object store (a local moto server from `.venv`):
+//! saves are uploaded with a commit marker, `keep_latest_k` purges remotely, and a restart
+//! resumes from the store with the straight run's exact losses.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use titan_tests::{bin, python_script, workspace_root};
+
+struct Moto {
+    child: Child,
+    endpoint: String,
+}
+
+impl Moto {
+    fn start() -> Moto {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(workspace_root().join(".venv/bin/moto_server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start .venv/bin/moto_server (pip install 'moto[server]')");
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "moto_server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Moto {
+            child,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    fn s3(&self, args: &[&str]) -> String {
+        let o = python_script("tests/python/ckpt_s3.py")
+            .arg(&self.endpoint)
+            .arg("trainckpt")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "ckpt_s3.py {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const BASE: &[&str] = &[
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--validation.enable=false",
+    "--metrics.log_freq",
+    "1",
+    "--observability.enable=false",
+    "--debug.seed",
+    "42",
+    "--debug.deterministic",
+    "--lr_scheduler.decay_ratio",
+    "0",
+];
+
+fn titan_train(dump: &Path, moto: Option<&Moto>, extra: &[&str]) -> Output {
+    let mut c = Command::new(bin("titan-train"));
+    c.current_dir(workspace_root())
+        .args(BASE)
+        .args(["--job.dump_folder", dump.to_str().unwrap()])
+        .args(extra);
+    if let Some(m) = moto {
+        c.env("AWS_ENDPOINT", &m.endpoint)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1");
+    }
+    let o = c.output().unwrap();
+    assert!(
+        o.status.success(),
+        "titan-train failed:\nstdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn losses(dump: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dump.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "train")
+        .map(|v| serde_json::json!([v["step"], v["loss"], v["grad_norm"]]))
+        .collect()
+}
+
+#[test]
+fn saves_to_s3_purge_there_and_resume_from_there() {
+    let straight = tempfile::tempdir().unwrap();
+    titan_train(straight.path(), None, &["--training.steps", "9"]);
+    let reference = losses(straight.path());
+
+    let moto = Moto::start();
+    moto.s3(&["mkbucket"]);
+    let dump = tempfile::tempdir().unwrap();
+    let ckpt = [
+        "--checkpoint.enable",
+        "--checkpoint.folder",
+        "s3://trainckpt/run/ckpt",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.last_save_model_only=false",
+        "--checkpoint.keep_latest_k",
+        "1",
+    ];
+    titan_train(
+        dump.path(),
+        Some(&moto),
+        &[&["--training.steps", "6"], &ckpt[..]].concat(),
+    );
+    let listing = moto.s3(&["ls", "run/ckpt"]);
+    let mut names: Vec<&str> = listing.lines().collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        vec![
+            "step-6.committed",
+            "step-6/.metadata",
+            "step-6/__0_0.distcp"
+        ],
+        "{listing}"
+    );
+
+    let o = titan_train(
+        dump.path(),
+        Some(&moto),
+        &[&["--training.steps", "9"], &ckpt[..]].concat(),
+    );
+    let log = String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
+    assert!(
+        log.contains("resumed from checkpoint s3://trainckpt/run/ckpt/step-6"),
+        "{log}"
+    );
+    assert_eq!(losses(dump.path())[..], reference[6..]);
+    let listing = moto.s3(&["ls", "run/ckpt"]);
+    assert!(
+        listing.contains("step-9.committed") && !listing.contains("step-6"),
+        "{listing}"
+    );
+}

@@ -1,0 +1,213 @@
+//! The last save in Hugging Face format (`checkpoint.last_save_in_hf`), as torchtitan does it:
+//! each rank writes its weights as DCP sharded safetensors (`sharded/shard-RRRRR-model-...`,
+//! HF names, q/k permuted, `export_dtype`), then the output files are consolidated with
+//! titan-ckpt's consolidate, the files split across ranks, rank 0 writing the index. The layout
+//! is the `fqn_to_index_mapping` of `model.hf_assets_path/model.safetensors.index.json` when it
+//! exists, else files of at most 5 GB. A `config.json` for transformers' LlamaForCausalLM is
+//! written next to the weights.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tch::{Kind, Tensor};
+use titan_ckpt::consolidate::{self, FileLayout, RankShare};
+use titan_ckpt::formats::{self, DCP_SHARDING_INFO, dcp_hf};
+use titan_ckpt::safetensors::{OutEntry, build_header};
+use titan_ckpt::storage::Root;
+use titan_ckpt::write::EngineOptions;
+
+use super::host::HostTensor;
+use super::layout;
+use crate::hf;
+use crate::model::{Llama, ModelArgs};
+use crate::parallel::World;
+
+/// HF's default maximum shard size.
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+const SHARDED: &str = "sharded";
+
+/// Writes the final model of `step` as HF safetensors to `root/step-N`; returns that folder.
+pub fn export(
+    root: &Path,
+    step: u64,
+    model: &Llama,
+    kind: Kind,
+    world: World,
+    hf_assets: Option<&Path>,
+) -> Result<PathBuf> {
+    let partial = layout::partial_dir(root, step);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial)
+            .with_context(|| format!("clearing {}", partial.display()))?;
+    }
+    let result = (|| -> Result<()> {
+        {
+            let _s = titan_obs::span("checkpoint_save");
+            write_sharded(&partial.join(SHARDED), model, kind, world)?;
+        }
+        let _s = titan_obs::span("checkpoint_consolidate");
+        consolidate_shards(&partial, world, hf_assets)?;
+        std::fs::remove_dir_all(partial.join(SHARDED)).context("removing the sharded HF files")?;
+        if world.rank == 0 {
+            let config = hf_config(&model.args, kind);
+            std::fs::write(
+                partial.join("config.json"),
+                serde_json::to_vec_pretty(&config)?,
+            )
+            .context("writing config.json")?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(e);
+    }
+    layout::commit(root, &partial, step)
+}
+
+/// This rank's weights (all of them: they are replicated) as one DCP sharded safetensors file.
+fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: World) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    if world.rank != 0 {
+        // Replicated weights are written once, by rank 0.
+        return Ok(());
+    }
+    let titan: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    let hf_named = tch::no_grad(|| hf::to_hf(&titan, &model.args))?;
+    let mut staged: Vec<(String, HostTensor)> = hf_named
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), HostTensor::from_tensor(t, Some(kind))?)))
+        .collect::<Result<_>>()?;
+    staged.sort_by(|a, b| a.0.cmp(&b.0));
+    let entries: Vec<OutEntry> = staged
+        .iter()
+        .map(|(n, t)| OutEntry {
+            name: n.clone(),
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+        })
+        .collect();
+    let info: serde_json::Map<String, serde_json::Value> = staged
+        .iter()
+        .map(|(n, t)| {
+            (
+                n.clone(),
+                serde_json::json!({"saved_offsets": vec![0u64; t.shape.len()]}),
+            )
+        })
+        .collect();
+    let metadata: BTreeMap<String, String> = [
+        (
+            DCP_SHARDING_INFO.to_string(),
+            serde_json::Value::Object(info).to_string(),
+        ),
+        ("DCP_VERSION".to_string(), "1.0".to_string()),
+        ("format".to_string(), "pt".to_string()),
+    ]
+    .into();
+    let (header, _offsets) = build_header(&entries, &metadata);
+    let path = dir.join(dcp_hf::shard_name(world.rank as u32 + 1, 1, 1));
+    let tmp = path.with_extension("tmp");
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
+    );
+    f.write_all(&header)?;
+    for (_, t) in &staged {
+        f.write_all(&t.data)?;
+    }
+    let f = f.into_inner().map_err(|e| e.into_error())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("renaming to {}", path.display()))?;
+    Ok(())
+}
+
+fn consolidate_shards(out_dir: &Path, world: World, hf_assets: Option<&Path>) -> Result<()> {
+    let plan = dcp_hf::read(&Root::local(out_dir.join(SHARDED)), None)
+        .context("reading the sharded HF files back")?;
+    let layout = match hf_assets
+        .map(|p| p.join(formats::HF_INDEX))
+        .filter(|p| p.is_file())
+    {
+        Some(index) => {
+            let dir = index.parent().expect("index has a parent");
+            FileLayout::Mapping(
+                formats::hf::read_index(&Root::local(dir), formats::HF_INDEX).with_context(
+                    || format!("reading fqn_to_index_mapping from {}", index.display()),
+                )?,
+            )
+        }
+        None => FileLayout::MaxShardSize(DEFAULT_MAX_SHARD_BYTES),
+    };
+    let tensors = consolidate::consolidation_tensors(&plan, None)?;
+    let files = consolidate::plan_files(tensors, &layout)?;
+    let write_index = files.len() > 1 || matches!(layout, FileLayout::Mapping(_));
+    let share = RankShare {
+        rank: world.rank,
+        world_size: world.world_size,
+        wait_timeout: Duration::from_secs(600),
+    };
+    let opts = EngineOptions {
+        workers: 2,
+        window_bytes: 64 << 20,
+        progress: indicatif::ProgressBar::hidden(),
+    };
+    consolidate::run(
+        &plan,
+        &Root::local(out_dir),
+        &files,
+        write_index,
+        share,
+        &opts,
+    )
+    .context("consolidating the HF export")?;
+    Ok(())
+}
+
+/// transformers' `config.json` for this model (LlamaForCausalLM, llama3 RoPE scaling).
+pub fn hf_config(args: &ModelArgs, kind: Kind) -> serde_json::Value {
+    let mut rope = serde_json::json!({"rope_type": "default", "rope_theta": args.rope_theta});
+    if let Some(s) = args.rope_scaling {
+        rope = serde_json::json!({
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings as i64,
+        });
+    }
+    let dtype = match kind {
+        Kind::BFloat16 => "bfloat16",
+        Kind::Half => "float16",
+        _ => "float32",
+    };
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim(),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads(),
+        "head_dim": args.head_dim(),
+        "max_position_embeddings": args.max_seq_len.max(8192),
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": if args.rope_scaling.is_some() { rope.clone() } else { serde_json::Value::Null },
+        "rope_parameters": rope,
+        "tie_word_embeddings": false,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    })
+}

@@ -1,0 +1,131 @@
+//! Object-store destinations (`checkpoint.folder = "s3://bucket/run/ckpt"`, gs://, az://,
+//! file://) through titan-ckpt's storage layer. A save is committed locally first, then
+//! uploaded (span `checkpoint_upload`): data files, `.metadata` last, then a `step-N.committed`
+//! marker next to `step-N/`. Object stores have no atomic directory rename, so the marker is the
+//! commit: a step without it (an interrupted upload) is never loaded.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use titan_ckpt::dcp::{DcpReader, METADATA_FILE, ReadOptions};
+use titan_ckpt::formats::dcp_native::RootStore;
+use titan_ckpt::storage::Root;
+
+use super::layout;
+use super::load::DcpSource;
+
+const MARKER_SUFFIX: &str = ".committed";
+
+/// The checkpoint folder in an object store.
+#[derive(Clone)]
+pub struct Remote {
+    root: Root,
+}
+
+/// Whether `folder` names an object store (or file://) URL rather than a local path.
+pub fn is_url(folder: &str) -> bool {
+    folder.contains("://")
+}
+
+impl Remote {
+    pub fn parse(url: &str) -> Result<Self> {
+        let root = Root::parse(url).with_context(|| format!("checkpoint.folder `{url}`"))?;
+        Ok(Self { root })
+    }
+
+    pub fn display(&self) -> String {
+        self.root.display()
+    }
+
+    fn marker(step: u64) -> String {
+        format!("{}{MARKER_SUFFIX}", layout::step_dir_name(step))
+    }
+
+    /// Committed steps, ascending.
+    pub fn complete_steps(&self) -> Result<Vec<u64>> {
+        let listing = match self.root.list() {
+            Ok(l) => l,
+            // A local (file://) folder that does not exist yet holds no checkpoint.
+            Err(_) if self.root.local_dir().is_some_and(|d| !d.exists()) => return Ok(Vec::new()),
+            Err(e) => return Err(e).with_context(|| format!("listing {}", self.root.display())),
+        };
+        let mut steps: Vec<u64> = listing
+            .iter()
+            .filter_map(|(name, _)| {
+                name.strip_suffix(MARKER_SUFFIX)?
+                    .strip_prefix("step-")?
+                    .parse()
+                    .ok()
+            })
+            .collect();
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    /// Uploads the committed local checkpoint `dir` as `step-N`, `.metadata` last, then the marker.
+    pub fn upload(&self, dir: &Path, step: u64) -> Result<u64> {
+        let _s = titan_obs::span("checkpoint_upload");
+        let dest = self.root.join(&layout::step_dir_name(step))?;
+        dest.create_dir_all()?;
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .with_context(|| format!("listing {}", dir.display()))?
+            .flatten()
+            .filter(|e| e.path().is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        // Data first, `.metadata` (what makes a DCP directory a checkpoint) last.
+        files.sort_by_key(|f| (f == METADATA_FILE, f.clone()));
+        let mut total = 0u64;
+        for name in &files {
+            let path = dir.join(name);
+            let size = std::fs::metadata(&path)?.len();
+            let out = dest.create(name, Some(size))?;
+            let mut f = std::fs::File::open(&path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            let mut buf = vec![0u8; 8 << 20];
+            let mut offset = 0u64;
+            loop {
+                let n = std::io::Read::read(&mut f, &mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                out.write_at(offset, &buf[..n])?;
+                offset += n as u64;
+            }
+            out.finish()
+                .with_context(|| format!("uploading {}", dest.display_file(name)))?;
+            total += size;
+        }
+        self.root
+            .write_small(&Self::marker(step), step.to_string().as_bytes())
+            .with_context(|| format!("committing step {step} in {}", self.root.display()))?;
+        Ok(total)
+    }
+
+    /// Deletes all but the newest `keep` committed steps (marker first, so a half-deleted step
+    /// is never loaded).
+    pub fn purge(&self, keep: u64) -> Result<Vec<u64>> {
+        if keep == 0 {
+            return Ok(Vec::new());
+        }
+        let steps = self.complete_steps()?;
+        let n = steps.len().saturating_sub(keep as usize);
+        for step in &steps[..n] {
+            self.root.remove(&Self::marker(*step))?;
+            let dir = self.root.join(&layout::step_dir_name(*step))?;
+            for (name, _) in dir.list().unwrap_or_default() {
+                dir.remove(&name)?;
+            }
+        }
+        Ok(steps[..n].to_vec())
+    }
+
+    /// The committed checkpoint of `step` as a state source.
+    pub fn source(&self, step: u64) -> Result<DcpSource<RootStore>> {
+        let dir = self.root.join(&layout::step_dir_name(step))?;
+        let shown = dir.display();
+        let reader = DcpReader::with_store(RootStore::new(dir), ReadOptions::default())
+            .with_context(|| format!("opening the DCP checkpoint {shown}"))?;
+        Ok(DcpSource::new(reader, shown))
+    }
+}

@@ -1,0 +1,380 @@
+//! The training state as torchtitan's CheckpointManager lays it out in DCP: a flat list of
+//! state keys with their planner paths (where each sits in the nested state dict).
+//!
+//! - model: `<fqn>` at the top level (torchtitan flattens the model state dict into the root);
+//! - optimizer: `optimizer.state.<fqn>.exp_avg` / `exp_avg_sq` / `step` (0-dim f32 tensor) and
+//!   `optimizer.param_groups.<fqn>.<hparam>` (torch's `_flatten_optim_state_dict`);
+//! - lr_scheduler: LambdaLR's `state_dict()` keys (`last_epoch`, `_step_count`, `base_lrs`, ...);
+//! - dataloader: `dataloader.dp_rank_<r>` (this rank's position, JSON bytes) and
+//!   `dataloader.world_size`;
+//! - train_state: `train_state.step` (int32) and `train_state.ntokens_seen` (int64), 0-dim.
+
+use anyhow::{Context, Result, bail};
+use tch::{Device, Kind};
+use titan_ckpt::dcp::PathPart;
+use titan_ckpt::dcp::pickle::Value;
+
+use super::host::HostTensor;
+use crate::data::{LoaderState, TextLoader};
+use crate::lr_scheduler::LrSchedule;
+use crate::model::Llama;
+use crate::optim::{AdamW, ParamState};
+
+pub const OPTIMIZER: &str = "optimizer";
+pub const LR_SCHEDULER: &str = "lr_scheduler";
+pub const DATALOADER: &str = "dataloader";
+pub const TRAIN_STATE: &str = "train_state";
+/// The name `checkpoint.exclude_from_loading` uses for all model weights.
+pub const MODEL: &str = "model";
+
+/// What training hands to checkpointing: borrowed, never cloned.
+pub struct TrainerState<'a> {
+    pub model: &'a Llama,
+    pub optimizer: &'a mut AdamW,
+    pub loader: &'a mut TextLoader,
+    pub schedule: &'a LrSchedule,
+}
+
+/// A staged value: a tensor in host memory or a picklable object.
+#[derive(Debug, Clone)]
+pub enum StagedValue {
+    Tensor(HostTensor),
+    Object(Value),
+}
+
+/// One state key, ready to be written by any thread.
+#[derive(Debug, Clone)]
+pub struct StagedItem {
+    pub key: String,
+    pub planner_path: Vec<PathPart>,
+    pub value: StagedValue,
+}
+
+/// Everything one rank writes for one checkpoint.
+#[derive(Debug, Clone, Default)]
+pub struct StagedState {
+    pub step: u64,
+    pub items: Vec<StagedItem>,
+}
+
+impl StagedState {
+    pub fn nbytes(&self) -> usize {
+        self.items
+            .iter()
+            .map(|i| match &i.value {
+                StagedValue::Tensor(t) => t.nbytes(),
+                StagedValue::Object(_) => 0,
+            })
+            .sum()
+    }
+
+    fn push(&mut self, top: Option<&str>, key: String, value: StagedValue) {
+        let (full, path) = match top {
+            Some(top) => (
+                format!("{top}.{key}"),
+                vec![PathPart::Key(top.to_string()), PathPart::Key(key)],
+            ),
+            None => (key.clone(), vec![PathPart::Key(key)]),
+        };
+        self.items.push(StagedItem {
+            key: full,
+            planner_path: path,
+            value,
+        });
+    }
+}
+
+/// The step's counters carried in `train_state`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TrainCounters {
+    pub step: u64,
+    pub ntokens_seen: u64,
+}
+
+/// What to stage.
+#[derive(Debug, Clone, Copy)]
+pub struct StageOptions {
+    /// Only the model weights (seed checkpoints and `last_save_model_only`).
+    pub model_only: bool,
+    /// Cast the model weights (model-only saves: `export_dtype`).
+    pub model_kind: Option<Kind>,
+    /// This rank writes the replicated state (model, optimizer, lr_scheduler, train_state).
+    pub owns_replicated: bool,
+    pub dp_rank: u64,
+    pub dp_degree: u64,
+}
+
+/// Copies the state into host memory (the `stage` phase; the only part that must block training).
+pub fn stage(
+    state: &TrainerState<'_>,
+    counters: TrainCounters,
+    opts: StageOptions,
+) -> Result<StagedState> {
+    let mut out = StagedState {
+        step: counters.step,
+        items: Vec::new(),
+    };
+    if opts.owns_replicated {
+        for (fqn, p) in state.model.named_parameters() {
+            let t = HostTensor::from_tensor(p, opts.model_kind)
+                .with_context(|| format!("staging model parameter `{fqn}`"))?;
+            out.push(None, fqn.clone(), StagedValue::Tensor(t));
+        }
+    }
+    if opts.model_only {
+        return Ok(out);
+    }
+    if opts.owns_replicated {
+        stage_optimizer(&mut out, state, counters)?;
+        stage_lr_scheduler(&mut out, state.schedule, counters.step);
+        out.push(
+            Some(TRAIN_STATE),
+            "step".into(),
+            StagedValue::Tensor(HostTensor::scalar_i32(counters.step as i32)),
+        );
+        out.push(
+            Some(TRAIN_STATE),
+            "ntokens_seen".into(),
+            StagedValue::Tensor(HostTensor::scalar_i64(counters.ntokens_seen as i64)),
+        );
+        out.push(
+            Some(DATALOADER),
+            "world_size".into(),
+            StagedValue::Object(Value::Int(opts.dp_degree as i64)),
+        );
+    }
+    let loader =
+        serde_json::to_vec(state.loader.state()).context("serializing the loader state")?;
+    out.push(
+        Some(DATALOADER),
+        format!("dp_rank_{}", opts.dp_rank),
+        StagedValue::Object(Value::Bytes(loader)),
+    );
+    Ok(out)
+}
+
+fn stage_optimizer(
+    out: &mut StagedState,
+    state: &TrainerState<'_>,
+    counters: TrainCounters,
+) -> Result<()> {
+    let hp = state.optimizer.hparams;
+    let lr = state.schedule.lr_for_step(counters.step.max(1));
+    for (fqn, _) in state.model.named_parameters() {
+        if let Some(s) = state.optimizer.state.get(fqn) {
+            let m = HostTensor::from_tensor(&s.exp_avg, None)
+                .with_context(|| format!("staging exp_avg of `{fqn}`"))?;
+            let v = HostTensor::from_tensor(&s.exp_avg_sq, None)
+                .with_context(|| format!("staging exp_avg_sq of `{fqn}`"))?;
+            // torch.optim.AdamW keeps `step` as a 0-dim float32 tensor.
+            let step = HostTensor::scalar_f32(s.step as f32);
+            out.push(
+                Some(OPTIMIZER),
+                format!("state.{fqn}.step"),
+                StagedValue::Tensor(step),
+            );
+            out.push(
+                Some(OPTIMIZER),
+                format!("state.{fqn}.exp_avg"),
+                StagedValue::Tensor(m),
+            );
+            out.push(
+                Some(OPTIMIZER),
+                format!("state.{fqn}.exp_avg_sq"),
+                StagedValue::Tensor(v),
+            );
+        }
+        // torch.optim.AdamW's param_group entries, as torch 2.13 names them.
+        let group: [(&str, Value); 12] = [
+            ("lr", Value::Float(lr)),
+            (
+                "betas",
+                Value::Tuple(vec![Value::Float(hp.beta1), Value::Float(hp.beta2)]),
+            ),
+            ("eps", Value::Float(hp.eps)),
+            ("weight_decay", Value::Float(hp.weight_decay)),
+            ("amsgrad", Value::Bool(false)),
+            ("foreach", Value::None),
+            ("maximize", Value::Bool(false)),
+            ("capturable", Value::Bool(false)),
+            ("differentiable", Value::Bool(false)),
+            ("fused", Value::None),
+            ("decoupled_weight_decay", Value::Bool(true)),
+            ("initial_lr", Value::Float(state.schedule.base_lr)),
+        ];
+        for (name, value) in group {
+            out.push(
+                Some(OPTIMIZER),
+                format!("param_groups.{fqn}.{name}"),
+                StagedValue::Object(value),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// LambdaLR's `state_dict()` after `step` scheduler steps (the schedule itself is a pure
+/// function of the step, so this is all it needs to resume).
+fn stage_lr_scheduler(out: &mut StagedState, schedule: &LrSchedule, step: u64) {
+    let last_lr = schedule.base_lr * schedule.factor(step);
+    let items = [
+        (
+            "base_lrs",
+            Value::List(vec![Value::Float(schedule.base_lr)]),
+        ),
+        ("last_epoch", Value::Int(step as i64)),
+        ("_step_count", Value::Int(step as i64 + 1)),
+        ("_get_lr_called_within_step", Value::Bool(false)),
+        ("_last_lr", Value::List(vec![Value::Float(last_lr)])),
+        ("lr_lambdas", Value::List(vec![Value::None])),
+    ];
+    for (name, value) in items {
+        out.push(Some(LR_SCHEDULER), name.into(), StagedValue::Object(value));
+    }
+}
+
+/// Reads state keys back, whatever stores them (a DCP reader in practice).
+pub trait StateSource {
+    fn has(&self, key: &str) -> bool;
+    fn tensor(&self, key: &str) -> Result<HostTensor>;
+    fn object(&self, key: &str) -> Result<Value>;
+}
+
+/// Which parts to load.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub model_only: bool,
+    /// `checkpoint.exclude_from_loading`: `model`, `optimizer`, `lr_scheduler`, `dataloader`,
+    /// `train_state`, or any state key prefix.
+    pub exclude: Vec<String>,
+    pub dp_rank: u64,
+}
+
+impl LoadOptions {
+    fn excluded(&self, key: &str, top: &str) -> bool {
+        self.exclude
+            .iter()
+            .any(|e| e == top || key == e || key.starts_with(&format!("{e}.")))
+    }
+}
+
+/// Loads what `opts` allows into the trainer; returns the restored counters (zero when the
+/// source is model-only or train_state is excluded).
+pub fn apply(
+    src: &dyn StateSource,
+    state: &mut TrainerState<'_>,
+    opts: &LoadOptions,
+) -> Result<TrainCounters> {
+    let device = state.model.device();
+    for (fqn, p) in state.model.named_parameters() {
+        if opts.excluded(fqn, MODEL) {
+            continue;
+        }
+        if !src.has(fqn) {
+            bail!(
+                "the checkpoint has no model weight `{fqn}` (is it a checkpoint of this model flavor?)"
+            );
+        }
+        let t = src
+            .tensor(fqn)?
+            .to_tensor(device)
+            .with_context(|| format!("model weight `{fqn}`"))?;
+        let t = if t.kind() != p.kind() {
+            t.to_kind(p.kind())
+        } else {
+            t
+        };
+        state.model.set_parameter(fqn, &t)?;
+    }
+    let mut counters = TrainCounters::default();
+    if opts.model_only {
+        return Ok(counters);
+    }
+    let full = src.has(&format!("{TRAIN_STATE}.step"));
+    if !full {
+        bail!(
+            "the checkpoint holds only model weights (saved with last_save_model_only or as a seed); \
+             load it with checkpoint.initial_load_path + initial_load_model_only, or pick a full \
+             checkpoint with checkpoint.load_step"
+        );
+    }
+    if !opts.excluded("optimizer.", OPTIMIZER) {
+        load_optimizer(src, state, device)?;
+    }
+    if !opts.excluded("train_state.", TRAIN_STATE) {
+        counters.step = src.tensor(&format!("{TRAIN_STATE}.step"))?.scalar_value()? as u64;
+        let tokens = format!("{TRAIN_STATE}.ntokens_seen");
+        if src.has(&tokens) {
+            counters.ntokens_seen = src.tensor(&tokens)?.scalar_value()? as u64;
+        }
+    }
+    if !opts.excluded("dataloader.", DATALOADER) {
+        let key = format!("{DATALOADER}.dp_rank_{}", opts.dp_rank);
+        if !src.has(&key) {
+            bail!(
+                "the checkpoint has no dataloader state `{key}` for this dp rank (saved with fewer dp ranks?)"
+            );
+        }
+        let Value::Bytes(bytes) = src.object(&key)? else {
+            bail!("dataloader state `{key}` is not a bytes value");
+        };
+        let loader: LoaderState = serde_json::from_slice(&bytes).with_context(|| {
+            format!("dataloader state `{key}` is not titan-train's loader state")
+        })?;
+        state.loader.load_state(loader)?;
+    }
+    // lr_scheduler: the schedule is a pure function of train_state.step; its saved state is for
+    // torch readers. Checked for consistency when present.
+    let last_epoch = format!("{LR_SCHEDULER}.last_epoch");
+    if !opts.excluded(&last_epoch, LR_SCHEDULER)
+        && src.has(&last_epoch)
+        && counters.step > 0
+        && let Value::Int(e) = src.object(&last_epoch)?
+        && e as u64 != counters.step
+    {
+        bail!(
+            "lr_scheduler.last_epoch {e} disagrees with train_state.step {}",
+            counters.step
+        );
+    }
+    Ok(counters)
+}
+
+fn load_optimizer(
+    src: &dyn StateSource,
+    state: &mut TrainerState<'_>,
+    device: Device,
+) -> Result<()> {
+    state.optimizer.state.clear();
+    for (fqn, p) in state.model.named_parameters() {
+        let key = |name: &str| format!("{OPTIMIZER}.state.{fqn}.{name}");
+        if !src.has(&key("exp_avg")) {
+            // A parameter that never had a gradient has no optimizer state (as in torch).
+            continue;
+        }
+        let read = |name: &str| -> Result<tch::Tensor> {
+            let t = src.tensor(&key(name))?.to_tensor(device)?;
+            if t.size() != p.size() {
+                bail!(
+                    "`{}` has shape {:?}, the parameter has {:?}",
+                    key(name),
+                    t.size(),
+                    p.size()
+                );
+            }
+            Ok(t.to_kind(p.kind()))
+        };
+        let exp_avg = read("exp_avg")?;
+        let exp_avg_sq = read("exp_avg_sq")?;
+        let step = src.tensor(&key("step"))?.scalar_value()? as u64;
+        state.optimizer.state.insert(
+            fqn.clone(),
+            ParamState {
+                step,
+                exp_avg,
+                exp_avg_sq,
+            },
+        );
+    }
+    Ok(())
+}
