@@ -1,10 +1,14 @@
 //! Embeds libtorch's directory as an rpath so `titan-train` runs without LD_LIBRARY_PATH, and
 //! keeps libtorch_cuda linked (the linker would drop it as unused with --as-needed, and then
 //! CUDA would silently be unavailable on GPU machines).
+//!
+//! Also compiles `cpp/tcpstore_shim.cpp`: libtorch's c10d TCPStore (the rendezvous store torchrun
+//! and torch.distributed speak) behind a C ABI, against the headers of the same libtorch.
 use std::path::Path;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rerun-if-changed=cpp/tcpstore_shim.cpp");
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };
@@ -19,4 +23,22 @@ fn main() {
         println!("cargo:rustc-link-arg=-ltorch_cuda");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
     }
+    build_tcpstore_shim(lib);
+}
+
+fn build_tcpstore_shim(lib: &Path) {
+    let include = lib.join("../include");
+    cc::Build::new()
+        .cpp(true)
+        .file("cpp/tcpstore_shim.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        // libtorch's headers are noisy under -Wall; the shim itself is tiny.
+        .warnings(false)
+        .compile("titan_tcpstore_shim");
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rustc-link-lib=dylib=torch_cpu");
+    println!("cargo:rustc-link-lib=dylib=c10");
 }

@@ -1,0 +1,191 @@
+//! The `cpu` backend: [`Collectives`] on CPU tensors over the TCP ring of [`super::ring`].
+
+use std::sync::Arc;
+
+use tch::{Device, Kind, Tensor};
+
+use super::comm::{Collectives, CommError, ReduceOp, check_split};
+use super::connect::{SocketOptions, connect_ring};
+use super::elem::Elem;
+use super::ring::Ring;
+use super::store::TcpStore;
+
+/// Store key where the first failing rank describes the failure for everyone else.
+pub const FAILURE_KEY: &str = "titan/failure";
+
+/// A group of ranks running collectives on CPU tensors.
+pub struct CpuGroup {
+    ring: Ring,
+    store: Option<Arc<TcpStore>>,
+}
+
+impl CpuGroup {
+    /// Connects the ring of `members` (global ranks; this process is `members[me]`). Every member
+    /// must call this with the same `name` and `members`.
+    pub fn connect(
+        store: Arc<TcpStore>,
+        store_host: &str,
+        name: &str,
+        members: Vec<usize>,
+        me: usize,
+        opts: &SocketOptions,
+    ) -> Result<CpuGroup, CommError> {
+        let (next, prev) = if members.len() > 1 {
+            let (n, p) = connect_ring(&store, name, &members, me, opts, store_host)?;
+            (Some(n), Some(p))
+        } else {
+            (None, None)
+        };
+        Ok(CpuGroup {
+            ring: Ring::new(me, members, next, prev, opts.segment_bytes, opts.timeout),
+            store: Some(store),
+        })
+    }
+
+    /// Posts this failure to the store unless another rank posted first, and, if one did, adds
+    /// that first failure to the error (the root cause is usually there, not here).
+    fn report(&self, err: CommError) -> CommError {
+        let Some(store) = &self.store else { return err };
+        let own = err.to_string();
+        match store.compare_set(FAILURE_KEY, b"", own.as_bytes()) {
+            Ok(first) if first != own.as_bytes() => CommError::AfterPeerFailure {
+                own: Box::new(err),
+                first: String::from_utf8_lossy(&first).into_owned(),
+            },
+            _ => err,
+        }
+    }
+
+    /// A group of just this process: every collective is a local no-op (or copy).
+    pub fn single() -> CpuGroup {
+        CpuGroup {
+            ring: Ring::new(
+                0,
+                vec![0],
+                None,
+                None,
+                1 << 20,
+                std::time::Duration::from_secs(1),
+            ),
+            store: None,
+        }
+    }
+
+    /// Sets how long a collective waits for a peer that makes no progress.
+    pub fn set_timeout(&mut self, timeout: std::time::Duration) -> std::io::Result<()> {
+        self.ring.set_timeout(timeout)
+    }
+
+    fn global_rank(&self) -> usize {
+        self.ring.members[self.ring.rank]
+    }
+}
+
+/// Runs `f` on the bytes of `t` (a CPU tensor), through a contiguous copy if needed.
+fn with_bytes<R>(
+    op: &'static str,
+    t: &Tensor,
+    f: impl FnOnce(&mut [u8], Elem) -> Result<R, CommError>,
+) -> Result<R, CommError> {
+    if t.device() != Device::Cpu {
+        return Err(CommError::BadArgument {
+            op,
+            message: format!(
+                "the cpu backend needs CPU tensors, got one on {:?}",
+                t.device()
+            ),
+        });
+    }
+    let elem = Elem::from_kind(t.kind()).ok_or_else(|| CommError::BadArgument {
+        op,
+        message: format!("unsupported dtype {:?}", t.kind()),
+    })?;
+    let work = if t.is_contiguous() {
+        t.shallow_clone()
+    } else {
+        t.contiguous()
+    };
+    let len = work.numel() * elem.size();
+    let result = if len == 0 {
+        f(&mut [], elem)?
+    } else {
+        // SAFETY: `work` is a contiguous CPU tensor of `len` bytes that this call borrows
+        // exclusively (collectives mutate in place, as torch.distributed's do).
+        let bytes = unsafe { std::slice::from_raw_parts_mut(work.data_ptr().cast::<u8>(), len) };
+        f(bytes, elem)?
+    };
+    if !t.is_contiguous() {
+        t.shallow_clone().copy_(&work);
+    }
+    Ok(result)
+}
+
+impl Collectives for CpuGroup {
+    fn rank(&self) -> usize {
+        self.ring.rank
+    }
+
+    fn size(&self) -> usize {
+        self.ring.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn all_reduce(&mut self, tensor: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        let r = with_bytes("all_reduce", tensor, |b, e| self.ring.all_reduce(b, e, op));
+        r.map_err(|e| self.report(e))
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let k = check_split("reduce_scatter", input, output, self.size())? as i64;
+        // The ring reduces in place; the caller's input stays untouched, as in torch.
+        let work = input.reshape([-1]).copy();
+        let r = with_bytes("reduce_scatter", &work, |b, e| {
+            self.ring.reduce_scatter(b, e, op)
+        });
+        r.map_err(|e| self.report(e))?;
+        let mine = work.narrow(0, self.rank() as i64 * k, k);
+        output.shallow_clone().copy_(&mine.reshape(output.size()));
+        Ok(())
+    }
+
+    fn all_gather(&mut self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
+        let k = check_split("all_gather", output, input, self.size())? as i64;
+        let flat = if output.is_contiguous() {
+            output.view([-1])
+        } else {
+            output.reshape([-1]).copy()
+        };
+        flat.narrow(0, self.rank() as i64 * k, k)
+            .copy_(&input.reshape([-1]));
+        let r = with_bytes("all_gather", &flat, |b, e| self.ring.all_gather(b, e));
+        r.map_err(|e| self.report(e))?;
+        if !output.is_contiguous() {
+            output.shallow_clone().copy_(&flat.reshape(output.size()));
+        }
+        Ok(())
+    }
+
+    fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
+        if root >= self.size() {
+            return Err(CommError::BadArgument {
+                op: "broadcast",
+                message: format!("root {root} is not a rank of this group of {}", self.size()),
+            });
+        }
+        let r = with_bytes("broadcast", tensor, |b, _| self.ring.broadcast(b, root));
+        r.map_err(|e| self.report(e))
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        let t = Tensor::from_slice(&[self.global_rank() as i32]).to_kind(Kind::Int);
+        self.all_reduce(&t, ReduceOp::Sum)
+    }
+}

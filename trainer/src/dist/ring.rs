@@ -1,0 +1,378 @@
+//! The cpu backend's transport: each rank holds a TCP connection to the next rank of the ring
+//! and one from the previous, and runs gloo-style chunked, pipelined ring algorithms over them.
+//!
+//! A buffer is cut into `size` chunks (one per rank) and each chunk into segments. A helper
+//! thread writes segments to the next rank while this thread reads segments from the previous
+//! rank and reduces (or copies) them in place; a segment is queued for sending as soon as it has
+//! been reduced, so sending, receiving and reducing overlap. Every rank cuts segments at the same
+//! boundaries, which is what makes the in-place overwrite safe: a segment is overwritten only
+//! after the data that depends on its earlier contents has travelled the whole ring.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use super::comm::{CommError, ReduceOp};
+use super::elem::{Elem, reduce_into};
+
+/// One rank's two ring connections.
+pub struct Ring {
+    pub rank: usize,
+    pub size: usize,
+    /// Global ranks of the group members, for error messages.
+    pub members: Vec<usize>,
+    /// To rank+1 (absent for a group of one).
+    next: Option<TcpStream>,
+    /// From rank-1.
+    prev: Option<TcpStream>,
+    segment_bytes: usize,
+    timeout: Duration,
+    /// Receive buffer for reductions; u64-backed so every element type is aligned.
+    scratch: Vec<u64>,
+}
+
+/// What to do with a received segment.
+#[derive(Clone, Copy)]
+enum Mode {
+    Reduce(ReduceOp),
+    Copy,
+}
+
+/// A region of the caller's buffer queued for sending. Raw because the sender thread reads it
+/// while this thread writes other, disjoint regions of the same buffer.
+struct Seg {
+    ptr: *const u8,
+    len: usize,
+}
+// SAFETY: the pointed-to buffer outlives the scoped sender thread, and a segment is never written
+// while it is queued (see the module docs).
+unsafe impl Send for Seg {}
+
+impl Ring {
+    pub fn new(
+        rank: usize,
+        members: Vec<usize>,
+        next: Option<TcpStream>,
+        prev: Option<TcpStream>,
+        segment_bytes: usize,
+        timeout: Duration,
+    ) -> Ring {
+        Ring {
+            rank,
+            size: members.len(),
+            members,
+            next,
+            prev,
+            segment_bytes: segment_bytes.max(64),
+            timeout,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Sets the no-progress timeout of both connections.
+    pub fn set_timeout(&mut self, timeout: Duration) -> io::Result<()> {
+        self.timeout = timeout;
+        for s in [&self.next, &self.prev].into_iter().flatten() {
+            s.set_read_timeout(Some(timeout))?;
+            s.set_write_timeout(Some(timeout))?;
+        }
+        Ok(())
+    }
+
+    fn next_rank(&self) -> usize {
+        self.members[(self.rank + 1) % self.size]
+    }
+
+    fn prev_rank(&self) -> usize {
+        self.members[(self.rank + self.size - 1) % self.size]
+    }
+
+    /// Boundaries of the `size` chunks of a buffer of `numel` elements: equal chunks, the
+    /// remainder spread over the first ones.
+    fn chunks(&self, numel: usize) -> Vec<(usize, usize)> {
+        let base = numel / self.size;
+        let extra = numel % self.size;
+        let mut out = Vec::with_capacity(self.size);
+        let mut lo = 0;
+        for c in 0..self.size {
+            let n = base + usize::from(c < extra);
+            out.push((lo, lo + n));
+            lo += n;
+        }
+        out
+    }
+
+    /// Segments of the element range [lo, hi), as byte ranges.
+    fn segments(&self, elem: Elem, lo: usize, hi: usize) -> impl Iterator<Item = (usize, usize)> {
+        let es = elem.size();
+        let per = (self.segment_bytes / es).max(1);
+        (lo..hi)
+            .step_by(per)
+            .map(move |s| (s * es, (s + per).min(hi) * es))
+    }
+
+    /// In-place sum/max all-reduce of `buf` (elements of type `elem`).
+    pub fn all_reduce(
+        &mut self,
+        buf: &mut [u8],
+        elem: Elem,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let chunks = self.chunks(buf.len() / elem.size());
+        let (n, r) = (self.size, self.rank);
+        // Reduce-scatter: at step s send chunk r-s-1, receive and reduce chunk r-s-2; rank r ends
+        // with the reduced chunk r. All-gather: send chunk r-s, receive chunk r-s-1.
+        let mut steps: Vec<(usize, Mode)> = (0..n - 1)
+            .map(|s| ((r + 2 * n - s - 2) % n, Mode::Reduce(op)))
+            .collect();
+        steps.extend((0..n - 1).map(|s| ((r + 2 * n - s - 1) % n, Mode::Copy)));
+        let first_send = (r + n - 1) % n;
+        self.run("all_reduce", buf, elem, &chunks, first_send, &steps)
+    }
+
+    /// Reduce-scatter over equal-size chunks in place: afterwards chunk `rank` of `buf` holds the
+    /// reduction of every rank's chunk `rank`; the other chunks hold partial sums.
+    pub fn reduce_scatter(
+        &mut self,
+        buf: &mut [u8],
+        elem: Elem,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let chunks = self.chunks(buf.len() / elem.size());
+        let (n, r) = (self.size, self.rank);
+        let steps: Vec<(usize, Mode)> = (0..n - 1)
+            .map(|s| ((r + 2 * n - s - 2) % n, Mode::Reduce(op)))
+            .collect();
+        self.run(
+            "reduce_scatter",
+            buf,
+            elem,
+            &chunks,
+            (r + n - 1) % n,
+            &steps,
+        )
+    }
+
+    /// All-gather in place: chunk `rank` of `buf` is this rank's input; afterwards every chunk
+    /// holds its rank's input.
+    pub fn all_gather(&mut self, buf: &mut [u8], elem: Elem) -> Result<(), CommError> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let chunks = self.chunks(buf.len() / elem.size());
+        let (n, r) = (self.size, self.rank);
+        let steps: Vec<(usize, Mode)> = (0..n - 1)
+            .map(|s| ((r + 2 * n - s - 1) % n, Mode::Copy))
+            .collect();
+        self.run("all_gather", buf, elem, &chunks, r, &steps)
+    }
+
+    /// Pipelined chain broadcast from `root` around the ring.
+    pub fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let n = self.size;
+        let all = [(0, buf.len())];
+        if self.rank == root {
+            return self.run("broadcast", buf, Elem::U8, &all, 0, &[]);
+        }
+        // The last rank of the chain (the one before root) does not forward.
+        let forward = (self.rank + 1) % n != root;
+        self.run_chain("broadcast", buf, forward)
+    }
+
+    /// The pipelined engine: queue chunk `first_send`, then for each step receive its chunk
+    /// segment by segment, reduce or copy it in place, and queue it for the next step's send.
+    fn run(
+        &mut self,
+        op_name: &'static str,
+        buf: &mut [u8],
+        elem: Elem,
+        chunks: &[(usize, usize)],
+        first_send: usize,
+        steps: &[(usize, Mode)],
+    ) -> Result<(), CommError> {
+        let seg_bytes = self.segment_bytes;
+        if self.scratch.len() * 8 < seg_bytes + 8 {
+            self.scratch = vec![0u64; seg_bytes / 8 + 2];
+        }
+        let (first_lo, first_hi) = chunks[first_send];
+        let first: Vec<(usize, usize)> = self.segments(elem, first_lo, first_hi).collect();
+        let step_segs: Vec<Vec<(usize, usize)>> = steps
+            .iter()
+            .map(|&(c, _)| self.segments(elem, chunks[c].0, chunks[c].1).collect())
+            .collect();
+        let base = buf.as_mut_ptr();
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let result = self.pipeline(op_name, |prev, tx| {
+            for &(a, b) in &first {
+                // SAFETY: in bounds of `buf`.
+                let _ = tx.send(Seg {
+                    ptr: unsafe { base.add(a) },
+                    len: b - a,
+                });
+            }
+            for (i, &(_, mode)) in steps.iter().enumerate() {
+                let forward = i + 1 < steps.len();
+                for &(a, b) in &step_segs[i] {
+                    // SAFETY: [a, b) is in bounds of `buf` and not queued for sending (it was
+                    // sent a full ring turn ago, see the module docs).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(base.add(a), b - a) };
+                    match mode {
+                        Mode::Copy => read_full(prev, dst)?,
+                        Mode::Reduce(op) => {
+                            // SAFETY: scratch holds at least seg_bytes >= b - a bytes.
+                            let tmp = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    scratch.as_mut_ptr().cast::<u8>(),
+                                    b - a,
+                                )
+                            };
+                            read_full(prev, tmp)?;
+                            reduce_into(elem, op, dst, tmp);
+                        }
+                    }
+                    if forward {
+                        let _ = tx.send(Seg {
+                            ptr: dst.as_ptr(),
+                            len: b - a,
+                        });
+                    }
+                }
+            }
+            Ok(())
+        });
+        self.scratch = scratch;
+        result
+    }
+
+    /// Receives `buf` from the previous rank segment by segment, forwarding each to the next.
+    fn run_chain(
+        &mut self,
+        op_name: &'static str,
+        buf: &mut [u8],
+        forward: bool,
+    ) -> Result<(), CommError> {
+        let segs: Vec<(usize, usize)> = self.segments(Elem::U8, 0, buf.len()).collect();
+        let base = buf.as_mut_ptr();
+        self.pipeline(op_name, |prev, tx| {
+            for &(a, b) in &segs {
+                // SAFETY: in bounds; each segment is written once, then only read.
+                let dst = unsafe { std::slice::from_raw_parts_mut(base.add(a), b - a) };
+                read_full(prev, dst)?;
+                if forward {
+                    let _ = tx.send(Seg {
+                        ptr: dst.as_ptr(),
+                        len: b - a,
+                    });
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Runs `receive` on this thread while a scoped thread writes the segments it queues. The
+    /// side that fails first names the peer at fault; it also shuts the other side's connection
+    /// for reading so that this thread stops waiting for data that cannot come.
+    fn pipeline(
+        &self,
+        op_name: &'static str,
+        receive: impl FnOnce(&TcpStream, &mpsc::Sender<Seg>) -> io::Result<()>,
+    ) -> Result<(), CommError> {
+        let (rank, next_rank, prev_rank, timeout) = (
+            self.members[self.rank],
+            self.next_rank(),
+            self.prev_rank(),
+            self.timeout,
+        );
+        let next = self
+            .next
+            .as_ref()
+            .expect("ring of size > 1 has a next connection");
+        let prev = self
+            .prev
+            .as_ref()
+            .expect("ring of size > 1 has a prev connection");
+        // 0: no failure yet, 1: sending failed first, 2: receiving failed first.
+        let first_failure = AtomicU8::new(0);
+        std::thread::scope(|scope| {
+            let (tx, rx) = mpsc::channel::<Seg>();
+            let first = &first_failure;
+            let sender = scope.spawn(move || {
+                let mut out = next;
+                for seg in rx {
+                    // SAFETY: see `Seg`.
+                    let data = unsafe { std::slice::from_raw_parts(seg.ptr, seg.len) };
+                    if let Err(e) = out.write_all(data) {
+                        let _ = first.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst);
+                        // Read-only shutdown: unblocks our receive without signalling the
+                        // (healthy) previous rank, which would otherwise blame us.
+                        let _ = prev.shutdown(Shutdown::Read);
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            });
+            let recv_result = receive(prev, &tx);
+            drop(tx);
+            if recv_result.is_err() {
+                // The sender drains what is queued (bounded by the write timeout) and stops. The
+                // next rank is not signalled: it learns of the failure from the store notice we
+                // post before exiting, and only then from our closed socket.
+                let _ = first_failure.compare_exchange(0, 2, Ordering::SeqCst, Ordering::SeqCst);
+            }
+            let send_result = sender
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("the sender thread panicked")));
+            let blame_sender = first_failure.load(Ordering::SeqCst) == 1;
+            match (send_result, recv_result) {
+                (Ok(()), Ok(())) => Ok(()),
+                (Err(e), _) if blame_sender => {
+                    Err(peer_error(rank, next_rank, op_name, timeout, e))
+                }
+                (_, Err(e)) => Err(peer_error(rank, prev_rank, op_name, timeout, e)),
+                (Err(e), Ok(())) => Err(peer_error(rank, next_rank, op_name, timeout, e)),
+            }
+        })
+    }
+}
+
+fn read_full(mut stream: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
+    stream.read_exact(buf)
+}
+
+fn peer_error(
+    rank: usize,
+    peer: usize,
+    op: &'static str,
+    timeout: Duration,
+    e: io::Error,
+) -> CommError {
+    match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => CommError::PeerTimeout {
+            rank,
+            peer,
+            op,
+            timeout,
+        },
+        io::ErrorKind::UnexpectedEof
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionAborted => CommError::PeerClosed { rank, peer, op },
+        _ => CommError::PeerIo {
+            rank,
+            peer,
+            op,
+            source: e,
+        },
+    }
+}

@@ -1,0 +1,228 @@
+//! Joining the job: connect to (or host) the rendezvous store, build the world group of the
+//! chosen backend, measure the clock offset to rank 0, and create sub-groups.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::clock;
+use super::comm::{Collectives, CommError};
+use super::connect::SocketOptions;
+use super::cpu::{CpuGroup, FAILURE_KEY};
+use super::env::LaunchEnv;
+use super::store::{StoreOptions, TcpStore};
+
+/// Which collective backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// TCP ring on CPU tensors.
+    Cpu,
+    /// NCCL on CUDA tensors (feature `nccl`).
+    Nccl,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" | "gloo" => Ok(Backend::Cpu),
+            "nccl" => Ok(Backend::Nccl),
+            other => Err(format!(
+                "unknown comm backend {other:?} (expected cpu or nccl)"
+            )),
+        }
+    }
+}
+
+/// Settings of the distributed runtime (torchtitan's `[comm]` section).
+#[derive(Debug, Clone)]
+pub struct CommOptions {
+    pub backend: Backend,
+    /// Rendezvous and connection setup must finish within this.
+    pub init_timeout: Duration,
+    /// A collective whose peer makes no progress for this long fails.
+    pub timeout: Duration,
+    pub socket: SocketOptions,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            backend: Backend::Cpu,
+            init_timeout: Duration::from_secs(300),
+            timeout: Duration::from_secs(100),
+            socket: SocketOptions::default(),
+        }
+    }
+}
+
+/// This process's membership in a job.
+pub struct Dist {
+    pub env: LaunchEnv,
+    /// None for a single process.
+    pub store: Option<Arc<TcpStore>>,
+    pub opts: CommOptions,
+    /// Rank 0's wall clock minus ours (ns); 0 on rank 0 and single processes.
+    pub clock_offset_ns: i64,
+    /// Round trip of the clock sample used (ns): the offset is good to half of it.
+    pub clock_rtt_ns: i64,
+    /// CUDA device index for the nccl backend (the local rank).
+    pub device_index: usize,
+}
+
+impl Dist {
+    /// Joins the job described by `env`. A single-process env needs no store.
+    pub fn init(env: LaunchEnv, opts: CommOptions) -> Result<Dist, CommError> {
+        let rank = env.rank;
+        let mut dist = Dist {
+            device_index: env.local_rank,
+            env,
+            store: None,
+            opts,
+            clock_offset_ns: 0,
+            clock_rtt_ns: 0,
+        };
+        if !dist.env.is_distributed() {
+            return Ok(dist);
+        }
+        // torchrun's agent or titan-train's launcher already hosts the store; otherwise rank 0
+        // does (torch's env:// rendezvous).
+        let is_server = !dist.env.use_agent_store && rank == 0;
+        let store = TcpStore::connect(&StoreOptions {
+            host: dist.env.master_addr.clone(),
+            port: dist.env.master_port,
+            is_server,
+            num_workers: None,
+            timeout: dist.opts.init_timeout,
+        })
+        .map_err(|source| CommError::Store { rank, source })?;
+        let store = Arc::new(store);
+        dist.store = Some(store.clone());
+        let (offset, rtt) = clock::measure_offset(
+            &store,
+            &dist.env.master_addr,
+            rank,
+            dist.env.world_size,
+            dist.opts.init_timeout,
+        )?;
+        dist.clock_offset_ns = offset;
+        dist.clock_rtt_ns = rtt;
+        store
+            .set_timeout(dist.opts.timeout)
+            .map_err(|source| CommError::Store { rank, source })?;
+        Ok(dist)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.env.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// A group of `members` (global ranks, this rank among them). Every member must call this
+    /// with the same `name` and `members`, in the same order relative to other group creations.
+    pub fn new_group(
+        &self,
+        name: &str,
+        members: Vec<usize>,
+    ) -> Result<Box<dyn Collectives>, CommError> {
+        let rank = self.rank();
+        let me = members
+            .iter()
+            .position(|&m| m == rank)
+            .ok_or_else(|| CommError::Setup {
+                rank,
+                message: format!("rank {rank} is not a member of group {name} {members:?}"),
+            })?;
+        let key = format!("titan/pg/{name}");
+        match self.opts.backend {
+            Backend::Cpu => {
+                let group = match &self.store {
+                    Some(store) => {
+                        let mut socket = self.opts.socket.clone();
+                        socket.timeout = self.opts.init_timeout;
+                        let mut g = CpuGroup::connect(
+                            store.clone(),
+                            &self.env.master_addr,
+                            &key,
+                            members,
+                            me,
+                            &socket,
+                        )?;
+                        g.set_timeout(self.opts.timeout)
+                            .map_err(|e| CommError::Setup {
+                                rank,
+                                message: e.to_string(),
+                            })?;
+                        g
+                    }
+                    None => CpuGroup::single(),
+                };
+                Ok(Box::new(group))
+            }
+            Backend::Nccl => self.new_nccl_group(&key, members, me),
+        }
+    }
+
+    #[cfg(feature = "nccl")]
+    fn new_nccl_group(
+        &self,
+        key: &str,
+        members: Vec<usize>,
+        me: usize,
+    ) -> Result<Box<dyn Collectives>, CommError> {
+        let group = super::nccl::NcclGroup::connect(
+            self.store.clone(),
+            key,
+            members,
+            me,
+            self.device_index,
+            self.opts.init_timeout,
+        )?;
+        Ok(Box::new(group))
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn new_nccl_group(
+        &self,
+        _key: &str,
+        _members: Vec<usize>,
+        _me: usize,
+    ) -> Result<Box<dyn Collectives>, CommError> {
+        Err(CommError::Setup {
+            rank: self.rank(),
+            message: "this titan-train was built without the nccl backend; rebuild with \
+                      `--features nccl` or set comm.backend = \"cpu\""
+                .into(),
+        })
+    }
+
+    /// The world group (all ranks).
+    pub fn world_group(&self) -> Result<Box<dyn Collectives>, CommError> {
+        self.new_group("world", (0..self.world_size()).collect())
+    }
+
+    /// Posts a failure notice to the store (first writer wins) so other ranks can name the
+    /// root cause; returns the notice that is in the store afterwards.
+    pub fn post_failure(&self, message: &str) -> Option<String> {
+        let store = self.store.as_ref()?;
+        store
+            .compare_set(FAILURE_KEY, b"", message.as_bytes())
+            .ok()
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
+    /// The first failure any rank posted, if one did.
+    pub fn first_failure(&self) -> Option<String> {
+        let store = self.store.as_ref()?;
+        if store.check(&[FAILURE_KEY]).ok()? {
+            store
+                .get(FAILURE_KEY)
+                .ok()
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+        } else {
+            None
+        }
+    }
+}
