@@ -1,5 +1,27 @@
-//! titan-train: a lean Llama-3 trainer on libtorch (through tch).
+//! titan-train: a lean Llama-3 trainer on libtorch (through tch), numerically matching
+//! torchtitan's llama3 and reading torchtitan's config files.
 //!
-//! Foundation skeleton; issue 2 builds the model, config, data, optimizer and training loop.
+//! - [`config`]: [`config::JobConfig`], torchtitan's TOML sections plus `--section.key` overrides.
+//! - [`model`]: [`model::Llama`] with torchtitan's parameter names, init and RoPE; [`hf`] maps
+//!   Hugging Face checkpoints onto it.
+//! - [`data`]: tokenizer, document sources (.txt/.jsonl/.parquet, embedded default), packing loader
+//!   with resumable [`data::LoaderState`].
+//! - [`optim`] (AdamW with visible state, grad clipping) and [`lr_scheduler`].
+//! - [`parallel`]: [`parallel::World`] and the [`parallel::DataParallel`] touch points, with the
+//!   single-process implementation.
+//! - [`checkpoint`]: DCP saves/resume (torchtitan's layout), async saves, HF export.
+//! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and
+//!   data parallelism (DDP, ZeRO-2, HSDP).
+//! - [`train`]: the loop; [`metrics`]: console line, throughput, memory.
 
+pub mod checkpoint;
+pub mod config;
+pub mod data;
 pub mod dist;
+pub mod hf;
+pub mod lr_scheduler;
+pub mod metrics;
+pub mod model;
+pub mod optim;
+pub mod parallel;
+pub mod train;

@@ -1,0 +1,193 @@
+//! titan-train end to end: config errors (exit 2, key named), determinism (bit-identical losses
+//! with a fixed seed), and learning (the default data's loss falls far) on the real binary.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use titan_tests::{bin, workspace_root};
+
+fn titan_train(args: &[&str]) -> Output {
+    Command::new(bin("titan-train"))
+        .current_dir(workspace_root())
+        .args(args)
+        .output()
+        .expect("run titan-train")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// The `field` values of `metrics.jsonl` lines of `kind`, as written (shortest round-trip
+/// decimal, so equal strings mean equal f64 bits).
+fn metric(dump: &Path, kind: &str, field: &str) -> Vec<String> {
+    let body = std::fs::read_to_string(dump.join("metrics.jsonl")).expect("metrics.jsonl");
+    body.lines()
+        .filter(|l| l.contains(&format!("\"kind\":\"{kind}\"")))
+        .map(|l| {
+            let key = format!("\"{field}\":");
+            let start = l.find(&key).expect("field present") + key.len();
+            l[start..].split([',', '}']).next().unwrap().to_string()
+        })
+        .collect()
+}
+
+const SMALL: &[&str] = &[
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--validation.enable=false",
+    "--metrics.log_freq",
+    "1",
+    "--observability.enable=false",
+];
+
+#[test]
+fn unknown_key_is_exit_2_naming_it() {
+    let o = titan_train(&["--training.stepz", "3"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("training.stepz"),
+        "{}",
+        text(&o)
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, "[training]\nsteps = 2\nlearning_rate = 0.1\n").unwrap();
+    let o = titan_train(&["--job.config_file", file.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("training.learning_rate") && err.contains("bad.toml"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn wrong_type_is_exit_2_naming_key() {
+    let o = titan_train(&["--training.steps=many"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("training.steps"),
+        "{}",
+        text(&o)
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("typed.toml");
+    std::fs::write(&file, "[optimizer]\nlr = \"fast\"\n").unwrap();
+    let o = titan_train(&["--job.config_file", file.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("optimizer.lr"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn help_explains_usage() {
+    let o = titan_train(&["--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("--training.steps") && out.contains("job.dump_folder"),
+        "{out}"
+    );
+}
+
+#[test]
+fn same_seed_gives_bit_identical_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, seed: &str| {
+        let dump = dir.path().join(name);
+        let mut args = vec![
+            "--training.steps",
+            "5",
+            "--debug.seed",
+            seed,
+            "--debug.deterministic",
+            "--job.dump_folder",
+            dump.to_str().unwrap(),
+        ];
+        args.extend_from_slice(SMALL);
+        let o = titan_train(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        (
+            metric(&dump, "train", "loss"),
+            metric(&dump, "train", "grad_norm"),
+        )
+    };
+    let (a_loss, a_norm) = run("a", "7");
+    let (b_loss, b_norm) = run("b", "7");
+    assert_eq!(a_loss.len(), 5);
+    assert_eq!(
+        a_loss, b_loss,
+        "losses differ between identical seeded runs"
+    );
+    assert_eq!(a_norm, b_norm);
+    let (c_loss, _) = run("c", "8");
+    assert_ne!(
+        a_loss, c_loss,
+        "a different seed must give different losses"
+    );
+}
+
+#[test]
+fn default_data_loss_falls_far() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("run");
+    let o = titan_train(&[
+        "--training.steps",
+        "40",
+        "--training.seq_len",
+        "128",
+        "--validation.seq_len",
+        "128",
+        "--validation.freq",
+        "40",
+        "--validation.steps",
+        "4",
+        "--metrics.log_freq",
+        "5",
+        "--job.dump_folder",
+        dump.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("training/loss_mean:"), "{out}");
+    assert!(
+        out.contains("validate step: 40  validation/loss_mean:"),
+        "{out}"
+    );
+    assert!(
+        out.contains(dump.file_name().unwrap().to_str().unwrap()),
+        "outputs not named: {out}"
+    );
+    let losses: Vec<f64> = metric(&dump, "train", "loss")
+        .iter()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    assert!(
+        first > 7.0,
+        "initial loss {first} should be near ln(2048) plus init noise"
+    );
+    assert!(
+        last < 0.5 * first,
+        "loss fell only from {first} to {last}: {losses:?}"
+    );
+    let val: f64 = metric(&dump, "validation", "loss")[0].parse().unwrap();
+    assert!(
+        val < 0.5 * first,
+        "validation loss {val} vs initial {first}"
+    );
+    assert!(dump.join("config.toml").exists());
+}

@@ -1,0 +1,154 @@
+//! Hugging Face Llama checkpoints <-> torchtitan names, with the q/k row permutation between
+//! HF's rotate-half RoPE and torchtitan's interleaved (complex) RoPE.
+
+use anyhow::{Result, bail};
+use tch::Tensor;
+
+use crate::model::ModelArgs;
+
+/// The torchtitan fqn of an HF Llama tensor name, or `None` for names with no counterpart
+/// (such as `model.layers.0.self_attn.rotary_emb.inv_freq`).
+pub fn titan_name(hf: &str) -> Option<String> {
+    match hf {
+        "model.embed_tokens.weight" => return Some("tok_embeddings.weight".into()),
+        "model.norm.weight" => return Some("norm.weight".into()),
+        "lm_head.weight" => return Some("output.weight".into()),
+        _ => {}
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    layer.parse::<u64>().ok()?;
+    let mapped = match tail {
+        "self_attn.q_proj.weight" => "attention.wq.weight",
+        "self_attn.k_proj.weight" => "attention.wk.weight",
+        "self_attn.v_proj.weight" => "attention.wv.weight",
+        "self_attn.o_proj.weight" => "attention.wo.weight",
+        "mlp.gate_proj.weight" => "feed_forward.w1.weight",
+        "mlp.up_proj.weight" => "feed_forward.w3.weight",
+        "mlp.down_proj.weight" => "feed_forward.w2.weight",
+        "input_layernorm.weight" => "attention_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        _ => return None,
+    };
+    Some(format!("layers.{layer}.{mapped}"))
+}
+
+/// The HF name of a torchtitan fqn (inverse of [`titan_name`]).
+pub fn hf_name(titan: &str) -> Option<String> {
+    match titan {
+        "tok_embeddings.weight" => return Some("model.embed_tokens.weight".into()),
+        "norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = titan.strip_prefix("layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let mapped = match tail {
+        "attention.wq.weight" => "self_attn.q_proj.weight",
+        "attention.wk.weight" => "self_attn.k_proj.weight",
+        "attention.wv.weight" => "self_attn.v_proj.weight",
+        "attention.wo.weight" => "self_attn.o_proj.weight",
+        "feed_forward.w1.weight" => "mlp.gate_proj.weight",
+        "feed_forward.w3.weight" => "mlp.up_proj.weight",
+        "feed_forward.w2.weight" => "mlp.down_proj.weight",
+        "attention_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{mapped}"))
+}
+
+/// Heads of a q (`wq`) or k (`wk`) weight, which need the RoPE permutation; `None` otherwise.
+fn rope_heads(titan: &str, args: &ModelArgs) -> Option<i64> {
+    if titan.ends_with("attention.wq.weight") {
+        Some(args.n_heads)
+    } else if titan.ends_with("attention.wk.weight") {
+        Some(args.kv_heads())
+    } else {
+        None
+    }
+}
+
+/// HF -> torchtitan layout of a q/k weight: `w.view(H, 2, D1/H/2, D2).transpose(1, 2)`.
+pub fn permute_from_hf(w: &Tensor, heads: i64) -> Tensor {
+    let (d1, d2) = w.size2().expect("q/k weights are 2-D");
+    w.view([heads, 2, d1 / heads / 2, d2])
+        .transpose(1, 2)
+        .reshape([d1, d2])
+}
+
+/// torchtitan -> HF layout of a q/k weight: `w.view(H, D1/H/2, 2, D2).transpose(1, 2)`.
+pub fn permute_to_hf(w: &Tensor, heads: i64) -> Tensor {
+    let (d1, d2) = w.size2().expect("q/k weights are 2-D");
+    w.view([heads, d1 / heads / 2, 2, d2])
+        .transpose(1, 2)
+        .reshape([d1, d2])
+}
+
+/// Converts an HF state dict to torchtitan names and layouts for a model of shape `args`.
+pub fn from_hf(tensors: Vec<(String, Tensor)>, args: &ModelArgs) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let Some(titan) = titan_name(&name) else {
+            if name.ends_with("rotary_emb.inv_freq") {
+                continue;
+            }
+            bail!("HF tensor `{name}` has no torchtitan llama3 counterpart");
+        };
+        let t = match rope_heads(&titan, args) {
+            Some(h) => permute_from_hf(&t, h),
+            None => t,
+        };
+        out.push((titan, t));
+    }
+    Ok(out)
+}
+
+/// Converts torchtitan-named tensors to HF names and layouts.
+pub fn to_hf(tensors: &[(String, Tensor)], args: &ModelArgs) -> Result<Vec<(String, Tensor)>> {
+    tensors
+        .iter()
+        .map(|(name, t)| {
+            let Some(hf) = hf_name(name) else {
+                bail!("torchtitan tensor `{name}` has no HF Llama counterpart");
+            };
+            let t = match rope_heads(name, args) {
+                Some(h) => permute_to_hf(t, h),
+                None => t.shallow_clone(),
+            };
+            Ok((hf, t))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for n in [
+            "tok_embeddings.weight",
+            "layers.3.attention.wk.weight",
+            "layers.11.feed_forward.w3.weight",
+            "layers.0.ffn_norm.weight",
+            "output.weight",
+        ] {
+            assert_eq!(titan_name(&hf_name(n).unwrap()).unwrap(), n);
+        }
+        assert_eq!(
+            hf_name("layers.2.feed_forward.w1.weight").unwrap(),
+            "model.layers.2.mlp.gate_proj.weight"
+        );
+    }
+
+    #[test]
+    fn permutations_are_inverse() {
+        let w = Tensor::arange(8 * 3, (tch::Kind::Float, tch::Device::Cpu)).view([8, 3]);
+        let back = permute_from_hf(&permute_to_hf(&w, 2), 2);
+        assert!(back.equal(&w));
+        // Head 0 of HF holds [re0, re1, im0, im1]; torchtitan interleaves [re0, im0, re1, im1].
+        let rows = Vec::<f32>::try_from(permute_from_hf(&w, 2).select(1, 0)).unwrap();
+        assert_eq!(&rows[..4], &[0.0, 6.0, 3.0, 9.0]);
+    }
+}

@@ -1,0 +1,221 @@
+//! Step metrics: memory, throughput, FLOPs/MFU, and torchtitan's aggregated console line.
+//!
+//! The same [`StepMetrics`] values go to the console, to `metrics.jsonl` in the dump folder and
+//! to titan-obs scalars, so the three never disagree.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use tch::Device;
+use titan_obs::Reduce;
+
+/// Resident and peak resident memory of this process in bytes (Linux `/proc/self/status`).
+pub fn rss_bytes() -> (u64, u64) {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return (0, 0);
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// GPU memory used by this process in bytes, from `nvidia-smi` (libtorch's caching-allocator
+/// statistics are not reachable through tch); `None` when it cannot be read.
+pub fn cuda_process_memory_bytes() -> Option<u64> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader,nounits",
+        ])
+        .output()
+        .ok()?;
+    let pid = std::process::id().to_string();
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
+        let mut parts = l.split(',').map(str::trim);
+        (parts.next()? == pid).then(|| parts.next()?.parse::<u64>().ok().map(|mib| mib << 20))?
+    })
+}
+
+/// Name of CUDA device `index` from `nvidia-smi`.
+fn cuda_device_name(index: usize) -> Option<String> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=name",
+            "--format=csv,noheader",
+            &format!("--id={index}"),
+        ])
+        .output()
+        .ok()?;
+    let name = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (!name.is_empty()).then_some(name)
+}
+
+/// Peak bf16 dense FLOPS of a GPU by name, torchtitan's table (A100 when unknown, as torchtitan).
+pub fn gpu_peak_flops(name: &str) -> f64 {
+    let n = name.to_uppercase();
+    if n.contains("A100") {
+        312e12
+    } else if n.contains("H100") {
+        if n.contains("NVL") {
+            835e12
+        } else if n.contains("PCIE") {
+            756e12
+        } else {
+            989e12
+        }
+    } else if n.contains("H200") {
+        989e12
+    } else if n.contains("B200") {
+        2.25e15
+    } else if n.contains("MI355X") {
+        2500e12
+    } else if n.contains("MI300X") || n.contains("MI325X") {
+        1300e12
+    } else if n.contains("L40S") {
+        362e12
+    } else {
+        tracing::warn!(
+            gpu = name,
+            "peak flops unknown for this GPU; assuming A100 (312 TFLOPS)"
+        );
+        312e12
+    }
+}
+
+/// Peak FLOPS for MFU: `metrics.peak_tflops` when set, else the GPU table on CUDA, else 1 TFLOPS.
+pub fn peak_flops(device: Device, configured_tflops: f64) -> f64 {
+    if configured_tflops > 0.0 {
+        return configured_tflops * 1e12;
+    }
+    match device {
+        Device::Cuda(i) => gpu_peak_flops(&cuda_device_name(i).unwrap_or_default()),
+        _ => 1e12,
+    }
+}
+
+/// The metrics of one logged training step (already reduced across ranks).
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// GiB: RSS on CPU, process GPU memory on CUDA.
+    pub memory_gib: f64,
+    /// Peak RSS (GiB) of the process.
+    pub peak_rss_gib: f64,
+    pub tps: f64,
+    pub tflops: f64,
+    pub mfu_pct: f64,
+    /// Valid label tokens of this step across all dp ranks.
+    pub global_tokens: i64,
+    pub on_cuda: bool,
+}
+
+impl StepMetrics {
+    /// The scalars with their cross-rank reductions, in console order.
+    pub fn scalars(&self) -> [(&'static str, f64, Reduce); 8] {
+        let mem = if self.on_cuda {
+            "trainer_memory/reserved_gib"
+        } else {
+            "trainer_memory/rss_gib"
+        };
+        [
+            ("training/loss", self.loss, Reduce::Mean),
+            ("training/grad_norm", self.grad_norm, Reduce::Max),
+            (mem, self.memory_gib, Reduce::Max),
+            ("trainer_throughput/tps", self.tps, Reduce::Mean),
+            ("trainer_throughput/tflops", self.tflops, Reduce::Mean),
+            ("trainer_throughput/mfu_pct", self.mfu_pct, Reduce::Mean),
+            ("training/lr", self.lr, Reduce::Max),
+            ("training/tokens", self.global_tokens as f64, Reduce::Sum),
+        ]
+    }
+
+    /// torchtitan's aggregated console line (suffix = cross-rank reduction).
+    pub fn console_line(&self) -> String {
+        let mut line = format!("step: {:2}", self.step);
+        for (name, value, reduce) in &self.scalars()[..6] {
+            let digits = match *name {
+                "training/loss" => 4,
+                "training/grad_norm" => 4,
+                "trainer_throughput/tps" => 1,
+                "trainer_throughput/tflops" => 3,
+                "trainer_throughput/mfu_pct" => 4,
+                _ => 2,
+            };
+            let _ = write!(line, "  {name}_{}: {value:.digits$}", suffix(*reduce));
+        }
+        line
+    }
+}
+
+/// The metrics of one validation run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ValidationMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub tokens: i64,
+    pub seconds: f64,
+}
+
+impl ValidationMetrics {
+    pub fn console_line(&self) -> String {
+        format!(
+            "validate step: {:2}  validation/loss_mean: {:.4}  validation/tokens_sum: {}  validation/time_s_max: {:.2}",
+            self.step, self.loss, self.tokens, self.seconds
+        )
+    }
+}
+
+pub fn suffix(r: Reduce) -> &'static str {
+    match r {
+        Reduce::Mean => "mean",
+        Reduce::Max => "max",
+        Reduce::Min => "min",
+        Reduce::Sum => "sum",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn console_line_has_torchtitan_names() {
+        let m = StepMetrics {
+            step: 1,
+            loss: 8.028,
+            grad_norm: 50810.5,
+            lr: 8e-4,
+            memory_gib: 0.19,
+            peak_rss_gib: 0.2,
+            tps: 361.4,
+            tflops: 0.026,
+            mfu_pct: 0.0026,
+            global_tokens: 100,
+            on_cuda: true,
+        };
+        assert_eq!(
+            m.console_line(),
+            "step:  1  training/loss_mean: 8.0280  training/grad_norm_max: 50810.5000  \
+             trainer_memory/reserved_gib_max: 0.19  trainer_throughput/tps_mean: 361.4  \
+             trainer_throughput/tflops_mean: 0.026  trainer_throughput/mfu_pct_mean: 0.0026"
+        );
+    }
+
+    #[test]
+    fn gpu_table() {
+        assert_eq!(gpu_peak_flops("NVIDIA H100 80GB HBM3"), 989e12);
+        assert_eq!(gpu_peak_flops("NVIDIA A100-SXM4-80GB"), 312e12);
+        assert_eq!(peak_flops(Device::Cpu, 0.5), 0.5e12);
+        let (rss, peak) = rss_bytes();
+        assert!(rss > 0 && peak >= rss);
+    }
+}

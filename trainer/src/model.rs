@@ -1,0 +1,486 @@
+//! The Llama-3 decoder with torchtitan's parameter names, GQA, RMSNorm, SwiGLU, RoPE with
+//! Llama-3.1 scaling and causal SDPA, initialised as torchtitan does.
+//!
+//! Parameters live in one fqn-keyed list ([`Llama::named_parameters`]) in torchtitan's
+//! registration order, so checkpointing and the optimizer address them by name; the per-layer
+//! structs hold shallow clones (same storage, same autograd leaf) for the forward pass.
+
+use anyhow::{Result, bail};
+use tch::{Device, Kind, Tensor};
+
+/// Llama-3.1's RoPE frequency scaling.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: f64,
+}
+
+impl Default for RopeScaling {
+    fn default() -> Self {
+        Self {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        }
+    }
+}
+
+/// Shape and numerics of a Llama-3 model (torchtitan's `TransformerModelArgs`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ModelArgs {
+    pub dim: i64,
+    pub n_layers: i64,
+    pub n_heads: i64,
+    /// `None` means `n_heads` (no grouped-query attention).
+    pub n_kv_heads: Option<i64>,
+    pub vocab_size: i64,
+    pub multiple_of: i64,
+    pub ffn_dim_multiplier: Option<f64>,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    /// RoPE tables are built for this many positions (torchtitan sets it to training.seq_len).
+    pub max_seq_len: i64,
+}
+
+impl ModelArgs {
+    /// The flavors torchtitan ships for llama3.
+    pub fn flavor(name: &str) -> Result<Self> {
+        let base = Self {
+            dim: 4096,
+            n_layers: 32,
+            n_heads: 32,
+            n_kv_heads: Some(8),
+            vocab_size: 128256,
+            multiple_of: 1024,
+            ffn_dim_multiplier: Some(1.3),
+            norm_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_scaling: Some(RopeScaling::default()),
+            max_seq_len: 131072,
+        };
+        Ok(match name {
+            "debugmodel" => Self {
+                dim: 256,
+                n_layers: 6,
+                n_heads: 16,
+                n_kv_heads: None,
+                vocab_size: 2048,
+                multiple_of: 256,
+                ffn_dim_multiplier: None,
+                ..base
+            },
+            "8B" => base,
+            "70B" => Self {
+                dim: 8192,
+                n_layers: 80,
+                n_heads: 64,
+                multiple_of: 4096,
+                ..base
+            },
+            "405B" => Self {
+                dim: 16384,
+                n_layers: 126,
+                n_heads: 128,
+                multiple_of: 4096,
+                ffn_dim_multiplier: Some(1.2),
+                ..base
+            },
+            other => bail!("unknown llama3 flavor `{other}` (known: debugmodel, 8B, 70B, 405B)"),
+        })
+    }
+
+    pub fn kv_heads(&self) -> i64 {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    pub fn head_dim(&self) -> i64 {
+        self.dim / self.n_heads
+    }
+
+    /// torchtitan's SwiGLU hidden size: 2/3 of 4*dim, times the multiplier, rounded up to
+    /// `multiple_of`.
+    pub fn ffn_hidden_dim(&self) -> i64 {
+        let mut hidden = 2 * (4 * self.dim) / 3;
+        if let Some(m) = self.ffn_dim_multiplier {
+            hidden = (m * hidden as f64) as i64;
+        }
+        self.multiple_of * ((hidden + self.multiple_of - 1) / self.multiple_of)
+    }
+
+    /// Parameter count, computed from the shapes (no tensors needed).
+    pub fn num_params(&self) -> (i64, i64) {
+        let (d, h, v) = (self.dim, self.ffn_hidden_dim(), self.vocab_size);
+        let kv = self.kv_heads() * self.head_dim();
+        let per_layer = d * d * 2 + 2 * d * kv + 3 * d * h + 2 * d;
+        let embedding = v * d;
+        (embedding + self.n_layers * per_layer + d + v * d, embedding)
+    }
+
+    /// torchtitan's training FLOPs per token (see DESIGN.md):
+    /// 6 * non-embedding params + 6 * layers * heads * head_dim * seq_len.
+    pub fn flops_per_token(&self, seq_len: i64) -> f64 {
+        let (total, embedding) = self.num_params();
+        6.0 * (total - embedding) as f64
+            + 6.0 * (self.n_layers * self.n_heads * self.head_dim() * seq_len) as f64
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.dim % self.n_heads != 0 || self.head_dim() % 2 != 0 {
+            bail!(
+                "model dim {} must split into {} heads of even size",
+                self.dim,
+                self.n_heads
+            );
+        }
+        if self.n_heads % self.kv_heads() != 0 {
+            bail!(
+                "n_heads {} must be a multiple of n_kv_heads {}",
+                self.n_heads,
+                self.kv_heads()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// RoPE inverse frequencies with Llama-3.1 scaling, as torchtitan's `precompute_freqs_cis`.
+fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
+    let dim = args.head_dim();
+    let mut freqs: Vec<f64> = (0..dim / 2)
+        .map(|i| {
+            // torchtitan computes these in float32: keep that rounding.
+            let exponent = (2 * i) as f32 / dim as f32;
+            (1.0f32 / (args.rope_theta as f32).powf(exponent)) as f64
+        })
+        .collect();
+    if let Some(s) = args.rope_scaling {
+        let low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
+        let high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
+        for f in &mut freqs {
+            let wavelen = 2.0 * std::f64::consts::PI / *f;
+            if wavelen < high_freq_wavelen {
+                continue;
+            }
+            if wavelen > low_freq_wavelen {
+                *f /= s.factor;
+            } else {
+                let smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+                    / (s.high_freq_factor - s.low_freq_factor);
+                *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+            }
+        }
+    }
+    freqs
+}
+
+/// The complex rotations `exp(i * t * freq)` for positions `0..max_seq_len`, shape (S, head_dim/2).
+pub fn precompute_freqs_cis(args: &ModelArgs, device: Device) -> Tensor {
+    let freqs = Tensor::from_slice(&rope_frequencies(args)).to_kind(Kind::Float);
+    let t = Tensor::arange(args.max_seq_len, (Kind::Float, Device::Cpu));
+    let angles = t.outer(&freqs);
+    Tensor::polar(&angles.ones_like(), &angles).to_device(device)
+}
+
+/// Rotates `x` (B, S, H, head_dim) by `freqs_cis` (S, head_dim/2), pairing adjacent features.
+fn apply_rotary_emb(x: &Tensor, freqs_cis: &Tensor) -> Tensor {
+    let (b, s, h, d) = x.size4().expect("attention input is (B, S, H, D)");
+    let xc = x
+        .to_kind(Kind::Float)
+        .reshape([b, s, h, d / 2, 2])
+        .view_as_complex();
+    let f = freqs_cis.narrow(0, 0, s).reshape([1, s, 1, d / 2]);
+    (xc * f)
+        .view_as_real()
+        .reshape([b, s, h, d])
+        .to_kind(x.kind())
+}
+
+struct Layer {
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    w3: Tensor,
+    attention_norm: Tensor,
+    ffn_norm: Tensor,
+}
+
+/// The model: parameters by fqn plus the RoPE table.
+pub struct Llama {
+    pub args: ModelArgs,
+    params: Vec<(String, Tensor)>,
+    layers: Vec<Layer>,
+    tok_embeddings: Tensor,
+    norm: Tensor,
+    output: Tensor,
+    freqs_cis: Tensor,
+}
+
+/// Fills `t` with a normal(0, std) truncated to [a, b], PyTorch's `trunc_normal_` algorithm
+/// (uniform on the CDF interval, then the inverse error function).
+fn trunc_normal_(t: &mut Tensor, std: f64, a: f64, b: f64) {
+    let norm_cdf = |x: f64| (1.0 + erf(x / std::f64::consts::SQRT_2)) / 2.0;
+    let l = norm_cdf(a / std);
+    let u = norm_cdf(b / std);
+    let _ = t.uniform_(2.0 * l - 1.0, 2.0 * u - 1.0);
+    let _ = t.erfinv_();
+    let _ = t.g_mul_scalar_(std * std::f64::consts::SQRT_2);
+    let _ = t.clamp_(a, b);
+}
+
+/// The error function, for the CDF bounds of [`trunc_normal_`] (Rust's std has no erf).
+fn erf(x: f64) -> f64 {
+    1.0 - erfc(x)
+}
+
+fn erfc(x: f64) -> f64 {
+    // Numerical Recipes' erfc with fractional error < 1.2e-7 everywhere: ample for the
+    // truncation bounds of an initializer.
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let r = t
+        * (-z * z - 1.26551223
+            + t * (1.00002368
+                + t * (0.37409196
+                    + t * (0.09678418
+                        + t * (-0.18628806
+                            + t * (0.27886807
+                                + t * (-1.13520398
+                                    + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+            .exp();
+    if x >= 0.0 { r } else { 2.0 - r }
+}
+
+impl Llama {
+    /// Builds the model on `device` with torchtitan's initialisation (uses the global torch RNG:
+    /// seed it first for reproducible weights).
+    pub fn new(args: ModelArgs, device: Device) -> Result<Self> {
+        args.validate()?;
+        let (d, hd, kv) = (
+            args.dim,
+            args.ffn_hidden_dim(),
+            args.kv_heads() * args.head_dim(),
+        );
+        let opts = (Kind::Float, device);
+        let mut params = Vec::new();
+        let mut add = |name: String, shape: &[i64], init: &dyn Fn(&mut Tensor)| -> Tensor {
+            let mut t = Tensor::empty(shape, opts);
+            tch::no_grad(|| init(&mut t));
+            let t = t.set_requires_grad(true);
+            params.push((name, t.shallow_clone()));
+            t
+        };
+        let tok_embeddings = add(
+            "tok_embeddings.weight".into(),
+            &[args.vocab_size, d],
+            &|t| {
+                let _ = t.normal_(0.0, 1.0);
+            },
+        );
+        let mut layers = Vec::new();
+        for i in 0..args.n_layers {
+            // Depth-scaled init for the output projections, as torchtitan's depth_init.
+            let depth_std = 0.02 / (2.0 * (i + 1) as f64).sqrt();
+            let std02 = |t: &mut Tensor| trunc_normal_(t, 0.02, -2.0, 2.0);
+            let depth = |t: &mut Tensor| trunc_normal_(t, depth_std, -2.0, 2.0);
+            let ones = |t: &mut Tensor| {
+                let _ = t.fill_(1.0);
+            };
+            let p = |n: &str| format!("layers.{i}.{n}");
+            let wq = add(p("attention.wq.weight"), &[d, d], &std02);
+            let wk = add(p("attention.wk.weight"), &[kv, d], &std02);
+            let wv = add(p("attention.wv.weight"), &[kv, d], &std02);
+            let wo = add(p("attention.wo.weight"), &[d, d], &depth);
+            let w1 = add(p("feed_forward.w1.weight"), &[hd, d], &std02);
+            let w2 = add(p("feed_forward.w2.weight"), &[d, hd], &depth);
+            let w3 = add(p("feed_forward.w3.weight"), &[hd, d], &depth);
+            let attention_norm = add(p("attention_norm.weight"), &[d], &ones);
+            let ffn_norm = add(p("ffn_norm.weight"), &[d], &ones);
+            layers.push(Layer {
+                wq,
+                wk,
+                wv,
+                wo,
+                w1,
+                w2,
+                w3,
+                attention_norm,
+                ffn_norm,
+            });
+        }
+        let norm = add("norm.weight".into(), &[d], &|t| {
+            let _ = t.fill_(1.0);
+        });
+        let final_std = (d as f64).powf(-0.5);
+        let output = add("output.weight".into(), &[args.vocab_size, d], &|t| {
+            trunc_normal_(t, final_std, -3.0 * final_std, 3.0 * final_std)
+        });
+        let freqs_cis = precompute_freqs_cis(&args, device);
+        Ok(Self {
+            args,
+            params,
+            layers,
+            tok_embeddings,
+            norm,
+            output,
+            freqs_cis,
+        })
+    }
+
+    /// Parameters by torchtitan fqn, in registration order.
+    pub fn named_parameters(&self) -> &[(String, Tensor)] {
+        &self.params
+    }
+
+    /// The parameter named `fqn`.
+    pub fn parameter(&self, fqn: &str) -> Option<&Tensor> {
+        self.params.iter().find(|(n, _)| n == fqn).map(|(_, t)| t)
+    }
+
+    pub fn device(&self) -> Device {
+        self.tok_embeddings.device()
+    }
+
+    /// Copies `value` into parameter `fqn` (shape must match): the load path for checkpoints.
+    pub fn set_parameter(&self, fqn: &str, value: &Tensor) -> Result<()> {
+        let Some(p) = self.parameter(fqn) else {
+            bail!("the model has no parameter `{fqn}`");
+        };
+        if p.size() != value.size() {
+            bail!(
+                "parameter `{fqn}` has shape {:?} but the loaded tensor has {:?}",
+                p.size(),
+                value.size()
+            );
+        }
+        tch::no_grad(|| {
+            let mut p = p.shallow_clone();
+            p.copy_(value);
+        });
+        Ok(())
+    }
+
+    /// Logits (B, S, vocab) in fp32 for token ids (B, S).
+    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+        let eps = self.args.norm_eps;
+        let d = self.args.dim;
+        let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
+        for layer in &self.layers {
+            let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
+            h = h + self.attention(layer, &x);
+            let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
+            let gate = x.linear::<&Tensor>(&layer.w1, None).silu();
+            let up = x.linear::<&Tensor>(&layer.w3, None);
+            h = h + (gate * up).linear::<&Tensor>(&layer.w2, None);
+        }
+        let h = h.rms_norm([d], Some(&self.norm), eps);
+        h.linear::<&Tensor>(&self.output, None).to_kind(Kind::Float)
+    }
+
+    fn attention(&self, layer: &Layer, x: &Tensor) -> Tensor {
+        let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
+        let (h, kvh, hd) = (
+            self.args.n_heads,
+            self.args.kv_heads(),
+            self.args.head_dim(),
+        );
+        let q = x.linear::<&Tensor>(&layer.wq, None).view([b, s, h, hd]);
+        let k = x.linear::<&Tensor>(&layer.wk, None).view([b, s, kvh, hd]);
+        let v = x.linear::<&Tensor>(&layer.wv, None).view([b, s, kvh, hd]);
+        let q = apply_rotary_emb(&q, &self.freqs_cis);
+        let k = apply_rotary_emb(&k, &self.freqs_cis);
+        let (k, v) = if kvh == h {
+            (k, v)
+        } else {
+            // repeat_kv: each kv head serves n_rep consecutive query heads.
+            let n_rep = h / kvh;
+            let rep = |t: Tensor| {
+                t.unsqueeze(3)
+                    .expand([b, s, kvh, n_rep, hd], false)
+                    .reshape([b, s, h, hd])
+            };
+            (rep(k), rep(v))
+        };
+        let out = Tensor::scaled_dot_product_attention::<&Tensor>(
+            &q.transpose(1, 2),
+            &k.transpose(1, 2),
+            &v.transpose(1, 2),
+            None,
+            0.0,
+            true,
+            None,
+            false,
+        );
+        out.transpose(1, 2)
+            .reshape([b, s, h * hd])
+            .linear::<&Tensor>(&layer.wo, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hidden_dims_match_torchtitan() {
+        assert_eq!(
+            ModelArgs::flavor("debugmodel").unwrap().ffn_hidden_dim(),
+            768
+        );
+        assert_eq!(ModelArgs::flavor("8B").unwrap().ffn_hidden_dim(), 14336);
+        assert_eq!(ModelArgs::flavor("70B").unwrap().ffn_hidden_dim(), 28672);
+        assert_eq!(ModelArgs::flavor("405B").unwrap().ffn_hidden_dim(), 53248);
+        // Llama-3-8B has 8,030,261,248 parameters.
+        assert_eq!(
+            ModelArgs::flavor("8B").unwrap().num_params().0,
+            8_030_261_248
+        );
+    }
+
+    #[test]
+    fn param_names_shapes_and_init() {
+        tch::manual_seed(0);
+        let mut args = ModelArgs::flavor("debugmodel").unwrap();
+        args.n_layers = 2;
+        args.max_seq_len = 16;
+        let m = Llama::new(args.clone(), Device::Cpu).unwrap();
+        let names: Vec<&str> = m
+            .named_parameters()
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect();
+        assert_eq!(names[0], "tok_embeddings.weight");
+        assert_eq!(names[1], "layers.0.attention.wq.weight");
+        assert_eq!(names[6], "layers.0.feed_forward.w2.weight");
+        assert_eq!(*names.last().unwrap(), "output.weight");
+        let total: i64 = m
+            .named_parameters()
+            .iter()
+            .map(|(_, t)| t.numel() as i64)
+            .sum();
+        assert_eq!(total, args.num_params().0);
+        let wq = m.parameter("layers.0.attention.wq.weight").unwrap();
+        let std = wq.std(true).double_value(&[]);
+        assert!((std - 0.02).abs() < 0.001, "wq std {std}");
+        let w2 = m.parameter("layers.1.feed_forward.w2.weight").unwrap();
+        let std = w2.std(true).double_value(&[]);
+        assert!((std - 0.01).abs() < 0.001, "w2 std {std}");
+        let out = m.parameter("output.weight").unwrap();
+        let bound = 3.0 / 16.0;
+        assert!(out.abs().max().double_value(&[]) <= bound + 1e-6);
+        let logits = m.forward(&Tensor::from_slice(&[1i64, 2, 3, 4]).view([1, 4]));
+        assert_eq!(logits.size(), vec![1, 4, 2048]);
+    }
+
+    #[test]
+    fn erf_is_accurate() {
+        assert!((erf(1.0) - 0.842_700_792_949_715).abs() < 2e-7);
+        assert!((erf(-0.5) + 0.520_499_877_813_047).abs() < 2e-7);
+    }
+}

@@ -1,0 +1,186 @@
+//! Who this process is in the job ([`World`]) and every place training touches other ranks
+//! ([`DataParallel`]), with the single-process implementation ([`SingleProcess`]).
+//!
+//! The training loop calls only these five touch points, so a multi-process backend (DDP,
+//! ZeRO-2) plugs in by implementing the trait:
+//! (a) the global valid-token count, (b) gradient reduction after backward, (c) the global
+//! grad norm, (d) the optimizer step, (e) cross-rank metric reduction.
+
+use anyhow::{Result, bail};
+use tch::Tensor;
+use titan_obs::Reduce;
+
+use crate::config::Parallelism;
+use crate::optim::{self, AdamW};
+
+/// This process's place in the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct World {
+    pub rank: usize,
+    pub local_rank: usize,
+    pub world_size: usize,
+    /// Replicated data-parallel degree (DDP / HSDP replicas).
+    pub dp_replicate: usize,
+    /// Sharded data-parallel degree (FSDP / ZeRO shards).
+    pub dp_shard: usize,
+}
+
+impl World {
+    /// One process doing everything.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            local_rank: 0,
+            world_size: 1,
+            dp_replicate: 1,
+            dp_shard: 1,
+        }
+    }
+
+    /// Resolves the dp degrees for `world_size` ranks as torchtitan's ParallelDims does
+    /// (`data_parallel_shard_degree = -1` takes the ranks the other degrees leave).
+    pub fn new(
+        cfg: &Parallelism,
+        rank: usize,
+        local_rank: usize,
+        world_size: usize,
+    ) -> Result<Self> {
+        let replicate = cfg.data_parallel_replicate_degree;
+        if replicate < 1 {
+            bail!("parallelism.data_parallel_replicate_degree must be at least 1, got {replicate}");
+        }
+        let replicate = replicate as usize;
+        let shard = match cfg.data_parallel_shard_degree {
+            -1 => {
+                if world_size % replicate != 0 {
+                    bail!(
+                        "parallelism.data_parallel_replicate_degree {replicate} does not divide the world size {world_size}"
+                    );
+                }
+                world_size / replicate
+            }
+            s if s >= 1 => s as usize,
+            s => bail!("parallelism.data_parallel_shard_degree must be -1 or at least 1, got {s}"),
+        };
+        if replicate * shard != world_size {
+            bail!(
+                "parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} != world size {world_size}"
+            );
+        }
+        Ok(Self {
+            rank,
+            local_rank,
+            world_size,
+            dp_replicate: replicate,
+            dp_shard: shard,
+        })
+    }
+
+    /// Number of data-parallel ranks (every rank is a dp rank: titan-train has no TP/PP/CP).
+    pub fn dp_degree(&self) -> usize {
+        self.dp_replicate * self.dp_shard
+    }
+
+    /// This rank's index among the dp ranks.
+    pub fn dp_rank(&self) -> usize {
+        self.rank
+    }
+}
+
+/// The five places where training needs the other ranks.
+pub trait DataParallel {
+    fn world(&self) -> &World;
+
+    /// (a) Valid (non-ignored) label tokens of this step summed over all dp ranks: the loss
+    /// denominator.
+    fn global_valid_tokens(&mut self, local: i64) -> Result<i64>;
+
+    /// (b) After all microbatches' backward: sum-reduce gradients across dp ranks (a sharded
+    /// backend reduce-scatters and keeps its shard).
+    fn reduce_gradients(&mut self, params: &[(String, Tensor)]) -> Result<()>;
+
+    /// (c) The total 2-norm of the gradients over all ranks' (shards of) gradients.
+    fn grad_norm(&mut self, params: &[(String, Tensor)]) -> Result<f64>;
+
+    /// (d) One optimizer update at `lr` (a sharded backend updates its shard and all-gathers).
+    fn optimizer_step(
+        &mut self,
+        optimizer: &mut AdamW,
+        params: &[(String, Tensor)],
+        lr: f64,
+    ) -> Result<()>;
+
+    /// (e) Reduces each metric across ranks in place with its reduction.
+    fn reduce_metrics(&mut self, metrics: &mut [(f64, Reduce)]) -> Result<()>;
+}
+
+/// The single-process implementation: every reduction is the identity.
+pub struct SingleProcess {
+    world: World,
+}
+
+impl SingleProcess {
+    pub fn new() -> Self {
+        Self {
+            world: World::single(),
+        }
+    }
+}
+
+impl Default for SingleProcess {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl DataParallel for SingleProcess {
+    fn world(&self) -> &World {
+        &self.world
+    }
+
+    fn global_valid_tokens(&mut self, local: i64) -> Result<i64> {
+        Ok(local)
+    }
+
+    fn reduce_gradients(&mut self, _params: &[(String, Tensor)]) -> Result<()> {
+        Ok(())
+    }
+
+    fn grad_norm(&mut self, params: &[(String, Tensor)]) -> Result<f64> {
+        let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
+        Ok(optim::total_grad_norm(&tensors))
+    }
+
+    fn optimizer_step(
+        &mut self,
+        optimizer: &mut AdamW,
+        params: &[(String, Tensor)],
+        lr: f64,
+    ) -> Result<()> {
+        for (name, p) in params {
+            optimizer.step_param(name, p, lr);
+        }
+        Ok(())
+    }
+
+    fn reduce_metrics(&mut self, _metrics: &mut [(f64, Reduce)]) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dp_degrees_resolve_like_torchtitan() {
+        let mut cfg = Parallelism::default();
+        let w = World::new(&cfg, 3, 1, 4).unwrap();
+        assert_eq!((w.dp_replicate, w.dp_shard, w.dp_degree()), (1, 4, 4));
+        cfg.data_parallel_replicate_degree = 2;
+        let w = World::new(&cfg, 0, 0, 4).unwrap();
+        assert_eq!((w.dp_replicate, w.dp_shard), (2, 2));
+        cfg.data_parallel_shard_degree = 3;
+        assert!(World::new(&cfg, 0, 0, 4).is_err());
+    }
+}

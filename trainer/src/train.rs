@@ -1,0 +1,535 @@
+//! The training loop, readable top to bottom: build (tokenizer, data, model, optimizer), then per
+//! step: load microbatches, forward/backward, reduce, clip, step, log, validate.
+//!
+//! Everything that would touch other ranks goes through [`DataParallel`]; everything timed goes
+//! through titan-obs spans with torchtitan's phase names.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use tch::{Device, Kind, Reduction, Tensor};
+use titan_obs::Reduce;
+
+use crate::checkpoint::{Checkpointer, TrainerState};
+use crate::config::{self, JobConfig};
+use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
+use crate::lr_scheduler::LrSchedule;
+use crate::metrics::{self, StepMetrics, ValidationMetrics};
+use crate::model::{Llama, ModelArgs};
+use crate::optim::{self, AdamW};
+use crate::parallel::DataParallel;
+
+/// Labels with this value are not predicted (PyTorch's cross-entropy default).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct TrainSummary {
+    pub dump_folder: PathBuf,
+    pub steps: u64,
+    pub first_loss: Option<f64>,
+    pub last_loss: Option<f64>,
+    pub last_validation_loss: Option<f64>,
+}
+
+/// A config problem found while building the job: reported like config-file errors (exit 2).
+fn config_error(key: &str, e: anyhow::Error) -> anyhow::Error {
+    config::ConfigError::Invalid {
+        key: key.into(),
+        message: format!("{e:#}"),
+    }
+    .into()
+}
+
+/// Picks the device: CUDA `local_rank` when available (or demanded), else CPU.
+pub fn select_device(training: &config::Training, local_rank: usize) -> Result<Device> {
+    let cuda = tch::Cuda::is_available();
+    match training.device.as_str() {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" if !cuda => bail!("training.device = cuda, but no CUDA device is available"),
+        "cuda" => Ok(Device::Cuda(local_rank)),
+        _ => Ok(if cuda {
+            Device::Cuda(local_rank)
+        } else {
+            Device::Cpu
+        }),
+    }
+}
+
+/// Seeds torch's RNGs and pins what libtorch lets us pin for bit-identical runs.
+pub fn set_determinism(debug: &config::Debug, device: Device) -> u64 {
+    let seed = debug.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            & 0x7fff_ffff
+    });
+    tch::manual_seed(seed as i64);
+    if device.is_cuda() {
+        tch::Cuda::manual_seed_all(seed);
+    }
+    if debug.deterministic {
+        // CPU kernels split reductions by thread count: a fixed count gives a fixed order.
+        // cuDNN autotuning picks kernels by timing, which varies between runs.
+        tch::set_num_threads(tch::get_num_threads());
+        tch::Cuda::cudnn_set_benchmark(false);
+    }
+    seed
+}
+
+/// The summed cross entropy of `logits` (B, S, V) against `labels` (B, S) over valid labels.
+pub fn summed_cross_entropy(logits: &Tensor, labels: &Tensor) -> Tensor {
+    let vocab = logits.size()[2];
+    logits.view([-1, vocab]).cross_entropy_loss::<Tensor>(
+        &labels.view([-1]),
+        None,
+        Reduction::Sum,
+        IGNORE_INDEX,
+        0.0,
+    )
+}
+
+fn count_valid(labels: &Tensor) -> i64 {
+    labels.ne(IGNORE_INDEX).sum(Kind::Int64).int64_value(&[])
+}
+
+/// Number of microbatches per optimizer step (gradient accumulation), torchtitan's rule.
+pub fn microbatches(training: &config::Training, dp_degree: usize) -> Result<usize> {
+    let per_pass = training.local_batch_size as usize * dp_degree;
+    let global = if training.global_batch_size < 0 {
+        per_pass
+    } else {
+        training.global_batch_size as usize
+    };
+    if global == 0 || global % per_pass != 0 {
+        bail!(
+            "training.global_batch_size {global} must be a positive multiple of local_batch_size {} x dp degree {dp_degree}",
+            training.local_batch_size
+        );
+    }
+    Ok(global / per_pass)
+}
+
+/// Writes `text` to `path` through a temporary file and a rename (never half-written).
+fn write_atomic(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+}
+
+/// Appends one JSON line per logged step (full-precision values for scripts and tests).
+struct MetricsFile {
+    path: PathBuf,
+    lines: String,
+}
+
+impl MetricsFile {
+    fn push<T: serde::Serialize>(&mut self, kind: &str, value: &T) -> Result<()> {
+        let mut v = serde_json::to_value(value)?;
+        v["kind"] = kind.into();
+        self.lines.push_str(&serde_json::to_string(&v)?);
+        self.lines.push('\n');
+        write_atomic(&self.path, &self.lines)
+    }
+}
+
+/// Returns freed heap memory to the OS: the Rust counterpart of torchtitan's periodic `gc`.
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        unsafe extern "C" {
+            fn malloc_trim(pad: usize) -> i32;
+        }
+        // SAFETY: glibc's malloc_trim only releases free heap pages; it takes no pointers.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
+}
+
+/// Mean loss over the validation split: summed CE over all batches and dp ranks / valid tokens.
+fn validate(
+    model: &Llama,
+    loader: &mut TextLoader,
+    max_steps: i64,
+    dp: &mut dyn DataParallel,
+    step: u64,
+    device: Device,
+) -> Result<ValidationMetrics> {
+    let start = Instant::now();
+    loader.reset();
+    let (mut loss_sum, mut tokens) = (0.0f64, 0i64);
+    let mut batches = 0i64;
+    tch::no_grad(|| -> Result<()> {
+        while max_steps < 0 || batches < max_steps {
+            let Some(Batch { inputs, labels }) = loader.next_batch(device)? else {
+                break;
+            };
+            let logits = model.forward(&inputs);
+            loss_sum += summed_cross_entropy(&logits, &labels).double_value(&[]);
+            tokens += count_valid(&labels);
+            batches += 1;
+        }
+        Ok(())
+    })?;
+    let mut reduced = [(loss_sum, Reduce::Sum), (tokens as f64, Reduce::Sum)];
+    dp.reduce_metrics(&mut reduced)?;
+    let (loss_sum, tokens) = (reduced[0].0, reduced[1].0 as i64);
+    if tokens == 0 {
+        bail!("the validation dataset yielded no tokens (validation.seq_len too long for it?)");
+    }
+    Ok(ValidationMetrics {
+        step,
+        loss: loss_sum / tokens as f64,
+        tokens,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Runs a whole job: starts titan-obs recording under `job.dump_folder` (when
+/// `observability.enable`), trains, and flushes the records, also when training fails.
+pub fn run(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary> {
+    let world = *dp.world();
+    if cfg.observability.enable {
+        titan_obs::init(titan_obs::InitOptions {
+            run: cfg.job.dump_folder.clone(),
+            source: titan_obs::Source::Trainer,
+            rank: world.rank as u32,
+            local_rank: world.local_rank as u32,
+            world_size: world.world_size as u32,
+            flush_interval: std::time::Duration::from_secs_f64(cfg.observability.flush_interval_s),
+        })
+        .context("starting titan-obs recording (observability.enable)")?;
+    }
+    let result = train(cfg, dp);
+    if cfg.observability.enable {
+        let _s = titan_obs::span("teardown");
+        drop(_s);
+        let finished = titan_obs::finish().context("flushing titan-obs records");
+        if result.is_ok() {
+            finished?;
+        } else if let Err(e) = finished {
+            tracing::warn!("{e:#}");
+        }
+    }
+    result
+}
+
+/// Trains per `cfg` with the ranks behind `dp`. Init phases and per-step phases are recorded as
+/// titan-obs spans; metrics go to the console, `metrics.jsonl` and titan-obs scalars.
+pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary> {
+    let world = *dp.world();
+    let device = select_device(&cfg.training, world.local_rank)
+        .map_err(|e| config_error("training.device", e))?;
+    let seed = set_determinism(&cfg.debug, device);
+    let dump_folder = PathBuf::from(&cfg.job.dump_folder);
+    std::fs::create_dir_all(&dump_folder)
+        .with_context(|| format!("creating job.dump_folder {}", dump_folder.display()))?;
+    if world.rank == 0 {
+        let resolved = toml::to_string(cfg).context("serializing the resolved config")?;
+        write_atomic(&dump_folder.join("config.toml"), &resolved)?;
+    }
+    tracing::info!(
+        device = ?device,
+        seed,
+        rank = world.rank,
+        world_size = world.world_size,
+        threads = tch::get_num_threads(),
+        "starting titan-train"
+    );
+
+    let tokenizer = {
+        let _s = titan_obs::span("tokenizer");
+        Arc::new(if cfg.model.hf_assets_path.is_empty() {
+            TextTokenizer::embedded()?
+        } else {
+            TextTokenizer::from_dir(Path::new(&cfg.model.hf_assets_path))?
+        })
+    };
+
+    let (dp_rank, dp_degree) = (world.dp_rank() as u64, world.dp_degree() as u64);
+    let (mut train_loader, mut val_loader) = {
+        let _s = titan_obs::span("dataloader");
+        let t = &cfg.training;
+        let train_set = Dataset::resolve(&t.dataset, t.dataset_path.as_deref(), "training")
+            .map_err(|e| config_error("training.dataset", e))?;
+        let train_loader = TextLoader::new(
+            train_set,
+            tokenizer.clone(),
+            t.seq_len as usize,
+            t.local_batch_size as usize,
+            dp_rank,
+            dp_degree,
+            true,
+        );
+        let v = &cfg.validation;
+        let val_loader = if v.enable {
+            let set = Dataset::resolve(&v.dataset, v.dataset_path.as_deref(), "validation")
+                .map_err(|e| config_error("validation.dataset", e))?;
+            Some(TextLoader::new(
+                set,
+                tokenizer.clone(),
+                v.seq_len as usize,
+                v.local_batch_size as usize,
+                dp_rank,
+                dp_degree,
+                false,
+            ))
+        } else {
+            None
+        };
+        (train_loader, val_loader)
+    };
+
+    let model = {
+        let _s = titan_obs::span("model_build");
+        let mut args =
+            ModelArgs::flavor(&cfg.model.flavor).map_err(|e| config_error("model.flavor", e))?;
+        if tokenizer.vocab_size() as i64 > args.vocab_size {
+            bail!(
+                "the tokenizer has {} ids but model flavor {} has vocab_size {}",
+                tokenizer.vocab_size(),
+                cfg.model.flavor,
+                args.vocab_size
+            );
+        }
+        args.max_seq_len = cfg.training.seq_len.max(cfg.validation.seq_len);
+        Llama::new(args, device)?
+    };
+    let (n_params, _) = model.args.num_params();
+    let flops_per_token = model.args.flops_per_token(cfg.training.seq_len);
+    tracing::info!(
+        flavor = cfg.model.flavor,
+        params = n_params,
+        flops_per_token,
+        "model built"
+    );
+
+    {
+        // Single-process work is nothing here; a distributed backend has set itself up before
+        // train() is called. Recorded so every run has torchtitan's init phases.
+        let _s = titan_obs::span("parallelism");
+    }
+    let n_micro = microbatches(&cfg.training, world.dp_degree())
+        .map_err(|e| config_error("training.global_batch_size", e))?;
+    let (mut optimizer, schedule) = {
+        let _s = titan_obs::span("optimizer");
+        (
+            AdamW::new((&cfg.optimizer).into()),
+            LrSchedule::new(&cfg.lr_scheduler, cfg.optimizer.lr, cfg.training.steps),
+        )
+    };
+    let mut checkpointer = Checkpointer::new(&cfg.checkpoint, &dump_folder, world)?
+        .with_hf_assets(&cfg.model.hf_assets_path);
+    let resumed_step = {
+        let _s = titan_obs::span("checkpoint");
+        checkpointer.load(&mut TrainerState {
+            model: &model,
+            optimizer: &mut optimizer,
+            loader: &mut train_loader,
+            schedule: &schedule,
+        })?
+    };
+
+    let peak_flops = metrics::peak_flops(device, cfg.metrics.peak_tflops);
+    let mut metrics_file = MetricsFile {
+        path: dump_folder.join("metrics.jsonl"),
+        lines: String::new(),
+    };
+    let params: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
+    let mut summary = TrainSummary {
+        dump_folder: dump_folder.clone(),
+        steps: 0,
+        first_loss: None,
+        last_loss: None,
+        last_validation_loss: None,
+    };
+    let mut window_start = Instant::now();
+    let mut window_tokens = 0i64;
+
+    for step in resumed_step + 1..=cfg.training.steps {
+        titan_obs::set_step(step);
+        let step_span = titan_obs::span("step");
+        let lr = schedule.lr_for_step(step);
+
+        let batches: Vec<Batch> = {
+            let _s = titan_obs::span("data_loading");
+            (0..n_micro)
+                .map(|_| {
+                    train_loader
+                        .next_batch(device)?
+                        .context("the training dataset yielded no batch")
+                })
+                .collect::<Result<_>>()?
+        };
+        let local_tokens: i64 = batches.iter().map(|b| count_valid(&b.labels)).sum();
+        let global_tokens = dp.global_valid_tokens(local_tokens)?;
+        let step_input_tokens = batches.iter().map(|b| b.inputs.numel() as i64).sum::<i64>();
+        window_tokens += step_input_tokens;
+
+        let mut local_loss = 0.0f64;
+        {
+            let _s = titan_obs::span("forward_backward");
+            for batch in &batches {
+                let _m = titan_obs::span("microbatch");
+                let loss = {
+                    let _f = titan_obs::span("forward");
+                    let logits = model.forward(&batch.inputs);
+                    // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
+                    // and microbatches then gives the mean over every token of the step.
+                    summed_cross_entropy(&logits, &batch.labels) / global_tokens.max(1) as f64
+                };
+                {
+                    let _b = titan_obs::span("backward");
+                    loss.backward();
+                }
+                local_loss += loss.double_value(&[]);
+            }
+        }
+        dp.reduce_gradients(&params)?;
+
+        let grad_norm = {
+            let _s = titan_obs::span("optimizer");
+            let grad_norm = {
+                let _c = titan_obs::span("clip");
+                let norm = dp.grad_norm(&params)?;
+                optim::clip_grads(&tensors, cfg.training.max_norm, norm);
+                norm
+            };
+            {
+                let _o = titan_obs::span("optimizer_step");
+                dp.optimizer_step(&mut optimizer, &params, lr)?;
+                for t in &tensors {
+                    t.shallow_clone().zero_grad();
+                }
+            }
+            {
+                let _l = titan_obs::span("lr");
+                // The schedule is a pure function of the step; next step's lr is computed at
+                // its start. Kept as a phase for torchtitan parity.
+            }
+            grad_norm
+        };
+
+        if !local_loss.is_finite() {
+            step_span.error(&format!("loss is {local_loss}"));
+            bail!("step {step}: loss is {local_loss}; lower optimizer.lr or check the data");
+        }
+
+        if step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps {
+            let _s = titan_obs::span("collect_dist_metrics");
+            let elapsed = window_start.elapsed().as_secs_f64();
+            let tps = window_tokens as f64 / elapsed.max(1e-9);
+            let (rss, peak_rss) = metrics::rss_bytes();
+            let memory = if device.is_cuda() {
+                metrics::cuda_process_memory_bytes().unwrap_or(0)
+            } else {
+                rss
+            };
+            let mut reduced = [
+                (local_loss, Reduce::Sum),
+                (grad_norm, Reduce::Max),
+                (memory as f64, Reduce::Max),
+                (tps, Reduce::Mean),
+            ];
+            dp.reduce_metrics(&mut reduced)?;
+            let tps = reduced[3].0;
+            let m = StepMetrics {
+                step,
+                loss: reduced[0].0,
+                grad_norm: reduced[1].0,
+                lr,
+                memory_gib: reduced[2].0 / (1u64 << 30) as f64,
+                peak_rss_gib: peak_rss as f64 / (1u64 << 30) as f64,
+                tps,
+                tflops: flops_per_token * tps / 1e12,
+                mfu_pct: 100.0 * flops_per_token * tps / peak_flops,
+                global_tokens,
+                on_cuda: device.is_cuda(),
+            };
+            for (name, value, reduce) in m.scalars() {
+                titan_obs::scalar(name, value, reduce);
+            }
+            if world.rank == 0 {
+                tracing::info!("{}", m.console_line());
+                metrics_file.push("train", &m)?;
+            }
+            summary.first_loss.get_or_insert(m.loss);
+            summary.last_loss = Some(m.loss);
+            window_start = Instant::now();
+            window_tokens = 0;
+        }
+
+        if let Some(loader) = val_loader.as_mut()
+            && step % cfg.validation.freq == 0
+        {
+            let _s = titan_obs::span("validation");
+            titan_obs::add_step_tag("validation");
+            let v = validate(&model, loader, cfg.validation.steps, dp, step, device)?;
+            titan_obs::scalar("validation/loss", v.loss, Reduce::Mean);
+            if world.rank == 0 {
+                tracing::info!("{}", v.console_line());
+                metrics_file.push("validation", &v)?;
+            }
+            summary.last_validation_loss = Some(v.loss);
+            // Validation time is not training throughput.
+            window_start = Instant::now();
+        }
+
+        if cfg.training.gc_freq > 0 && step % cfg.training.gc_freq == 0 {
+            let _s = titan_obs::span("gc");
+            titan_obs::add_step_tag("gc");
+            release_free_memory();
+        }
+        checkpointer.after_step(
+            step,
+            cfg.training.steps,
+            step_input_tokens as u64 * world.dp_degree() as u64,
+            &TrainerState {
+                model: &model,
+                optimizer: &mut optimizer,
+                loader: &mut train_loader,
+                schedule: &schedule,
+            },
+        )?;
+        summary.steps = step;
+        drop(step_span);
+    }
+    checkpointer.finish()?;
+    Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn microbatch_count_follows_global_batch() {
+        let mut t = config::Training {
+            local_batch_size: 4,
+            ..Default::default()
+        };
+        assert_eq!(microbatches(&t, 1).unwrap(), 1);
+        t.global_batch_size = 16;
+        assert_eq!(microbatches(&t, 2).unwrap(), 2);
+        t.global_batch_size = 10;
+        assert!(microbatches(&t, 1).is_err());
+    }
+
+    #[test]
+    fn cross_entropy_ignores_masked_labels() {
+        let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 0.5, 0.5, 0.5]).view([1, 2, 3]);
+        let labels = Tensor::from_slice(&[2i64, IGNORE_INDEX]).view([1, 2]);
+        let got = summed_cross_entropy(&logits, &labels).double_value(&[]);
+        let want = -(2.0f64.exp() / (1.0 + 1f64.exp() + 2f64.exp())).ln();
+        assert!((got - want).abs() < 1e-6);
+        assert_eq!(count_valid(&labels), 1);
+    }
+}
