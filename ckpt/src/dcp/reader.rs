@@ -245,7 +245,7 @@ impl<S: CheckpointStore> DcpReader<S> {
     }
 
     /// Reads an item's bytes and undoes its transforms (`limit` bounds the decoded size).
-    fn item_bytes(&self, info: &StorageInfo, what: &str, limit: u64) -> Result<Vec<u8>> {
+    fn item_bytes(&self, info: &StorageInfo, what: &str, limit: u64, hint: u64) -> Result<Vec<u8>> {
         let file = self.store.describe(&info.relative_path);
         let transforms = transform::parse_descriptors(info.transform_descriptors.as_deref())
             .map_err(|msg| DcpError::Metadata {
@@ -271,7 +271,7 @@ impl<S: CheckpointStore> DcpReader<S> {
         if transforms.is_empty() {
             return Ok(raw);
         }
-        transform::decode(&raw, &transforms, limit).map_err(|e| DcpError::Item {
+        transform::decode_with_hint(&raw, &transforms, limit, hint).map_err(|e| DcpError::Item {
             file,
             item: what.to_string(),
             source: ItemError::Io(e),
@@ -324,11 +324,12 @@ impl<S: CheckpointStore> DcpReader<S> {
                 .map_err(self.item_error(info, what.clone()))?;
             (layout, data)
         } else {
-            let item = self.item_bytes(info, &what, expect_bytes + self.options.item_overhead)?;
+            let limit = expect_bytes + self.options.item_overhead;
+            let item = self.item_bytes(info, &what, limit, expect_bytes + 4096)?;
             let layout = tensor_item::parse_tensor_item(&item)
                 .map_err(self.item_error(info, what.clone()))?;
             let data = layout
-                .read_data(&item)
+                .take_data(item)
                 .map_err(self.item_error(info, what.clone()))?;
             (layout, data)
         };
@@ -408,6 +409,7 @@ impl<S: CheckpointStore> DcpReader<S> {
             info,
             &format!("bytes item `{fqn}`"),
             self.options.max_bytes_item,
+            0,
         )
     }
 

@@ -74,6 +74,27 @@ impl TensorItemLayout {
         ))
     }
 
+    /// Like [`TensorItemLayout::read_data`] on a whole in-memory item, reusing its buffer when
+    /// the values are stored contiguously (no second allocation).
+    pub fn take_data(&self, mut item: Vec<u8>) -> Result<Vec<u8>, ItemError> {
+        let whole_storage = self.storage_offset == 0 && self.numel() == self.storage_numel;
+        match self.contiguous_range() {
+            Some((start, len)) if self.numel() > 0 => {
+                let end = start
+                    .checked_add(len)
+                    .filter(|e| *e <= item.len() as u64)
+                    .ok_or_else(|| invalid("tensor data runs past the end of the item"))?;
+                if whole_storage {
+                    check_crc(&self.storage, &item[start as usize..end as usize])?;
+                }
+                item.truncate(end as usize);
+                item.drain(..start as usize);
+                Ok(item)
+            }
+            _ => self.read_data(&item),
+        }
+    }
+
     /// Reads the values as contiguous little-endian bytes (gathering strided views).
     pub fn read_data<S: ReadAt + ?Sized>(&self, src: &S) -> Result<Vec<u8>, ItemError> {
         let es = self.dtype.size() as u64;

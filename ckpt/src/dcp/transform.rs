@@ -47,13 +47,24 @@ pub fn parse_descriptors(descriptors: Option<&[String]>) -> Result<Vec<Transform
 /// Undoes `transforms` (in descriptor order, as torch's reader applies them) on `data`,
 /// refusing output larger than `limit` bytes.
 pub fn decode(data: &[u8], transforms: &[Transform], limit: u64) -> io::Result<Vec<u8>> {
+    decode_with_hint(data, transforms, limit, 0)
+}
+
+/// [`decode`] with the expected output size, to allocate the output once.
+pub fn decode_with_hint(
+    data: &[u8],
+    transforms: &[Transform],
+    limit: u64,
+    size_hint: u64,
+) -> io::Result<Vec<u8>> {
     let mut current: Vec<u8> = Vec::new();
     let mut input: &[u8] = data;
     for t in transforms {
         let next = match t {
             Transform::Zstd => {
-                let mut out = Vec::new();
-                let decoder = zstd::stream::read::Decoder::new(input)?;
+                let mut out = Vec::with_capacity(size_hint.min(limit).saturating_add(1) as usize);
+                // `&[u8]` is already buffered: no extra copy through a BufReader.
+                let decoder = zstd::stream::read::Decoder::with_buffer(input)?;
                 // Read at most limit + 1 bytes so oversized output is detected, never allocated.
                 decoder
                     .take(limit.saturating_add(1))

@@ -350,6 +350,7 @@ impl DcpWriter {
         }
         let mut storage_data = Vec::new();
         let files = std::mem::take(&mut self.files);
+        let all_tmp: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
         let mut done = Vec::new();
         for (_, f) in files {
             let OpenFile { tmp, path, writer } = f;
@@ -367,8 +368,8 @@ impl DcpWriter {
                     done.push((tmp, path));
                 }
                 Err(e) => {
-                    let _ = std::fs::remove_file(&tmp);
-                    for (t, _) in &done {
+                    // Remaining writers are dropped (and flushed) here; then remove every file.
+                    for t in &all_tmp {
                         let _ = std::fs::remove_file(t);
                     }
                     return Err(DcpError::Io {
