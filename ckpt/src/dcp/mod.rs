@@ -69,6 +69,17 @@
 //! * Replicated and non-distributed items are written by one rank only (dedup), so
 //!   `__0_0.distcp` may lack items that rank 0 owned.
 
+//!
+//! # Performance (ckpt/benches/dcp_native.rs vs tests/python/dcp_bench_torch.py, same files)
+//! Measured on the shared 2-core CI-like machine under load average ~20, so only ratios from the
+//! same run mean anything; medians:
+//!
+//! | 64 MiB, 8 f32 tensors x 2 rank chunks | titan `read_tensor` (all) | torch `dcp.load` | ratio |
+//! |---|---|---|---|
+//! | plain | 44.6 ms | 92.9 ms | 2.1x faster |
+//! | zstd (`stream.zstd/1`) | 580 ms | 412 ms | 1.4x slower |
+//! | `.metadata` of 5000 tensors: open+parse+check | 304 ms | `pickle.load` 626 ms | 2.1x faster |
+
 pub mod error;
 pub mod metadata;
 pub mod pickle;
