@@ -52,8 +52,10 @@ pub struct Columns {
     pub start: bool,
     /// `thread`.
     pub thread: bool,
-    /// `depth`, `seq`, `parent`.
-    pub nesting: bool,
+    /// `depth`.
+    pub depth: bool,
+    /// `seq`, `parent` (the exact span tree).
+    pub links: bool,
     /// `tags` (step tags; needed for checkpoint/validation step costs).
     pub tags: bool,
     /// `message` of error records.
@@ -64,7 +66,8 @@ impl Columns {
     pub const ALL: Columns = Columns {
         start: true,
         thread: true,
-        nesting: true,
+        depth: true,
+        links: true,
         tags: true,
         messages: true,
     };
@@ -72,7 +75,8 @@ impl Columns {
     pub const SUMMARY: Columns = Columns {
         start: false,
         thread: false,
-        nesting: true,
+        depth: true,
+        links: false,
         tags: true,
         messages: false,
     };
@@ -80,7 +84,8 @@ impl Columns {
     pub const METRICS: Columns = Columns {
         start: false,
         thread: false,
-        nesting: false,
+        depth: false,
+        links: false,
         tags: false,
         messages: false,
     };
@@ -132,6 +137,24 @@ pub struct Spans {
 }
 
 impl Spans {
+    /// Grows every column already in use to hold `n` spans in total.
+    fn reserve(&mut self, n: usize) {
+        fn r<T>(v: &mut Vec<T>, n: usize) {
+            if !v.is_empty() {
+                v.reserve_exact(n.saturating_sub(v.len()));
+            }
+        }
+        r(&mut self.rank, n);
+        r(&mut self.name, n);
+        r(&mut self.step, n);
+        r(&mut self.dur_ns, n);
+        r(&mut self.start_ns, n);
+        r(&mut self.thread, n);
+        r(&mut self.depth, n);
+        r(&mut self.seq, n);
+        r(&mut self.parent, n);
+    }
+
     pub fn len(&self) -> usize {
         self.rank.len()
     }
@@ -290,6 +313,8 @@ pub fn load(run: &str, opts: &ReadOptions) -> Result<Run> {
         ),
         Location::Local(_) => None,
     };
+    let total_parts = listing.parts.len();
+    let mut parts_done = 0usize;
     for parts in listing.parts.chunks(chunk) {
         let decoded: Vec<(PartRef, Result<PartData>)> = match &location {
             Location::Local(_) => parts
@@ -335,6 +360,7 @@ pub fn load(run: &str, opts: &ReadOptions) -> Result<Run> {
                     .collect()
             }
         };
+        parts_done += decoded.len();
         for (part, result) in decoded {
             match result {
                 Ok(data) => {
@@ -350,6 +376,14 @@ pub fn load(run: &str, opts: &ReadOptions) -> Result<Run> {
                     error: format!("{e:#}"),
                 }),
             }
+        }
+        if parts_done == parts.len() && parts_done < total_parts {
+            // After the first chunk, reserve for the whole run (+5%) so the big columns grow
+            // once instead of doubling (which would transiently need 2x the memory).
+            let scale = total_parts as f64 / parts_done as f64 * 1.05;
+            run_out
+                .spans
+                .reserve((run_out.spans.len() as f64 * scale) as usize);
         }
     }
     let expected = world_size.max(rank_dirs_seen.iter().next_back().map_or(0, |r| r + 1));
@@ -548,8 +582,11 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
     if c.thread {
         wanted.push(col::THREAD);
     }
-    if c.nesting {
-        wanted.extend([col::DEPTH, col::SEQ, col::PARENT]);
+    if c.depth {
+        wanted.push(col::DEPTH);
+    }
+    if c.links {
+        wanted.extend([col::SEQ, col::PARENT]);
     }
     if c.tags {
         wanted.push(col::TAGS);
@@ -647,17 +684,17 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
         } else {
             None
         };
-        let (depth, seq, parent): (
-            Option<&UInt16Array>,
-            Option<&UInt64Array>,
-            Option<&UInt64Array>,
-        ) = if c.nesting {
+        let depth: Option<&UInt16Array> = if c.depth {
+            Some(
+                get(col::DEPTH)?
+                    .as_primitive_opt::<UInt16Type>()
+                    .context("`depth` is not uint16")?,
+            )
+        } else {
+            None
+        };
+        let (seq, parent): (Option<&UInt64Array>, Option<&UInt64Array>) = if c.links {
             (
-                Some(
-                    get(col::DEPTH)?
-                        .as_primitive_opt::<UInt16Type>()
-                        .context("`depth` is not uint16")?,
-                ),
                 Some(
                     get(col::SEQ)?
                         .as_primitive_opt::<UInt64Type>()
@@ -670,7 +707,7 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
                 ),
             )
         } else {
-            (None, None, None)
+            (None, None)
         };
         let tags = if c.tags {
             Some(
@@ -744,8 +781,10 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
                     if let Some(a) = thread {
                         t.thread.push(a.value(i));
                     }
-                    if let (Some(d), Some(q), Some(p)) = (depth, seq, parent) {
+                    if let Some(d) = depth {
                         t.depth.push(d.value(i));
+                    }
+                    if let (Some(q), Some(p)) = (seq, parent) {
                         t.seq.push(q.value(i));
                         t.parent.push(if p.is_null(i) { 0 } else { p.value(i) });
                     }
@@ -761,8 +800,10 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
                     if let Some(a) = thread {
                         t.thread.push(a.value(i));
                     }
-                    if let (Some(d), Some(p)) = (depth, parent) {
+                    if let Some(d) = depth {
                         t.depth.push(d.value(i));
+                    }
+                    if let Some(p) = parent {
                         t.parent.push(if p.is_null(i) { 0 } else { p.value(i) });
                     }
                 }

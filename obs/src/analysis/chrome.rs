@@ -27,7 +27,7 @@ fn json_str(s: &str) -> String {
 }
 
 /// Writes the run (loaded with [`crate::Columns::ALL`]) as Chrome Trace Event JSON.
-pub fn write_chrome(run: &Run, out: &mut impl Write) -> Result<ChromeStats> {
+pub fn write_chrome(run: &Run, out: &mut dyn Write) -> Result<ChromeStats> {
     let sp = &run.spans;
     if sp.start_ns.len() != sp.len() || sp.thread.len() != sp.len() || sp.depth.len() != sp.len() {
         bail!("chrome export needs start, thread and nesting columns (load with Columns::ALL)");

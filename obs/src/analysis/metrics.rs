@@ -52,12 +52,14 @@ impl Acc {
     }
 }
 
+/// Column order (first recorded first) and accumulators of one line.
+type LineAcc = (Vec<(u32, Reduce)>, BTreeMap<(u32, Reduce), Acc>);
+
 /// Aggregates the run's scalars per step (steps without a step number are skipped).
 pub fn metrics(run: &Run) -> Vec<MetricsLine> {
     let sc = &run.scalars;
     // (step, validation) -> column order + accumulators.
-    let mut lines: BTreeMap<(u64, bool), (Vec<(u32, Reduce)>, BTreeMap<(u32, Reduce), Acc>)> =
-        BTreeMap::new();
+    let mut lines: BTreeMap<(u64, bool), LineAcc> = BTreeMap::new();
     for i in 0..sc.rank.len() {
         let step = sc.step[i];
         if step == NO_STEP || sc.value[i].is_nan() {

@@ -105,7 +105,8 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         counts[name as usize + 1] += 1;
     }
     for i in 1..counts.len() {
-        counts[i] += counts[i - 1];
+        let prev = counts[i - 1];
+        counts[i] += prev;
     }
     let offsets = counts.clone();
     let mut order = vec![0u32; n];

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# titan-obs benchmarks: summary on a synthetic 256 ranks x 1000 steps x 40 spans run (10.24 M
+# spans), against the same aggregation in pyarrow; plus the recording hot path (criterion)
+# against torchtitan-style JSON lines in Python.
+#
+#   bash bench/obs/run.sh [RUNS]      (RUNS of each timed command, default 5; medians reported)
+#
+# Environment: OBS_BENCH_DIR (default /tmp/titan-obs-bench), CARGO_TARGET_DIR as usual.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RUNS=${1:-5}
+DIR=${OBS_BENCH_DIR:-/tmp/titan-obs-bench}
+PY=.venv/bin/python
+TARGET=${CARGO_TARGET_DIR:-target}
+cargo build --release -p titan-obs-tui --bin titan-obs >&2
+BIN=$TARGET/release/titan-obs
+RUN=$DIR/run-256x1000x40
+
+if [ ! -d "$RUN/obs" ]; then
+  mkdir -p "$DIR"
+  "$BIN" synth "$RUN" --ranks 256 --steps 1000 --spans-per-step 40 --steps-per-part 250 \
+    --straggler 17:forward_backward:1.3 --straggler 200:data_loading:2.0
+fi
+echo "run: $RUN ($(du -sh "$RUN" | cut -f1) on disk, $(find "$RUN" -name 'part-*.parquet' | wc -l) parts)"
+
+# median of N wall times and peak RSS via /usr/bin/time
+measure() {
+  local label=$1; shift
+  local walls=() rss=()
+  for _ in $(seq "$RUNS"); do
+    /usr/bin/time -f '%e %M' -o "$DIR/time.txt" "$@" > "$DIR/out.txt"
+    read -r w m < "$DIR/time.txt"
+    walls+=("$w"); rss+=("$m")
+  done
+  local mw mr
+  mw=$(printf '%s\n' "${walls[@]}" | sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}')
+  mr=$(printf '%s\n' "${rss[@]}" | sort -g | awk '{a[NR]=$1} END{print a[NR]}')
+  echo "$label: median ${mw} s over $RUNS runs (all: ${walls[*]}), peak RSS $((mr / 1024)) MB"
+}
+
+measure "titan-obs summary" "$BIN" summary "$RUN" --quiet
+head -30 "$DIR/out.txt"
+measure "titan-obs summary --json" "$BIN" summary "$RUN" --quiet --json
+measure "pyarrow group_by (count/sum/mean/max/tdigest p50,p95 per phase)" $PY bench/obs/pyarrow_summary.py "$RUN"
+cat "$DIR/out.txt" | head -5
+
+echo "--- recording hot path (criterion) ---"
+cargo bench -p titan-obs --bench record -- --noplot 2>&1 | grep -E "^record/|time:" || true
+echo "--- torchtitan-style JSON line per record in Python ---"
+$PY bench/obs/python_jsonl.py

@@ -1,0 +1,139 @@
+//! The non-interactive `titan-obs` commands: summary, metrics, export.
+//!
+//! Each loads the run through `titan_obs::read` (only the columns it needs), reports missing
+//! ranks and corrupt parts on stderr by name, and carries on with what could be read.
+
+pub mod export;
+pub mod metrics;
+pub mod summary;
+pub mod synth;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use titan_obs::read::{Columns, ReadOptions, Run};
+
+/// Exit code when `--strict` is given and ranks are missing or parts are corrupt.
+pub const EXIT_INCOMPLETE: i32 = 3;
+
+/// Options every analysis command shares.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Run location: a directory holding obs/rank-<R>/part-<N>.parquet, or an object store
+    /// URL (s3://bucket/run, gs://..., az://...; credentials and endpoint from AWS_*/GOOGLE_*/AZURE_* env vars).
+    pub run: String,
+    /// Exit with code 3 when ranks are missing or parts are corrupt (after printing the result).
+    #[arg(long)]
+    pub strict: bool,
+    /// Do not add each rank's recorded clock offset (keep every rank on its own clock).
+    #[arg(long)]
+    pub no_clock_align: bool,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// Loads the run with a progress bar on stderr and prints what is missing or corrupt.
+pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
+    let bar = if args.quiet || !console_is_tty() {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::new_spinner();
+        b.set_style(
+            ProgressStyle::with_template("{spinner} reading parts: {pos} ({per_sec}) {elapsed}")
+                .expect("valid template"),
+        );
+        b.enable_steady_tick(Duration::from_millis(120));
+        b
+    };
+    let progress = {
+        let bar = bar.clone();
+        Arc::new(move |n: u64| bar.inc(n)) as Arc<dyn Fn(u64) + Send + Sync>
+    };
+    let opts = ReadOptions {
+        columns,
+        align_clocks: !args.no_clock_align,
+        progress: Some(progress),
+    };
+    let run = titan_obs::read::load(&args.run, &opts);
+    bar.finish_and_clear();
+    let run = run?;
+    report_problems(&run);
+    Ok(run)
+}
+
+fn console_is_tty() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal()
+}
+
+/// Missing ranks and corrupt parts, by name, on stderr.
+pub fn report_problems(run: &Run) {
+    let r = &run.report;
+    for c in &r.corrupt_parts {
+        eprintln!("warning: corrupt part {}: {} (skipped)", c.path, c.error);
+    }
+    if !r.missing_ranks.is_empty() {
+        let loc = titan_obs::location::Location::parse(&run.location).ok();
+        for &rank in &r.missing_ranks {
+            let where_ = loc
+                .as_ref()
+                .map(|l| l.rank_display(rank))
+                .unwrap_or_else(|| format!("rank-{rank}"));
+            eprintln!(
+                "warning: rank {rank} of {} is missing: no readable part in {where_}",
+                r.world_size
+            );
+        }
+    }
+    if r.parts_read == 0 {
+        eprintln!("warning: no readable part in {}", run.location);
+    }
+}
+
+/// The process exit code after a command that printed its result.
+pub fn exit_code(args: &RunArgs, run: &Run) -> i32 {
+    if args.strict && !run.report.is_complete() {
+        EXIT_INCOMPLETE
+    } else {
+        0
+    }
+}
+
+/// `1.234 s`, `12.3 ms`, `456 us`, `789 ns`.
+pub fn human_ns(ns: f64) -> String {
+    let a = ns.abs();
+    if a >= 1e9 {
+        format!("{:.3} s", ns / 1e9)
+    } else if a >= 1e6 {
+        format!("{:.2} ms", ns / 1e6)
+    } else if a >= 1e3 {
+        format!("{:.1} us", ns / 1e3)
+    } else {
+        format!("{ns:.0} ns")
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename.
+pub fn write_atomically(
+    path: &std::path::Path,
+    write: impl FnOnce(&mut dyn std::io::Write) -> Result<()>,
+) -> Result<()> {
+    use anyhow::Context;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, tmp.as_file_mut());
+        write(&mut w)?;
+        std::io::Write::flush(&mut w).with_context(|| format!("writing {}", path.display()))?;
+    }
+    tmp.persist(path)
+        .with_context(|| format!("renaming the output into {}", path.display()))?;
+    Ok(())
+}

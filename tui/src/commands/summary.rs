@@ -1,0 +1,223 @@
+//! `titan-obs summary RUN`: per-phase statistics, stragglers, tagged steps.
+
+use std::fmt::Write;
+
+use anyhow::Result;
+use titan_obs::analysis::{StragglerOptions, Summary, summary};
+use titan_obs::read::Columns;
+
+use super::{RunArgs, exit_code, human_ns, load_run};
+
+/// Where the time went, per phase across ranks and steps.
+#[derive(clap::Args, Debug)]
+pub struct SummaryArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Print JSON instead of tables (durations in ns).
+    #[arg(long)]
+    pub json: bool,
+    /// A straggler is above the cross-rank median in at least this share of steps.
+    #[arg(long, default_value_t = 0.75, value_name = "SHARE")]
+    pub straggler_steps: f64,
+    /// ...and its median time is at least this much above the cross-rank median (0.05 = 5%).
+    #[arg(long, default_value_t = 0.05, value_name = "RATIO")]
+    pub straggler_excess: f64,
+    /// Show at most this many stragglers and tagged steps in the tables (JSON has all).
+    #[arg(long, default_value_t = 20)]
+    pub top: usize,
+}
+
+pub fn run(args: &SummaryArgs) -> Result<i32> {
+    let loaded = load_run(&args.run, Columns::SUMMARY)?;
+    let opts = StragglerOptions {
+        min_share_of_steps: args.straggler_steps,
+        min_excess_ratio: args.straggler_excess,
+    };
+    let s = summary(&loaded, &opts);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        print!("{}", render(&s, args.top));
+    }
+    Ok(exit_code(&args.run, &loaded))
+}
+
+/// The human-readable report.
+pub fn render(s: &Summary, top: usize) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "run {}: {} ranks (world size {}), {} steps, {} spans, {} errors, median step {}",
+        s.run,
+        s.ranks,
+        s.world_size,
+        s.steps,
+        s.spans,
+        s.errors,
+        human_ns(s.median_step_ns as f64)
+    );
+    if !s.missing_ranks.is_empty() {
+        let _ = writeln!(o, "missing ranks: {:?}", s.missing_ranks);
+    }
+    for (p, e) in &s.corrupt_parts {
+        let _ = writeln!(o, "corrupt part (skipped): {p}: {e}");
+    }
+    let _ = writeln!(o, "\nphases (all ranks, all steps)");
+    let header = [
+        "phase", "count", "total", "mean", "p50", "p95", "max", "% step",
+    ];
+    let mut rows: Vec<[String; 8]> = Vec::new();
+    for p in &s.phases {
+        rows.push([
+            format!("{}{}", "  ".repeat(p.depth as usize), p.name),
+            p.count.to_string(),
+            human_ns(p.total_ns as f64),
+            human_ns(p.mean_ns),
+            human_ns(p.p50_ns as f64),
+            human_ns(p.p95_ns as f64),
+            human_ns(p.max_ns as f64),
+            p.share_of_step
+                .map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
+        ]);
+    }
+    table(
+        &mut o,
+        &header,
+        &rows,
+        &[false, true, true, true, true, true, true, true],
+    );
+
+    let _ = writeln!(
+        o,
+        "\nstragglers (ranks consistently slower than the cross-rank median)"
+    );
+    if s.stragglers.is_empty() {
+        let _ = writeln!(o, "  none");
+    } else {
+        let header = [
+            "phase",
+            "rank",
+            "slowest in",
+            "above median in",
+            "median excess",
+            "median ratio",
+        ];
+        let rows: Vec<[String; 6]> = s
+            .stragglers
+            .iter()
+            .take(top)
+            .map(|x| {
+                [
+                    x.phase.clone(),
+                    x.rank.to_string(),
+                    format!("{}/{} steps", x.slowest_steps, x.steps),
+                    format!("{}/{} steps", x.above_median_steps, x.steps),
+                    format!("+{}", human_ns(x.median_excess_ns)),
+                    format!("x{:.2}", x.median_ratio),
+                ]
+            })
+            .collect();
+        table(
+            &mut o,
+            &header,
+            &rows,
+            &[false, true, true, true, true, true],
+        );
+        if s.stragglers.len() > top {
+            let _ = writeln!(
+                o,
+                "  ... {} more (--top or --json)",
+                s.stragglers.len() - top
+            );
+        }
+    }
+
+    let _ = writeln!(
+        o,
+        "\ntagged steps (cost vs the median untagged step {})",
+        human_ns(s.median_step_ns as f64)
+    );
+    if s.tagged_steps.is_empty() {
+        let _ = writeln!(o, "  none");
+    } else {
+        let mut by_tag: std::collections::BTreeMap<String, (u64, i64)> = Default::default();
+        for t in &s.tagged_steps {
+            let e = by_tag.entry(t.tags.join("+")).or_default();
+            e.0 += 1;
+            e.1 += t.extra_ns;
+        }
+        for (tag, (n, extra)) in &by_tag {
+            let _ = writeln!(
+                o,
+                "  {tag}: {n} steps, {} extra in total, {} per step",
+                human_ns(*extra as f64),
+                human_ns(*extra as f64 / *n as f64)
+            );
+        }
+        let header = ["step", "tags", "step time", "extra", "tagged phase"];
+        let rows: Vec<[String; 5]> = s
+            .tagged_steps
+            .iter()
+            .take(top)
+            .map(|t| {
+                [
+                    t.step.to_string(),
+                    t.tags.join(","),
+                    human_ns(t.wall_ns as f64),
+                    format!("{:+.2} ms", t.extra_ns as f64 / 1e6),
+                    human_ns(t.tagged_phase_ns as f64),
+                ]
+            })
+            .collect();
+        table(&mut o, &header, &rows, &[true, false, true, true, true]);
+        if s.tagged_steps.len() > top {
+            let _ = writeln!(
+                o,
+                "  ... {} more (--top or --json)",
+                s.tagged_steps.len() - top
+            );
+        }
+    }
+    o
+}
+
+/// A plain aligned table; `right[i]` right-aligns column i.
+fn table<const N: usize>(
+    o: &mut String,
+    header: &[&str; N],
+    rows: &[[String; N]],
+    right: &[bool; N],
+) {
+    let w: [usize; N] = std::array::from_fn(|i| {
+        rows.iter()
+            .map(|r| r[i].chars().count())
+            .fold(header[i].chars().count(), usize::max)
+    });
+    let line = |o: &mut String, cells: &[&str; N]| {
+        o.push_str("  ");
+        for i in 0..N {
+            let pad = w[i] - cells[i].chars().count();
+            if right[i] {
+                o.push_str(&" ".repeat(pad));
+                o.push_str(cells[i]);
+            } else {
+                o.push_str(cells[i]);
+                if i + 1 < N {
+                    o.push_str(&" ".repeat(pad));
+                }
+            }
+            if i + 1 < N {
+                o.push_str("  ");
+            }
+        }
+        o.push('\n');
+    };
+    line(o, header);
+    let dashes: Vec<String> = w.iter().map(|&n| "-".repeat(n)).collect();
+    let dash_refs: [&str; N] = std::array::from_fn(|i| dashes[i].as_str());
+    line(o, &dash_refs);
+    for r in rows {
+        let cells: [&str; N] = std::array::from_fn(|i| r[i].as_str());
+        line(o, &cells);
+    }
+}
