@@ -63,6 +63,8 @@ for fqn in sorted(model_keys):
     mod.register_parameter(leaf, torch.nn.Parameter(sd[fqn].clone()))
 assert set(root.state_dict().keys()) == set(model_keys)
 opt = torch.optim.AdamW(root.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+# torchtitan builds a LambdaLR on the optimizer, which adds `initial_lr` to the param groups.
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 options = StateDictOptions(flatten_optimizer_state_dict=True)
 flat = {k[len("optimizer."):]: v for k, v in sd.items() if k.startswith("optimizer.")}
 set_optimizer_state_dict(root, opt, optim_state_dict=flat, options=options)
