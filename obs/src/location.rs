@@ -44,6 +44,14 @@ impl Location {
                 .map_err(|_| anyhow::anyhow!("`{run}` is not a valid file:// URL"))?;
             return Ok(Location::Local(path));
         }
+        if url.scheme() == "memory" {
+            return Ok(Location::Object {
+                url: run.trim_end_matches('/').to_string(),
+                store: memory_store(&url),
+                base: StorePath::parse(url.path())
+                    .with_context(|| format!("`{run}`: invalid object path"))?,
+            });
+        }
         let (scheme, path) = object_store::ObjectStoreScheme::parse(&url)
             .with_context(|| format!("`{run}`: unsupported object store URL"))?;
         let store: Arc<dyn ObjectStore> = match scheme {
