@@ -782,7 +782,7 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
         })
         .collect();
     let widths = [
-        Constraint::Min(12),
+        Constraint::Fill(1),
         Constraint::Length(8),
         Constraint::Length(8),
         Constraint::Length(8),
