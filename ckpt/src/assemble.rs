@@ -79,11 +79,14 @@ pub fn run_of(t: &TensorPlan, c: &Chunk) -> Range<u64> {
     start..start + c.numel()
 }
 
+/// A decoded DCP item, keyed by (file index, item offset).
+type CachedItem = ((usize, u64), Arc<Vec<u8>>);
+
 /// Reads windows of tensors of one plan. Not shared between threads (it caches a decoded item).
 pub struct TensorReader<'a> {
     plan: &'a CheckpointPlan,
     files: &'a [InFile],
-    cached: Option<((usize, u64), Arc<Vec<u8>>)>,
+    cached: Option<CachedItem>,
     scratch: Vec<u8>,
 }
 
@@ -161,7 +164,9 @@ impl<'a> TensorReader<'a> {
             return Ok(());
         }
         let l = layout.row_len;
-        if range.start % l != 0 || (range.end % l != 0 && range.end != t.numel()) {
+        if !range.start.is_multiple_of(l)
+            || (!range.end.is_multiple_of(l) && range.end != t.numel())
+        {
             return Err(Error::invalid(
                 "reader",
                 "internal: column-sharded windows must be whole rows",

@@ -161,7 +161,7 @@ mod tests {
     #[test]
     fn conversions_follow_torch() {
         let mut out = Vec::new();
-        let x: Vec<u8> = [1.0f32, -2.5, 1.00390625, 3.0e38]
+        let x: Vec<u8> = [1.0f32, -2.5, 1.0 + 1.0 / 256.0, 3.0e38]
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();

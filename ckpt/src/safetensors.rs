@@ -260,7 +260,7 @@ pub fn build_header(
         pos += n;
     }
     let mut json = serde_json::to_vec(&Value::Object(map)).expect("header JSON");
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + json.len());
