@@ -1,0 +1,263 @@
+//! The interactive gantt in a real terminal: `titan-obs RUN` started inside tmux on a
+//! synthetic 4-rank run; keys are sent (zoom, step jump, select, quit) and the screen is read
+//! back with `tmux capture-pane -p`. Also: without a terminal it explains the other commands,
+//! and `titan-obs gantt` writes SVG/PNG.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A 4-rank, 8-step run written by `titan-obs synth` (real part files); rank 2 is 2x slow in
+/// forward_backward, every 4th step is a checkpoint step and every 3rd a validation step.
+fn synthetic_run(dir: &Path) -> PathBuf {
+    let run = dir.join("run");
+    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .arg("synth")
+        .arg(&run)
+        .args([
+            "--ranks",
+            "4",
+            "--steps",
+            "8",
+            "--spans-per-step",
+            "12",
+            "--steps-per-part",
+            "4",
+        ])
+        .args(["--straggler", "2:forward_backward:2.0"])
+        .args(["--checkpoint-every", "4", "--validation-every", "3"])
+        .output()
+        .expect("running titan-obs synth");
+    assert!(
+        out.status.success(),
+        "titan-obs synth failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    run
+}
+
+/// A private tmux server (own socket), killed on drop.
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn start(cmd: &str, width: u16, height: u16) -> Self {
+        let have = Command::new("tmux").arg("-V").output();
+        assert!(
+            have.is_ok_and(|o| o.status.success()),
+            "tmux is required for this test: apt-get install -y tmux (scripts/setup.sh installs it)"
+        );
+        let socket = format!("titan-tui-test-{}-{}", std::process::id(), width);
+        let t = Tmux { socket };
+        let out = t.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "tui",
+            "-x",
+            &width.to_string(),
+            "-y",
+            &height.to_string(),
+            cmd,
+        ]);
+        assert!(
+            out.status.success(),
+            "tmux new-session failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        t
+    }
+
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        Command::new("tmux")
+            .args(["-L", &self.socket, "-f", "/dev/null"])
+            .args(args)
+            .env_remove("TMUX")
+            .output()
+            .expect("running tmux")
+    }
+
+    fn keys(&self, keys: &[&str]) {
+        for k in keys {
+            let out = self.run(&["send-keys", "-t", "tui", k]);
+            assert!(out.status.success());
+            // One key at a time, as a user types: each is handled and drawn before the next.
+            std::thread::sleep(Duration::from_millis(60));
+        }
+    }
+
+    fn screen(&self) -> String {
+        let out = self.run(&["capture-pane", "-p", "-t", "tui"]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Waits until the screen satisfies `ok`, or fails with the last screen.
+    fn wait_for(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = self.screen();
+            if ok(&s) {
+                return s;
+            }
+            if Instant::now() > deadline {
+                panic!("timed out waiting for {what}; screen:\n{s}");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+    }
+}
+
+/// The status line's window text, e.g. "window 0 – 1.2s (1.20s)".
+fn status_line(screen: &str) -> String {
+    screen
+        .lines()
+        .find(|l| l.contains(" window ") || l.contains(" jump to step"))
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn shell_quote(p: &Path) -> String {
+    format!("'{}'", p.display().to_string().replace('\'', "'\\''"))
+}
+
+#[test]
+fn tui_in_tmux_zoom_step_jump_select_quit() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synthetic_run(dir.path());
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
+    let cmd = format!(
+        "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
+        shell_quote(&bin),
+        shell_quote(&run)
+    );
+    let tmux = Tmux::start(&cmd, 160, 50);
+
+    // Every rank's lane, the legend and the numbered steps are on screen.
+    let s = tmux.wait_for("the gantt", |s| {
+        s.contains("r3") && s.contains("forward_backward")
+    });
+    for r in 0..4 {
+        assert!(s.contains(&format!("r{r}")), "rank {r} lane missing:\n{s}");
+    }
+    assert!(s.contains("4 ranks"), "{s}");
+    assert!(s.contains("│1"), "step numbers missing:\n{s}");
+
+    // Zoom in: the window shrinks around the cursor.
+    let before = status_line(&s);
+    tmux.keys(&["+"]);
+    let s = tmux.wait_for("zoom", |s| status_line(s) != before);
+    assert!(status_line(&s).contains("window"), "{s}");
+
+    // Jump to step 5.
+    tmux.keys(&["g", "5", "Enter"]);
+    let s = tmux.wait_for("step 5", |s| status_line(s).contains("step 5"));
+    assert!(s.contains("│5"), "step 5 boundary not shown:\n{s}");
+
+    // Go to rank 0's depth-1 row, walk right into a span and select it.
+    tmux.keys(&["Down", "Tab"]);
+    let s = tmux.wait_for("a selection", |s| s.contains("selected: "));
+    assert!(s.contains("rank 0"), "{s}");
+    assert!(s.contains("step 5"), "{s}");
+    assert!(
+        s.contains("on 4 ranks: min"),
+        "cross-rank stats missing:\n{s}"
+    );
+
+    // Collapsed mode and the help overlay.
+    tmux.keys(&["c"]);
+    tmux.wait_for("collapsed mode", |s| {
+        s.contains("collapsed: min/median/max")
+    });
+    tmux.keys(&["?"]);
+    tmux.wait_for("help", |s| s.contains("keys (? or Esc closes)"));
+    tmux.keys(&["Escape"]);
+    tmux.wait_for("help closed", |s| !s.contains("keys (? or Esc closes)"));
+
+    // q quits cleanly and gives the terminal back.
+    tmux.keys(&["q"]);
+    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+}
+
+#[test]
+fn tui_without_a_terminal_explains_the_non_interactive_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synthetic_run(dir.path());
+    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .arg(&run)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs a terminal"), "{err}");
+    for cmd in [
+        "summary RUN",
+        "metrics RUN",
+        "export RUN --chrome",
+        "gantt RUN --svg",
+    ] {
+        assert!(err.contains(cmd), "`{cmd}` not explained:\n{err}");
+    }
+}
+
+#[test]
+fn tui_gantt_writes_svg_and_png() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synthetic_run(dir.path());
+    let svg = dir.path().join("gantt.svg");
+    let png = dir.path().join("gantt.png");
+    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .args([
+            "gantt",
+            run.to_str().unwrap(),
+            "--svg",
+            svg.to_str().unwrap(),
+        ])
+        .args(["--png", png.to_str().unwrap(), "--width", "1200"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
+    for r in 0..4 {
+        assert!(text.contains(&format!(">r{r}</text>")), "rank {r} missing");
+    }
+    assert!(text.contains(">forward_backward</text>"), "legend missing");
+    // The straggler (rank 2, forward_backward x2) is painted in the straggler colour.
+    assert!(
+        text.contains("fill=\"#ff0000\""),
+        "straggler not highlighted"
+    );
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), 1200);
+
+    // A step range outside the run is a usage error naming the range.
+    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .args([
+            "gantt",
+            run.to_str().unwrap(),
+            "--svg",
+            svg.to_str().unwrap(),
+            "--steps",
+            "50..60",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("steps 50..60 are not in this run"));
+}
