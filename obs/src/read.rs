@@ -513,6 +513,8 @@ fn footer_value<'a>(kv: &'a HashMap<String, String>, key: &str) -> Result<&'a st
         .with_context(|| format!("footer metadata key `{key}` is missing (not a titan part?)"))
 }
 
+// The row loop's index walks a dozen parallel columns at once.
+#[allow(clippy::needless_range_loop)]
 fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartData> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(bytes).context("invalid Parquet")?;
     let kv: HashMap<String, String> = builder
@@ -744,8 +746,12 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
                 .context("`kind` key out of range")?;
             let s = step_at(i);
             let name = names[i];
-            if let Some(tags) = tags {
-                if s != NO_STEP && !tags.is_null(i) && tags.value_length(i) > 0 {
+            if let Some(tags) = tags
+                && s != NO_STEP
+                && !tags.is_null(i)
+                && tags.value_length(i) > 0
+            {
+                {
                     let list = tags.value(i);
                     let list = list
                         .as_string_opt::<i32>()

@@ -423,7 +423,8 @@ pub fn find_stragglers(
         }
         let mr = median_f64(&mut ratio[r]);
         if (above[r] as f64) < opts.min_share_of_steps * steps as f64
-            || !(mr >= 1.0 + opts.min_excess_ratio)
+            || mr.is_nan()
+            || mr < 1.0 + opts.min_excess_ratio
         {
             continue;
         }
