@@ -47,7 +47,11 @@ fn name(rank: u32) -> String {
 /// A valid 2-rank checkpoint: w F32 [4, 3] row-sharded, b I64 [4] on rank 1.
 fn good(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join(name(1)), shard(&[("w", "F32", &[2, 3], &[0, 0]), ("b", "I64", &[4], &[0])])).unwrap();
+    std::fs::write(
+        dir.join(name(1)),
+        shard(&[("w", "F32", &[2, 3], &[0, 0]), ("b", "I64", &[4], &[0])]),
+    )
+    .unwrap();
     std::fs::write(dir.join(name(2)), shard(&[("w", "F32", &[2, 3], &[2, 0])])).unwrap();
 }
 
@@ -72,7 +76,11 @@ fn fails(input: &Path, expect: &[&str]) -> String {
         out.display()
     );
     // verify agrees and exits 1.
-    let v = Command::new(bin("titan-ckpt")).arg("verify").arg(input).output().unwrap();
+    let v = Command::new(bin("titan-ckpt"))
+        .arg("verify")
+        .arg(input)
+        .output()
+        .unwrap();
     assert_ne!(v.status.code(), Some(0), "verify passed bad input");
     err
 }
@@ -88,7 +96,12 @@ fn case() -> (tempfile::TempDir, std::path::PathBuf) {
 fn the_good_fixture_consolidates() {
     let (_t, d) = case();
     let out = d.parent().unwrap().join("out");
-    let o = Command::new(bin("titan-ckpt")).args(["--quiet", "consolidate"]).arg(&d).arg(&out).output().unwrap();
+    let o = Command::new(bin("titan-ckpt"))
+        .args(["--quiet", "consolidate"])
+        .arg(&d)
+        .arg(&out)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.join("model.safetensors").exists());
 }
@@ -119,7 +132,11 @@ fn header_length_past_the_file_or_over_the_limit() {
 #[test]
 fn malformed_json() {
     let (_t, d) = case();
-    std::fs::write(d.join(name(2)), with_header(br#"{"w": {"dtype": "F32", "shape": [2, 3]"#, 24)).unwrap();
+    std::fs::write(
+        d.join(name(2)),
+        with_header(br#"{"w": {"dtype": "F32", "shape": [2, 3]"#, 24),
+    )
+    .unwrap();
     fails(&d, &[&name(2), "malformed"]);
 }
 
@@ -128,7 +145,11 @@ fn offsets_out_of_range() {
     let (_t, d) = case();
     let h = json!({"w": {"dtype": "F32", "shape": [250], "data_offsets": [0, 1000]},
                    "__metadata__": {"DCP_SHARDING_INFO": "{\"w\": {\"saved_offsets\": [0]}}"}});
-    std::fs::write(d.join(name(2)), with_header(&serde_json::to_vec(&h).unwrap(), 24)).unwrap();
+    std::fs::write(
+        d.join(name(2)),
+        with_header(&serde_json::to_vec(&h).unwrap(), 24),
+    )
+    .unwrap();
     fails(&d, &[&name(2), "`w`", "out of range"]);
 }
 
@@ -138,7 +159,11 @@ fn overlapping_offsets() {
     let h = json!({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
                    "v": {"dtype": "F32", "shape": [2, 3], "data_offsets": [12, 36]},
                    "__metadata__": {"DCP_SHARDING_INFO": "{}"}});
-    std::fs::write(d.join(name(2)), with_header(&serde_json::to_vec(&h).unwrap(), 36)).unwrap();
+    std::fs::write(
+        d.join(name(2)),
+        with_header(&serde_json::to_vec(&h).unwrap(), 36),
+    )
+    .unwrap();
     fails(&d, &[&name(2), "`v`", "overlap"]);
 }
 
@@ -146,13 +171,20 @@ fn overlapping_offsets() {
 fn dtype_disagreeing_between_shards() {
     let (_t, d) = case();
     std::fs::write(d.join(name(2)), shard(&[("w", "F16", &[2, 3], &[2, 0])])).unwrap();
-    fails(&d, &[&name(2), &name(1), "`w`", "dtype F16 disagrees with F32"]);
+    fails(
+        &d,
+        &[&name(2), &name(1), "`w`", "dtype F16 disagrees with F32"],
+    );
 }
 
 #[test]
 fn shape_disagreeing_between_shards() {
     let (_t, d) = case();
-    std::fs::write(d.join(name(2)), shard(&[("w", "F32", &[2, 3, 1], &[2, 0, 0])])).unwrap();
+    std::fs::write(
+        d.join(name(2)),
+        shard(&[("w", "F32", &[2, 3, 1], &[2, 0, 0])]),
+    )
+    .unwrap();
     fails(&d, &[&name(2), "`w`", "different rank"]);
     // Same rank, wrong width: the chunks no longer tile the tensor.
     std::fs::write(d.join(name(2)), shard(&[("w", "F32", &[2, 2], &[2, 0])])).unwrap();
@@ -178,13 +210,33 @@ fn index_entry_leaving_the_directory() {
     std::fs::create_dir_all(&d).unwrap();
     // A real safetensors file outside the checkpoint that the index points at.
     let h = json!({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}});
-    std::fs::write(t.path().join("outside.safetensors"), with_header(&serde_json::to_vec(&h).unwrap(), 8)).unwrap();
+    std::fs::write(
+        t.path().join("outside.safetensors"),
+        with_header(&serde_json::to_vec(&h).unwrap(), 8),
+    )
+    .unwrap();
     let idx = json!({"metadata": {"total_size": 8}, "weight_map": {"w": "../outside.safetensors"}});
-    std::fs::write(d.join("model.safetensors.index.json"), serde_json::to_vec(&idx).unwrap()).unwrap();
-    let err = fails(&d, &["model.safetensors.index.json", "`w`", "../outside.safetensors", "leaves"]);
+    std::fs::write(
+        d.join("model.safetensors.index.json"),
+        serde_json::to_vec(&idx).unwrap(),
+    )
+    .unwrap();
+    let err = fails(
+        &d,
+        &[
+            "model.safetensors.index.json",
+            "`w`",
+            "../outside.safetensors",
+            "leaves",
+        ],
+    );
     assert!(!err.contains("panicked"));
     let abs = json!({"weight_map": {"w": t.path().join("outside.safetensors")}});
-    std::fs::write(d.join("model.safetensors.index.json"), serde_json::to_vec(&abs).unwrap()).unwrap();
+    std::fs::write(
+        d.join("model.safetensors.index.json"),
+        serde_json::to_vec(&abs).unwrap(),
+    )
+    .unwrap();
     fails(&d, &["absolute"]);
 }
 
@@ -192,7 +244,12 @@ fn index_entry_leaving_the_directory() {
 fn index_from_mapping_leaving_the_output_directory() {
     let (_t, d) = case();
     let idx = d.parent().unwrap().join("idx.json");
-    std::fs::write(&idx, serde_json::to_vec(&json!({"weight_map": {"w": "../w.safetensors", "b": "b.safetensors"}})).unwrap()).unwrap();
+    std::fs::write(
+        &idx,
+        serde_json::to_vec(&json!({"weight_map": {"w": "../w.safetensors", "b": "b.safetensors"}}))
+            .unwrap(),
+    )
+    .unwrap();
     let out = d.parent().unwrap().join("out");
     let o = Command::new(bin("titan-ckpt"))
         .args(["--quiet", "consolidate"])
@@ -204,7 +261,10 @@ fn index_from_mapping_leaving_the_output_directory() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
-    assert!(err.contains("idx.json") && err.contains("../w.safetensors"), "{err}");
+    assert!(
+        err.contains("idx.json") && err.contains("../w.safetensors"),
+        "{err}"
+    );
     assert!(!out.exists());
     assert!(!d.parent().unwrap().join("w.safetensors").exists());
 }

@@ -75,20 +75,44 @@ fn two_ranks_with_file_mapping_equal_full_tensors_and_torch() {
         serde_json::from_slice(&std::fs::read(d.join("mapping.json")).unwrap()).unwrap();
     let weight_map: serde_json::Map<String, serde_json::Value> = mapping
         .iter()
-        .map(|(k, i)| (k.clone(), format!("model-{:05}-of-00003.safetensors", i.as_u64().unwrap()).into()))
+        .map(|(k, i)| {
+            (
+                k.clone(),
+                format!("model-{:05}-of-00003.safetensors", i.as_u64().unwrap()).into(),
+            )
+        })
         .collect();
     let index = d.join("index.json");
-    std::fs::write(&index, serde_json::to_vec(&serde_json::json!({ "weight_map": weight_map })).unwrap()).unwrap();
+    std::fs::write(
+        &index,
+        serde_json::to_vec(&serde_json::json!({ "weight_map": weight_map })).unwrap(),
+    )
+    .unwrap();
     let out = d.join("ours");
-    run_ok(ckpt().arg("consolidate").arg(&sharded).arg(&out).arg("--index-from").arg(&index));
+    run_ok(
+        ckpt()
+            .arg("consolidate")
+            .arg(&sharded)
+            .arg(&out)
+            .arg("--index-from")
+            .arg(&index),
+    );
     for i in 1..=3 {
-        assert!(out.join(format!("model-{i:05}-of-00003.safetensors")).exists());
+        assert!(
+            out.join(format!("model-{i:05}-of-00003.safetensors"))
+                .exists()
+        );
     }
     let idx: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
     assert_eq!(idx["weight_map"]["row.i64"], weight_map["row.i64"]);
     let torch_dir = d.join("torch");
-    let report = check_hf(&out, &d.join("expected.safetensors"), &["--torch-dir", torch_dir.to_str().unwrap()]);
+    let report = check_hf(
+        &out,
+        &d.join("expected.safetensors"),
+        &["--torch-dir", torch_dir.to_str().unwrap()],
+    );
     assert!(report.contains("torch-compared 6"), "{report}");
 
     // diff across formats: sharded dcp-hf vs our hf output vs torch's full tensors.
@@ -100,7 +124,11 @@ fn two_ranks_with_file_mapping_equal_full_tensors_and_torch() {
         .arg("--json")
         .output()
         .unwrap();
-    assert_eq!(o.status.code(), Some(1), "torch's output lacks the int tensors");
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "torch's output lacks the int tensors"
+    );
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let only_a: Vec<&str> = v["tensors"]
         .as_array()
@@ -127,7 +155,14 @@ fn four_ranks_split_across_processes_and_dtype_conversion() {
             .arg("consolidate")
             .arg(&sharded)
             .arg(&out)
-            .args(["--max-shard-size", "300B", "--world-size", "2", "--workers", "2"])
+            .args([
+                "--max-shard-size",
+                "300B",
+                "--world-size",
+                "2",
+                "--workers",
+                "2",
+            ])
             .args(["--rank", &rank.to_string(), "--wait-timeout", "120"])
             .spawn()
             .unwrap()
@@ -140,56 +175,89 @@ fn four_ranks_split_across_processes_and_dtype_conversion() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert!(files.len() > 3, "several output files expected: {files:?}");
-    assert!(files.iter().all(|f| !f.starts_with('.')), "temporary files left: {files:?}");
+    assert!(
+        files.iter().all(|f| !f.starts_with('.')),
+        "temporary files left: {files:?}"
+    );
     let report = check_hf(&out, &expected, &[]);
     assert!(report.contains("ok 9"), "{report}");
 
     // --dtype bf16 converts the float tensors while streaming; int64 stays exact.
     let out16 = d.join("bf16");
-    run_ok(ckpt().arg("consolidate").arg(&sharded).arg(&out16).args(["--dtype", "bf16", "--workers", "1"]));
+    run_ok(ckpt().arg("consolidate").arg(&sharded).arg(&out16).args([
+        "--dtype",
+        "bf16",
+        "--workers",
+        "1",
+    ]));
     assert!(out16.join("model.safetensors").exists());
     check_hf(&out16, &expected, &["--dtype", "bfloat16"]);
 
     // Small windows force the column-sharded tensors through many row blocks.
     let small = d.join("small");
-    run_ok(ckpt().arg("consolidate").arg(&sharded).arg(&small).args(["--window", "16B"]));
+    run_ok(
+        ckpt()
+            .arg("consolidate")
+            .arg(&sharded)
+            .arg(&small)
+            .args(["--window", "16B"]),
+    );
     check_hf(&small, &expected, &[]);
 
     // diff notices the bf16 rounding unless atol allows it.
     let o = ckpt().arg("diff").arg(&out).arg(&out16).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stdout).contains("DIFFERENT"));
-    run_ok(ckpt().arg("diff").arg(&out).arg(&out16).args(["--atol", "0.1"]));
+    run_ok(
+        ckpt()
+            .arg("diff")
+            .arg(&out)
+            .arg(&out16)
+            .args(["--atol", "0.1"]),
+    );
 }
 
 #[test]
 fn llama3_to_hf_loads_in_transformers_and_converts_back() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
-    run_ok(python_script("tests/python/ckpt_llama.py").arg("make").arg(d));
+    run_ok(
+        python_script("tests/python/ckpt_llama.py")
+            .arg("make")
+            .arg(d),
+    );
     let titan = d.join("titan");
     let hf = d.join("hf");
-    run_ok(
-        ckpt()
-            .arg("convert")
-            .arg(&titan)
-            .arg(&hf)
-            .args(["--to", "hf", "--adapter", "llama3", "--n-heads", "4", "--max-shard-size", "100KB"]),
-    );
+    run_ok(ckpt().arg("convert").arg(&titan).arg(&hf).args([
+        "--to",
+        "hf",
+        "--adapter",
+        "llama3",
+        "--n-heads",
+        "4",
+        "--max-shard-size",
+        "100KB",
+    ]));
     assert!(hf.join("config.json").exists());
     assert!(hf.join("model.safetensors.index.json").exists());
-    let o = run_ok(python_script("tests/python/ckpt_llama.py").arg("check").arg(&hf).arg(d));
+    let o = run_ok(
+        python_script("tests/python/ckpt_llama.py")
+            .arg("check")
+            .arg(&hf)
+            .arg(d),
+    );
     assert!(String::from_utf8_lossy(&o.stdout).contains("ok"));
 
     // Back to torchtitan names as dcp-hf: identical to the original.
     let back = d.join("back");
-    run_ok(
-        ckpt()
-            .arg("convert")
-            .arg(&hf)
-            .arg(&back)
-            .args(["--to", "dcp-hf", "--adapter", "llama3", "--n-heads", "4"]),
-    );
+    run_ok(ckpt().arg("convert").arg(&hf).arg(&back).args([
+        "--to",
+        "dcp-hf",
+        "--adapter",
+        "llama3",
+        "--n-heads",
+        "4",
+    ]));
     let o = run_ok(ckpt().arg("inspect").arg(&back).arg("--json"));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["format"], "dcp-hf");
@@ -235,12 +303,20 @@ fn dcp_native_from_torch_with_and_without_zstd_round_trips_through_torch() {
         // Our dcp output (re-chunked, with the bytes item, zstd or not) loads in torch dcp.load.
         let out = d.join("out");
         let mut conv = ckpt();
-        conv.arg("convert").arg(&ck).arg(&out).args(["--to", "dcp", "--window", "64B"]);
+        conv.arg("convert")
+            .arg(&ck)
+            .arg(&out)
+            .args(["--to", "dcp", "--window", "64B"]);
         if !zstd {
             conv.args(["--zstd-level", "3"]);
         }
         run_ok(&mut conv);
-        let o = run_ok(python_script("tests/python/ckpt_dcp_native.py").arg("load").arg(&out).arg(&expected));
+        let o = run_ok(
+            python_script("tests/python/ckpt_dcp_native.py")
+                .arg("load")
+                .arg(&out)
+                .arg(&expected),
+        );
         assert!(String::from_utf8_lossy(&o.stdout).contains("ok 9"));
         run_ok(ckpt().arg("diff").arg(&ck).arg(&out));
     }

@@ -17,7 +17,11 @@ struct Moto {
 
 impl Moto {
     fn start() -> Moto {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let child = Command::new(workspace_root().join(".venv/bin/moto_server"))
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
@@ -26,7 +30,10 @@ impl Moto {
             .expect("start .venv/bin/moto_server (pip install 'moto[server]')");
         let start = Instant::now();
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(60), "moto_server did not start");
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "moto_server did not start"
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
         Moto {
@@ -42,7 +49,11 @@ impl Moto {
             .args(args)
             .output()
             .unwrap();
-        assert!(o.status.success(), "ckpt_s3.py {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.status.success(),
+            "ckpt_s3.py {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
@@ -67,7 +78,11 @@ impl Drop for Moto {
 
 fn ok(cmd: &mut Command) -> Output {
     let o = cmd.output().unwrap();
-    assert!(o.status.success(), "{cmd:?}: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     o
 }
 
@@ -78,7 +93,10 @@ fn shard(entries: &[(&str, &str, Vec<u64>, Vec<u64>, u64)], seed: u64) -> Vec<u8
     let mut pos = 0u64;
     for (name, dtype, shape, offsets, es) in entries {
         let n = shape.iter().product::<u64>() * es;
-        header.insert(name.to_string(), json!({"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}));
+        header.insert(
+            name.to_string(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}),
+        );
         info.insert(name.to_string(), json!({ "saved_offsets": offsets }));
         pos += n;
     }
@@ -122,13 +140,22 @@ fn fixture(dir: &Path) {
 }
 
 fn files_equal(a: &Path, b: &Path) {
-    let mut names: Vec<_> = std::fs::read_dir(a).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let mut names: Vec<_> = std::fs::read_dir(a)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     names.sort();
-    let mut other: Vec<_> = std::fs::read_dir(b).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let mut other: Vec<_> = std::fs::read_dir(b)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     other.sort();
     assert_eq!(names, other);
     for n in names {
-        assert!(std::fs::read(a.join(&n)).unwrap() == std::fs::read(b.join(&n)).unwrap(), "{n:?} differs");
+        assert!(
+            std::fs::read(a.join(&n)).unwrap() == std::fs::read(b.join(&n)).unwrap(),
+            "{n:?} differs"
+        );
     }
 }
 
@@ -143,7 +170,12 @@ fn consolidate_from_and_to_s3() {
 
     // Reference: local to local.
     let reference = tmp.path().join("ref");
-    ok(moto.ckpt().arg("consolidate").arg(&local_in).arg(&reference).args(["--max-shard-size", "20MB"]));
+    ok(moto
+        .ckpt()
+        .arg("consolidate")
+        .arg(&local_in)
+        .arg(&reference)
+        .args(["--max-shard-size", "20MB"]));
 
     // inspect and verify read headers with ranged GETs.
     let o = ok(moto.ckpt().args(["inspect", "s3://ckpt/ckpt/in", "--json"]));
@@ -152,7 +184,13 @@ fn consolidate_from_and_to_s3() {
     assert_eq!(v["parameter_count"], 2048 * 4096 + 64 * 100 + 5);
 
     // S3 -> S3: the 32 MiB file goes up as a multipart upload; index written last by rank 0.
-    ok(moto.ckpt().args(["consolidate", "s3://ckpt/ckpt/in", "s3://ckpt/ckpt/out", "--max-shard-size", "20MB"]));
+    ok(moto.ckpt().args([
+        "consolidate",
+        "s3://ckpt/ckpt/in",
+        "s3://ckpt/ckpt/out",
+        "--max-shard-size",
+        "20MB",
+    ]));
     let listed = moto.s3(&["ls", "ckpt/out"]);
     assert!(!listed.contains("UPLOAD-IN-PROGRESS"), "{listed}");
     let got = tmp.path().join("got");
@@ -162,9 +200,17 @@ fn consolidate_from_and_to_s3() {
 
     // S3 -> local and local -> S3 agree too.
     let from_s3 = tmp.path().join("from_s3");
-    ok(moto.ckpt().args(["consolidate", "s3://ckpt/ckpt/in"]).arg(&from_s3).args(["--max-shard-size", "20MB"]));
+    ok(moto
+        .ckpt()
+        .args(["consolidate", "s3://ckpt/ckpt/in"])
+        .arg(&from_s3)
+        .args(["--max-shard-size", "20MB"]));
     files_equal(&reference, &from_s3);
-    ok(moto.ckpt().arg("diff").arg(&reference).arg("s3://ckpt/ckpt/out"));
+    ok(moto
+        .ckpt()
+        .arg("diff")
+        .arg(&reference)
+        .arg("s3://ckpt/ckpt/out"));
 
     // Bad input on S3: a truncated shard fails with the URL named and leaves no object behind.
     let bad = tmp.path().join("bad");
@@ -175,11 +221,18 @@ fn consolidate_from_and_to_s3() {
     moto.s3(&["put", bad.to_str().unwrap(), "ckpt/bad"]);
     let o = moto
         .ckpt()
-        .args(["consolidate", "s3://ckpt/ckpt/bad", "s3://ckpt/ckpt/bad-out"])
+        .args([
+            "consolidate",
+            "s3://ckpt/ckpt/bad",
+            "s3://ckpt/ckpt/bad-out",
+        ])
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("s3://ckpt/ckpt/bad/shard-00002") && err.contains("truncated"), "{err}");
+    assert!(
+        err.contains("s3://ckpt/ckpt/bad/shard-00002") && err.contains("truncated"),
+        "{err}"
+    );
     assert_eq!(moto.s3(&["ls", "ckpt/bad-out"]), "");
 }
