@@ -97,7 +97,7 @@ fn train_step(run: &mut Run, step: u64) {
     let lr = run.schedule.lr_for_step(step);
     for (name, p) in run.model.named_parameters() {
         run.optimizer.step_param(name, p, lr);
-        p.grad().zero_();
+        let _ = p.grad().zero_();
     }
 }
 
