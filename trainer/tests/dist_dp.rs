@@ -177,7 +177,12 @@ fn worker(replicate: usize, shard: usize) {
     write_result(&my_result_dir(), dist.rank(), &losses, &params);
 }
 
+/// Tests in this file run on parallel threads of one process, and the reference run draws from
+/// libtorch's process-global RNG: two references at once would interleave their draws.
+static REFERENCE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn single_rank_reference() -> (Vec<f64>, Vec<f64>) {
+    let _serial = REFERENCE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let dist = Dist::init(LaunchEnv::single(), CommOptions::default()).unwrap();
     train(
         &dist,
