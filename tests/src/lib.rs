@@ -53,3 +53,51 @@ pub fn python_script(script: &str) -> Command {
     cmd.arg(workspace_root().join(script));
     cmd
 }
+
+/// A local S3-compatible server (`moto_server` from `.venv`, moto[server] in
+/// requirements-dev.txt) on a free loopback port; killed when dropped.
+pub struct MotoServer {
+    child: std::process::Child,
+    /// `http://127.0.0.1:PORT`, for `AWS_ENDPOINT`.
+    pub endpoint: String,
+}
+
+impl MotoServer {
+    /// Starts the server and waits (up to 60 s) until it accepts connections.
+    pub fn start() -> MotoServer {
+        use std::net::{TcpListener, TcpStream};
+        use std::process::Stdio;
+        use std::time::{Duration, Instant};
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(workspace_root().join(".venv/bin/moto_server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start .venv/bin/moto_server (pip install 'moto[server]')");
+        let server = MotoServer {
+            child,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        };
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "moto_server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        server
+    }
+}
+
+impl Drop for MotoServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

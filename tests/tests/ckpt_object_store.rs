@@ -2,44 +2,25 @@
 //! requirements-dev.txt, `.venv/bin/moto_server`) started on a free port for the test. Inputs are
 //! read with ranged GETs, outputs written with multipart uploads that complete only at the end.
 
-use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
 
 use serde_json::json;
-use titan_tests::{bin, python_script, workspace_root};
+use titan_tests::{MotoServer, bin, python_script};
 
-struct Moto {
-    child: Child,
-    endpoint: String,
+/// The shared moto server, with this file's helpers.
+struct Moto(MotoServer);
+
+impl std::ops::Deref for Moto {
+    type Target = MotoServer;
+    fn deref(&self) -> &MotoServer {
+        &self.0
+    }
 }
 
 impl Moto {
     fn start() -> Moto {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new(workspace_root().join(".venv/bin/moto_server"))
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start .venv/bin/moto_server (pip install 'moto[server]')");
-        let start = Instant::now();
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "moto_server did not start"
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        Moto {
-            child,
-            endpoint: format!("http://127.0.0.1:{port}"),
-        }
+        Moto(MotoServer::start())
     }
 
     fn s3(&self, args: &[&str]) -> String {
@@ -66,13 +47,6 @@ impl Moto {
             .env("AWS_SECRET_ACCESS_KEY", "test")
             .env("AWS_REGION", "us-east-1");
         c
-    }
-}
-
-impl Drop for Moto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
