@@ -6,7 +6,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
 export TITAN_PYTHON="$root/.venv/bin/python"
-cargo build --workspace --bins --locked
+# --tests too: one feature resolution for bins and tests, so `cargo test` reuses this build.
+cargo build --workspace --bins --tests --locked
 # The NCCL backend (cudarc, dynamic loading) must compile even though CI has no GPU.
 cargo check -p titan-train --features nccl --lib --locked
 cargo test --workspace --locked

@@ -5,6 +5,7 @@
 //! - sync save: stage (device -> host bytes) + write + commit, `RUNS` times;
 //! - async save: the time `after_step` blocks training (staging only) and the background write;
 //! - load: open + read + copy into the model/optimizer, `RUNS` times.
+//!
 //! Prints one JSON line per size; the last checkpoint is left in `$OUT/<size>/checkpoint/`.
 
 use std::path::PathBuf;
@@ -82,7 +83,7 @@ fn main() {
         (summed_cross_entropy(&logits, &tokens.narrow(1, 1, 32)) / 32.0).backward();
         for (n, p) in model.named_parameters() {
             optimizer.step_param(n, p, 1e-3);
-            p.zero_grad();
+            p.shallow_clone().zero_grad();
         }
         let mut cfg = Checkpoint {
             enable: true,

@@ -664,9 +664,11 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
             .values()
             .as_string_opt::<i32>()
             .context("`reduce` values are not utf8")?;
-        let reduce_of_key: Vec<Reduce> = (0..reduce_values.len())
-            .map(|i| reduce_values.value(i).parse().map_err(anyhow::Error::msg))
-            .collect::<Result<_>>()?;
+        // Parsed lazily per key: a part whose rows are all non-scalars stores only nulls, and
+        // parquet may then hand back a placeholder dictionary (e.g. `[""]`) that no row uses.
+        let reduce_of_key: Vec<std::result::Result<Reduce, String>> = (0..reduce_values.len())
+            .map(|i| reduce_values.value(i).parse())
+            .collect();
         let start = if c.start {
             Some(
                 get(col::START_NS)?
@@ -826,9 +828,11 @@ fn decode_part(bytes: Bytes, part: &PartRef, opts: &ReadOptions) -> Result<PartD
                     let r = if reduce_dict.keys().is_null(i) {
                         Reduce::Mean
                     } else {
-                        *reduce_of_key
+                        reduce_of_key
                             .get(reduce_dict.keys().value(i) as usize)
                             .context("`reduce` key out of range")?
+                            .clone()
+                            .map_err(anyhow::Error::msg)?
                     };
                     t.reduce.push(r);
                     if let Some(a) = start {

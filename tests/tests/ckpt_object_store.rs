@@ -60,8 +60,11 @@ fn ok(cmd: &mut Command) -> Output {
     o
 }
 
-/// A safetensors file with DCP_SHARDING_INFO from (name, dtype, shape, offsets, element size).
-fn shard(entries: &[(&str, &str, Vec<u64>, Vec<u64>, u64)], seed: u64) -> Vec<u8> {
+/// One tensor of a fixture shard: (name, dtype, local shape, global offsets, element size).
+type ShardEntry<'a> = (&'a str, &'a str, Vec<u64>, Vec<u64>, u64);
+
+/// A safetensors file with DCP_SHARDING_INFO from its entries.
+fn shard(entries: &[ShardEntry], seed: u64) -> Vec<u8> {
     let mut header = serde_json::Map::new();
     let mut info = serde_json::Map::new();
     let mut pos = 0u64;

@@ -27,7 +27,6 @@ fn sleep_ms(ms: u64) {
 /// The recording child: `OBS_CHILD_MODE=train` records a short training-like run and exits;
 /// `OBS_CHILD_MODE=rate` records one instant per millisecond forever (to be killed).
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 #[ignore = "helper process for the other tests"]
 fn recorder_child() {
     let Ok(run) = std::env::var(CHILD_ENV) else {
@@ -187,7 +186,6 @@ fn stderr(o: &std::process::Output) -> String {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn recorded_run_is_readable_by_pyarrow_and_analysed() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
@@ -363,7 +361,6 @@ fn recorded_run_is_readable_by_pyarrow_and_analysed() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn kill_9_loses_at_most_one_flush_interval() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
@@ -409,7 +406,6 @@ fn kill_9_loses_at_most_one_flush_interval() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
@@ -476,7 +472,6 @@ fn free_port() -> u16 {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn records_to_and_reads_from_s3() {
     let moto = titan_tests::workspace_root().join(".venv/bin/moto_server");
     assert!(

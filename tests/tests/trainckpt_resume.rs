@@ -93,7 +93,6 @@ const CKPT: &[&str] = &[
 ];
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn resume_reproduces_the_straight_run_exactly() {
     let straight = tempfile::tempdir().unwrap();
     ok(titan_train(straight.path(), &["--training.steps", "20"]));
@@ -162,7 +161,6 @@ fn resume_reproduces_the_straight_run_exactly() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn kill_during_a_save_resumes_from_the_previous_checkpoint() {
     let straight = tempfile::tempdir().unwrap();
     ok(titan_train(straight.path(), &["--training.steps", "20"]));
@@ -231,7 +229,6 @@ fn kill_during_a_save_resumes_from_the_previous_checkpoint() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn async_saves_resume_identically_and_bad_keys_are_named() {
     let straight = tempfile::tempdir().unwrap();
     ok(titan_train(straight.path(), &["--training.steps", "12"]));

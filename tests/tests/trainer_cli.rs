@@ -48,7 +48,6 @@ const SMALL: &[&str] = &[
 ];
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn unknown_key_is_exit_2_naming_it() {
     let o = titan_train(&["--training.stepz", "3"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
@@ -72,7 +71,6 @@ fn unknown_key_is_exit_2_naming_it() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn wrong_type_is_exit_2_naming_key() {
     let o = titan_train(&["--training.steps=many"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
@@ -95,7 +93,6 @@ fn wrong_type_is_exit_2_naming_key() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn help_explains_usage() {
     let o = titan_train(&["--help"]);
     assert_eq!(o.status.code(), Some(0));
@@ -107,7 +104,6 @@ fn help_explains_usage() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn same_seed_gives_bit_identical_losses() {
     let dir = tempfile::tempdir().unwrap();
     let run = |name: &str, seed: &str| {
@@ -145,7 +141,6 @@ fn same_seed_gives_bit_identical_losses() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn default_data_loss_falls_far() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("run");

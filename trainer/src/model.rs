@@ -373,11 +373,11 @@ impl Llama {
         let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
         for layer in &self.layers {
             let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
-            h = h + self.attention(layer, &x);
+            h += self.attention(layer, &x);
             let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
             let gate = x.linear::<&Tensor>(&layer.w1, None).silu();
             let up = x.linear::<&Tensor>(&layer.w3, None);
-            h = h + (gate * up).linear::<&Tensor>(&layer.w2, None);
+            h += (gate * up).linear::<&Tensor>(&layer.w2, None);
         }
         let h = h.rms_norm([d], Some(&self.norm), eps);
         h.linear::<&Tensor>(&self.output, None).to_kind(Kind::Float)

@@ -52,7 +52,7 @@ impl World {
         let replicate = replicate as usize;
         let shard = match cfg.data_parallel_shard_degree {
             -1 => {
-                if world_size % replicate != 0 {
+                if !world_size.is_multiple_of(replicate) {
                     bail!(
                         "parallelism.data_parallel_replicate_degree {replicate} does not divide the world size {world_size}"
                     );

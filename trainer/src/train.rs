@@ -82,8 +82,8 @@ pub fn set_determinism(debug: &config::Debug, device: Device) -> u64 {
 /// The summed cross entropy of `logits` (B, S, V) against `labels` (B, S) over valid labels.
 pub fn summed_cross_entropy(logits: &Tensor, labels: &Tensor) -> Tensor {
     let vocab = logits.size()[2];
-    logits.view([-1, vocab]).cross_entropy_loss::<Tensor>(
-        &labels.view([-1]),
+    logits.reshape([-1, vocab]).cross_entropy_loss::<Tensor>(
+        &labels.reshape([-1]),
         None,
         Reduction::Sum,
         IGNORE_INDEX,

@@ -111,7 +111,6 @@ fn state(run: &mut Run) -> TrainerState<'_> {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn dcp_save_loads_in_torch_with_the_same_values() {
     let dump = tempfile::tempdir().unwrap();
     let cfg = Checkpoint {
@@ -179,7 +178,6 @@ fn dcp_save_loads_in_torch_with_the_same_values() {
 }
 
 #[test]
-#[ignore = "written but never run green yet (session ran out of build time); see the closing note"]
 fn hf_export_loads_in_transformers_with_the_same_loss() {
     let dump = tempfile::tempdir().unwrap();
     let cfg = Checkpoint {

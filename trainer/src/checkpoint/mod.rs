@@ -226,8 +226,8 @@ impl Checkpointer {
             return Ok(());
         }
         let last = step == total_steps;
-        let due =
-            step % self.cfg.interval == 0 || (step == 1 && self.cfg.enable_first_step_checkpoint);
+        let due = step.is_multiple_of(self.cfg.interval)
+            || (step == 1 && self.cfg.enable_first_step_checkpoint);
         if !(last || due) {
             return Ok(());
         }

@@ -254,7 +254,7 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
             });
         }
         let tagged = !s.tags.is_empty();
-        if (tagged || s.step as usize % label_every == 0) && x >= next_free {
+        if (tagged || (s.step as usize).is_multiple_of(label_every)) && x >= next_free {
             let mut text = s.step.to_string();
             for &tag in &s.tags {
                 text.push(match t.tag_names[tag as usize].as_str() {

@@ -208,7 +208,7 @@ fn draw_steps(buf: &mut Buffer, area: Rect, label_w: u16, t: &Timeline, v: &View
     for s in &t.steps[lo..hi] {
         let col = w.col_of(s.start, cols);
         let tagged = !s.tags.is_empty();
-        if !tagged && (s.step as usize) % k != 0 {
+        if !tagged && !(s.step as usize).is_multiple_of(k) {
             continue;
         }
         if col < next_free.max(0) || col >= cols as i64 {

@@ -89,10 +89,8 @@ fn event_loop(
             // Drain everything queued before redrawing: key repeat must not lag behind.
             loop {
                 match event::read()? {
-                    Event::Key(k) => {
-                        if input::on_key(timeline, view, k) == Control::Quit {
-                            return Ok(());
-                        }
+                    Event::Key(k) if input::on_key(timeline, view, k) == Control::Quit => {
+                        return Ok(());
                     }
                     Event::Mouse(m) => input::on_mouse(timeline, view, geometry, m),
                     Event::Resize(..) => {}
