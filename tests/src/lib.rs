@@ -33,6 +33,14 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
+/// A TCP port on 127.0.0.1 that was free a moment ago (for servers a test starts).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind an ephemeral port")
+        .port()
+}
+
 /// The Python interpreter of `.venv` (with torch, safetensors, transformers, pyarrow).
 pub fn python() -> PathBuf {
     if let Ok(p) = std::env::var("TITAN_PYTHON") {

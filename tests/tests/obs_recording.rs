@@ -463,14 +463,6 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
     assert_eq!(o.status.code(), Some(2));
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn records_to_and_reads_from_s3() {
     let moto = titan_tests::workspace_root().join(".venv/bin/moto_server");
@@ -479,7 +471,7 @@ fn records_to_and_reads_from_s3() {
         "{} missing; run scripts/setup.sh",
         moto.display()
     );
-    let port = free_port();
+    let port = titan_tests::free_port();
     let server = Command::new(&moto)
         .args(["-H", "127.0.0.1", "-p", &port.to_string()])
         .stdout(Stdio::null())

@@ -351,7 +351,30 @@ impl Default for Observability {
     fn default() -> Self {
         Self {
             enable: true,
-            flush_interval_s: 10.0,
+            flush_interval_s: 2.0,
+        }
+    }
+}
+
+/// `[comm]`: the distributed runtime's timeouts (torchtitan's names).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Comm {
+    /// Rendezvous, connection setup and the first collective must finish within this.
+    pub init_timeout_seconds: i64,
+    /// After the first step: a collective whose peers make no progress for this long fails,
+    /// naming the rank it waited for.
+    pub train_timeout_seconds: i64,
+    /// Accepted for torchtitan config compatibility (its NCCL flight-recorder size); unused.
+    pub trace_buf_size: i64,
+}
+
+impl Default for Comm {
+    fn default() -> Self {
+        Self {
+            init_timeout_seconds: 300,
+            train_timeout_seconds: 100,
+            trace_buf_size: 20000,
         }
     }
 }
@@ -371,6 +394,7 @@ pub struct JobConfig {
     pub validation: Validation,
     pub debug: Debug,
     pub observability: Observability,
+    pub comm: Comm,
 }
 
 /// One `--section.key value` from the command line, value still a string.
@@ -621,11 +645,26 @@ impl JobConfig {
                 );
             }
         }
-        if self.observability.flush_interval_s <= 0.0 {
-            return bad(
+        for (key, v) in [
+            (
                 "observability.flush_interval_s",
-                "must be greater than 0".into(),
-            );
+                self.observability.flush_interval_s,
+            ),
+            (
+                "comm.init_timeout_seconds",
+                self.comm.init_timeout_seconds as f64,
+            ),
+            (
+                "comm.train_timeout_seconds",
+                self.comm.train_timeout_seconds as f64,
+            ),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                return bad(
+                    key,
+                    format!("{v} must be a number of seconds greater than 0"),
+                );
+            }
         }
         Ok(())
     }

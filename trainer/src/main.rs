@@ -1,11 +1,20 @@
 //! `titan-train`: trains a Llama-3 model from a torchtitan-style TOML config plus
 //! `--section.key value` overrides. Exit codes: 0 done, 1 training failed, 2 usage/config error.
+//!
+//! One binary, three roles: with `--nproc-per-node N` it is the launcher (starts and supervises
+//! N copies of itself, like torchrun); started by a launcher (torchrun, srun, ours, or variables
+//! set by hand) it is one rank of a data-parallel job; otherwise it trains as one process.
 
+use std::ffi::OsString;
 use std::process::ExitCode;
+use std::time::Duration;
 
+use anyhow::Context;
 use titan_train::config::{self, JobConfig};
-use titan_train::parallel::SingleProcess;
-use titan_train::train;
+use titan_train::dist::launch::{self, LaunchArgs};
+use titan_train::dist::{Backend, CommOptions, Dist, DistributedDp, LaunchEnv};
+use titan_train::parallel::{SingleProcess, World};
+use titan_train::train::{self, TrainSummary};
 
 fn help() -> String {
     let defaults = serde_json::to_value(JobConfig::default()).expect("defaults serialize");
@@ -44,13 +53,30 @@ fn help() -> String {
          \n\
          EXIT CODES: 0 success, 1 training failed, 2 usage or config error.\n\
          \n\
+         {launch_help}\n\n\
          KEYS (with defaults):\n{keys}",
         default_file = config::DEFAULT_CONFIG_FILE,
+        launch_help = launch::LAUNCH_HELP,
     )
 }
 
+/// A usage or configuration error: printed with a hint, exit 2.
+fn usage_error(message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("error: {message}");
+    eprintln!("run `titan-train --help` for the flags, keys and their types");
+    ExitCode::from(2)
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (launch, args) = match launch::split_args(std::env::args_os().skip(1).collect()) {
+        Ok(split) => split,
+        Err(e) => return usage_error(e),
+    };
+    let rank_args = args.clone();
+    let args: Vec<String> = match args.into_iter().map(OsString::into_string).collect() {
+        Ok(a) => a,
+        Err(bad) => return usage_error(format!("argument {bad:?} is not valid UTF-8")),
+    };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         print!("{}", help());
         return ExitCode::SUCCESS;
@@ -59,13 +85,18 @@ fn main() -> ExitCode {
         println!("titan-train {}", env!("CARGO_PKG_VERSION"));
         return ExitCode::SUCCESS;
     }
+    // Checked before any rank starts, so a typo costs no rendezvous.
     let cfg = match config::parse_overrides(args).and_then(|o| JobConfig::load(&o)) {
         Ok(cfg) => cfg,
-        Err(e) => {
-            eprintln!("error: {e}");
-            eprintln!("run `titan-train --help` for the keys and their types");
-            return ExitCode::from(2);
-        }
+        Err(e) => return usage_error(e),
+    };
+    init_logging(&cfg);
+    if let Some(launch) = launch {
+        return run_launcher(&launch, &rank_args);
+    }
+    let env = match LaunchEnv::from_process_env() {
+        Ok(env) => env,
+        Err(e) => return usage_error(e),
     };
     if cfg.debug.deterministic {
         // cuBLAS picks reduction splits per workspace; a fixed workspace config makes them
@@ -73,6 +104,37 @@ fn main() -> ExitCode {
         // SAFETY: single-threaded at this point; no other thread reads the environment.
         unsafe { std::env::set_var("CUBLAS_WORKSPACE_CONFIG", ":4096:8") };
     }
+    if cfg.job.print_config && env.rank == 0 {
+        match toml::to_string(&cfg) {
+            Ok(text) => tracing::info!("resolved config:\n{text}"),
+            Err(e) => tracing::warn!("cannot print the config: {e}"),
+        }
+    }
+    let rank = env.rank;
+    let result = if env.is_distributed() {
+        train_distributed(&cfg, env)
+    } else {
+        train::run(&cfg, &mut SingleProcess::new())
+    };
+    match result {
+        Ok(summary) => {
+            if rank == 0 {
+                print_outputs(&cfg, &summary);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) if e.downcast_ref::<config::ConfigError>().is_some() => {
+            usage_error(format!("{e:#}"))
+        }
+        Err(e) => {
+            tracing::error!("training failed: {e:#}");
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(cfg: &JobConfig) {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -83,43 +145,85 @@ fn main() -> ExitCode {
                 && std::io::IsTerminal::is_terminal(&std::io::stdout()),
         )
         .init();
-    if cfg.job.print_config {
-        match toml::to_string(&cfg) {
-            Ok(text) => tracing::info!("resolved config:\n{text}"),
-            Err(e) => tracing::warn!("cannot print the config: {e}"),
+}
+
+/// Starts this node's ranks (copies of this executable with `rank_args`) and waits for them.
+fn run_launcher(launch: &LaunchArgs, rank_args: &[OsString]) -> ExitCode {
+    let program = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: cannot find this executable to start the ranks: {e}");
+            return ExitCode::from(1);
         }
-    }
-    let dump = std::path::Path::new(&cfg.job.dump_folder);
-    let shown = dump
-        .canonicalize()
-        .unwrap_or_else(|_| dump.to_path_buf())
-        .display()
-        .to_string();
-    match train::run(&cfg, &mut SingleProcess::new()) {
-        Ok(summary) => {
-            let shown = summary
-                .dump_folder
-                .canonicalize()
-                .map_or(shown, |p| p.display().to_string());
-            println!(
-                "titan-train: {} steps done; outputs in {shown}",
-                summary.steps
-            );
-            println!("  {shown}/config.toml    resolved config");
-            println!("  {shown}/metrics.jsonl  logged steps and validations");
-            if cfg.observability.enable {
-                println!("  {shown}/obs/           timing records (titan-obs summary {shown})");
+    };
+    match launch::run(launch, &program, rank_args) {
+        Ok(outcome) => {
+            if let Some(failure) = &outcome.failure {
+                eprintln!("error: {failure}");
             }
-            ExitCode::SUCCESS
-        }
-        Err(e) if e.downcast_ref::<config::ConfigError>().is_some() => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(2)
+            ExitCode::from(outcome.exit_code.clamp(0, 255) as u8)
         }
         Err(e) => {
-            tracing::error!("training failed: {e:#}");
             eprintln!("error: {e:#}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// One rank of a data-parallel job: join it, train, and tell the other ranks if this one fails.
+fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSummary> {
+    let invalid = |key: &str, e: anyhow::Error| -> anyhow::Error {
+        config::ConfigError::Invalid {
+            key: key.into(),
+            message: format!("{e:#}"),
+        }
+        .into()
+    };
+    let world = World::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size)
+        .map_err(|e| invalid("parallelism.data_parallel_shard_degree", e))?;
+    let device = train::select_device(&cfg.training, env.local_rank)
+        .map_err(|e| invalid("training.device", e))?;
+    let opts = CommOptions {
+        backend: if device.is_cuda() {
+            Backend::Nccl
+        } else {
+            Backend::Cpu
+        },
+        init_timeout: Duration::from_secs(cfg.comm.init_timeout_seconds as u64),
+        timeout: Duration::from_secs(cfg.comm.train_timeout_seconds as u64),
+        ..CommOptions::default()
+    };
+    let rank = env.rank;
+    let dist = Dist::init(env, opts).context("joining the distributed job")?;
+    // Rank timelines in titan-obs line up on rank 0's clock.
+    titan_obs::set_clock_offset_ns(dist.clock_offset_ns);
+    let mut dp = DistributedDp::new(dist, world, cfg.training.max_norm);
+    let result = train::run(cfg, &mut dp);
+    if let Err(e) = &result {
+        // First failure wins: the other ranks' errors then name this one as the cause.
+        dp.dist().post_failure(&format!("rank {rank}: {e:#}"));
+    }
+    result
+}
+
+fn print_outputs(cfg: &JobConfig, summary: &TrainSummary) {
+    let shown = summary.dump_folder.canonicalize().map_or_else(
+        |_| summary.dump_folder.display().to_string(),
+        |p| p.display().to_string(),
+    );
+    println!(
+        "titan-train: {} steps done; outputs in {shown}",
+        summary.steps
+    );
+    println!("  {shown}/config.toml    resolved config");
+    println!("  {shown}/metrics.jsonl  logged steps and validations");
+    if cfg.checkpoint.enable {
+        println!(
+            "  {shown}/{}/    checkpoints (titan-ckpt inspect)",
+            cfg.checkpoint.folder
+        );
+    }
+    if cfg.observability.enable {
+        println!("  {shown}/obs/           timing records (titan-obs summary {shown})");
     }
 }

@@ -99,7 +99,7 @@ pub fn peak_flops(device: Device, configured_tflops: f64) -> f64 {
     }
 }
 
-/// The metrics of one logged training step (already reduced across ranks).
+/// The metrics of one logged training step: one rank's, or reduced across ranks.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepMetrics {
     pub step: u64,
@@ -113,8 +113,9 @@ pub struct StepMetrics {
     pub tps: f64,
     pub tflops: f64,
     pub mfu_pct: f64,
-    /// Valid label tokens of this step across all dp ranks.
-    pub global_tokens: i64,
+    /// Valid label tokens of the step: all ranks' in the console line, this rank's in titan-obs
+    /// (summed across ranks by `titan-obs metrics`).
+    pub tokens: i64,
     pub on_cuda: bool,
 }
 
@@ -134,7 +135,7 @@ impl StepMetrics {
             ("trainer_throughput/tflops", self.tflops, Reduce::Mean),
             ("trainer_throughput/mfu_pct", self.mfu_pct, Reduce::Mean),
             ("training/lr", self.lr, Reduce::Max),
-            ("training/tokens", self.global_tokens as f64, Reduce::Sum),
+            ("training/tokens", self.tokens as f64, Reduce::Sum),
         ]
     }
 
@@ -199,7 +200,7 @@ mod tests {
             tps: 361.4,
             tflops: 0.026,
             mfu_pct: 0.0026,
-            global_tokens: 100,
+            tokens: 100,
             on_cuda: true,
         };
         assert_eq!(

@@ -371,13 +371,16 @@ impl Llama {
         let eps = self.args.norm_eps;
         let d = self.args.dim;
         let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
+        // `h = h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h`
+        // for the rms_norm backward, so an in-place add breaks the backward pass.
+        #[allow(clippy::assign_op_pattern)]
         for layer in &self.layers {
             let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
-            h += self.attention(layer, &x);
+            h = h + self.attention(layer, &x);
             let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
             let gate = x.linear::<&Tensor>(&layer.w1, None).silu();
             let up = x.linear::<&Tensor>(&layer.w3, None);
-            h += (gate * up).linear::<&Tensor>(&layer.w2, None);
+            h = h + (gate * up).linear::<&Tensor>(&layer.w2, None);
         }
         let h = h.rms_norm([d], Some(&self.norm), eps);
         h.linear::<&Tensor>(&self.output, None).to_kind(Kind::Float)

@@ -1,8 +1,8 @@
 //! Who this process is in the job ([`World`]) and every place training touches other ranks
 //! ([`DataParallel`]), with the single-process implementation ([`SingleProcess`]).
 //!
-//! The training loop calls only these five touch points, so a multi-process backend (DDP,
-//! ZeRO-2) plugs in by implementing the trait:
+//! The training loop calls only these touch points, so a multi-process backend (DDP,
+//! ZeRO-2) plugs in by implementing the trait: `prepare` once the parameters exist, then per step
 //! (a) the global valid-token count, (b) gradient reduction after backward, (c) the global
 //! grad norm, (d) the optimizer step, (e) cross-rank metric reduction.
 
@@ -87,9 +87,15 @@ impl World {
     }
 }
 
-/// The five places where training needs the other ranks.
+/// The places where training needs the other ranks.
 pub trait DataParallel {
     fn world(&self) -> &World;
+
+    /// Once, after the model is built: make every rank's parameters identical (broadcast from
+    /// rank 0) and set up gradient buckets or shards.
+    fn prepare(&mut self, _params: &[(String, Tensor)]) -> Result<()> {
+        Ok(())
+    }
 
     /// (a) Valid (non-ignored) label tokens of this step summed over all dp ranks: the loss
     /// denominator.

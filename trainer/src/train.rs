@@ -307,10 +307,16 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         "model built"
     );
 
+    let params: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
     {
-        // Single-process work is nothing here; a distributed backend has set itself up before
-        // train() is called. Recorded so every run has torchtitan's init phases.
+        // Rank 0's initial weights to every rank; gradient buckets / ZeRO shards.
         let _s = titan_obs::span("parallelism");
+        dp.prepare(&params)
+            .context("setting up data parallelism (parallelism.*)")?;
     }
     let n_micro = microbatches(&cfg.training, world.dp_degree())
         .map_err(|e| config_error("training.global_batch_size", e))?;
@@ -338,11 +344,6 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         path: dump_folder.join("metrics.jsonl"),
         lines: String::new(),
     };
-    let params: Vec<(String, Tensor)> = model
-        .named_parameters()
-        .iter()
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
     let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
     let mut summary = TrainSummary {
         dump_folder: dump_folder.clone(),
@@ -433,6 +434,28 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
             } else {
                 rss
             };
+            let gib = (1u64 << 30) as f64;
+            let per_rank =
+                |loss: f64, grad_norm: f64, memory: f64, tps: f64, tokens: i64| StepMetrics {
+                    step,
+                    loss,
+                    grad_norm,
+                    lr,
+                    memory_gib: memory / gib,
+                    peak_rss_gib: peak_rss as f64 / gib,
+                    tps,
+                    tflops: flops_per_token * tps / 1e12,
+                    mfu_pct: 100.0 * flops_per_token * tps / peak_flops,
+                    tokens,
+                    on_cuda: device.is_cuda(),
+                };
+            // titan-obs gets this rank's values (its own mean loss, tps, memory) and reduces
+            // them across ranks later; the console shows the cross-rank reductions now.
+            let own_loss = local_loss * global_tokens as f64 / local_tokens.max(1) as f64;
+            let own = per_rank(own_loss, grad_norm, memory as f64, tps, local_tokens);
+            for (name, value, reduce) in own.scalars() {
+                titan_obs::scalar(name, value, reduce);
+            }
             let mut reduced = [
                 (local_loss, Reduce::Sum),
                 (grad_norm, Reduce::Max),
@@ -440,23 +463,8 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 (tps, Reduce::Mean),
             ];
             dp.reduce_metrics(&mut reduced)?;
-            let tps = reduced[3].0;
-            let m = StepMetrics {
-                step,
-                loss: reduced[0].0,
-                grad_norm: reduced[1].0,
-                lr,
-                memory_gib: reduced[2].0 / (1u64 << 30) as f64,
-                peak_rss_gib: peak_rss as f64 / (1u64 << 30) as f64,
-                tps,
-                tflops: flops_per_token * tps / 1e12,
-                mfu_pct: 100.0 * flops_per_token * tps / peak_flops,
-                global_tokens,
-                on_cuda: device.is_cuda(),
-            };
-            for (name, value, reduce) in m.scalars() {
-                titan_obs::scalar(name, value, reduce);
-            }
+            let [loss, grad_norm, memory, tps] = reduced.map(|(v, _)| v);
+            let m = per_rank(loss, grad_norm, memory, tps, global_tokens);
             if world.rank == 0 {
                 tracing::info!("{}", m.console_line());
                 metrics_file.push("train", &m)?;

@@ -30,7 +30,7 @@ pub enum CommError {
     },
     #[error(
         "rank {rank}: rank {peer} made no progress for {timeout:?} during {op} (hung or dead? \
-         raise comm.timeout if it is just slow)"
+         raise comm.train_timeout_seconds if it is just slow)"
     )]
     PeerTimeout {
         rank: usize,

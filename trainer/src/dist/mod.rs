@@ -8,6 +8,8 @@
 //!   groups implementing [`comm::Collectives`]: [`cpu::CpuGroup`] (TCP ring, gloo-style
 //!   chunked and pipelined) or `nccl::NcclGroup` (feature `nccl`).
 //! - [`dp`]: [`dp::DataParallel`], DDP bucketed all-reduce, ZeRO-2 sharded AdamW and HSDP.
+//! - [`hook`]: [`hook::DistributedDp`], the training loop's [`crate::parallel::DataParallel`]
+//!   on top of [`dp`].
 pub mod clock;
 pub mod comm;
 pub mod connect;
@@ -15,6 +17,7 @@ pub mod cpu;
 pub mod dp;
 pub mod elem;
 pub mod env;
+pub mod hook;
 pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -25,4 +28,5 @@ pub mod store;
 pub use comm::{Collectives, CommError, ReduceOp};
 pub use dp::{AdamWStep, DataParallel, DpDegrees};
 pub use env::{EnvError, LaunchEnv};
+pub use hook::DistributedDp;
 pub use runtime::{Backend, CommOptions, Dist};

@@ -1,0 +1,304 @@
+//! titan-train on several processes (cpu backend), end to end on the real binary:
+//! - 1 rank vs 2 and 4 ranks on the same global batch give the same loss curve (10 steps, within
+//!   1e-5 relative) for replicate (DDP), shard (ZeRO-2) and both (HSDP);
+//! - torchrun-style launch by hand (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) works;
+//! - killing one rank mid-run ends the job non-zero, quickly, with the dead rank named.
+//!
+//! The data makes "the same global batch" exact: a word-level tokenizer and documents of exactly
+//! seq_len + 1 tokens (with BOS/EOS), so every document is one window and dp rank r of W reads
+//! documents r, r+W, ... — the global batch of a step is the same set of windows at any W.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use titan_tests::{bin, workspace_root};
+
+const SEQ_LEN: usize = 32;
+const STEPS: usize = 10;
+const GLOBAL_BATCH: usize = 4;
+const WORDS: usize = 200;
+
+/// A Hugging Face `tokenizer.json` (WordLevel over whitespace) with `<s>`/`</s>` and `WORDS` words.
+fn write_tokenizer(dir: &Path) {
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in ["<s>", "</s>", "<unk>"].iter().enumerate() {
+        vocab.insert(t.to_string(), i.into());
+    }
+    for w in 0..WORDS {
+        vocab.insert(format!("w{w}"), (w + 3).into());
+    }
+    let special = |id: usize, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true})
+    };
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<s>"), special(1, "</s>"), special(2, "<unk>")],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+}
+
+/// Documents of SEQ_LEN - 1 words (a learnable pattern), one per line.
+fn write_dataset(path: &Path) {
+    let mut text = String::new();
+    for d in 0..400usize {
+        let words: Vec<String> = (0..SEQ_LEN - 1)
+            .map(|i| format!("w{}", (d * 7 + i * (1 + d % 3)) % WORDS))
+            .collect();
+        text.push_str(&words.join(" "));
+        text.push('\n');
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_path_buf();
+        write_tokenizer(&root.join("tokenizer"));
+        write_dataset(&root.join("docs.txt"));
+        Fixture { _dir: dir, root }
+    }
+
+    /// The trainer flags of a run writing to `<root>/<name>` with `local_batch` per rank.
+    fn args(&self, name: &str, local_batch: usize) -> Vec<String> {
+        let s = |v: &str| v.to_string();
+        vec![
+            s("--job.dump_folder"),
+            self.root.join(name).display().to_string(),
+            s("--model.hf_assets_path"),
+            self.root.join("tokenizer").display().to_string(),
+            s("--training.dataset_path"),
+            self.root.join("docs.txt").display().to_string(),
+            s("--training.seq_len"),
+            SEQ_LEN.to_string(),
+            s("--training.local_batch_size"),
+            local_batch.to_string(),
+            s("--training.global_batch_size"),
+            GLOBAL_BATCH.to_string(),
+            s("--training.steps"),
+            STEPS.to_string(),
+            s("--metrics.log_freq"),
+            s("1"),
+            s("--validation.enable=false"),
+            s("--debug.seed"),
+            s("7"),
+            s("--debug.deterministic"),
+            s("--comm.train_timeout_seconds"),
+            s("30"),
+        ]
+    }
+
+    fn losses(&self, name: &str) -> Vec<f64> {
+        let path = self.root.join(name).join("metrics.jsonl");
+        let body =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        body.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["kind"] == "train")
+            .map(|v| v["loss"].as_f64().expect("loss is a number"))
+            .collect()
+    }
+}
+
+fn titan_train(args: &[String]) -> Command {
+    let mut c = Command::new(bin("titan-train"));
+    c.current_dir(workspace_root()).args(args);
+    // The ranks must not inherit a launch environment from whoever runs the tests.
+    for k in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        c.env_remove(k);
+    }
+    c
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn run_ok(c: &mut Command) -> Output {
+    let o = c.output().expect("start titan-train");
+    assert!(o.status.success(), "{c:?} failed:\n{}", text(&o));
+    o
+}
+
+fn assert_same_curve(want: &[f64], got: &[f64], what: &str) {
+    assert_eq!(want.len(), STEPS, "reference logged every step: {want:?}");
+    assert_eq!(got.len(), want.len(), "{what}: {got:?} vs {want:?}");
+    for (step, (a, b)) in want.iter().zip(got).enumerate() {
+        let rel = (a - b).abs() / a.abs();
+        assert!(
+            rel <= 1e-5,
+            "{what}: step {} loss {b} vs single-process {a} (relative {rel:e})\n{want:?}\n{got:?}",
+            step + 1
+        );
+    }
+    // The curve is a training curve, not a constant.
+    assert!(
+        want[STEPS - 1] < want[0] - 0.5,
+        "loss does not fall: {want:?}"
+    );
+}
+
+#[test]
+fn multi_rank_loss_curves_match_one_rank() {
+    let f = Fixture::new();
+    run_ok(&mut titan_train(&f.args("single", GLOBAL_BATCH)));
+    let reference = f.losses("single");
+
+    // ZeRO-2 (shard degree -1 takes both ranks), through the launcher.
+    let mut c = titan_train(&f.args("shard2", GLOBAL_BATCH / 2));
+    c.args(["--nproc-per-node", "2"]);
+    let out = run_ok(&mut c);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("[rank0]:"),
+        "launcher prefixes lines:\n{stdout}"
+    );
+    assert_same_curve(&reference, &f.losses("shard2"), "2 ranks, shard");
+    // Every rank recorded its own titan-obs timeline.
+    for r in 0..2 {
+        let dir = f.root.join(format!("shard2/obs/rank-{r}"));
+        assert!(dir.is_dir(), "{} missing", dir.display());
+    }
+
+    // HSDP: 2 replicas x 2 shards on 4 ranks.
+    let mut c = titan_train(&f.args("hsdp4", GLOBAL_BATCH / 4));
+    c.args([
+        "--nproc-per-node",
+        "4",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--log-ranks",
+        "0",
+    ]);
+    let out = run_ok(&mut c);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !stdout.contains("[rank1]:"),
+        "--log-ranks 0 hides rank 1:\n{stdout}"
+    );
+    assert_same_curve(&reference, &f.losses("hsdp4"), "4 ranks, 2x2 HSDP");
+}
+
+#[test]
+fn torchrun_style_environment_launch_with_ddp() {
+    let f = Fixture::new();
+    run_ok(&mut titan_train(&f.args("single", GLOBAL_BATCH)));
+    let reference = f.losses("single");
+
+    // DDP: replicate 2, shard 1; the two ranks started by hand as torchrun would.
+    let port = titan_tests::free_port().to_string();
+    let mut args = f.args("ddp2", GLOBAL_BATCH / 2);
+    args.extend(
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ]
+        .map(String::from),
+    );
+    let ranks: Vec<Child> = (0..2)
+        .map(|r| {
+            titan_train(&args)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "rank {r} failed:\n{}", text(&o));
+    }
+    assert_same_curve(&reference, &f.losses("ddp2"), "2 ranks by env, replicate");
+}
+
+/// The pids of `parent`'s child processes (Linux /proc).
+fn children(parent: u32) -> Vec<u32> {
+    let path = format!("/proc/{parent}/task/{parent}/children");
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// The RANK variable of process `pid`.
+fn rank_of(pid: u32) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"RANK="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+#[test]
+fn killing_a_rank_ends_the_job_naming_it() {
+    let f = Fixture::new();
+    let mut args = f.args("killed", 1);
+    args.extend(["--training.steps", "100000", "--nproc-per-node", "2"].map(String::from));
+    let mut launcher = titan_train(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until training runs (rank 0 logged a step), then SIGKILL rank 1.
+    let metrics = f.root.join("killed/metrics.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !metrics.exists() {
+        assert!(Instant::now() < deadline, "training never logged a step");
+        assert!(
+            launcher.try_wait().unwrap().is_none(),
+            "launcher ended early"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rank1 = children(launcher.id())
+        .into_iter()
+        .find(|&p| rank_of(p).as_deref() == Some("1"))
+        .expect("rank 1 among the launcher's children");
+    let killed_at = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-9", &rank1.to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let out = launcher.wait_with_output().unwrap();
+    let took = killed_at.elapsed();
+    assert!(!out.status.success(), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("SIGKILL"),
+        "the dead rank and its signal are named:\n{stderr}"
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "took {took:?} to stop the job"
+    );
+}
