@@ -104,6 +104,7 @@ fn main() {
                     optimizer: &mut optimizer,
                     loader: &mut loader,
                     schedule: &schedule,
+                    optimizer_shards: None,
                 };
                 let t = Instant::now();
                 ckpt.after_step(i as u64 + 1, 1_000_000, 0, &state).unwrap();
@@ -137,6 +138,7 @@ fn main() {
                 optimizer: &mut optimizer,
                 loader: &mut loader,
                 schedule: &schedule,
+                optimizer_shards: None,
             };
             let t = Instant::now();
             ckpt.load(&mut state).unwrap();

@@ -6,6 +6,8 @@
 //! (a) the global valid-token count, (b) gradient reduction after backward, (c) the global
 //! grad norm, (d) the optimizer step, (e) cross-rank metric reduction.
 
+use std::sync::Arc;
+
 use anyhow::{Result, bail};
 use tch::Tensor;
 use titan_obs::Reduce;
@@ -87,6 +89,26 @@ impl World {
     }
 }
 
+/// Meeting points for work all ranks do outside collectives (a multi-rank checkpoint save).
+/// Thread-safe: async saves meet on their writer threads.
+pub trait RankSync: Send + Sync {
+    /// Returns once every rank called `barrier` with the same `name` (unique per meeting).
+    fn barrier(&self, name: &str) -> Result<()>;
+}
+
+/// The rows `[row_offset, row_offset + rows)` of one parameter's AdamW state that this rank
+/// holds and checkpoints (ZeRO-2: the state is sharded along dim 0).
+pub struct OptimizerShard {
+    /// Index into the parameter list.
+    pub param: usize,
+    pub row_offset: i64,
+    /// The rows of `exp_avg` / `exp_avg_sq`, shaped like the parameter's rows.
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+    /// Optimizer steps taken (the same for every parameter).
+    pub step: u64,
+}
+
 /// The places where training needs the other ranks.
 pub trait DataParallel {
     fn world(&self) -> &World;
@@ -118,6 +140,27 @@ pub trait DataParallel {
 
     /// (e) Reduces each metric across ranks in place with its reduction.
     fn reduce_metrics(&mut self, metrics: &mut [(f64, Reduce)]) -> Result<()>;
+
+    /// Checkpointing: how ranks meet to commit a save (None: one process).
+    fn rank_sync(&self) -> Option<Arc<dyn RankSync>> {
+        None
+    }
+
+    /// Checkpointing: `Some` when the optimizer state is sharded across ranks instead of held
+    /// by `AdamW`; the shards this rank writes (replicas of a shard write nothing).
+    fn optimizer_shards(&self, _params: &[(String, Tensor)]) -> Option<Vec<OptimizerShard>> {
+        None
+    }
+
+    /// Checkpointing: after a load put the full parameters and the optimizer state (loaded
+    /// into `optimizer`) where the step uses them (a sharded backend takes its rows).
+    fn adopt_loaded_state(
+        &mut self,
+        _optimizer: &mut AdamW,
+        _params: &[(String, Tensor)],
+    ) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The single-process implementation: every reduction is the identity.

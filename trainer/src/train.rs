@@ -328,15 +328,22 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         )
     };
     let mut checkpointer = Checkpointer::new(&cfg.checkpoint, &dump_folder, world)?
-        .with_hf_assets(&cfg.model.hf_assets_path);
+        .with_hf_assets(&cfg.model.hf_assets_path)
+        .with_rank_sync(dp.rank_sync());
     let resumed_step = {
         let _s = titan_obs::span("checkpoint");
-        checkpointer.load(&mut TrainerState {
+        let step = checkpointer.load(&mut TrainerState {
             model: &model,
             optimizer: &mut optimizer,
             loader: &mut train_loader,
             schedule: &schedule,
-        })?
+            optimizer_shards: None,
+        })?;
+        if cfg.checkpoint.enable {
+            // Loaded weights / AdamW state to where the step reads them (ZeRO-2 shards).
+            dp.adopt_loaded_state(&mut optimizer, &params)?;
+        }
+        step
     };
 
     let peak_flops = metrics::peak_flops(device, cfg.metrics.peak_tflops);
@@ -505,6 +512,11 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 optimizer: &mut optimizer,
                 loader: &mut train_loader,
                 schedule: &schedule,
+                optimizer_shards: if cfg.checkpoint.enable {
+                    dp.optimizer_shards(&params)
+                } else {
+                    None
+                },
             },
         )?;
         summary.steps = step;

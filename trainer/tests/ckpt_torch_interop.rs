@@ -107,6 +107,7 @@ fn state(run: &mut Run) -> TrainerState<'_> {
         optimizer: &mut run.optimizer,
         loader: &mut run.loader,
         schedule: &run.schedule,
+        optimizer_shards: None,
     }
 }
 

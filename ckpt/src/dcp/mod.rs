@@ -103,6 +103,6 @@ pub use reader::{
 pub use source::ReadAt;
 pub use store::{CheckpointStore, LocalDir};
 pub use writer::{
-    DcpWriter, DistcpFileWriter, FileKey, TensorChunk, WriteOptions, metadata_bytes,
-    write_metadata_file,
+    DcpWriter, DistcpFileWriter, FileKey, TensorChunk, WriteOptions, merge_rank_parts,
+    metadata_bytes, write_metadata_file,
 };

@@ -348,6 +348,20 @@ impl DcpWriter {
                 check_tiling(fqn, t).map_err(|e| self.invalid(e.to_string()))?;
             }
         }
+        let metadata = self.finish_files()?;
+        write_metadata_file(&self.dir, &metadata, self.options.fsync)?;
+        Ok(metadata)
+    }
+
+    /// One rank's share of a multi-rank save: completes and renames this writer's data files and
+    /// returns the metadata of its items only (chunks may cover part of a tensor). No
+    /// `.metadata` is written: the coordinator merges every rank's part with
+    /// [`merge_rank_parts`] and writes it.
+    pub fn finish_rank_part(mut self) -> Result<Metadata> {
+        self.finish_files()
+    }
+
+    fn finish_files(&mut self) -> Result<Metadata> {
         let mut storage_data = Vec::new();
         let files = std::mem::take(&mut self.files);
         let all_tmp: Vec<PathBuf> = files.values().map(|f| f.tmp.clone()).collect();
@@ -400,7 +414,8 @@ impl DcpWriter {
             .components()
             .map(|c| c.as_os_str().to_string_lossy().into_owned())
             .collect();
-        let metadata = Metadata {
+        self.finished = true;
+        Ok(Metadata {
             state_dict_metadata: std::mem::take(&mut self.items),
             planner_data: PlannerData::Flatten(planner),
             storage_data,
@@ -414,11 +429,89 @@ impl DcpWriter {
                 modules: Vec::new(),
             }),
             version: Some("1.0.0".to_string()),
-        };
-        write_metadata_file(&self.dir, &metadata, self.options.fsync)?;
-        self.finished = true;
-        Ok(metadata)
+        })
     }
+}
+
+/// Merges the per-rank parts of one save (from [`DcpWriter::finish_rank_part`], in rank order)
+/// into the checkpoint's metadata, as torch's coordinator merges the ranks' write results:
+/// chunks of one tensor from several ranks join, replicated items must be written by one rank,
+/// and every tensor must be fully covered. `dir` names the checkpoint in errors.
+pub fn merge_rank_parts(dir: &Path, parts: Vec<Metadata>) -> Result<Metadata> {
+    let invalid = |msg: String| DcpError::Invalid(format!("{}: {msg}", dir.display()));
+    let mut items: Vec<(String, ItemMetadata)> = Vec::new();
+    let mut by_fqn: BTreeMap<String, usize> = BTreeMap::new();
+    let mut planner: Vec<(String, Vec<PathPart>)> = Vec::new();
+    let mut storage_data = Vec::new();
+    let mut storage_meta = None;
+    for (rank, part) in parts.into_iter().enumerate() {
+        for (fqn, item) in part.state_dict_metadata {
+            match (by_fqn.get(&fqn).map(|&i| &mut items[i].1), item) {
+                (None, item) => {
+                    by_fqn.insert(fqn.clone(), items.len());
+                    items.push((fqn, item));
+                }
+                (Some(ItemMetadata::Tensor(have)), ItemMetadata::Tensor(t)) => {
+                    if have.properties.dtype != t.properties.dtype || have.size != t.size {
+                        return Err(invalid(format!(
+                            "tensor `{fqn}`: rank {rank} wrote {} {:?}, an earlier rank {} {:?}",
+                            t.properties.dtype.torch_name(),
+                            t.size,
+                            have.properties.dtype.torch_name(),
+                            have.size
+                        )));
+                    }
+                    for c in t.chunks {
+                        if have.chunks.iter().any(|x| x.offsets == c.offsets) {
+                            return Err(invalid(format!(
+                                "tensor `{fqn}`: rank {rank} wrote the chunk at {:?} another rank wrote too",
+                                c.offsets
+                            )));
+                        }
+                        have.chunks.push(c);
+                    }
+                }
+                (Some(_), _) => {
+                    return Err(invalid(format!(
+                        "`{fqn}` was written by rank {rank} and an earlier rank"
+                    )));
+                }
+            }
+        }
+        if let PlannerData::Flatten(paths) = part.planner_data {
+            for (fqn, path) in paths {
+                if !planner.iter().any(|(f, _)| *f == fqn) {
+                    planner.push((fqn, path));
+                }
+            }
+        }
+        storage_data.extend(part.storage_data);
+        storage_meta = storage_meta.or(part.storage_meta);
+    }
+    for (fqn, item) in &items {
+        if let ItemMetadata::Tensor(t) = item {
+            check_tiling(fqn, t).map_err(|e| invalid(e.to_string()))?;
+        }
+    }
+    // Chunk indices are per rank in the parts; point them at the merged chunk lists.
+    for (index, _) in &mut storage_data {
+        if let (Some(offsets), Some(&i)) = (&index.offset, by_fqn.get(&index.fqn))
+            && let ItemMetadata::Tensor(t) = &items[i].1
+        {
+            index.index = t
+                .chunks
+                .iter()
+                .position(|c| &c.offsets == offsets)
+                .map(|p| p as u64);
+        }
+    }
+    Ok(Metadata {
+        state_dict_metadata: items,
+        planner_data: PlannerData::Flatten(planner),
+        storage_data,
+        storage_meta,
+        version: Some("1.0.0".to_string()),
+    })
 }
 
 impl Drop for DcpWriter {
@@ -456,4 +549,66 @@ fn pseudo_uuid() -> String {
         &s[16..20],
         &s[20..]
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dcp::DcpReader;
+
+    fn rows(dir: &Path, rank: u32, lo: u64, n: u64, with_step: bool) -> Metadata {
+        let mut w = DcpWriter::create(dir, WriteOptions::default()).unwrap();
+        let file = FileKey { rank, k: 0 };
+        let data: Vec<u8> = (0..n * 3)
+            .flat_map(|i| ((lo * 3 + i) as f32).to_le_bytes())
+            .collect();
+        w.add_tensor_chunk(
+            file,
+            TensorChunk {
+                fqn: "w",
+                dtype: Dtype::F32,
+                global_shape: &[5, 3],
+                offsets: &[lo, 0],
+                sizes: &[n, 3],
+                data: &data,
+            },
+        )
+        .unwrap();
+        if with_step {
+            w.add_object(file, "step", &Value::Int(7)).unwrap();
+        }
+        w.finish_rank_part().unwrap()
+    }
+
+    #[test]
+    fn rank_parts_merge_into_one_readable_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let parts = vec![
+            rows(dir.path(), 0, 0, 3, true),
+            rows(dir.path(), 1, 3, 2, false),
+        ];
+        let merged = merge_rank_parts(dir.path(), parts).unwrap();
+        write_metadata_file(dir.path(), &merged, false).unwrap();
+        let r = DcpReader::open(dir.path()).unwrap();
+        let t = r.read_tensor("w").unwrap();
+        let want: Vec<u8> = (0..15).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        assert_eq!(t.data, want);
+        assert_eq!(r.read_object("step").unwrap(), Value::Int(7));
+    }
+
+    #[test]
+    fn merge_rejects_gaps_and_double_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let gap = merge_rank_parts(dir.path(), vec![rows(dir.path(), 0, 0, 3, false)]);
+        assert!(gap.unwrap_err().to_string().contains("`w`"));
+        let twice = merge_rank_parts(
+            dir.path(),
+            vec![
+                rows(dir.path(), 0, 0, 3, true),
+                rows(dir.path(), 1, 3, 2, true),
+            ],
+        );
+        let msg = twice.unwrap_err().to_string();
+        assert!(msg.contains("`step`") && msg.contains("rank 1"), "{msg}");
+    }
 }

@@ -11,6 +11,10 @@
 //! - The last save may be model-only, cast to `export_dtype`, and in HF safetensors ([`hf_export`]).
 //! - `checkpoint.folder` may be an object-store URL ([`remote`]): saves are committed locally,
 //!   then uploaded with a commit marker.
+//! - Several ranks ([`Checkpointer::with_rank_sync`]): each writes `__{rank}_0.distcp` with what
+//!   it owns (rank 0 the replicated state, every rank its dataloader position and, under ZeRO-2,
+//!   its rows of the optimizer state) into one shared partial directory; rank 0 merges the
+//!   ranks' metadata into `.metadata` and commits ([`save::SaveGroup`]).
 
 pub mod hf_export;
 pub mod host;
@@ -21,6 +25,7 @@ pub mod save;
 pub mod state;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -28,8 +33,8 @@ use anyhow::{Context, Result, bail};
 use tch::Kind;
 
 use crate::config;
-use crate::parallel::World;
-pub use save::SaveReport;
+use crate::parallel::{RankSync, World};
+pub use save::{SaveGroup, SaveReport};
 pub use state::{LoadOptions, StageOptions, TrainCounters, TrainerState};
 
 /// How saves are written.
@@ -77,6 +82,8 @@ pub struct Checkpointer {
     /// `model.hf_assets_path`: its `model.safetensors.index.json` lays out the HF export.
     hf_assets: Option<PathBuf>,
     remote: Option<remote::Remote>,
+    /// How the ranks meet to commit a save (None for one process).
+    group: Option<SaveGroup>,
 }
 
 impl Checkpointer {
@@ -86,13 +93,6 @@ impl Checkpointer {
         let export_kind = host::parse_export_dtype(&cfg.export_dtype)?;
         if cfg.enable && cfg.interval == 0 {
             bail!("checkpoint.interval must be at least 1");
-        }
-        if cfg.enable && world.world_size > 1 {
-            bail!(
-                "checkpointing with {} ranks is not implemented yet (single-process runs only); \
-                 set checkpoint.enable = false",
-                world.world_size
-            );
         }
         let remote = if cfg.enable && remote::is_url(&cfg.folder) {
             Some(remote::Remote::parse(&cfg.folder)?)
@@ -116,7 +116,25 @@ impl Checkpointer {
             purger: None,
             totals: SaveTotals::default(),
             hf_assets: None,
+            group: None,
         })
+    }
+
+    /// How the ranks of a multi-rank job meet to commit saves (needed when world_size > 1;
+    /// the checkpoint folder must be shared by all ranks, as torchtitan's is).
+    pub fn with_rank_sync(mut self, sync: Option<Arc<dyn RankSync>>) -> Self {
+        self.group = sync.map(|sync| SaveGroup {
+            sync,
+            world_size: self.world.world_size,
+        });
+        self
+    }
+
+    fn sync(&self, name: &str) -> Result<()> {
+        match &self.group {
+            Some(g) => g.sync.barrier(name),
+            None => Ok(()),
+        }
     }
 
     /// Uses `model.hf_assets_path`'s `model.safetensors.index.json` (when present) as the
@@ -142,6 +160,19 @@ impl Checkpointer {
         }
         let _s = titan_obs::span("checkpoint_load");
         let start = Instant::now();
+        if self.world.world_size > 1 {
+            if self.group.is_none() {
+                bail!(
+                    "checkpointing {} ranks needs a way for them to meet (titan-train's distributed runtime)",
+                    self.world.world_size
+                );
+            }
+            // Multi-rank saves share partial directories: stale ones go before any rank writes.
+            if self.world.rank == 0 && self.remote.is_none() {
+                layout::clear_partials(&self.root)?;
+            }
+            self.sync("checkpoint/start")?;
+        }
         let steps = match &self.remote {
             Some(r) => r.complete_steps()?,
             None => layout::complete_steps(&self.root)?,
@@ -235,19 +266,29 @@ impl Checkpointer {
         if last && self.cfg.last_save_in_hf {
             self.wait_pending()?;
             let blocked = Instant::now();
-            let dir = hf_export::export(
-                &self.root,
-                step,
-                state.model,
-                self.export_kind,
-                self.world,
-                self.hf_assets.as_deref(),
-            )?;
-            if let Some(r) = &self.remote {
-                r.upload(&dir, step)?;
-                std::fs::remove_dir_all(&dir)
-                    .with_context(|| format!("removing {}", dir.display()))?;
+            // The weights are replicated: with several ranks, rank 0 exports alone.
+            let dir = self.root.join(layout::step_dir_name(step));
+            if self.world.rank == 0 {
+                let exporter = World {
+                    rank: 0,
+                    world_size: 1,
+                    ..self.world
+                };
+                let dir = hf_export::export(
+                    &self.root,
+                    step,
+                    state.model,
+                    self.export_kind,
+                    exporter,
+                    self.hf_assets.as_deref(),
+                )?;
+                if let Some(r) = &self.remote {
+                    r.upload(&dir, step)?;
+                    std::fs::remove_dir_all(&dir)
+                        .with_context(|| format!("removing {}", dir.display()))?;
+                }
             }
+            self.sync(&format!("checkpoint/step-{step}/hf"))?;
             self.record(blocked.elapsed(), blocked.elapsed());
             tracing::info!(
                 "saved the final model in HF safetensors to {}",
@@ -264,7 +305,9 @@ impl Checkpointer {
         // is counted in wait_pending).
         self.wait_pending()?;
         let blocked = Instant::now();
-        layout::clear_partials(&self.root)?;
+        if self.group.is_none() {
+            layout::clear_partials(&self.root)?;
+        }
         let staged = {
             let _s = titan_obs::span("checkpoint_stage");
             state::stage(
@@ -282,9 +325,10 @@ impl Checkpointer {
         let root = self.root.clone();
         let rank = self.world.rank as u32;
         let remote = self.remote.clone();
+        let group = self.group.clone();
         match self.mode {
             AsyncMode::Disabled => {
-                let report = persist(&root, &staged, rank, self.remote.as_ref())?;
+                let report = persist(&root, &staged, rank, self.remote.as_ref(), group.as_ref())?;
                 self.record(blocked.elapsed(), report.write);
                 log_saved(&report, blocked.elapsed(), false);
                 self.purge_in_background()
@@ -294,7 +338,9 @@ impl Checkpointer {
                 self.pending = Some(
                     std::thread::Builder::new()
                         .name("titan-ckpt-writer".into())
-                        .spawn(move || persist(&root, &staged, rank, remote.as_ref()))
+                        .spawn(move || {
+                            persist(&root, &staged, rank, remote.as_ref(), group.as_ref())
+                        })
                         .context("starting the checkpoint writer thread")?,
                 );
                 self.totals.blocked += stage_time;
@@ -382,21 +428,25 @@ impl Checkpointer {
     }
 }
 
-/// Writes and commits `staged` locally, then uploads it when the folder is remote.
+/// Writes and commits `staged` locally (with the other ranks of `group`), then uploads it when
+/// the folder is remote (the committing rank only).
 fn persist(
     root: &Path,
     staged: &state::StagedState,
     rank: u32,
     remote: Option<&remote::Remote>,
+    group: Option<&SaveGroup>,
 ) -> Result<SaveReport> {
-    let mut report = save::write_and_commit(root, staged, rank, None)?;
+    let upload = |dir: &Path| -> Result<()> {
+        if let Some(r) = remote {
+            r.upload(dir, staged.step)?;
+            std::fs::remove_dir_all(dir)
+                .with_context(|| format!("removing the uploaded local copy {}", dir.display()))?;
+        }
+        Ok(())
+    };
+    let mut report = save::write_and_commit(root, staged, rank, None, group, &upload)?;
     if let Some(r) = remote {
-        let start = Instant::now();
-        r.upload(&report.dir, staged.step)?;
-        std::fs::remove_dir_all(&report.dir).with_context(|| {
-            format!("removing the uploaded local copy {}", report.dir.display())
-        })?;
-        report.write += start.elapsed();
         report.dir = PathBuf::from(format!(
             "{}/{}",
             r.display(),

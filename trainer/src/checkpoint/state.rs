@@ -19,6 +19,7 @@ use crate::data::{LoaderState, TextLoader};
 use crate::lr_scheduler::LrSchedule;
 use crate::model::Llama;
 use crate::optim::{AdamW, ParamState};
+use crate::parallel::OptimizerShard;
 
 pub const OPTIMIZER: &str = "optimizer";
 pub const LR_SCHEDULER: &str = "lr_scheduler";
@@ -33,6 +34,9 @@ pub struct TrainerState<'a> {
     pub optimizer: &'a mut AdamW,
     pub loader: &'a mut TextLoader,
     pub schedule: &'a LrSchedule,
+    /// `Some` when the AdamW state is sharded across ranks (ZeRO-2) rather than in `optimizer`:
+    /// this rank's rows to save (see [`crate::parallel::DataParallel::optimizer_shards`]).
+    pub optimizer_shards: Option<Vec<OptimizerShard>>,
 }
 
 /// A staged value: a tensor in host memory or a picklable object.
@@ -48,6 +52,8 @@ pub struct StagedItem {
     pub key: String,
     pub planner_path: Vec<PathPart>,
     pub value: StagedValue,
+    /// For a tensor that is one rank's rows of a larger one: (global shape, offsets).
+    pub chunk_of: Option<(Vec<u64>, Vec<u64>)>,
 }
 
 /// Everything one rank writes for one checkpoint.
@@ -80,6 +86,7 @@ impl StagedState {
             key: full,
             planner_path: path,
             value,
+            chunk_of: None,
         });
     }
 }
@@ -123,6 +130,9 @@ pub fn stage(
     }
     if opts.model_only {
         return Ok(out);
+    }
+    if let Some(shards) = &state.optimizer_shards {
+        stage_optimizer_shards(&mut out, state, shards, opts.owns_replicated)?;
     }
     if opts.owns_replicated {
         stage_optimizer(&mut out, state, counters)?;
@@ -207,6 +217,51 @@ fn stage_optimizer(
                 Some(OPTIMIZER),
                 format!("param_groups.{fqn}.{name}"),
                 StagedValue::Object(value),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// ZeRO-2: this rank's rows of `exp_avg` / `exp_avg_sq` as chunks of the full tensors (what
+/// torch's DCP saves for a Shard(0) DTensor); rank 0 also writes every `step`.
+fn stage_optimizer_shards(
+    out: &mut StagedState,
+    state: &TrainerState<'_>,
+    shards: &[OptimizerShard],
+    owns_replicated: bool,
+) -> Result<()> {
+    let params = state.model.named_parameters();
+    for shard in shards {
+        let (fqn, p) = params
+            .get(shard.param)
+            .context("optimizer shard of a parameter the model does not have")?;
+        let global: Vec<u64> = p.size().iter().map(|&d| d as u64).collect();
+        let mut offsets = vec![0u64; global.len()];
+        if let Some(first) = offsets.first_mut() {
+            *first = shard.row_offset as u64;
+        }
+        for (name, t) in [
+            ("exp_avg", &shard.exp_avg),
+            ("exp_avg_sq", &shard.exp_avg_sq),
+        ] {
+            let host = HostTensor::from_tensor(t, None)
+                .with_context(|| format!("staging {name} rows of `{fqn}`"))?;
+            out.push(
+                Some(OPTIMIZER),
+                format!("state.{fqn}.{name}"),
+                StagedValue::Tensor(host),
+            );
+            out.items.last_mut().expect("pushed").chunk_of =
+                Some((global.clone(), offsets.clone()));
+        }
+    }
+    if owns_replicated && let Some(step) = shards.first().map(|s| s.step) {
+        for (fqn, _) in params {
+            out.push(
+                Some(OPTIMIZER),
+                format!("state.{fqn}.step"),
+                StagedValue::Tensor(HostTensor::scalar_f32(step as f32)),
             );
         }
     }

@@ -464,6 +464,75 @@ impl DataParallel {
         Ok(())
     }
 
+    /// ZeRO-2: the optimizer step count and this rank's rows of every parameter's AdamW state
+    /// as `(param index, first row, exp_avg rows, exp_avg_sq rows)`, each shaped like the
+    /// parameter's rows (views, not copies). `None` when the optimizer is not sharded.
+    #[allow(clippy::type_complexity)]
+    pub fn shard_state(
+        &self,
+        params: &[Tensor],
+    ) -> Option<(i64, Vec<(usize, i64, Tensor, Tensor)>)> {
+        let zero = self.zero.as_ref()?;
+        let mut rows = Vec::new();
+        for (i, (p, l)) in params.iter().zip(&zero.params).enumerate() {
+            let (lo, n) = l.rows_of(self.shard_index);
+            if n == 0 {
+                continue;
+            }
+            let mut shape = p.size();
+            if let Some(first) = shape.first_mut() {
+                *first = n;
+            }
+            let view = |t: &Tensor| {
+                t.narrow(0, l.offset, n * l.row_elems)
+                    .view(shape.as_slice())
+            };
+            rows.push((i, lo, view(&zero.exp_avg), view(&zero.exp_avg_sq)));
+        }
+        Some((zero.step, rows))
+    }
+
+    /// ZeRO-2 after a checkpoint load: re-takes this rank's rows of the (reloaded) parameters
+    /// and of the loaded full AdamW state (`None` for a parameter without state: zeros).
+    pub fn load_shard_state(
+        &mut self,
+        params: &[Tensor],
+        state: &[Option<(Tensor, Tensor)>],
+        step: i64,
+    ) -> Result<(), CommError> {
+        let me = self.shard_index;
+        let zero = self.zero.as_mut().ok_or_else(|| CommError::BadArgument {
+            op: "load_shard_state",
+            message: "data_parallel_shard_degree is 1: the trainer's optimizer holds the state"
+                .into(),
+        })?;
+        tch::no_grad(|| {
+            let _ = zero.exp_avg.zero_();
+            let _ = zero.exp_avg_sq.zero_();
+            for (i, (p, l)) in params.iter().zip(&zero.params).enumerate() {
+                let (lo, n) = l.rows_of(me);
+                if n == 0 {
+                    continue;
+                }
+                let rows = |t: &Tensor| {
+                    t.detach()
+                        .reshape([-1])
+                        .narrow(0, lo * l.row_elems, n * l.row_elems)
+                        .to_kind(zero.param.kind())
+                        .to_device(zero.param.device())
+                };
+                let dst = |t: &Tensor| t.narrow(0, l.offset, n * l.row_elems);
+                dst(&zero.param).copy_(&rows(p));
+                if let Some(Some((m, v))) = state.get(i) {
+                    dst(&zero.exp_avg).copy_(&rows(m));
+                    dst(&zero.exp_avg_sq).copy_(&rows(v));
+                }
+            }
+        });
+        zero.step = step;
+        Ok(())
+    }
+
     /// Blocks until every data-parallel rank arrives.
     pub fn barrier(&mut self) -> Result<(), CommError> {
         self.shard_group.barrier()?;

@@ -8,8 +8,10 @@ use titan_obs::Reduce;
 use super::comm::ReduceOp;
 use super::dp::{self, AdamWStep, DpDegrees};
 use super::runtime::Dist;
+use std::sync::Arc;
+
 use crate::optim::AdamW;
-use crate::parallel::{DataParallel, World};
+use crate::parallel::{DataParallel, OptimizerShard, RankSync, World};
 
 /// Multi-process data parallelism for the trainer. Built before the model; the groups and
 /// buffers are created by [`DataParallel::prepare`] once the parameters exist.
@@ -151,6 +153,55 @@ impl DataParallel for DistributedDp {
                 Reduce::Min => -maxes[i],
             };
         }
+        Ok(())
+    }
+
+    fn rank_sync(&self) -> Option<Arc<dyn RankSync>> {
+        self.dist.store_barrier()
+    }
+
+    fn optimizer_shards(&self, params: &[(String, Tensor)]) -> Option<Vec<OptimizerShard>> {
+        let inner = self.inner.as_ref()?;
+        let (step, rows) = inner.shard_state(&Self::tensors(params))?;
+        // Replicas of a shard (HSDP) hold the same rows: the first replica writes them.
+        if inner.replicate_index != 0 {
+            return Some(Vec::new());
+        }
+        Some(
+            rows.into_iter()
+                .map(|(param, row_offset, exp_avg, exp_avg_sq)| OptimizerShard {
+                    param,
+                    row_offset,
+                    exp_avg,
+                    exp_avg_sq,
+                    step: step as u64,
+                })
+                .collect(),
+        )
+    }
+
+    fn adopt_loaded_state(
+        &mut self,
+        optimizer: &mut AdamW,
+        params: &[(String, Tensor)],
+    ) -> Result<()> {
+        let inner = self.inner()?;
+        if !inner.is_sharded() {
+            return Ok(());
+        }
+        // The loaded full state moves into this rank's shard; the trainer's AdamW stays empty.
+        let step = optimizer.state.values().map(|s| s.step).max().unwrap_or(0);
+        let state: Vec<Option<(Tensor, Tensor)>> = params
+            .iter()
+            .map(|(name, _)| {
+                optimizer
+                    .state
+                    .remove(name)
+                    .map(|s| (s.exp_avg, s.exp_avg_sq))
+            })
+            .collect();
+        optimizer.state.clear();
+        inner.load_shard_state(&Self::tensors(params), &state, step as i64)?;
         Ok(())
     }
 }

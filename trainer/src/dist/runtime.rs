@@ -10,6 +10,40 @@ use super::connect::SocketOptions;
 use super::cpu::{CpuGroup, FAILURE_KEY};
 use super::env::LaunchEnv;
 use super::store::{StoreOptions, TcpStore};
+use crate::parallel::RankSync;
+
+/// A barrier on the store: every rank adds to a counter; the last one sets a done key that all
+/// wait for.
+struct StoreBarrier {
+    store: Arc<TcpStore>,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+}
+
+impl RankSync for StoreBarrier {
+    fn barrier(&self, name: &str) -> anyhow::Result<()> {
+        let count = format!("titan/barrier/{name}/count");
+        let done = format!("titan/barrier/{name}/done");
+        let store_err = |source| CommError::Store {
+            rank: self.rank,
+            source,
+        };
+        let arrived = self.store.add(&count, 1).map_err(store_err)?;
+        if arrived as usize == self.world_size {
+            self.store.set(&done, b"1").map_err(store_err)?;
+        }
+        self.store.wait(&[&done], self.timeout).map_err(|e| {
+            anyhow::anyhow!(
+                "rank {}: waited {:?} at barrier `{name}` for the other ranks ({}): {e}",
+                self.rank,
+                self.timeout,
+                "a rank died or is stuck; raise comm.init_timeout_seconds if it is just slow"
+            )
+        })?;
+        Ok(())
+    }
+}
 
 /// Which collective backend to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -196,6 +230,18 @@ impl Dist {
                       `--features nccl` or set comm.backend = \"cpu\""
                 .into(),
         })
+    }
+
+    /// Barriers over the rendezvous store (usable from any thread), for multi-rank checkpoint
+    /// commits; `None` for a single process. Each waits at most `comm.init_timeout_seconds`.
+    pub fn store_barrier(&self) -> Option<Arc<dyn RankSync>> {
+        let store = self.store.clone()?;
+        Some(Arc::new(StoreBarrier {
+            store,
+            rank: self.rank(),
+            world_size: self.world_size(),
+            timeout: self.opts.init_timeout,
+        }))
     }
 
     /// The world group (all ranks).
