@@ -351,3 +351,63 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
     );
     assert!(ckpt.join("step-10/.metadata").is_file());
 }
+
+/// The last save in HF format from 2 ranks (weights written and consolidated by both) equals
+/// titan-ckpt's conversion of the same run's DCP checkpoint.
+#[test]
+fn multi_rank_hf_export_matches_the_dcp_checkpoint() {
+    let f = Fixture::new();
+    let run = |name: &str, extra: &[&str]| {
+        let mut args = f.args(name, GLOBAL_BATCH / 2);
+        args.extend(
+            [
+                "--nproc-per-node",
+                "2",
+                "--training.steps",
+                "3",
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "100",
+            ]
+            .map(String::from),
+        );
+        args.extend(extra.iter().map(|s| s.to_string()));
+        run_ok(&mut titan_train(&args));
+        f.root.join(name).join("checkpoint/step-3")
+    };
+    let hf = run("hf", &["--checkpoint.last_save_in_hf"]);
+    let dcp = run("dcp", &[]);
+    assert!(hf.join("model.safetensors").is_file(), "{}", hf.display());
+    assert!(hf.join("config.json").is_file());
+    assert!(!hf.join("sharded").exists());
+
+    let converted = f.root.join("converted");
+    let ckpt = |args: &[&std::ffi::OsStr]| {
+        let o = Command::new(bin("titan-ckpt")).args(args).output().unwrap();
+        assert!(o.status.success(), "titan-ckpt {args:?}:\n{}", text(&o));
+        o
+    };
+    ckpt(&[
+        "convert".as_ref(),
+        "--to".as_ref(),
+        "hf".as_ref(),
+        "--adapter".as_ref(),
+        "llama3".as_ref(),
+        "--model-only".as_ref(),
+        "--quiet".as_ref(),
+        dcp.as_os_str(),
+        converted.as_os_str(),
+    ]);
+    let out = ckpt(&[
+        "diff".as_ref(),
+        "--json".as_ref(),
+        "--quiet".as_ref(),
+        hf.as_os_str(),
+        converted.as_os_str(),
+    ]);
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.contains("q_proj"),
+        "diff covers the model:\n{report}"
+    );
+}

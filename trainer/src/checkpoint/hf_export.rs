@@ -30,6 +30,9 @@ pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 const SHARDED: &str = "sharded";
 
 /// Writes the final model of `step` as HF safetensors to `root/step-N`; returns that folder.
+/// Every rank of `world` calls it: each writes its share of the (replicated) weights as dcp-hf
+/// shards, the consolidation's output files are split across the ranks, and rank 0 commits.
+/// `sync(name)` makes all ranks meet (a no-op for one process).
 pub fn export(
     root: &Path,
     step: u64,
@@ -37,21 +40,29 @@ pub fn export(
     kind: Kind,
     world: World,
     hf_assets: Option<&Path>,
+    sync: &dyn Fn(&str) -> Result<()>,
 ) -> Result<PathBuf> {
     let partial = layout::partial_dir(root, step);
-    if partial.exists() {
+    if world.rank == 0 && partial.exists() {
         std::fs::remove_dir_all(&partial)
             .with_context(|| format!("clearing {}", partial.display()))?;
     }
+    sync("hf-start")?;
     let result = (|| -> Result<()> {
         {
             let _s = titan_obs::span("checkpoint_save");
             write_sharded(&partial.join(SHARDED), model, kind, world)?;
         }
-        let _s = titan_obs::span("checkpoint_consolidate");
-        consolidate_shards(&partial, world, hf_assets)?;
-        std::fs::remove_dir_all(partial.join(SHARDED)).context("removing the sharded HF files")?;
+        sync("hf-written")?;
+        {
+            let _s = titan_obs::span("checkpoint_consolidate");
+            consolidate_shards(&partial, world, hf_assets)?;
+        }
+        // Every rank has read the shards it needed before rank 0 removes them.
+        sync("hf-consolidated")?;
         if world.rank == 0 {
+            std::fs::remove_dir_all(partial.join(SHARDED))
+                .context("removing the sharded HF files")?;
             let config = hf_config(&model.args, kind);
             std::fs::write(
                 partial.join("config.json"),
@@ -62,19 +73,22 @@ pub fn export(
         Ok(())
     })();
     if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&partial);
+        if world.rank == 0 {
+            let _ = std::fs::remove_dir_all(&partial);
+        }
         return Err(e);
     }
-    layout::commit(root, &partial, step)
+    if world.rank == 0 {
+        layout::commit(root, &partial, step)
+    } else {
+        Ok(root.join(layout::step_dir_name(step)))
+    }
 }
 
-/// This rank's weights (all of them: they are replicated) as one DCP sharded safetensors file.
+/// This rank's share of the weights (they are replicated: rank r takes every world_size-th
+/// tensor in name order) as one DCP sharded safetensors file.
 fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: World) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    if world.rank != 0 {
-        // Replicated weights are written once, by rank 0.
-        return Ok(());
-    }
     let titan: Vec<(String, Tensor)> = model
         .named_parameters()
         .iter()
@@ -86,6 +100,15 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: World) -> Result<
         .map(|(n, t)| Ok((n.clone(), HostTensor::from_tensor(t, Some(kind))?)))
         .collect::<Result<_>>()?;
     staged.sort_by(|a, b| a.0.cmp(&b.0));
+    let staged: Vec<(String, HostTensor)> = staged
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % world.world_size == world.rank)
+        .map(|(_, named)| named)
+        .collect();
+    if staged.is_empty() {
+        return Ok(());
+    }
     let entries: Vec<OutEntry> = staged
         .iter()
         .map(|(n, t)| OutEntry {

@@ -266,29 +266,24 @@ impl Checkpointer {
         if last && self.cfg.last_save_in_hf {
             self.wait_pending()?;
             let blocked = Instant::now();
-            // The weights are replicated: with several ranks, rank 0 exports alone.
-            let dir = self.root.join(layout::step_dir_name(step));
-            if self.world.rank == 0 {
-                let exporter = World {
-                    rank: 0,
-                    world_size: 1,
-                    ..self.world
-                };
-                let dir = hf_export::export(
-                    &self.root,
-                    step,
-                    state.model,
-                    self.export_kind,
-                    exporter,
-                    self.hf_assets.as_deref(),
-                )?;
-                if let Some(r) = &self.remote {
-                    r.upload(&dir, step)?;
-                    std::fs::remove_dir_all(&dir)
-                        .with_context(|| format!("removing {}", dir.display()))?;
-                }
+            let sync = |name: &str| self.sync(&format!("checkpoint/step-{step}/{name}"));
+            let dir = hf_export::export(
+                &self.root,
+                step,
+                state.model,
+                self.export_kind,
+                self.world,
+                self.hf_assets.as_deref(),
+                &sync,
+            )?;
+            if self.world.rank == 0
+                && let Some(r) = &self.remote
+            {
+                r.upload(&dir, step)?;
+                std::fs::remove_dir_all(&dir)
+                    .with_context(|| format!("removing {}", dir.display()))?;
             }
-            self.sync(&format!("checkpoint/step-{step}/hf"))?;
+            sync("hf-committed")?;
             self.record(blocked.elapsed(), blocked.elapsed());
             tracing::info!(
                 "saved the final model in HF safetensors to {}",
