@@ -9,6 +9,7 @@ use std::path::Path;
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-changed=cpp/tcpstore_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/rng_shim.cpp");
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };
@@ -23,21 +24,22 @@ fn main() {
         println!("cargo:rustc-link-arg=-ltorch_cuda");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
     }
-    build_tcpstore_shim(lib);
+    build_torch_shims(lib);
 }
 
-fn build_tcpstore_shim(lib: &Path) {
+fn build_torch_shims(lib: &Path) {
     let include = lib.join("../include");
     cc::Build::new()
         .cpp(true)
         .file("cpp/tcpstore_shim.cpp")
+        .file("cpp/rng_shim.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         // libtorch's headers are noisy under -Wall; the shim itself is tiny.
         .warnings(false)
-        .compile("titan_tcpstore_shim");
+        .compile("titan_torch_shims");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");

@@ -126,7 +126,7 @@ struct ConvertArgs {
     /// Convert floating point tensors to this dtype.
     #[arg(long)]
     dtype: Option<Dtype>,
-    /// Keep only model weights: drop optimizer, lr_scheduler, dataloader and train_state
+    /// Keep only model weights: drop optimizer, lr_scheduler, dataloader, train_state and rng_state
     /// entries and every non-tensor item.
     #[arg(long)]
     model_only: bool,
@@ -350,8 +350,14 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<u8> {
     Ok(0)
 }
 
-/// Top-level state entries torchtitan saves next to the model.
-const NON_MODEL_PREFIXES: [&str; 4] = ["optimizer", "lr_scheduler", "dataloader", "train_state"];
+/// Top-level state entries torchtitan (and titan-train: `rng_state`) save next to the model.
+const NON_MODEL_PREFIXES: [&str; 5] = [
+    "optimizer",
+    "lr_scheduler",
+    "dataloader",
+    "train_state",
+    "rng_state",
+];
 
 fn is_model_tensor(name: &str) -> bool {
     !NON_MODEL_PREFIXES

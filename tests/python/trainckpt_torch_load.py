@@ -35,7 +35,14 @@ for key, item in md.state_dict_metadata.items():
         sd[key] = None
 dcp.load(sd, checkpoint_id=ckpt_dir)
 
-tensor_keys = {k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+# The RNG state is torch.get_rng_state()'s format: torch's own generator takes it.
+rng = sd.pop("rng_state.cpu.rank_0")
+assert rng.dtype == torch.uint8 and rng.shape == (5056,), (rng.dtype, rng.shape)
+torch.set_rng_state(rng)
+tensor_keys = {
+    k for k, v in md.state_dict_metadata.items()
+    if isinstance(v, TensorStorageMetadata) and not k.startswith("rng_state.")
+}
 missing = tensor_keys - expected.keys()
 assert not missing, f"checkpoint tensors not expected: {sorted(missing)[:5]}"
 assert not (expected.keys() - tensor_keys), f"missing from the checkpoint: {sorted(expected.keys() - tensor_keys)[:5]}"

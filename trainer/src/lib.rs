@@ -24,4 +24,5 @@ pub mod metrics;
 pub mod model;
 pub mod optim;
 pub mod parallel;
+pub mod rng;
 pub mod train;

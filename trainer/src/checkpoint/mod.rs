@@ -199,6 +199,7 @@ impl Checkpointer {
             model_only: false,
             exclude: self.cfg.exclude_from_loading.clone(),
             dp_rank,
+            rank: self.world.rank as u64,
         };
         if let Some(step) = chosen {
             let dir = format!("{shown_root}/{}", layout::step_dir_name(step));
@@ -313,6 +314,7 @@ impl Checkpointer {
                     model_kind: model_only.then_some(self.export_kind),
                     owns_replicated: self.world.rank == 0,
                     dp_rank: self.world.dp_rank() as u64,
+                    rank: self.world.rank as u64,
                     dp_degree: self.world.dp_degree() as u64,
                 },
             )?

@@ -7,7 +7,8 @@
 //! - lr_scheduler: LambdaLR's `state_dict()` keys (`last_epoch`, `_step_count`, `base_lrs`, ...);
 //! - dataloader: `dataloader.dp_rank_<r>` (this rank's position, JSON bytes) and
 //!   `dataloader.world_size`;
-//! - train_state: `train_state.step` (int32) and `train_state.ntokens_seen` (int64), 0-dim.
+//! - train_state: `train_state.step` (int32) and `train_state.ntokens_seen` (int64), 0-dim;
+//! - rng_state: `rng_state.cpu.rank_<r>` (uint8, `torch.get_rng_state()`'s bytes) per rank.
 
 use anyhow::{Context, Result, bail};
 use tch::{Device, Kind};
@@ -25,6 +26,7 @@ pub const OPTIMIZER: &str = "optimizer";
 pub const LR_SCHEDULER: &str = "lr_scheduler";
 pub const DATALOADER: &str = "dataloader";
 pub const TRAIN_STATE: &str = "train_state";
+pub const RNG_STATE: &str = "rng_state";
 /// The name `checkpoint.exclude_from_loading` uses for all model weights.
 pub const MODEL: &str = "model";
 
@@ -107,6 +109,8 @@ pub struct StageOptions {
     pub model_kind: Option<Kind>,
     /// This rank writes the replicated state (model, optimizer, lr_scheduler, train_state).
     pub owns_replicated: bool,
+    /// Global rank (names this rank's RNG state).
+    pub rank: u64,
     pub dp_rank: u64,
     pub dp_degree: u64,
 }
@@ -153,6 +157,16 @@ pub fn stage(
             StagedValue::Object(Value::Int(opts.dp_degree as i64)),
         );
     }
+    let rng = crate::rng::cpu_state()?;
+    out.push(
+        Some(RNG_STATE),
+        format!("cpu.rank_{}", opts.rank),
+        StagedValue::Tensor(HostTensor {
+            dtype: titan_ckpt::Dtype::U8,
+            shape: vec![rng.len() as u64],
+            data: rng,
+        }),
+    );
     let loader =
         serde_json::to_vec(state.loader.state()).context("serializing the loader state")?;
     out.push(
@@ -303,6 +317,7 @@ pub struct LoadOptions {
     /// `train_state`, or any state key prefix.
     pub exclude: Vec<String>,
     pub dp_rank: u64,
+    pub rank: u64,
 }
 
 impl LoadOptions {
@@ -377,6 +392,12 @@ pub fn apply(
             format!("dataloader state `{key}` is not titan-train's loader state")
         })?;
         state.loader.load_state(loader)?;
+    }
+    // Checkpoints from torch/torchtitan have no RNG state: then the seed's stream goes on.
+    let rng_key = format!("{RNG_STATE}.cpu.rank_{}", opts.rank);
+    if !opts.excluded(&rng_key, RNG_STATE) && src.has(&rng_key) {
+        let t = src.tensor(&rng_key)?;
+        crate::rng::set_cpu_state(&t.data).with_context(|| format!("restoring `{rng_key}`"))?;
     }
     // lr_scheduler: the schedule is a pure function of train_state.step; its saved state is for
     // torch readers. Checked for consistency when present.
