@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# titan-obs benchmarks: summary on a synthetic 256 ranks x 1000 steps x 40 spans run (10.24 M
-# spans), against the same aggregation in pyarrow; plus the recording hot path (criterion)
-# against torchtitan-style JSON lines in Python.
+# titan-obs benchmarks: summary on a synthetic 256 ranks x 1000 steps x 40 spans run (10.3 M
+# spans), against the per-phase aggregation in pyarrow; the recording hot path (criterion)
+# against torchtitan-style JSON lines (Rust in the same criterion run, and Python); the TUI
+# frame render on 10 M spans (criterion).
 #
 #   bash bench/obs/run.sh [RUNS]      (RUNS of each timed command, default 5; medians reported)
 #
@@ -38,13 +39,21 @@ measure() {
   echo "$label: median ${mw} s over $RUNS runs (all: ${walls[*]}), peak RSS $((mr / 1024)) MB"
 }
 
+echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 measure "titan-obs summary" "$BIN" summary "$RUN" --quiet
 head -30 "$DIR/out.txt"
 measure "titan-obs summary --json" "$BIN" summary "$RUN" --quiet --json
 measure "pyarrow group_by (count/sum/mean/max/tdigest p50,p95 per phase)" $PY bench/obs/pyarrow_summary.py "$RUN"
 cat "$DIR/out.txt" | head -5
 
+# Criterion runs kept short (1 s warm-up, 3 s measurement per benchmark); medians printed.
+CRITERION_ARGS=(--noplot --warm-up-time 1 --measurement-time 3)
+echo "--- load: $(cut -d' ' -f1-3 /proc/loadavg) ---"
 echo "--- recording hot path (criterion) ---"
-cargo bench -p titan-obs --bench record -- --noplot 2>&1 | grep -E "^record/|time:" || true
+cargo bench -p titan-obs --bench record -- "${CRITERION_ARGS[@]}" 2>&1 | grep -E "^record/|time:" || true
 echo "--- torchtitan-style JSON line per record in Python ---"
 $PY bench/obs/python_jsonl.py
+echo "--- TUI frame render, 10 M spans, 200x60 (criterion) ---"
+cargo bench -p titan-obs-tui --bench frame -- "${CRITERION_ARGS[@]}" 2>&1 \
+  | grep -E "^built|^frame_|time:" || true
+echo "--- load: $(cut -d' ' -f1-3 /proc/loadavg) ---"
