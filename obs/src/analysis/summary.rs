@@ -129,16 +129,31 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         }
         r
     };
-    let rank_index: HashMap<u32, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    let rank_index = DenseIndex::new(ranks.iter().map(|&r| u64::from(r)).collect());
     let mut steps: Vec<u64> = spans
         .step
         .iter()
         .copied()
         .filter(|&s| s != NO_STEP)
         .collect();
+    // Spans of one step are mostly adjacent: dropping adjacent repeats first leaves ~1/40 of
+    // the values to sort.
+    steps.dedup();
     steps.sort_unstable();
     steps.dedup();
-    let step_index: HashMap<u64, usize> = steps.iter().enumerate().map(|(i, &s)| (s, i)).collect();
+    let step_index = DenseIndex::new(steps.clone());
+    // Each span's (step, rank) cell, looked up once here rather than hashed again per phase.
+    let cell_of: Vec<u32> = spans
+        .step
+        .iter()
+        .zip(&spans.rank)
+        .map(
+            |(&s, &r)| match (step_index.get(s), rank_index.get(u64::from(r))) {
+                (Some(si), Some(ri)) => cell_id(si * ranks.len() + ri),
+                _ => NO_CELL,
+            },
+        )
+        .collect();
 
     // Step time per (step, rank): top-level spans inside steps.
     let n_ranks = ranks.len();
@@ -146,9 +161,8 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let mut wall = vec![0i64; n_steps * n_ranks];
     let step_name = run.name_id("step");
     let mut step_total = 0i64;
-    for i in 0..n {
-        let s = spans.step[i];
-        if s == NO_STEP {
+    for (i, &cell) in cell_of.iter().enumerate() {
+        if cell == NO_CELL {
             continue;
         }
         let top = if has_depth {
@@ -157,7 +171,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
             Some(spans.name[i]) == step_name
         };
         if top {
-            wall[step_index[&s] * n_ranks + rank_index[&spans.rank[i]]] += spans.dur_ns[i];
+            wall[cell as usize] += spans.dur_ns[i];
         }
         if Some(spans.name[i]) == step_name {
             step_total += spans.dur_ns[i];
@@ -176,8 +190,8 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
                 run,
                 id as NameId,
                 idx,
-                &rank_index,
-                &step_index,
+                &cell_of,
+                n_steps,
                 &ranks,
                 step_total,
                 opts,
@@ -243,7 +257,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         .iter()
         .filter(|(_, t)| **t != 0)
         .filter_map(|(&step, &mask)| {
-            let si = *step_index.get(&step)?;
+            let si = step_index.get(step)?;
             let w = wall_of(si);
             let phase_ns = ranks
                 .iter()
@@ -289,8 +303,8 @@ fn phase(
     run: &Run,
     id: NameId,
     idx: &[u32],
-    rank_index: &HashMap<u32, usize>,
-    step_index: &HashMap<u64, usize>,
+    cell_of: &[u32],
+    n_steps: usize,
     ranks: &[u32],
     step_total: i64,
     opts: &StragglerOptions,
@@ -332,14 +346,13 @@ fn phase(
     }
     let n_ranks = ranks.len();
     // Time per (step, rank) in this phase; -1 = the rank did not run it in that step.
-    let mut cell = vec![-1i64; step_index.len() * n_ranks];
+    let mut cell = vec![-1i64; n_steps * n_ranks];
     for &i in idx {
         let i = i as usize;
-        let s = spans.step[i];
-        if s == NO_STEP {
+        if cell_of[i] == NO_CELL {
             continue;
         }
-        let c = &mut cell[step_index[&s] * n_ranks + rank_index[&spans.rank[i]]];
+        let c = &mut cell[cell_of[i] as usize];
         *c = if *c < 0 {
             spans.dur_ns[i]
         } else {
@@ -359,6 +372,55 @@ fn phase(
         })
         .collect();
     (stats, stragglers)
+}
+
+/// Cell id of spans outside steps (or of a rank without footer info).
+const NO_CELL: u32 = u32::MAX;
+
+/// A (step, rank) cell id. The steps x ranks matrices hold an i64 per cell, so a run with
+/// 2^32 cells (32 GB per matrix) cannot be summarised here anyway.
+fn cell_id(cell: usize) -> u32 {
+    u32::try_from(cell)
+        .ok()
+        .filter(|&c| c != NO_CELL)
+        .expect("fewer than 2^32 (step, rank) cells")
+}
+
+/// Position of a key in a sorted, deduplicated key list: a direct table when the keys are
+/// dense (steps and ranks usually are), a binary search otherwise. Replaces a hash lookup
+/// per span.
+struct DenseIndex {
+    keys: Vec<u64>,
+    /// `table[key - keys[0]]` = position + 1 (0 = absent), when the key range is small.
+    table: Option<Vec<u32>>,
+}
+
+impl DenseIndex {
+    fn new(keys: Vec<u64>) -> Self {
+        let table = match (keys.first(), keys.last()) {
+            (Some(&lo), Some(&hi)) if hi - lo < (4 * keys.len() as u64).max(1 << 16) => {
+                let mut t = vec![0u32; (hi - lo + 1) as usize];
+                for (pos, &k) in keys.iter().enumerate() {
+                    t[(k - lo) as usize] = pos as u32 + 1;
+                }
+                Some(t)
+            }
+            _ => None,
+        };
+        DenseIndex { keys, table }
+    }
+
+    #[inline]
+    fn get(&self, key: u64) -> Option<usize> {
+        let lo = *self.keys.first()?;
+        match &self.table {
+            Some(t) => {
+                let pos = *t.get(usize::try_from(key.checked_sub(lo)?).ok()?)?;
+                (pos != 0).then(|| pos as usize - 1)
+            }
+            None => self.keys.binary_search(&key).ok(),
+        }
+    }
 }
 
 /// Straggler found in a steps x ranks matrix (by rank index).
