@@ -189,6 +189,27 @@ fn consolidate_from_and_to_s3() {
         .arg(&reference)
         .arg("s3://ckpt/ckpt/out"));
 
+    // DCP native to S3 (staged locally, `.metadata` uploaded last), read back from S3.
+    ok(moto.ckpt().args([
+        "convert",
+        "s3://ckpt/ckpt/in",
+        "s3://ckpt/ckpt/dcp",
+        "--to",
+        "dcp",
+        "--quiet",
+    ]));
+    let listed = moto.s3(&["ls", "ckpt/dcp"]);
+    assert!(
+        listed.contains(".metadata") && listed.contains("__0_0.distcp"),
+        "{listed}"
+    );
+    ok(moto.ckpt().args(["verify", "s3://ckpt/ckpt/dcp"]));
+    ok(moto
+        .ckpt()
+        .arg("diff")
+        .arg(&reference)
+        .arg("s3://ckpt/ckpt/dcp"));
+
     // Bad input on S3: a truncated shard fails with the URL named and leaves no object behind.
     let bad = tmp.path().join("bad");
     fixture(&bad);
