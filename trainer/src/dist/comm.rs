@@ -53,6 +53,10 @@ pub enum CommError {
     BadArgument { op: &'static str, message: String },
     #[error("{own}\n  first failure reported in the job: {first}")]
     AfterPeerFailure { own: Box<CommError>, first: String },
+    #[error(
+        "{own}\n  that rank was itself waiting: the chain of waits ends at rank {end} (hung or dead?)"
+    )]
+    WaitChain { own: Box<CommError>, end: usize },
 }
 
 impl CommError {
@@ -63,6 +67,7 @@ impl CommError {
             | CommError::PeerTimeout { peer, .. }
             | CommError::PeerIo { peer, .. } => Some(*peer),
             CommError::AfterPeerFailure { own, .. } => own.peer(),
+            CommError::WaitChain { end, .. } => Some(*end),
             _ => None,
         }
     }

@@ -46,6 +46,7 @@ impl CpuGroup {
     /// that first failure to the error (the root cause is usually there, not here).
     fn report(&self, err: CommError) -> CommError {
         let Some(store) = &self.store else { return err };
+        let err = follow_waits(store, err);
         let own = err.to_string();
         match store.compare_set(FAILURE_KEY, b"", own.as_bytes()) {
             Ok(first) if first != own.as_bytes() => CommError::AfterPeerFailure {
@@ -187,5 +188,42 @@ impl Collectives for CpuGroup {
     fn barrier(&mut self) -> Result<(), CommError> {
         let t = Tensor::from_slice(&[self.global_rank() as i32]).to_kind(Kind::Int);
         self.all_reduce(&t, ReduceOp::Sum)
+    }
+}
+
+/// A timeout names the peer this rank waited for, but in a ring that peer may itself be waiting
+/// for the hung rank. Each timed-out rank records whom it waited for; after a short pause (the
+/// others time out at about the same moment) the chain of waits is followed to the rank at its
+/// end, which is named too.
+fn follow_waits(store: &TcpStore, err: CommError) -> CommError {
+    let CommError::PeerTimeout { rank, peer, .. } = err else {
+        return err;
+    };
+    let key = |r: usize| format!("{FAILURE_KEY}/waits/{r}");
+    if store.set(&key(rank), peer.to_string().as_bytes()).is_err() {
+        return err;
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let mut end = peer;
+    for _ in 0..64 {
+        let next = match store.check(&[&key(end)]) {
+            Ok(true) => store
+                .get(&key(end))
+                .ok()
+                .and_then(|v| String::from_utf8_lossy(&v).parse::<usize>().ok()),
+            _ => None,
+        };
+        match next {
+            Some(n) if n != rank && n != end => end = n,
+            _ => break,
+        }
+    }
+    if end == peer {
+        err
+    } else {
+        CommError::WaitChain {
+            own: Box::new(err),
+            end,
+        }
     }
 }
