@@ -68,19 +68,17 @@ pub struct MotoServer {
     child: std::process::Child,
     /// `http://127.0.0.1:PORT`, for `AWS_ENDPOINT`.
     pub endpoint: String,
+    /// The bucket [`MotoServer::s3`] works on (created by [`MotoServer::start`]).
+    pub bucket: String,
 }
 
 impl MotoServer {
-    /// Starts the server and waits (up to 60 s) until it accepts connections.
-    pub fn start() -> MotoServer {
-        use std::net::{TcpListener, TcpStream};
+    /// Starts the server, waits (up to 60 s) until it accepts connections, and creates `bucket`.
+    pub fn start(bucket: &str) -> MotoServer {
+        use std::net::TcpStream;
         use std::process::Stdio;
         use std::time::{Duration, Instant};
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let child = Command::new(workspace_root().join(".venv/bin/moto_server"))
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
@@ -90,6 +88,7 @@ impl MotoServer {
         let server = MotoServer {
             child,
             endpoint: format!("http://127.0.0.1:{port}"),
+            bucket: bucket.to_string(),
         };
         let start = Instant::now();
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -99,7 +98,33 @@ impl MotoServer {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
+        server.s3(&["mkbucket"]);
         server
+    }
+
+    /// Runs `tests/python/ckpt_s3.py ENDPOINT BUCKET args...` (mkbucket, put, get, ls); its stdout.
+    pub fn s3(&self, args: &[&str]) -> String {
+        let o = python_script("tests/python/ckpt_s3.py")
+            .arg(&self.endpoint)
+            .arg(&self.bucket)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "ckpt_s3.py {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// Points `cmd`'s object_store client at this server (dummy credentials, plain HTTP).
+    pub fn aws_env<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        cmd.env("AWS_ENDPOINT", &self.endpoint)
+            .env("AWS_ALLOW_HTTP", "true")
+            .env("AWS_ACCESS_KEY_ID", "test")
+            .env("AWS_SECRET_ACCESS_KEY", "test")
+            .env("AWS_REGION", "us-east-1")
     }
 }
 

@@ -6,48 +6,14 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use serde_json::json;
-use titan_tests::{MotoServer, bin, python_script};
+use titan_tests::{MotoServer, bin};
 
-/// The shared moto server, with this file's helpers.
-struct Moto(MotoServer);
-
-impl std::ops::Deref for Moto {
-    type Target = MotoServer;
-    fn deref(&self) -> &MotoServer {
-        &self.0
-    }
-}
-
-impl Moto {
-    fn start() -> Moto {
-        Moto(MotoServer::start())
-    }
-
-    fn s3(&self, args: &[&str]) -> String {
-        let o = python_script("tests/python/ckpt_s3.py")
-            .arg(&self.endpoint)
-            .arg("ckpt")
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "ckpt_s3.py {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    fn ckpt(&self) -> Command {
-        let mut c = Command::new(bin("titan-ckpt"));
-        c.arg("--quiet")
-            .env("AWS_ENDPOINT", &self.endpoint)
-            .env("AWS_ALLOW_HTTP", "true")
-            .env("AWS_ACCESS_KEY_ID", "test")
-            .env("AWS_SECRET_ACCESS_KEY", "test")
-            .env("AWS_REGION", "us-east-1");
-        c
-    }
+/// titan-ckpt (no progress bars) talking to `moto`.
+fn ckpt(moto: &MotoServer) -> Command {
+    let mut c = Command::new(bin("titan-ckpt"));
+    c.arg("--quiet");
+    moto.aws_env(&mut c);
+    c
 }
 
 fn ok(cmd: &mut Command) -> Output {
@@ -138,8 +104,7 @@ fn files_equal(a: &Path, b: &Path) {
 
 #[test]
 fn consolidate_from_and_to_s3() {
-    let moto = Moto::start();
-    moto.s3(&["mkbucket"]);
+    let moto = MotoServer::start("ckpt");
     let tmp = tempfile::tempdir().unwrap();
     let local_in = tmp.path().join("in");
     fixture(&local_in);
@@ -147,21 +112,20 @@ fn consolidate_from_and_to_s3() {
 
     // Reference: local to local.
     let reference = tmp.path().join("ref");
-    ok(moto
-        .ckpt()
+    ok(ckpt(&moto)
         .arg("consolidate")
         .arg(&local_in)
         .arg(&reference)
         .args(["--max-shard-size", "20MB"]));
 
     // inspect and verify read headers with ranged GETs.
-    let o = ok(moto.ckpt().args(["inspect", "s3://ckpt/ckpt/in", "--json"]));
+    let o = ok(ckpt(&moto).args(["inspect", "s3://ckpt/ckpt/in", "--json"]));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["format"], "dcp-hf");
     assert_eq!(v["parameter_count"], 2048 * 4096 + 64 * 100 + 5);
 
     // S3 -> S3: the 32 MiB file goes up as a multipart upload; index written last by rank 0.
-    ok(moto.ckpt().args([
+    ok(ckpt(&moto).args([
         "consolidate",
         "s3://ckpt/ckpt/in",
         "s3://ckpt/ckpt/out",
@@ -173,24 +137,22 @@ fn consolidate_from_and_to_s3() {
     let got = tmp.path().join("got");
     moto.s3(&["get", "ckpt/out", got.to_str().unwrap()]);
     files_equal(&reference, &got);
-    ok(moto.ckpt().args(["verify", "s3://ckpt/ckpt/out"]));
+    ok(ckpt(&moto).args(["verify", "s3://ckpt/ckpt/out"]));
 
     // S3 -> local and local -> S3 agree too.
     let from_s3 = tmp.path().join("from_s3");
-    ok(moto
-        .ckpt()
+    ok(ckpt(&moto)
         .args(["consolidate", "s3://ckpt/ckpt/in"])
         .arg(&from_s3)
         .args(["--max-shard-size", "20MB"]));
     files_equal(&reference, &from_s3);
-    ok(moto
-        .ckpt()
+    ok(ckpt(&moto)
         .arg("diff")
         .arg(&reference)
         .arg("s3://ckpt/ckpt/out"));
 
     // DCP native to S3 (staged locally, `.metadata` uploaded last), read back from S3.
-    ok(moto.ckpt().args([
+    ok(ckpt(&moto).args([
         "convert",
         "s3://ckpt/ckpt/in",
         "s3://ckpt/ckpt/dcp",
@@ -203,9 +165,8 @@ fn consolidate_from_and_to_s3() {
         listed.contains(".metadata") && listed.contains("__0_0.distcp"),
         "{listed}"
     );
-    ok(moto.ckpt().args(["verify", "s3://ckpt/ckpt/dcp"]));
-    ok(moto
-        .ckpt()
+    ok(ckpt(&moto).args(["verify", "s3://ckpt/ckpt/dcp"]));
+    ok(ckpt(&moto)
         .arg("diff")
         .arg(&reference)
         .arg("s3://ckpt/ckpt/dcp"));
@@ -217,8 +178,7 @@ fn consolidate_from_and_to_s3() {
     let b = std::fs::read(&p).unwrap();
     std::fs::write(&p, &b[..b.len() - 100]).unwrap();
     moto.s3(&["put", bad.to_str().unwrap(), "ckpt/bad"]);
-    let o = moto
-        .ckpt()
+    let o = ckpt(&moto)
         .args([
             "consolidate",
             "s3://ckpt/ckpt/bad",

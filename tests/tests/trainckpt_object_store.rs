@@ -5,38 +5,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use titan_tests::{MotoServer, bin, python_script, workspace_root};
-
-/// The shared moto server, with this file's helpers.
-struct Moto(MotoServer);
-
-impl std::ops::Deref for Moto {
-    type Target = MotoServer;
-    fn deref(&self) -> &MotoServer {
-        &self.0
-    }
-}
-
-impl Moto {
-    fn start() -> Moto {
-        Moto(MotoServer::start())
-    }
-
-    fn s3(&self, args: &[&str]) -> String {
-        let o = python_script("tests/python/ckpt_s3.py")
-            .arg(&self.endpoint)
-            .arg("trainckpt")
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "ckpt_s3.py {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-}
+use titan_tests::{MotoServer, bin, workspace_root};
 
 const BASE: &[&str] = &[
     "--training.seq_len",
@@ -54,18 +23,14 @@ const BASE: &[&str] = &[
     "0",
 ];
 
-fn titan_train(dump: &Path, moto: Option<&Moto>, extra: &[&str]) -> Output {
+fn titan_train(dump: &Path, moto: Option<&MotoServer>, extra: &[&str]) -> Output {
     let mut c = Command::new(bin("titan-train"));
     c.current_dir(workspace_root())
         .args(BASE)
         .args(["--job.dump_folder", dump.to_str().unwrap()])
         .args(extra);
     if let Some(m) = moto {
-        c.env("AWS_ENDPOINT", &m.endpoint)
-            .env("AWS_ALLOW_HTTP", "true")
-            .env("AWS_ACCESS_KEY_ID", "test")
-            .env("AWS_SECRET_ACCESS_KEY", "test")
-            .env("AWS_REGION", "us-east-1");
+        m.aws_env(&mut c);
     }
     let o = c.output().unwrap();
     assert!(
@@ -93,8 +58,7 @@ fn saves_to_s3_purge_there_and_resume_from_there() {
     titan_train(straight.path(), None, &["--training.steps", "9"]);
     let reference = losses(straight.path());
 
-    let moto = Moto::start();
-    moto.s3(&["mkbucket"]);
+    let moto = MotoServer::start("trainckpt");
     let dump = tempfile::tempdir().unwrap();
     let ckpt = [
         "--checkpoint.enable",
