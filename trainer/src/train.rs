@@ -512,7 +512,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 optimizer: &mut optimizer,
                 loader: &mut train_loader,
                 schedule: &schedule,
-                optimizer_shards: if cfg.checkpoint.enable {
+                optimizer_shards: if checkpointer.saves_at(step, cfg.training.steps) {
                     dp.optimizer_shards(&params)
                 } else {
                     None

@@ -442,6 +442,7 @@ pub fn merge_rank_parts(dir: &Path, parts: Vec<Metadata>) -> Result<Metadata> {
     let mut items: Vec<(String, ItemMetadata)> = Vec::new();
     let mut by_fqn: BTreeMap<String, usize> = BTreeMap::new();
     let mut planner: Vec<(String, Vec<PathPart>)> = Vec::new();
+    let mut planned = std::collections::BTreeSet::new();
     let mut storage_data = Vec::new();
     let mut storage_meta = None;
     for (rank, part) in parts.into_iter().enumerate() {
@@ -480,7 +481,7 @@ pub fn merge_rank_parts(dir: &Path, parts: Vec<Metadata>) -> Result<Metadata> {
         }
         if let PlannerData::Flatten(paths) = part.planner_data {
             for (fqn, path) in paths {
-                if !planner.iter().any(|(f, _)| *f == fqn) {
+                if planned.insert(fqn.clone()) {
                     planner.push((fqn, path));
                 }
             }

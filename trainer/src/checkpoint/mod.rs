@@ -242,6 +242,15 @@ impl Checkpointer {
         Ok(self.counters.step)
     }
 
+    /// Whether [`Checkpointer::after_step`] saves at `step` (so callers build only then what
+    /// only a save needs).
+    pub fn saves_at(&self, step: u64, total_steps: u64) -> bool {
+        self.cfg.enable
+            && (step == total_steps
+                || step.is_multiple_of(self.cfg.interval)
+                || (step == 1 && self.cfg.enable_first_step_checkpoint))
+    }
+
     /// Called after every optimizer step with the tokens that step consumed on all ranks.
     pub fn after_step(
         &mut self,
@@ -254,15 +263,10 @@ impl Checkpointer {
             step,
             ntokens_seen: self.counters.ntokens_seen + step_tokens,
         };
-        if !self.cfg.enable {
+        if !self.saves_at(step, total_steps) {
             return Ok(());
         }
         let last = step == total_steps;
-        let due = step.is_multiple_of(self.cfg.interval)
-            || (step == 1 && self.cfg.enable_first_step_checkpoint);
-        if !(last || due) {
-            return Ok(());
-        }
         titan_obs::add_step_tag("checkpoint");
         if last && self.cfg.last_save_in_hf {
             self.wait_pending()?;
