@@ -11,6 +11,13 @@ PY=${PYTHON:-python3}
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
+# Fail early with a readable message instead of pip's "No space left on device" half-way through.
+need_gb=${TITAN_SETUP_NEED_GB:-12}
+free_kb=$(df -Pk "$root" | awk 'NR==2 {print $4}')
+if [ ! -x .venv/bin/python ] && [ -n "$free_kb" ] && [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+  log "warning: only $((free_kb / 1024 / 1024)) GB free under $root; torch (~5 GB) and the build (~6 GB) need about ${need_gb} GB"
+fi
+
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PY --version 2>&1)"
   "$PY" -m venv .venv
@@ -21,7 +28,8 @@ have_torch=$("$VPY" -c "import torch,sys; sys.stdout.write(torch.__version__)" 2
 if [ "${have_torch%%+*}" != "$TORCH_VERSION" ]; then
   log "installing torch==$TORCH_VERSION (about 4.5 GB with its NVIDIA runtime wheels; a few minutes)"
   "$VPY" -m pip install --quiet --disable-pip-version-check --upgrade pip
-  "$VPY" -m pip install --quiet --disable-pip-version-check "torch==$TORCH_VERSION"
+  # --no-cache-dir: the wheels are ~4.5 GB; a second copy in pip's cache can fill a small CI disk.
+  "$VPY" -m pip install --quiet --disable-pip-version-check --no-cache-dir "torch==$TORCH_VERSION"
 else
   log "torch $have_torch already installed"
 fi
@@ -30,7 +38,7 @@ stamp=.venv/.requirements-dev.sha
 want=$(sha256sum requirements-dev.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing requirements-dev.txt"
-  "$VPY" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+  "$VPY" -m pip install --quiet --disable-pip-version-check --no-cache-dir -r requirements-dev.txt
   echo "$want" > "$stamp"
 else
   log "requirements-dev.txt already installed"

@@ -6,6 +6,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
 export TITAN_PYTHON="$root/.venv/bin/python"
+# A one-shot build gains nothing from incremental caches (they were ~8 GB of target/debug).
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # --tests too: one feature resolution for bins and tests, so `cargo test` reuses this build.
 cargo build --workspace --bins --tests --locked
 # The NCCL backend (cudarc, dynamic loading) must compile even though CI has no GPU.
