@@ -12,10 +12,10 @@ PY=${PYTHON:-python3}
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # Fail early with a readable message instead of pip's "No space left on device" half-way through.
-need_gb=${TITAN_SETUP_NEED_GB:-12}
+need_gb=${TITAN_SETUP_NEED_GB:-10}
 free_kb=$(df -Pk "$root" | awk 'NR==2 {print $4}')
 if [ ! -x .venv/bin/python ] && [ -n "$free_kb" ] && [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
-  log "warning: only $((free_kb / 1024 / 1024)) GB free under $root; torch (~5 GB) and the build (~6 GB) need about ${need_gb} GB"
+  log "warning: only $((free_kb / 1024 / 1024)) GB free under $root; torch (~5.3 GB) and the debug build (~2 GB) need about ${need_gb} GB"
 fi
 
 if [ ! -x .venv/bin/python ]; then

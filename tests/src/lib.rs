@@ -4,7 +4,7 @@
 //! does) and the Python from `.venv` that `scripts/setup.sh` creates.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
 /// The workspace root (the folder holding the top-level Cargo.toml).
 pub fn workspace_root() -> PathBuf {
@@ -31,6 +31,63 @@ pub fn bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// `titan-train` started from the workspace root, without the launch variables (RANK,
+/// WORLD_SIZE, MASTER_*, SLURM_*, ...) of whoever runs the tests, so it trains as one process unless a test says
+/// otherwise.
+pub fn titan_train() -> Command {
+    let mut c = Command::new(bin("titan-train"));
+    c.current_dir(workspace_root());
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        let launch = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"];
+        if launch.contains(&k.as_ref())
+            || k.starts_with("MASTER_")
+            || k.starts_with("SLURM_")
+            || k.starts_with("TORCHELASTIC_")
+        {
+            c.env_remove(k.as_ref());
+        }
+    }
+    c
+}
+
+/// titan-train flags for a small, fast, deterministic run that logs every step.
+/// `decay_ratio 0` makes the lr schedule independent of `training.steps`, so a 10-step run is
+/// exactly the first half of a 20-step run.
+pub const SMALL_DETERMINISTIC_RUN: &[&str] = &[
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--validation.enable=false",
+    "--metrics.log_freq",
+    "1",
+    "--observability.enable=false",
+    "--debug.seed",
+    "42",
+    "--debug.deterministic",
+    "--lr_scheduler.decay_ratio",
+    "0",
+];
+
+/// stdout and stderr of a finished command, for assertion messages.
+pub fn output_text(o: &Output) -> String {
+    format!(
+        "stdout:\n{}\nstderr:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs `cmd` to the end; panics with the command and its output unless it exits 0.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let o = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    assert!(o.status.success(), "{cmd:?} failed:\n{}", output_text(&o));
+    o
 }
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (for servers a test starts).

@@ -4,25 +4,14 @@
 //! must load in safetensors and transformers.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
-use titan_tests::{bin, python_script};
+use titan_tests::{bin, python_script, run_ok};
 
 fn ckpt() -> Command {
     let mut c = Command::new(bin("titan-ckpt"));
     c.arg("--quiet");
     c
-}
-
-fn run_ok(cmd: &mut Command) -> Output {
-    let out = cmd.output().expect("spawn");
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
 }
 
 fn write_dcp_hf(dir: &Path, world: u32, extra: &[&str]) {

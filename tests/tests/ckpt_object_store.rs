@@ -3,10 +3,10 @@
 //! read with ranged GETs, outputs written with multipart uploads that complete only at the end.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use serde_json::json;
-use titan_tests::{MotoServer, bin};
+use titan_tests::{MotoServer, bin, run_ok as ok};
 
 /// titan-ckpt (no progress bars) talking to `moto`.
 fn ckpt(moto: &MotoServer) -> Command {
@@ -14,16 +14,6 @@ fn ckpt(moto: &MotoServer) -> Command {
     c.arg("--quiet");
     moto.aws_env(&mut c);
     c
-}
-
-fn ok(cmd: &mut Command) -> Output {
-    let o = cmd.output().unwrap();
-    assert!(
-        o.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
 }
 
 /// One tensor of a fixture shard: (name, dtype, local shape, global offsets, element size).

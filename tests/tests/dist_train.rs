@@ -9,10 +9,10 @@
 //! documents r, r+W, ... — the global batch of a step is the same set of windows at any W.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use titan_tests::{bin, workspace_root};
+use titan_tests::{bin, output_text as text, run_ok};
 
 const SEQ_LEN: usize = 32;
 const STEPS: usize = 10;
@@ -112,33 +112,9 @@ impl Fixture {
 }
 
 fn titan_train(args: &[String]) -> Command {
-    let mut c = Command::new(bin("titan-train"));
-    c.current_dir(workspace_root()).args(args);
-    // The ranks must not inherit a launch environment from whoever runs the tests.
-    for k in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-    ] {
-        c.env_remove(k);
-    }
+    let mut c = titan_tests::titan_train();
+    c.args(args);
     c
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn run_ok(c: &mut Command) -> Output {
-    let o = c.output().expect("start titan-train");
-    assert!(o.status.success(), "{c:?} failed:\n{}", text(&o));
-    o
 }
 
 fn assert_same_curve(want: &[f64], got: &[f64], what: &str) {
@@ -382,11 +358,7 @@ fn multi_rank_hf_export_matches_the_dcp_checkpoint() {
     assert!(!hf.join("sharded").exists());
 
     let converted = f.root.join("converted");
-    let ckpt = |args: &[&std::ffi::OsStr]| {
-        let o = Command::new(bin("titan-ckpt")).args(args).output().unwrap();
-        assert!(o.status.success(), "titan-ckpt {args:?}:\n{}", text(&o));
-        o
-    };
+    let ckpt = |args: &[&std::ffi::OsStr]| run_ok(Command::new(bin("titan-ckpt")).args(args));
     ckpt(&[
         "convert".as_ref(),
         "--to".as_ref(),

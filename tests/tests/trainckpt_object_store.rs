@@ -3,43 +3,19 @@
 //! resumes from the store with the straight run's exact losses.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use titan_tests::{MotoServer, bin, workspace_root};
-
-const BASE: &[&str] = &[
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--validation.enable=false",
-    "--metrics.log_freq",
-    "1",
-    "--observability.enable=false",
-    "--debug.seed",
-    "42",
-    "--debug.deterministic",
-    "--lr_scheduler.decay_ratio",
-    "0",
-];
+use titan_tests::{MotoServer, SMALL_DETERMINISTIC_RUN, run_ok};
 
 fn titan_train(dump: &Path, moto: Option<&MotoServer>, extra: &[&str]) -> Output {
-    let mut c = Command::new(bin("titan-train"));
-    c.current_dir(workspace_root())
-        .args(BASE)
+    let mut c = titan_tests::titan_train();
+    c.args(SMALL_DETERMINISTIC_RUN)
         .args(["--job.dump_folder", dump.to_str().unwrap()])
         .args(extra);
     if let Some(m) = moto {
         m.aws_env(&mut c);
     }
-    let o = c.output().unwrap();
-    assert!(
-        o.status.success(),
-        "titan-train failed:\nstdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
+    run_ok(&mut c)
 }
 
 fn losses(dump: &Path) -> Vec<serde_json::Value> {

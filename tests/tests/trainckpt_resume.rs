@@ -5,49 +5,23 @@
 //! - `keep_latest_k` purges old checkpoints; `load_step` picks one; bad keys are named.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use titan_tests::{bin, workspace_root};
-
-/// Small and deterministic; `decay_ratio 0` makes the lr schedule independent of
-/// `training.steps`, so a 10-step run is exactly the first half of a 20-step run.
-const BASE: &[&str] = &[
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--validation.enable=false",
-    "--metrics.log_freq",
-    "1",
-    "--observability.enable=false",
-    "--debug.seed",
-    "42",
-    "--debug.deterministic",
-    "--lr_scheduler.decay_ratio",
-    "0",
-];
+use titan_tests::{SMALL_DETERMINISTIC_RUN, output_text as text};
 
 fn titan_train(dump: &Path, extra: &[&str]) -> Output {
-    let mut cmd = Command::new(bin("titan-train"));
-    cmd.current_dir(workspace_root())
-        .args(BASE)
+    titan_tests::titan_train()
+        .args(SMALL_DETERMINISTIC_RUN)
         .args(["--job.dump_folder", dump.to_str().unwrap()])
-        .args(extra);
-    cmd.output().expect("run titan-train")
+        .args(extra)
+        .output()
+        .expect("run titan-train")
 }
 
 fn ok(o: Output) -> Output {
     assert!(o.status.success(), "titan-train failed:\n{}", text(&o));
     o
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// (step, loss, grad_norm) of the `train` lines of metrics.jsonl, as written (shortest
@@ -174,9 +148,8 @@ fn kill_during_a_save_resumes_from_the_previous_checkpoint() {
     assert_eq!(complete_steps(dump.path()), vec![5, 10]);
 
     // The save of step 15 pauses after writing its data files; kill -9 it right there.
-    let mut child = Command::new(bin("titan-train"))
-        .current_dir(workspace_root())
-        .args(BASE)
+    let mut child = titan_tests::titan_train()
+        .args(SMALL_DETERMINISTIC_RUN)
         .args([
             "--job.dump_folder",
             dump.path().to_str().unwrap(),

@@ -2,24 +2,15 @@
 //! with a fixed seed), and learning (the default data's loss falls far) on the real binary.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-use titan_tests::{bin, workspace_root};
+use titan_tests::output_text as text;
 
 fn titan_train(args: &[&str]) -> Output {
-    Command::new(bin("titan-train"))
-        .current_dir(workspace_root())
+    titan_tests::titan_train()
         .args(args)
         .output()
         .expect("run titan-train")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "stdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// The `field` values of `metrics.jsonl` lines of `kind`, as written (shortest round-trip

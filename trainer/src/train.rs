@@ -138,14 +138,27 @@ impl MetricsFile {
 /// Returns freed heap memory to the OS: the Rust counterpart of torchtitan's periodic `gc`.
 fn release_free_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        unsafe extern "C" {
-            fn malloc_trim(pad: usize) -> i32;
-        }
-        // SAFETY: glibc's malloc_trim only releases free heap pages; it takes no pointers.
-        unsafe {
-            malloc_trim(0);
-        }
+    // SAFETY: glibc's malloc_trim only releases free heap pages; it takes no pointers.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Keeps freed CPU tensor memory in the heap for the next step instead of handing it back to
+/// the OS at every free.
+///
+/// Every step allocates and frees the same activation and gradient buffers. With glibc's
+/// defaults, blocks over the (dynamic) mmap threshold are fresh mmaps and the heap top is
+/// trimmed as soon as it is free, so each step page-faults its whole working set in again:
+/// measured on the debug model (batch 8 x 256, 25 steps), 1.75M page faults against plain
+/// PyTorch's 0.54M. The freed memory is still returned every `training.gc_freq` steps.
+fn keep_freed_tensor_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator thresholds; glibc accepts these values (the mmap
+    // threshold's maximum is 32 MiB on 64-bit).
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
     }
 }
 
@@ -223,6 +236,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
     let world = *dp.world();
     let device = select_device(&cfg.training, world.local_rank)
         .map_err(|e| config_error("training.device", e))?;
+    keep_freed_tensor_memory();
     let seed = set_determinism(&cfg.debug, device);
     let dump_folder = PathBuf::from(&cfg.job.dump_folder);
     std::fs::create_dir_all(&dump_folder)

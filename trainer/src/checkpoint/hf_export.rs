@@ -94,18 +94,15 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: World) -> Result<
         .iter()
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
-    let hf_named = tch::no_grad(|| hf::to_hf(&titan, &model.args))?;
-    let mut staged: Vec<(String, HostTensor)> = hf_named
+    let mut hf_named = tch::no_grad(|| hf::to_hf(&titan, &model.args))?;
+    hf_named.sort_by(|a, b| a.0.cmp(&b.0));
+    // Only this rank's share is copied to host memory and cast.
+    let staged: Vec<(String, HostTensor)> = hf_named
         .iter()
-        .map(|(n, t)| Ok((n.clone(), HostTensor::from_tensor(t, Some(kind))?)))
-        .collect::<Result<_>>()?;
-    staged.sort_by(|a, b| a.0.cmp(&b.0));
-    let staged: Vec<(String, HostTensor)> = staged
-        .into_iter()
         .enumerate()
         .filter(|(i, _)| i % world.world_size == world.rank)
-        .map(|(_, named)| named)
-        .collect();
+        .map(|(_, (n, t))| Ok((n.clone(), HostTensor::from_tensor(t, Some(kind))?)))
+        .collect::<Result<_>>()?;
     if staged.is_empty() {
         return Ok(());
     }
