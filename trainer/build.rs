@@ -3,13 +3,15 @@
 //! CUDA would silently be unavailable on GPU machines).
 //!
 //! Also compiles `cpp/tcpstore_shim.cpp`: libtorch's c10d TCPStore (the rendezvous store torchrun
-//! and torch.distributed speak) behind a C ABI, against the headers of the same libtorch.
+//! and torch.distributed speak) behind a C ABI, against the headers of the same libtorch; and the
+//! small `rng_shim.cpp` (CPU generator state) and `grad_shim.cpp` (set a grad to None).
 use std::path::Path;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     println!("cargo:rerun-if-changed=cpp/tcpstore_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/rng_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/grad_shim.cpp");
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };
@@ -33,6 +35,7 @@ fn build_torch_shims(lib: &Path) {
         .cpp(true)
         .file("cpp/tcpstore_shim.cpp")
         .file("cpp/rng_shim.cpp")
+        .file("cpp/grad_shim.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -1,5 +1,6 @@
 //! Hugging Face Llama checkpoints <-> torchtitan names, with the q/k row permutation between
-//! HF's rotate-half RoPE and torchtitan's interleaved (complex) RoPE.
+//! HF's rotate-half RoPE and torchtitan's interleaved (complex) RoPE, on tch tensors (the name
+//! table is titan-ckpt's, shared with `titan-ckpt convert`).
 
 use anyhow::{Result, bail};
 use tch::Tensor;
@@ -7,56 +8,10 @@ use tch::Tensor;
 use crate::model::ModelArgs;
 
 /// The torchtitan fqn of an HF Llama tensor name, or `None` for names with no counterpart
-/// (such as `model.layers.0.self_attn.rotary_emb.inv_freq`).
-pub fn titan_name(hf: &str) -> Option<String> {
-    match hf {
-        "model.embed_tokens.weight" => return Some("tok_embeddings.weight".into()),
-        "model.norm.weight" => return Some("norm.weight".into()),
-        "lm_head.weight" => return Some("output.weight".into()),
-        _ => {}
-    }
-    let rest = hf.strip_prefix("model.layers.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    layer.parse::<u64>().ok()?;
-    let mapped = match tail {
-        "self_attn.q_proj.weight" => "attention.wq.weight",
-        "self_attn.k_proj.weight" => "attention.wk.weight",
-        "self_attn.v_proj.weight" => "attention.wv.weight",
-        "self_attn.o_proj.weight" => "attention.wo.weight",
-        "mlp.gate_proj.weight" => "feed_forward.w1.weight",
-        "mlp.up_proj.weight" => "feed_forward.w3.weight",
-        "mlp.down_proj.weight" => "feed_forward.w2.weight",
-        "input_layernorm.weight" => "attention_norm.weight",
-        "post_attention_layernorm.weight" => "ffn_norm.weight",
-        _ => return None,
-    };
-    Some(format!("layers.{layer}.{mapped}"))
-}
-
+/// (such as `model.layers.0.self_attn.rotary_emb.inv_freq`). One name table with titan-ckpt.
+pub use titan_ckpt::adapter::from_hf_name as titan_name;
 /// The HF name of a torchtitan fqn (inverse of [`titan_name`]).
-pub fn hf_name(titan: &str) -> Option<String> {
-    match titan {
-        "tok_embeddings.weight" => return Some("model.embed_tokens.weight".into()),
-        "norm.weight" => return Some("model.norm.weight".into()),
-        "output.weight" => return Some("lm_head.weight".into()),
-        _ => {}
-    }
-    let rest = titan.strip_prefix("layers.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    let mapped = match tail {
-        "attention.wq.weight" => "self_attn.q_proj.weight",
-        "attention.wk.weight" => "self_attn.k_proj.weight",
-        "attention.wv.weight" => "self_attn.v_proj.weight",
-        "attention.wo.weight" => "self_attn.o_proj.weight",
-        "feed_forward.w1.weight" => "mlp.gate_proj.weight",
-        "feed_forward.w3.weight" => "mlp.up_proj.weight",
-        "feed_forward.w2.weight" => "mlp.down_proj.weight",
-        "attention_norm.weight" => "input_layernorm.weight",
-        "ffn_norm.weight" => "post_attention_layernorm.weight",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{mapped}"))
-}
+pub use titan_ckpt::adapter::to_hf_name as hf_name;
 
 /// Heads of a q (`wq`) or k (`wk`) weight, which need the RoPE permutation; `None` otherwise.
 fn rope_heads(titan: &str, args: &ModelArgs) -> Option<i64> {

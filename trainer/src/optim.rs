@@ -96,6 +96,25 @@ impl AdamW {
     }
 }
 
+unsafe extern "C" {
+    fn titan_clear_grad(tensor: *mut std::ffi::c_void) -> i32;
+}
+
+/// Drops the gradients of `params`: `optimizer.zero_grad()` with torch's default
+/// `set_to_none=True`. The next backward then hands its gradient buffers over instead of adding
+/// into zeroed ones (a memset and an add per parameter less).
+pub fn clear_grads(params: &[&Tensor]) {
+    for p in params {
+        // SAFETY: tch's C_tensor is an `at::Tensor*`, alive for this call; the shim only resets
+        // the autograd grad slot of the tensor it points to.
+        let rc = unsafe { titan_clear_grad(p.as_ptr() as *mut std::ffi::c_void) };
+        if rc != 0 {
+            // Not reachable for leaf tensors; zeroing in place is the same for the next step.
+            p.shallow_clone().zero_grad();
+        }
+    }
+}
+
 /// The total 2-norm of all gradients, as `torch.nn.utils.clip_grad_norm_` (foreach) computes it:
 /// the norm of the per-tensor norms, in fp32.
 pub fn total_grad_norm(params: &[&Tensor]) -> f64 {
@@ -167,6 +186,18 @@ mod tests {
             assert!((got[i] - w[i]).abs() < 1e-12, "{got:?} vs {w:?}");
         }
         assert_eq!(opt.state["w"].step, 2);
+    }
+
+    #[test]
+    fn clear_grads_sets_them_to_none() {
+        let a = Tensor::from_slice(&[3.0f32, 1.0]).set_requires_grad(true);
+        (&a * &a).sum(Kind::Float).backward();
+        assert!(a.grad().defined());
+        clear_grads(&[&a]);
+        assert!(!a.grad().defined());
+        // The next backward creates a fresh gradient, not one added to the old values.
+        (&a * 2.0).sum(Kind::Float).backward();
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), vec![2.0, 2.0]);
     }
 
     #[test]

@@ -428,9 +428,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
             {
                 let _o = titan_obs::span("optimizer_step");
                 dp.optimizer_step(&mut optimizer, &params, lr)?;
-                for t in &tensors {
-                    t.shallow_clone().zero_grad();
-                }
+                optim::clear_grads(&tensors);
             }
             {
                 let _l = titan_obs::span("lr");
