@@ -40,6 +40,18 @@ enum Mode {
     Copy,
 }
 
+/// Ring reduce-scatter over `n` chunks on rank `r`: the rank first sends chunk r-1; at step s it
+/// receives and reduces chunk r-s-2 (and forwards it next). It ends holding the reduced chunk r.
+fn reduce_scatter_steps(n: usize, r: usize, op: ReduceOp) -> impl Iterator<Item = (usize, Mode)> {
+    (0..n - 1).map(move |s| ((r + 2 * n - s - 2) % n, Mode::Reduce(op)))
+}
+
+/// Ring all-gather over `n` chunks on rank `r`: the rank first sends chunk r; at step s it
+/// receives chunk r-s-1 (and forwards it next).
+fn all_gather_steps(n: usize, r: usize) -> impl Iterator<Item = (usize, Mode)> {
+    (0..n - 1).map(move |s| ((r + 2 * n - s - 1) % n, Mode::Copy))
+}
+
 /// A region of the caller's buffer queued for sending. Raw because the sender thread reads it
 /// while this thread writes other, disjoint regions of the same buffer.
 struct Seg {
@@ -125,14 +137,12 @@ impl Ring {
         }
         let chunks = self.chunks(buf.len() / elem.size());
         let (n, r) = (self.size, self.rank);
-        // Reduce-scatter: at step s send chunk r-s-1, receive and reduce chunk r-s-2; rank r ends
-        // with the reduced chunk r. All-gather: send chunk r-s, receive chunk r-s-1.
-        let mut steps: Vec<(usize, Mode)> = (0..n - 1)
-            .map(|s| ((r + 2 * n - s - 2) % n, Mode::Reduce(op)))
+        // A reduce-scatter leaves rank r with the reduced chunk r: exactly what the all-gather
+        // that follows sends first.
+        let steps: Vec<(usize, Mode)> = reduce_scatter_steps(n, r, op)
+            .chain(all_gather_steps(n, r))
             .collect();
-        steps.extend((0..n - 1).map(|s| ((r + 2 * n - s - 1) % n, Mode::Copy)));
-        let first_send = (r + n - 1) % n;
-        self.run("all_reduce", buf, elem, &chunks, first_send, &steps)
+        self.run("all_reduce", buf, elem, &chunks, (r + n - 1) % n, &steps)
     }
 
     /// Reduce-scatter over equal-size chunks in place: afterwards chunk `rank` of `buf` holds the
@@ -148,9 +158,7 @@ impl Ring {
         }
         let chunks = self.chunks(buf.len() / elem.size());
         let (n, r) = (self.size, self.rank);
-        let steps: Vec<(usize, Mode)> = (0..n - 1)
-            .map(|s| ((r + 2 * n - s - 2) % n, Mode::Reduce(op)))
-            .collect();
+        let steps: Vec<(usize, Mode)> = reduce_scatter_steps(n, r, op).collect();
         self.run(
             "reduce_scatter",
             buf,
@@ -169,9 +177,7 @@ impl Ring {
         }
         let chunks = self.chunks(buf.len() / elem.size());
         let (n, r) = (self.size, self.rank);
-        let steps: Vec<(usize, Mode)> = (0..n - 1)
-            .map(|s| ((r + 2 * n - s - 1) % n, Mode::Copy))
-            .collect();
+        let steps: Vec<(usize, Mode)> = all_gather_steps(n, r).collect();
         self.run("all_gather", buf, elem, &chunks, r, &steps)
     }
 
