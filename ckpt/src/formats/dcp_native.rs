@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use crate::assemble::TensorReader;
@@ -198,19 +197,16 @@ pub fn write(
 ) -> Result<()> {
     // DCP files are written locally (torch.save zip items, `.metadata` from what was written);
     // an object store destination gets them uploaded afterwards, `.metadata` last.
-    let staging = match out.local_dir() {
-        Some(_) => None,
-        None => Some(
-            tempfile::Builder::new()
+    let staging;
+    let dir = match out.local_dir() {
+        Some(d) => d,
+        None => {
+            staging = tempfile::Builder::new()
                 .prefix("titan-ckpt-dcp-")
                 .tempdir()
-                .map_err(|e| Error::io("a local staging directory for the DCP output", e))?,
-        ),
-    };
-    let dir = match (&staging, out.local_dir()) {
-        (Some(t), _) => t.path(),
-        (None, Some(d)) => d,
-        (None, None) => unreachable!("staging is made when the output is not local"),
+                .map_err(|e| Error::io("a local staging directory for the DCP output", e))?;
+            staging.path()
+        }
     };
     let inputs: Vec<InFile> = plan
         .files
@@ -322,43 +318,8 @@ pub fn write(
         }
     }
     writer.finish()?;
-    if staging.is_some() {
-        upload_dir(dir, out, opts.window_bytes)?;
-    }
-    Ok(())
-}
-
-/// Copies every file of the finished checkpoint `dir` to `out`: data files first, `.metadata`
-/// last, so a reader never finds metadata pointing at files that are not there yet.
-fn upload_dir(dir: &Path, out: &Root, window_bytes: u64) -> Result<()> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .map_err(|e| Error::io(dir.display(), e))?
-        .map(|e| {
-            e.map(|e| e.file_name().to_string_lossy().into_owned())
-                .map_err(|e| Error::io(dir.display(), e))
-        })
-        .collect::<Result<_>>()?;
-    names.sort_by_key(|n| (n == dcp::METADATA_FILE, n.clone()));
-    let mut buf = vec![0u8; window_bytes.clamp(1 << 20, 64 << 20) as usize];
-    for name in names {
-        let path = dir.join(&name);
-        let mut file = std::fs::File::open(&path).map_err(|e| Error::io(path.display(), e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io(path.display(), e))?
-            .len();
-        let dest = out.create(&name, Some(len))?;
-        let mut offset = 0u64;
-        loop {
-            let n = std::io::Read::read(&mut file, &mut buf)
-                .map_err(|e| Error::io(path.display(), e))?;
-            if n == 0 {
-                break;
-            }
-            dest.write_at(offset, &buf[..n])?;
-            offset += n as u64;
-        }
-        dest.finish()?;
+    if out.local_dir().is_none() {
+        out.upload_dir(dir, dcp::METADATA_FILE)?;
     }
     Ok(())
 }

@@ -67,35 +67,9 @@ impl Remote {
         let _s = titan_obs::span("checkpoint_upload");
         let dest = self.root.join(&layout::step_dir_name(step))?;
         dest.create_dir_all()?;
-        let mut files: Vec<_> = std::fs::read_dir(dir)
-            .with_context(|| format!("listing {}", dir.display()))?
-            .flatten()
-            .filter(|e| e.path().is_file())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        // Data first, `.metadata` (what makes a DCP directory a checkpoint) last.
-        files.sort_by_key(|f| (f == METADATA_FILE, f.clone()));
-        let mut total = 0u64;
-        for name in &files {
-            let path = dir.join(name);
-            let size = std::fs::metadata(&path)?.len();
-            let out = dest.create(name, Some(size))?;
-            let mut f = std::fs::File::open(&path)
-                .with_context(|| format!("opening {}", path.display()))?;
-            let mut buf = vec![0u8; 8 << 20];
-            let mut offset = 0u64;
-            loop {
-                let n = std::io::Read::read(&mut f, &mut buf)?;
-                if n == 0 {
-                    break;
-                }
-                out.write_at(offset, &buf[..n])?;
-                offset += n as u64;
-            }
-            out.finish()
-                .with_context(|| format!("uploading {}", dest.display_file(name)))?;
-            total += size;
-        }
+        let total = dest
+            .upload_dir(dir, METADATA_FILE)
+            .with_context(|| format!("uploading {} to {}", dir.display(), dest.display()))?;
         self.root
             .write_small(&Self::marker(step), step.to_string().as_bytes())
             .with_context(|| format!("committing step {step} in {}", self.root.display()))?;
