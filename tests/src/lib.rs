@@ -34,8 +34,8 @@ pub fn bin(name: &str) -> PathBuf {
 }
 
 /// `titan-train` started from the workspace root, without the launch variables (RANK,
-/// WORLD_SIZE, MASTER_*, SLURM_*, ...) of whoever runs the tests, so it trains as one process unless a test says
-/// otherwise.
+/// WORLD_SIZE, MASTER_*, SLURM_*, ...) of whoever runs the tests, so it trains as one process
+/// unless a test says otherwise.
 pub fn titan_train() -> Command {
     let mut c = Command::new(bin("titan-train"));
     c.current_dir(workspace_root());
@@ -161,16 +161,11 @@ impl MotoServer {
 
     /// Runs `tests/python/ckpt_s3.py ENDPOINT BUCKET args...` (mkbucket, put, get, ls); its stdout.
     pub fn s3(&self, args: &[&str]) -> String {
-        let o = python_script("tests/python/ckpt_s3.py")
-            .arg(&self.endpoint)
-            .arg(&self.bucket)
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "ckpt_s3.py {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
+        let o = run_ok(
+            python_script("tests/python/ckpt_s3.py")
+                .arg(&self.endpoint)
+                .arg(&self.bucket)
+                .args(args),
         );
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
