@@ -89,19 +89,25 @@ pub fn export(
 /// tensor in name order) as one DCP sharded safetensors file.
 fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: World) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let titan: Vec<(String, Tensor)> = model
+    // Rank r takes every world_size-th tensor in HF name order; only that share is permuted,
+    // copied to host memory and cast. (A name without an HF counterpart sorts first and makes
+    // `to_hf` fail on the rank that takes it.)
+    let mut titan: Vec<(Option<String>, &String, &Tensor)> = model
         .named_parameters()
         .iter()
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .map(|(n, t)| (hf::hf_name(n), n, t))
         .collect();
-    let mut hf_named = tch::no_grad(|| hf::to_hf(&titan, &model.args))?;
-    hf_named.sort_by(|a, b| a.0.cmp(&b.0));
-    // Only this rank's share is copied to host memory and cast.
-    let staged: Vec<(String, HostTensor)> = hf_named
-        .iter()
+    titan.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    let share: Vec<(String, Tensor)> = titan
+        .into_iter()
         .enumerate()
         .filter(|(i, _)| i % world.world_size == world.rank)
-        .map(|(_, (n, t))| Ok((n.clone(), HostTensor::from_tensor(t, Some(kind))?)))
+        .map(|(_, (_, n, t))| (n.clone(), t.shallow_clone()))
+        .collect();
+    let hf_named = tch::no_grad(|| hf::to_hf(&share, &model.args))?;
+    let staged: Vec<(String, HostTensor)> = hf_named
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), HostTensor::from_tensor(t, Some(kind))?)))
         .collect::<Result<_>>()?;
     if staged.is_empty() {
         return Ok(());
