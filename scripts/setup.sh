@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-# Fail early with a readable message instead of pip's "No space left on device" half-way through.
+# Warn up front when the disk looks too small, before pip's "No space left on device" half-way through.
 need_gb=${TITAN_SETUP_NEED_GB:-10}
 free_kb=$(df -Pk "$root" | awk 'NR==2 {print $4}')
 if [ ! -x .venv/bin/python ] && [ -n "$free_kb" ] && [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
