@@ -44,6 +44,32 @@ else
   log "requirements-dev.txt already installed"
 fi
 
+# torchtitan 0.3.0 and torch 2.15 in a second venv: the interop tests make fixtures with torchtitan's own code
+# (its models, state-dict adapters, checkpointer and structured logger) and read what titan writes with the newest
+# torch. A separate venv because tch needs exactly torch 2.13 in .venv.
+TT_TORCH_VERSION=2.15.0
+TT_VERSION=0.3.0
+tt_stamp=.venv-tt/.titan-tt-versions
+tt_want="torch==$TT_TORCH_VERSION torchtitan==$TT_VERSION $(grep -E '^(transformers|tbparse)==' requirements-dev.txt | tr '\n' ' ')"
+if [ "$(cat "$tt_stamp" 2>/dev/null)" != "$tt_want" ]; then
+  [ -x .venv-tt/bin/python ] || { log "creating .venv-tt (torch $TT_TORCH_VERSION + torchtitan $TT_VERSION)"; "$PY" -m venv .venv-tt; }
+  log "installing $tt_want into .venv-tt (about 5 GB; a few minutes)"
+  # shellcheck disable=SC2086
+  .venv-tt/bin/python -m pip install --quiet --disable-pip-version-check --no-cache-dir $tt_want
+  echo "$tt_want" > "$tt_stamp"
+else
+  log ".venv-tt already has $tt_want"
+fi
+
+# transformers 4 beside the 5.x in .venv, for the config.json compatibility tests (PYTHONPATH=.venv/tf4).
+TF4_VERSION=4.57.6
+if [ "$(cat .venv/tf4/.version 2>/dev/null)" != "$TF4_VERSION" ]; then
+  log "installing transformers==$TF4_VERSION into .venv/tf4"
+  rm -rf .venv/tf4
+  "$VPY" -m pip install --quiet --disable-pip-version-check --no-cache-dir --target .venv/tf4 "transformers==$TF4_VERSION"
+  echo "$TF4_VERSION" > .venv/tf4/.version
+fi
+
 # The titan-obs TUI test (tests/tests/tui_tmux.rs) drives the gantt inside tmux.
 if ! command -v tmux >/dev/null 2>&1; then
   log "installing tmux (for the titan-obs TUI test)"
@@ -64,5 +90,8 @@ cat > .cargo/config.toml <<TOML
 # \$ORIGIN-relative rpaths, which only resolve from the package's own location.
 LIBTORCH = "$torch_dir"
 TITAN_PYTHON = { value = ".venv/bin/python", relative = true }
+# torch $TT_TORCH_VERSION + torchtitan $TT_VERSION, and transformers $TF4_VERSION (use as PYTHONPATH with TITAN_PYTHON).
+TITAN_TT_PYTHON = { value = ".venv-tt/bin/python", relative = true }
+TITAN_TF4_PATH = { value = ".venv/tf4", relative = true }
 TOML
 log "done: LIBTORCH=$root/.libtorch"
