@@ -100,16 +100,7 @@ pub fn free_port() -> u16 {
 
 /// The Python interpreter of `.venv` (with torch, safetensors, transformers, pyarrow).
 pub fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("TITAN_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = workspace_root().join(".venv/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing; run scripts/setup.sh first",
-        p.display()
-    );
-    p
+    venv_python("TITAN_PYTHON", ".venv/bin/python")
 }
 
 /// A `Command` for the `.venv` Python running `script` (a path relative to the workspace root).
@@ -117,6 +108,48 @@ pub fn python_script(script: &str) -> Command {
     let mut cmd = Command::new(python());
     cmd.arg(workspace_root().join(script));
     cmd
+}
+
+/// The Python of `.venv-tt`: torch 2.15 + torchtitan 0.3.0 + transformers 5 (scripts/setup.sh makes it),
+/// for fixtures written by torchtitan's own code and for reading what titan writes with the newest torch.
+pub fn tt_python() -> PathBuf {
+    venv_python("TITAN_TT_PYTHON", ".venv-tt/bin/python")
+}
+
+/// A `Command` for the `.venv-tt` Python running `script` (a path relative to the workspace root).
+pub fn tt_python_script(script: &str) -> Command {
+    let mut cmd = Command::new(tt_python());
+    cmd.arg(workspace_root().join(script));
+    cmd
+}
+
+/// A `Command` for the `.venv` Python (torch 2.13) with transformers 4.57 in front of the 5.x one
+/// (`pip install --target .venv/tf4`, made by scripts/setup.sh), running `script`.
+pub fn tf4_python_script(script: &str) -> Command {
+    let tf4 = std::env::var("TITAN_TF4_PATH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| workspace_root().join(".venv/tf4"));
+    assert!(
+        tf4.exists(),
+        "{} is missing; run scripts/setup.sh first",
+        tf4.display()
+    );
+    let mut cmd = python_script(script);
+    cmd.env("PYTHONPATH", tf4);
+    cmd
+}
+
+fn venv_python(var: &str, default: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(var) {
+        return PathBuf::from(p);
+    }
+    let p = workspace_root().join(default);
+    assert!(
+        p.exists(),
+        "{} is missing; run scripts/setup.sh first",
+        p.display()
+    );
+    p
 }
 
 /// A local S3-compatible server (`moto_server` from `.venv`, moto[server] in
