@@ -28,6 +28,13 @@
 //! missing ranks and corrupt parts (by path) — one bad part never fails the load.
 //! [`read::Columns`] selects which optional columns to decode.
 //!
+//! # Other formats
+//! [`ingest`] reads torchtitan 0.3.0's structured-logger JSONL (`RUN/structured_logs/`) and
+//! Chrome trace-event JSON (torchtitan's gantt, PyTorch profiler traces) into the same
+//! [`read::Run`]; [`read::load`] detects the format. [`ingest::Follower`] re-reads only what
+//! was appended (`--follow`). [`vocab`] holds the phase, tag and field names the analysis
+//! relies on, titan's and torchtitan's.
+//!
 //! # Synthetic runs
 //! [`synth::write_run`] writes a real multi-rank run (ranks x steps x spans-per-step, injected
 //! [`synth::Straggler`]s, checkpoint/validation steps, scalars) for benchmarks, tests and the TUI.
@@ -39,6 +46,8 @@
 
 pub mod analysis;
 pub mod clock;
+pub mod convert;
+pub mod ingest;
 pub mod location;
 pub mod part;
 pub mod read;
@@ -47,8 +56,9 @@ mod recorder;
 mod ring;
 pub mod schema;
 pub mod synth;
+pub mod vocab;
 
-pub use read::{Columns, LoadReport, ReadOptions, Run, load};
+pub use read::{Columns, LoadReport, ReadOptions, Run, RunFormat, load};
 pub use record::NO_STEP;
 pub use recorder::{
     InitOptions, SpanGuard, Tuning, WriterStats, add_step_tag, error, finish, finish_with_stats,

@@ -221,21 +221,110 @@ pub struct CorruptPart {
     pub error: String,
 }
 
+/// What kind of files a run was read from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunFormat {
+    /// titan's Parquet parts (`RUN/obs/rank-<R>/part-<N>.parquet`).
+    #[default]
+    Titan,
+    /// torchtitan's structured-logger JSONL (`RUN/structured_logs/*.global_rank_<R>.*.jsonl`).
+    Torchtitan,
+    /// Chrome trace-event JSON (torchtitan's gantt, PyTorch profiler traces, titan's export).
+    ChromeTrace,
+}
+
+impl RunFormat {
+    pub fn describe(self) -> &'static str {
+        match self {
+            RunFormat::Titan => "titan parts",
+            RunFormat::Torchtitan => "torchtitan structured logs",
+            RunFormat::ChromeTrace => "Chrome trace",
+        }
+    }
+}
+
+/// A line of a text log that is not a record, by file and 1-based line number.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BadLine {
+    pub file: String,
+    pub line: u64,
+    pub error: String,
+}
+
+/// A span whose end was never logged (the process crashed or is still inside it): shown
+/// as lasting until the last record its process wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OpenSpan {
+    pub file: String,
+    pub rank: u32,
+    pub name: String,
+    /// `None` outside steps.
+    pub step: Option<u64>,
+    pub start_ns: i64,
+    /// Start to the process's last record.
+    pub shown_dur_ns: i64,
+}
+
+/// Per-host clock offsets applied to a run whose records carry only each host's wall clock.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ClockAlignment {
+    /// How the offsets were found.
+    pub method: String,
+    /// The host the others were aligned to.
+    pub reference_host: String,
+    pub hosts: Vec<HostOffset>,
+}
+
+/// One host's offset: added to every time of its ranks.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct HostOffset {
+    pub host: String,
+    pub ranks: Vec<u32>,
+    pub offset_ns: i64,
+    /// Steps whose start both this host and the reference host logged.
+    pub steps_used: u64,
+}
+
+/// At most this many malformed lines are named one by one (all are counted).
+pub const MAX_NAMED_BAD_LINES: usize = 100;
+
 /// What was found and what was not.
 #[derive(Debug, Clone, Default)]
 pub struct LoadReport {
+    pub format: RunFormat,
     /// The largest world size any footer declares (0 when no part could be read).
     pub world_size: u32,
     /// Ranks below `world_size` with no readable part.
     pub missing_ranks: Vec<u32>,
     pub corrupt_parts: Vec<CorruptPart>,
+    /// Parts (or JSONL / trace files) read.
     pub parts_read: usize,
+    /// Records (rows, JSONL lines or trace events) read.
     pub rows_read: usize,
+    /// Bytes of text logs parsed by the last read (for `--follow`: only what was new).
+    pub bytes_parsed: u64,
+    /// Malformed lines of text logs: all counted, the first [`MAX_NAMED_BAD_LINES`] named.
+    pub malformed_lines: u64,
+    pub bad_lines: Vec<BadLine>,
+    /// Files whose last line is cut short (a running or killed writer): ignored, not an error.
+    pub truncated_tails: Vec<String>,
+    pub open_spans: Vec<OpenSpan>,
+    /// Set when ranks on different hosts were put on one clock by the analysis.
+    pub clock_alignment: Option<ClockAlignment>,
 }
 
 impl LoadReport {
     pub fn is_complete(&self) -> bool {
-        self.missing_ranks.is_empty() && self.corrupt_parts.is_empty()
+        self.missing_ranks.is_empty() && self.corrupt_parts.is_empty() && self.malformed_lines == 0
+    }
+
+    /// Counts a malformed line, naming it while fewer than [`MAX_NAMED_BAD_LINES`] are named.
+    pub fn add_bad_line(&mut self, bad: BadLine) {
+        self.malformed_lines += 1;
+        if self.bad_lines.len() < MAX_NAMED_BAD_LINES {
+            self.bad_lines.push(bad);
+        }
     }
 }
 
@@ -288,8 +377,14 @@ impl Run {
     }
 }
 
-/// Loads every rank's parts of the run at `run` (local dir or object store URL).
+/// Loads a run in any format titan-obs reads: titan parts, torchtitan structured logs or
+/// Chrome traces, local or on an object store (detected by [`crate::ingest::detect`]).
 pub fn load(run: &str, opts: &ReadOptions) -> Result<Run> {
+    crate::ingest::load(run, opts)
+}
+
+/// Loads every rank's parts of the titan run at `run` (local dir or object store URL).
+pub fn load_parts(run: &str, opts: &ReadOptions) -> Result<Run> {
     let location = Location::parse(run)?;
     let listing = list_parts(&location)?;
     let mut run_out = Run {
@@ -389,8 +484,8 @@ pub fn load(run: &str, opts: &ReadOptions) -> Result<Run> {
     let expected = world_size.max(rank_dirs_seen.iter().next_back().map_or(0, |r| r + 1));
     run_out.report.world_size = expected;
     run_out.report.missing_ranks = (0..expected).filter(|r| !ok_ranks.contains(r)).collect();
-    run_out.names = merger.names;
-    run_out.tags = merger.tags;
+    merger.publish(&mut run_out);
+    run_out.report.format = RunFormat::Titan;
     Ok(run_out)
 }
 
@@ -494,17 +589,20 @@ fn list_parts(location: &Location) -> Result<Listing> {
     Ok(Listing { rank_dirs, parts })
 }
 
-/// One decoded part with part-local name/tag ids.
-struct PartData {
-    info: RankInfo,
-    rows: usize,
-    names: Vec<String>,
-    tags: Vec<String>,
-    spans: Spans,
-    instants: Instants,
-    scalars: Scalars,
-    errors: Errors,
-    step_tags: HashMap<u64, u64>,
+/// One decoded part (or a slice of another format's file) with part-local name/tag ids:
+/// what [`Merger`] appends to a [`Run`].
+#[derive(Default)]
+pub(crate) struct PartData {
+    pub(crate) info: RankInfo,
+    pub(crate) rows: usize,
+    pub(crate) names: Vec<String>,
+    pub(crate) tags: Vec<String>,
+    pub(crate) spans: Spans,
+    pub(crate) instants: Instants,
+    pub(crate) scalars: Scalars,
+    pub(crate) errors: Errors,
+    /// Step -> bit mask over `tags`.
+    pub(crate) step_tags: HashMap<u64, u64>,
 }
 
 fn footer_value<'a>(kv: &'a HashMap<String, String>, key: &str) -> Result<&'a str> {
@@ -909,15 +1007,16 @@ fn dict_to_local(
 }
 
 /// Run-wide interning of names and tags while parts are appended.
-#[derive(Default)]
-struct Merger {
+#[derive(Default, Clone)]
+pub(crate) struct Merger {
     names: Vec<String>,
     name_ids: HashMap<String, u32>,
     tags: Vec<String>,
     tag_ids: HashMap<String, u32>,
 }
 
-fn intern(values: &mut Vec<String>, ids: &mut HashMap<String, u32>, v: &str) -> u32 {
+/// Id of `v` in `values`, appending it when new.
+pub(crate) fn intern(values: &mut Vec<String>, ids: &mut HashMap<String, u32>, v: &str) -> u32 {
     if let Some(&id) = ids.get(v) {
         return id;
     }
@@ -928,7 +1027,13 @@ fn intern(values: &mut Vec<String>, ids: &mut HashMap<String, u32>, v: &str) -> 
 }
 
 impl Merger {
-    fn merge(&mut self, run: &mut Run, part: PartData, align: bool) {
+    /// Copies the run-wide dictionaries into `run` (after the last merge).
+    pub(crate) fn publish(&self, run: &mut Run) {
+        run.names.clone_from(&self.names);
+        run.tags.clone_from(&self.tags);
+    }
+
+    pub(crate) fn merge(&mut self, run: &mut Run, part: PartData, align: bool) {
         let name_map: Vec<u32> = part
             .names
             .iter()
@@ -1004,7 +1109,7 @@ impl Merger {
 
         match run.ranks.get_mut(&rank) {
             Some(info) => {
-                info.parts += 1;
+                info.parts += part.info.parts;
                 info.threads.extend(part.info.threads);
                 info.world_size = info.world_size.max(part.info.world_size);
             }

@@ -7,9 +7,11 @@ mod commands;
 
 use clap::{Parser, Subcommand};
 
-/// Timing analysis of titan runs: per-phase summaries with stragglers, torchtitan-style
-/// aggregated metrics, and Perfetto export, from the Parquet parts every rank writes to
-/// RUN/obs/rank-<R>/part-<N>.parquet.
+/// Timing analysis of training runs: per-phase summaries with stragglers, torchtitan-style
+/// aggregated metrics, Perfetto export and gantt charts. RUN is a titan run (the Parquet
+/// parts every rank writes to RUN/obs/rank-<R>/part-<N>.parquet), a torchtitan run (its
+/// structured logger's RUN/structured_logs/*.global_rank_<R>.*.jsonl), or a Chrome trace
+/// (torchtitan's gantt JSON, a PyTorch profiler trace), local or on an object store.
 ///
 /// `titan-obs RUN` opens the interactive gantt of every rank's timeline (needs a terminal).
 #[derive(Parser)]
@@ -34,6 +36,8 @@ enum Command {
     Export(commands::export::ExportArgs),
     /// Write a synthetic multi-rank run (for demos and benchmarks).
     Synth(commands::synth::SynthArgs),
+    /// Write a torchtitan run or Chrome trace in titan's Parquet layout (OUT/obs/rank-<R>/...).
+    Import(commands::import::ImportArgs),
     /// Write a static gantt of the run (`--svg OUT.svg`, `--png OUT.png`) for reports and PRs.
     Gantt(titan_obs_tui::app::cli::GanttArgs),
 }
@@ -52,6 +56,7 @@ fn main() {
         Some(Command::Metrics(a)) => commands::metrics::run(a),
         Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::Synth(a)) => commands::synth::run(a),
+        Some(Command::Import(a)) => commands::import::run(a),
         Some(Command::Gantt(a)) => Ok(titan_obs_tui::app::cli::gantt(a)),
         None if cli.run.is_some() => Ok(titan_obs_tui::app::cli::open(
             cli.run.as_deref().unwrap_or_default(),

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::stats::{DurationStats, median_f64};
-use crate::read::{NameId, Run};
+use crate::read::{BadLine, ClockAlignment, NameId, OpenSpan, Run, RunFormat};
 use crate::record::NO_STEP;
 
 /// Straggler detection thresholds.
@@ -90,6 +90,18 @@ pub struct Summary {
     pub tagged_steps: Vec<TaggedStep>,
     pub missing_ranks: Vec<u32>,
     pub corrupt_parts: Vec<(String, String)>,
+    /// What the run was read from (`titan`, `torchtitan`, `chrome_trace`).
+    pub format: RunFormat,
+    /// Malformed lines of text logs (all counted; the first ones named in `bad_lines`).
+    pub malformed_lines: u64,
+    pub bad_lines: Vec<BadLine>,
+    /// Files whose last line was cut short (a running or killed writer), skipped.
+    pub truncated_tails: Vec<String>,
+    /// Spans that never ended, shown up to their process's last record.
+    pub open_spans: Vec<OpenSpan>,
+    /// How ranks on different hosts were put on one clock (None: one host, or titan's
+    /// measured offsets).
+    pub clock_alignment: Option<ClockAlignment>,
 }
 
 /// Computes the summary of a loaded run (loaded with at least [`crate::Columns::SUMMARY`]).
@@ -159,7 +171,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let n_ranks = ranks.len();
     let n_steps = steps.len();
     let mut wall = vec![0i64; n_steps * n_ranks];
-    let step_name = run.name_id("step");
+    let step_name = run.name_id(crate::vocab::STEP);
     let mut step_total = 0i64;
     for (i, &cell) in cell_of.iter().enumerate() {
         if cell == NO_CELL {
@@ -295,6 +307,12 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
             .iter()
             .map(|c| (c.path.clone(), c.error.clone()))
             .collect(),
+        format: run.report.format,
+        malformed_lines: run.report.malformed_lines,
+        bad_lines: run.report.bad_lines.clone(),
+        truncated_tails: run.report.truncated_tails.clone(),
+        open_spans: run.report.open_spans.clone(),
+        clock_alignment: run.report.clock_alignment.clone(),
     }
 }
 

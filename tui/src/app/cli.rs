@@ -13,7 +13,8 @@ use super::terminal::{self, EXIT_USAGE, TimelineSource};
 /// Options of the interactive view (`titan-obs RUN`).
 #[derive(Debug, Clone, Args)]
 pub struct OpenArgs {
-    /// Re-read new part files every second (watch a running job).
+    /// Watch a running job: every second, read what was appended (torchtitan logs: only the
+    /// new bytes and new files; titan runs: new parts).
     #[arg(long)]
     pub follow: bool,
 }
@@ -21,7 +22,7 @@ pub struct OpenArgs {
 /// `titan-obs gantt RUN --svg OUT.svg [--png OUT.png]`: a static gantt for reports and PRs.
 #[derive(Debug, Clone, Args)]
 pub struct GanttArgs {
-    /// Run directory (holding obs/rank-*/part-*.parquet) or object store URL.
+    /// Run: titan run dir, torchtitan run (structured_logs/), Chrome trace; or object store URL.
     pub run: String,
     /// Write an SVG here.
     #[arg(long, value_name = "OUT.svg")]
@@ -72,7 +73,7 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         eprint!("{}", terminal::no_terminal_message("titan-obs"));
         return EXIT_USAGE;
     }
-    let mut source = RunSource::new(run);
+    let mut source = RunSource::with_follow(run, args.follow);
     match terminal::run(&mut source, args.follow) {
         Ok(()) => 0,
         Err(e) => {

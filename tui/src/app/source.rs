@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
+use titan_obs::ingest::{Follower, Refresh};
 use titan_obs::read::{ReadOptions, Run};
 
 use super::model::{PhaseId, Reduce, Timeline, TimelineBuilder};
@@ -30,6 +31,32 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
     }
     for c in &run.report.corrupt_parts {
         b.add_warning(format!("corrupt part {}: {}", c.path, c.error));
+    }
+    let r = &run.report;
+    if r.malformed_lines > 0 {
+        let first = r
+            .bad_lines
+            .first()
+            .map(|b| format!(", first {}:{}", b.file, b.line))
+            .unwrap_or_default();
+        b.add_warning(format!(
+            "{} malformed lines skipped{first}",
+            r.malformed_lines
+        ));
+    }
+    for o in &r.open_spans {
+        b.add_warning(format!(
+            "open span: rank {} {}{} never ended (drawn to its process's last record)",
+            o.rank,
+            o.name,
+            o.step.map(|s| format!(" step {s}")).unwrap_or_default()
+        ));
+    }
+    if let Some(a) = &r.clock_alignment {
+        b.add_warning(format!(
+            "hosts have no shared clock: aligned to {} on shared step starts",
+            a.reference_host
+        ));
     }
 
     let e = &run.errors;
@@ -110,13 +137,20 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
     b.finish()
 }
 
-/// A run directory (or object store URL) read with `titan_obs::read::load`.
+/// A run (titan parts, torchtitan structured logs or a Chrome trace; local or object
+/// store) kept open through [`Follower`]: torchtitan runs are re-read incrementally (only the
+/// bytes appended since the last refresh, and new files), titan runs when their parts change.
 pub struct RunSource {
     run: String,
     title: String,
-    /// What the last load saw, to tell whether anything changed.
+    /// The writers may still be appending (`--follow`): wait for unfinished last lines.
+    follow: bool,
+    follower: Option<Follower>,
+    /// What the last load saw, to tell whether anything changed (titan runs).
     signature: Option<Signature>,
     parts: usize,
+    last: Refresh,
+    read_total: u64,
 }
 
 /// The set of part files (name and size) of a local run; `None` for object store URLs.
@@ -124,6 +158,10 @@ type Signature = Vec<(String, u64)>;
 
 impl RunSource {
     pub fn new(run: &str) -> Self {
+        Self::with_follow(run, false)
+    }
+
+    pub fn with_follow(run: &str, follow: bool) -> Self {
         let title = Path::new(run.trim_end_matches('/'))
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -131,8 +169,12 @@ impl RunSource {
         Self {
             run: run.to_string(),
             title,
+            follow,
+            follower: None,
             signature: None,
             parts: 0,
+            last: Refresh::default(),
+            read_total: 0,
         }
     }
 
@@ -161,9 +203,19 @@ impl RunSource {
     }
 
     fn read(&mut self) -> anyhow::Result<Timeline> {
-        let run = titan_obs::read::load(&self.run, &ReadOptions::default())?;
+        let follower = match &mut self.follower {
+            Some(f) => f,
+            None => self.follower.insert(Follower::open(&self.run)?),
+        };
+        let (run, stats) = follower.refresh(&ReadOptions::default(), !self.follow)?;
         self.parts = run.report.parts_read;
+        self.last = stats;
+        self.read_total += stats.bytes;
         Ok(timeline_from_run(&run, &self.title))
+    }
+
+    fn incremental(&self) -> bool {
+        self.follower.as_ref().is_some_and(Follower::is_incremental)
     }
 }
 
@@ -174,6 +226,10 @@ impl TimelineSource for RunSource {
     }
 
     fn reload_if_changed(&mut self) -> anyhow::Result<Option<Timeline>> {
+        if self.incremental() {
+            let t = self.read()?;
+            return Ok((self.last.bytes > 0 || self.last.new_files > 0).then_some(t));
+        }
         let sig = self.local_signature();
         if sig.is_some() && sig == self.signature {
             return Ok(None);
@@ -186,6 +242,25 @@ impl TimelineSource for RunSource {
     }
 
     fn describe(&self) -> String {
-        format!("{} parts", self.parts)
+        if self.incremental() {
+            format!(
+                "{} files, {} read, {} new",
+                self.parts,
+                human_bytes(self.read_total),
+                human_bytes(self.last.bytes)
+            )
+        } else {
+            format!("{} parts", self.parts)
+        }
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    if b >= 1 << 20 {
+        format!("{:.1} MB", b as f64 / (1 << 20) as f64)
+    } else if b >= 1 << 10 {
+        format!("{:.1} kB", b as f64 / 1024.0)
+    } else {
+        format!("{b} B")
     }
 }

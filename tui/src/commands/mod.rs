@@ -4,6 +4,7 @@
 //! ranks and corrupt parts on stderr by name, and carries on with what could be read.
 
 pub mod export;
+pub mod import;
 pub mod metrics;
 pub mod summary;
 pub mod synth;
@@ -21,13 +22,17 @@ pub const EXIT_INCOMPLETE: i32 = 3;
 /// Options every analysis command shares.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RunArgs {
-    /// Run location: a directory holding obs/rank-<R>/part-<N>.parquet, or an object store
-    /// URL (s3://bucket/run, gs://..., az://...; credentials and endpoint from AWS_*/GOOGLE_*/AZURE_* env vars).
+    /// Run location: a titan run (RUN/obs/rank-<R>/part-<N>.parquet), a torchtitan run
+    /// (RUN/structured_logs/*.global_rank_<R>.*.jsonl, or that folder, or one such file), or a
+    /// Chrome trace (torchtitan's gantt JSON, a PyTorch profiler trace; a file or a folder of
+    /// them). Local, or an object store URL (s3://bucket/run, gs://..., az://...; credentials
+    /// and endpoint from AWS_*/GOOGLE_*/AZURE_* env vars).
     pub run: String,
+    /// Do not align hosts' clocks (torchtitan runs: keep each host's wall clock; titan runs:
+    /// do not add the recorded offsets).
     /// Exit with code 3 when ranks are missing or parts are corrupt (after printing the result).
     #[arg(long)]
     pub strict: bool,
-    /// Do not add each rank's recorded clock offset (keep every rank on its own clock).
     #[arg(long)]
     pub no_clock_align: bool,
     /// No progress bar.
@@ -91,6 +96,52 @@ pub fn report_problems(run: &Run) {
     if r.parts_read == 0 {
         eprintln!("warning: no readable part in {}", run.location);
     }
+    for b in &r.bad_lines {
+        eprintln!(
+            "warning: malformed line {}:{}: {} (skipped)",
+            b.file, b.line, b.error
+        );
+    }
+    if r.malformed_lines > r.bad_lines.len() as u64 {
+        eprintln!(
+            "warning: {} more malformed lines (skipped)",
+            r.malformed_lines - r.bad_lines.len() as u64
+        );
+    }
+    for t in &r.truncated_tails {
+        eprintln!("note: {t}: last line is cut short (a running or killed writer): ignored");
+    }
+    for o in &r.open_spans {
+        eprintln!(
+            "note: rank {} span `{}`{} never ended in {}: shown open until that process's last record ({})",
+            o.rank,
+            o.name,
+            o.step.map(|s| format!(" (step {s})")).unwrap_or_default(),
+            o.file,
+            human_ns(o.shown_dur_ns as f64)
+        );
+    }
+    if let Some(a) = &r.clock_alignment {
+        eprintln!("{}", clock_alignment_note(a));
+    }
+}
+
+/// One line per aligned host: how titan-obs put hosts without a shared clock on one clock.
+pub fn clock_alignment_note(a: &titan_obs::read::ClockAlignment) -> String {
+    let mut s = format!(
+        "note: hosts have no shared clock; aligned to {} on shared step starts:",
+        a.reference_host
+    );
+    for h in &a.hosts {
+        s.push_str(&format!(
+            "\n  {} (ranks {:?}): {:+.3} ms from {} steps",
+            h.host,
+            h.ranks,
+            h.offset_ns as f64 / 1e6,
+            h.steps_used
+        ));
+    }
+    s
 }
 
 /// The process exit code after a command that printed its result.

@@ -47,8 +47,9 @@ pub fn render(s: &Summary, top: usize) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "run {}: {} ranks (world size {}), {} steps, {} spans, {} errors, median step {}",
+        "run {} ({}): {} ranks (world size {}), {} steps, {} spans, {} errors, median step {}",
         s.run,
+        s.format.describe(),
         s.ranks,
         s.world_size,
         s.steps,
@@ -61,6 +62,51 @@ pub fn render(s: &Summary, top: usize) -> String {
     }
     for (p, e) in &s.corrupt_parts {
         let _ = writeln!(o, "corrupt part (skipped): {p}: {e}");
+    }
+    if s.malformed_lines > 0 {
+        let named: Vec<String> = s
+            .bad_lines
+            .iter()
+            .take(5)
+            .map(|b| format!("{}:{}", b.file, b.line))
+            .collect();
+        let _ = writeln!(
+            o,
+            "malformed lines (skipped): {} ({}{})",
+            s.malformed_lines,
+            named.join(", "),
+            if s.malformed_lines > named.len() as u64 {
+                ", ..."
+            } else {
+                ""
+            }
+        );
+    }
+    for t in &s.truncated_tails {
+        let _ = writeln!(o, "truncated last line (ignored): {t}");
+    }
+    for sp in &s.open_spans {
+        let _ = writeln!(
+            o,
+            "open span (never ended): rank {} {}{}, shown {} until the process's last record",
+            sp.rank,
+            sp.name,
+            sp.step.map(|s| format!(" step {s}")).unwrap_or_default(),
+            human_ns(sp.shown_dur_ns as f64)
+        );
+    }
+    if let Some(a) = &s.clock_alignment {
+        let hosts: Vec<String> = a
+            .hosts
+            .iter()
+            .map(|h| format!("{} {:+.3} ms", h.host, h.offset_ns as f64 / 1e6))
+            .collect();
+        let _ = writeln!(
+            o,
+            "clock: hosts aligned to {} on shared step starts ({})",
+            a.reference_host,
+            hosts.join(", ")
+        );
     }
     let _ = writeln!(o, "\nphases (all ranks, all steps)");
     let header = [

@@ -1,0 +1,108 @@
+//! Names with a meaning to the analysis, in one place: titan's phase and tag names and
+//! torchtitan 0.3.0's spellings of the same things (its structured logger's record fields
+//! and the phase/tag names its trainer, checkpointer and validator log).
+//!
+//! titan-obs never renames a phase: a torchtitan run shows `fwd_bwd`, a titan run
+//! `forward_backward`. These constants are what the analysis looks names up by.
+
+/// The top-level span around one training step (titan and torchtitan both call it `step`).
+pub const STEP: &str = "step";
+
+/// titan-train's phase and tag names.
+pub mod titan {
+    pub const FORWARD_BACKWARD: &str = "forward_backward";
+    pub const OPTIMIZER: &str = "optimizer";
+    /// Span and step tag of a checkpoint save.
+    pub const CHECKPOINT: &str = "checkpoint";
+    /// Span and step tag of a validation pass.
+    pub const VALIDATION: &str = "validation";
+}
+
+/// torchtitan 0.3.0: its structured logger (`torchtitan/observability/structured_logger/`)
+/// and the names its trainer logs (`torchtitan/trainer.py`, `components/`).
+pub mod torchtitan {
+    /// Folder under the job's `dump_folder` holding one JSONL file per process.
+    pub const STRUCTURED_LOGS_DIR: &str = "structured_logs";
+    /// `{source}.global_rank_{rank}.{YYYYmmdd-HHMMSS}-{6 chars}.jsonl`: the part between
+    /// the source and the rank.
+    pub const FILE_RANK_MARKER: &str = ".global_rank_";
+    pub const FILE_SUFFIX: &str = ".jsonl";
+    /// The trainer's `source` (torchtitan/train.py).
+    pub const SOURCE_TRAINING: &str = "training";
+
+    /// `log_type` of `_start`/`_end`/`_error` records.
+    pub const LOG_TYPE_EVENT: &str = "event";
+    /// `log_type` of `log_trace_instant` and `log_trace_scalar` records.
+    pub const LOG_TYPE_INSTANT: &str = "instant";
+    /// `log_type_name` of a `log_trace_scalar` record (the scalar's name is `event_name`).
+    pub const METRIC_VALUE: &str = "metric_value";
+    pub const START_SUFFIX: &str = "_start";
+    pub const END_SUFFIX: &str = "_end";
+    pub const ERROR_SUFFIX: &str = "_error";
+
+    // Phases of torchtitan/trainer.py (`step` is [`super::STEP`]).
+    pub const FWD_BWD: &str = "fwd_bwd";
+    pub const OPTIM: &str = "optim";
+    pub const FETCHING_BATCH: &str = "fetching_batch";
+    pub const POST_DATALOADING_PROCESS: &str = "post_dataloading_process";
+    pub const COLLECT_DIST_METRICS: &str = "collect_dist_metrics";
+    pub const TORCH_DISTRIBUTED_INIT: &str = "torch_distributed_init";
+    pub const MODEL_PARALLELISM_INIT: &str = "model_parallelism_init";
+    /// Span and step tag of components/checkpointer/dcp.py's save.
+    pub const CHECKPOINT_SAVE: &str = "checkpoint_save";
+    pub const CHECKPOINT_LOAD: &str = "checkpoint_load";
+    /// Span and step tag of components/validate.py.
+    pub const EVAL: &str = "eval";
+    /// The step tag the structured logger documents for garbage-collection steps.
+    pub const GC: &str = "gc";
+    // Instants.
+    pub const STRUCTURED_LOGGER_STARTED: &str = "structured_logger_started";
+    pub const TRAINING_START: &str = "training_start";
+    // Scalars.
+    pub const LOCAL_VALID_TOKENS: &str = "local_valid_tokens";
+    pub const GLOBAL_VALID_TOKENS: &str = "global_valid_tokens";
+
+    /// The rank in a structured-log file name, e.g. 3 in
+    /// `training.global_rank_3.20250101-120000-AB12CD.jsonl`.
+    pub fn rank_of_file_name(name: &str) -> Option<u32> {
+        let rest = name.strip_suffix(FILE_SUFFIX)?;
+        let (_, after) = rest.split_once(FILE_RANK_MARKER)?;
+        let digits = after.split('.').next()?;
+        digits.parse().ok()
+    }
+
+    /// The rank in a name carrying `global_rank_<N>` anywhere (torchtitan's gantt names each
+    /// process after its file, without the extension).
+    pub fn rank_in_label(label: &str) -> Option<u32> {
+        let (_, after) = label.split_once("global_rank_")?;
+        let end = after
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(after.len());
+        after[..end].parse().ok()
+    }
+}
+
+/// PyTorch profiler traces: the span `torch.profiler` records around each `prof.step()`,
+/// named `ProfilerStep#<step>`; read as the phase [`PROFILER_STEP`] at that step.
+pub const PROFILER_STEP_PREFIX: &str = "ProfilerStep#";
+pub const PROFILER_STEP: &str = "ProfilerStep";
+
+#[cfg(test)]
+mod tests {
+    use super::torchtitan::*;
+
+    #[test]
+    fn ranks_from_names() {
+        assert_eq!(
+            rank_of_file_name("training.global_rank_3.20250101-120000-AB12CD.jsonl"),
+            Some(3)
+        );
+        assert_eq!(rank_of_file_name("training.global_rank_x.jsonl"), None);
+        assert_eq!(rank_of_file_name("other.jsonl"), None);
+        assert_eq!(
+            rank_in_label("training.global_rank_12.20250101-120000-AB12CD"),
+            Some(12)
+        );
+        assert_eq!(rank_in_label("python"), None);
+    }
+}
