@@ -313,7 +313,10 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
     );
     assert_eq!(report["step"], 10);
     assert_eq!(report["exp_avg_chunks"]["tok_embeddings.weight"], 2);
-    assert_eq!(report["exp_avg_chunks"]["layers.0.attention.wq.weight"], 2);
+    assert_eq!(
+        report["exp_avg_chunks"]["layers.0.attention.qkv_linear.wq.weight"],
+        2
+    );
 
     // Resume from step 5 (async saves this time) and replay steps 6..10 exactly.
     std::fs::remove_dir_all(ckpt.join("step-10")).unwrap();

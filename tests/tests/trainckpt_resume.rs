@@ -2,7 +2,9 @@
 //! - 20 steps straight vs 10 steps + resume + 10 steps: bit-identical losses and grad norms;
 //! - a save killed with SIGKILL before its commit never becomes a checkpoint: the next start
 //!   resumes from the previous complete one and still reproduces the straight run;
-//! - `keep_latest_k` purges old checkpoints; `load_step` picks one; bad keys are named.
+//! - `keep_latest_k` purges old checkpoints; `load_step` picks one; bad keys are named;
+//! - a checkpoint with the names titan-train wrote before torchtitan 0.3.0's (`attention.wq`,
+//!   `output`; rewritten by torch's DCP) resumes and reproduces the straight run exactly.
 
 use std::path::Path;
 use std::process::{Output, Stdio};
@@ -237,4 +239,41 @@ fn async_saves_resume_identically_and_bad_keys_are_named() {
         "{}",
         text(&o)
     );
+}
+
+#[test]
+fn checkpoint_with_the_older_names_resumes_exactly() {
+    let straight = tempfile::tempdir().unwrap();
+    ok(titan_train(straight.path(), &["--training.steps", "5"]));
+    let reference = losses(straight.path());
+    assert_eq!(reference.len(), 5);
+
+    let first = tempfile::tempdir().unwrap();
+    ok(titan_train(
+        first.path(),
+        &[
+            &["--training.steps", "3", "--checkpoint.interval", "3"],
+            CKPT,
+        ]
+        .concat(),
+    ));
+    let resumed = tempfile::tempdir().unwrap();
+    let legacy = resumed.path().join("checkpoint/step-3");
+    std::fs::create_dir_all(legacy.parent().unwrap()).unwrap();
+    let out = titan_tests::run_ok(
+        titan_tests::python_script("tests/python/trainckpt_legacy_names.py").args([
+            first.path().join("checkpoint/step-3").to_str().unwrap(),
+            legacy.to_str().unwrap(),
+        ]),
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // 19 renamed parameters (6 layers x q/k/v, lm_head), each with its weight, 3 optimizer
+    // state tensors and 12 param_group entries.
+    assert_eq!(report["renamed"], 19 * 16, "{report}");
+
+    ok(titan_train(
+        resumed.path(),
+        &["--training.steps", "5", "--checkpoint.enable"],
+    ));
+    assert_eq!(losses(resumed.path()), reference[3..].to_vec());
 }

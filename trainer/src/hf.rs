@@ -1,23 +1,31 @@
 //! Hugging Face Llama checkpoints <-> torchtitan names, with the q/k row permutation between
 //! HF's rotate-half RoPE and torchtitan's interleaved (complex) RoPE, on tch tensors (the name
-//! table is titan-ckpt's, shared with `titan-ckpt convert`).
+//! table is titan-ckpt's, shared with `titan-ckpt convert`; [`names`] brings either torchtitan
+//! name generation to the model's).
 
 use anyhow::{Result, bail};
 use tch::Tensor;
 
 use crate::model::ModelArgs;
+use crate::names;
 
-/// The torchtitan fqn of an HF Llama tensor name, or `None` for names with no counterpart
-/// (such as `model.layers.0.self_attn.rotary_emb.inv_freq`). One name table with titan-ckpt.
-pub use titan_ckpt::adapter::from_hf_name as titan_name;
-/// The HF name of a torchtitan fqn (inverse of [`titan_name`]).
-pub use titan_ckpt::adapter::to_hf_name as hf_name;
+/// The model's fqn of an HF Llama tensor name, or `None` for names with no counterpart
+/// (such as `model.layers.0.self_attn.rotary_emb.inv_freq`).
+pub fn titan_name(hf: &str) -> Option<String> {
+    titan_ckpt::adapter::from_hf_name(hf).map(|n| names::current(&n))
+}
+
+/// The HF name of a model fqn (inverse of [`titan_name`]).
+pub fn hf_name(fqn: &str) -> Option<String> {
+    titan_ckpt::adapter::to_hf_name(fqn)
+        .or_else(|| titan_ckpt::adapter::to_hf_name(&names::legacy(fqn)?))
+}
 
 /// Heads of a q (`wq`) or k (`wk`) weight, which need the RoPE permutation; `None` otherwise.
 fn rope_heads(titan: &str, args: &ModelArgs) -> Option<i64> {
-    if titan.ends_with("attention.wq.weight") {
+    if titan.ends_with("attention.qkv_linear.wq.weight") {
         Some(args.n_heads)
-    } else if titan.ends_with("attention.wk.weight") {
+    } else if titan.ends_with("attention.qkv_linear.wk.weight") {
         Some(args.kv_heads())
     } else {
         None
@@ -84,10 +92,10 @@ mod tests {
     fn names_round_trip() {
         for n in [
             "tok_embeddings.weight",
-            "layers.3.attention.wk.weight",
+            "layers.3.attention.qkv_linear.wk.weight",
             "layers.11.feed_forward.w3.weight",
             "layers.0.ffn_norm.weight",
-            "output.weight",
+            "lm_head.weight",
         ] {
             assert_eq!(titan_name(&hf_name(n).unwrap()).unwrap(), n);
         }

@@ -2,8 +2,8 @@
 //! torchtitan's llama3 and reading torchtitan's config files.
 //!
 //! - [`config`]: [`config::JobConfig`], torchtitan's TOML sections plus `--section.key` overrides.
-//! - [`model`]: [`model::Llama`] with torchtitan's parameter names, init and RoPE; [`hf`] maps
-//!   Hugging Face checkpoints onto it.
+//! - [`model`]: [`model::Llama`] with torchtitan 0.3.0's parameter names, init and RoPE; [`names`]
+//!   maps the older name generation; [`hf`] maps Hugging Face checkpoints onto it.
 //! - [`data`]: tokenizer, document sources (.txt/.jsonl/.parquet, embedded default), packing loader
 //!   with resumable [`data::LoaderState`].
 //! - [`optim`] (AdamW with visible state, grad clipping) and [`lr_scheduler`].
@@ -22,6 +22,7 @@ pub mod hf;
 pub mod lr_scheduler;
 pub mod metrics;
 pub mod model;
+pub mod names;
 pub mod optim;
 pub mod parallel;
 pub mod rng;

@@ -218,7 +218,7 @@ pub struct Llama {
     layers: Vec<Layer>,
     tok_embeddings: Tensor,
     norm: Tensor,
-    output: Tensor,
+    lm_head: Tensor,
     freqs_cis: Tensor,
 }
 
@@ -293,9 +293,9 @@ impl Llama {
                 let _ = t.fill_(1.0);
             };
             let p = |n: &str| format!("layers.{i}.{n}");
-            let wq = add(p("attention.wq.weight"), &[d, d], &std02);
-            let wk = add(p("attention.wk.weight"), &[kv, d], &std02);
-            let wv = add(p("attention.wv.weight"), &[kv, d], &std02);
+            let wq = add(p("attention.qkv_linear.wq.weight"), &[d, d], &std02);
+            let wk = add(p("attention.qkv_linear.wk.weight"), &[kv, d], &std02);
+            let wv = add(p("attention.qkv_linear.wv.weight"), &[kv, d], &std02);
             let wo = add(p("attention.wo.weight"), &[d, d], &depth);
             let w1 = add(p("feed_forward.w1.weight"), &[hd, d], &std02);
             let w2 = add(p("feed_forward.w2.weight"), &[d, hd], &depth);
@@ -318,7 +318,7 @@ impl Llama {
             let _ = t.fill_(1.0);
         });
         let final_std = (d as f64).powf(-0.5);
-        let output = add("output.weight".into(), &[args.vocab_size, d], &|t| {
+        let lm_head = add("lm_head.weight".into(), &[args.vocab_size, d], &|t| {
             trunc_normal_(t, final_std, -3.0 * final_std, 3.0 * final_std)
         });
         let freqs_cis = precompute_freqs_cis(&args, device);
@@ -328,7 +328,7 @@ impl Llama {
             layers,
             tok_embeddings,
             norm,
-            output,
+            lm_head,
             freqs_cis,
         })
     }
@@ -383,7 +383,8 @@ impl Llama {
             h = h + (gate * up).linear::<&Tensor>(&layer.w2, None);
         }
         let h = h.rms_norm([d], Some(&self.norm), eps);
-        h.linear::<&Tensor>(&self.output, None).to_kind(Kind::Float)
+        h.linear::<&Tensor>(&self.lm_head, None)
+            .to_kind(Kind::Float)
     }
 
     fn attention(&self, layer: &Layer, x: &Tensor) -> Tensor {
@@ -459,22 +460,24 @@ mod tests {
             .map(|(n, _)| n.as_str())
             .collect();
         assert_eq!(names[0], "tok_embeddings.weight");
-        assert_eq!(names[1], "layers.0.attention.wq.weight");
+        assert_eq!(names[1], "layers.0.attention.qkv_linear.wq.weight");
         assert_eq!(names[6], "layers.0.feed_forward.w2.weight");
-        assert_eq!(*names.last().unwrap(), "output.weight");
+        assert_eq!(*names.last().unwrap(), "lm_head.weight");
         let total: i64 = m
             .named_parameters()
             .iter()
             .map(|(_, t)| t.numel() as i64)
             .sum();
         assert_eq!(total, args.num_params().0);
-        let wq = m.parameter("layers.0.attention.wq.weight").unwrap();
+        let wq = m
+            .parameter("layers.0.attention.qkv_linear.wq.weight")
+            .unwrap();
         let std = wq.std(true).double_value(&[]);
         assert!((std - 0.02).abs() < 0.001, "wq std {std}");
         let w2 = m.parameter("layers.1.feed_forward.w2.weight").unwrap();
         let std = w2.std(true).double_value(&[]);
         assert!((std - 0.01).abs() < 0.001, "w2 std {std}");
-        let out = m.parameter("output.weight").unwrap();
+        let out = m.parameter("lm_head.weight").unwrap();
         let bound = 3.0 / 16.0;
         assert!(out.abs().max().double_value(&[]) <= bound + 1e-6);
         let logits = m.forward(&Tensor::from_slice(&[1i64, 2, 3, 4]).view([1, 4]));

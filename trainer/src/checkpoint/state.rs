@@ -9,6 +9,11 @@
 //!   `dataloader.world_size`;
 //! - train_state: `train_state.step` (int32) and `train_state.ntokens_seen` (int64), 0-dim;
 //! - rng_state: `rng_state.cpu.rank_<r>` (uint8, `torch.get_rng_state()`'s bytes) per rank.
+//!
+//! `<fqn>` is torchtitan 0.3.0's name (`layers.N.attention.qkv_linear.wq.weight`, `lm_head.weight`).
+//! Loading also takes the older names (`layers.N.attention.wq.weight`, `output.weight`) that
+//! earlier titan-train versions wrote, and torchtitan 0.3.0's fused `qkv_linear.wqkv` optimizer
+//! state (split into the q/k/v rows), see [`crate::names`].
 
 use anyhow::{Context, Result, bail};
 use tch::{Device, Kind};
@@ -19,6 +24,7 @@ use super::host::HostTensor;
 use crate::data::{LoaderState, TextLoader};
 use crate::lr_scheduler::LrSchedule;
 use crate::model::Llama;
+use crate::names;
 use crate::optim::{AdamW, ParamState};
 use crate::parallel::OptimizerShard;
 
@@ -340,15 +346,16 @@ pub fn apply(
         if opts.excluded(fqn, MODEL) {
             continue;
         }
-        if !src.has(fqn) {
+        let Some(key) = stored_name(src, fqn, |name| name.to_string()) else {
             bail!(
-                "the checkpoint has no model weight `{fqn}` (is it a checkpoint of this model flavor?)"
+                "the checkpoint has no model weight `{fqn}`{} (is it a checkpoint of this model flavor?)",
+                names::legacy(fqn).map_or(String::new(), |old| format!(" (nor `{old}`)"))
             );
-        }
+        };
         let t = src
-            .tensor(fqn)?
+            .tensor(&key)?
             .to_tensor(device)
-            .with_context(|| format!("model weight `{fqn}`"))?;
+            .with_context(|| format!("model weight `{key}`"))?;
         let t = if t.kind() != p.kind() {
             t.to_kind(p.kind())
         } else {
@@ -416,24 +423,44 @@ pub fn apply(
     Ok(counters)
 }
 
+/// The name `fqn` has in `src` as `key(name)`: torchtitan 0.3.0's or the older one.
+fn stored_name(src: &dyn StateSource, fqn: &str, key: impl Fn(&str) -> String) -> Option<String> {
+    std::iter::once(fqn.to_string())
+        .chain(names::legacy(fqn))
+        .find(|name| src.has(&key(name)))
+}
+
 fn load_optimizer(
     src: &dyn StateSource,
     state: &mut TrainerState<'_>,
     device: Device,
 ) -> Result<()> {
     state.optimizer.state.clear();
+    let args = &state.model.args;
+    let state_key = |name: &str, field: &str| format!("{OPTIMIZER}.state.{name}.{field}");
     for (fqn, p) in state.model.named_parameters() {
-        let key = |name: &str| format!("{OPTIMIZER}.state.{fqn}.{name}");
-        if !src.has(&key("exp_avg")) {
-            // A parameter that never had a gradient has no optimizer state (as in torch).
-            continue;
-        }
-        let read = |name: &str| -> Result<tch::Tensor> {
-            let t = src.tensor(&key(name))?.to_tensor(device)?;
+        // This parameter's own state (titan-train's names of either generation), or its rows of
+        // torchtitan 0.3.0's fused `wqkv` state.
+        let (name, part) = match stored_name(src, fqn, |n| state_key(n, "exp_avg")) {
+            Some(name) => (name, None),
+            None => match names::fused_qkv(fqn) {
+                Some((part, fused)) if src.has(&state_key(&fused, "exp_avg")) => {
+                    (fused, Some(part))
+                }
+                // A parameter that never had a gradient has no optimizer state (as in torch).
+                _ => continue,
+            },
+        };
+        let read = |field: &str| -> Result<tch::Tensor> {
+            let key = state_key(&name, field);
+            let t = src.tensor(&key)?.to_tensor(device)?;
+            let t = match part {
+                Some(part) => names::split_fused_qkv(&t, part, args.n_heads, args.kv_heads()),
+                None => t,
+            };
             if t.size() != p.size() {
                 bail!(
-                    "`{}` has shape {:?}, the parameter has {:?}",
-                    key(name),
+                    "`{key}` gives shape {:?} for `{fqn}`, the parameter has {:?}",
                     t.size(),
                     p.size()
                 );
@@ -442,7 +469,7 @@ fn load_optimizer(
         };
         let exp_avg = read("exp_avg")?;
         let exp_avg_sq = read("exp_avg_sq")?;
-        let step = src.tensor(&key("step"))?.scalar_value()? as u64;
+        let step = src.tensor(&state_key(&name, "step"))?.scalar_value()? as u64;
         state.optimizer.state.insert(
             fqn.clone(),
             ParamState {
