@@ -1,7 +1,7 @@
 """Writes a torchtitan run folder with torchtitan 0.3.0's own structured logger.
 
 Usage: tt_obs_make_run.py OUT [--ranks 2] [--steps 6] [--straggler-rank 1]
-                              [--straggler-ms 25] [--expected EXPECTED.json]
+                              [--straggler-ms 25] [--expected EXPECTED.json] [--skew-ms MS]
 
 Every rank is a separate process (forked, RANK/LOCAL_RANK set like torchrun does) that calls
 `init_structured_logger(source="training", output_dir=OUT)` exactly as torchtitan's train.py
@@ -29,7 +29,16 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def rank_main(rank, world, out, steps, straggler_rank, straggler_ms, barrier):
+def rank_main(rank, world, out, steps, straggler_rank, straggler_ms, skew_ms, barrier):
+    if skew_ms and rank >= world // 2:
+        # The second half of the ranks plays a second host whose wall clock is `skew_ms`
+        # ahead: the logger reads socket.gethostname() and the logging module's time.
+        import socket
+
+        socket.gethostname = lambda: "node1"
+        real_time, real_time_ns = time.time, time.time_ns
+        time.time = lambda: real_time() + skew_ms / 1000
+        time.time_ns = lambda: real_time_ns() + int(skew_ms * 1e6)
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world)
@@ -118,13 +127,28 @@ def main():
     p.add_argument("--straggler-rank", type=int, default=1)
     p.add_argument("--straggler-ms", type=float, default=25.0)
     p.add_argument("--expected")
+    p.add_argument(
+        "--skew-ms",
+        type=float,
+        default=0.0,
+        help="ranks in the second half log host `node1` with a clock this far ahead",
+    )
     a = p.parse_args()
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(a.ranks)
     procs = [
         ctx.Process(
             target=rank_main,
-            args=(r, a.ranks, a.out, a.steps, a.straggler_rank, a.straggler_ms, barrier),
+            args=(
+                r,
+                a.ranks,
+                a.out,
+                a.steps,
+                a.straggler_rank,
+                a.straggler_ms,
+                a.skew_ms,
+                barrier,
+            ),
         )
         for r in range(a.ranks)
     ]
