@@ -246,7 +246,7 @@ fn follow_reader_reads_only_appended_bytes() {
     std::fs::OpenOptions::new()
         .append(true)
         .open(&dst0)
-        .and_then(|mut w| std::io::Write::write_all(&mut w, text0[half..].as_bytes()))
+        .and_then(|mut w| std::io::Write::write_all(&mut w, &text0.as_bytes()[half..]))
         .unwrap();
     let mut others = 0u64;
     for p in &src[1..] {
@@ -410,7 +410,7 @@ fn export_and_gantt_work_on_a_torchtitan_run() {
     let (run, _) = fixture();
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("trace.json");
-    run_ok(&mut obs(&["export", "--quiet", "--chrome"], &json).arg(run));
+    run_ok(obs(&["export", "--quiet", "--chrome"], &json).arg(run));
     let t: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let spans = t["traceEvents"]
         .as_array()
