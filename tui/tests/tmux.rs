@@ -261,3 +261,108 @@ fn tui_gantt_writes_svg_and_png() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("steps 50..60 are not in this run"));
 }
+
+/// A torchtitan run written by torchtitan 0.3.0's own structured logger (2 ranks, 4 steps;
+/// `tests/python/tt_obs_make_run.py` through `$TITAN_TT_PYTHON`).
+fn torchtitan_run(dir: &Path) -> PathBuf {
+    let python = std::env::var("TITAN_TT_PYTHON")
+        .expect("TITAN_TT_PYTHON (set in .cargo/config.toml) points at .venv-tt's python");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/tt_obs_make_run.py");
+    let run = dir.join("full");
+    let out = Command::new(python)
+        .arg(script)
+        .arg(&run)
+        .args(["--ranks", "2", "--steps", "4"])
+        .output()
+        .expect("running tt_obs_make_run.py");
+    assert!(
+        out.status.success(),
+        "tt_obs_make_run.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    run
+}
+
+#[test]
+fn tui_follows_a_torchtitan_run_as_its_logs_grow() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = torchtitan_run(dir.path());
+    let mut files: Vec<PathBuf> = std::fs::read_dir(full.join("structured_logs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    // The live run starts with rank 0's first 20 lines (its first step still open).
+    let live = dir.path().join("live");
+    let logs = live.join("structured_logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    let text0 = std::fs::read_to_string(&files[0]).unwrap();
+    let cut = text0.match_indices('\n').nth(19).unwrap().0 + 1;
+    let live0 = logs.join(files[0].file_name().unwrap());
+    std::fs::write(&live0, &text0[..cut]).unwrap();
+
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
+    let cmd = format!(
+        "TERM=xterm-256color {} {} --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
+        shell_quote(&bin),
+        shell_quote(&live)
+    );
+    let tmux = Tmux::start(&cmd, 160, 40);
+    let s = tmux.wait_for("the first part of rank 0", |s| {
+        s.contains("following: 1 files") && s.contains("r0")
+    });
+    assert!(s.contains("fwd_bwd"), "torchtitan's phase names:\n{s}");
+    assert!(!s.contains("r1."), "rank 1 has logged nothing yet:\n{s}");
+
+    // The rest of rank 0 is appended and rank 1's file appears.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(&live0)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &text0.as_bytes()[cut..]))
+        .unwrap();
+    std::fs::copy(&files[1], logs.join(files[1].file_name().unwrap())).unwrap();
+    let s = tmux.wait_for("rank 1 and the appended steps", |s| {
+        s.contains("following: 2 files") && s.contains("r1")
+    });
+    // Only the new bytes were read on that refresh: rank 0's appended part + rank 1's file.
+    let new_bytes = (text0.len() - cut) as u64 + std::fs::metadata(&files[1]).unwrap().len();
+    let shown = format!("{:.1} kB new", new_bytes as f64 / 1024.0);
+    assert!(s.contains(&shown), "expected `{shown}` in the status:\n{s}");
+    // All 4 steps are on screen.
+    assert!(s.contains("│4"), "step 4 missing:\n{s}");
+
+    tmux.keys(&["q"]);
+    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+}
+
+#[test]
+fn tui_opens_a_torchtitan_gantt_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = torchtitan_run(dir.path());
+    let python = std::env::var("TITAN_TT_PYTHON").unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/tt_obs_traces.py");
+    let gantt = dir.path().join("gantt.json");
+    let out = Command::new(python)
+        .arg(script)
+        .arg("gantt")
+        .arg(full.join("structured_logs"))
+        .arg(&gantt)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
+    let cmd = format!(
+        "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
+        shell_quote(&bin),
+        shell_quote(&gantt)
+    );
+    let tmux = Tmux::start(&cmd, 160, 40);
+    let s = tmux.wait_for("the gantt of the trace", |s| {
+        s.contains("r1") && s.contains("fwd_bwd")
+    });
+    assert!(s.contains("2 ranks"), "{s}");
+    tmux.keys(&["q"]);
+    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+}
