@@ -53,8 +53,12 @@ impl Layout {
 
 /// Element ranges to process `t` in, each at most about `max_bytes` (at least one row).
 pub fn windows(t: &TensorPlan, max_bytes: u64) -> Vec<Range<u64>> {
+    windows_in(t, 0..t.numel(), max_bytes)
+}
+
+/// Windows over the elements `range` of `t` (which starts on a whole row of its layout).
+pub fn windows_in(t: &TensorPlan, range: Range<u64>, max_bytes: u64) -> Vec<Range<u64>> {
     let es = t.dtype.size() as u64;
-    let numel = t.numel();
     let layout = Layout::of(t);
     let step = if layout.is_runs() {
         (max_bytes / es).max(1)
@@ -63,9 +67,9 @@ pub fn windows(t: &TensorPlan, max_bytes: u64) -> Vec<Range<u64>> {
         rows * layout.row_len
     };
     let mut out = Vec::new();
-    let mut s = 0;
-    while s < numel {
-        let e = (s + step).min(numel);
+    let mut s = range.start;
+    while s < range.end {
+        let e = (s + step).min(range.end);
         out.push(s..e);
         s = e;
     }
@@ -142,6 +146,25 @@ impl<'a> TensorReader<'a> {
                 Ok(())
             }
         }
+    }
+
+    /// Like [`TensorReader::read`] for any element range: a range that cuts rows of a
+    /// column-sharded layout is read as its enclosing whole rows, then trimmed.
+    pub fn read_any(&mut self, t: &TensorPlan, range: Range<u64>, out: &mut [u8]) -> Result<()> {
+        let l = Layout::of(t).row_len.max(1);
+        let whole = range.start.is_multiple_of(l)
+            && (range.end.is_multiple_of(l) || range.end == t.numel());
+        if Layout::of(t).is_runs() || whole {
+            return self.read(t, range, out);
+        }
+        let es = t.dtype.size() as u64;
+        let start = range.start / l * l;
+        let end = (range.end.div_ceil(l) * l).min(t.numel());
+        let mut rows = vec![0u8; ((end - start) * es) as usize];
+        self.read(t, start..end, &mut rows)?;
+        let skip = ((range.start - start) * es) as usize;
+        out.copy_from_slice(&rows[skip..skip + out.len()]);
+        Ok(())
     }
 
     /// Fills `out` with the elements `range` of tensor `t` (C order, the tensor's dtype).

@@ -217,7 +217,7 @@ pub fn run(
     opts.progress.set_length(
         mine.iter()
             .flat_map(|f| &f.tensors)
-            .map(|(t, _)| plan.tensors.get(&t.source).map(|s| s.nbytes()).unwrap_or(0))
+            .map(|(t, _)| t.input_bytes(plan))
             .sum(),
     );
     tracing::info!(
@@ -267,13 +267,7 @@ pub fn consolidation_tensors(
                 _ => t.dtype,
             };
             crate::cast::check(t.dtype, to)?;
-            Ok(OutTensor {
-                name: name.clone(),
-                source: name.clone(),
-                dtype: to,
-                shape: t.shape.clone(),
-                row_map: None,
-            })
+            Ok(OutTensor::whole(name.clone(), name, t, to))
         })
         .collect()
 }
@@ -317,7 +311,11 @@ mod tests {
     fn t(name: &str, n: u64) -> OutTensor {
         OutTensor {
             name: name.into(),
-            source: name.into(),
+            sources: vec![crate::write::SourceSlice {
+                tensor: name.into(),
+                offset: 0,
+                numel: n,
+            }],
             dtype: Dtype::U8,
             shape: vec![n],
             row_map: None,

@@ -26,7 +26,10 @@ pub struct InspectReport {
     pub format: Format,
     pub files: usize,
     pub tensor_count: usize,
+    /// Elements of model tensors (not optimizer, lr_scheduler, dataloader, train_state, RNG).
     pub parameter_count: u64,
+    /// Elements of every tensor.
+    pub total_elements: u64,
     pub total_bytes: u64,
     pub tensors: Vec<TensorInfo>,
     /// Non-tensor items (DCP native only).
@@ -40,6 +43,7 @@ pub fn inspect(plan: &CheckpointPlan) -> InspectReport {
         files: plan.files.len(),
         tensor_count: plan.tensors.len(),
         parameter_count: plan.parameter_count(),
+        total_elements: plan.total_elements(),
         total_bytes: plan.total_bytes(),
         tensors: plan
             .tensors
@@ -75,12 +79,13 @@ pub fn human_bytes(n: u64) -> String {
 impl InspectReport {
     pub fn render(&self) -> String {
         let mut s = format!(
-            "{}  format {}  {} files  {} tensors  {} parameters  {}\n\n",
+            "{}  format {}  {} files  {} tensors  {} model parameters  {} elements in all  {}\n\n",
             self.path,
             self.format,
             self.files,
             self.tensor_count,
             self.parameter_count,
+            self.total_elements,
             human_bytes(self.total_bytes)
         );
         let w = self

@@ -4,13 +4,13 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use titan_ckpt::adapter::{self, LlamaHints, Naming};
+use titan_ckpt::adapter::{self, Family, Hints, MapOptions, Naming, TtNames};
 use titan_ckpt::consolidate::{self, FileLayout, RankShare};
 use titan_ckpt::error::{Error, Result};
 use titan_ckpt::formats::{self, dcp_hf};
 use titan_ckpt::inspect::{self, VerifyReport};
-use titan_ckpt::plan::Format;
-use titan_ckpt::write::{self, EngineOptions, OutFilePlan, OutTensor};
+use titan_ckpt::plan::{Format, is_model_tensor};
+use titan_ckpt::write::{EngineOptions, OutFilePlan, OutTensor};
 use titan_ckpt::{Dtype, storage};
 
 /// Checkpoint tools for PyTorch Distributed Checkpoint (DCP) and Hugging Face safetensors.
@@ -82,6 +82,51 @@ impl Workers {
 }
 
 #[derive(Args)]
+struct ShareArgs {
+    /// This process's rank among --world-size processes sharing the work (default: RANK under
+    /// torchrun, SLURM_PROCID under srun, else 0).
+    #[arg(long, requires = "world_size")]
+    rank: Option<usize>,
+    /// Number of processes sharing the work, each with its own --rank (default: WORLD_SIZE
+    /// under torchrun, SLURM_NTASKS under srun, else 1).
+    #[arg(long)]
+    world_size: Option<usize>,
+}
+
+impl ShareArgs {
+    /// (rank, world size) from the flags, else torchrun's or SLURM's variables, else (0, 1).
+    fn resolve(&self) -> Result<(usize, usize)> {
+        let env = |k: &str| -> Result<Option<usize>> {
+            match std::env::var(k) {
+                Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+                    Error::usage(format!("environment variable {k}={v:?} is not a number"))
+                }),
+                Err(_) => Ok(None),
+            }
+        };
+        let (rank, world, from) = match self.world_size {
+            Some(w) => (self.rank.unwrap_or(0), w, "--rank/--world-size"),
+            None => match (env("RANK")?, env("WORLD_SIZE")?) {
+                (Some(r), Some(w)) => (r, w, "RANK/WORLD_SIZE"),
+                _ => match (env("SLURM_PROCID")?, env("SLURM_NTASKS")?) {
+                    (Some(r), Some(w)) => (r, w, "SLURM_PROCID/SLURM_NTASKS"),
+                    _ => (0, 1, "default"),
+                },
+            },
+        };
+        if world == 0 || rank >= world {
+            return Err(Error::usage(format!(
+                "rank {rank} must be below world size {world} (from {from})"
+            )));
+        }
+        if world > 1 {
+            tracing::info!(rank, world, from, "sharing the work across processes");
+        }
+        Ok((rank, world))
+    }
+}
+
+#[derive(Args)]
 struct ConsolidateArgs {
     /// Input checkpoint directory or URL (dcp-hf or dcp; hf works too).
     input: String,
@@ -97,12 +142,8 @@ struct ConsolidateArgs {
     /// tensors keep theirs.
     #[arg(long)]
     dtype: Option<Dtype>,
-    /// This process's rank among --world-size processes sharing the work.
-    #[arg(long, default_value_t = 0, requires = "world_size")]
-    rank: usize,
-    /// Number of processes sharing the work (each runs with its own --rank).
-    #[arg(long, default_value_t = 1)]
-    world_size: usize,
+    #[command(flatten)]
+    share: ShareArgs,
     /// Seconds rank 0 waits for the other ranks' files before writing the index.
     #[arg(long, default_value_t = 3600)]
     wait_timeout: u64,
@@ -119,33 +160,48 @@ struct ConvertArgs {
     /// Output format.
     #[arg(long, value_enum)]
     to: Format,
-    /// Rename tensors for a model family: llama3 maps torchtitan names to HF names (and back)
-    /// with the q/k RoPE row permutation, and writes an HF config.json for --to hf.
-    #[arg(long, value_parser = ["llama3"])]
-    adapter: Option<String>,
+    /// Rename tensors for a model family between torchtitan 0.3.0 (or older llama3) names and
+    /// HF names: RoPE q/k row permutation (llama3), experts split/stacked (qwen3 MoE,
+    /// deepseek_v3), MTP layers (deepseek_v3); --to hf also writes config.json. `auto` picks the
+    /// family from the tensor names and says which.
+    #[arg(long, value_parser = parse_adapter)]
+    adapter: Option<AdapterChoice>,
+    /// Which torchtitan names to write (--to dcp/dcp-hf with --adapter): torchtitan 0.3.0's
+    /// (`attention.qkv_linear.wq`, `lm_head`) or older releases' (`attention.wq`, `output`).
+    #[arg(long, value_enum, default_value = "current")]
+    tt_names: TtNames,
     /// Convert floating point tensors to this dtype.
     #[arg(long)]
     dtype: Option<Dtype>,
     /// Keep only model weights: drop optimizer, lr_scheduler, dataloader, train_state and rng_state
-    /// entries and every non-tensor item.
+    /// entries and every non-tensor item (with --adapter this happens anyway, with a note).
     #[arg(long)]
     model_only: bool,
-    /// Llama attention heads (needed for the RoPE permutation unless the model is a known
-    /// torchtitan flavor: debugmodel, 8B, 70B, 405B).
+    /// Attention heads (llama3 needs them for the RoPE permutation unless the model is a known
+    /// torchtitan flavor: debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3 reads them from q_norm).
     #[arg(long)]
     n_heads: Option<u64>,
-    /// Llama key/value heads (default: inferred from wk's shape).
+    /// Key/value heads (default: inferred from wk's shape).
     #[arg(long)]
     n_kv_heads: Option<u64>,
-    /// RoPE theta written to config.json.
+    /// RoPE theta written to config.json (default: the family's torchtitan default).
     #[arg(long)]
     rope_theta: Option<f64>,
+    /// Llama-3 without the Llama-3.1 RoPE scaling in config.json.
+    #[arg(long)]
+    no_rope_scaling: bool,
     /// RMSNorm epsilon written to config.json.
     #[arg(long)]
     norm_eps: Option<f64>,
     /// max_position_embeddings written to config.json.
     #[arg(long)]
     max_position_embeddings: Option<u64>,
+    /// Routed experts per token (MoE config.json; not stored in checkpoints).
+    #[arg(long)]
+    experts_per_token: Option<u64>,
+    /// For --to hf: copy this config.json instead of writing one from the inferred arguments.
+    #[arg(long)]
+    hf_config: Option<std::path::PathBuf>,
     /// For --to dcp: compress every item with zstd at this level (torch's ZStandard extension,
     /// transform `stream.zstd/1`; torch uses 3).
     #[arg(long)]
@@ -153,8 +209,32 @@ struct ConvertArgs {
     /// For --to hf: pack tensors into files of at most this size.
     #[arg(long, default_value = "5GB", value_parser = consolidate::parse_size)]
     max_shard_size: u64,
+    /// For --to hf: split the output files across processes (dcp and dcp-hf outputs are written
+    /// by rank 0 alone).
+    #[command(flatten)]
+    share: ShareArgs,
+    /// Seconds rank 0 waits for the other ranks' files before writing the index.
+    #[arg(long, default_value_t = 3600)]
+    wait_timeout: u64,
     #[command(flatten)]
     workers: Workers,
+}
+
+/// `--adapter` values.
+#[derive(Clone, Copy)]
+enum AdapterChoice {
+    Auto,
+    Family(Family),
+}
+
+fn parse_adapter(s: &str) -> Result<AdapterChoice, String> {
+    use clap::ValueEnum;
+    if s == "auto" {
+        return Ok(AdapterChoice::Auto);
+    }
+    Family::from_str(s, false)
+        .map(AdapterChoice::Family)
+        .map_err(|_| format!("unknown adapter `{s}` (llama3, qwen3, deepseek_v3 or auto)"))
 }
 
 #[derive(Args)]
@@ -222,7 +302,7 @@ fn progress(quiet: bool, what: &str) -> ProgressBar {
 fn run(cmd: Command, quiet: bool) -> Result<u8> {
     match cmd {
         Command::Inspect(a) => {
-            let plan = formats::open_str(&a.path)?;
+            let plan = open_input(&a.path)?;
             let report = inspect::inspect(&plan);
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&report).expect("json"));
@@ -233,8 +313,8 @@ fn run(cmd: Command, quiet: bool) -> Result<u8> {
         }
         Command::Verify(a) => verify(&a),
         Command::Diff(a) => {
-            let pa = formats::open_str(&a.a)?;
-            let pb = formats::open_str(&a.b)?;
+            let pa = open_input(&a.a)?;
+            let pb = open_input(&a.b)?;
             let bar = progress(quiet || a.json, "diff");
             let report = inspect::diff(&pa, &pb, a.atol, a.workers.count(), &bar)?;
             bar.finish_and_clear();
@@ -251,7 +331,7 @@ fn run(cmd: Command, quiet: bool) -> Result<u8> {
 }
 
 fn verify(a: &InspectArgs) -> Result<u8> {
-    let report = match formats::open_str(&a.path) {
+    let report = match open_input(&a.path) {
         Ok(plan) => {
             let err = formats::dcp_native::check_items(&plan).err();
             VerifyReport {
@@ -293,14 +373,18 @@ fn verify(a: &InspectArgs) -> Result<u8> {
     Ok(if report.ok { 0 } else { 1 })
 }
 
-fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<u8> {
-    if a.world_size == 0 || a.rank >= a.world_size {
-        return Err(Error::usage(format!(
-            "--rank {} must be below --world-size {}",
-            a.rank, a.world_size
-        )));
+/// Opens a command-line checkpoint, saying which `step-N` a run or checkpoint folder resolved to.
+fn open_input(s: &str) -> Result<titan_ckpt::CheckpointPlan> {
+    let (loc, step) = formats::resolve_steps(titan_ckpt::storage::Location::parse(s)?)?;
+    if let Some(step) = step {
+        eprintln!("titan-ckpt: using the newest complete checkpoint {step}");
     }
-    let plan = formats::open_str(&a.input)?;
+    formats::open(&loc)
+}
+
+fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<u8> {
+    let (rank, world_size) = a.share.resolve()?;
+    let plan = open_input(&a.input)?;
     let out = formats::output_root(&a.output)?;
     let layout = match &a.index_from {
         Some(p) => {
@@ -329,16 +413,16 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<u8> {
         progress: bar.clone(),
     };
     let share = RankShare {
-        rank: a.rank,
-        world_size: a.world_size,
+        rank,
+        world_size,
         wait_timeout: Duration::from_secs(a.wait_timeout),
     };
     let summary = consolidate::run(&plan, &out, &files, write_index, share, &opts)?;
     bar.finish_and_clear();
     eprintln!(
         "rank {}/{}: wrote {} file(s), {}{}",
-        a.rank,
-        a.world_size,
+        rank,
+        world_size,
         summary.files_written.len(),
         inspect::human_bytes(summary.bytes_written),
         if summary.index_written {
@@ -350,76 +434,102 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<u8> {
     Ok(0)
 }
 
-/// Top-level state entries torchtitan (and titan-train: `rng_state`) save next to the model.
-const NON_MODEL_PREFIXES: [&str; 5] = [
-    "optimizer",
-    "lr_scheduler",
-    "dataloader",
-    "train_state",
-    "rng_state",
-];
-
-fn is_model_tensor(name: &str) -> bool {
-    !NON_MODEL_PREFIXES
-        .iter()
-        .any(|p| name == *p || name.starts_with(&format!("{p}.")))
-}
-
 fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
-    let mut plan = formats::open_str(&a.input)?;
+    let (rank, world_size) = a.share.resolve()?;
+    let mut plan = open_input(&a.input)?;
     let out = formats::output_root(&a.output)?;
-    if a.model_only {
+    if a.model_only || a.adapter.is_some() {
+        let before = plan.tensors.len() + plan.bytes_items.len();
         plan.tensors.retain(|n, _| is_model_tensor(n));
         plan.bytes_items.clear();
+        let dropped = before - plan.tensors.len();
+        if dropped > 0 && !a.model_only {
+            eprintln!(
+                "titan-ckpt: {dropped} training-state entries (optimizer, lr_scheduler, dataloader, \
+                 train_state, RNG) are not model weights; left out"
+            );
+        }
     }
     let target_naming = match a.to {
         Format::Hf => Naming::Hf,
         Format::Dcp | Format::DcpHf => Naming::Torchtitan,
     };
-    let mut args = None;
-    let mut tensors: Vec<OutTensor> = Vec::new();
-    if a.adapter.is_some() {
-        let from = adapter::detect_naming(plan.tensors.keys()).ok_or_else(|| {
-            Error::usage("--adapter llama3: found neither `tok_embeddings.weight` nor `model.embed_tokens.weight`")
-        })?;
-        let hints = LlamaHints {
-            n_heads: a.n_heads,
-            n_kv_heads: a.n_kv_heads,
-            rope_theta: a.rope_theta,
-            norm_eps: a.norm_eps,
-            max_position_embeddings: a.max_position_embeddings,
-        };
-        let la = adapter::infer_args(&plan, from, &hints)?;
-        for (name, t) in &plan.tensors {
-            let (out_name, row_map) = adapter::map_tensor(name, from, target_naming, &la).ok_or_else(|| {
+    let mut config = None;
+    let tensors: Vec<OutTensor> = match a.adapter {
+        Some(choice) => {
+            let family = match choice {
+                AdapterChoice::Family(f) => f,
+                AdapterChoice::Auto => {
+                    let f = adapter::detect_family(&plan).ok_or_else(|| {
+                        Error::usage(
+                            "--adapter auto: no llama3, qwen3 or deepseek_v3 tensor names found",
+                        )
+                    })?;
+                    eprintln!("titan-ckpt: --adapter auto picked {f}");
+                    f
+                }
+            };
+            let table = family.table();
+            let from = adapter::detect_naming(plan.tensors.keys()).ok_or_else(|| {
                 Error::usage(format!(
-                    "--adapter llama3: `{name}` is not a Llama-3 weight (use --model-only to drop optimizer state)"
+                    "--adapter {family}: found neither `tok_embeddings.weight` (torchtitan) nor \
+                     `model.embed_tokens.weight` (HF) in {}",
+                    plan.root.display()
                 ))
             })?;
-            tensors.push(out_tensor(
-                name, out_name, t.dtype, &t.shape, row_map, a.dtype,
-            )?);
+            let hints = Hints {
+                n_heads: a.n_heads,
+                n_kv_heads: a.n_kv_heads,
+                rope_theta: a.rope_theta,
+                norm_eps: a.norm_eps,
+                max_position_embeddings: a.max_position_embeddings,
+                experts_per_token: a.experts_per_token,
+                no_rope_scaling: a.no_rope_scaling,
+            };
+            let args = adapter::args::infer(&plan, table, from, &hints)?;
+            let planned = adapter::plan_tensors(
+                &plan,
+                table,
+                from,
+                &args,
+                MapOptions {
+                    to: target_naming,
+                    tt_names: a.tt_names,
+                    dtype: a.dtype,
+                },
+            )?;
+            for (name, why) in &planned.dropped {
+                eprintln!("titan-ckpt: warning: `{name}` left out: {why}");
+            }
+            config = Some(args);
+            planned.tensors
         }
-        args = Some(la);
-    } else {
-        for (name, t) in &plan.tensors {
-            tensors.push(out_tensor(
-                name,
-                name.clone(),
-                t.dtype,
-                &t.shape,
-                None,
-                a.dtype,
-            )?);
-        }
-    }
-    tensors.sort_by(|x, y| x.name.cmp(&y.name));
+        None => plan
+            .tensors
+            .iter()
+            .map(|(name, t)| {
+                let to = match a.dtype {
+                    Some(d) if t.dtype.is_float() => d,
+                    _ => t.dtype,
+                };
+                titan_ckpt::cast::check(t.dtype, to)?;
+                Ok(OutTensor::whole(name.clone(), name, t, to))
+            })
+            .collect::<Result<_>>()?,
+    };
     let bar = progress(quiet, "convert");
     let opts = EngineOptions {
         workers: a.workers.count(),
         window_bytes: a.workers.window,
         progress: bar.clone(),
     };
+    if a.to != Format::Hf && rank != 0 {
+        eprintln!(
+            "rank {rank}/{world_size}: --to {} is written by rank 0 alone",
+            a.to
+        );
+        return Ok(0);
+    }
     match a.to {
         Format::Hf => {
             if !plan.bytes_items.is_empty() {
@@ -428,24 +538,27 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
                     "non-tensor items cannot be stored in HF safetensors; skipped"
                 );
             }
+            let dtype = tensors
+                .iter()
+                .map(|t| t.dtype)
+                .find(|d| d.is_float())
+                .unwrap_or(Dtype::F32);
             let files =
                 consolidate::plan_files(tensors, &FileLayout::MaxShardSize(a.max_shard_size))?;
             let write_index = files.len() > 1;
-            consolidate::run(&plan, &out, &files, write_index, RankShare::single(), &opts)?;
-            if let Some(la) = &args {
-                let dtype = files
-                    .iter()
-                    .flat_map(|f| &f.tensors)
-                    .map(|(t, _)| t.dtype)
-                    .find(|d| d.is_float())
-                    .unwrap_or(Dtype::F32);
-                let cfg = serde_json::to_vec_pretty(&adapter::hf_config(la, dtype)).expect("json");
-                out.write_small("config.json", &cfg)?;
+            let share = RankShare {
+                rank,
+                world_size,
+                wait_timeout: Duration::from_secs(a.wait_timeout),
+            };
+            consolidate::run(&plan, &out, &files, write_index, share, &opts)?;
+            if rank == 0 {
+                write_config(a, config.as_ref(), dtype, &out)?;
             }
         }
         Format::DcpHf => {
             let file = dcp_hf_single_file(tensors);
-            write::write_files(&plan, &out, &[file], &opts)?;
+            titan_ckpt::write::write_files(&plan, &out, &[file], &opts)?;
         }
         Format::Dcp => {
             let output = formats::dcp_native::DcpOutput {
@@ -459,26 +572,35 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
     Ok(0)
 }
 
-fn out_tensor(
-    source: &str,
-    name: String,
+/// config.json next to an HF output: copied from --hf-config, else written from the inferred
+/// arguments when the family's class can be described from them.
+fn write_config(
+    a: &ConvertArgs,
+    args: Option<&adapter::ModelArgs>,
     dtype: Dtype,
-    shape: &[u64],
-    row_map: Option<write::RowMap>,
-    to: Option<Dtype>,
-) -> Result<OutTensor> {
-    let out_dtype = match to {
-        Some(d) if dtype.is_float() => d,
-        _ => dtype,
-    };
-    titan_ckpt::cast::check(dtype, out_dtype)?;
-    Ok(OutTensor {
-        name,
-        source: source.to_string(),
-        dtype: out_dtype,
-        shape: shape.to_vec(),
-        row_map,
-    })
+    out: &titan_ckpt::storage::Root,
+) -> Result<()> {
+    if let Some(path) = &a.hf_config {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path.display(), e))?;
+        serde_json::from_slice::<serde_json::Value>(&bytes)
+            .map_err(|e| Error::usage(format!("--hf-config {}: not JSON: {e}", path.display())))?;
+        return out.write_small("config.json", &bytes);
+    }
+    let Some(args) = args else { return Ok(()) };
+    match adapter::hf_config(args, dtype)? {
+        Some(cfg) => {
+            let json = serde_json::to_vec_pretty(&cfg).expect("json");
+            out.write_small("config.json", &json)
+        }
+        None => {
+            eprintln!(
+                "titan-ckpt: warning: no config.json written: {}'s HF config needs arguments a \
+                 checkpoint does not hold; pass --hf-config",
+                args.family
+            );
+            Ok(())
+        }
+    }
 }
 
 /// A dcp-hf checkpoint from one writer: every tensor whole, offsets all zero.

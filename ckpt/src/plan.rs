@@ -138,8 +138,18 @@ impl CheckpointPlan {
         self.tensors.values().map(TensorPlan::nbytes).sum()
     }
 
-    pub fn parameter_count(&self) -> u64 {
+    /// Elements of every tensor (model, optimizer state, ...).
+    pub fn total_elements(&self) -> u64 {
         self.tensors.values().map(TensorPlan::numel).sum()
+    }
+
+    /// Elements of the model's tensors only (see [`is_model_tensor`]).
+    pub fn parameter_count(&self) -> u64 {
+        self.tensors
+            .iter()
+            .filter(|(n, _)| is_model_tensor(n))
+            .map(|(_, t)| t.numel())
+            .sum()
     }
 
     /// Checks that every tensor's chunks tile it exactly: each chunk inside the global shape, no
@@ -150,6 +160,24 @@ impl CheckpointPlan {
         }
         Ok(())
     }
+}
+
+/// Top-level state entries torchtitan saves next to the model (`optimizer`, `lr_scheduler`,
+/// `dataloader`, `train_state`: torchtitan's checkpointer keys) and titan-train's `rng_state`.
+pub const NON_MODEL_PREFIXES: [&str; 5] = [
+    "optimizer",
+    "lr_scheduler",
+    "dataloader",
+    "train_state",
+    "rng_state",
+];
+
+/// Whether `name` is a model tensor rather than training state.
+pub fn is_model_tensor(name: &str) -> bool {
+    !NON_MODEL_PREFIXES.iter().any(|p| {
+        name.strip_prefix(p)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    })
 }
 
 /// Checks that `t`'s chunks tile its global shape exactly; errors name the tensor and a file.

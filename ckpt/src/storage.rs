@@ -256,6 +256,21 @@ impl Root {
             .fold(prefix.clone(), |p, part| p.join(part))
     }
 
+    /// One delimited listing of an object store root (objects and common prefixes).
+    fn object_listing(&self) -> Result<object_store::ListResult> {
+        let RootKind::Object { store, prefix, url } = &self.kind else {
+            return Err(Error::usage(
+                "internal: listing a local root as an object store",
+            ));
+        };
+        runtime()
+            .block_on(store.list_with_delimiter(Some(prefix)))
+            .map_err(|e| Error::Store {
+                file: url.clone(),
+                source: e,
+            })
+    }
+
     /// The files directly inside the root, with their sizes, sorted by name.
     pub fn list(&self) -> Result<Vec<(String, u64)>> {
         let mut out = Vec::new();
@@ -270,16 +285,36 @@ impl Root {
                     }
                 }
             }
-            RootKind::Object { store, prefix, url } => {
-                let listing = runtime()
-                    .block_on(store.list_with_delimiter(Some(prefix)))
-                    .map_err(|e| Error::Store {
-                        file: url.clone(),
-                        source: e,
-                    })?;
-                for o in listing.objects {
+            RootKind::Object { .. } => {
+                for o in self.object_listing()?.objects {
                     if let Some(name) = o.location.filename() {
                         out.push((name.to_string(), o.size));
+                    }
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The sub-directories (local) or common prefixes (object store) directly inside the root,
+    /// sorted by name.
+    pub fn list_dirs(&self) -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        match &self.kind {
+            RootKind::Local(p) => {
+                let rd = std::fs::read_dir(p).map_err(|e| Error::io(p.display(), e))?;
+                for entry in rd {
+                    let entry = entry.map_err(|e| Error::io(p.display(), e))?;
+                    if entry.path().is_dir() {
+                        out.push(entry.file_name().to_string_lossy().into_owned());
+                    }
+                }
+            }
+            RootKind::Object { .. } => {
+                for d in self.object_listing()?.common_prefixes {
+                    if let Some(name) = d.filename() {
+                        out.push(name.to_string());
                     }
                 }
             }

@@ -32,6 +32,20 @@ pub enum RowMap {
 }
 
 impl RowMap {
+    /// `rows` must be whole heads of an even head dim for the permutation to be one.
+    pub fn check(self, tensor: &str, rows: u64) -> Result<()> {
+        let heads = match self {
+            RowMap::ToHf { heads } | RowMap::FromHf { heads } => heads,
+        };
+        if heads == 0 || !rows.is_multiple_of(2 * heads) {
+            return Err(Error::usage(format!(
+                "`{tensor}`: {rows} rows are not {heads} heads of an even head dim: check \
+                 --n-heads / --n-kv-heads"
+            )));
+        }
+        Ok(())
+    }
+
     /// The input row that output row `r` of a `rows`-row tensor comes from.
     pub fn source_row(self, r: u64, rows: u64) -> u64 {
         match self {
@@ -53,23 +67,146 @@ impl RowMap {
     }
 }
 
+/// A run of an input tensor's elements (C order): the whole tensor, or one expert's rows of a
+/// stacked `[E, ...]` tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceSlice {
+    /// Name in the input plan.
+    pub tensor: String,
+    /// First element.
+    pub offset: u64,
+    /// Element count.
+    pub numel: u64,
+}
+
 /// One tensor of an output file.
 #[derive(Debug, Clone)]
 pub struct OutTensor {
     /// Name in the output.
     pub name: String,
-    /// Name in the input plan.
-    pub source: String,
+    /// Where its elements come from, concatenated in order: one whole input tensor for a copy,
+    /// a slice of one for a split expert, one slice per expert for stacked experts.
+    pub sources: Vec<SourceSlice>,
     /// Output dtype (the input's unless converting).
     pub dtype: Dtype,
     pub shape: Vec<u64>,
+    /// Row reordering of a single-source 2-D tensor (RoPE q/k layouts).
     pub row_map: Option<RowMap>,
 }
 
 impl OutTensor {
+    /// `source` copied whole under `name`.
+    pub fn whole(name: String, source: &str, src: &TensorPlan, dtype: Dtype) -> OutTensor {
+        OutTensor {
+            name,
+            sources: vec![SourceSlice {
+                tensor: source.to_string(),
+                offset: 0,
+                numel: src.numel(),
+            }],
+            dtype,
+            shape: src.shape.clone(),
+            row_map: None,
+        }
+    }
+
     pub fn nbytes(&self) -> u64 {
         safetensors::numel(&self.shape).unwrap_or(0) * self.dtype.size() as u64
     }
+
+    /// The single input tensor this copies whole, if it is one.
+    pub fn whole_source(&self) -> Option<&str> {
+        match self.sources.as_slice() {
+            [s] if s.offset == 0 && Some(s.numel) == safetensors::numel(&self.shape) => {
+                Some(&s.tensor)
+            }
+            _ => None,
+        }
+    }
+
+    /// Input bytes read to write this tensor (for progress bars).
+    pub fn input_bytes(&self, plan: &CheckpointPlan) -> u64 {
+        self.sources
+            .iter()
+            .map(|s| {
+                s.numel
+                    * plan
+                        .tensors
+                        .get(&s.tensor)
+                        .map(|t| t.dtype.size() as u64)
+                        .unwrap_or(0)
+            })
+            .sum()
+    }
+}
+
+/// The input tensors of `t`'s slices, checked against the plan: each exists with one dtype,
+/// every slice lies inside its tensor and starts and ends on whole rows of the tensor's chunk
+/// layout, and together they hold `t`'s element count.
+pub fn resolve_sources<'p, 't>(
+    plan: &'p CheckpointPlan,
+    t: &'t OutTensor,
+) -> Result<Vec<(&'p TensorPlan, &'t SourceSlice)>> {
+    let mut out: Vec<(&TensorPlan, &SourceSlice)> = Vec::with_capacity(t.sources.len());
+    let mut total = 0u64;
+    for s in &t.sources {
+        let src = plan.tensors.get(&s.tensor).ok_or_else(|| {
+            Error::tensor(
+                plan.root.display(),
+                &s.tensor,
+                format!("needed for `{}` but missing from the input", t.name),
+            )
+        })?;
+        // Column-sharded layouts are read in whole rows: slices must not cut them.
+        let layout = Layout::of(src);
+        let row = if layout.is_runs() {
+            1
+        } else {
+            layout.row_len.max(1)
+        };
+        let end = s.offset.checked_add(s.numel);
+        if end.is_none_or(|e| e > src.numel())
+            || !s.offset.is_multiple_of(row)
+            || (!s.numel.is_multiple_of(row) && end != Some(src.numel()))
+        {
+            return Err(Error::tensor(
+                plan.root.display(),
+                &s.tensor,
+                format!(
+                    "elements {}..{} (for `{}`) do not fit its shape {:?} and chunk layout",
+                    s.offset,
+                    s.offset.saturating_add(s.numel),
+                    t.name,
+                    src.shape
+                ),
+            ));
+        }
+        if let Some((first, _)) = out.first()
+            && first.dtype != src.dtype
+        {
+            return Err(Error::tensor(
+                plan.root.display(),
+                &s.tensor,
+                format!(
+                    "dtype {} differs from the other parts of `{}`",
+                    src.dtype, t.name
+                ),
+            ));
+        }
+        total += s.numel;
+        out.push((src, s));
+    }
+    if Some(total) != safetensors::numel(&t.shape) {
+        return Err(Error::tensor(
+            plan.root.display(),
+            &t.name,
+            format!(
+                "internal: its sources hold {total} elements, its shape {:?} needs more or fewer",
+                t.shape
+            ),
+        ));
+    }
+    Ok(out)
 }
 
 /// An output file: header bytes, then its tensors at their offsets.
@@ -219,19 +356,40 @@ impl<'a> Worker<'a> {
     }
 
     fn write_tensor(&mut self, t: &OutTensor, out: &OutFile, offset: u64) -> Result<()> {
-        let src = self.plan.tensors.get(&t.source).ok_or_else(|| {
-            Error::tensor(
-                self.plan.root.display(),
-                &t.source,
-                "internal: planned tensor missing from the input",
-            )
-        })?;
+        let sources = resolve_sources(self.plan, t)?;
         tracing::debug!(tensor = %t.name, file = %out.name, "writing");
         if let Some(map) = t.row_map {
+            let [(src, _)] = sources.as_slice() else {
+                return Err(Error::tensor(
+                    self.plan.root.display(),
+                    &t.name,
+                    "internal: a RoPE row map needs exactly one source",
+                ));
+            };
             return self.write_permuted(src, t, map, out, offset);
         }
+        let os = t.dtype.size() as u64;
+        let mut pos = offset;
+        for (src, slice) in sources {
+            self.write_slice(src, slice, t.dtype, out, pos)?;
+            pos += slice.numel * os;
+        }
+        Ok(())
+    }
+
+    /// Writes the elements `slice` of `src` at `pos` of `out`, cast to `dtype`: raw runs are
+    /// copied file to file, anything else goes through windows of at most the window size.
+    fn write_slice(
+        &mut self,
+        src: &TensorPlan,
+        slice: &SourceSlice,
+        dtype: Dtype,
+        out: &OutFile,
+        pos: u64,
+    ) -> Result<()> {
+        let range = slice.offset..slice.offset + slice.numel;
         let layout = Layout::of(src);
-        let direct = src.dtype == t.dtype
+        let direct = src.dtype == dtype
             && layout.is_runs()
             && src
                 .chunks
@@ -239,26 +397,28 @@ impl<'a> Worker<'a> {
                 .all(|c| c.source.encoding == Encoding::Raw);
         if direct {
             let es = src.dtype.size() as u64;
-            let mut chunks: Vec<_> = src.chunks.iter().filter(|c| c.numel() > 0).collect();
-            chunks.sort_by_key(|c| assemble::run_of(src, c).start);
-            for c in chunks {
+            for c in src.chunks.iter().filter(|c| c.numel() > 0) {
                 let run = assemble::run_of(src, c);
+                let (s, e) = (run.start.max(range.start), run.end.min(range.end));
+                if s >= e {
+                    continue;
+                }
                 self.copy_range(
                     &self.inputs[c.source.file],
-                    c.source.begin,
+                    c.source.begin + (s - run.start) * es,
                     out,
-                    offset + run.start * es,
-                    run.end * es - run.start * es,
+                    pos + (s - range.start) * es,
+                    (e - s) * es,
                 )?;
             }
             return Ok(());
         }
-        let mut pos = offset;
-        for w in assemble::windows(src, self.window) {
+        let mut at = pos;
+        for w in assemble::windows_in(src, range, self.window) {
             let n = self.read_window(src, w.clone())?;
-            let bytes = self.cast_window(src.dtype, t.dtype, n);
-            out.write_at(pos, bytes)?;
-            pos += bytes.len() as u64;
+            let bytes = self.cast_window(src.dtype, dtype, n);
+            out.write_at(at, bytes)?;
+            at += bytes.len() as u64;
             self.progress
                 .inc((w.end - w.start) * src.dtype.size() as u64);
         }
@@ -293,7 +453,7 @@ impl<'a> Worker<'a> {
         if src.shape.len() != 2 {
             return Err(Error::tensor(
                 self.plan.root.display(),
-                &t.source,
+                &t.name,
                 format!(
                     "RoPE permutation needs a 2-D weight, got shape {:?}",
                     src.shape
@@ -301,6 +461,7 @@ impl<'a> Worker<'a> {
             ));
         }
         let (rows, cols) = (src.shape[0], src.shape[1]);
+        map.check(&t.name, rows)?;
         let (es, os) = (src.dtype.size() as u64, t.dtype.size() as u64);
         let per_batch = (self.window / (cols * es).max(1)).max(1);
         let mut block = Vec::new();

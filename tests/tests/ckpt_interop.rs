@@ -237,7 +237,7 @@ fn llama3_to_hf_loads_in_transformers_and_converts_back() {
     );
     assert!(String::from_utf8_lossy(&o.stdout).contains("ok"));
 
-    // Back to torchtitan names as dcp-hf: identical to the original.
+    // Back to the fixture's (pre-0.3.0) torchtitan names as dcp-hf: identical to the original.
     let back = d.join("back");
     run_ok(ckpt().arg("convert").arg(&hf).arg(&back).args([
         "--to",
@@ -246,6 +246,8 @@ fn llama3_to_hf_loads_in_transformers_and_converts_back() {
         "llama3",
         "--n-heads",
         "4",
+        "--tt-names",
+        "legacy",
     ]));
     let o = run_ok(ckpt().arg("inspect").arg(&back).arg("--json"));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();

@@ -1,12 +1,29 @@
-//! Model adapters: torchtitan <-> Hugging Face names for Llama-3, with the q/k RoPE row
-//! permutation, and the HF `config.json` for a Llama checkpoint.
+//! Model adapters: torchtitan <-> Hugging Face tensor names per model family, over one
+//! streaming engine.
+//!
+//! A family is data: a [`tables::Table`] of name pairs with a per-tensor [`Transform`] (rename,
+//! RoPE row permutation, expert split/stack). [`plan_tensors`] turns a checkpoint plan into the
+//! output tensors of the copy engine (`write`): a RoPE permutation is a row map, a split expert
+//! is a slice of the stacked tensor's rows, stacked experts are a list of per-expert sources.
+//! Nothing is materialised: each output is streamed from its sources window by window.
 
-use serde_json::{Value, json};
+pub mod args;
+pub mod pattern;
+pub mod tables;
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+pub use args::{Hints, ModelArgs, hf_config};
+pub use tables::{Rule, TABLES, Table, Transform};
+
+use crate::assemble::TensorReader;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::plan::CheckpointPlan;
-use crate::write::RowMap;
+use crate::plan::{CheckpointPlan, TensorPlan};
+use crate::storage::InFile;
+use crate::write::{OutTensor, RowMap, SourceSlice};
+use pattern::{Captures, fill, matches};
 
 /// Which naming a checkpoint uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,71 +32,55 @@ pub enum Naming {
     Hf,
 }
 
-/// The Llama-3 architecture arguments (torchtitan's ModelArgs, HF's LlamaConfig).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LlamaArgs {
-    pub dim: u64,
-    pub n_layers: u64,
-    pub n_heads: u64,
-    pub n_kv_heads: u64,
-    pub vocab_size: u64,
-    pub ffn_hidden: u64,
-    pub norm_eps: f64,
-    pub rope_theta: f64,
-    pub max_position_embeddings: u64,
+/// A model family with a torchtitan 0.3.0 state-dict adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Family {
+    Llama3,
+    /// Qwen3 dense and MoE flavors.
+    Qwen3,
+    #[value(name = "deepseek_v3")]
+    DeepseekV3,
 }
 
-/// What the user told us about the model (anything not given is inferred from shapes or from
-/// the known torchtitan flavors).
-#[derive(Debug, Clone, Default)]
-pub struct LlamaHints {
-    pub n_heads: Option<u64>,
-    pub n_kv_heads: Option<u64>,
-    pub rope_theta: Option<f64>,
-    pub norm_eps: Option<f64>,
-    pub max_position_embeddings: Option<u64>,
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Family::Llama3 => "llama3",
+            Family::Qwen3 => "qwen3",
+            Family::DeepseekV3 => "deepseek_v3",
+        })
+    }
 }
 
-const LAYER_MAP: [(&str, &str); 9] = [
-    ("attention.wq.weight", "self_attn.q_proj.weight"),
-    ("attention.wk.weight", "self_attn.k_proj.weight"),
-    ("attention.wv.weight", "self_attn.v_proj.weight"),
-    ("attention.wo.weight", "self_attn.o_proj.weight"),
-    ("feed_forward.w1.weight", "mlp.gate_proj.weight"),
-    ("feed_forward.w3.weight", "mlp.up_proj.weight"),
-    ("feed_forward.w2.weight", "mlp.down_proj.weight"),
-    ("attention_norm.weight", "input_layernorm.weight"),
-    ("ffn_norm.weight", "post_attention_layernorm.weight"),
-];
+impl Family {
+    pub fn table(self) -> &'static Table {
+        TABLES
+            .iter()
+            .find(|t| t.family == self)
+            .expect("every family has a table")
+    }
+}
 
-const TOP_MAP: [(&str, &str); 3] = [
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-];
+/// Which torchtitan name generation to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TtNames {
+    /// torchtitan 0.3.0 (`attention.qkv_linear.wq`, `lm_head`).
+    #[default]
+    Current,
+    /// Older torchtitan releases (`attention.wq`, `output`).
+    Legacy,
+}
 
-/// The HF name of a torchtitan Llama-3 parameter.
+/// The HF name of a torchtitan Llama-3 parameter (either name generation).
 pub fn to_hf_name(name: &str) -> Option<String> {
-    if let Some((_, hf)) = TOP_MAP.iter().find(|(t, _)| *t == name) {
-        return Some(hf.to_string());
-    }
-    let rest = name.strip_prefix("layers.")?;
-    let (i, tail) = rest.split_once('.')?;
-    i.parse::<u64>().ok()?;
-    let (_, hf) = LAYER_MAP.iter().find(|(t, _)| *t == tail)?;
-    Some(format!("model.layers.{i}.{hf}"))
+    let (rule, caps) = find_tt(&tables::LLAMA3, name)?;
+    Some(fill(rule.hf, caps))
 }
 
-/// The torchtitan name of an HF Llama parameter.
+/// The torchtitan 0.3.0 name of an HF Llama parameter.
 pub fn from_hf_name(name: &str) -> Option<String> {
-    if let Some((t, _)) = TOP_MAP.iter().find(|(_, hf)| *hf == name) {
-        return Some(t.to_string());
-    }
-    let rest = name.strip_prefix("model.layers.")?;
-    let (i, tail) = rest.split_once('.')?;
-    i.parse::<u64>().ok()?;
-    let (t, _) = LAYER_MAP.iter().find(|(_, hf)| *hf == tail)?;
-    Some(format!("layers.{i}.{t}"))
+    let (rule, caps) = find_hf(&tables::LLAMA3, name, TtNames::Current)?;
+    Some(fill(rule.tt, caps))
 }
 
 /// Which naming `names` use (by the embedding's name).
@@ -95,134 +96,360 @@ pub fn detect_naming<'a>(names: impl IntoIterator<Item = &'a String>) -> Option<
     None
 }
 
-/// n_heads of the torchtitan Llama-3 flavors, by (dim, n_layers).
-fn known_heads(dim: u64, n_layers: u64) -> Option<u64> {
-    match (dim, n_layers) {
-        (256, 6) => Some(16),      // debugmodel
-        (4096, 32) => Some(32),    // 8B
-        (8192, 80) => Some(64),    // 70B
-        (16384, 126) => Some(128), // 405B
-        _ => None,
-    }
-}
-
-/// Infers the model arguments from the shapes in `plan` (named per `naming`) and `hints`.
-pub fn infer_args(plan: &CheckpointPlan, naming: Naming, hints: &LlamaHints) -> Result<LlamaArgs> {
-    let name = |tt: &str| -> String {
-        match naming {
-            Naming::Torchtitan => tt.to_string(),
-            Naming::Hf => to_hf_name(tt).unwrap_or_default(),
+/// The family whose signature tensors `plan` holds (torchtitan or HF names); llama3 when the
+/// checkpoint has Llama-3 attention and no other family's signature.
+pub fn detect_family(plan: &CheckpointPlan) -> Option<Family> {
+    for t in TABLES {
+        if t.signature.is_empty() {
+            continue;
         }
-    };
-    let shape = |tt: &str| -> Result<Vec<u64>> {
-        let n = name(tt);
-        plan.tensors
-            .get(&n)
-            .map(|t| t.shape.clone())
-            .ok_or_else(|| {
-                Error::tensor(
-                    plan.root.display(),
-                    &n,
-                    "needed to infer the Llama model arguments but missing",
-                )
-            })
-    };
-    let emb = shape("tok_embeddings.weight")?;
-    let (vocab_size, dim) = (emb[0], *emb.get(1).unwrap_or(&0));
-    let n_layers = (0..)
-        .take_while(|i| {
-            plan.tensors
-                .contains_key(&name(&format!("layers.{i}.attention.wq.weight")))
-        })
-        .count() as u64;
-    let n_heads = hints
-        .n_heads
-        .or_else(|| known_heads(dim, n_layers))
-        .ok_or_else(|| {
-            Error::usage(format!(
-                "cannot tell the number of attention heads of a Llama model with dim {dim} and {n_layers} layers: pass --n-heads"
-            ))
-        })?;
-    if n_heads == 0 || dim % n_heads != 0 {
-        return Err(Error::usage(format!(
-            "--n-heads {n_heads} does not divide dim {dim}"
-        )));
+        let hit = t.signature.iter().any(|sig| {
+            plan.tensors.contains_key(*sig)
+                || find_tt(t, sig)
+                    .map(|(r, c)| plan.tensors.contains_key(&fill(r.hf, c)))
+                    .unwrap_or(false)
+        });
+        if hit {
+            return Some(t.family);
+        }
     }
-    let head_dim = dim / n_heads;
-    let wk = shape("layers.0.attention.wk.weight")?;
-    let n_kv_heads = hints.n_kv_heads.unwrap_or(wk[0] / head_dim);
-    let ffn_hidden = shape("layers.0.feed_forward.w1.weight")?[0];
-    Ok(LlamaArgs {
-        dim,
-        n_layers,
-        n_heads,
-        n_kv_heads,
-        vocab_size,
-        ffn_hidden,
-        norm_eps: hints.norm_eps.unwrap_or(1e-5),
-        rope_theta: hints.rope_theta.unwrap_or(500000.0),
-        max_position_embeddings: hints.max_position_embeddings.unwrap_or(131072),
-    })
+    plan.tensors
+        .keys()
+        .any(|n| {
+            find_tt(&tables::LLAMA3, n).is_some()
+                || find_hf(&tables::LLAMA3, n, TtNames::Current).is_some()
+        })
+        .then_some(Family::Llama3)
 }
 
-/// The rename and RoPE row map for one tensor going from `from` naming to `to`; None for names
-/// outside the model (an error for the caller to report).
-pub fn map_tensor(
-    name: &str,
-    from: Naming,
-    to: Naming,
-    args: &LlamaArgs,
-) -> Option<(String, Option<RowMap>)> {
-    if from == to {
-        return Some((name.to_string(), None));
+fn find_tt<'t>(table: &'t Table, name: &str) -> Option<(&'t Rule, Captures)> {
+    table
+        .current()
+        .chain(table.legacy)
+        .find_map(|r| matches(r.tt, name).map(|c| (r, c)))
+}
+
+fn find_hf<'t>(table: &'t Table, name: &str, names: TtNames) -> Option<(&'t Rule, Captures)> {
+    let first: &[Rule] = match names {
+        TtNames::Legacy => table.legacy,
+        TtNames::Current => &[],
+    };
+    first
+        .iter()
+        .chain(table.current())
+        .find_map(|r| matches(r.hf, name).map(|c| (r, c)))
+}
+
+/// Layer index of a torchtitan name (`layers.N.` / `mtp_layers.N.`).
+fn tt_layer(name: &str, prefix: &str) -> Option<u64> {
+    name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
+}
+
+/// The number of main (non-MTP) transformer layers, from either naming.
+pub fn main_layers(plan: &CheckpointPlan, naming: Naming) -> u64 {
+    let prefix = match naming {
+        Naming::Torchtitan => "layers.",
+        Naming::Hf => "model.layers.",
+    };
+    let layers: BTreeSet<u64> = plan
+        .tensors
+        .keys()
+        .filter_map(|n| tt_layer(n, prefix))
+        .collect();
+    if naming == Naming::Hf {
+        // DeepSeek-V3 keeps its MTP layers after the main ones; they alone have `enorm`.
+        if let Some(first_mtp) = layers.iter().find(|l| {
+            plan.tensors
+                .contains_key(&format!("model.layers.{l}.enorm.weight"))
+        }) {
+            return *first_mtp;
+        }
     }
-    let (tt, out) = match (from, to) {
-        (Naming::Torchtitan, Naming::Hf) => (name.to_string(), to_hf_name(name)?),
-        _ => (from_hf_name(name)?, from_hf_name(name)?),
+    layers.len() as u64
+}
+
+/// What [`plan_tensors`] produced.
+#[derive(Debug)]
+pub struct Planned {
+    pub tensors: Vec<OutTensor>,
+    /// Input tensors left out, with why (the caller warns).
+    pub dropped: Vec<(String, String)>,
+}
+
+/// How to map one checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct MapOptions {
+    pub to: Naming,
+    pub tt_names: TtNames,
+    /// Output dtype of floating point tensors.
+    pub dtype: Option<Dtype>,
+}
+
+/// The output tensors for converting the model tensors of `plan` (named per `from`) to
+/// `opts.to`, per `table`. Unknown tensors are an error naming them.
+pub fn plan_tensors(
+    plan: &CheckpointPlan,
+    table: &Table,
+    from: Naming,
+    args: &ModelArgs,
+    opts: MapOptions,
+) -> Result<Planned> {
+    let mut out = Planned {
+        tensors: Vec::new(),
+        dropped: Vec::new(),
     };
-    let heads = if tt.ends_with("attention.wq.weight") {
-        Some(args.n_heads)
-    } else if tt.ends_with("attention.wk.weight") {
-        Some(args.n_kv_heads)
-    } else {
-        None
+    if from == opts.to {
+        for (name, t) in &plan.tensors {
+            out.tensors.push(whole(name.clone(), name, t, opts.dtype)?);
+        }
+        return Ok(out);
+    }
+    match from {
+        Naming::Torchtitan => to_hf(plan, table, args, opts, &mut out)?,
+        Naming::Hf => from_hf(plan, table, args, opts, &mut out)?,
+    }
+    out.tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+fn out_dtype(src: Dtype, to: Option<Dtype>) -> Result<Dtype> {
+    let d = match to {
+        Some(d) if src.is_float() => d,
+        _ => src,
     };
-    let map = heads.map(|heads| match to {
+    crate::cast::check(src, d)?;
+    Ok(d)
+}
+
+fn whole(name: String, source: &str, t: &TensorPlan, to: Option<Dtype>) -> Result<OutTensor> {
+    Ok(OutTensor::whole(name, source, t, out_dtype(t.dtype, to)?))
+}
+
+fn unknown(table: &Table, name: &str, naming: Naming) -> Error {
+    let side = match naming {
+        Naming::Torchtitan => "torchtitan",
+        Naming::Hf => "HF",
+    };
+    Error::usage(format!(
+        "--adapter {}: `{name}` is not a {side} {} model tensor this adapter knows \
+         (torchtitan 0.3.0's state_dict_adapter names; use --model-only to drop training state)",
+        table.family, table.family
+    ))
+}
+
+fn rope_map(rule: &Rule, to: Naming, args: &ModelArgs) -> Option<RowMap> {
+    let heads = match rule.transform {
+        Transform::RopeQ => args.n_heads,
+        Transform::RopeK => args.n_kv_heads,
+        _ => return None,
+    };
+    Some(match to {
         Naming::Hf => RowMap::ToHf { heads },
         Naming::Torchtitan => RowMap::FromHf { heads },
-    });
-    Some((out, map))
+    })
 }
 
-/// HF `config.json` for LlamaForCausalLM with Llama-3.1 RoPE scaling.
-pub fn hf_config(args: &LlamaArgs, dtype: Dtype) -> Value {
-    let rope = json!({
-        "rope_type": "llama3",
-        "rope_theta": args.rope_theta,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    });
-    json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.dim / args.n_heads,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_position_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": false,
-        "mlp_bias": false,
-        "tie_word_embeddings": false,
-        "rope_parameters": rope,
-        "dtype": dtype.torch_name(),
-    })
+fn to_hf(
+    plan: &CheckpointPlan,
+    table: &Table,
+    args: &ModelArgs,
+    opts: MapOptions,
+    out: &mut Planned,
+) -> Result<()> {
+    let n_layers = args.n_layers;
+    for (name, t) in &plan.tensors {
+        if args.tie_word_embeddings && (name == "lm_head.weight" || name == "output.weight") {
+            out.dropped.push((
+                name.clone(),
+                "equal to tok_embeddings.weight: HF ties it to model.embed_tokens.weight".into(),
+            ));
+            continue;
+        }
+        // MTP layers are HF's layers after the main ones.
+        let lookup = match tt_layer(name, "mtp_layers.") {
+            Some(m) if table.mtp_layers => {
+                let rest = name.splitn(3, '.').nth(2).unwrap_or_default();
+                format!("layers.{}.{rest}", n_layers + m)
+            }
+            _ => name.clone(),
+        };
+        if let Some((pat, why)) = table
+            .no_hf_home
+            .iter()
+            .find(|(p, _)| matches(p, name).is_some())
+        {
+            let _ = pat;
+            out.dropped.push((name.clone(), why.to_string()));
+            continue;
+        }
+        let (rule, caps) =
+            find_tt(table, &lookup).ok_or_else(|| unknown(table, name, Naming::Torchtitan))?;
+        let dtype = out_dtype(t.dtype, opts.dtype)?;
+        if rule.transform == Transform::Experts {
+            let (&e, rest) = t.shape.split_first().ok_or_else(|| {
+                Error::tensor(
+                    plan.root.display(),
+                    name,
+                    "stacked experts need an [E, ...] shape",
+                )
+            })?;
+            let per: u64 = rest.iter().product();
+            for expert in 0..e {
+                out.tensors.push(OutTensor {
+                    name: fill(
+                        rule.hf,
+                        Captures {
+                            expert: Some(expert),
+                            ..caps
+                        },
+                    ),
+                    sources: vec![SourceSlice {
+                        tensor: name.clone(),
+                        offset: expert * per,
+                        numel: per,
+                    }],
+                    dtype,
+                    shape: rest.to_vec(),
+                    row_map: None,
+                });
+            }
+            continue;
+        }
+        let mut o = OutTensor::whole(fill(rule.hf, caps), name, t, dtype);
+        o.row_map = rope_map(rule, Naming::Hf, args);
+        out.tensors.push(o);
+    }
+    Ok(())
+}
+
+fn from_hf(
+    plan: &CheckpointPlan,
+    table: &Table,
+    args: &ModelArgs,
+    opts: MapOptions,
+    out: &mut Planned,
+) -> Result<()> {
+    let n_layers = args.n_layers;
+    // Stacked experts: torchtitan name -> expert index -> HF name.
+    let mut stacks: BTreeMap<String, BTreeMap<u64, String>> = BTreeMap::new();
+    for (name, t) in &plan.tensors {
+        if table.hf_ignored.iter().any(|p| matches(p, name).is_some()) {
+            continue;
+        }
+        let (rule, caps) =
+            find_hf(table, name, opts.tt_names).ok_or_else(|| unknown(table, name, Naming::Hf))?;
+        let mut tt = fill(
+            rule.tt,
+            Captures {
+                expert: None,
+                ..caps
+            },
+        );
+        if table.mtp_layers
+            && let Some(l) = caps.layer.filter(|l| *l >= n_layers)
+        {
+            let rest = tt.splitn(3, '.').nth(2).unwrap_or_default().to_string();
+            tt = format!("mtp_layers.{}.{rest}", l - n_layers);
+        }
+        if rule.transform == Transform::Experts {
+            let e = caps.expert.unwrap_or_default();
+            stacks.entry(tt).or_default().insert(e, name.clone());
+            continue;
+        }
+        let mut o = whole(tt, name, t, opts.dtype)?;
+        o.row_map = rope_map(rule, Naming::Torchtitan, args);
+        out.tensors.push(o);
+    }
+    // torchtitan's model holds lm_head even when HF ties it to the embedding.
+    let has_head = out
+        .tensors
+        .iter()
+        .any(|t| t.name == "lm_head.weight" || t.name == "output.weight");
+    if !has_head && let Some(emb) = plan.tensors.get("model.embed_tokens.weight") {
+        let head = match opts.tt_names {
+            TtNames::Current => "lm_head.weight",
+            TtNames::Legacy => "output.weight",
+        };
+        out.tensors.push(whole(
+            head.into(),
+            "model.embed_tokens.weight",
+            emb,
+            opts.dtype,
+        )?);
+    }
+    for (tt, experts) in stacks {
+        let count = experts.len() as u64;
+        if experts.keys().copied().ne(0..count) {
+            return Err(Error::usage(format!(
+                "`{tt}`: HF experts {:?} are not 0..{count} (missing experts)",
+                experts.keys().collect::<Vec<_>>()
+            )));
+        }
+        let first = &experts[&0];
+        let t0 = &plan.tensors[first];
+        let mut sources = Vec::with_capacity(experts.len());
+        for hf in experts.values() {
+            let t = &plan.tensors[hf];
+            if t.shape != t0.shape || t.dtype != t0.dtype {
+                return Err(Error::tensor(
+                    plan.root.display(),
+                    hf,
+                    format!(
+                        "shape {:?} {} differs from expert 0's {:?} {} (`{first}`)",
+                        t.shape, t.dtype, t0.shape, t0.dtype
+                    ),
+                ));
+            }
+            sources.push(SourceSlice {
+                tensor: hf.clone(),
+                offset: 0,
+                numel: t.numel(),
+            });
+        }
+        let mut shape = vec![count];
+        shape.extend_from_slice(&t0.shape);
+        out.tensors.push(OutTensor {
+            name: tt,
+            sources,
+            dtype: out_dtype(t0.dtype, opts.dtype)?,
+            shape,
+            row_map: None,
+        });
+    }
+    Ok(())
+}
+
+/// Whether tensors `a` and `b` of `plan` hold the same bytes (streamed in windows).
+pub fn same_contents(plan: &CheckpointPlan, a: &str, b: &str) -> Result<bool> {
+    let (Some(ta), Some(tb)) = (plan.tensors.get(a), plan.tensors.get(b)) else {
+        return Ok(false);
+    };
+    if ta.shape != tb.shape || ta.dtype != tb.dtype {
+        return Ok(false);
+    }
+    let files: Vec<InFile> = plan
+        .files
+        .iter()
+        .map(|f| plan.root.open(f))
+        .collect::<Result<_>>()?;
+    let mut ra = TensorReader::new(plan, &files);
+    let mut rb = TensorReader::new(plan, &files);
+    let es = ta.dtype.size() as u64;
+    let step = (8u64 << 20) / es;
+    let (mut ba, mut bb) = (Vec::new(), Vec::new());
+    let mut s = 0;
+    while s < ta.numel() {
+        let e = (s + step).min(ta.numel());
+        ba.resize(((e - s) * es) as usize, 0);
+        bb.resize(((e - s) * es) as usize, 0);
+        ra.read_any(ta, s..e, &mut ba)?;
+        rb.read_any(tb, s..e, &mut bb)?;
+        if ba != bb {
+            return Ok(false);
+        }
+        s = e;
+    }
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -230,15 +457,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_round_trip() {
-        for n in [
-            "tok_embeddings.weight",
-            "layers.3.attention.wk.weight",
-            "layers.0.ffn_norm.weight",
-            "output.weight",
+    fn llama3_names_both_generations() {
+        for (old, new) in [
+            (
+                "layers.3.attention.wk.weight",
+                "layers.3.attention.qkv_linear.wk.weight",
+            ),
+            ("output.weight", "lm_head.weight"),
+            ("layers.0.ffn_norm.weight", "layers.0.ffn_norm.weight"),
         ] {
-            let hf = to_hf_name(n).unwrap();
-            assert_eq!(from_hf_name(&hf).as_deref(), Some(n));
+            let hf = to_hf_name(old).unwrap();
+            assert_eq!(to_hf_name(new).unwrap(), hf);
+            assert_eq!(from_hf_name(&hf).as_deref(), Some(new));
         }
         assert_eq!(
             to_hf_name("layers.1.feed_forward.w2.weight").unwrap(),
@@ -246,5 +476,7 @@ mod tests {
         );
         assert_eq!(to_hf_name("layers.x.attention.wq.weight"), None);
         assert_eq!(to_hf_name("optimizer.state"), None);
+        let (r, c) = find_hf(&tables::LLAMA3, "lm_head.weight", TtNames::Legacy).unwrap();
+        assert_eq!(fill(r.tt, c), "output.weight");
     }
 }

@@ -6,7 +6,10 @@
 //! `storage_data` (`MetadataIndex` -> `_StorageInfo`), `storage_meta` (`StorageMeta` whose
 //! `checkpoint_id` is a `pathlib.PosixPath`) and `version` (`"1.0.0"`). `MetadataIndex`'s state
 //! is `{fqn, index, offset}` for tensor chunks and `{fqn, index: None}` (no `offset` key) for
-//! bytes items; `BytesStorageMetadata` has no BUILD at all; `TensorProperties` has a 5-tuple state.
+//! bytes items; `BytesStorageMetadata` has no BUILD at all; `TensorProperties` has a 5-tuple state
+//! `(dtype, layout, requires_grad, memory_format, pin_memory)`. torch 2.15 appends `strides` (a
+//! tuple of ints or None) to make a 6-tuple; torch 2.13 unpacks exactly five fields, so titan
+//! writes the 5-tuple both versions read, and reads 5, 6 or more (later fields ignored).
 
 use super::pickle::{Global, Object, Value};
 use crate::Dtype;
@@ -46,6 +49,9 @@ pub struct TensorProperties {
     pub requires_grad: bool,
     pub pin_memory: bool,
     pub memory_format: MemoryFormat,
+    /// torch 2.15's `strides` of the saved tensor (None in older files and when torch stored
+    /// None). Informational: each item's own torch.save record carries the strides readers use.
+    pub strides: Option<Vec<u64>>,
 }
 
 impl TensorProperties {
@@ -55,6 +61,7 @@ impl TensorProperties {
             requires_grad: false,
             pin_memory: false,
             memory_format: MemoryFormat::Contiguous,
+            strides: None,
         }
     }
 }
@@ -473,16 +480,35 @@ fn parse_item(v: &Value) -> Result<ItemMetadata, MetadataError> {
 
 fn parse_properties(v: &Value) -> Result<TensorProperties, MetadataError> {
     let o = object(v, Global::TENSOR_PROPERTIES, "properties")?;
-    // torch 2.x pickles a 5-tuple via __getstate__; older files may carry the attribute dict.
-    let (dtype, requires_grad, mem, pin) = match &o.state {
-        Some(Value::Tuple(t)) if t.len() == 5 => (&t[0], &t[2], &t[3], &t[4]),
+    // torch 2.x pickles a tuple via __getstate__: 5 fields up to torch 2.14, 6 (`strides`
+    // appended) from 2.15; fields a later torch appends are ignored. Older files may carry the
+    // attribute dict.
+    let none = Value::None;
+    let (dtype, requires_grad, mem, pin, strides) = match &o.state {
+        Some(Value::Tuple(t)) if t.len() >= 5 => {
+            (&t[0], &t[2], &t[3], &t[4], t.get(5).unwrap_or(&none))
+        }
+        Some(Value::Tuple(t)) => {
+            return err(format!(
+                "TensorProperties state is a {}-tuple, expected (dtype, layout, requires_grad, \
+                 memory_format, pin_memory[, strides])",
+                t.len()
+            ));
+        }
         Some(Value::Dict(_)) => (
             o.attr("dtype").unwrap_or(&Value::None),
             o.attr("requires_grad").unwrap_or(&Value::Bool(false)),
             o.attr("memory_format").unwrap_or(&Value::None),
             o.attr("pin_memory").unwrap_or(&Value::Bool(false)),
+            o.attr("strides").unwrap_or(&Value::None),
         ),
-        _ => return err("TensorProperties state is not a 5-tuple"),
+        Some(other) => {
+            return err(format!(
+                "TensorProperties state is a {}, expected a tuple",
+                other.kind()
+            ));
+        }
+        None => return err("TensorProperties has no state"),
     };
     let dtype = match dtype {
         Value::Global(g) => g.dtype().ok_or_else(|| {
@@ -502,11 +528,16 @@ fn parse_properties(v: &Value) -> Result<TensorProperties, MetadataError> {
         Some(2) => MemoryFormat::Preserve,
         _ => MemoryFormat::Contiguous,
     };
+    let strides = match strides {
+        Value::None => None,
+        v => Some(u64s(v, "TensorProperties.strides")?),
+    };
     Ok(TensorProperties {
         dtype,
         requires_grad: requires_grad.as_bool().unwrap_or(false),
         pin_memory: pin.as_bool().unwrap_or(false),
         memory_format,
+        strides,
     })
 }
 

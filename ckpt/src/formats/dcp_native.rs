@@ -229,32 +229,26 @@ pub fn write(
             }
             _ => HashMap::new(),
         };
-    opts.progress.set_length(
-        tensors
-            .iter()
-            .map(|t| plan.tensors.get(&t.source).map(|s| s.nbytes()).unwrap_or(0))
-            .sum(),
-    );
+    opts.progress
+        .set_length(tensors.iter().map(|t| t.input_bytes(plan)).sum());
     let mut block = Vec::new();
     let mut converted = Vec::new();
     for t in tensors {
-        let src = plan.tensors.get(&t.source).ok_or_else(|| {
-            Error::tensor(
-                plan.root.display(),
-                &t.source,
-                "internal: planned tensor missing from the input",
-            )
-        })?;
+        let sources = crate::write::resolve_sources(plan, t)?;
+        let in_dtype = sources.first().map(|(s, _)| s.dtype).unwrap_or(t.dtype);
         let rows = t.shape.first().copied().unwrap_or(1);
         let row_len: u64 = t.shape.iter().skip(1).product();
-        let es = src.dtype.size() as u64;
+        let es = in_dtype.size() as u64;
         let per = (opts.window_bytes / (row_len * es).max(1)).max(1);
+        if let Some(map) = t.row_map {
+            map.check(&t.name, rows)?;
+        }
         let mut r = 0;
         loop {
             let end = (r + per).min(rows);
             block.clear();
-            match t.row_map {
-                Some(map) => {
+            match (t.row_map, sources.as_slice()) {
+                (Some(map), [(src, _)]) => {
                     let mut row = vec![0u8; (row_len * es) as usize];
                     for out_row in r..end {
                         let in_row = map.source_row(out_row, rows);
@@ -262,7 +256,14 @@ pub fn write(
                         block.extend_from_slice(&row);
                     }
                 }
-                None => {
+                (Some(_), _) => {
+                    return Err(Error::tensor(
+                        plan.root.display(),
+                        &t.name,
+                        "internal: a RoPE row map needs exactly one source",
+                    ));
+                }
+                (None, _) => {
                     let n = if t.shape.is_empty() {
                         1
                     } else {
@@ -270,13 +271,13 @@ pub fn write(
                     };
                     let start = if t.shape.is_empty() { 0 } else { r * row_len };
                     block.resize((n * es) as usize, 0);
-                    reader.read(src, start..start + n, &mut block)?;
+                    read_concat(&mut reader, &sources, start..start + n, &mut block)?;
                 }
             }
-            let data: &[u8] = if src.dtype == t.dtype {
+            let data: &[u8] = if in_dtype == t.dtype {
                 &block
             } else {
-                crate::cast::convert(src.dtype, t.dtype, &block, &mut converted);
+                crate::cast::convert(in_dtype, t.dtype, &block, &mut converted);
                 &converted
             };
             let mut offsets = vec![0u64; t.shape.len()];
@@ -302,8 +303,8 @@ pub fn write(
                 break;
             }
         }
-        if t.name == t.source
-            && let Some(path) = planner_paths.get(t.source.as_str())
+        if t.whole_source() == Some(t.name.as_str())
+            && let Some(path) = planner_paths.get(t.name.as_str())
         {
             writer.set_planner_path(&t.name, (*path).clone());
         }
@@ -320,6 +321,29 @@ pub fn write(
     writer.finish()?;
     if out.local_dir().is_none() {
         out.upload_dir(dir, dcp::METADATA_FILE)?;
+    }
+    Ok(())
+}
+
+/// Fills `out` with the elements `range` of the concatenation of `sources`.
+fn read_concat(
+    reader: &mut TensorReader,
+    sources: &[(&crate::plan::TensorPlan, &crate::write::SourceSlice)],
+    range: std::ops::Range<u64>,
+    out: &mut [u8],
+) -> Result<()> {
+    let mut base = 0u64;
+    let mut filled = 0usize;
+    for (src, slice) in sources {
+        let (s, e) = (range.start.max(base), range.end.min(base + slice.numel));
+        if s < e {
+            let es = src.dtype.size();
+            let n = (e - s) as usize * es;
+            let from = slice.offset + (s - base);
+            reader.read_any(src, from..from + (e - s), &mut out[filled..filled + n])?;
+            filled += n;
+        }
+        base += slice.numel;
     }
     Ok(())
 }

@@ -72,9 +72,76 @@ pub fn open(loc: &Location) -> Result<CheckpointPlan> {
     Ok(plan)
 }
 
-/// Opens a path or URL given on the command line.
+/// Opens a path or URL given on the command line (a folder of `step-N` checkpoints resolves to
+/// its newest complete one, see [`resolve_steps`]).
 pub fn open_str(s: &str) -> Result<CheckpointPlan> {
-    open(&Location::parse(s)?)
+    open(&resolve_steps(Location::parse(s)?)?.0)
+}
+
+/// torchtitan's checkpoint folder name for step `n`.
+fn step_of(dir: &str) -> Option<u64> {
+    dir.strip_prefix("step-")?.parse().ok()
+}
+
+/// Whether `root` directly holds a checkpoint (DCP `.metadata`, an HF index or safetensors).
+fn holds_checkpoint(files: &[(String, u64)]) -> bool {
+    files
+        .iter()
+        .any(|(f, _)| f == DCP_METADATA || f == HF_INDEX || f.ends_with(".safetensors"))
+}
+
+/// When `loc` is a folder holding no checkpoint but `step-N` sub-folders (torchtitan's
+/// `checkpoint/` folder) or a `checkpoint/` folder of them (the run folder), the newest complete
+/// `step-N` (DCP `.metadata` written, which torchtitan and titan-train do last), as torchtitan's
+/// `load_step = -1` picks. Returns the location to open and, when resolved, the step folder.
+pub fn resolve_steps(loc: Location) -> Result<(Location, Option<String>)> {
+    if loc.file.is_some() {
+        return Ok((loc, None));
+    }
+    let mut root = loc.root.clone();
+    let files = match root.list() {
+        Ok(f) => f,
+        Err(_) => return Ok((loc, None)),
+    };
+    if holds_checkpoint(&files) {
+        return Ok((loc, None));
+    }
+    let mut dirs = root.list_dirs()?;
+    if !dirs.iter().any(|d| step_of(d).is_some()) && dirs.iter().any(|d| d == "checkpoint") {
+        root = root.join("checkpoint")?;
+        dirs = root.list_dirs()?;
+    }
+    let mut steps: Vec<(u64, String)> = dirs
+        .into_iter()
+        .filter_map(|d| step_of(&d).map(|n| (n, d)))
+        .collect();
+    steps.sort();
+    let mut skipped = Vec::new();
+    for (_, dir) in steps.into_iter().rev() {
+        let step_root = root.join(&dir)?;
+        if holds_checkpoint(&step_root.list()?) {
+            for s in &skipped {
+                tracing::warn!(folder = %s, "incomplete checkpoint (no .metadata or safetensors); skipped");
+            }
+            let name = step_root.display();
+            return Ok((
+                Location {
+                    root: step_root,
+                    file: None,
+                },
+                Some(name),
+            ));
+        }
+        skipped.push(root.display_file(&dir));
+    }
+    if !skipped.is_empty() {
+        return Err(Error::usage(format!(
+            "{}: no complete step-N checkpoint: {} lack `.metadata` (interrupted saves?)",
+            root.display(),
+            skipped.join(", ")
+        )));
+    }
+    Ok((loc, None))
 }
 
 /// Output roots are directories; a file name there is a usage error.

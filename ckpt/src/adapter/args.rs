@@ -1,0 +1,333 @@
+//! Model arguments inferred from a checkpoint's shapes (plus what the user says), and the HF
+//! `config.json` for each family's transformers class, loadable by transformers 4.x and 5.x.
+
+use serde_json::{Value, json};
+
+use super::{Family, Naming, find_tt, main_layers, tables::Table};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::plan::CheckpointPlan;
+
+/// What the user told us about the model (anything not given is inferred from shapes or from
+/// the known torchtitan flavors).
+#[derive(Debug, Clone, Default)]
+pub struct Hints {
+    pub n_heads: Option<u64>,
+    pub n_kv_heads: Option<u64>,
+    pub rope_theta: Option<f64>,
+    pub norm_eps: Option<f64>,
+    pub max_position_embeddings: Option<u64>,
+    pub experts_per_token: Option<u64>,
+    /// No Llama-3.1 RoPE scaling (torchtitan's `scaling="none"`).
+    pub no_rope_scaling: bool,
+}
+
+/// MoE arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeArgs {
+    pub num_experts: u64,
+    /// Hidden size of one expert.
+    pub expert_hidden: u64,
+    /// Top-k; None when neither given nor known.
+    pub experts_per_token: Option<u64>,
+}
+
+/// The architecture arguments of a decoder checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelArgs {
+    pub family: Family,
+    pub dim: u64,
+    pub n_layers: u64,
+    pub n_heads: u64,
+    pub n_kv_heads: u64,
+    pub head_dim: u64,
+    pub vocab_size: u64,
+    /// Dense FFN hidden size (0 when every layer is MoE).
+    pub ffn_hidden: u64,
+    pub norm_eps: f64,
+    pub rope_theta: f64,
+    pub llama3_rope_scaling: bool,
+    pub max_position_embeddings: u64,
+    pub tie_word_embeddings: bool,
+    pub moe: Option<MoeArgs>,
+}
+
+/// n_heads of the torchtitan Llama-3 flavors, by (dim, n_layers).
+fn known_llama3_heads(dim: u64, n_layers: u64) -> Option<u64> {
+    match (dim, n_layers) {
+        (256, 6) => Some(16),      // debugmodel
+        (2048, 16) => Some(32),    // 1B
+        (3072, 28) => Some(24),    // 3B
+        (4096, 32) => Some(32),    // 8B
+        (8192, 80) => Some(64),    // 70B
+        (16384, 126) => Some(128), // 405B
+        _ => None,
+    }
+}
+
+/// Looks up tensors by their torchtitan names in a plan of either naming.
+struct Shapes<'a> {
+    plan: &'a CheckpointPlan,
+    table: &'a Table,
+    naming: Naming,
+}
+
+impl Shapes<'_> {
+    /// The plan's name for torchtitan name `tt` (trying each generation the table knows).
+    fn name(&self, tt: &str) -> Option<String> {
+        match self.naming {
+            Naming::Torchtitan => {
+                if self.plan.tensors.contains_key(tt) {
+                    return Some(tt.to_string());
+                }
+                // The older generation's name for the same HF tensor.
+                let (rule, caps) = find_tt(self.table, tt)?;
+                self.table
+                    .legacy
+                    .iter()
+                    .filter(|r| r.hf == rule.hf)
+                    .map(|r| super::fill(r.tt, caps))
+                    .find(|n| self.plan.tensors.contains_key(n))
+            }
+            Naming::Hf => {
+                let (rule, caps) = find_tt(self.table, tt)?;
+                let hf = super::fill(rule.hf, caps);
+                self.plan.tensors.contains_key(&hf).then_some(hf)
+            }
+        }
+    }
+
+    fn get(&self, tt: &str) -> Option<&[u64]> {
+        let n = self.name(tt)?;
+        self.plan.tensors.get(&n).map(|t| t.shape.as_slice())
+    }
+
+    fn need(&self, tt: &str, why: &str) -> Result<&[u64]> {
+        self.get(tt).ok_or_else(|| {
+            Error::usage(format!(
+                "--adapter {}: cannot find `{tt}` (or its {} name) in {}, needed for {why}",
+                self.table.family,
+                match self.naming {
+                    Naming::Torchtitan => "older torchtitan",
+                    Naming::Hf => "HF",
+                },
+                self.plan.root.display()
+            ))
+        })
+    }
+}
+
+/// Infers the model arguments of a `table.family` checkpoint named per `naming`.
+pub fn infer(
+    plan: &CheckpointPlan,
+    table: &Table,
+    naming: Naming,
+    hints: &Hints,
+) -> Result<ModelArgs> {
+    let s = Shapes {
+        plan,
+        table,
+        naming,
+    };
+    let emb = s.need("tok_embeddings.weight", "the vocabulary size and model dim")?;
+    let (vocab_size, dim) = (emb[0], emb.get(1).copied().unwrap_or(0));
+    let n_layers = main_layers(plan, naming);
+    let family = table.family;
+    let q = match family {
+        Family::DeepseekV3 => None,
+        _ => Some(s.need(
+            "layers.0.attention.qkv_linear.wq.weight",
+            "the attention heads",
+        )?),
+    };
+    let (n_heads, head_dim) = match family {
+        Family::Qwen3 => {
+            let hd = s.need("layers.0.attention.q_norm.weight", "the head dim")?[0];
+            let rows = q.map(|q| q[0]).unwrap_or(0);
+            (hints.n_heads.unwrap_or(rows / hd.max(1)), hd)
+        }
+        // MLA (q/kv LoRA, split nope/rope head dims) has no RoPE permutation: heads are only
+        // informational there and not inferable from shapes.
+        Family::DeepseekV3 => (hints.n_heads.unwrap_or(0), 0),
+        Family::Llama3 => {
+            let n = hints
+                .n_heads
+                .or_else(|| known_llama3_heads(dim, n_layers))
+                .ok_or_else(|| {
+                    Error::usage(format!(
+                        "--adapter llama3: cannot tell the number of attention heads of a model \
+                         with dim {dim} and {n_layers} layers (q weight `layers.0.attention.*wq*` \
+                         has shape {:?}); not a known torchtitan flavor: pass --n-heads",
+                        q.unwrap_or(&[])
+                    ))
+                })?;
+            if n == 0 || dim % n != 0 {
+                return Err(Error::usage(format!(
+                    "--n-heads {n} does not divide dim {dim}"
+                )));
+            }
+            (n, q.map(|q| q[0] / n).unwrap_or(dim / n))
+        }
+    };
+    let n_kv_heads = match (hints.n_kv_heads, family) {
+        (Some(k), _) => k,
+        (None, Family::DeepseekV3) => n_heads,
+        (None, _) => {
+            s.need(
+                "layers.0.attention.qkv_linear.wk.weight",
+                "the key/value heads",
+            )?[0]
+                / head_dim.max(1)
+        }
+    };
+    let ffn_hidden = (0..n_layers)
+        .find_map(|l| s.get(&format!("layers.{l}.feed_forward.w1.weight")))
+        .map(|w| w[0])
+        .unwrap_or(0);
+    let moe = (0..n_layers).find_map(|l| {
+        let w1 = match naming {
+            Naming::Torchtitan => s
+                .get(&format!(
+                    "layers.{l}.moe.routed_experts.inner_experts.w1_EFD"
+                ))?
+                .to_vec(),
+            Naming::Hf => {
+                let e0 = plan
+                    .tensors
+                    .get(&format!("model.layers.{l}.mlp.experts.0.gate_proj.weight"))?;
+                let count = (0..)
+                    .take_while(|e| {
+                        plan.tensors.contains_key(&format!(
+                            "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"
+                        ))
+                    })
+                    .count() as u64;
+                vec![count, e0.shape[0], e0.shape[1]]
+            }
+        };
+        Some(MoeArgs {
+            num_experts: w1[0],
+            expert_hidden: w1[1],
+            experts_per_token: hints.experts_per_token,
+        })
+    });
+    let tie_word_embeddings = match naming {
+        Naming::Hf => !plan.tensors.contains_key("lm_head.weight"),
+        Naming::Torchtitan => match s.name("lm_head.weight") {
+            Some(head) => super::same_contents(plan, "tok_embeddings.weight", &head)?,
+            None => true,
+        },
+    };
+    let (theta, eps, scaling) = match family {
+        Family::Llama3 => (500000.0, 1e-5, !hints.no_rope_scaling),
+        Family::Qwen3 => (1000000.0, 1e-6, false),
+        Family::DeepseekV3 => (10000.0, 1e-6, false),
+    };
+    Ok(ModelArgs {
+        family,
+        dim,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        vocab_size,
+        ffn_hidden,
+        norm_eps: hints.norm_eps.unwrap_or(eps),
+        rope_theta: hints.rope_theta.unwrap_or(theta),
+        llama3_rope_scaling: scaling,
+        max_position_embeddings: hints.max_position_embeddings.unwrap_or(131072),
+        tie_word_embeddings,
+        moe,
+    })
+}
+
+/// The RoPE settings in both spellings: transformers 4 reads `rope_theta` + `rope_scaling`,
+/// transformers 5 reads `rope_parameters` (and ignores the old keys' absence silently, as 4 does
+/// the new one's: writing both is what makes one file right for both).
+fn rope_keys(args: &ModelArgs) -> [(&'static str, Value); 3] {
+    let params = if args.llama3_rope_scaling {
+        json!({
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        })
+    } else {
+        json!({ "rope_type": "default", "rope_theta": args.rope_theta })
+    };
+    // transformers 4 warns about `rope_theta` inside `rope_scaling`: it lives at the top there.
+    let scaling = match (&params, args.llama3_rope_scaling) {
+        (Value::Object(p), true) => {
+            let mut p = p.clone();
+            p.remove("rope_theta");
+            Value::Object(p)
+        }
+        _ => Value::Null,
+    };
+    [
+        ("rope_theta", json!(args.rope_theta)),
+        ("rope_scaling", scaling),
+        ("rope_parameters", params),
+    ]
+}
+
+/// HF `config.json` for the family's transformers class; None for families whose arguments
+/// cannot be inferred from shapes (pass `--hf-config`).
+pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
+    let mut v = json!({
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "torch_dtype": dtype.torch_name(),
+        "dtype": dtype.torch_name(),
+    });
+    let o = v.as_object_mut().expect("object");
+    for (k, val) in rope_keys(args) {
+        o.insert(k.into(), val);
+    }
+    match (args.family, &args.moe) {
+        (Family::Llama3, _) => {
+            o.insert("architectures".into(), json!(["LlamaForCausalLM"]));
+            o.insert("model_type".into(), json!("llama"));
+            o.insert("intermediate_size".into(), json!(args.ffn_hidden));
+            o.insert("mlp_bias".into(), json!(false));
+        }
+        (Family::Qwen3, None) => {
+            o.insert("architectures".into(), json!(["Qwen3ForCausalLM"]));
+            o.insert("model_type".into(), json!("qwen3"));
+            o.insert("intermediate_size".into(), json!(args.ffn_hidden));
+        }
+        (Family::Qwen3, Some(m)) => {
+            let k = m.experts_per_token.ok_or_else(|| {
+                Error::usage(
+                    "--adapter qwen3: the number of experts per token is not in the checkpoint: \
+                     pass --experts-per-token (or --hf-config)",
+                )
+            })?;
+            o.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
+            o.insert("model_type".into(), json!("qwen3_moe"));
+            o.insert(
+                "intermediate_size".into(),
+                json!(args.ffn_hidden.max(m.expert_hidden)),
+            );
+            o.insert("moe_intermediate_size".into(), json!(m.expert_hidden));
+            o.insert("num_experts".into(), json!(m.num_experts));
+            o.insert("num_experts_per_tok".into(), json!(k));
+            o.insert("decoder_sparse_step".into(), json!(1));
+            o.insert("mlp_only_layers".into(), json!([]));
+            o.insert("norm_topk_prob".into(), json!(true));
+        }
+        (Family::DeepseekV3, _) => return Ok(None),
+    }
+    Ok(Some(v))
+}

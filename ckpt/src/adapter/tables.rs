@@ -1,0 +1,307 @@
+//! One table per model family: torchtitan 0.3.0 name <-> HF name, and what happens to the
+//! tensor on the way. Read from each family's `torchtitan/models/<family>/state_dict_adapter.py`
+//! (0.3.0) and the transformers model classes; adding a family means adding a table here.
+
+use super::Family;
+
+/// What a tensor goes through between torchtitan and HF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transform {
+    /// Same bytes, new name.
+    Copy,
+    /// q weight: torchtitan's interleaved (complex) RoPE rows <-> HF's rotate-half rows.
+    RopeQ,
+    /// k weight: as [`Transform::RopeQ`] with the key/value heads.
+    RopeK,
+    /// torchtitan stacks all experts in one `[E, ...]` tensor; HF has one tensor per expert
+    /// (`{E}` in the HF pattern).
+    Experts,
+}
+
+/// One name pair.
+#[derive(Debug, Clone, Copy)]
+pub struct Rule {
+    pub tt: &'static str,
+    pub hf: &'static str,
+    pub transform: Transform,
+}
+
+const fn r(tt: &'static str, hf: &'static str, transform: Transform) -> Rule {
+    Rule { tt, hf, transform }
+}
+
+/// A family's names.
+#[derive(Debug)]
+pub struct Table {
+    pub family: Family,
+    /// torchtitan 0.3.0's names (written by default), in groups shared between families.
+    pub rules: &'static [&'static [Rule]],
+    /// Names older torchtitan releases wrote (read always, written with `--tt-names legacy`
+    /// in place of the current rule with the same HF name).
+    pub legacy: &'static [Rule],
+    /// torchtitan tensors with no HF counterpart, and why (dropped with a warning).
+    pub no_hf_home: &'static [(&'static str, &'static str)],
+    /// HF tensors with no torchtitan counterpart (skipped silently: derived buffers).
+    pub hf_ignored: &'static [&'static str],
+    /// `mtp_layers.{M}.*` are HF's `model.layers.{n_layers + M}.*` (DeepSeek-V3 MTP).
+    pub mtp_layers: bool,
+    /// torchtitan tensors that identify this family (any one suffices), for `--adapter auto`.
+    pub signature: &'static [&'static str],
+}
+
+use Transform::*;
+
+// Rule groups several families share; a table lists the groups it has.
+
+const TOP: &[Rule] = &[
+    r("tok_embeddings.weight", "model.embed_tokens.weight", Copy),
+    r("norm.weight", "model.norm.weight", Copy),
+    r("lm_head.weight", "lm_head.weight", Copy),
+];
+
+const GQA_ROPE_PERMUTED: &[Rule] = &[
+    r(
+        "layers.{L}.attention.qkv_linear.wq.weight",
+        "model.layers.{L}.self_attn.q_proj.weight",
+        RopeQ,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wk.weight",
+        "model.layers.{L}.self_attn.k_proj.weight",
+        RopeK,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wv.weight",
+        "model.layers.{L}.self_attn.v_proj.weight",
+        Copy,
+    ),
+];
+
+const GQA: &[Rule] = &[
+    r(
+        "layers.{L}.attention.qkv_linear.wq.weight",
+        "model.layers.{L}.self_attn.q_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wk.weight",
+        "model.layers.{L}.self_attn.k_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wv.weight",
+        "model.layers.{L}.self_attn.v_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.q_norm.weight",
+        "model.layers.{L}.self_attn.q_norm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.k_norm.weight",
+        "model.layers.{L}.self_attn.k_norm.weight",
+        Copy,
+    ),
+];
+
+const MLA: &[Rule] = &[
+    r(
+        "layers.{L}.attention.wq.weight",
+        "model.layers.{L}.self_attn.q_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.wq_a.weight",
+        "model.layers.{L}.self_attn.q_a_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.q_norm.weight",
+        "model.layers.{L}.self_attn.q_a_layernorm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.wq_b.weight",
+        "model.layers.{L}.self_attn.q_b_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.wkv_a.weight",
+        "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.kv_norm.weight",
+        "model.layers.{L}.self_attn.kv_a_layernorm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.wkv_b.weight",
+        "model.layers.{L}.self_attn.kv_b_proj.weight",
+        Copy,
+    ),
+];
+
+/// Output projection, dense FFN and the two norms of a decoder layer.
+const BLOCK: &[Rule] = &[
+    r(
+        "layers.{L}.attention.wo.weight",
+        "model.layers.{L}.self_attn.o_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.feed_forward.w1.weight",
+        "model.layers.{L}.mlp.gate_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.feed_forward.w3.weight",
+        "model.layers.{L}.mlp.up_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.feed_forward.w2.weight",
+        "model.layers.{L}.mlp.down_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention_norm.weight",
+        "model.layers.{L}.input_layernorm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.ffn_norm.weight",
+        "model.layers.{L}.post_attention_layernorm.weight",
+        Copy,
+    ),
+];
+
+const ROUTED_EXPERTS: &[Rule] = &[
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
+        "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+        Experts,
+    ),
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
+        "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+        Experts,
+    ),
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
+        "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+        Experts,
+    ),
+    r(
+        "layers.{L}.moe.router.gate.weight",
+        "model.layers.{L}.mlp.gate.weight",
+        Copy,
+    ),
+];
+
+const SHARED_EXPERTS_AND_MTP: &[Rule] = &[
+    r(
+        "layers.{L}.moe.shared_experts.w1.weight",
+        "model.layers.{L}.mlp.shared_experts.gate_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.shared_experts.w3.weight",
+        "model.layers.{L}.mlp.shared_experts.up_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.shared_experts.w2.weight",
+        "model.layers.{L}.mlp.shared_experts.down_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.expert_bias_E",
+        "model.layers.{L}.mlp.gate.e_score_correction_bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.enorm.weight",
+        "model.layers.{L}.enorm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.hnorm.weight",
+        "model.layers.{L}.hnorm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.eh_proj.weight",
+        "model.layers.{L}.eh_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.mtp_norm.weight",
+        "model.layers.{L}.shared_head.norm.weight",
+        Copy,
+    ),
+];
+
+const ROTARY_INV_FREQ: &[&str] = &["model.layers.{L}.self_attn.rotary_emb.inv_freq"];
+
+pub static LLAMA3: Table = Table {
+    family: Family::Llama3,
+    rules: &[TOP, GQA_ROPE_PERMUTED, BLOCK],
+    legacy: &[
+        r("output.weight", "lm_head.weight", Copy),
+        r(
+            "layers.{L}.attention.wq.weight",
+            "model.layers.{L}.self_attn.q_proj.weight",
+            RopeQ,
+        ),
+        r(
+            "layers.{L}.attention.wk.weight",
+            "model.layers.{L}.self_attn.k_proj.weight",
+            RopeK,
+        ),
+        r(
+            "layers.{L}.attention.wv.weight",
+            "model.layers.{L}.self_attn.v_proj.weight",
+            Copy,
+        ),
+    ],
+    no_hf_home: &[],
+    hf_ignored: ROTARY_INV_FREQ,
+    mtp_layers: false,
+    signature: &[],
+};
+
+pub static QWEN3: Table = Table {
+    family: Family::Qwen3,
+    rules: &[TOP, GQA, BLOCK, ROUTED_EXPERTS],
+    legacy: &[],
+    no_hf_home: &[(
+        "layers.{L}.moe.expert_bias_E",
+        "Qwen3MoeForCausalLM has no expert-bias (load balancing) tensor",
+    )],
+    hf_ignored: ROTARY_INV_FREQ,
+    mtp_layers: false,
+    signature: &["layers.0.attention.q_norm.weight"],
+};
+
+pub static DEEPSEEK_V3: Table = Table {
+    family: Family::DeepseekV3,
+    rules: &[TOP, MLA, BLOCK, ROUTED_EXPERTS, SHARED_EXPERTS_AND_MTP],
+    legacy: &[],
+    no_hf_home: &[],
+    hf_ignored: ROTARY_INV_FREQ,
+    mtp_layers: true,
+    signature: &["layers.0.attention.wkv_a.weight"],
+};
+
+/// Every family's table, most specific signature first (DeepSeek-V3 with q-LoRA has a
+/// `q_norm` too; llama3 last: it has none).
+pub static TABLES: [&Table; 3] = [&DEEPSEEK_V3, &QWEN3, &LLAMA3];
+
+impl Table {
+    /// Every current rule, group after group.
+    pub fn current(&self) -> impl Iterator<Item = &'static Rule> + '_ {
+        self.rules.iter().flat_map(|g| g.iter())
+    }
+}
