@@ -4,7 +4,8 @@
 //!
 //! Also compiles `cpp/tcpstore_shim.cpp`: libtorch's c10d TCPStore (the rendezvous store torchrun
 //! and torch.distributed speak) behind a C ABI, against the headers of the same libtorch; and the
-//! small `rng_shim.cpp` (CPU generator state) and `grad_shim.cpp` (set a grad to None).
+//! small `rng_shim.cpp` (CPU generator state), `grad_shim.cpp` (set a grad to None) and
+//! `autocast_shim.cpp` (torch.autocast for CPU and CUDA).
 use std::path::Path;
 
 fn main() {
@@ -12,6 +13,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/tcpstore_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/rng_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/grad_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/autocast_shim.cpp");
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };
@@ -36,6 +38,7 @@ fn build_torch_shims(lib: &Path) {
         .file("cpp/tcpstore_shim.cpp")
         .file("cpp/rng_shim.cpp")
         .file("cpp/grad_shim.cpp")
+        .file("cpp/autocast_shim.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

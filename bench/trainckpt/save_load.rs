@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use tch::{Device, Kind};
 use titan_train::checkpoint::{Checkpointer, TrainerState};
-use titan_train::config::{Checkpoint, LrScheduler};
+use titan_train::config::{AsyncModeName, Checkpoint, LrScheduler};
 use titan_train::data::{Dataset, TextLoader, TextTokenizer};
 use titan_train::lr_scheduler::LrSchedule;
 use titan_train::model::{Llama, ModelArgs};
@@ -95,8 +95,8 @@ fn main() {
         let (mut save_s, mut blocked_s, mut async_total_s, mut load_s) =
             (vec![], vec![], vec![], vec![]);
         let mut bytes = 0u64;
-        for mode in ["disabled", "async"] {
-            cfg.async_mode = mode.into();
+        for mode in [AsyncModeName::Disabled, AsyncModeName::Async] {
+            cfg.async_mode = mode;
             for i in 0..runs {
                 let mut ckpt = Checkpointer::new(&cfg, &dump, World::single()).unwrap();
                 let state = TrainerState {
@@ -111,7 +111,7 @@ fn main() {
                 let blocked = t.elapsed().as_secs_f64();
                 ckpt.finish().unwrap();
                 let total = t.elapsed().as_secs_f64();
-                if mode == "disabled" {
+                if mode == AsyncModeName::Disabled {
                     save_s.push(total);
                 } else {
                     blocked_s.push(blocked);
@@ -126,7 +126,7 @@ fn main() {
         for _ in 0..runs {
             let mut ckpt = Checkpointer::new(
                 &Checkpoint {
-                    load_step: runs as i64,
+                    load_step: Some(runs as u64),
                     ..cfg.clone()
                 },
                 &dump,

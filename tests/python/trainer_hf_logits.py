@@ -4,6 +4,11 @@ Builds a small Llama-3 (GQA, rope_type "llama3" with factor 8, fp32) with random
 them under HF names as `model.safetensors`, the model shape as `args.json` (titan's ModelArgs
 fields) and fixed tokens with their logits as `expected.safetensors`, all into OUT_DIR.
 
+Also `train_step.safetensors`: the mean next-token cross entropy of those tokens and every
+parameter's gradient (HF names), once in fp32 (`fp32.*`) and once with forward and loss under
+`torch.autocast("cpu", dtype=torch.bfloat16)` and backward outside it, as torchtitan 0.3.0 trains
+without FSDP (`bf16.*`).
+
 Usage: trainer_hf_logits.py OUT_DIR
 """
 
@@ -62,6 +67,23 @@ with torch.no_grad():
 tokens = torch.randint(0, vocab, (2, seq), dtype=torch.int64)
 with torch.no_grad():
     logits = model(input_ids=tokens).logits.float()
+
+def train_step(autocast: bool) -> dict:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        step_logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(
+            step_logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1)
+        )
+    loss.backward()
+    tag = "bf16" if autocast else "fp32"
+    out = {f"{tag}.loss": loss.detach().reshape(1)}
+    out.update({f"{tag}.grad.{n}": p.grad.contiguous() for n, p in model.named_parameters()})
+    return out
+
+
+step = {**train_step(False), **train_step(True)}
+save_file(step, str(out / "train_step.safetensors"))
 
 state = {k: v.contiguous() for k, v in model.state_dict().items()}
 save_file(state, str(out / "model.safetensors"))

@@ -95,8 +95,69 @@ fn help_explains_usage() {
 }
 
 #[test]
+fn unimplemented_torchtitan_keys_are_refused_naming_them() {
+    for (key, value) in [
+        ("--compile.enable", "true"),
+        ("--parallelism.tensor_parallel_degree", "2"),
+        ("--metrics.enable_wandb", "true"),
+        ("--training.enable_cpu_offload", "true"),
+        ("--activation_checkpoint.mode", "full"),
+    ] {
+        let o = titan_train(&[key, value, "--training.steps", "1"]);
+        assert_eq!(o.status.code(), Some(2), "{key}: {}", text(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains(&key[2..]) && err.contains("not supported by titan-train"),
+            "{key}: {}",
+            text(&o)
+        );
+    }
+    // A bad enum value is a usage error naming the key, from the file too.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("enum.toml");
+    std::fs::write(&file, "[checkpoint]\nexport_dtype = \"fp8\"\n").unwrap();
+    let o = titan_train(&["--job.config_file", file.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("checkpoint.export_dtype"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn embedded_debug_config_applies_from_any_directory() {
+    let elsewhere = tempfile::tempdir().unwrap();
+    let o = titan_tests::titan_train()
+        .current_dir(elsewhere.path())
+        .args([
+            "--training.steps",
+            "1",
+            "--validation.enable=false",
+            "--observability.enable=false",
+            "--job.dump_folder",
+            "out",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let resolved = std::fs::read_to_string(elsewhere.path().join("out/config.toml")).unwrap();
+    // configs/debug_model.toml's values, not torchtitan's defaults (seq_len 2048, warmup 200).
+    let lines: Vec<&str> = resolved.lines().collect();
+    for want in [
+        "seq_len = 256",
+        "warmup_steps = 2",
+        "decay_ratio = 0.8",
+        "flavor = \"debugmodel\"",
+    ] {
+        assert!(lines.contains(&want), "{want} not in\n{resolved}");
+    }
+}
+
+#[test]
 fn same_seed_gives_bit_identical_losses() {
     let dir = tempfile::tempdir().unwrap();
+    // The default is bf16 mixed precision (autocast): determinism holds there too.
     let run = |name: &str, seed: &str| {
         let dump = dir.path().join(name);
         let mut args = vec![
@@ -128,6 +189,29 @@ fn same_seed_gives_bit_identical_losses() {
     assert_ne!(
         a_loss, c_loss,
         "a different seed must give different losses"
+    );
+    // And bf16 is really in effect: fp32 with the same seed gives other losses.
+    let fp32 = dir.path().join("fp32");
+    let mut args = vec![
+        "--training.steps",
+        "5",
+        "--debug.seed",
+        "7",
+        "--debug.deterministic",
+        "--training.mixed_precision_param",
+        "float32",
+        "--job.dump_folder",
+        fp32.to_str().unwrap(),
+    ];
+    args.extend_from_slice(SMALL);
+    let o = titan_train(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let fp32_loss = metric(&fp32, "train", "loss");
+    assert_ne!(a_loss, fp32_loss, "bf16 and fp32 runs gave the same losses");
+    assert_eq!(
+        a_loss[0][..3],
+        fp32_loss[0][..3],
+        "same start: {a_loss:?} vs {fp32_loss:?}"
     );
 }
 

@@ -11,8 +11,119 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// The config file used when `--job.config_file` is not given.
+/// Where the readable copy of the default config lives in the repository.
 pub const DEFAULT_CONFIG_FILE: &str = "configs/debug_model.toml";
+/// The config used when `--job.config_file` is not given, from any working directory: the
+/// debug model sized for a CPU (the same bytes as [`DEFAULT_CONFIG_FILE`]).
+pub const DEFAULT_CONFIG: &str = include_str!("../../configs/debug_model.toml");
+
+/// torchtitan's dtype names (`float32`, `bfloat16`, `float16`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DtypeName {
+    Float32,
+    Bfloat16,
+    Float16,
+}
+
+impl DtypeName {
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            DtypeName::Float32 => tch::Kind::Float,
+            DtypeName::Bfloat16 => tch::Kind::BFloat16,
+            DtypeName::Float16 => tch::Kind::Half,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DtypeName::Float32 => "float32",
+            DtypeName::Bfloat16 => "bfloat16",
+            DtypeName::Float16 => "float16",
+        }
+    }
+}
+
+/// `lr_scheduler.decay_type`: how the learning rate falls during the decay phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecayType {
+    Linear,
+    Sqrt,
+    Cosine,
+}
+
+/// `training.device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// CUDA when available, else CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// `checkpoint.async_mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AsyncModeName {
+    Disabled,
+    Async,
+    /// Pinned staging buffers only matter for CUDA copies; host staging is the same path here.
+    AsyncWithPinnedMem,
+}
+
+/// `optimizer.implementation`: torchtitan's kernels; all run the same per-tensor update here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OptimizerImpl {
+    #[serde(rename = "for-loop")]
+    ForLoop,
+    #[serde(rename = "foreach")]
+    Foreach,
+    #[serde(rename = "fused")]
+    Fused,
+}
+
+/// `parallelism.fsdp_reshard_after_forward`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReshardAfterForward {
+    Default,
+    Always,
+    Never,
+}
+
+/// `activation_checkpoint.mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AcMode {
+    None,
+    Selective,
+    Full,
+}
+
+/// torchtitan's `-1` for "unset" in count keys, read as `None`; `Some(n)` otherwise.
+mod minus_one_is_none {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        match Option::<i64>::deserialize(d)? {
+            None | Some(-1) => Ok(None),
+            Some(n) if n >= 0 => Ok(Some(n as u64)),
+            Some(n) => Err(D::Error::custom(format!(
+                "{n} is neither -1 (unset) nor a count of 0 or more"
+            ))),
+        }
+    }
+
+    /// Unset is written as torchtitan's -1, so a resolved config reads back in torchtitan.
+    pub fn serialize<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(n) => s.serialize_i64(*n as i64),
+            None => s.serialize_i64(-1),
+        }
+    }
+}
 
 /// A usage or configuration error: the user must change the command line or the config file.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +156,15 @@ pub enum ConfigError {
     },
     #[error("config key `{key}`: {message}")]
     Invalid { key: String, message: String },
+    #[error(
+        "config key `{key}` = {value} is not supported by titan-train{note}; only its default {default} is accepted"
+    )]
+    Unsupported {
+        key: String,
+        value: String,
+        default: String,
+        note: String,
+    },
     #[error("{0}")]
     Usage(String),
 }
@@ -107,8 +227,7 @@ pub struct Optimizer {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
-    /// torchtitan's `for-loop` / `foreach` / `fused`; all run the same per-tensor update here.
-    pub implementation: String,
+    pub implementation: OptimizerImpl,
     pub early_step_in_backward: bool,
 }
 
@@ -121,7 +240,7 @@ impl Default for Optimizer {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
-            implementation: "fused".into(),
+            implementation: OptimizerImpl::Fused,
             early_step_in_backward: false,
         }
     }
@@ -134,8 +253,7 @@ pub struct LrScheduler {
     pub warmup_steps: u64,
     /// Fraction of the steps spent decaying; unset means every step after warmup decays.
     pub decay_ratio: Option<f64>,
-    /// `linear`, `sqrt` or `cosine`.
-    pub decay_type: String,
+    pub decay_type: DecayType,
     pub min_lr_factor: f64,
 }
 
@@ -144,7 +262,7 @@ impl Default for LrScheduler {
         Self {
             warmup_steps: 200,
             decay_ratio: None,
-            decay_type: "linear".into(),
+            decay_type: DecayType::Linear,
             min_lr_factor: 0.0,
         }
     }
@@ -159,19 +277,24 @@ pub struct Training {
     /// A `.txt`, `.jsonl` or `.parquet` file, or a folder of them.
     pub dataset_path: Option<String>,
     pub local_batch_size: i64,
-    /// Samples per optimizer step across all data-parallel ranks; -1 means
+    /// Samples per optimizer step across all data-parallel ranks; unset (-1) means
     /// local_batch_size * dp degree (no gradient accumulation).
-    pub global_batch_size: i64,
+    #[serde(with = "minus_one_is_none")]
+    pub global_batch_size: Option<u64>,
     pub seq_len: i64,
     pub max_norm: f64,
     pub steps: u64,
     pub enable_cpu_offload: bool,
-    pub mixed_precision_param: String,
-    pub mixed_precision_reduce: String,
+    /// torchtitan's full-bf16 training (no fp32 copy of the weights); only float32 here.
+    pub dtype: DtypeName,
+    /// With `dtype = float32`: the forward runs under autocast to this dtype (fp32 master
+    /// weights); `float32` turns mixed precision off.
+    pub mixed_precision_param: DtypeName,
+    /// Gradient reductions across ranks (float32, the only value torchtitan 0.3.0 accepts).
+    pub mixed_precision_reduce: DtypeName,
     pub gc_freq: u64,
     pub gc_debug: bool,
-    /// `auto` (CUDA when available), `cpu` or `cuda`.
-    pub device: String,
+    pub device: DeviceChoice,
 }
 
 impl Default for Training {
@@ -180,16 +303,17 @@ impl Default for Training {
             dataset: "default".into(),
             dataset_path: None,
             local_batch_size: 8,
-            global_batch_size: -1,
+            global_batch_size: None,
             seq_len: 2048,
             max_norm: 1.0,
             steps: 10000,
             enable_cpu_offload: false,
-            mixed_precision_param: "bfloat16".into(),
-            mixed_precision_reduce: "float32".into(),
+            dtype: DtypeName::Float32,
+            mixed_precision_param: DtypeName::Bfloat16,
+            mixed_precision_reduce: DtypeName::Float32,
             gc_freq: 50,
             gc_debug: false,
-            device: "auto".into(),
+            device: DeviceChoice::Auto,
         }
     }
 }
@@ -199,9 +323,10 @@ impl Default for Training {
 #[serde(default, deny_unknown_fields)]
 pub struct Parallelism {
     pub data_parallel_replicate_degree: i64,
-    /// -1 means "the ranks left over by the other degrees".
-    pub data_parallel_shard_degree: i64,
-    pub fsdp_reshard_after_forward: String,
+    /// Unset (-1) means "the ranks left over by the other degrees".
+    #[serde(with = "minus_one_is_none")]
+    pub data_parallel_shard_degree: Option<u64>,
+    pub fsdp_reshard_after_forward: ReshardAfterForward,
     pub tensor_parallel_degree: i64,
     pub context_parallel_degree: i64,
     pub pipeline_parallel_degree: i64,
@@ -214,8 +339,8 @@ impl Default for Parallelism {
     fn default() -> Self {
         Self {
             data_parallel_replicate_degree: 1,
-            data_parallel_shard_degree: -1,
-            fsdp_reshard_after_forward: "default".into(),
+            data_parallel_shard_degree: None,
+            fsdp_reshard_after_forward: ReshardAfterForward::Default,
             tensor_parallel_degree: 1,
             context_parallel_degree: 1,
             pipeline_parallel_degree: 1,
@@ -239,13 +364,13 @@ pub struct Checkpoint {
     pub initial_load_in_hf: bool,
     pub last_save_model_only: bool,
     pub last_save_in_hf: bool,
-    pub export_dtype: String,
-    /// `disabled`, `async` or `async_with_pinned_mem`.
-    pub async_mode: String,
+    pub export_dtype: DtypeName,
+    pub async_mode: AsyncModeName,
     /// 0 keeps every checkpoint.
     pub keep_latest_k: u64,
-    /// -1 loads the latest step.
-    pub load_step: i64,
+    /// Unset (-1) loads the latest step.
+    #[serde(with = "minus_one_is_none")]
+    pub load_step: Option<u64>,
     pub exclude_from_loading: Vec<String>,
     pub enable_first_step_checkpoint: bool,
     pub create_seed_checkpoint: bool,
@@ -262,10 +387,10 @@ impl Default for Checkpoint {
             initial_load_in_hf: false,
             last_save_model_only: true,
             last_save_in_hf: false,
-            export_dtype: "float32".into(),
-            async_mode: "disabled".into(),
+            export_dtype: DtypeName::Float32,
+            async_mode: AsyncModeName::Disabled,
             keep_latest_k: 10,
-            load_step: -1,
+            load_step: None,
             exclude_from_loading: Vec::new(),
             enable_first_step_checkpoint: false,
             create_seed_checkpoint: false,
@@ -312,8 +437,9 @@ pub struct Validation {
     pub local_batch_size: i64,
     pub seq_len: i64,
     pub freq: u64,
-    /// Batches per validation; -1 runs the whole split once.
-    pub steps: i64,
+    /// Batches per validation; unset (-1) runs the whole split once.
+    #[serde(with = "minus_one_is_none")]
+    pub steps: Option<u64>,
 }
 
 impl Default for Validation {
@@ -325,7 +451,7 @@ impl Default for Validation {
             local_batch_size: 8,
             seq_len: 2048,
             freq: 500,
-            steps: -1,
+            steps: None,
         }
     }
 }
@@ -379,6 +505,44 @@ impl Default for Comm {
     }
 }
 
+/// `[compile]`: torch.compile, which titan-train does not have (accepted only disabled).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Compile {
+    pub enable: bool,
+    pub components: Vec<String>,
+    pub backend: String,
+}
+
+impl Default for Compile {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            components: vec!["model".into(), "loss".into()],
+            backend: "inductor".into(),
+        }
+    }
+}
+
+/// `[activation_checkpoint]`: recompute activations in the backward pass to save memory.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActivationCheckpoint {
+    pub mode: AcMode,
+    /// With `mode = selective`: `op` (keep matmul and attention outputs, recompute the rest),
+    /// or a number N (checkpoint every N-th layer whole).
+    pub selective_ac_option: String,
+}
+
+impl Default for ActivationCheckpoint {
+    fn default() -> Self {
+        Self {
+            mode: AcMode::None,
+            selective_ac_option: "2".into(),
+        }
+    }
+}
+
 /// The whole job configuration, one field per torchtitan section.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -395,6 +559,8 @@ pub struct JobConfig {
     pub debug: Debug,
     pub observability: Observability,
     pub comm: Comm,
+    pub compile: Compile,
+    pub activation_checkpoint: ActivationCheckpoint,
 }
 
 /// One `--section.key value` from the command line, value still a string.
@@ -440,38 +606,24 @@ pub fn parse_overrides<I: IntoIterator<Item = String>>(
 }
 
 impl JobConfig {
-    /// Loads the config: defaults, then the TOML file (`--job.config_file`, else
-    /// [`DEFAULT_CONFIG_FILE`] when it exists), then the overrides in order.
+    /// Loads the config: defaults, then the TOML file (`--job.config_file`, else the embedded
+    /// [`DEFAULT_CONFIG`]), then the overrides in order.
     pub fn load(overrides: &[Override]) -> Result<Self, ConfigError> {
         let file = overrides
             .iter()
             .rev()
             .find(|o| o.key == "job.config_file")
-            .map(|o| PathBuf::from(&o.value))
-            .or_else(|| {
-                let default = Path::new(DEFAULT_CONFIG_FILE);
-                default.exists().then(|| default.to_path_buf())
-            });
-        let toml_text = match &file {
-            Some(path) => {
-                Some(
-                    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                        path: path.clone(),
-                        source,
-                    })?,
-                )
-            }
-            None => None,
+            .map(|o| PathBuf::from(&o.value));
+        let Some(path) = file else {
+            let origin = format!("the embedded {DEFAULT_CONFIG_FILE}");
+            return Self::from_parts(Some((DEFAULT_CONFIG, Path::new(&origin))), overrides);
         };
-        let mut cfg = Self::from_parts(
-            toml_text
-                .as_deref()
-                .map(|t| (t, file.as_deref().unwrap_or(Path::new("")))),
-            overrides,
-        )?;
-        if let Some(path) = file {
-            cfg.job.config_file = Some(path.display().to_string());
-        }
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let mut cfg = Self::from_parts(Some((&text, &path)), overrides)?;
+        cfg.job.config_file = Some(path.display().to_string());
         Ok(cfg)
     }
 
@@ -548,15 +700,7 @@ impl JobConfig {
                 message,
             })
         };
-        if !["linear", "sqrt", "cosine"].contains(&self.lr_scheduler.decay_type.as_str()) {
-            return bad(
-                "lr_scheduler.decay_type",
-                format!(
-                    "`{}` is not one of linear, sqrt, cosine",
-                    self.lr_scheduler.decay_type
-                ),
-            );
-        }
+        self.refuse_unimplemented()?;
         if let Some(r) = self.lr_scheduler.decay_ratio
             && !(0.0..=1.0).contains(&r)
         {
@@ -572,15 +716,6 @@ impl JobConfig {
             return bad(
                 "optimizer.name",
                 format!("`{}` is not supported (only AdamW)", self.optimizer.name),
-            );
-        }
-        if !["for-loop", "foreach", "fused"].contains(&self.optimizer.implementation.as_str()) {
-            return bad(
-                "optimizer.implementation",
-                format!(
-                    "`{}` is not one of for-loop, foreach, fused",
-                    self.optimizer.implementation
-                ),
             );
         }
         if self.model.name != "llama3" {
@@ -608,40 +743,32 @@ impl JobConfig {
         if self.validation.enable && self.validation.freq == 0 {
             return bad("validation.freq", "must be at least 1".into());
         }
-        if !["auto", "cpu", "cuda"].contains(&self.training.device.as_str()) {
-            return bad(
-                "training.device",
-                format!("`{}` is not one of auto, cpu, cuda", self.training.device),
-            );
-        }
-        if !self.model.converters.is_empty() {
-            return bad(
-                "model.converters",
-                "model converters (float8, ...) are not supported".into(),
-            );
-        }
-        for (key, v) in [
+        for (key, value) in [
+            ("training.dtype", self.training.dtype),
             (
-                "parallelism.tensor_parallel_degree",
-                self.parallelism.tensor_parallel_degree,
-            ),
-            (
-                "parallelism.context_parallel_degree",
-                self.parallelism.context_parallel_degree,
-            ),
-            (
-                "parallelism.pipeline_parallel_degree",
-                self.parallelism.pipeline_parallel_degree,
-            ),
-            (
-                "parallelism.expert_parallel_degree",
-                self.parallelism.expert_parallel_degree,
+                "training.mixed_precision_param",
+                self.training.mixed_precision_param,
             ),
         ] {
-            if v != 1 {
+            if value == DtypeName::Float16 {
+                return bad(key, "float16 is not one of bfloat16, float32".into());
+            }
+        }
+        if self.training.mixed_precision_reduce != DtypeName::Float32 {
+            return bad(
+                "training.mixed_precision_reduce",
+                format!(
+                    "{} is not supported: torchtitan 0.3.0 reduces gradients in float32 only",
+                    self.training.mixed_precision_reduce.name()
+                ),
+            );
+        }
+        if self.activation_checkpoint.mode == AcMode::Selective {
+            let o = &self.activation_checkpoint.selective_ac_option;
+            if o != "op" && !o.parse::<u64>().is_ok_and(|n| n >= 1) {
                 return bad(
-                    key,
-                    format!("{v} is not supported: titan-train does data parallelism only"),
+                    "activation_checkpoint.selective_ac_option",
+                    format!("`{o}` is neither `op` nor a layer interval of 1 or more"),
                 );
             }
         }
@@ -664,6 +791,142 @@ impl JobConfig {
                     key,
                     format!("{v} must be a number of seconds greater than 0"),
                 );
+            }
+        }
+        Ok(())
+    }
+}
+
+impl JobConfig {
+    /// torchtitan keys titan-train does not implement: accepted at their defaults only, so a
+    /// config that asks for them fails instead of training without them.
+    fn refuse_unimplemented(&self) -> Result<(), ConfigError> {
+        let d = JobConfig::default();
+        let w = |v: &dyn std::fmt::Debug| format!("{v:?}");
+        let checks: Vec<(&str, String, String, &str)> = vec![
+            (
+                "model.converters",
+                w(&self.model.converters),
+                w(&d.model.converters),
+                " (float8/mx converters need torchao kernels)",
+            ),
+            (
+                "model.print_after_conversion",
+                w(&self.model.print_after_conversion),
+                w(&d.model.print_after_conversion),
+                " (there are no model converters)",
+            ),
+            (
+                "optimizer.early_step_in_backward",
+                w(&self.optimizer.early_step_in_backward),
+                w(&d.optimizer.early_step_in_backward),
+                "",
+            ),
+            (
+                "training.enable_cpu_offload",
+                w(&self.training.enable_cpu_offload),
+                w(&d.training.enable_cpu_offload),
+                " (FSDP cpu offload)",
+            ),
+            (
+                "training.gc_debug",
+                w(&self.training.gc_debug),
+                w(&d.training.gc_debug),
+                " (Python's gc debugging has no counterpart)",
+            ),
+            (
+                "parallelism.tensor_parallel_degree",
+                w(&self.parallelism.tensor_parallel_degree),
+                w(&d.parallelism.tensor_parallel_degree),
+                " (data parallelism only)",
+            ),
+            (
+                "parallelism.context_parallel_degree",
+                w(&self.parallelism.context_parallel_degree),
+                w(&d.parallelism.context_parallel_degree),
+                " (data parallelism only)",
+            ),
+            (
+                "parallelism.pipeline_parallel_degree",
+                w(&self.parallelism.pipeline_parallel_degree),
+                w(&d.parallelism.pipeline_parallel_degree),
+                " (data parallelism only)",
+            ),
+            (
+                "parallelism.expert_parallel_degree",
+                w(&self.parallelism.expert_parallel_degree),
+                w(&d.parallelism.expert_parallel_degree),
+                " (data parallelism only)",
+            ),
+            (
+                "parallelism.enable_compiled_autograd",
+                w(&self.parallelism.enable_compiled_autograd),
+                w(&d.parallelism.enable_compiled_autograd),
+                " (no torch.compile)",
+            ),
+            (
+                "parallelism.fsdp_reshard_after_forward",
+                w(&self.parallelism.fsdp_reshard_after_forward),
+                w(&d.parallelism.fsdp_reshard_after_forward),
+                " (ZeRO-2 keeps whole parameters on every rank)",
+            ),
+            (
+                "compile.enable",
+                w(&self.compile.enable),
+                w(&d.compile.enable),
+                " (no torch.compile)",
+            ),
+            (
+                "checkpoint.create_seed_checkpoint",
+                w(&self.checkpoint.create_seed_checkpoint),
+                w(&d.checkpoint.create_seed_checkpoint),
+                "",
+            ),
+            (
+                "metrics.enable_wandb",
+                w(&self.metrics.enable_wandb),
+                w(&d.metrics.enable_wandb),
+                " (Weights & Biases cannot be reached from titan-train; use metrics.enable_tensorboard)",
+            ),
+            (
+                "training.dtype",
+                w(&self.training.dtype),
+                w(&d.training.dtype),
+                " (full bf16 training; mixed precision is training.mixed_precision_param)",
+            ),
+            (
+                "activation_checkpoint.mode",
+                w(&self.activation_checkpoint.mode),
+                w(&d.activation_checkpoint.mode),
+                " (libtorch's C++ API has no checkpoint function to recompute a layer in backward)",
+            ),
+            (
+                "metrics.enable_tensorboard",
+                w(&self.metrics.enable_tensorboard),
+                w(&d.metrics.enable_tensorboard),
+                " yet",
+            ),
+            (
+                "debug.deterministic_warn_only",
+                w(&self.debug.deterministic_warn_only),
+                w(&d.debug.deterministic_warn_only),
+                "",
+            ),
+            (
+                "comm.trace_buf_size",
+                w(&self.comm.trace_buf_size),
+                w(&d.comm.trace_buf_size),
+                " (no NCCL flight recorder)",
+            ),
+        ];
+        for (key, value, default, note) in checks {
+            if value != default {
+                return Err(ConfigError::Unsupported {
+                    key: key.into(),
+                    value,
+                    default,
+                    note: note.into(),
+                });
             }
         }
         Ok(())
@@ -754,9 +1017,10 @@ mod tests {
         assert_eq!(c.optimizer.lr, 8e-4);
         assert_eq!(c.optimizer.beta2, 0.95);
         assert_eq!(c.training.max_norm, 1.0);
-        assert_eq!(c.parallelism.data_parallel_shard_degree, -1);
+        assert_eq!(c.parallelism.data_parallel_shard_degree, None);
         assert_eq!(c.checkpoint.keep_latest_k, 10);
-        assert_eq!(c.checkpoint.export_dtype, "float32");
+        assert_eq!(c.checkpoint.export_dtype, DtypeName::Float32);
+        assert_eq!(c.training.mixed_precision_param, DtypeName::Bfloat16);
         assert_eq!(c.lr_scheduler.decay_ratio, None);
     }
 
@@ -812,5 +1076,80 @@ mod tests {
             err.to_string().contains("lr_scheduler.decay_ratio"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn embedded_default_is_the_debug_config() {
+        let c = JobConfig::load(&[]).unwrap();
+        assert_eq!((c.training.seq_len, c.training.steps), (256, 50));
+        assert_eq!(c.model.flavor, "debugmodel");
+        let file = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(DEFAULT_CONFIG_FILE),
+        )
+        .unwrap();
+        assert_eq!(file, DEFAULT_CONFIG);
+    }
+
+    #[test]
+    fn minus_one_is_unset_and_counts_are_typed() {
+        let toml = "[training]\nglobal_batch_size = -1\n[checkpoint]\nload_step = 4\n";
+        let c = JobConfig::from_parts(Some((toml, Path::new("f.toml"))), &[]).unwrap();
+        assert_eq!(c.training.global_batch_size, None);
+        assert_eq!(c.checkpoint.load_step, Some(4));
+        let c = JobConfig::from_parts(None, &ov(&["--validation.steps", "-1"])).unwrap();
+        assert_eq!(c.validation.steps, None);
+        let err = JobConfig::from_parts(None, &ov(&["--checkpoint.load_step", "-2"])).unwrap_err();
+        assert!(err.to_string().contains("checkpoint.load_step"), "{err}");
+    }
+
+    #[test]
+    fn enum_values_are_checked_at_parse_time() {
+        for (key, value) in [
+            ("--lr_scheduler.decay_type", "cosin"),
+            ("--training.device", "tpu"),
+            ("--checkpoint.async_mode", "sometimes"),
+            ("--checkpoint.export_dtype", "int8"),
+            ("--training.mixed_precision_param", "fp8"),
+            ("--activation_checkpoint.mode", "partial"),
+        ] {
+            let err = JobConfig::from_parts(None, &ov(&[key, value])).unwrap_err();
+            assert!(err.to_string().contains(&key[2..]), "{key}: {err}");
+        }
+        let c = JobConfig::from_parts(None, &ov(&["--checkpoint.async_mode", "async"])).unwrap();
+        assert_eq!(c.checkpoint.async_mode, AsyncModeName::Async);
+    }
+
+    #[test]
+    fn unimplemented_keys_are_refused_unless_default() {
+        for (key, value) in [
+            ("--compile.enable", "true"),
+            ("--parallelism.tensor_parallel_degree", "2"),
+            ("--metrics.enable_wandb", "true"),
+            ("--training.enable_cpu_offload", "true"),
+            ("--model.converters", "float8"),
+            ("--parallelism.fsdp_reshard_after_forward", "always"),
+        ] {
+            let err = JobConfig::from_parts(None, &ov(&[key, value])).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::Unsupported { key: k, .. } if *k == key[2..]),
+                "{key}: {err}"
+            );
+            assert!(
+                err.to_string().contains("not supported by titan-train"),
+                "{err}"
+            );
+        }
+        // At their defaults they are accepted (torchtitan's own files spell them out).
+        JobConfig::from_parts(
+            None,
+            &ov(&[
+                "--compile.enable=false",
+                "--parallelism.tensor_parallel_degree",
+                "1",
+            ]),
+        )
+        .unwrap();
     }
 }

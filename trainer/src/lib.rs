@@ -12,6 +12,7 @@
 //! - [`checkpoint`]: DCP saves/resume (torchtitan's layout), async saves, HF export.
 //! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and
 //!   data parallelism (DDP, ZeRO-2, HSDP).
+//! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it.
 //! - [`train`]: the loop; [`metrics`]: console line, throughput, memory.
 
 pub mod checkpoint;
@@ -25,5 +26,6 @@ pub mod model;
 pub mod names;
 pub mod optim;
 pub mod parallel;
+pub mod precision;
 pub mod rng;
 pub mod train;

@@ -2,15 +2,8 @@
 //! towards `min_lr_factor`. The factor for 0-indexed step `s` multiplies `optimizer.lr`; training
 //! step `k` (1-indexed) uses the factor of `s = k - 1`, as torchtitan's LambdaLR does.
 
+pub use crate::config::DecayType;
 use crate::config::LrScheduler as LrSchedulerConfig;
-
-/// How the learning rate falls during the decay phase.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecayType {
-    Linear,
-    Sqrt,
-    Cosine,
-}
 
 /// The resolved schedule for a run of `total` steps.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,17 +26,12 @@ impl LrSchedule {
         };
         // The `+ 1` keeps the last training step's lr above min when decay ends exactly there.
         let stable = total_steps + 1 - warmup - decay;
-        let decay_type = match cfg.decay_type.as_str() {
-            "sqrt" => DecayType::Sqrt,
-            "cosine" => DecayType::Cosine,
-            _ => DecayType::Linear,
-        };
         Self {
             base_lr,
             warmup_steps: warmup,
             stable_steps: stable,
             decay_steps: decay,
-            decay_type,
+            decay_type: cfg.decay_type,
             min_lr_factor: cfg.min_lr_factor,
         }
     }
@@ -80,7 +68,7 @@ mod tests {
         LrSchedulerConfig {
             warmup_steps: warmup,
             decay_ratio: ratio,
-            decay_type: decay.into(),
+            decay_type: serde_json::from_value(decay.into()).unwrap(),
             min_lr_factor: min,
         }
     }

@@ -53,7 +53,7 @@ impl World {
         }
         let replicate = replicate as usize;
         let shard = match cfg.data_parallel_shard_degree {
-            -1 => {
+            None => {
                 if !world_size.is_multiple_of(replicate) {
                     bail!(
                         "parallelism.data_parallel_replicate_degree {replicate} does not divide the world size {world_size}"
@@ -61,8 +61,10 @@ impl World {
                 }
                 world_size / replicate
             }
-            s if s >= 1 => s as usize,
-            s => bail!("parallelism.data_parallel_shard_degree must be -1 or at least 1, got {s}"),
+            Some(s) if s >= 1 => s as usize,
+            Some(s) => {
+                bail!("parallelism.data_parallel_shard_degree must be -1 or at least 1, got {s}")
+            }
         };
         if replicate * shard != world_size {
             bail!(
@@ -229,7 +231,7 @@ mod tests {
         cfg.data_parallel_replicate_degree = 2;
         let w = World::new(&cfg, 0, 0, 4).unwrap();
         assert_eq!((w.dp_replicate, w.dp_shard), (2, 2));
-        cfg.data_parallel_shard_degree = 3;
+        cfg.data_parallel_shard_degree = Some(3);
         assert!(World::new(&cfg, 0, 0, 4).is_err());
     }
 }

@@ -13,13 +13,14 @@ use tch::{Device, Kind, Reduction, Tensor};
 use titan_obs::Reduce;
 
 use crate::checkpoint::{Checkpointer, TrainerState};
-use crate::config::{self, JobConfig};
+use crate::config::{self, DeviceChoice, JobConfig};
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
 use crate::model::{Llama, ModelArgs};
 use crate::optim::{self, AdamW};
 use crate::parallel::DataParallel;
+use crate::precision::Precision;
 
 /// Labels with this value are not predicted (PyTorch's cross-entropy default).
 pub const IGNORE_INDEX: i64 = -100;
@@ -46,11 +47,13 @@ fn config_error(key: &str, e: anyhow::Error) -> anyhow::Error {
 /// Picks the device: CUDA `local_rank` when available (or demanded), else CPU.
 pub fn select_device(training: &config::Training, local_rank: usize) -> Result<Device> {
     let cuda = tch::Cuda::is_available();
-    match training.device.as_str() {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" if !cuda => bail!("training.device = cuda, but no CUDA device is available"),
-        "cuda" => Ok(Device::Cuda(local_rank)),
-        _ => Ok(if cuda {
+    match training.device {
+        DeviceChoice::Cpu => Ok(Device::Cpu),
+        DeviceChoice::Cuda if !cuda => {
+            bail!("training.device = cuda, but no CUDA device is available")
+        }
+        DeviceChoice::Cuda => Ok(Device::Cuda(local_rank)),
+        DeviceChoice::Auto => Ok(if cuda {
             Device::Cuda(local_rank)
         } else {
             Device::Cpu
@@ -98,12 +101,8 @@ fn count_valid(labels: &Tensor) -> i64 {
 /// Number of microbatches per optimizer step (gradient accumulation), torchtitan's rule.
 pub fn microbatches(training: &config::Training, dp_degree: usize) -> Result<usize> {
     let per_pass = training.local_batch_size as usize * dp_degree;
-    let global = if training.global_batch_size < 0 {
-        per_pass
-    } else {
-        training.global_batch_size as usize
-    };
-    if global == 0 || global % per_pass != 0 {
+    let global = training.global_batch_size.map_or(per_pass, |g| g as usize);
+    if global == 0 || !global.is_multiple_of(per_pass) {
         bail!(
             "training.global_batch_size {global} must be a positive multiple of local_batch_size {} x dp degree {dp_degree}",
             training.local_batch_size
@@ -119,19 +118,33 @@ fn write_atomic(path: &Path, text: &str) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
 }
 
-/// Appends one JSON line per logged step (full-precision values for scripts and tests).
+/// `metrics.jsonl`: one JSON line per logged step or validation (full-precision values for
+/// scripts and tests), appended as it happens; a resumed run continues the same file.
 struct MetricsFile {
+    file: std::fs::File,
     path: PathBuf,
-    lines: String,
 }
 
 impl MetricsFile {
+    fn open(path: PathBuf) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(Self { file, path })
+    }
+
     fn push<T: serde::Serialize>(&mut self, kind: &str, value: &T) -> Result<()> {
+        use std::io::Write as _;
         let mut v = serde_json::to_value(value)?;
         v["kind"] = kind.into();
-        self.lines.push_str(&serde_json::to_string(&v)?);
-        self.lines.push('\n');
-        write_atomic(&self.path, &self.lines)
+        let mut line = serde_json::to_string(&v)?;
+        line.push('\n');
+        // One write per line: a reader never sees half a line from a crash mid-buffer.
+        self.file
+            .write_all(line.as_bytes())
+            .with_context(|| format!("appending to {}", self.path.display()))
     }
 }
 
@@ -166,7 +179,8 @@ fn keep_freed_tensor_memory() {
 fn validate(
     model: &Llama,
     loader: &mut TextLoader,
-    max_steps: i64,
+    max_steps: Option<u64>,
+    precision: Precision,
     dp: &mut dyn DataParallel,
     step: u64,
     device: Device,
@@ -174,14 +188,16 @@ fn validate(
     let start = Instant::now();
     loader.reset();
     let (mut loss_sum, mut tokens) = (0.0f64, 0i64);
-    let mut batches = 0i64;
+    let mut batches = 0u64;
     tch::no_grad(|| -> Result<()> {
-        while max_steps < 0 || batches < max_steps {
+        while max_steps.is_none_or(|max| batches < max) {
             let Some(Batch { inputs, labels }) = loader.next_batch(device)? else {
                 break;
             };
-            let logits = model.forward(&inputs);
-            loss_sum += summed_cross_entropy(&logits, &labels).double_value(&[]);
+            let loss = precision.run(device, || {
+                summed_cross_entropy(&model.forward(&inputs), &labels)
+            })?;
+            loss_sum += loss.double_value(&[]);
             tokens += count_valid(&labels);
             batches += 1;
         }
@@ -312,12 +328,14 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         args.max_seq_len = cfg.training.seq_len.max(cfg.validation.seq_len);
         Llama::new(args, device)?
     };
+    let precision = Precision::from_config(&cfg.training);
     let (n_params, _) = model.args.num_params();
     let flops_per_token = model.args.flops_per_token(cfg.training.seq_len);
     tracing::info!(
         flavor = cfg.model.flavor,
         params = n_params,
         flops_per_token,
+        mixed_precision = precision.describe(),
         "model built"
     );
 
@@ -361,9 +379,10 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
     };
 
     let peak_flops = metrics::peak_flops(device, cfg.metrics.peak_tflops);
-    let mut metrics_file = MetricsFile {
-        path: dump_folder.join("metrics.jsonl"),
-        lines: String::new(),
+    let mut metrics_file = if world.rank == 0 {
+        Some(MetricsFile::open(dump_folder.join("metrics.jsonl"))?)
+    } else {
+        None
     };
     let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
     let mut summary = TrainSummary {
@@ -403,10 +422,12 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 let _m = titan_obs::span("microbatch");
                 let loss = {
                     let _f = titan_obs::span("forward");
-                    let logits = model.forward(&batch.inputs);
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
-                    summed_cross_entropy(&logits, &batch.labels) / global_tokens.max(1) as f64
+                    precision.run(device, || {
+                        let logits = model.forward(&batch.inputs);
+                        summed_cross_entropy(&logits, &batch.labels) / global_tokens.max(1) as f64
+                    })?
                 };
                 {
                     let _b = titan_obs::span("backward");
@@ -484,9 +505,9 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
             dp.reduce_metrics(&mut reduced)?;
             let [loss, grad_norm, memory, tps] = reduced.map(|(v, _)| v);
             let m = per_rank(loss, grad_norm, memory, tps, global_tokens);
-            if world.rank == 0 {
+            if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", m.console_line());
-                metrics_file.push("train", &m)?;
+                file.push("train", &m)?;
             }
             summary.first_loss.get_or_insert(m.loss);
             summary.last_loss = Some(m.loss);
@@ -499,11 +520,19 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         {
             let _s = titan_obs::span("validation");
             titan_obs::add_step_tag("validation");
-            let v = validate(&model, loader, cfg.validation.steps, dp, step, device)?;
+            let v = validate(
+                &model,
+                loader,
+                cfg.validation.steps,
+                precision,
+                dp,
+                step,
+                device,
+            )?;
             titan_obs::scalar("validation/loss", v.loss, Reduce::Mean);
-            if world.rank == 0 {
+            if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", v.console_line());
-                metrics_file.push("validation", &v)?;
+                file.push("validation", &v)?;
             }
             summary.last_validation_loss = Some(v.loss);
             // Validation time is not training throughput.
@@ -549,9 +578,9 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(microbatches(&t, 1).unwrap(), 1);
-        t.global_batch_size = 16;
+        t.global_batch_size = Some(16);
         assert_eq!(microbatches(&t, 2).unwrap(), 2);
-        t.global_batch_size = 10;
+        t.global_batch_size = Some(10);
         assert!(microbatches(&t, 1).is_err());
     }
 

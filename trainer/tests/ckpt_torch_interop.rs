@@ -185,7 +185,7 @@ fn hf_export_loads_in_transformers_with_the_same_loss() {
         enable: true,
         interval: 100,
         last_save_in_hf: true,
-        export_dtype: "float32".into(),
+        export_dtype: titan_train::config::DtypeName::Float32,
         ..Checkpoint::default()
     };
     let mut run = setup(2);

@@ -1,12 +1,16 @@
 //! Numerics: titan's Llama-3 reproduces transformers' LlamaForCausalLM (rope_type "llama3", GQA)
-//! logits to 1e-4 max abs in fp32, loading the HF-named safetensors through the q/k permutation.
+//! logits to 1e-4 max abs in fp32, loading the HF-named safetensors through the q/k permutation;
+//! and under bf16 mixed precision (autocast, as torchtitan) its loss and gradients stay as close
+//! to transformers' under `torch.autocast(bfloat16)` as bf16 itself is to fp32.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 use titan_train::hf;
 use titan_train::model::{Llama, ModelArgs};
+use titan_train::precision::Precision;
+use titan_train::train::summed_cross_entropy;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -21,8 +25,8 @@ fn python() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
 }
 
-#[test]
-fn logits_match_transformers_llama() {
+/// Runs the reference script into a temp dir and loads its weights into a titan model.
+fn reference() -> (tempfile::TempDir, Llama) {
     let dir = tempfile::tempdir().unwrap();
     let script = workspace_root().join("tests/python/trainer_hf_logits.py");
     let out = Command::new(python())
@@ -55,7 +59,12 @@ fn logits_match_transformers_llama() {
     for (name, t) in &state {
         model.set_parameter(name, t).unwrap();
     }
+    (dir, model)
+}
 
+#[test]
+fn logits_match_transformers_llama() {
+    let (dir, model) = reference();
     let expected = Tensor::read_safetensors(dir.path().join("expected.safetensors")).unwrap();
     let get = |n: &str| {
         expected
@@ -98,5 +107,110 @@ fn logits_match_transformers_llama() {
     for ((n0, t0), (n1, t1)) in reloaded.iter().zip(&back) {
         assert_eq!(n0, n1);
         assert!(t0.equal(t1), "{n0} changed in the round trip");
+    }
+}
+
+/// titan's mean loss and HF-named gradients for the reference tokens with `precision`.
+fn train_step(
+    model: &Llama,
+    tokens: &Tensor,
+    precision: Precision,
+) -> (f64, Vec<(String, Tensor)>) {
+    let seq = tokens.size()[1];
+    let (inputs, labels) = (tokens.narrow(1, 0, seq - 1), tokens.narrow(1, 1, seq - 1));
+    let loss = precision
+        .run(Device::Cpu, || {
+            summed_cross_entropy(&model.forward(&inputs), &labels) / labels.numel() as f64
+        })
+        .unwrap();
+    loss.backward();
+    let grads: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .iter()
+        .map(|(n, p)| (n.clone(), p.grad().copy()))
+        .collect();
+    for (_, p) in model.named_parameters() {
+        p.shallow_clone().zero_grad();
+    }
+    let grads = hf::to_hf(&grads, &model.args).unwrap();
+    (loss.double_value(&[]), grads)
+}
+
+/// ||a - b|| / ||b||.
+fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
+}
+
+#[test]
+fn bf16_loss_and_grads_match_transformers_under_autocast() {
+    let (dir, model) = reference();
+    let reference = Tensor::read_safetensors(dir.path().join("train_step.safetensors")).unwrap();
+    let get = |n: &str| {
+        reference
+            .iter()
+            .find(|(k, _)| k == n)
+            .unwrap_or_else(|| panic!("{n} missing"))
+            .1
+            .shallow_clone()
+    };
+    let expected = Tensor::read_safetensors(dir.path().join("expected.safetensors")).unwrap();
+    let tokens = expected
+        .iter()
+        .find(|(k, _)| k == "tokens")
+        .unwrap()
+        .1
+        .shallow_clone();
+
+    let (fp32_loss, fp32_grads) = train_step(&model, &tokens, Precision::Plain);
+    let (bf16_loss, bf16_grads) = train_step(&model, &tokens, Precision::Autocast(Kind::BFloat16));
+    let hf_fp32 = get("fp32.loss").double_value(&[0]);
+    let hf_bf16 = get("bf16.loss").double_value(&[0]);
+    eprintln!(
+        "loss: titan fp32 {fp32_loss} hf fp32 {hf_fp32}; titan bf16 {bf16_loss} hf bf16 {hf_bf16}"
+    );
+    // fp32: the same function to float rounding.
+    assert!(
+        (fp32_loss - hf_fp32).abs() < 1e-4,
+        "fp32 loss {fp32_loss} vs {hf_fp32}"
+    );
+    // bf16 really computed in bf16 (it moves the loss), and titan's bf16 is as close to
+    // transformers' bf16 as bf16 itself is to fp32 (x2: both sides round independently; the
+    // kernels differ: SDPA vs eager softmax, complex vs rotate-half RoPE).
+    let bf16_noise = (hf_bf16 - hf_fp32).abs();
+    assert!(
+        bf16_noise > 1e-6,
+        "autocast changed nothing in transformers' loss"
+    );
+    assert!(
+        (bf16_loss - fp32_loss).abs() > 1e-6,
+        "titan's autocast loss equals its fp32 loss"
+    );
+    assert!(
+        (bf16_loss - hf_bf16).abs() <= 2.0 * bf16_noise + 1e-3,
+        "bf16 loss {bf16_loss} vs transformers {hf_bf16} (bf16 vs fp32 there: {bf16_noise})"
+    );
+    for ((name, g32), (_, g16)) in fp32_grads.iter().zip(&bf16_grads) {
+        let (hf32, hf16) = (
+            get(&format!("fp32.grad.{name}")),
+            get(&format!("bf16.grad.{name}")),
+        );
+        assert_eq!(
+            g16.kind(),
+            Kind::Float,
+            "{name}: gradients of fp32 weights are fp32"
+        );
+        assert!(
+            rel_err(g32, &hf32) < 1e-4,
+            "{name}: fp32 grad differs by {}",
+            rel_err(g32, &hf32)
+        );
+        let noise = rel_err(&hf16, &hf32);
+        let err = rel_err(g16, &hf16);
+        eprintln!("{name}: bf16 grad vs transformers' {err:.2e} (bf16 vs fp32 there {noise:.2e})");
+        assert!(
+            err <= 2.0 * noise + 1e-3,
+            "{name}: bf16 grad differs from transformers' by {err:.3e}, more than 2x bf16's own \
+             error {noise:.3e}"
+        );
     }
 }

@@ -48,18 +48,6 @@ pub fn kind_of(dtype: Dtype) -> Result<Kind> {
     })
 }
 
-/// Parses `checkpoint.export_dtype` (torchtitan's spellings).
-pub fn parse_export_dtype(name: &str) -> Result<Kind> {
-    Ok(match name {
-        "float32" | "fp32" => Kind::Float,
-        "bfloat16" | "bf16" => Kind::BFloat16,
-        "float16" | "fp16" => Kind::Half,
-        other => {
-            bail!("checkpoint.export_dtype must be float32, bfloat16 or float16, got `{other}`")
-        }
-    })
-}
-
 impl HostTensor {
     /// Copies `t` (any device) into host memory, cast to `kind` when given.
     pub fn from_tensor(t: &Tensor, kind: Option<Kind>) -> Result<Self> {
@@ -159,7 +147,6 @@ mod tests {
         let bf = HostTensor::from_tensor(&t, Some(Kind::BFloat16)).unwrap();
         assert_eq!((bf.dtype, bf.data.len()), (Dtype::BF16, 12));
         assert_eq!(HostTensor::scalar_i64(42).scalar_value().unwrap(), 42.0);
-        assert!(parse_export_dtype("int8").is_err());
     }
 
     #[test]

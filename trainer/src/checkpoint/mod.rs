@@ -45,16 +45,15 @@ pub enum AsyncMode {
     Async,
 }
 
-impl AsyncMode {
-    pub fn parse(s: &str) -> Result<Self> {
-        Ok(match s {
-            "disabled" => AsyncMode::Disabled,
+impl From<config::AsyncModeName> for AsyncMode {
+    fn from(name: config::AsyncModeName) -> Self {
+        match name {
+            config::AsyncModeName::Disabled => AsyncMode::Disabled,
             // Pinned staging buffers only matter for CUDA copies; host staging is the same path.
-            "async" | "async_with_pinned_mem" => AsyncMode::Async,
-            other => bail!(
-                "checkpoint.async_mode must be disabled, async or async_with_pinned_mem, got `{other}`"
-            ),
-        })
+            config::AsyncModeName::Async | config::AsyncModeName::AsyncWithPinnedMem => {
+                AsyncMode::Async
+            }
+        }
     }
 }
 
@@ -89,8 +88,8 @@ pub struct Checkpointer {
 impl Checkpointer {
     /// Checks the `[checkpoint]` keys; `dump_folder` is `job.dump_folder`.
     pub fn new(cfg: &config::Checkpoint, dump_folder: &Path, world: World) -> Result<Self> {
-        let mode = AsyncMode::parse(&cfg.async_mode)?;
-        let export_kind = host::parse_export_dtype(&cfg.export_dtype)?;
+        let mode = AsyncMode::from(cfg.async_mode);
+        let export_kind = cfg.export_dtype.kind();
         if cfg.enable && cfg.interval == 0 {
             bail!("checkpoint.interval must be at least 1");
         }
@@ -181,8 +180,7 @@ impl Checkpointer {
             Some(r) => r.display(),
             None => self.root.display().to_string(),
         };
-        let chosen = if self.cfg.load_step >= 0 {
-            let want = self.cfg.load_step as u64;
+        let chosen = if let Some(want) = self.cfg.load_step {
             if !steps.contains(&want) {
                 bail!(
                     "checkpoint.load_step {want}: no complete checkpoint {}/{} (found steps {steps:?})",
