@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use crate::location::Location;
 use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
 use crate::schema::{Kind, Reduce};
+use crate::vocab;
 
 /// A rank that is slow in one phase.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,7 +111,7 @@ fn step_template(n: usize) -> Phase {
         ],
     };
     let mut root = Phase {
-        name: "step",
+        name: vocab::STEP,
         base_ns: MS / 2,
         children: vec![
             leaf("data_loading", 3 * MS),
@@ -300,15 +301,18 @@ fn write_rank(
         let ckpt = cfg.checkpoint_every.is_some_and(|e| e > 0 && step % e == 0);
         let val = cfg.validation_every.is_some_and(|e| e > 0 && step % e == 0);
         if ckpt {
-            tags.push("checkpoint");
+            tags.push(vocab::titan::CHECKPOINT);
         }
         if val {
-            tags.push("validation");
+            tags.push(vocab::titan::VALIDATION);
         }
         em.out.clear();
         let dur = em.emit(template, t, 0, 0, 1.0);
         let mut end = t + dur;
-        for (on, name, ms) in [(val, "validation", 40), (ckpt, "checkpoint", 150)] {
+        for (on, name, ms) in [
+            (val, vocab::titan::VALIDATION, 40),
+            (ckpt, vocab::titan::CHECKPOINT, 150),
+        ] {
             if on {
                 let phase = leaf(name, ms * 1_000_000);
                 end += em.emit(&phase, end, 0, 0, 1.0);

@@ -203,7 +203,8 @@ fn list_files(
                 if !keep(&name) {
                     continue;
                 }
-                let size = e.metadata().map(|m| m.len()).unwrap_or(0);
+                // Follows symlinks (a folder of links to the real logs).
+                let size = std::fs::metadata(e.path()).map(|m| m.len()).unwrap_or(0);
                 out.push(Listed {
                     display: e.path().display().to_string(),
                     name,

@@ -7,8 +7,14 @@ const PALETTE: [u8; 12] = [167, 74, 143, 108, 179, 61, 132, 37, 173, 98, 150, 31
 
 /// xterm-256 colour index of a phase.
 pub fn phase_index(name: &str) -> u8 {
+    use titan_obs::vocab::{STEP, torchtitan as tt};
     match name {
-        "step" => 240,
+        STEP => 240,
+        // torchtitan's spellings of the same phases get the same colours.
+        tt::FWD_BWD => 33,
+        tt::OPTIM => 35,
+        tt::FETCHING_BATCH => 178,
+        tt::EVAL => 44,
         "data_loading" => 178,
         "prefetch" => 186,
         "forward_backward" => 33,
