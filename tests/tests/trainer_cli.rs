@@ -266,3 +266,44 @@ fn default_data_loss_falls_far() {
     );
     assert!(dump.join("config.toml").exists());
 }
+
+#[test]
+fn tensorboard_events_read_back_in_tensorboard_and_tbparse() {
+    let dump = tempfile::tempdir().unwrap();
+    let mut args = vec![
+        "--training.steps",
+        "4",
+        "--metrics.enable_tensorboard",
+        "--validation.enable",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "1",
+        "--job.dump_folder",
+        dump.path().to_str().unwrap(),
+    ];
+    args.extend_from_slice(SMALL);
+    // SMALL turns validation off; the later flag wins.
+    args.push("--validation.enable=true");
+    let o = titan_train(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    // torchtitan's layout: <dump>/tb/<YYYYMMDD-HHMM>/events.out.tfevents.*
+    let runs: Vec<_> = std::fs::read_dir(dump.path().join("tb"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    let python = std::env::var_os("TITAN_TT_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| titan_tests::workspace_root().join(".venv-tt/bin/python"));
+    let out = titan_tests::run_ok(
+        std::process::Command::new(python)
+            .arg(titan_tests::workspace_root().join("tests/python/trainer_tensorboard.py"))
+            .arg(dump.path())
+            .arg(&runs[0]),
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // 4 steps x 5 train scalars + 2 validations x 2.
+    assert_eq!(report["checked"], 24, "{report}");
+}

@@ -901,12 +901,6 @@ impl JobConfig {
                 " (libtorch's C++ API has no checkpoint function to recompute a layer in backward)",
             ),
             (
-                "metrics.enable_tensorboard",
-                w(&self.metrics.enable_tensorboard),
-                w(&d.metrics.enable_tensorboard),
-                " yet",
-            ),
-            (
                 "debug.deterministic_warn_only",
                 w(&self.debug.deterministic_warn_only),
                 w(&d.debug.deterministic_warn_only),

@@ -13,7 +13,8 @@
 //! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and
 //!   data parallelism (DDP, ZeRO-2, HSDP).
 //! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it.
-//! - [`train`]: the loop; [`metrics`]: console line, throughput, memory.
+//! - [`train`]: the loop; [`metrics`]: console line, throughput, memory; [`tensorboard`]: event
+//!   files.
 
 pub mod checkpoint;
 pub mod config;
@@ -28,4 +29,5 @@ pub mod optim;
 pub mod parallel;
 pub mod precision;
 pub mod rng;
+pub mod tensorboard;
 pub mod train;

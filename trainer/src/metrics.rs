@@ -139,6 +139,14 @@ impl StepMetrics {
         ]
     }
 
+    /// Every scalar under its console name (`training/loss_mean`, ...): what TensorBoard gets.
+    pub fn console_scalars(&self) -> Vec<(String, f64)> {
+        self.scalars()
+            .iter()
+            .map(|(name, value, reduce)| (format!("{name}_{}", suffix(*reduce)), *value))
+            .collect()
+    }
+
     /// torchtitan's aggregated console line (suffix = cross-rank reduction).
     pub fn console_line(&self) -> String {
         let mut line = format!("step: {:2}", self.step);
@@ -167,6 +175,15 @@ pub struct ValidationMetrics {
 }
 
 impl ValidationMetrics {
+    /// The console line's values under its names (for TensorBoard).
+    pub fn console_scalars(&self) -> Vec<(String, f64)> {
+        vec![
+            ("validation/loss_mean".into(), self.loss),
+            ("validation/tokens_sum".into(), self.tokens as f64),
+            ("validation/time_s_max".into(), self.seconds),
+        ]
+    }
+
     pub fn console_line(&self) -> String {
         format!(
             "validate step: {:2}  validation/loss_mean: {:.4}  validation/tokens_sum: {}  validation/time_s_max: {:.2}",

@@ -21,6 +21,7 @@ use crate::model::{Llama, ModelArgs};
 use crate::optim::{self, AdamW};
 use crate::parallel::DataParallel;
 use crate::precision::Precision;
+use crate::tensorboard::EventWriter;
 
 /// Labels with this value are not predicted (PyTorch's cross-entropy default).
 pub const IGNORE_INDEX: i64 = -100;
@@ -384,6 +385,19 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
     } else {
         None
     };
+    let mut tensorboard =
+        if cfg.metrics.enable_tensorboard && (world.rank == 0 || cfg.metrics.save_for_all_ranks) {
+            let dir = EventWriter::run_dir(
+                &dump_folder,
+                &cfg.metrics.save_tb_folder,
+                cfg.metrics.save_for_all_ranks.then_some(world.rank),
+            );
+            let writer = EventWriter::create(&dir).context("metrics.enable_tensorboard")?;
+            tracing::info!("TensorBoard events in {}", writer.path().display());
+            Some(writer)
+        } else {
+            None
+        };
     let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
     let mut summary = TrainSummary {
         dump_folder: dump_folder.clone(),
@@ -509,6 +523,9 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 tracing::info!("{}", m.console_line());
                 file.push("train", &m)?;
             }
+            if let Some(tb) = tensorboard.as_mut() {
+                tb.scalars(step, &m.console_scalars())?;
+            }
             summary.first_loss.get_or_insert(m.loss);
             summary.last_loss = Some(m.loss);
             window_start = Instant::now();
@@ -533,6 +550,9 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
             if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", v.console_line());
                 file.push("validation", &v)?;
+            }
+            if let Some(tb) = tensorboard.as_mut() {
+                tb.scalars(step, &v.console_scalars())?;
             }
             summary.last_validation_loss = Some(v.loss);
             // Validation time is not training throughput.
