@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--titan", default=TITAN, help="titan-ckpt binary (default: release build)")
     a = ap.parse_args()
     dcp = os.path.join(a.data, "dcp")
     model = ["--experts", str(a.experts)]
@@ -43,7 +44,7 @@ def main():
     size = sum(os.path.getsize(os.path.join(dcp, f)) for f in os.listdir(dcp))
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
     cmds = {
-        "titan": [TITAN, "--quiet", "convert", dcp, None, "--to", "hf", "--adapter", "deepseek_v3",
+        "titan": [a.titan, "--quiet", "convert", dcp, None, "--to", "hf", "--adapter", "deepseek_v3",
                   "--workers", str(a.threads)],
         "tt": [TT_PY, os.path.join(ROOT, "bench/ckpt/dsv3_torchtitan.py"), dcp, None] + model,
     }
@@ -58,14 +59,14 @@ def main():
             runs[k].append({"seconds": round(t, 2), "peak_rss_mib": round(rss, 1)})
             print(k, runs[k][-1], flush=True)
         if i == 0:
-            subprocess.run([TITAN, "--quiet", "diff", os.path.join(a.data, "out-titan"),
+            subprocess.run([a.titan, "--quiet", "diff", os.path.join(a.data, "out-titan"),
                             os.path.join(a.data, "out-tt")], check=True)
         for k in cmds:
             shutil.rmtree(os.path.join(a.data, f"out-{k}"), ignore_errors=True)
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("seconds", "peak_rss_mib")}
            for k, v in runs.items()}
     print(json.dumps({
-        "checkpoint_bytes": size, "threads": a.threads, "median": med,
+        "titan": a.titan, "checkpoint_bytes": size, "threads": a.threads, "median": med,
         "time_ratio_tt_over_titan": round(med["tt"]["seconds"] / med["titan"]["seconds"], 2),
         "runs": runs, "loadavg": os.getloadavg(),
     }, indent=1))

@@ -269,3 +269,35 @@ fn torch_2_15_dcp_fixtures_read_and_convert_exactly() {
         run_ok(ckpt().arg("diff").arg(&dcp).arg(&expected));
     }
 }
+
+#[test]
+fn adapter_errors_name_what_was_looked_for_and_write_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        // The wrong family: qwen3 needs q_norm to know the head dim.
+        (&["--adapter", "qwen3"], "layers.0.attention.q_norm.weight"),
+        (
+            &["--adapter", "llama3", "--n-heads", "5"],
+            "does not divide dim 256",
+        ),
+        (&["--adapter", "gpt_oss"], "unknown adapter `gpt_oss`"),
+    ];
+    for (i, (flags, want)) in cases.iter().enumerate() {
+        let out = tmp.path().join(format!("out{i}"));
+        let o = ckpt()
+            .arg("convert")
+            .arg(fixtures().join("dcp1"))
+            .arg(&out)
+            .args(["--to", "hf"])
+            .args(*flags)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{flags:?}: {}", output_text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains(want),
+            "{flags:?}: {}",
+            output_text(&o)
+        );
+        assert!(!out.join("model.safetensors").exists(), "{flags:?}");
+    }
+}

@@ -635,3 +635,54 @@ fn parse_planner_data(v: &Value) -> Option<PlannerData> {
     }
     Some(PlannerData::Flatten(map))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `TensorProperties` pickled with `fields` as its state tuple.
+    fn props(fields: Vec<Value>) -> Value {
+        Value::Object(Box::new(Object::new_with_state(
+            Global::TENSOR_PROPERTIES,
+            Value::Tuple(fields),
+        )))
+    }
+
+    fn torch_2_13_fields() -> Vec<Value> {
+        vec![
+            Value::Global(Global::for_dtype(Dtype::BF16)),
+            Value::Global(Global::TORCH_STRIDED),
+            Value::Bool(false),
+            Value::Object(Box::new(Object::reduce(
+                Global::MEM_FORMAT_ENCODING,
+                vec![Value::Int(0)],
+            ))),
+            Value::Bool(false),
+        ]
+    }
+
+    #[test]
+    fn tensor_properties_of_torch_2_13_2_15_and_later() {
+        let p = parse_properties(&props(torch_2_13_fields())).unwrap();
+        assert_eq!((p.dtype, p.strides), (Dtype::BF16, None));
+        // torch 2.15: strides appended.
+        let mut f = torch_2_13_fields();
+        f.push(Value::Tuple(vec![Value::Int(3), Value::Int(1)]));
+        assert_eq!(
+            parse_properties(&props(f.clone())).unwrap().strides,
+            Some(vec![3, 1])
+        );
+        let mut none = torch_2_13_fields();
+        none.push(Value::None);
+        assert_eq!(parse_properties(&props(none)).unwrap().strides, None);
+        // A later torch's extra trailing field is ignored.
+        f.push(Value::Str("future".into()));
+        assert_eq!(parse_properties(&props(f)).unwrap().dtype, Dtype::BF16);
+        // Malformed: too short, or strides that are not integers.
+        let e = parse_properties(&props(torch_2_13_fields()[..4].to_vec())).unwrap_err();
+        assert!(e.0.contains("4-tuple"), "{e}");
+        let mut bad = torch_2_13_fields();
+        bad.push(Value::Str("x".into()));
+        assert!(parse_properties(&props(bad)).is_err());
+    }
+}
