@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # titan-train vs plain PyTorch eager: same debug model, batch, seq_len and thread count, run back
-# to back RUNS times; prints each run and the medians (tokens/s and peak RSS) and the ratio.
+# to back RUNS times: titan default (bf16 autocast) and fp32, torch eager fp32 and under
+# torch.autocast(bfloat16) (fp32 master weights, same AdamW); prints each run, the medians
+# (tokens/s and peak RSS) and the ratios.
 # Usage: bench/trainer/run.sh [RUNS] [STEPS] [SEQ_LEN] [BATCH]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -13,37 +15,44 @@ py="$root/.venv/bin/python"
 threads="$("$py" -c 'import torch; print(torch.get_num_threads())')"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-for i in $(seq 1 "$runs"); do
-  "$py" bench/trainer/torch_eager.py --steps "$steps" --warmup "$warmup" --seq_len "$seq" \
-    --batch "$batch" --threads "$threads" >> "$out/torch.jsonl"
-  # titan: tps of the log windows after the warmup steps (log_freq = warmup).
+titan_run() { # NAME EXTRA_ARGS...: one titan-train run, its post-warmup tps and peak RSS
+  local name="$1"; shift
   "$target/release/titan-train" --training.steps "$steps" --training.seq_len "$seq" \
     --training.local_batch_size "$batch" --metrics.log_freq "$warmup" --validation.enable=false \
-    --observability.enable=false --debug.seed 0 --job.dump_folder "$out/titan$i" > /dev/null
-  "$py" - "$out/titan$i/metrics.jsonl" "$warmup" >> "$out/titan.jsonl" <<'PY'
+    --observability.enable=false --debug.seed 0 --job.dump_folder "$out/$name$i" "$@" > /dev/null
+  # tps of the log windows after the warmup steps (log_freq = warmup). Every window has the same
+  # number of tokens, so total tokens / total time is the harmonic mean of the window tps.
+  "$py" - "$out/$name$i/metrics.jsonl" "$warmup" "$name" >> "$out/$name.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if '"kind":"train"' in l]
 timed = [r for r in rows if r["step"] > int(sys.argv[2])]
-# Every window after warmup has the same number of tokens: the mean of window tps is wrong for
-# unequal windows, so use the harmonic mean (total tokens / total time).
 tps = len(timed) / sum(1 / r["tps"] for r in timed)
-print(json.dumps({"impl": "titan", "tps": tps, "peak_rss_gib": rows[-1]["peak_rss_gib"]}))
+print(json.dumps({"impl": sys.argv[3], "tps": tps, "peak_rss_gib": rows[-1]["peak_rss_gib"]}))
 PY
-  echo "run $i: torch $(tail -1 "$out/torch.jsonl")  titan $(tail -1 "$out/titan.jsonl")" >&2
+}
+for i in $(seq 1 "$runs"); do
+  common=(--steps "$steps" --warmup "$warmup" --seq_len "$seq" --batch "$batch" --threads "$threads")
+  "$py" bench/trainer/torch_eager.py "${common[@]}" >> "$out/torch_fp32.jsonl"
+  "$py" bench/trainer/torch_eager.py "${common[@]}" --autocast >> "$out/torch_autocast.jsonl"
+  titan_run titan_bf16
+  titan_run titan_fp32 --training.mixed_precision_param float32
+  echo "run $i: $(tail -qn1 "$out"/*.jsonl | tr '\n' ' ')" >&2
 done
 "$py" - "$out" "$threads" "$seq" "$batch" "$steps" <<'PY'
 import json, statistics, sys
 d = sys.argv[1]
-load = lambda n: [json.loads(l) for l in open(f"{d}/{n}.jsonl")]
-t, r = load("torch"), load("titan")
-mt, mr = statistics.median(x["tps"] for x in t), statistics.median(x["tps"] for x in r)
+names = ["torch_fp32", "torch_autocast", "titan_bf16", "titan_fp32"]
+rows = {n: [json.loads(l) for l in open(f"{d}/{n}.jsonl")] for n in names}
+med = {n: statistics.median(x["tps"] for x in r) for n, r in rows.items()}
+rss = {n: statistics.median(x["peak_rss_gib"] for x in r) for n, r in rows.items()}
 print(json.dumps({
     "threads": int(sys.argv[2]), "seq_len": int(sys.argv[3]), "batch": int(sys.argv[4]),
-    "steps": int(sys.argv[5]), "runs": len(t),
-    "torch_tps": [round(x["tps"], 1) for x in t], "titan_tps": [round(x["tps"], 1) for x in r],
-    "torch_tps_median": round(mt, 1), "titan_tps_median": round(mr, 1),
-    "ratio_titan_over_torch": round(mr / mt, 3),
-    "torch_peak_rss_gib_median": round(statistics.median(x["peak_rss_gib"] for x in t), 3),
-    "titan_peak_rss_gib_median": round(statistics.median(x["peak_rss_gib"] for x in r), 3),
+    "steps": int(sys.argv[5]), "runs": len(rows["titan_bf16"]),
+    "tps": {n: [round(x["tps"], 1) for x in r] for n, r in rows.items()},
+    "tps_median": {n: round(v, 1) for n, v in med.items()},
+    "peak_rss_gib_median": {n: round(v, 3) for n, v in rss.items()},
+    "titan_bf16_over_titan_fp32": round(med["titan_bf16"] / med["titan_fp32"], 3),
+    "titan_bf16_over_torch_autocast": round(med["titan_bf16"] / med["torch_autocast"], 3),
+    "titan_fp32_over_torch_fp32": round(med["titan_fp32"] / med["torch_fp32"], 3),
 }, indent=1))
 PY

@@ -2,7 +2,8 @@
 the baseline for bench/trainer/run.sh.
 
 Same architecture as torchtitan's llama3 (complex RoPE with llama3 scaling, RMSNorm, SwiGLU, causal
-SDPA), fp32, loss = summed CE / valid tokens, clip_grad_norm_(1.0), torch.optim.AdamW with
+SDPA), fp32 (or with `--autocast`: fp32 master weights and AdamW, forward and loss under
+torch.autocast("cpu", bfloat16) as torchtitan 0.3.0 trains), loss = summed CE / valid tokens, clip_grad_norm_(1.0), torch.optim.AdamW with
 torchtitan's hyper-parameters, same intra-op thread count. Tokens are random ids (data loading
 is not what is measured; titan-train's tokenization is included in its own numbers).
 
@@ -103,6 +104,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--autocast", action="store_true", help="bf16 autocast forward (fp32 weights)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -115,8 +117,9 @@ def main():
         window = torch.randint(0, 2048, (a.batch, a.seq_len + 1))
         inputs, labels = window[:, :-1], window[:, 1:]
         ntokens = (labels != -100).sum()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / ntokens
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=-100) / ntokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -125,7 +128,7 @@ def main():
     elapsed = time.perf_counter() - start
     tokens = (a.steps - a.warmup) * a.batch * a.seq_len
     print(json.dumps({
-        "impl": "torch_eager",
+        "impl": "torch_eager_autocast" if a.autocast else "torch_eager",
         "tps": tokens / elapsed,
         "threads": torch.get_num_threads(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
