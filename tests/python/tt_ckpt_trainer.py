@@ -1,0 +1,161 @@
+"""A checkpoint written by torchtitan 0.3.0's own Trainer (train.py's main: its config registry,
+FSDP2 on 2 gloo ranks, its CheckpointManager), and the references titan-ckpt's conversion must equal.
+
+torchtitan's Trainer targets accelerators; three things stand between it and a CPU-only machine, and
+this script changes exactly those, in the rank processes only:
+- device selection: torchtitan falls back to "cuda" when torch sees no accelerator -> "cpu";
+- FlexAttention's torch.compile'd kernel (no backward on CPU) -> eager SDPA with the same block mask
+  (create_mask of the BlockMask's mask_mod); the checkpoint's tensor names, dtypes and sharding do not
+  depend on the attention kernel;
+- FSDP's ReduceOp.PREMUL_SUM(1.0) (torchtitan divides gradients itself), which gloo lacks -> SUM and
+  FSDP's own division by 1.0 (the same values); plus torch.cpu's missing memory statistics and its
+  string current_device() (torchtitan passes it to barrier(device_ids=[...])).
+Model, optimizer, data loading, FSDP sharding and checkpoint saving are torchtitan's and torch's code.
+
+Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
+
+  tt_ckpt_trainer.py make DIR
+      DIR/run/checkpoint/step-2/   the Trainer's checkpoint after 2 steps (model, optimizer,
+                                   lr_scheduler, dataloader, train_state)
+      DIR/ref.safetensors          the model state dict read back with dcp.load (torchtitan names)
+      DIR/expected_hf.safetensors  Llama3StateDictAdapter.to_hf of it
+      DIR/logits.safetensors       torchtitan's model logits on tt_ckpt_llama3.TOKENS
+Then `tt_ckpt_llama3.py check-hf HF DIR` checks an HF conversion against these.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def patch_for_cpu():
+    import torch
+    import torch._utils
+
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch.cpu.current_device = lambda: 0
+
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.attention.flex_attention import create_mask
+    from torchtitan.components import metrics
+    from torchtitan.models.common import attention
+
+    def eager_flex(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
+        assert score_mod is None and not return_aux.lse
+        mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return out, None
+
+    attention.FlexAttention.compiled_flex_attn = staticmethod(eager_flex)
+
+    class CpuMemoryMonitor:
+        device_name, device_capacity_gib = "cpu", 0.0
+
+        def get_peak_stats(self):
+            return metrics.DeviceMemStats(-1.0, -1.0, -1.0, -1.0, 0, 0)
+
+        def reset_peak_stats(self):
+            pass
+
+    metrics.build_device_memory_monitor = CpuMemoryMonitor
+
+    set_factor = FSDPModule.set_gradient_divide_factor
+
+    def set_factor_gloo(self, factor):
+        set_factor(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = set_factor_gloo
+
+
+def rank_main(args):
+    """One rank under torch.distributed.run: torchtitan's train.py main with the CPU patches."""
+    patch_for_cpu()
+    from torchtitan import train
+
+    sys.argv = ["torchtitan.train"] + args
+    train.main()
+
+
+def write_assets(d):
+    """torchtitan's debugmodel reads a tokenizer folder and a local text dataset ("c4_test" layout:
+    JSON lines with a "text" field); titan's embedded byte-level BPE tokenizer and corpus serve."""
+    assets = os.path.join(ROOT, "trainer", "assets")
+    tok = os.path.join(d, "tokenizer")
+    data = os.path.join(d, "c4_test")
+    os.makedirs(tok, exist_ok=True)
+    os.makedirs(data, exist_ok=True)
+    with open(os.path.join(assets, "tokenizer.json"), "rb") as f:
+        open(os.path.join(tok, "tokenizer.json"), "wb").write(f.read())
+    json.dump(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True},
+        open(os.path.join(tok, "tokenizer_config.json"), "w"),
+    )
+    with open(os.path.join(assets, "default_train.jsonl")) as src, open(
+        os.path.join(data, "train.jsonl"), "w"
+    ) as dst:
+        for i, line in enumerate(src):
+            if i == 200:
+                break
+            dst.write(line)
+    return tok, data
+
+
+def make(d):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, HERE)
+    from tt_ckpt_llama3 import build_model, forward
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    os.makedirs(d, exist_ok=True)
+    tok, data = write_assets(d)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = os.path.join(d, "run")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(port),
+        os.path.abspath(__file__), "rank",
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--hf_assets_path", tok, "--dataloader.dataset_path", data,
+        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
+        "--checkpoint.enable", "--checkpoint.interval", "2", "--dump_folder", run,
+        "--debug.seed", "7",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"torchtitan's Trainer failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    step = os.path.join(run, "checkpoint", "step-2")
+    if not os.path.exists(os.path.join(step, ".metadata")):
+        sys.exit(f"torchtitan's Trainer wrote no {step}/.metadata")
+
+    spec, model = build_model()
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(sd, checkpoint_id=step)
+    save_file(sd, os.path.join(d, "ref.safetensors"))
+    model.load_state_dict(sd, strict=True)
+    hf = Llama3StateDictAdapter(spec.model, None).to_hf(dict(sd))
+    save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(d, "expected_hf.safetensors"))
+    with torch.no_grad():
+        save_file({"logits": forward(model).contiguous()}, os.path.join(d, "logits.safetensors"))
+    print(f"ok torchtitan Trainer checkpoint {step}: {len(sd)} model tensors")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "rank":
+        rank_main(sys.argv[2:])
+    elif len(sys.argv) == 3 and sys.argv[1] == "make":
+        make(sys.argv[2])
+    else:
+        sys.exit(__doc__)

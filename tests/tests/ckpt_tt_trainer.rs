@@ -1,0 +1,65 @@
+//! titan-ckpt on a checkpoint written by torchtitan 0.3.0's own Trainer: `torchtitan.train` on
+//! 2 gloo ranks with FSDP2, torch 2.15 (tests/python/tt_ckpt_trainer.py says what it changes to run
+//! on a CPU-only machine). The run folder converts to HF with tensors equal to torchtitan's
+//! `Llama3StateDictAdapter.to_hf` bit for bit and logits equal to torchtitan's model in
+//! transformers 5 and 4; the HF output converts back to a DCP that torch 2.15's `dcp.load` reads
+//! into torchtitan's model state dict bit for bit.
+
+use std::path::Path;
+use std::process::Command;
+
+use titan_tests::{bin, python_script, run_ok, tf4_python_script, tt_python_script};
+
+const CHECKS: &str = "tests/python/tt_ckpt_llama3.py";
+
+fn ckpt() -> Command {
+    let mut c = Command::new(bin("titan-ckpt"));
+    for k in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"] {
+        c.env_remove(k);
+    }
+    c
+}
+
+fn stdout(c: &mut Command) -> String {
+    String::from_utf8_lossy(&run_ok(c).stdout).into_owned()
+}
+
+#[test]
+fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    run_ok(tt_python_script("tests/python/tt_ckpt_trainer.py").arg("make").arg(d));
+
+    // The run folder, as a user would pass it: titan-ckpt picks checkpoint/step-2 and says so.
+    let hf = d.join("hf");
+    let o = run_ok(
+        ckpt()
+            .args(["convert", "--quiet"])
+            .arg(d.join("run"))
+            .arg(&hf)
+            .args(["--to", "hf", "--adapter", "llama3"]),
+    );
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        stderr.contains(&format!("{}", Path::new("checkpoint").join("step-2").display())),
+        "titan-ckpt should name the checkpoint it used: {stderr}"
+    );
+
+    // Bitwise equal to torchtitan's to_hf, logits equal torchtitan's model to 1e-4.
+    let v5 = stdout(python_script(CHECKS).arg("check-hf").arg(&hf).arg(d));
+    assert!(v5.contains("ok transformers 5."), "{v5}");
+    let v4 = stdout(tf4_python_script(CHECKS).arg("check-hf").arg(&hf).arg(d));
+    assert!(v4.contains("ok transformers 4.57"), "{v4}");
+
+    // HF -> DCP with 0.3.0's names loads into torchtitan's model state dict bit for bit.
+    let back = d.join("dcp");
+    run_ok(
+        ckpt()
+            .args(["convert", "--quiet"])
+            .arg(&hf)
+            .arg(&back)
+            .args(["--to", "dcp", "--adapter", "llama3"]),
+    );
+    let loaded = stdout(tt_python_script(CHECKS).arg("check-dcp").arg(&back).arg(d));
+    assert!(loaded.contains("ok torch 2.15"), "{loaded}");
+}
