@@ -28,7 +28,11 @@ fn stdout(c: &mut Command) -> String {
 fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
-    run_ok(tt_python_script("tests/python/tt_ckpt_trainer.py").arg("make").arg(d));
+    run_ok(
+        tt_python_script("tests/python/tt_ckpt_trainer.py")
+            .arg("make")
+            .arg(d),
+    );
 
     // The run folder, as a user would pass it: titan-ckpt picks checkpoint/step-2 and says so.
     let hf = d.join("hf");
@@ -41,7 +45,7 @@ fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
     );
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(
-        stderr.contains(&format!("{}", Path::new("checkpoint").join("step-2").display())),
+        stderr.contains(&Path::new("checkpoint").join("step-2").display().to_string()),
         "titan-ckpt should name the checkpoint it used: {stderr}"
     );
 
