@@ -38,9 +38,13 @@ fn help() -> String {
          \n\
          USAGE:\n  titan-train [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE]...\n\
          \n\
-         The config is torchtitan's TOML layout: defaults, then FILE (default {default_file}),\n\
-         then the command-line overrides in order. A boolean key alone (--debug.deterministic) means true;\n\
-         list keys take comma-separated values. Unknown keys and wrong types are errors (exit 2).\n\
+         The config is torchtitan's TOML layout: defaults, then FILE (default: the embedded copy of\n\
+         {default_file}, from any directory), then the command-line overrides in order. A boolean key\n\
+         alone (--debug.deterministic) means true; list keys take comma-separated values. Unknown keys,\n\
+         wrong types and values outside a key's choices are errors (exit 2), and so is any torchtitan key\n\
+         titan-train does not implement (compile, TP/PP/CP/EP degrees, float8, wandb, ...) unless at its\n\
+         default. Mixed precision: training.mixed_precision_param bfloat16 (default, autocast with fp32\n\
+         weights) or float32.\n\
          \n\
          EXAMPLES:\n  titan-train --training.steps 200\n  titan-train --debug.seed=42 --debug.deterministic --training.steps 20\n  titan-train --training.dataset_path my_texts/ --model.hf_assets_path my_tokenizer/\n\
          \n\
@@ -49,7 +53,8 @@ fn help() -> String {
          tokenizer is used unless model.hf_assets_path names a folder with tokenizer.json.\n\
          \n\
          OUTPUTS (under job.dump_folder): config.toml (resolved config), metrics.jsonl (every logged\n\
-         step and validation, full precision), obs/ (titan-obs timing records when observability.enable).\n\
+         step and validation, full precision, appended), obs/ (titan-obs timing records when\n\
+         observability.enable), tb/<date>/events.out.tfevents.* (metrics.enable_tensorboard).\n\
          \n\
          EXIT CODES: 0 success, 1 training failed, 2 usage or config error.\n\
          \n\
