@@ -453,11 +453,14 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
     // A directory that is not a run is an error with a hint, exit 1.
     let o = titan_obs(&["summary", dir.path().to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(
-        stderr(&o).contains("has no obs/ directory"),
-        "{}",
-        stderr(&o)
-    );
+    // The hint names every layout titan-obs reads.
+    for hint in [
+        "is not a run titan-obs can read",
+        "obs/rank-<R>",
+        "structured_logs/",
+    ] {
+        assert!(stderr(&o).contains(hint), "{}", stderr(&o));
+    }
     // Usage errors exit 2.
     let o = titan_obs(&["export", run_s]);
     assert_eq!(o.status.code(), Some(2));

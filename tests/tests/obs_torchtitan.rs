@@ -429,3 +429,22 @@ fn export_and_gantt_work_on_a_torchtitan_run() {
     );
     assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
 }
+
+#[test]
+fn torchtitan_run_on_s3_reads_like_the_local_one() {
+    let (run, expected) = fixture();
+    let moto = titan_tests::MotoServer::start("tt-obs");
+    moto.s3(&[
+        "put",
+        run.join("structured_logs").to_str().unwrap(),
+        "runs/tt/structured_logs",
+    ]);
+    let mut cmd = Command::new(bin("titan-obs"));
+    moto.aws_env(&mut cmd)
+        .args(["summary", "--json", "--quiet", "s3://tt-obs/runs/tt"]);
+    let s: Value = serde_json::from_slice(&run_ok(&mut cmd).stdout).unwrap();
+    assert_eq!(s["format"], "torchtitan");
+    assert_eq!(s["ranks"], RANKS);
+    assert_phases_match(&s, expected, 1);
+    assert!(has_straggler(&s, STRAGGLER, "fwd_bwd"), "{s:#}");
+}
