@@ -1,14 +1,31 @@
-//! titan-ckpt on a checkpoint written by torchtitan 0.3.0's own Trainer: `torchtitan.train` on
+//! titan-ckpt and titan-obs on a run of torchtitan 0.3.0's own Trainer: `torchtitan.train` on
 //! 2 gloo ranks with FSDP2, torch 2.15 (tests/python/tt_ckpt_trainer.py says what it changes to run
-//! on a CPU-only machine). The run folder converts to HF with tensors equal to torchtitan's
-//! `Llama3StateDictAdapter.to_hf` bit for bit and logits equal to torchtitan's model in
-//! transformers 5 and 4; the HF output converts back to a DCP that torch 2.15's `dcp.load` reads
-//! into torchtitan's model state dict bit for bit.
+//! on a CPU-only machine), made once per test binary.
+//! - Its checkpoint converts to HF with tensors equal to torchtitan's `Llama3StateDictAdapter.to_hf`
+//!   bit for bit and logits equal to torchtitan's model in transformers 5 and 4; the HF output
+//!   converts back to a DCP that torch 2.15's `dcp.load` reads into torchtitan's model exactly.
+//! - Its structured logs open in `titan-obs summary` with every step of every rank.
 
 use std::path::Path;
 use std::process::Command;
+use std::sync::OnceLock;
 
 use titan_tests::{bin, python_script, run_ok, tf4_python_script, tt_python_script};
+
+/// The Trainer's run folder (`run/`) and the references next to it.
+fn trainer_run() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = tempfile::tempdir().unwrap();
+        run_ok(
+            tt_python_script("tests/python/tt_ckpt_trainer.py")
+                .arg("make")
+                .arg(d.path()),
+        );
+        d
+    })
+    .path()
+}
 
 const CHECKS: &str = "tests/python/tt_ckpt_llama3.py";
 
@@ -27,15 +44,10 @@ fn stdout(c: &mut Command) -> String {
 #[test]
 fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = tmp.path();
-    run_ok(
-        tt_python_script("tests/python/tt_ckpt_trainer.py")
-            .arg("make")
-            .arg(d),
-    );
+    let d = trainer_run();
 
     // The run folder, as a user would pass it: titan-ckpt picks checkpoint/step-2 and says so.
-    let hf = d.join("hf");
+    let hf = tmp.path().join("hf");
     let o = run_ok(
         ckpt()
             .args(["convert", "--quiet"])
@@ -56,7 +68,7 @@ fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
     assert!(v4.contains("ok transformers 4.57"), "{v4}");
 
     // HF -> DCP with 0.3.0's names loads into torchtitan's model state dict bit for bit.
-    let back = d.join("dcp");
+    let back = tmp.path().join("dcp");
     run_ok(
         ckpt()
             .args(["convert", "--quiet"])
@@ -66,4 +78,46 @@ fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
     );
     let loaded = stdout(tt_python_script(CHECKS).arg("check-dcp").arg(&back).arg(d));
     assert!(loaded.contains("ok torch 2.15"), "{loaded}");
+}
+
+#[test]
+fn titan_obs_summarises_the_trainers_structured_logs() {
+    let o = run_ok(
+        Command::new(bin("titan-obs"))
+            .args(["summary", "--json"])
+            .arg(trainer_run().join("run")),
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["ranks"], 2, "{v}");
+    assert_eq!(v["steps"], 2, "{v}");
+    assert_eq!(v["malformed_lines"], 0, "{v}");
+    let count = |name: &str| {
+        v["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .map(|p| p["count"].as_u64().unwrap())
+    };
+    // torchtitan's own phase names, once per step per rank.
+    for phase in [
+        "step",
+        "fwd_bwd",
+        "optim",
+        "fetching_batch",
+        "checkpoint_save",
+    ] {
+        assert_eq!(count(phase), Some(4), "phase {phase}: {v}");
+    }
+    // The last step saved a checkpoint: torchtitan tags it.
+    let tagged = v["tagged_steps"].as_array().unwrap();
+    assert!(
+        tagged.iter().any(|t| t["step"] == 2
+            && t["tags"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x == "checkpoint_save")),
+        "{v}"
+    );
 }
