@@ -21,6 +21,11 @@ Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
       DIR/expected_hf.safetensors  Llama3StateDictAdapter.to_hf of it
       DIR/logits.safetensors       torchtitan's model logits on tt_ckpt_llama3.TOKENS
 Then `tt_ckpt_llama3.py check-hf HF DIR` checks an HF conversion against these.
+
+  tt_ckpt_trainer.py load DIR CHECKPOINT OUT
+      torchtitan's Trainer starts from CHECKPOINT (`checkpoint.initial_load_path`, model only) and
+      takes one step at learning rate 0 (AdamW then leaves every weight as it is), saving the
+      model to OUT/checkpoint/step-1: what it loaded, as it loaded it. DIR holds the assets `make` wrote.
 """
 
 import json
@@ -107,6 +112,39 @@ def write_assets(d):
     return tok, data
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_trainer(d, out, extra):
+    """torchtitan's debugmodel config on 2 ranks (torch.distributed.run), sized for a CPU."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        os.path.abspath(__file__), "rank",
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--hf_assets_path", os.path.join(d, "tokenizer"),
+        "--dataloader.dataset_path", os.path.join(d, "c4_test"),
+        "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--checkpoint.enable", "--dump_folder", out, "--debug.seed", "7",
+    ] + extra
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"torchtitan's Trainer failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+
+
+def load(d, checkpoint, out):
+    run_trainer(d, out, [
+        "--training.steps", "1", "--optimizer.param-groups.0.optimizer-kwargs.lr", "0",
+        "--checkpoint.interval", "1", "--checkpoint.last_save_model_only",
+        "--checkpoint.initial_load_path", checkpoint,
+    ])
+    print(f"ok torchtitan Trainer loaded {checkpoint} and saved {out}/checkpoint/step-1")
+
+
 def make(d):
     import torch
     import torch.distributed.checkpoint as dcp
@@ -117,25 +155,9 @@ def make(d):
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
     os.makedirs(d, exist_ok=True)
-    tok, data = write_assets(d)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    write_assets(d)
     run = os.path.join(d, "run")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(port),
-        os.path.abspath(__file__), "rank",
-        "--module", "llama3", "--config", "llama3_debugmodel",
-        "--hf_assets_path", tok, "--dataloader.dataset_path", data,
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps", "2",
-        "--checkpoint.enable", "--checkpoint.interval", "2", "--dump_folder", run,
-        "--debug.seed", "7",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.exit(f"torchtitan's Trainer failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    run_trainer(d, run, ["--training.steps", "2", "--checkpoint.interval", "2"])
     step = os.path.join(run, "checkpoint", "step-2")
     if not os.path.exists(os.path.join(step, ".metadata")):
         sys.exit(f"torchtitan's Trainer wrote no {step}/.metadata")
@@ -157,5 +179,7 @@ if __name__ == "__main__":
         rank_main(sys.argv[2:])
     elif len(sys.argv) == 3 and sys.argv[1] == "make":
         make(sys.argv[2])
+    elif len(sys.argv) == 5 and sys.argv[1] == "load":
+        load(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         sys.exit(__doc__)

@@ -5,12 +5,17 @@
 //!   bit for bit and logits equal to torchtitan's model in transformers 5 and 4; the HF output
 //!   converts back to a DCP that torch 2.15's `dcp.load` reads into torchtitan's model exactly.
 //! - Its structured logs open in `titan-obs summary` with every step of every rank.
+//! - titan-train and the Trainer start from each other's checkpoints (`initial_load_path`) and,
+//!   taking one step at learning rate 0, save exactly the weights they loaded.
 
 use std::path::Path;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use titan_tests::{bin, python_script, run_ok, tf4_python_script, tt_python_script};
+use titan_tests::{
+    SMALL_DETERMINISTIC_RUN, bin, python_script, run_ok, tf4_python_script, titan_train,
+    tt_python_script,
+};
 
 /// The Trainer's run folder (`run/`) and the references next to it.
 fn trainer_run() -> &'static Path {
@@ -119,5 +124,98 @@ fn titan_obs_summarises_the_trainers_structured_logs() {
                 .iter()
                 .any(|x| x == "checkpoint_save")),
         "{v}"
+    );
+}
+
+/// `titan-ckpt diff --json A B`: the names of the tensors in both, after checking every one of
+/// them is equal (training state only one side has is left out of the comparison).
+fn equal_model_tensors(a: &Path, b: &Path) -> Vec<String> {
+    let o = ckpt()
+        .args(["diff", "--json"])
+        .arg(a)
+        .arg(b)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "titan-ckpt diff --json: {e}: {}",
+            titan_tests::output_text(&o)
+        )
+    });
+    let mut both = Vec::new();
+    for t in v["tensors"].as_array().unwrap() {
+        let name = t["name"].as_str().unwrap().to_string();
+        match t["status"].as_str().unwrap() {
+            "equal" => both.push(name),
+            "only_in_a" | "only_in_b" => assert!(
+                [
+                    "optimizer.",
+                    "lr_scheduler",
+                    "dataloader",
+                    "train_state",
+                    "rng"
+                ]
+                .iter()
+                .any(|p| name.starts_with(p)),
+                "model tensor {name} is only on one side: {v}"
+            ),
+            other => panic!("{name}: {other}: {v}"),
+        }
+    }
+    both
+}
+
+#[test]
+fn torchtitan_trainer_starts_from_a_titan_train_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let titan = tmp.path().join("titan");
+    run_ok(
+        titan_train()
+            .args(SMALL_DETERMINISTIC_RUN)
+            .args(["--training.steps", "2", "--checkpoint.enable"])
+            .args(["--checkpoint.last_save_model_only", "--job.dump_folder"])
+            .arg(&titan),
+    );
+    let step = titan.join("checkpoint/step-2");
+    let tt = tmp.path().join("tt");
+    let o = run_ok(
+        tt_python_script("tests/python/tt_ckpt_trainer.py")
+            .arg("load")
+            .arg(trainer_run())
+            .arg(&step)
+            .arg(&tt),
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains("ok torchtitan Trainer loaded"));
+    let equal = equal_model_tensors(&step, &tt.join("checkpoint/step-1"));
+    assert_eq!(
+        equal.len(),
+        57,
+        "every Llama-3 debugmodel weight: {equal:?}"
+    );
+}
+
+#[test]
+fn titan_train_starts_from_the_trainers_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tt_step = trainer_run().join("run/checkpoint/step-2");
+    let titan = tmp.path().join("titan");
+    run_ok(
+        titan_train()
+            .args(SMALL_DETERMINISTIC_RUN)
+            .args(["--training.steps", "1", "--optimizer.lr", "0"])
+            .args(["--checkpoint.enable", "--checkpoint.last_save_model_only"])
+            .args([
+                "--checkpoint.initial_load_model_only",
+                "--checkpoint.initial_load_path",
+            ])
+            .arg(&tt_step)
+            .arg("--job.dump_folder")
+            .arg(&titan),
+    );
+    let equal = equal_model_tensors(&tt_step, &titan.join("checkpoint/step-1"));
+    assert_eq!(
+        equal.len(),
+        57,
+        "every Llama-3 debugmodel weight: {equal:?}"
     );
 }
