@@ -9,6 +9,7 @@ import sys
 import warnings
 
 import torch
+import transformers
 from transformers import LlamaForCausalLM
 
 warnings.filterwarnings("ignore")
@@ -16,8 +17,13 @@ hf_dir, batch_path = sys.argv[1], sys.argv[2]
 batch = json.load(open(batch_path))
 tokens = torch.tensor(batch["tokens"], dtype=torch.long).view(*batch["shape"])
 model = LlamaForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
-rp = getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None)
-assert rp and rp.get("rope_type") == "llama3", rp
+# Each major version reads RoPE from its own keys (and keeps the other's as an unused attribute):
+# check the one this version builds the model from.
+if int(transformers.__version__.split(".")[0]) >= 5:
+    rp = model.config.rope_parameters
+else:
+    rp = dict(model.config.rope_scaling or {}, rope_theta=model.config.rope_theta)
+assert rp and rp.get("rope_type") == "llama3" and rp.get("rope_theta") != 10000.0, (transformers.__version__, rp)
 with torch.no_grad():
     logits = model(tokens[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))

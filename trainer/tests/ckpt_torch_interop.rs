@@ -27,10 +27,20 @@ fn workspace_root() -> PathBuf {
 }
 
 fn python(script: &str, args: &[&Path]) -> String {
+    python_in(script, args, None)
+}
+
+/// `python` with `pythonpath` in front of the venv's packages (e.g. transformers 4 at
+/// TITAN_TF4_PATH).
+fn python_in(script: &str, args: &[&Path], pythonpath: Option<&Path>) -> String {
     let py = std::env::var_os("TITAN_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
-    let out = Command::new(py)
+    let mut cmd = Command::new(py);
+    if let Some(p) = pythonpath {
+        cmd.env("PYTHONPATH", p);
+    }
+    let out = cmd
         .arg(workspace_root().join(script))
         .args(args)
         .output()
@@ -221,16 +231,27 @@ fn hf_export_loads_in_transformers_with_the_same_loss() {
         serde_json::json!({"tokens": ids, "shape": [2, 24]}).to_string(),
     )
     .unwrap();
-    let out = python("tests/python/trainckpt_hf_loss.py", &[&dir, &batch]);
-    let theirs: f64 = out
-        .lines()
-        .find_map(|l| l.strip_prefix("loss "))
-        .expect("the script prints `loss X`")
-        .trim()
-        .parse()
-        .unwrap();
-    assert!(
-        (theirs - loss).abs() < 1e-4,
-        "transformers loss {theirs} vs titan {loss}"
-    );
+    // transformers 5 reads RoPE from `rope_parameters`, transformers 4 from `rope_theta` /
+    // `rope_scaling`: the exported config.json must carry both.
+    let tf4 = std::env::var_os("TITAN_TF4_PATH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".venv/tf4"));
+    for pythonpath in [None, Some(tf4.as_path())] {
+        let out = python_in(
+            "tests/python/trainckpt_hf_loss.py",
+            &[&dir, &batch],
+            pythonpath,
+        );
+        let theirs: f64 = out
+            .lines()
+            .find_map(|l| l.strip_prefix("loss "))
+            .expect("the script prints `loss X`")
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            (theirs - loss).abs() < 1e-4,
+            "transformers (PYTHONPATH {pythonpath:?}) loss {theirs} vs titan {loss}"
+        );
+    }
 }
