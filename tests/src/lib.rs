@@ -53,6 +53,16 @@ pub fn titan_train() -> Command {
     c
 }
 
+/// `titan-ckpt` without the launch variables of whoever runs the tests (RANK/WORLD_SIZE and SLURM's
+/// split `consolidate`/`convert` across processes), so it works alone unless a test says otherwise.
+pub fn titan_ckpt() -> Command {
+    let mut c = Command::new(bin("titan-ckpt"));
+    for k in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"] {
+        c.env_remove(k);
+    }
+    c
+}
+
 /// titan-train flags for a small, fast, deterministic run that logs every step.
 /// `decay_ratio 0` makes the lr schedule independent of `training.steps`, so a 10-step run is
 /// exactly the first half of a 20-step run.

@@ -5,28 +5,15 @@
 //! equal the family adapter's `to_hf` bit for bit and give transformers the same logits; `--to
 //! dcp` from HF must `dcp.load` into torchtitan's state dict exactly (minus what HF cannot hold).
 
-use std::path::PathBuf;
 use std::process::Command;
 
-use titan_tests::{bin, output_text, python_script, run_ok, workspace_root};
+use titan_tests::{output_text, python_script, run_ok, titan_ckpt, tt_python_script};
 
 const SCRIPT: &str = "tests/python/tt_ckpt_families.py";
 
 fn ckpt() -> Command {
-    let mut c = Command::new(bin("titan-ckpt"));
+    let mut c = titan_ckpt();
     c.arg("--quiet");
-    for k in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"] {
-        c.env_remove(k);
-    }
-    c
-}
-
-fn tt_python() -> Command {
-    let py = std::env::var("TITAN_TT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| workspace_root().join(".venv-tt/bin/python"));
-    let mut c = Command::new(py);
-    c.arg(workspace_root().join(SCRIPT));
     c
 }
 
@@ -35,7 +22,7 @@ fn tt_python() -> Command {
 fn round_trip(flavor: &str, family: &str, extra: &[&str]) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("fixture");
-    run_ok(tt_python().arg("make").arg(&d).arg(flavor));
+    run_ok(tt_python_script(SCRIPT).arg("make").arg(&d).arg(flavor));
     let cfg = d.join("hf_config.json");
     let mut stderr = String::new();
     for (src, adapter) in [("dcp1", family), ("dcp2", "auto")] {
@@ -73,7 +60,13 @@ fn round_trip(flavor: &str, family: &str, extra: &[&str]) -> String {
             .arg(&dcp)
             .args(["--to", "dcp", "--adapter", family]),
     );
-    let o = run_ok(tt_python().arg("check-dcp").arg(&dcp).arg(&d).arg(flavor));
+    let o = run_ok(
+        tt_python_script(SCRIPT)
+            .arg("check-dcp")
+            .arg(&dcp)
+            .arg(&d)
+            .arg(flavor),
+    );
     assert!(
         String::from_utf8_lossy(&o.stdout).starts_with("ok"),
         "{}",
@@ -112,7 +105,12 @@ fn deepseek_v3_with_q_lora_and_mtp() {
 fn qwen3_moe_config_inferred_without_hf_config() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("fixture");
-    run_ok(tt_python().arg("make").arg(&d).arg("qwen3_moe"));
+    run_ok(
+        tt_python_script(SCRIPT)
+            .arg("make")
+            .arg(&d)
+            .arg("qwen3_moe"),
+    );
     let out = tmp.path().join("hf");
     // Top-k is not in a checkpoint: refused (exit 2) until given.
     let o = ckpt()

@@ -7,24 +7,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use titan_tests::{bin, output_text, python_script, run_ok, workspace_root};
+use titan_tests::{
+    output_text, python_script, run_ok, tf4_python_script, titan_ckpt, tt_python_script,
+    workspace_root,
+};
 
 fn ckpt() -> Command {
-    let mut c = Command::new(bin("titan-ckpt"));
+    let mut c = titan_ckpt();
     c.arg("--quiet");
-    for k in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"] {
-        c.env_remove(k);
-    }
-    c
-}
-
-/// torch 2.15 + torchtitan 0.3.0.
-fn tt_python(script: &str) -> Command {
-    let py = std::env::var("TITAN_TT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| workspace_root().join(".venv-tt/bin/python"));
-    let mut c = Command::new(py);
-    c.arg(workspace_root().join(script));
     c
 }
 
@@ -35,21 +25,19 @@ fn fixtures() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| {
         let d = tempfile::tempdir().unwrap();
-        run_ok(tt_python(SCRIPT).arg("make").arg(d.path()));
+        run_ok(tt_python_script(SCRIPT).arg("make").arg(d.path()));
         d
     })
     .path()
 }
 
 fn check_hf(hf: &Path, tf4: bool) -> String {
-    let mut c = python_script(SCRIPT);
+    let mut c = if tf4 {
+        tf4_python_script(SCRIPT)
+    } else {
+        python_script(SCRIPT)
+    };
     c.arg("check-hf").arg(hf).arg(fixtures());
-    if tf4 {
-        let tf4 = std::env::var("TITAN_TF4_PATH")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| workspace_root().join(".venv/tf4"));
-        c.env("PYTHONPATH", tf4);
-    }
     String::from_utf8_lossy(&run_ok(&mut c).stdout).into_owned()
 }
 
@@ -133,7 +121,12 @@ fn hf_to_dcp_loads_in_torchtitan_in_both_name_generations() {
             .arg(&dcp)
             .args(["--to", "dcp", "--adapter", "llama3"]),
     );
-    let o = run_ok(tt_python(SCRIPT).arg("check-dcp").arg(&dcp).arg(fixtures()));
+    let o = run_ok(
+        tt_python_script(SCRIPT)
+            .arg("check-dcp")
+            .arg(&dcp)
+            .arg(fixtures()),
+    );
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("ok torch 2.15"),
         "{}",

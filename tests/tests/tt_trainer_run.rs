@@ -13,8 +13,8 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use titan_tests::{
-    SMALL_DETERMINISTIC_RUN, bin, python_script, run_ok, tf4_python_script, titan_train,
-    tt_python_script,
+    SMALL_DETERMINISTIC_RUN, bin, python_script, run_ok, tf4_python_script, titan_ckpt,
+    titan_train, tt_python_script,
 };
 
 /// The Trainer's run folder (`run/`) and the references next to it.
@@ -34,14 +34,6 @@ fn trainer_run() -> &'static Path {
 
 const CHECKS: &str = "tests/python/tt_ckpt_llama3.py";
 
-fn ckpt() -> Command {
-    let mut c = Command::new(bin("titan-ckpt"));
-    for k in ["RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"] {
-        c.env_remove(k);
-    }
-    c
-}
-
 fn stdout(c: &mut Command) -> String {
     String::from_utf8_lossy(&run_ok(c).stdout).into_owned()
 }
@@ -54,7 +46,7 @@ fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
     // The run folder, as a user would pass it: titan-ckpt picks checkpoint/step-2 and says so.
     let hf = tmp.path().join("hf");
     let o = run_ok(
-        ckpt()
+        titan_ckpt()
             .args(["convert", "--quiet"])
             .arg(d.join("run"))
             .arg(&hf)
@@ -75,7 +67,7 @@ fn torchtitan_trainer_checkpoint_converts_to_hf_and_back_exactly() {
     // HF -> DCP with 0.3.0's names loads into torchtitan's model state dict bit for bit.
     let back = tmp.path().join("dcp");
     run_ok(
-        ckpt()
+        titan_ckpt()
             .args(["convert", "--quiet"])
             .arg(&hf)
             .arg(&back)
@@ -130,7 +122,7 @@ fn titan_obs_summarises_the_trainers_structured_logs() {
 /// `titan-ckpt diff --json A B`: the names of the tensors in both, after checking every one of
 /// them is equal (training state only one side has is left out of the comparison).
 fn equal_model_tensors(a: &Path, b: &Path) -> Vec<String> {
-    let o = ckpt()
+    let o = titan_ckpt()
         .args(["diff", "--json"])
         .arg(a)
         .arg(b)
