@@ -266,10 +266,10 @@ fn covered_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::Dtype;
     use crate::plan::{ChunkSource, Format};
     use crate::storage::Root;
     use proptest::prelude::*;
+    use titan_dcp::Dtype;
 
     /// Writes each chunk of a random tiling of `shape` as its own C-order bytes into one file,
     /// then checks that reading every window reproduces the global tensor.

@@ -4,8 +4,8 @@
 
 use half::{bf16, f16};
 
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
+use titan_dcp::Dtype;
 
 /// One element, widened.
 #[derive(Clone, Copy)]

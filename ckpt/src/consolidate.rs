@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::formats::HF_INDEX;
 use crate::plan::CheckpointPlan;
 use crate::storage::{Root, check_relative};
 use crate::write::{self, EngineOptions, OutFilePlan, OutTensor};
+use titan_dcp::Dtype;
 
 /// How tensors are grouped into output files.
 #[derive(Debug, Clone)]

@@ -28,7 +28,7 @@ pub enum Error {
     },
     /// A DCP native checkpoint is unreadable (the message names file and item).
     #[error(transparent)]
-    Dcp(Box<crate::dcp::DcpError>),
+    Dcp(Box<titan_dcp::DcpError>),
     /// The command line or its arguments are wrong (exit code 2).
     #[error("{0}")]
     Usage(String),
@@ -47,8 +47,8 @@ impl fmt::Display for TensorSuffix<'_> {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-impl From<crate::dcp::DcpError> for Error {
-    fn from(e: crate::dcp::DcpError) -> Error {
+impl From<titan_dcp::DcpError> for Error {
+    fn from(e: titan_dcp::DcpError) -> Error {
         Error::Dcp(Box::new(e))
     }
 }

@@ -11,8 +11,6 @@ pub mod adapter;
 pub mod assemble;
 pub mod cast;
 pub mod consolidate;
-pub mod dcp;
-pub mod dtype;
 pub mod error;
 pub mod formats;
 pub mod inspect;
@@ -21,6 +19,8 @@ pub mod safetensors;
 pub mod storage;
 pub mod write;
 
-pub use dtype::Dtype;
 pub use error::{Error, Result};
 pub use plan::{CheckpointPlan, Chunk, ChunkSource, Encoding, Format, TensorPlan};
+/// The DCP format library (the `titan-dcp` crate), re-exported under its old path.
+pub use titan_dcp as dcp;
+pub use titan_dcp::{Dtype, dtype};

@@ -10,10 +10,10 @@ use std::str::FromStr;
 
 use serde::Serialize;
 
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::safetensors::numel;
 use crate::storage::Root;
+use titan_dcp::Dtype;
 
 /// A checkpoint format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -55,7 +55,7 @@ pub enum Encoding {
     /// The chunk's elements in C order, little endian.
     Raw,
     /// A DCP native item (a torch.save archive, possibly behind transforms such as
-    /// `stream.zstd/1`) decoded by [`crate::dcp`]: chunk `chunk` of tensor `fqn`.
+    /// `stream.zstd/1`) decoded by [`titan_dcp`]: chunk `chunk` of tensor `fqn`.
     DcpItem { fqn: String, chunk: usize },
 }
 
@@ -124,7 +124,7 @@ pub struct CheckpointPlan {
 /// A shared DCP native reader over the plan's storage.
 #[derive(Clone)]
 pub struct DcpHandle(
-    pub std::sync::Arc<crate::dcp::DcpReader<crate::formats::dcp_native::RootStore>>,
+    pub std::sync::Arc<titan_dcp::DcpReader<crate::formats::dcp_native::RootStore>>,
 );
 
 impl fmt::Debug for DcpHandle {

@@ -9,9 +9,9 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value};
 
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::storage::InFile;
+use titan_dcp::Dtype;
 
 /// Headers larger than this are refused (the limit the safetensors library uses).
 pub const MAX_HEADER_BYTES: u64 = 100 * 1000 * 1000;

@@ -4,15 +4,15 @@
 use std::io::Read;
 use std::path::Path;
 
-use titan_ckpt::Dtype;
-use titan_ckpt::dcp::metadata::{
+use titan_dcp::Dtype;
+use titan_dcp::metadata::{
     ChunkStorageMetadata, ItemMetadata, Metadata, MetadataIndex, PlannerData, StorageInfo,
     TensorProperties, TensorStorageMetadata,
 };
-use titan_ckpt::dcp::pickle::Value;
-use titan_ckpt::dcp::torch_zip::ZipWriter;
-use titan_ckpt::dcp::transform::Encoder;
-use titan_ckpt::dcp::{
+use titan_dcp::pickle::Value;
+use titan_dcp::torch_zip::ZipWriter;
+use titan_dcp::transform::Encoder;
+use titan_dcp::{
     DcpReader, DcpWriter, FileKey, TensorChunk, WriteOptions, write_metadata_file,
 };
 
@@ -51,7 +51,7 @@ fn good_ckpt(dir: &Path, zstd: bool) {
     w.finish().unwrap();
 }
 
-fn err_string<T>(r: Result<T, titan_ckpt::dcp::DcpError>) -> String {
+fn err_string<T>(r: Result<T, titan_dcp::DcpError>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
         Err(e) => e.to_string(),
@@ -62,7 +62,7 @@ fn err_string<T>(r: Result<T, titan_ckpt::dcp::DcpError>) -> String {
 fn ckpt_with_item(dir: &Path, relative_path: &str, item: &[u8], descriptors: Option<Vec<String>>) {
     std::fs::create_dir_all(dir).unwrap();
     // Only plain names are created; hostile paths must never be written to.
-    if titan_ckpt::dcp::store::check_relative_path(relative_path).is_ok() {
+    if titan_dcp::store::check_relative_path(relative_path).is_ok() {
         std::fs::write(dir.join(relative_path), item).unwrap();
     }
     let md = Metadata {

@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use serde_json::Value as Json;
-use titan_ckpt::Dtype;
-use titan_ckpt::dcp::pickle::Value;
-use titan_ckpt::dcp::tensor_item::{parse_tensor_item, write_tensor_item};
-use titan_ckpt::dcp::torch_zip::TorchZip;
-use titan_ckpt::dcp::{DcpReader, DcpWriter, FileKey, TensorChunk, WriteOptions};
+use titan_dcp::Dtype;
+use titan_dcp::pickle::Value;
+use titan_dcp::tensor_item::{parse_tensor_item, write_tensor_item};
+use titan_dcp::torch_zip::TorchZip;
+use titan_dcp::{DcpReader, DcpWriter, FileKey, TensorChunk, WriteOptions};
 use titan_tests::python_script;
 
 /// torch's checkpoints, written once per test run by tests/python/dcp_torch_save.py.

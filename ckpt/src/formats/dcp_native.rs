@@ -1,5 +1,5 @@
 //! DCP native checkpoints (`.metadata` + `__R_K.distcp`), read and written through
-//! [`crate::dcp`].
+//! [`titan_dcp`].
 //!
 //! Reading maps every chunk to a plan chunk: an untransformed item whose tensor is contiguous
 //! becomes a raw byte range of the `.distcp` file (streamed like safetensors data); a zstd or
@@ -10,13 +10,11 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use crate::assemble::TensorReader;
-use crate::dcp::{
-    self, CheckpointStore, DcpReader, FileKey, PlannerData, ReadOptions, TensorChunk,
-};
 use crate::error::{Error, Result};
 use crate::plan::{BytesItem, CheckpointPlan, Chunk, ChunkSource, DcpHandle, Encoding, Format};
 use crate::storage::{InFile, Root};
 use crate::write::{EngineOptions, OutTensor};
+use titan_dcp::{self, CheckpointStore, DcpReader, FileKey, PlannerData, ReadOptions, TensorChunk};
 
 /// The DCP reader's view of a [`Root`] (local or object store), with opened files cached.
 pub struct RootStore {
@@ -214,15 +212,15 @@ pub fn write(
         .map(|f| plan.root.open(f))
         .collect::<Result<_>>()?;
     let mut reader = TensorReader::new(plan, &inputs);
-    let mut writer = dcp::DcpWriter::create(
+    let mut writer = titan_dcp::DcpWriter::create(
         dir,
-        dcp::WriteOptions {
+        titan_dcp::WriteOptions {
             zstd_level: output.zstd_level,
             fsync: true,
         },
     )?;
     let key = FileKey { rank: 0, k: 0 };
-    let planner_paths: HashMap<&str, &Vec<dcp::PathPart>> =
+    let planner_paths: HashMap<&str, &Vec<titan_dcp::PathPart>> =
         match plan.dcp.as_ref().map(|d| &d.0.metadata().planner_data) {
             Some(PlannerData::Flatten(paths)) => {
                 paths.iter().map(|(k, v)| (k.as_str(), v)).collect()
@@ -320,7 +318,7 @@ pub fn write(
     }
     writer.finish()?;
     if out.local_dir().is_none() {
-        out.upload_dir(dir, dcp::METADATA_FILE)?;
+        out.upload_dir(dir, titan_dcp::METADATA_FILE)?;
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
-use titan_ckpt::Dtype;
+use titan_dcp::Dtype;
 
 /// One tensor copied to host memory.
 #[derive(Debug, Clone, PartialEq)]

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use titan_ckpt::dcp::METADATA_FILE;
+use titan_dcp::METADATA_FILE;
 
 pub fn step_dir_name(step: u64) -> String {
     format!("step-{step}")

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use tch::Tensor;
-use titan_ckpt::dcp::{CheckpointStore, DcpReader, ItemMetadata, LocalDir, pickle::Value};
+use titan_dcp::{CheckpointStore, DcpReader, ItemMetadata, LocalDir, pickle::Value};
 
 use super::host::HostTensor;
 use super::state::StateSource;

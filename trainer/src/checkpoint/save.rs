@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use titan_ckpt::dcp::pickle::Limits;
-use titan_ckpt::dcp::{
+use titan_dcp::pickle::Limits;
+use titan_dcp::{
     DcpWriter, FileKey, Metadata, TensorChunk, WriteOptions, merge_rank_parts, metadata_bytes,
     parse_metadata, write_metadata_file,
 };

@@ -17,8 +17,8 @@
 
 use anyhow::{Context, Result, bail};
 use tch::{Device, Kind};
-use titan_ckpt::dcp::PathPart;
-use titan_ckpt::dcp::pickle::Value;
+use titan_dcp::PathPart;
+use titan_dcp::pickle::Value;
 
 use super::host::HostTensor;
 use crate::data::{LoaderState, TextLoader};
@@ -168,7 +168,7 @@ pub fn stage(
         Some(RNG_STATE),
         format!("cpu.rank_{}", opts.rank),
         StagedValue::Tensor(HostTensor {
-            dtype: titan_ckpt::Dtype::U8,
+            dtype: titan_dcp::Dtype::U8,
             shape: vec![rng.len() as u64],
             data: rng,
         }),

@@ -555,7 +555,7 @@ fn pseudo_uuid() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dcp::DcpReader;
+    use crate::DcpReader;
 
     fn rows(dir: &Path, rank: u32, lo: u64, n: u64, with_step: bool) -> Metadata {
         let mut w = DcpWriter::create(dir, WriteOptions::default()).unwrap();

@@ -1,7 +1,7 @@
 //! DCP native format throughput: writing and reading a 64 MiB two-rank checkpoint (plain and
 //! zstd) and parsing a large `.metadata`.
 //!
-//! Compare with torch on the same files: `DCP_BENCH_KEEP=/tmp/dcpbench cargo bench --bench
+//! Compare with torch on the same files: `DCP_BENCH_KEEP=/tmp/dcpbench cargo bench -p titan-dcp --bench
 //! dcp_native` leaves the checkpoints there, then
 //! `.venv/bin/python tests/python/dcp_bench_torch.py /tmp/dcpbench` times torch's `dcp.load`
 //! and `pickle.load` of the same files.
@@ -10,9 +10,9 @@ use std::hint::black_box;
 use std::path::Path;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use titan_ckpt::Dtype;
-use titan_ckpt::dcp::pickle::Value;
-use titan_ckpt::dcp::{DcpReader, DcpWriter, FileKey, TensorChunk, WriteOptions};
+use titan_dcp::Dtype;
+use titan_dcp::pickle::Value;
+use titan_dcp::{DcpReader, DcpWriter, FileKey, TensorChunk, WriteOptions};
 
 const TENSORS: usize = 8;
 const ROWS: u64 = 2048;

@@ -962,7 +962,7 @@ fn is_constructible(g: &Global) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dcp::pickle::{Protocol, pickle};
+    use crate::pickle::{Protocol, pickle};
     use proptest::prelude::*;
 
     /// A pickle shaped like DCP metadata, to mutate.

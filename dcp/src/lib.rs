@@ -1,4 +1,13 @@
-//! PyTorch DCP native format (`FileSystemWriter` / `FileSystemReader`), without libtorch.
+//! titan-dcp: PyTorch Distributed Checkpoint (DCP) files, read and written without libtorch or Python.
+//!
+//! This crate is the format library behind `titan-ckpt` and `titan-train`'s checkpoints; it has no
+//! other titan dependency. Main types: [`DcpReader`] (open a checkpoint directory or any
+//! [`CheckpointStore`], list tensors, read chunks, tensors and pickled objects), [`DcpWriter`] /
+//! [`DistcpFileWriter`] + [`write_metadata_file`] (write one, from one process or one per rank),
+//! [`Metadata`] (the `.metadata` model: tensors, chunks, storage entries), [`Dtype`] (torch dtypes),
+//! [`pickle`] (the allow-list unpickler and the pickler) and [`torch_zip`] (torch.save zip items).
+//!
+//! The native format is torch's `FileSystemWriter` / `FileSystemReader`.
 //!
 //! A checkpoint directory holds `.metadata` (a pickle of
 //! `torch.distributed.checkpoint.metadata.Metadata`) and data files `__{rank}_{k}.distcp`, each a
@@ -9,7 +18,7 @@
 //!
 //! # Reading
 //! ```no_run
-//! use titan_ckpt::dcp::DcpReader;
+//! use titan_dcp::DcpReader;
 //! let r = DcpReader::open("ckpt/step-100")?;
 //! for (fqn, t) in r.tensors() {
 //!     println!("{fqn}: {:?} {} in {} chunks", t.size, t.properties.dtype, t.chunks.len());
@@ -18,7 +27,7 @@
 //! let c = r.read_chunk("model.w", 0)?;        // one chunk: offsets, sizes, bytes
 //! let step = r.read_object("step")?;          // bytes item, unpickled (allow-list)
 //! let raw = r.read_bytes("step")?;            // bytes item as stored
-//! # Ok::<(), titan_ckpt::dcp::DcpError>(())
+//! # Ok::<(), titan_dcp::DcpError>(())
 //! ```
 //! [`DcpReader::chunk_location`] gives the file byte range of an uncompressed contiguous chunk
 //! so callers can stream-copy it without decoding. Storage is pluggable: implement
@@ -29,7 +38,7 @@
 //!
 //! # Writing
 //! ```no_run
-//! use titan_ckpt::{Dtype, dcp::{DcpWriter, FileKey, TensorChunk, WriteOptions, pickle::Value}};
+//! use titan_dcp::{Dtype, DcpWriter, FileKey, TensorChunk, WriteOptions, pickle::Value};
 //! let mut w = DcpWriter::create("out", WriteOptions { zstd_level: Some(3), fsync: true })?;
 //! let rows0 = vec![0u8; 2 * 4 * 4];
 //! w.add_tensor_chunk(FileKey { rank: 0, k: 0 }, TensorChunk {
@@ -41,7 +50,7 @@
 //! })?;
 //! w.add_object(FileKey { rank: 0, k: 0 }, "step", &Value::Int(100))?;
 //! let metadata = w.finish()?; // checks tiling, renames data files, writes .metadata last
-//! # Ok::<(), titan_ckpt::dcp::DcpError>(())
+//! # Ok::<(), titan_dcp::DcpError>(())
 //! ```
 //! Data files are written as `.__R_K.distcp.tmp` and renamed when complete; `.metadata` (via
 //! `.metadata.tmp`) is written last, so a crashed write never looks like a checkpoint. For one
@@ -70,16 +79,11 @@
 //!   `__0_0.distcp` may lack items that rank 0 owned.
 
 //!
-//! # Performance (ckpt/benches/dcp_native.rs vs tests/python/dcp_bench_torch.py, same files)
-//! Measured on the shared 2-core CI-like machine under load average ~20, so only ratios from the
-//! same run mean anything; medians:
-//!
-//! | 64 MiB, 8 f32 tensors x 2 rank chunks | titan `read_tensor` (all) | torch `dcp.load` | ratio |
-//! |---|---|---|---|
-//! | plain | 44.6 ms | 92.9 ms | 2.1x faster |
-//! | zstd (`stream.zstd/1`) | 580 ms | 412 ms | 1.4x slower |
-//! | `.metadata` of 5000 tensors: open+parse+check | 304 ms | `pickle.load` 626 ms | 2.1x faster |
+//! # Performance
+//! Reading and writing against torch's own `dcp.load` / `dcp.save` on the same files: see
+//! `docs/benchmarks.md` (command `cargo bench -p titan-dcp`).
 
+pub mod dtype;
 pub mod error;
 pub mod metadata;
 pub mod pickle;
@@ -91,6 +95,7 @@ pub mod torch_zip;
 pub mod transform;
 pub mod writer;
 
+pub use dtype::Dtype;
 pub use error::{DcpError, Result};
 pub use metadata::{
     ChunkStorageMetadata, ItemMetadata, Metadata, MetadataIndex, PathPart, PlannerData,
