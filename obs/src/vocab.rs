@@ -10,12 +10,54 @@ pub const STEP: &str = "step";
 
 /// titan-train's phase and tag names.
 pub mod titan {
+    pub const DATA_LOADING: &str = "data_loading";
     pub const FORWARD_BACKWARD: &str = "forward_backward";
+    pub const MICROBATCH: &str = "microbatch";
+    pub const FORWARD: &str = "forward";
+    pub const BACKWARD: &str = "backward";
     pub const OPTIMIZER: &str = "optimizer";
+    pub const CLIP: &str = "clip";
+    pub const OPTIMIZER_STEP: &str = "optimizer_step";
+    pub const LR: &str = "lr";
+    pub const COLLECT_DIST_METRICS: &str = "collect_dist_metrics";
+    /// Span and step tag of a garbage-collection pass.
+    pub const GC: &str = "gc";
     /// Span and step tag of a checkpoint save.
     pub const CHECKPOINT: &str = "checkpoint";
     /// Span and step tag of a validation pass.
     pub const VALIDATION: &str = "validation";
+}
+
+/// The collectives titan-train records as spans (trainer/src/dist), one per call on every rank
+/// of the group, named like torch.distributed's functions. Each span holds one scalar named
+/// [`collective::bytes_scalar`] of it: the bytes this rank passed in (obs/SCHEMA.md).
+pub mod collective {
+    pub const ALL_REDUCE: &str = "all_reduce";
+    pub const REDUCE_SCATTER: &str = "reduce_scatter";
+    pub const ALL_GATHER: &str = "all_gather";
+    pub const BROADCAST: &str = "broadcast";
+    pub const ALL: [&str; 4] = [ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST];
+
+    pub const ALL_REDUCE_BYTES: &str = "comm/all_reduce_bytes";
+    pub const REDUCE_SCATTER_BYTES: &str = "comm/reduce_scatter_bytes";
+    pub const ALL_GATHER_BYTES: &str = "comm/all_gather_bytes";
+    pub const BROADCAST_BYTES: &str = "comm/broadcast_bytes";
+
+    /// Whether a span name is one of the collectives.
+    pub fn is_collective(name: &str) -> bool {
+        ALL.contains(&name)
+    }
+
+    /// The scalar carrying a collective span's payload bytes.
+    pub fn bytes_scalar(name: &str) -> Option<&'static str> {
+        Some(match name {
+            ALL_REDUCE => ALL_REDUCE_BYTES,
+            REDUCE_SCATTER => REDUCE_SCATTER_BYTES,
+            ALL_GATHER => ALL_GATHER_BYTES,
+            BROADCAST => BROADCAST_BYTES,
+            _ => return None,
+        })
+    }
 }
 
 /// torchtitan 0.3.0: its structured logger (`torchtitan/observability/structured_logger/`)

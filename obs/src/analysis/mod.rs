@@ -1,11 +1,19 @@
-//! Analyses behind the `titan-obs` commands: pure functions over a loaded [`crate::Run`].
+//! Analyses behind the `titan-obs` commands and the TUI: pure functions over a span table
+//! ([`SpanTable`], borrowed from a loaded [`crate::Run`] or the TUI's timeline), so every view
+//! shows the same statistics, stragglers and waits.
 
 pub mod chrome;
 pub mod metrics;
 pub mod stats;
 pub mod summary;
+pub mod table;
+pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
 pub use metrics::{MetricsLine, format_line, format_value, metrics, to_csv};
 pub use stats::DurationStats;
-pub use summary::{PhaseStats, Straggler, StragglerOptions, Summary, TaggedStep, summary};
+pub use summary::{
+    Analysis, PhaseStats, Straggler, StragglerOptions, Summary, TaggedStep, analyse, summary,
+};
+pub use table::{RunShape, SpanTable};
+pub use waits::{StepWait, Wait, Waits};

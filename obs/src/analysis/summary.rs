@@ -1,12 +1,14 @@
 //! Where the time went: per-phase statistics across ranks and steps, stragglers, and the
 //! cost of checkpoint/validation steps.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use rayon::prelude::*;
 use serde::Serialize;
 
 use super::stats::{DurationStats, median_f64};
+use super::table::{RunShape, SpanTable};
+use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
 use crate::read::{BadLine, ClockAlignment, NameId, OpenSpan, Run, RunFormat};
 use crate::record::NO_STEP;
 
@@ -88,6 +90,8 @@ pub struct Summary {
     pub phases: Vec<PhaseStats>,
     pub stragglers: Vec<Straggler>,
     pub tagged_steps: Vec<TaggedStep>,
+    /// Who made the others wait at collectives ("waiting on"), largest wait first.
+    pub waits: Vec<Wait>,
     pub missing_ranks: Vec<u32>,
     pub corrupt_parts: Vec<(String, String)>,
     /// What the run was read from (`titan`, `torchtitan`, `chrome_trace`).
@@ -104,16 +108,91 @@ pub struct Summary {
     pub clock_alignment: Option<ClockAlignment>,
 }
 
+/// What the analysis finds in a span table: everything `titan-obs summary`, the TUI and
+/// the gantt show about phases, stragglers, tagged steps and waits.
+#[derive(Debug, Clone, Default)]
+pub struct Analysis {
+    pub ranks: u32,
+    pub steps: u64,
+    /// Median over untagged steps of the slowest rank's step time.
+    pub median_step_ns: i64,
+    pub phases: Vec<PhaseStats>,
+    pub stragglers: Vec<Straggler>,
+    pub tagged_steps: Vec<TaggedStep>,
+    pub waits: Waits,
+}
+
+impl Analysis {
+    /// The ranks named stragglers in `phase`, in rank order.
+    pub fn straggler_ranks(&self, phase: &str) -> Vec<u32> {
+        let mut r: Vec<u32> = self
+            .stragglers
+            .iter()
+            .filter(|s| s.phase == phase)
+            .map(|s| s.rank)
+            .collect();
+        r.sort_unstable();
+        r
+    }
+
+    /// The rank and phase that explain most of the run's waiting: the top row of the
+    /// "waiting on" table, else the top straggler.
+    pub fn headline(&self) -> Option<(u32, &str)> {
+        self.waits
+            .table
+            .first()
+            .map(|w| (w.rank, w.phase.as_str()))
+            .or_else(|| self.stragglers.first().map(|s| (s.rank, s.phase.as_str())))
+    }
+}
+
 /// Computes the summary of a loaded run (loaded with at least [`crate::Columns::SUMMARY`]).
 pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
-    let spans = &run.spans;
-    let n = spans.len();
-    let has_depth = spans.depth.len() == n;
-    let n_names = run.names.len();
+    let a = analyse(&SpanTable::of_run(run), &RunShape::of_run(run), opts);
+    Summary {
+        run: run.location.clone(),
+        ranks: a.ranks,
+        world_size: run.report.world_size,
+        steps: a.steps,
+        spans: run.spans.len() as u64,
+        errors: run.errors.rank.len() as u64,
+        median_step_ns: a.median_step_ns,
+        phases: a.phases,
+        stragglers: a.stragglers,
+        tagged_steps: a.tagged_steps,
+        waits: a.waits.table,
+        missing_ranks: run.report.missing_ranks.clone(),
+        corrupt_parts: run
+            .report
+            .corrupt_parts
+            .iter()
+            .map(|c| (c.path.clone(), c.error.clone()))
+            .collect(),
+        format: run.report.format,
+        malformed_lines: run.report.malformed_lines,
+        bad_lines: run.report.bad_lines.clone(),
+        truncated_tails: run.report.truncated_tails.clone(),
+        open_spans: run.report.open_spans.clone(),
+        clock_alignment: run.report.clock_alignment.clone(),
+    }
+}
+
+/// The analysis of a span table: per-phase statistics, stragglers, tagged steps, waits.
+///
+/// Straggler rule: a rank is a straggler in a phase when, over the steps where at least two
+/// ranks ran it, its time is above the cross-rank median in at least
+/// `opts.min_share_of_steps` of them and its median ratio to the median is at least
+/// `1 + opts.min_excess_ratio`. A rank's time in a phase here leaves out the time it spent
+/// waiting in collectives inside that phase for ranks that arrived later (see [`waits`]):
+/// a fast rank waiting in `all_reduce` for a slow one is not slow.
+pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Analysis {
+    let n = t.len();
+    let has_depth = t.has_depth();
+    let n_names = t.names.len();
 
     // Group span indices by name (counting sort): one u32 per span.
     let mut counts = vec![0usize; n_names + 1];
-    for &name in &spans.name {
+    for &name in t.name {
         counts[name as usize + 1] += 1;
     }
     for i in 1..counts.len() {
@@ -124,7 +203,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let mut order = vec![0u32; n];
     {
         let mut next = counts;
-        for (i, &name) in spans.name.iter().enumerate() {
+        for (i, &name) in t.name.iter().enumerate() {
             let slot = &mut next[name as usize];
             order[*slot] = i as u32;
             *slot += 1;
@@ -132,22 +211,16 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     }
 
     // Dense step and rank indices.
-    let ranks: Vec<u32> = {
-        let mut r: Vec<u32> = run.ranks.keys().copied().collect();
-        if r.is_empty() {
-            r = spans.rank.clone();
-            r.sort_unstable();
-            r.dedup();
-        }
+    let ranks: Vec<u32> = if shape.ranks.is_empty() {
+        let mut r = t.rank.to_vec();
+        r.sort_unstable();
+        r.dedup();
         r
+    } else {
+        shape.ranks.clone()
     };
     let rank_index = DenseIndex::new(ranks.iter().map(|&r| u64::from(r)).collect());
-    let mut steps: Vec<u64> = spans
-        .step
-        .iter()
-        .copied()
-        .filter(|&s| s != NO_STEP)
-        .collect();
+    let mut steps: Vec<u64> = t.step.iter().copied().filter(|&s| s != NO_STEP).collect();
     // Spans of one step are mostly adjacent: dropping adjacent repeats first leaves ~1/40 of
     // the values to sort.
     steps.dedup();
@@ -155,10 +228,10 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     steps.dedup();
     let step_index = DenseIndex::new(steps.clone());
     // Each span's (step, rank) cell, looked up once here rather than hashed again per phase.
-    let cell_of: Vec<u32> = spans
+    let cell_of: Vec<u32> = t
         .step
         .iter()
-        .zip(&spans.rank)
+        .zip(t.rank)
         .map(
             |(&s, &r)| match (step_index.get(s), rank_index.get(u64::from(r))) {
                 (Some(si), Some(ri)) => cell_id(si * ranks.len() + ri),
@@ -171,27 +244,31 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let n_ranks = ranks.len();
     let n_steps = steps.len();
     let mut wall = vec![0i64; n_steps * n_ranks];
-    let step_name = run.name_id(crate::vocab::STEP);
+    let step_name = t.name_id(crate::vocab::STEP);
     let mut step_total = 0i64;
     for (i, &cell) in cell_of.iter().enumerate() {
         if cell == NO_CELL {
             continue;
         }
         let top = if has_depth {
-            spans.depth[i] == 0
+            t.depth[i] == 0
         } else {
-            Some(spans.name[i]) == step_name
+            Some(t.name[i]) == step_name
         };
         if top {
-            wall[cell as usize] += spans.dur_ns[i];
+            wall[cell as usize] += t.dur_ns[i];
         }
-        if Some(spans.name[i]) == step_name {
-            step_total += spans.dur_ns[i];
+        if Some(t.name[i]) == step_name {
+            step_total += t.dur_ns[i];
         }
     }
     if step_name.is_none() {
         step_total = wall.iter().sum();
     }
+
+    let waits = collective_waits(t);
+    let own = durations_without_waits(t, &waits);
+    let own_dur: &[i64] = own.as_deref().unwrap_or(t.dur_ns);
 
     let per_phase: Vec<(PhaseStats, Vec<Straggler>)> = (0..n_names)
         .into_par_iter()
@@ -199,9 +276,10 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         .map(|id| {
             let idx = &order[offsets[id]..offsets[id + 1]];
             phase(
-                run,
+                t,
                 id as NameId,
                 idx,
+                own_dur,
                 &cell_of,
                 n_steps,
                 &ranks,
@@ -231,10 +309,6 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     stragglers.sort_by(|a, b| b.median_excess_ns.total_cmp(&a.median_excess_ns));
 
     // Tagged steps and their cost relative to untagged steps.
-    let mut step_tags: BTreeMap<u64, u64> = BTreeMap::new();
-    for (&(_, step), tags) in &run.step_tags {
-        *step_tags.entry(step).or_default() |= tags.0;
-    }
     let wall_of = |si: usize| -> i64 {
         wall[si * n_ranks..(si + 1) * n_ranks]
             .iter()
@@ -245,7 +319,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let mut untagged: Vec<f64> = steps
         .iter()
         .enumerate()
-        .filter(|(_, s)| step_tags.get(s).is_none_or(|t| *t == 0))
+        .filter(|(_, s)| !shape.step_tags.contains_key(s))
         .map(|(si, _)| wall_of(si) as f64)
         .collect();
     let median_step = if untagged.is_empty() {
@@ -254,21 +328,26 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         median_f64(&mut untagged)
     };
     let mut tagged_phase: HashMap<(u64, u32), i64> = HashMap::new();
-    let tag_name_ids: Vec<Option<NameId>> = run.tags.iter().map(|t| run.name_id(t)).collect();
-    if !step_tags.is_empty() {
-        let wanted: Vec<NameId> = tag_name_ids.iter().flatten().copied().collect();
+    if !shape.step_tags.is_empty() {
+        let mut wanted: Vec<NameId> = shape
+            .step_tags
+            .values()
+            .flatten()
+            .filter_map(|tag| t.name_id(tag))
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
         for i in 0..n {
-            if spans.step[i] != NO_STEP && wanted.contains(&spans.name[i]) {
-                *tagged_phase
-                    .entry((spans.step[i], spans.rank[i]))
-                    .or_default() += spans.dur_ns[i];
+            if t.step[i] != NO_STEP && wanted.contains(&t.name[i]) {
+                *tagged_phase.entry((t.step[i], t.rank[i])).or_default() += t.dur_ns[i];
             }
         }
     }
-    let tagged_steps = step_tags
+    let tagged_steps = shape
+        .step_tags
         .iter()
-        .filter(|(_, t)| **t != 0)
-        .filter_map(|(&step, &mask)| {
+        .filter(|(_, tags)| !tags.is_empty())
+        .filter_map(|(&step, tags)| {
             let si = step_index.get(step)?;
             let w = wall_of(si);
             let phase_ns = ranks
@@ -278,10 +357,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
                 .unwrap_or(0);
             Some(TaggedStep {
                 step,
-                tags: (0..run.tags.len().min(64))
-                    .filter(|&i| mask & (1 << i) != 0)
-                    .map(|i| run.tags[i].clone())
-                    .collect(),
+                tags: tags.clone(),
                 wall_ns: w,
                 extra_ns: w - median_step as i64,
                 tagged_phase_ns: phase_ns,
@@ -289,46 +365,31 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         })
         .collect();
 
-    Summary {
-        run: run.location.clone(),
+    Analysis {
         ranks: ranks.len() as u32,
-        world_size: run.report.world_size,
         steps: steps.len() as u64,
-        spans: n as u64,
-        errors: run.errors.rank.len() as u64,
         median_step_ns: median_step as i64,
         phases,
         stragglers,
         tagged_steps,
-        missing_ranks: run.report.missing_ranks.clone(),
-        corrupt_parts: run
-            .report
-            .corrupt_parts
-            .iter()
-            .map(|c| (c.path.clone(), c.error.clone()))
-            .collect(),
-        format: run.report.format,
-        malformed_lines: run.report.malformed_lines,
-        bad_lines: run.report.bad_lines.clone(),
-        truncated_tails: run.report.truncated_tails.clone(),
-        open_spans: run.report.open_spans.clone(),
-        clock_alignment: run.report.clock_alignment.clone(),
+        waits,
     }
 }
 
 #[allow(clippy::too_many_arguments)]
 fn phase(
-    run: &Run,
+    t: &SpanTable,
     id: NameId,
     idx: &[u32],
+    own_dur: &[i64],
     cell_of: &[u32],
     n_steps: usize,
     ranks: &[u32],
     step_total: i64,
     opts: &StragglerOptions,
 ) -> (PhaseStats, Vec<Straggler>) {
-    let spans = &run.spans;
-    let has_depth = spans.depth.len() == spans.len();
+    let spans = t;
+    let has_depth = t.has_depth();
     let mut durs: Vec<i64> = idx.iter().map(|&i| spans.dur_ns[i as usize]).collect();
     let depth = if has_depth {
         idx.iter()
@@ -347,7 +408,7 @@ fn phase(
     let st = DurationStats::compute(&mut durs);
     drop(durs);
     let share = (any_in_step && step_total > 0).then(|| in_step_total as f64 / step_total as f64);
-    let name = run.name(id).to_string();
+    let name = t.names[id as usize].clone();
     let stats = PhaseStats {
         name: name.clone(),
         depth,
@@ -371,11 +432,7 @@ fn phase(
             continue;
         }
         let c = &mut cell[cell_of[i] as usize];
-        *c = if *c < 0 {
-            spans.dur_ns[i]
-        } else {
-            *c + spans.dur_ns[i]
-        };
+        *c = if *c < 0 { own_dur[i] } else { *c + own_dur[i] };
     }
     let stragglers = find_stragglers(&cell, n_ranks, opts)
         .into_iter()

@@ -1,0 +1,340 @@
+//! Who made the others wait: the same collective matched across ranks, the rank that
+//! arrived last, and the time every other rank spent waiting for it.
+//!
+//! A collective call is identified by (step, name, ordinal): the n-th `all_reduce` a rank
+//! started in a step is the same call as every other rank's n-th `all_reduce` of that step
+//! (every data-parallel rank runs the same sequence of collectives). A rank *arrives* when
+//! its span starts (on rank 0's clock). The last rank to arrive made each other rank wait
+//! `last_arrival - its_arrival`; the wait it caused is the sum of those. The phase it was
+//! late from is the span that ended last on that rank before the collective began (the
+//! shallowest one on a tie, so the whole `forward_backward` rather than its last
+//! `backward`), not counting other collectives.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::Serialize;
+
+use super::table::SpanTable;
+use crate::read::NameId;
+use crate::record::NO_STEP;
+use crate::vocab;
+
+/// One row of the "waiting on" table: a rank that arrived last at collectives after a phase.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Wait {
+    pub rank: u32,
+    /// The phase that ran on `rank` right before the collectives it was last at.
+    pub phase: String,
+    /// Steps in which this rank, coming from this phase, caused the most waiting.
+    pub steps_last: u64,
+    /// Sum over those collectives and the other ranks of (last arrival - their arrival).
+    pub wait_caused_ns: i64,
+}
+
+/// The rank that made the others wait longest in one step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StepWait {
+    pub step: u64,
+    pub rank: u32,
+    pub phase: String,
+    /// Wait this rank caused in this step (all its late arrivals).
+    pub wait_caused_ns: i64,
+}
+
+/// What [`collective_waits`] finds.
+#[derive(Debug, Clone, Default)]
+pub struct Waits {
+    /// Sorted by wait caused, largest first.
+    pub table: Vec<Wait>,
+    /// One entry per step that had a matched collective, by step.
+    pub per_step: Vec<StepWait>,
+    /// (span index, time that rank waited in it for later ranks), for every collective span
+    /// that waited at all.
+    pub span_wait: Vec<(u32, i64)>,
+}
+
+/// One collective span: (step, name, ordinal) identifies the call across ranks.
+#[derive(Debug, Clone, Copy)]
+struct Arrival {
+    step: u64,
+    name: NameId,
+    ordinal: u32,
+    rank: u32,
+    start: i64,
+    idx: u32,
+}
+
+/// Matches collectives across ranks and accounts who waited for whom (empty when the run
+/// has no collective spans or no start times).
+pub fn collective_waits(t: &SpanTable) -> Waits {
+    let is_coll: Vec<bool> = t
+        .names
+        .iter()
+        .map(|n| vocab::collective::is_collective(n))
+        .collect();
+    if !t.has_start() || !is_coll.iter().any(|&c| c) {
+        return Waits::default();
+    }
+    let mut arrivals: Vec<Arrival> = (0..t.len())
+        .filter(|&i| t.step[i] != NO_STEP && is_coll[t.name[i] as usize])
+        .map(|i| Arrival {
+            step: t.step[i],
+            name: t.name[i],
+            ordinal: 0,
+            rank: t.rank[i],
+            start: t.start_ns[i],
+            idx: i as u32,
+        })
+        .collect();
+    // Ordinal of each call within its (step, name, rank).
+    arrivals.sort_unstable_by_key(|a| (a.step, a.name, a.rank, a.start, a.idx));
+    for i in 0..arrivals.len() {
+        let (s, n, r) = (arrivals[i].step, arrivals[i].name, arrivals[i].rank);
+        if i > 0 && {
+            let p = &arrivals[i - 1];
+            (p.step, p.name, p.rank) == (s, n, r)
+        } {
+            arrivals[i].ordinal = arrivals[i - 1].ordinal + 1;
+        }
+    }
+    arrivals.sort_unstable_by_key(|a| (a.step, a.name, a.ordinal, a.start, a.rank));
+
+    // Each call: its last arrival, the waits, and the late span.
+    struct Call {
+        step: u64,
+        late_rank: u32,
+        late_idx: u32,
+        caused: i64,
+    }
+    let mut calls: Vec<Call> = Vec::new();
+    let mut span_wait = Vec::new();
+    for group in
+        arrivals.chunk_by(|a, b| (a.step, a.name, a.ordinal) == (b.step, b.name, b.ordinal))
+    {
+        if group.len() < 2 {
+            continue;
+        }
+        // Sorted by start: the last element arrived last (ties: the highest rank).
+        let last = group[group.len() - 1];
+        let mut caused = 0i64;
+        for a in &group[..group.len() - 1] {
+            let w = last.start - a.start;
+            if w > 0 {
+                span_wait.push((a.idx, w));
+                caused += w;
+            }
+        }
+        calls.push(Call {
+            step: last.step,
+            late_rank: last.rank,
+            late_idx: last.idx,
+            caused,
+        });
+    }
+    if calls.is_empty() {
+        return Waits::default();
+    }
+
+    // The phase each late rank came from: needs that rank's spans of that step.
+    let mut wanted: HashMap<(u32, u64), Vec<u32>> = HashMap::new();
+    for c in &calls {
+        wanted.entry((c.late_rank, c.step)).or_default();
+    }
+    for i in 0..t.len() {
+        if is_coll[t.name[i] as usize] {
+            continue;
+        }
+        if let Some(v) = wanted.get_mut(&(t.rank[i], t.step[i])) {
+            v.push(i as u32);
+        }
+    }
+    let phase_before = |c: &Call| -> String {
+        let at = t.start_ns[c.late_idx as usize];
+        let best = wanted[&(c.late_rank, c.step)]
+            .iter()
+            .map(|&i| i as usize)
+            .filter(|&i| t.start_ns[i] + t.dur_ns[i] <= at)
+            .max_by_key(|&i| {
+                let depth = if t.has_depth() { t.depth[i] } else { 0 };
+                (t.start_ns[i] + t.dur_ns[i], std::cmp::Reverse(depth))
+            });
+        match best {
+            Some(i) => t.names[t.name[i] as usize].clone(),
+            None => "-".to_string(),
+        }
+    };
+
+    // Per (rank, phase) totals, and per step the rank that caused the most wait.
+    let mut rows: BTreeMap<(u32, String), Wait> = BTreeMap::new();
+    let mut per_step: Vec<StepWait> = Vec::new();
+    for step_calls in calls.chunk_by(|a, b| a.step == b.step) {
+        // (rank) -> (wait caused this step, the phase of its largest late arrival, its size).
+        let mut by_rank: BTreeMap<u32, (i64, String, i64)> = BTreeMap::new();
+        for c in step_calls {
+            let phase = phase_before(c);
+            let row = rows
+                .entry((c.late_rank, phase.clone()))
+                .or_insert_with(|| Wait {
+                    rank: c.late_rank,
+                    phase: phase.clone(),
+                    steps_last: 0,
+                    wait_caused_ns: 0,
+                });
+            row.wait_caused_ns += c.caused;
+            let e = by_rank.entry(c.late_rank).or_insert((0, phase.clone(), -1));
+            e.0 += c.caused;
+            if c.caused > e.2 {
+                e.1 = phase;
+                e.2 = c.caused;
+            }
+        }
+        let (&rank, (caused, phase, _)) = by_rank
+            .iter()
+            .max_by_key(|(r, v)| (v.0, std::cmp::Reverse(**r)))
+            .expect("a step with calls");
+        if let Some(row) = rows.get_mut(&(rank, phase.clone())) {
+            row.steps_last += 1;
+        }
+        per_step.push(StepWait {
+            step: step_calls[0].step,
+            rank,
+            phase: phase.clone(),
+            wait_caused_ns: *caused,
+        });
+    }
+    let mut table: Vec<Wait> = rows.into_values().collect();
+    table.sort_by(|a, b| {
+        (std::cmp::Reverse(a.wait_caused_ns), a.rank, &a.phase).cmp(&(
+            std::cmp::Reverse(b.wait_caused_ns),
+            b.rank,
+            &b.phase,
+        ))
+    });
+    span_wait.sort_unstable();
+    Waits {
+        table,
+        per_step,
+        span_wait,
+    }
+}
+
+/// Span durations with the time each rank spent waiting for later ranks taken out: a span's
+/// waiting is the waiting of every collective span of the same rank that starts inside it
+/// (itself included). `None` when nobody waited.
+pub fn durations_without_waits(t: &SpanTable, waits: &Waits) -> Option<Vec<i64>> {
+    if waits.span_wait.is_empty() || !t.has_start() {
+        return None;
+    }
+    // Per rank: (start, cumulative wait up to and including it), sorted by start.
+    let mut by_rank: HashMap<u32, Vec<(i64, i64)>> = HashMap::new();
+    for &(idx, w) in &waits.span_wait {
+        let i = idx as usize;
+        by_rank
+            .entry(t.rank[i])
+            .or_default()
+            .push((t.start_ns[i], w));
+    }
+    for v in by_rank.values_mut() {
+        v.sort_unstable();
+        let mut acc = 0;
+        for e in v.iter_mut() {
+            acc += e.1;
+            e.1 = acc;
+        }
+    }
+    let before = |v: &[(i64, i64)], t: i64| -> i64 {
+        // Cumulative wait of collectives starting strictly before t.
+        let k = v.partition_point(|e| e.0 < t);
+        if k == 0 { 0 } else { v[k - 1].1 }
+    };
+    Some(
+        (0..t.len())
+            .map(|i| {
+                let d = t.dur_ns[i];
+                match by_rank.get(&t.rank[i]) {
+                    None => d,
+                    Some(v) => {
+                        let s = t.start_ns[i];
+                        let waited = before(v, s + d + 1) - before(v, s);
+                        (d - waited).max(0)
+                    }
+                }
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks, 3 steps: `work` then `all_reduce`; rank 1's work takes 30 instead of 10,
+    /// so rank 0 waits 20 in every all_reduce.
+    #[allow(clippy::type_complexity)]
+    fn two_ranks() -> (Vec<u32>, Vec<u64>, Vec<u32>, Vec<i64>, Vec<i64>, Vec<u16>) {
+        let (mut rank, mut step, mut name, mut dur, mut start, mut depth) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for s in 0..3u64 {
+            let t0 = s as i64 * 100;
+            for r in 0..2u32 {
+                let work = if r == 1 { 30 } else { 10 };
+                let arrive = t0 + work;
+                let end = t0 + 30 + 5;
+                // step, work, all_reduce
+                for (n, st, d, dp) in [
+                    (0, t0, end - t0, 0),
+                    (1, t0, work, 1),
+                    (2, arrive, end - arrive, 1),
+                ] {
+                    rank.push(r);
+                    step.push(s);
+                    name.push(n);
+                    start.push(st);
+                    dur.push(d);
+                    depth.push(dp);
+                }
+            }
+        }
+        (rank, step, name, dur, start, depth)
+    }
+
+    #[test]
+    fn names_the_late_rank_and_the_wait() {
+        let (rank, step, name, dur, start, depth) = two_ranks();
+        let names = vec!["step".into(), "work".into(), "all_reduce".into()];
+        let t = SpanTable {
+            rank: &rank,
+            step: &step,
+            name: &name,
+            dur_ns: &dur,
+            start_ns: &start,
+            depth: &depth,
+            names: &names,
+        };
+        let w = collective_waits(&t);
+        assert_eq!(
+            w.table,
+            vec![Wait {
+                rank: 1,
+                phase: "work".into(),
+                steps_last: 3,
+                wait_caused_ns: 60
+            }]
+        );
+        assert_eq!(w.per_step.len(), 3);
+        assert!(
+            w.per_step
+                .iter()
+                .all(|s| s.rank == 1 && s.wait_caused_ns == 20)
+        );
+        // Without waits, rank 0's step is 15 (10 work + 5 transfer), rank 1's 35.
+        let d = durations_without_waits(&t, &w).unwrap();
+        let step_of = |r: u32| {
+            (0..t.len())
+                .find(|&i| rank[i] == r && name[i] == 0)
+                .unwrap()
+        };
+        assert_eq!((dur[step_of(0)], d[step_of(0)]), (35, 15));
+        assert_eq!((dur[step_of(1)], d[step_of(1)]), (35, 35));
+    }
+}
