@@ -116,7 +116,7 @@ impl<'a> TensorReader<'a> {
                         "internal: read past the chunk's byte range",
                     ));
                 }
-                file.read_at(start, out)
+                Ok(file.read_at(start, out)?)
             }
             Encoding::DcpItem { fqn, chunk: index } => {
                 let key = (chunk.source.file, chunk.source.begin);

@@ -53,6 +53,18 @@ impl From<titan_dcp::DcpError> for Error {
     }
 }
 
+impl From<titan_storage::StorageError> for Error {
+    fn from(e: titan_storage::StorageError) -> Error {
+        use titan_storage::StorageError as S;
+        match e {
+            S::Io { file, source } => Error::Io { file, source },
+            S::Store { file, source } => Error::Store { file, source },
+            S::Invalid { file, reason } => Error::invalid(file, reason),
+            S::Usage(msg) => Error::Usage(msg),
+        }
+    }
+}
+
 impl Error {
     /// An invalid-checkpoint error about `file` as a whole.
     pub fn invalid(file: impl fmt::Display, reason: impl Into<String>) -> Error {

@@ -226,12 +226,12 @@ pub fn diff(
     let fa: Vec<InFile> = a
         .files
         .iter()
-        .map(|f| a.root.open(f))
+        .map(|f| Ok(a.root.open(f)?))
         .collect::<Result<_>>()?;
     let fb: Vec<InFile> = b
         .files
         .iter()
-        .map(|f| b.root.open(f))
+        .map(|f| Ok(b.root.open(f)?))
         .collect::<Result<_>>()?;
     let mut names: Vec<&String> = a.tensors.keys().chain(b.tensors.keys()).collect();
     names.sort();

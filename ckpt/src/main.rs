@@ -584,13 +584,13 @@ fn write_config(
         let bytes = std::fs::read(path).map_err(|e| Error::io(path.display(), e))?;
         serde_json::from_slice::<serde_json::Value>(&bytes)
             .map_err(|e| Error::usage(format!("--hf-config {}: not JSON: {e}", path.display())))?;
-        return out.write_small("config.json", &bytes);
+        return Ok(out.write_small("config.json", &bytes)?);
     }
     let Some(args) = args else { return Ok(()) };
     match adapter::hf_config(args, dtype)? {
         Some(cfg) => {
             let json = serde_json::to_vec_pretty(&cfg).expect("json");
-            out.write_small("config.json", &json)
+            Ok(out.write_small("config.json", &json)?)
         }
         None => {
             eprintln!(

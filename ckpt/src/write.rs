@@ -272,7 +272,7 @@ pub fn write_files(
     let inputs: Vec<InFile> = plan
         .files
         .iter()
-        .map(|f| plan.root.open(f))
+        .map(|f| Ok(plan.root.open(f)?))
         .collect::<Result<_>>()?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(opts.workers.max(1))
@@ -324,7 +324,7 @@ pub fn write_files(
             for name in &finished {
                 let _ = out.remove(name);
             }
-            return Err(e);
+            return Err(e.into());
         }
         finished.push(f.name.clone());
     }

@@ -430,7 +430,7 @@ pub fn same_contents(plan: &CheckpointPlan, a: &str, b: &str) -> Result<bool> {
     let files: Vec<InFile> = plan
         .files
         .iter()
-        .map(|f| plan.root.open(f))
+        .map(|f| Ok(plan.root.open(f)?))
         .collect::<Result<_>>()?;
     let mut ra = TensorReader::new(plan, &files);
     let mut rb = TensorReader::new(plan, &files);

@@ -41,9 +41,9 @@ impl RootStore {
     }
 }
 
-fn to_io(e: Error) -> io::Error {
+fn to_io(e: titan_storage::StorageError) -> io::Error {
     match e {
-        Error::Io { source, .. } => source,
+        titan_storage::StorageError::Io { source, .. } => source,
         other => io::Error::other(other.to_string()),
     }
 }
@@ -209,7 +209,7 @@ pub fn write(
     let inputs: Vec<InFile> = plan
         .files
         .iter()
-        .map(|f| plan.root.open(f))
+        .map(|f| Ok(plan.root.open(f)?))
         .collect::<Result<_>>()?;
     let mut reader = TensorReader::new(plan, &inputs);
     let mut writer = titan_dcp::DcpWriter::create(
