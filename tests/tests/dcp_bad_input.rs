@@ -12,9 +12,7 @@ use titan_dcp::metadata::{
 use titan_dcp::pickle::Value;
 use titan_dcp::torch_zip::ZipWriter;
 use titan_dcp::transform::Encoder;
-use titan_dcp::{
-    DcpReader, DcpWriter, FileKey, TensorChunk, WriteOptions, write_metadata_file,
-};
+use titan_dcp::{DcpReader, DcpWriter, FileKey, TensorChunk, WriteOptions, write_metadata_file};
 
 const W: [u8; 64] = {
     let mut a = [0u8; 64];

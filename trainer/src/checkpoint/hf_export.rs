@@ -16,8 +16,8 @@ use tch::{Kind, Tensor};
 use titan_ckpt::consolidate::{self, FileLayout, RankShare};
 use titan_ckpt::formats::{self, DCP_SHARDING_INFO, dcp_hf};
 use titan_ckpt::safetensors::{OutEntry, build_header};
-use titan_ckpt::storage::Root;
 use titan_ckpt::write::EngineOptions;
+use titan_storage::Root;
 
 use super::host::HostTensor;
 use super::layout;

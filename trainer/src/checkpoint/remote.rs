@@ -1,5 +1,5 @@
 //! Object-store destinations (`checkpoint.folder = "s3://bucket/run/ckpt"`, gs://, az://,
-//! file://) through titan-ckpt's storage layer. A save is committed locally first, then
+//! file://) through titan-storage. A save is committed locally first, then
 //! uploaded (span `checkpoint_upload`): data files, `.metadata` last, then a `step-N.committed`
 //! marker next to `step-N/`. Object stores have no atomic directory rename, so the marker is the
 //! commit: a step without it (an interrupted upload) is never loaded.
@@ -7,9 +7,9 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use titan_dcp::{DcpReader, METADATA_FILE, ReadOptions};
 use titan_ckpt::formats::dcp_native::RootStore;
-use titan_ckpt::storage::Root;
+use titan_dcp::{DcpReader, METADATA_FILE, ReadOptions};
+use titan_storage::Root;
 
 use super::layout;
 use super::load::DcpSource;
