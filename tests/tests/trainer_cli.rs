@@ -101,7 +101,7 @@ fn unimplemented_torchtitan_keys_are_refused_naming_them() {
         ("--parallelism.tensor_parallel_degree", "2"),
         ("--metrics.enable_wandb", "true"),
         ("--training.enable_cpu_offload", "true"),
-        ("--activation_checkpoint.mode", "full"),
+        ("--parallelism.pipeline_parallel_degree", "2"),
     ] {
         let o = titan_train(&[key, value, "--training.steps", "1"]);
         assert_eq!(o.status.code(), Some(2), "{key}: {}", text(&o));

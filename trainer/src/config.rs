@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::model::ActivationCheckpointing;
+
 /// Where the readable copy of the default config lives in the repository.
 pub const DEFAULT_CONFIG_FILE: &str = "configs/debug_model.toml";
 /// The config used when `--job.config_file` is not given, from any working directory: the
@@ -100,6 +102,48 @@ pub enum AcMode {
     None,
     Selective,
     Full,
+}
+
+/// `activation_checkpoint.selective_ac_option`: `"op"`, or a layer interval N as a string (as
+/// torchtitan's files write it) or an integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectiveAcOption {
+    Op,
+    EveryNthLayer(std::num::NonZeroU64),
+}
+
+impl Serialize for SelectiveAcOption {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            SelectiveAcOption::Op => s.serialize_str("op"),
+            SelectiveAcOption::EveryNthLayer(n) => s.serialize_str(&n.to_string()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SelectiveAcOption {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Number(i64),
+        }
+        let text = match Raw::deserialize(d)? {
+            Raw::Text(t) => t,
+            Raw::Number(n) => n.to_string(),
+        };
+        if text == "op" {
+            return Ok(SelectiveAcOption::Op);
+        }
+        text.parse::<std::num::NonZeroU64>()
+            .map(SelectiveAcOption::EveryNthLayer)
+            .map_err(|_| {
+                serde::de::Error::custom(format!(
+                    "`{text}` is neither `op` nor a layer interval of 1 or more"
+                ))
+            })
+    }
 }
 
 /// torchtitan's `-1` for "unset" in count keys, read as `None`; `Some(n)` otherwise.
@@ -285,7 +329,9 @@ pub struct Training {
     pub max_norm: f64,
     pub steps: u64,
     pub enable_cpu_offload: bool,
-    /// torchtitan's full-bf16 training (no fp32 copy of the weights); only float32 here.
+    /// torchtitan's `training.dtype`: `bfloat16` trains bf16 parameters, gradients and AdamW state
+    /// (no fp32 master copy; RoPE and the logits stay fp32), as torchtitan 0.3.0 allows with
+    /// any parallelism.
     pub dtype: DtypeName,
     /// With `dtype = float32`: the forward runs under autocast to this dtype (fp32 master
     /// weights); `float32` turns mixed precision off.
@@ -529,16 +575,32 @@ impl Default for Compile {
 #[serde(default, deny_unknown_fields)]
 pub struct ActivationCheckpoint {
     pub mode: AcMode,
-    /// With `mode = selective`: `op` (keep matmul and attention outputs, recompute the rest),
-    /// or a number N (checkpoint every N-th layer whole).
-    pub selective_ac_option: String,
+    /// With `mode = selective`: `op` (keep matmul and attention inputs and outputs, recompute
+    /// the elementwise work between them), or N (recompute every N-th layer whole).
+    pub selective_ac_option: SelectiveAcOption,
 }
 
 impl Default for ActivationCheckpoint {
     fn default() -> Self {
         Self {
             mode: AcMode::None,
-            selective_ac_option: "2".into(),
+            selective_ac_option: SelectiveAcOption::EveryNthLayer(
+                std::num::NonZeroU64::new(2).expect("2 is not zero"),
+            ),
+        }
+    }
+}
+
+impl ActivationCheckpoint {
+    /// What the model keeps for backward under this section.
+    pub fn policy(&self) -> ActivationCheckpointing {
+        match (self.mode, self.selective_ac_option) {
+            (AcMode::None, _) => ActivationCheckpointing::None,
+            (AcMode::Full, _) => ActivationCheckpointing::Full,
+            (AcMode::Selective, SelectiveAcOption::Op) => ActivationCheckpointing::Op,
+            (AcMode::Selective, SelectiveAcOption::EveryNthLayer(n)) => {
+                ActivationCheckpointing::EveryNthLayer(n.get())
+            }
         }
     }
 }
@@ -763,15 +825,6 @@ impl JobConfig {
                 ),
             );
         }
-        if self.activation_checkpoint.mode == AcMode::Selective {
-            let o = &self.activation_checkpoint.selective_ac_option;
-            if o != "op" && !o.parse::<u64>().is_ok_and(|n| n >= 1) {
-                return bad(
-                    "activation_checkpoint.selective_ac_option",
-                    format!("`{o}` is neither `op` nor a layer interval of 1 or more"),
-                );
-            }
-        }
         for (key, v) in [
             (
                 "observability.flush_interval_s",
@@ -887,18 +940,6 @@ impl JobConfig {
                 w(&self.metrics.enable_wandb),
                 w(&d.metrics.enable_wandb),
                 " (Weights & Biases cannot be reached from titan-train; use metrics.enable_tensorboard)",
-            ),
-            (
-                "training.dtype",
-                w(&self.training.dtype),
-                w(&d.training.dtype),
-                " (full bf16 training; mixed precision is training.mixed_precision_param)",
-            ),
-            (
-                "activation_checkpoint.mode",
-                w(&self.activation_checkpoint.mode),
-                w(&d.activation_checkpoint.mode),
-                " (libtorch's C++ API has no checkpoint function to recompute a layer in backward)",
             ),
             (
                 "debug.deterministic_warn_only",
@@ -1113,6 +1154,50 @@ mod tests {
         }
         let c = JobConfig::from_parts(None, &ov(&["--checkpoint.async_mode", "async"])).unwrap();
         assert_eq!(c.checkpoint.async_mode, AsyncModeName::Async);
+    }
+
+    #[test]
+    fn activation_checkpointing_options() {
+        for (value, policy) in [
+            ("op", ActivationCheckpointing::Op),
+            ("3", ActivationCheckpointing::EveryNthLayer(3)),
+        ] {
+            let c = JobConfig::from_parts(
+                None,
+                &ov(&[
+                    "--activation_checkpoint.mode",
+                    "selective",
+                    "--activation_checkpoint.selective_ac_option",
+                    value,
+                ]),
+            )
+            .unwrap();
+            assert_eq!(c.activation_checkpoint.policy(), policy);
+        }
+        let toml = "[activation_checkpoint]\nmode = 'selective'\nselective_ac_option = 4\n";
+        let c = JobConfig::from_parts(Some((toml, Path::new("ac.toml"))), &[]).unwrap();
+        assert_eq!(
+            c.activation_checkpoint.policy(),
+            ActivationCheckpointing::EveryNthLayer(4)
+        );
+        let c =
+            JobConfig::from_parts(None, &ov(&["--activation_checkpoint.mode", "full"])).unwrap();
+        assert_eq!(
+            c.activation_checkpoint.policy(),
+            ActivationCheckpointing::Full
+        );
+        for bad in ["x", "0", "-2", "1.5"] {
+            let err = JobConfig::from_parts(
+                None,
+                &ov(&["--activation_checkpoint.selective_ac_option", bad]),
+            )
+            .unwrap_err();
+            assert!(
+                err.to_string()
+                    .contains("activation_checkpoint.selective_ac_option"),
+                "{bad}: {err}"
+            );
+        }
     }
 
     #[test]

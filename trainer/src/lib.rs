@@ -12,7 +12,9 @@
 //! - [`checkpoint`]: DCP saves/resume (torchtitan's layout), async saves, HF export.
 //! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and
 //!   data parallelism (DDP, ZeRO-2, HSDP).
-//! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it.
+//! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it; [`recompute`]:
+//!   activation checkpointing (regions recomputed in backward), which [`model`] applies per
+//!   `[activation_checkpoint]`.
 //! - [`train`]: the loop; [`metrics`]: console line, throughput, memory; [`tensorboard`]: event
 //!   files.
 
@@ -28,6 +30,7 @@ pub mod names;
 pub mod optim;
 pub mod parallel;
 pub mod precision;
+pub mod recompute;
 pub mod rng;
 pub mod tensorboard;
 pub mod train;

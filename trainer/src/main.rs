@@ -44,7 +44,9 @@ fn help() -> String {
          wrong types and values outside a key's choices are errors (exit 2), and so is any torchtitan key\n\
          titan-train does not implement (compile, TP/PP/CP/EP degrees, float8, wandb, ...) unless at its\n\
          default. Mixed precision: training.mixed_precision_param bfloat16 (default, autocast with fp32\n\
-         weights) or float32.\n\
+         weights) or float32; training.dtype bfloat16 trains bf16 weights and AdamW state. Activation\n\
+         checkpointing: activation_checkpoint.mode none | full | selective, with selective_ac_option\n\
+         op (recompute the elementwise work between matmuls) or N (recompute every N-th layer).\n\
          \n\
          EXAMPLES:\n  titan-train --training.steps 200\n  titan-train --debug.seed=42 --debug.deterministic --training.steps 20\n  titan-train --training.dataset_path my_texts/ --model.hf_assets_path my_tokenizer/\n\
          \n\

@@ -8,6 +8,8 @@
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
+use crate::recompute::checkpoint;
+
 /// Llama-3.1's RoPE frequency scaling.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RopeScaling {
@@ -147,6 +149,34 @@ impl ModelArgs {
     }
 }
 
+/// Which activations the forward pass keeps for backward (`[activation_checkpoint]`); what is not
+/// kept is recomputed in the backward pass through [`crate::recompute::checkpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationCheckpointing {
+    /// Keep everything autograd saves.
+    #[default]
+    None,
+    /// Keep only each transformer block's input; recompute the whole block (`mode = full`).
+    Full,
+    /// Recompute whole blocks number N, 2N, 3N, ... counting from 1, keep the others
+    /// (`mode = selective`, `selective_ac_option = N`, as torchtitan's per-layer SAC counts).
+    EveryNthLayer(u64),
+    /// Keep matmul and attention inputs and outputs; recompute the elementwise work between them
+    /// (RoPE, SiLU * up) in backward (`mode = selective`, `selective_ac_option = op`).
+    Op,
+}
+
+impl ActivationCheckpointing {
+    /// Whether layer `index` (from 0) is recomputed whole.
+    fn whole_layer(self, index: usize) -> bool {
+        match self {
+            ActivationCheckpointing::Full => true,
+            ActivationCheckpointing::EveryNthLayer(n) => (index as u64 + 1).is_multiple_of(n),
+            ActivationCheckpointing::None | ActivationCheckpointing::Op => false,
+        }
+    }
+}
+
 /// RoPE inverse frequencies with Llama-3.1 scaling, as torchtitan's `precompute_freqs_cis`.
 fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
     let dim = args.head_dim();
@@ -211,6 +241,45 @@ struct Layer {
     ffn_norm: Tensor,
 }
 
+impl Layer {
+    /// The same parameters (shallow clones), for a recomputed region to own.
+    fn share(&self) -> Layer {
+        Layer {
+            wq: self.wq.shallow_clone(),
+            wk: self.wk.shallow_clone(),
+            wv: self.wv.shallow_clone(),
+            wo: self.wo.shallow_clone(),
+            w1: self.w1.shallow_clone(),
+            w2: self.w2.shallow_clone(),
+            w3: self.w3.shallow_clone(),
+            attention_norm: self.attention_norm.shallow_clone(),
+            ffn_norm: self.ffn_norm.shallow_clone(),
+        }
+    }
+}
+
+/// The sizes a transformer block needs, copied into recomputed regions.
+#[derive(Debug, Clone, Copy)]
+struct BlockShape {
+    dim: i64,
+    n_heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    norm_eps: f64,
+}
+
+impl BlockShape {
+    fn of(args: &ModelArgs) -> Self {
+        BlockShape {
+            dim: args.dim,
+            n_heads: args.n_heads,
+            kv_heads: args.kv_heads(),
+            head_dim: args.head_dim(),
+            norm_eps: args.norm_eps,
+        }
+    }
+}
+
 /// The model: parameters by fqn plus the RoPE table.
 pub struct Llama {
     pub args: ModelArgs,
@@ -220,6 +289,7 @@ pub struct Llama {
     norm: Tensor,
     lm_head: Tensor,
     freqs_cis: Tensor,
+    checkpointing: ActivationCheckpointing,
 }
 
 /// Fills `t` with a normal(0, std) truncated to [a, b], PyTorch's `trunc_normal_` algorithm
@@ -330,6 +400,7 @@ impl Llama {
             norm,
             lm_head,
             freqs_cis,
+            checkpointing: ActivationCheckpointing::None,
         })
     }
 
@@ -366,65 +437,134 @@ impl Llama {
         Ok(())
     }
 
+    /// Converts every parameter to `kind` in place (the shallow clones the layers hold see it):
+    /// `training.dtype = bfloat16` trains bf16 parameters, gradients and optimizer state, as
+    /// torchtitan 0.3.0 does by building the model under that default dtype. The weights are
+    /// the fp32 initialisation rounded to `kind`; RoPE and the logits stay fp32.
+    pub fn cast_parameters(&self, kind: Kind) {
+        tch::no_grad(|| {
+            for (_, p) in &self.params {
+                let mut p = p.shallow_clone();
+                let cast = p.to_kind(kind);
+                p.set_data(&cast);
+            }
+        });
+    }
+
+    /// Sets which activations [`Llama::forward`] keeps for backward.
+    pub fn with_checkpointing(mut self, policy: ActivationCheckpointing) -> Self {
+        self.checkpointing = policy;
+        self
+    }
+
+    pub fn checkpointing(&self) -> ActivationCheckpointing {
+        self.checkpointing
+    }
+
     /// Logits (B, S, vocab) in fp32 for token ids (B, S).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
-        let eps = self.args.norm_eps;
-        let d = self.args.dim;
+        let shape = BlockShape::of(&self.args);
+        let op = self.checkpointing == ActivationCheckpointing::Op;
         let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
-        // `h = h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h`
-        // for the rms_norm backward, so an in-place add breaks the backward pass.
-        #[allow(clippy::assign_op_pattern)]
-        for layer in &self.layers {
-            let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
-            h = h + self.attention(layer, &x);
-            let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
-            let gate = x.linear::<&Tensor>(&layer.w1, None).silu();
-            let up = x.linear::<&Tensor>(&layer.w3, None);
-            h = h + (gate * up).linear::<&Tensor>(&layer.w2, None);
+        for (index, layer) in self.layers.iter().enumerate() {
+            h = if self.checkpointing.whole_layer(index) {
+                let (layer, freqs_cis) = (layer.share(), self.freqs_cis.shallow_clone());
+                let [out] = checkpoint(&[&h], move |i| {
+                    [block(&layer, shape, &freqs_cis, &i[0], false)]
+                });
+                out
+            } else {
+                block(layer, shape, &self.freqs_cis, &h, op)
+            };
         }
-        let h = h.rms_norm([d], Some(&self.norm), eps);
+        let h = h.rms_norm([shape.dim], Some(&self.norm), shape.norm_eps);
         h.linear::<&Tensor>(&self.lm_head, None)
             .to_kind(Kind::Float)
     }
+}
 
-    fn attention(&self, layer: &Layer, x: &Tensor) -> Tensor {
-        let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
-        let (h, kvh, hd) = (
-            self.args.n_heads,
-            self.args.kv_heads(),
-            self.args.head_dim(),
-        );
-        let q = x.linear::<&Tensor>(&layer.wq, None).view([b, s, h, hd]);
-        let k = x.linear::<&Tensor>(&layer.wk, None).view([b, s, kvh, hd]);
-        let v = x.linear::<&Tensor>(&layer.wv, None).view([b, s, kvh, hd]);
-        let q = apply_rotary_emb(&q, &self.freqs_cis);
-        let k = apply_rotary_emb(&k, &self.freqs_cis);
-        let (k, v) = if kvh == h {
-            (k, v)
-        } else {
-            // repeat_kv: each kv head serves n_rep consecutive query heads.
-            let n_rep = h / kvh;
-            let rep = |t: Tensor| {
-                t.unsqueeze(3)
-                    .expand([b, s, kvh, n_rep, hd], false)
-                    .reshape([b, s, h, hd])
-            };
-            (rep(k), rep(v))
-        };
-        let out = Tensor::scaled_dot_product_attention::<&Tensor>(
-            &q.transpose(1, 2),
-            &k.transpose(1, 2),
-            &v.transpose(1, 2),
-            None,
-            0.0,
-            true,
-            None,
-            false,
-        );
-        out.transpose(1, 2)
-            .reshape([b, s, h * hd])
-            .linear::<&Tensor>(&layer.wo, None)
+/// Runs `f` on `inputs` directly, or as a region recomputed in backward when `recompute`.
+fn maybe_checkpoint<const N: usize>(
+    recompute: bool,
+    inputs: [&Tensor; N],
+    f: impl Fn(&[Tensor]) -> [Tensor; 1] + Send + 'static,
+) -> Tensor {
+    if recompute {
+        let [out] = checkpoint(&inputs, f);
+        out
+    } else {
+        let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+        let [out] = f(&owned);
+        out
     }
+}
+
+/// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))`. With
+/// `op_recompute`, the elementwise work between matmuls (RoPE, SiLU * up) is recomputed in backward
+/// instead of keeping its intermediates.
+fn block(
+    layer: &Layer,
+    shape: BlockShape,
+    freqs_cis: &Tensor,
+    h: &Tensor,
+    op_recompute: bool,
+) -> Tensor {
+    let (d, eps) = (shape.dim, shape.norm_eps);
+    let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
+    // `h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h` for the
+    // rms_norm backward, so an in-place add breaks the backward pass.
+    let h = h + attention(layer, shape, freqs_cis, &x, op_recompute);
+    let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
+    let gate = x.linear::<&Tensor>(&layer.w1, None);
+    let up = x.linear::<&Tensor>(&layer.w3, None);
+    let act = maybe_checkpoint(op_recompute, [&gate, &up], |i| [i[0].silu() * &i[1]]);
+    h + act.linear::<&Tensor>(&layer.w2, None)
+}
+
+fn attention(
+    layer: &Layer,
+    shape: BlockShape,
+    freqs_cis: &Tensor,
+    x: &Tensor,
+    op_recompute: bool,
+) -> Tensor {
+    let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
+    let (h, kvh, hd) = (shape.n_heads, shape.kv_heads, shape.head_dim);
+    let q = x.linear::<&Tensor>(&layer.wq, None).view([b, s, h, hd]);
+    let k = x.linear::<&Tensor>(&layer.wk, None).view([b, s, kvh, hd]);
+    let v = x.linear::<&Tensor>(&layer.wv, None).view([b, s, kvh, hd]);
+    let rope = |t: &Tensor| {
+        let freqs_cis = freqs_cis.shallow_clone();
+        maybe_checkpoint(op_recompute, [t], move |i| {
+            [apply_rotary_emb(&i[0], &freqs_cis)]
+        })
+    };
+    let (q, k) = (rope(&q), rope(&k));
+    let (k, v) = if kvh == h {
+        (k, v)
+    } else {
+        // repeat_kv: each kv head serves n_rep consecutive query heads.
+        let n_rep = h / kvh;
+        let rep = |t: Tensor| {
+            t.unsqueeze(3)
+                .expand([b, s, kvh, n_rep, hd], false)
+                .reshape([b, s, h, hd])
+        };
+        (rep(k), rep(v))
+    };
+    let out = Tensor::scaled_dot_product_attention::<&Tensor>(
+        &q.transpose(1, 2),
+        &k.transpose(1, 2),
+        &v.transpose(1, 2),
+        None,
+        0.0,
+        true,
+        None,
+        false,
+    );
+    out.transpose(1, 2)
+        .reshape([b, s, h * hd])
+        .linear::<&Tensor>(&layer.wo, None)
 }
 
 #[cfg(test)]

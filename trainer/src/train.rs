@@ -13,7 +13,7 @@ use tch::{Device, Kind, Reduction, Tensor};
 use titan_obs::Reduce;
 
 use crate::checkpoint::{Checkpointer, TrainerState};
-use crate::config::{self, DeviceChoice, JobConfig};
+use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
@@ -327,7 +327,12 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
             );
         }
         args.max_seq_len = cfg.training.seq_len.max(cfg.validation.seq_len);
-        Llama::new(args, device)?
+        let model =
+            Llama::new(args, device)?.with_checkpointing(cfg.activation_checkpoint.policy());
+        if cfg.training.dtype != DtypeName::Float32 {
+            model.cast_parameters(cfg.training.dtype.kind());
+        }
+        model
     };
     let precision = Precision::from_config(&cfg.training);
     let (n_params, _) = model.args.num_params();
@@ -337,6 +342,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         params = n_params,
         flops_per_token,
         mixed_precision = precision.describe(),
+        activation_checkpointing = ?model.checkpointing(),
         "model built"
     );
 

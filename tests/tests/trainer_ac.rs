@@ -1,0 +1,202 @@
+//! titan-train's activation checkpointing end to end: every `[activation_checkpoint]` mode trains
+//! exactly as `mode = none` (bit-identical losses and gradient norms, in the default bf16 mixed
+//! precision and in fp32, one process and 2-rank DDP), and bad values exit 2 naming the key.
+
+use std::path::Path;
+use std::process::Output;
+
+use titan_tests::{SMALL_DETERMINISTIC_RUN, output_text, run_ok};
+
+/// The `field` values of `metrics.jsonl` train lines, as written (shortest round-trip decimal,
+/// so equal strings mean equal f64 bits).
+fn train_metric(dump: &Path, field: &str) -> Vec<String> {
+    let body = std::fs::read_to_string(dump.join("metrics.jsonl")).expect("metrics.jsonl");
+    body.lines()
+        .filter(|l| l.contains("\"kind\":\"train\""))
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            v[field].to_string()
+        })
+        .collect()
+}
+
+/// Losses and gradient norms of a 4-step seeded run with `extra` flags.
+fn run(dir: &Path, name: &str, extra: &[&str]) -> (Vec<String>, Vec<String>) {
+    let dump = dir.join(name);
+    run_ok(
+        titan_tests::titan_train()
+            .args(SMALL_DETERMINISTIC_RUN)
+            .args(["--training.steps", "4", "--job.dump_folder"])
+            .arg(&dump)
+            .args(extra),
+    );
+    let losses = train_metric(&dump, "loss");
+    assert_eq!(losses.len(), 4, "{name}: {losses:?}");
+    (losses, train_metric(&dump, "grad_norm"))
+}
+
+const MODES: &[(&str, &[&str])] = &[
+    ("full", &["--activation_checkpoint.mode", "full"]),
+    (
+        "op",
+        &[
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+    ),
+    (
+        "every2",
+        &[
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+        ],
+    ),
+];
+
+fn every_mode_equals_none(precision: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let none = run(dir.path(), "none", precision);
+    for (name, flags) in MODES {
+        let args: Vec<&str> = precision.iter().chain(flags.iter()).copied().collect();
+        let got = run(dir.path(), name, &args);
+        assert_eq!(got.0, none.0, "{name}: losses differ from mode none");
+        assert_eq!(
+            got.1, none.1,
+            "{name}: gradient norms differ from mode none"
+        );
+    }
+}
+
+#[test]
+fn every_mode_trains_bit_identically_to_none_in_bf16() {
+    every_mode_equals_none(&[]);
+}
+
+#[test]
+fn every_mode_trains_bit_identically_to_none_in_fp32() {
+    every_mode_equals_none(&["--training.mixed_precision_param", "float32"]);
+}
+
+#[test]
+fn two_rank_ddp_with_full_ac_equals_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let ddp = [
+        "--nproc-per-node",
+        "2",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ];
+    let none = run(dir.path(), "ddp_none", &ddp);
+    let full_args: Vec<&str> = ddp
+        .iter()
+        .copied()
+        .chain(["--activation_checkpoint.mode", "full"])
+        .collect();
+    let full = run(dir.path(), "ddp_full", &full_args);
+    assert_eq!(full, none, "2-rank DDP: full AC differs from none");
+}
+
+fn exit_2_naming(args: &[&str], key: &str) {
+    let o: Output = titan_tests::titan_train()
+        .args(args)
+        .args(["--training.steps", "1"])
+        .output()
+        .expect("run titan-train");
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {}", output_text(&o));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains(key), "{args:?} must name {key}: {stderr}");
+}
+
+#[test]
+fn bad_values_exit_2_naming_the_key() {
+    exit_2_naming(
+        &["--activation_checkpoint.mode", "partial"],
+        "activation_checkpoint.mode",
+    );
+    for bad in ["x", "0"] {
+        exit_2_naming(
+            &[
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                bad,
+            ],
+            "activation_checkpoint.selective_ac_option",
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad_ac.toml");
+    std::fs::write(
+        &file,
+        "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = 0\n",
+    )
+    .unwrap();
+    exit_2_naming(
+        &["--job.config_file", file.to_str().unwrap()],
+        "activation_checkpoint.selective_ac_option",
+    );
+}
+
+/// `training.dtype = bfloat16` (torchtitan's full-bf16 training): torch reads the checkpoint's
+/// weights and AdamW moments as bf16, and the run still learns.
+#[test]
+fn full_bf16_training_keeps_bf16_weights_and_optimizer_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("bf16");
+    run_ok(
+        titan_tests::titan_train()
+            .args(SMALL_DETERMINISTIC_RUN)
+            .args([
+                "--training.steps",
+                "8",
+                "--training.dtype",
+                "bfloat16",
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "8",
+                "--checkpoint.last_save_model_only=false",
+                "--job.dump_folder",
+            ])
+            .arg(&dump),
+    );
+    let losses: Vec<f64> = train_metric(&dump, "loss")
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    assert!(
+        losses[7] < losses[0] - 0.5,
+        "bf16 training must learn: {losses:?}"
+    );
+    let o = run_ok(
+        titan_tests::python_script("tests/python/trainer_dcp_dtypes.py")
+            .arg(dump.join("checkpoint/step-8")),
+    );
+    let dtypes: std::collections::BTreeMap<String, String> =
+        serde_json::from_slice(&o.stdout).expect("a JSON object");
+    let of = |suffix: &str| {
+        dtypes
+            .iter()
+            .filter(|(k, _)| k.ends_with(suffix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect::<Vec<_>>()
+    };
+    for (suffix, count) in [
+        ("wq.weight", 6),
+        ("wq.weight.exp_avg", 6),
+        ("wq.weight.exp_avg_sq", 6),
+        ("lm_head.weight", 1),
+    ] {
+        let found = of(suffix);
+        assert!(found.len() >= count, "{suffix}: {dtypes:?}");
+        assert!(
+            found.iter().all(|(_, d)| d == "bfloat16"),
+            "{suffix} must be bf16: {found:?}"
+        );
+    }
+}

@@ -1,0 +1,164 @@
+// Activation checkpointing for libtorch callers (torch.utils.checkpoint with use_reentrant=True):
+// a custom autograd Function whose forward runs a region of the model (a Rust callback) without
+// recording a graph, keeping only the region's inputs, and whose backward runs the region again
+// with grad enabled on detached copies of those inputs and back-propagates the incoming
+// gradients through that fresh graph. Parameters the region reads get their gradients from that
+// inner backward (they accumulate into .grad as in a plain backward); the inputs' gradients are
+// returned to the outer graph.
+//
+// The recompute runs under the autocast state the forward saw (torch.utils.checkpoint does the
+// same), so a bf16 forward is recomputed in bf16.
+#include <ATen/autocast_mode.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+extern "C" {
+// Runs the region: reads `n_in` tensors (owned by the callee: it must free them), writes `n_out`
+// new tensors (ownership passes to the caller). Returns 0, or non-zero with a message in `err`.
+typedef int (*titan_region_run)(void* ctx, at::Tensor** inputs, int64_t n_in, at::Tensor** outputs,
+                                int64_t n_out, char* err, int64_t err_cap);
+// Frees `ctx` (the Rust closure) once no forward or backward can use it any more.
+typedef void (*titan_region_drop)(void* ctx);
+}
+
+namespace {
+
+struct AutocastState {
+  bool enabled;
+  at::ScalarType dtype;
+
+  static AutocastState current(at::DeviceType device) {
+    return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+  }
+  void apply(at::DeviceType device) const {
+    at::autocast::set_autocast_enabled(device, enabled);
+    at::autocast::set_autocast_dtype(device, dtype);
+  }
+};
+
+// The Rust closure plus the autocast state of the forward; freed with the autograd node.
+struct Region : torch::CustomClassHolder {
+  void* ctx;
+  titan_region_run run;
+  titan_region_drop drop;
+  int64_t n_out;
+  AutocastState cpu{false, at::kBFloat16};
+  AutocastState cuda{false, at::kHalf};
+
+  Region(void* ctx, titan_region_run run, titan_region_drop drop, int64_t n_out)
+      : ctx(ctx), run(run), drop(drop), n_out(n_out) {}
+  ~Region() override { drop(ctx); }
+
+  torch::autograd::variable_list call(const torch::autograd::variable_list& inputs) const {
+    std::vector<at::Tensor*> in;
+    in.reserve(inputs.size());
+    for (const auto& t : inputs) in.push_back(new at::Tensor(t));
+    std::vector<at::Tensor*> out(n_out, nullptr);
+    char err[1024] = {0};
+    const int rc = run(ctx, in.data(), static_cast<int64_t>(in.size()), out.data(), n_out, err,
+                       sizeof(err));
+    torch::autograd::variable_list result;
+    result.reserve(n_out);
+    for (auto* t : out) {
+      if (t != nullptr) {
+        result.push_back(std::move(*t));
+        delete t;
+      }
+    }
+    if (rc != 0) throw std::runtime_error(std::string("activation checkpoint region: ") + err);
+    return result;
+  }
+};
+
+// Puts the forward's autocast state in place for the recompute and restores the caller's after,
+// with the nesting count torch.autocast keeps (so the cast cache is cleared when it ends).
+struct AutocastReplay {
+  AutocastState prev_cpu, prev_cuda;
+  explicit AutocastReplay(const Region& r)
+      : prev_cpu(AutocastState::current(at::kCPU)), prev_cuda(AutocastState::current(at::kCUDA)) {
+    r.cpu.apply(at::kCPU);
+    r.cuda.apply(at::kCUDA);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastReplay() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    prev_cpu.apply(at::kCPU);
+    prev_cuda.apply(at::kCUDA);
+  }
+};
+
+struct Recompute : public torch::autograd::Function<Recompute> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs,
+                                                c10::intrusive_ptr<Region> region) {
+    region->cpu = AutocastState::current(at::kCPU);
+    region->cuda = AutocastState::current(at::kCUDA);
+    ctx->save_for_backward(inputs.vec());
+    ctx->saved_data["region"] = c10::IValue::make_capsule(region);
+    return region->call(inputs.vec());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto region = c10::static_intrusive_pointer_cast<Region>(ctx->saved_data["region"].toCapsule());
+    torch::autograd::variable_list detached;
+    for (const auto& t : ctx->get_saved_variables()) {
+      detached.push_back(t.detach().requires_grad_(t.requires_grad()));
+    }
+    torch::autograd::variable_list outputs;
+    {
+      at::AutoGradMode grad(true);
+      AutocastReplay autocast(*region);
+      outputs = region->call(detached);
+    }
+    torch::autograd::variable_list roots, root_grads;
+    for (size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
+      if (outputs[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    torch::autograd::variable_list input_grads;
+    for (const auto& t : detached) input_grads.push_back(t.requires_grad() ? t.grad() : at::Tensor());
+    input_grads.emplace_back();  // the region handle is not differentiable
+    return input_grads;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Applies a checkpointed region to `n_in` tch tensors (`at::Tensor*`), writing `n_out` new tensors
+// to `outputs`. `ctx` is owned from here on: `drop` frees it, also on error. Returns 0, or 1 with
+// a message in `err`.
+int titan_recompute_apply(void* ctx, titan_region_run run, titan_region_drop drop, void** inputs,
+                          int64_t n_in, void** outputs, int64_t n_out, char* err, int64_t err_cap) {
+  try {
+    auto region = c10::make_intrusive<Region>(ctx, run, drop, n_out);
+    std::vector<at::Tensor> in;
+    in.reserve(n_in);
+    for (int64_t i = 0; i < n_in; ++i) in.push_back(*reinterpret_cast<at::Tensor*>(inputs[i]));
+    auto out = Recompute::apply(at::TensorList(in), region);
+    if (static_cast<int64_t>(out.size()) != n_out) {
+      throw std::runtime_error("the region returned " + std::to_string(out.size()) +
+                               " tensors, expected " + std::to_string(n_out));
+    }
+    for (int64_t i = 0; i < n_out; ++i) outputs[i] = new at::Tensor(std::move(out[i]));
+    return 0;
+  } catch (const std::exception& e) {
+    std::strncpy(err, e.what(), err_cap - 1);
+    return 1;
+  } catch (...) {
+    std::strncpy(err, "unknown C++ exception", err_cap - 1);
+    return 1;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,226 @@
+//! Activation checkpointing's mechanism: [`checkpoint`] runs a region of the model keeping only
+//! its inputs, and recomputes the region in the backward pass (torch.utils.checkpoint with
+//! `use_reentrant=True`, through `cpp/recompute_shim.cpp`; tch has no checkpoint function).
+//!
+//! The region is a Rust closure owned by the autograd graph: it runs once in the forward pass
+//! (no graph recorded) and once more when the backward pass reaches it (graph recorded, then
+//! back-propagated at once). The recompute sees the autocast state of the forward. Parameters the
+//! region reads get their gradients from that inner backward, so they are complete when
+//! `backward()` returns, before any gradient reduction.
+
+use std::ffi::{c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use tch::Tensor;
+
+type RegionRun = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    inputs: *mut *mut c_void,
+    n_in: i64,
+    outputs: *mut *mut c_void,
+    n_out: i64,
+    err: *mut c_char,
+    err_cap: i64,
+) -> i32;
+type RegionDrop = unsafe extern "C" fn(ctx: *mut c_void);
+
+unsafe extern "C" {
+    fn titan_recompute_apply(
+        ctx: *mut c_void,
+        run: RegionRun,
+        drop: RegionDrop,
+        inputs: *mut *mut c_void,
+        n_in: i64,
+        outputs: *mut *mut c_void,
+        n_out: i64,
+        err: *mut c_char,
+        err_cap: i64,
+    ) -> i32;
+}
+
+/// Runs `region` on `inputs` and returns its `N` outputs, keeping only `inputs` for the backward
+/// pass: what the region computes in between is recomputed there. The region must be a pure
+/// function of its inputs and of what it captures (parameters), with no randomness.
+///
+/// Panics (as tch's own ops do) if libtorch or the region fails.
+pub fn checkpoint<const N: usize, F>(inputs: &[&Tensor], region: F) -> [Tensor; N]
+where
+    F: Fn(&[Tensor]) -> [Tensor; N] + Send + 'static,
+{
+    let ctx = Box::into_raw(Box::new(region)).cast::<c_void>();
+    let mut in_ptrs: Vec<*mut c_void> = inputs
+        .iter()
+        .map(|t| t.as_ptr().cast_mut().cast::<c_void>())
+        .collect();
+    let mut out_ptrs = [std::ptr::null_mut::<c_void>(); N];
+    let mut err = [0 as c_char; 1024];
+    // SAFETY: the input pointers are live tch tensors (at::Tensor*) borrowed for the call; the
+    // shim takes ownership of `ctx` (freed through drop_region::<F>) and writes N owned tensors.
+    let rc = unsafe {
+        titan_recompute_apply(
+            ctx,
+            run_region::<N, F>,
+            drop_region::<F>,
+            in_ptrs.as_mut_ptr(),
+            in_ptrs.len() as i64,
+            out_ptrs.as_mut_ptr(),
+            N as i64,
+            err.as_mut_ptr(),
+            err.len() as i64,
+        )
+    };
+    if rc != 0 {
+        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
+        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
+        panic!("{}", message.to_string_lossy());
+    }
+    // SAFETY: on success each slot holds a new at::Tensor* that we now own.
+    out_ptrs.map(|p| unsafe { Tensor::from_ptr(p.cast()) })
+}
+
+/// The shim's callback: runs the closure, never letting a panic cross the C++ frames.
+unsafe extern "C" fn run_region<const N: usize, F>(
+    ctx: *mut c_void,
+    inputs: *mut *mut c_void,
+    n_in: i64,
+    outputs: *mut *mut c_void,
+    n_out: i64,
+    err: *mut c_char,
+    err_cap: i64,
+) -> i32
+where
+    F: Fn(&[Tensor]) -> [Tensor; N],
+{
+    // SAFETY: the shim passes n_in new at::Tensor* it hands over to us (freed on drop).
+    let inputs: Vec<Tensor> = (0..n_in as usize)
+        .map(|i| unsafe { Tensor::from_ptr((*inputs.add(i)).cast()) })
+        .collect();
+    // SAFETY: ctx is the Box<F> made in `checkpoint`, alive until drop_region.
+    let region = unsafe { &*ctx.cast::<F>() };
+    let message = match catch_unwind(AssertUnwindSafe(|| region(&inputs))) {
+        Ok(out) if n_out as usize == N => {
+            for (i, t) in out.into_iter().enumerate() {
+                // SAFETY: the shim's output array has n_out = N slots; it takes ownership.
+                unsafe { *outputs.add(i) = t.as_ptr().cast_mut().cast() };
+                std::mem::forget(t);
+            }
+            return 0;
+        }
+        Ok(_) => format!("the region returns {N} tensors, the shim expected {n_out}"),
+        Err(panic) => panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "the region panicked".into()),
+    };
+    let bytes = message.as_bytes();
+    let n = bytes.len().min(err_cap.max(1) as usize - 1);
+    // SAFETY: err has err_cap bytes; we write n < err_cap bytes and a NUL.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), err, n);
+        *err.add(n) = 0;
+    }
+    1
+}
+
+unsafe extern "C" fn drop_region<F>(ctx: *mut c_void) {
+    // SAFETY: ctx is the Box<F> made in `checkpoint`; the shim calls this exactly once.
+    drop(unsafe { Box::from_raw(ctx.cast::<F>()) });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn grads_of(checkpointed: bool) -> (Tensor, Tensor, Tensor) {
+        let x = Tensor::from_slice(&[0.5f32, -1.0, 2.0, 0.25])
+            .view([2, 2])
+            .set_requires_grad(true);
+        let w = Tensor::from_slice(&[1.5f32, -0.5, 0.75, 2.0])
+            .view([2, 2])
+            .set_requires_grad(true);
+        let region = {
+            let w = w.shallow_clone();
+            move |i: &[Tensor]| [(i[0].matmul(&w).silu() * &i[0]).tanh()]
+        };
+        let [y] = if checkpointed {
+            checkpoint(&[&x], region)
+        } else {
+            region(&[x.shallow_clone()])
+        };
+        (y.sum(Kind::Float) * 3.0).backward();
+        (y.detach(), x.grad(), w.grad())
+    }
+
+    #[test]
+    fn checkpointed_region_gives_the_same_values_and_gradients() {
+        let (y0, gx0, gw0) = grads_of(false);
+        let (y1, gx1, gw1) = grads_of(true);
+        assert!(y0.equal(&y1));
+        assert!(gx0.equal(&gx1), "input grad {gx0} vs {gx1}");
+        assert!(gw0.equal(&gw1), "weight grad {gw0} vs {gw1}");
+    }
+
+    #[test]
+    fn the_region_runs_again_in_backward_only() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let runs = Arc::new(AtomicUsize::new(0));
+        let x = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let counted = runs.clone();
+        let [y] = checkpoint(&[&x], move |i| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            [i[0].exp() * 2.0]
+        });
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert!(y.requires_grad());
+        y.sum(Kind::Float).backward();
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        assert!(x.grad().equal(&(x.exp() * 2.0)));
+    }
+
+    #[test]
+    fn the_recompute_runs_under_the_forwards_autocast() {
+        use crate::precision::Precision;
+        let run = |checkpointed: bool| {
+            tch::manual_seed(3);
+            let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            let w = Tensor::randn([8, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            let region = {
+                let w = w.shallow_clone();
+                move |i: &[Tensor]| [i[0].matmul(&w).gelu("none")]
+            };
+            let y = Precision::Autocast(Kind::BFloat16)
+                .run(Device::Cpu, || {
+                    if checkpointed {
+                        let [y] = checkpoint(&[&x], region);
+                        y
+                    } else {
+                        region(&[x.shallow_clone()])[0].shallow_clone()
+                    }
+                })
+                .unwrap();
+            assert_eq!(y.kind(), Kind::BFloat16);
+            y.to_kind(Kind::Float).sum(Kind::Float).backward();
+            (x.grad(), w.grad())
+        };
+        let (gx0, gw0) = run(false);
+        let (gx1, gw1) = run(true);
+        assert_eq!(gw1.kind(), Kind::Float);
+        assert!(gx0.equal(&gx1) && gw0.equal(&gw1));
+    }
+
+    #[test]
+    fn a_panicking_region_is_an_error_not_an_abort() {
+        let x = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let result =
+            std::panic::catch_unwind(|| checkpoint::<1, _>(&[&x], |_| panic!("region exploded")));
+        let message = result.unwrap_err();
+        let text = message
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default();
+        assert!(text.contains("region exploded"), "{text}");
+    }
+}
