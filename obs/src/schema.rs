@@ -68,6 +68,17 @@ impl Reduce {
             Reduce::Sum => "sum",
         }
     }
+
+    /// Combines one step's per-rank values (NaN for no values, except sum = 0).
+    pub fn apply(self, values: &[f64]) -> f64 {
+        match self {
+            Reduce::Mean if values.is_empty() => f64::NAN,
+            Reduce::Mean => values.iter().sum::<f64>() / values.len() as f64,
+            Reduce::Max => values.iter().copied().reduce(f64::max).unwrap_or(f64::NAN),
+            Reduce::Min => values.iter().copied().reduce(f64::min).unwrap_or(f64::NAN),
+            Reduce::Sum => values.iter().sum(),
+        }
+    }
 }
 
 impl fmt::Display for Reduce {

@@ -1,5 +1,5 @@
 //! Frame render time of the terminal gantt on a 10-million-span run (256 ranks x 1002 steps x
-//! 39 spans, built in memory once), at a 200x60 terminal: fit-all, one step, a deep zoom,
+//! 39 spans, written by titan_obs::synth and read back once), at a 200x60 terminal: fit-all, one step, a deep zoom,
 //! scrolled to the middle ranks, and the collapsed (per-phase) view. Target: < 16 ms a frame.
 
 use std::hint::black_box;
@@ -8,14 +8,13 @@ use std::time::Instant;
 use criterion::{Criterion, criterion_group, criterion_main};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
+use titan_obs_tui::app::demo::{ten_million, timeline};
 use titan_obs_tui::app::render::{self, Chrome};
-use titan_obs_tui::app::synth::{SynthSpec, timeline};
 use titan_obs_tui::app::view::View;
 
 fn frames(c: &mut Criterion) {
-    let spec = SynthSpec::ten_million();
     let t0 = Instant::now();
-    let t = timeline(&spec);
+    let t = timeline(&ten_million()).unwrap();
     eprintln!(
         "built a {}-span timeline ({} lanes, {} steps) in {:.1}s",
         t.span_count,

@@ -4,6 +4,7 @@
 
 pub mod chrome;
 pub mod metrics;
+pub mod spread;
 pub mod stats;
 pub mod summary;
 pub mod table;
@@ -11,6 +12,7 @@ pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
 pub use metrics::{MetricsLine, format_line, format_value, metrics, to_csv};
+pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
 pub use stats::DurationStats;
 pub use summary::{
     Analysis, PhaseStats, Straggler, StragglerOptions, Summary, TaggedStep, analyse, summary,

@@ -133,17 +133,19 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
             .collect()
     } else {
         let multi_thread = t.threads_per_rank_max() > 1;
+        let late = t.late_rank().map(|(r, _)| r);
         t.lanes
             .iter()
             .flat_map(|lane| {
+                let mark = if late == Some(lane.rank) { " late" } else { "" };
                 lane.rows
                     .iter()
                     .filter(|r| opts.max_depth.is_none_or(|m| r.depth <= m))
                     .enumerate()
                     .map(move |(i, r)| ImageRow::Span {
                         label: match (i, multi_thread) {
-                            (0, false) => format!("r{}", lane.rank),
-                            (0, true) => format!("r{}.t{}", lane.rank, lane.thread_ix),
+                            (0, false) => format!("r{}{mark}", lane.rank),
+                            (0, true) => format!("r{}.t{}{mark}", lane.rank, lane.thread_ix),
                             _ => format!(" d{}", r.depth),
                         },
                         row: r,
@@ -357,7 +359,23 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
             )
         })
         .collect();
-    entries.push(("straggler (>=1.5x median)".into(), rgb(STRAGGLER_INDEX)));
+    entries.push((
+        "straggler (as titan-obs summary), above the median".into(),
+        rgb(STRAGGLER_INDEX),
+    ));
+    // The headline of the analysis: who the others waited for, and after which phase.
+    if let Some(w) = t.analysis.waits.table.first() {
+        entries.push((
+            format!(
+                "waiting on r{} (late from {}, last in {} steps, {} waited)",
+                w.rank,
+                w.phase,
+                w.steps_last,
+                dur(w.wait_caused_ns)
+            ),
+            rgb(STRAGGLER_INDEX),
+        ));
+    }
     for (name, color) in entries {
         let w = 14.0 + (name.chars().count() as f32 + 2.0) * CHAR_W;
         if lx + w > width - 10.0 && lx > plot_x {
@@ -526,30 +544,33 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::app::synth::{SynthSpec, timeline};
+    use crate::app::demo::{small, timeline};
 
     #[test]
     fn svg_has_every_rank_axis_and_steps() {
-        let t = timeline(&SynthSpec::small());
+        let t = timeline(&small()).unwrap();
         let s = to_svg(&scene(&t, &GanttImageOptions::default()).unwrap());
         assert!(s.starts_with("<svg"));
-        for r in 0..4 {
+        for r in [0, 1, 3] {
             assert!(
-                s.contains(&format!(">r{r}.t0</text>")),
+                s.contains(&format!(">r{r}</text>")),
                 "rank {r} lane missing"
             );
         }
+        // Rank 2 (1.5x slow in forward_backward) is the one the others waited for.
+        assert!(s.contains(">r2 late</text>"), "{s}");
+        assert!(s.contains("waiting on r2 (late from forward_backward, last in 4 steps"));
         assert!(s.contains(">forward_backward</text>"));
         // Steps 3 (validation) and 4 (checkpoint) carry their tag letters.
         assert!(s.contains(">3V</text>"), "{s}");
         assert!(s.contains(">4C</text>"));
-        // A straggler (rank 2 on step 1) is painted red.
+        // Its forward_backward spans are painted red.
         assert!(s.contains("fill=\"#ff0000\""));
     }
 
     #[test]
     fn png_is_a_png_of_the_scene_size() {
-        let t = timeline(&SynthSpec::small());
+        let t = timeline(&small()).unwrap();
         let sc = scene(
             &t,
             &GanttImageOptions {
@@ -567,7 +588,7 @@ mod tests {
 
     #[test]
     fn unknown_steps_are_an_error_naming_the_range() {
-        let t = timeline(&SynthSpec::small());
+        let t = timeline(&small()).unwrap();
         let e = scene(
             &t,
             &GanttImageOptions {

@@ -8,14 +8,13 @@
 
 pub mod cells;
 pub mod cli;
+pub mod demo;
 pub mod export;
 pub mod input;
 pub mod model;
 pub mod palette;
 pub mod render;
 pub mod source;
-pub mod stats;
-pub mod synth;
 pub mod terminal;
 pub mod units;
 pub mod view;

@@ -3,12 +3,21 @@
 //! Everything the renderer needs per frame is precomputed here: spans live in per-lane,
 //! per-depth rows as sorted struct-of-arrays (within one row spans never overlap, so both
 //! `start` and `end` are sorted and the visible window is two binary searches away), the
-//! per-(phase, step) cross-rank statistics that drive straggler marks and the selection panel,
-//! one collapsed row per phase, the phase summary table and the per-step metric series.
+//! per-(phase, step) cross-rank spread for the selection panel, one collapsed row per phase,
+//! and the per-step metric series. The phase table, stragglers and waits are
+//! [`titan_obs::analysis::analyse`] over the same spans, exactly what `titan-obs summary`
+//! computes.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use super::stats::{self, DurStats, PhaseSummary};
+use titan_obs::analysis::{
+    Analysis, RunShape, SpanTable, Straggler, StragglerOptions, analyse, phase_step_spread,
+    rank_times,
+};
+pub use titan_obs::{NO_STEP, Reduce};
+
+/// One phase at one step across ranks: min / median / max and who.
+pub type PhaseSpread = titan_obs::analysis::Spread;
 
 /// Nanoseconds relative to the run's origin (the earliest span start).
 pub type Ns = i64;
@@ -16,46 +25,15 @@ pub type Ns = i64;
 /// Index into [`Timeline::phases`].
 pub type PhaseId = u16;
 
-/// Step value of a span recorded outside any step (init, teardown).
-pub const NO_STEP: u32 = u32::MAX;
-
-/// Span flag: this rank's time in this phase at this step is far above the cross-rank median.
+/// Span flag: the analysis names this rank a straggler in this phase, and at this step its
+/// time is above the cross-rank median.
 pub const FLAG_STRAGGLER: u8 = 1;
 /// Span flag: an error was recorded inside the span.
 pub const FLAG_ERROR: u8 = 2;
 
-/// A rank's time in a phase is a straggler when it is at least this many times the median...
-pub const STRAGGLER_RATIO: f64 = 1.5;
-/// ...and at least this much slower in absolute terms (ignores jitter on tiny phases).
-pub const STRAGGLER_MIN_EXCESS_NS: Ns = 50_000;
-
-/// How the per-rank values of a scalar are combined into one value per step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reduce {
-    Mean,
-    Max,
-    Min,
-    Sum,
-}
-
-impl Reduce {
-    pub fn suffix(self) -> &'static str {
-        match self {
-            Reduce::Mean => "mean",
-            Reduce::Max => "max",
-            Reduce::Min => "min",
-            Reduce::Sum => "sum",
-        }
-    }
-
-    fn apply(self, values: &[f64]) -> f64 {
-        match self {
-            Reduce::Mean => values.iter().sum::<f64>() / values.len().max(1) as f64,
-            Reduce::Max => values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-            Reduce::Min => values.iter().copied().fold(f64::INFINITY, f64::min),
-            Reduce::Sum => values.iter().sum(),
-        }
-    }
+/// The step value shown to users (`None` for spans outside any step).
+pub fn step_label(step: u64) -> Option<u64> {
+    (step != NO_STEP).then_some(step)
 }
 
 /// One span as read from a run, in absolute (epoch) nanoseconds.
@@ -88,7 +66,7 @@ pub struct SpanRow {
     pub start: Vec<Ns>,
     pub end: Vec<Ns>,
     pub phase: Vec<PhaseId>,
-    pub step: Vec<u32>,
+    pub step: Vec<u64>,
     pub tagset: Vec<u16>,
     pub flags: Vec<u8>,
 }
@@ -141,15 +119,17 @@ pub struct StepMark {
 /// One phase at one step in collapsed mode: the spread of that phase across ranks.
 #[derive(Debug, Clone, Copy)]
 pub struct CollapsedBar {
-    pub step: u32,
+    pub step: u64,
     /// Median over ranks of the phase's first start in the step.
     pub start: Ns,
-    pub stats: DurStats,
+    pub stats: PhaseSpread,
+    /// The slowest rank here is a straggler of this phase (and above the median).
+    pub straggler: bool,
 }
 
 impl CollapsedBar {
     pub fn is_straggler(&self) -> bool {
-        stats::is_straggler(self.stats.max, self.stats.median)
+        self.straggler
     }
 }
 
@@ -197,10 +177,11 @@ pub struct Timeline {
     pub lanes: Vec<Lane>,
     pub ranks: Vec<u32>,
     pub steps: Vec<StepMark>,
-    /// Cross-rank statistics of each phase's per-rank time at each step.
-    pub phase_step: HashMap<(PhaseId, u32), DurStats>,
+    /// Cross-rank spread of each phase's per-rank time at each step.
+    pub phase_step: HashMap<(PhaseId, u64), PhaseSpread>,
     pub collapsed: Vec<CollapsedRow>,
-    pub summary: Vec<PhaseSummary>,
+    /// Phase table, stragglers, tagged steps and waits: `titan-obs summary`'s analysis.
+    pub analysis: Analysis,
     pub metrics: Vec<MetricSeries>,
     pub span_count: usize,
     /// Problems met while reading (missing ranks, corrupt parts); shown, never fatal.
@@ -254,6 +235,24 @@ impl Timeline {
             .or_else(|| self.metrics.iter().find(|m| m.name.contains(needle)))
     }
 
+    /// The analysis's straggler record of `rank` in `phase`, if it is one.
+    pub fn straggler(&self, phase: PhaseId, rank: u32) -> Option<&Straggler> {
+        let name = self.phase_name(phase);
+        self.analysis
+            .stragglers
+            .iter()
+            .find(|s| s.rank == rank && s.phase == name)
+    }
+
+    /// The rank that made the others wait most at collectives, and the phase it was late from.
+    pub fn late_rank(&self) -> Option<(u32, &str)> {
+        self.analysis
+            .waits
+            .table
+            .first()
+            .map(|w| (w.rank, w.phase.as_str()))
+    }
+
     pub fn threads_per_rank_max(&self) -> u32 {
         self.lanes
             .iter()
@@ -270,7 +269,7 @@ struct RawSpan {
     phase: PhaseId,
     depth: u8,
     error: bool,
-    step: u32,
+    step: u64,
     tagset: u16,
 }
 
@@ -348,10 +347,7 @@ impl TimelineBuilder {
     pub fn add_span(&mut self, s: &SpanInput<'_>) {
         let phase = self.phase(s.name);
         let tagset = self.tagset(s.tags);
-        let step = s
-            .step
-            .map(|v| u32::try_from(v).unwrap_or(NO_STEP - 1))
-            .unwrap_or(NO_STEP);
+        let step = s.step.unwrap_or(NO_STEP);
         self.ranks.insert(s.rank);
         self.lanes
             .entry((s.rank, s.thread))
@@ -381,9 +377,7 @@ impl TimelineBuilder {
         depth: u8,
         error: bool,
     ) {
-        let step = step
-            .map(|v| u32::try_from(v).unwrap_or(NO_STEP - 1))
-            .unwrap_or(NO_STEP);
+        let step = step.unwrap_or(NO_STEP);
         self.ranks.insert(rank);
         self.lanes.entry((rank, thread)).or_default().push(RawSpan {
             start: start_ns,
@@ -414,8 +408,57 @@ impl TimelineBuilder {
         self.warnings.push(w.into());
     }
 
+    /// The analysis of the collected spans, and each (phase, step, rank)'s total time.
+    fn analyse(&self) -> (Analysis, titan_obs::analysis::RankTimes) {
+        let n: usize = self.lanes.values().map(Vec::len).sum();
+        let (mut rank, mut step, mut name) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut dur, mut start, mut depth) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for (&(r, _), raw) in &self.lanes {
+            for s in raw {
+                rank.push(r);
+                step.push(s.step);
+                name.push(u32::from(s.phase));
+                dur.push(s.dur);
+                start.push(s.start);
+                depth.push(u16::from(s.depth));
+            }
+        }
+        let table = SpanTable {
+            rank: &rank,
+            step: &step,
+            name: &name,
+            dur_ns: &dur,
+            start_ns: &start,
+            depth: &depth,
+            names: &self.phases,
+        };
+        let shape = RunShape {
+            ranks: self.ranks.iter().copied().collect(),
+            step_tags: self
+                .step_tags
+                .iter()
+                .filter(|(_, t)| !t.is_empty())
+                .map(|(&s, t)| {
+                    let names = t.iter().map(|&i| self.tag_names[i as usize].clone());
+                    (s, names.collect())
+                })
+                .collect(),
+        };
+        let analysis = analyse(&table, &shape, &StragglerOptions::default());
+        (analysis, rank_times(&table))
+    }
+
     /// Sorts, splits into rows and precomputes every statistic.
     pub fn finish(self) -> Timeline {
+        let (analysis, times) = self.analyse();
         let origin = self
             .lanes
             .values()
@@ -445,11 +488,17 @@ impl TimelineBuilder {
             .unwrap_or(0);
         let steps = build_steps(&lanes, &self.step_tags);
         let phase_order = build_phase_order(&lanes, self.phases.len());
-        let per_rank = stats::per_rank_phase_step(&lanes);
-        let phase_step = stats::cross_rank_stats(&per_rank);
-        stats::mark_stragglers(&mut lanes, &per_rank, &phase_step);
-        let collapsed = stats::collapsed_rows(&per_rank, &phase_step, &phase_order);
-        let summary = stats::phase_summary(&lanes, self.phases.len(), self.phase_ix.get("step"));
+        let phase_step: HashMap<(PhaseId, u64), PhaseSpread> = phase_step_spread(&times)
+            .into_iter()
+            .map(|((name, step), s)| ((name as PhaseId, step), s))
+            .collect();
+        let stragglers: HashSet<(PhaseId, u32)> = analysis
+            .stragglers
+            .iter()
+            .filter_map(|s| Some((*self.phase_ix.get(&s.phase)?, s.rank)))
+            .collect();
+        mark_stragglers(&mut lanes, &stragglers, &times, &phase_step);
+        let collapsed = collapsed_rows(&phase_step, &stragglers, &phase_order, origin);
         let metrics = self
             .scalars
             .into_iter()
@@ -475,12 +524,74 @@ impl TimelineBuilder {
             steps,
             phase_step,
             collapsed,
-            summary,
+            analysis,
             metrics,
             span_count,
             warnings: self.warnings,
         }
     }
+}
+
+/// Flags the spans of every (rank, phase) the analysis names a straggler at the steps where
+/// that rank's time is above the cross-rank median.
+fn mark_stragglers(
+    lanes: &mut [Lane],
+    stragglers: &HashSet<(PhaseId, u32)>,
+    times: &titan_obs::analysis::RankTimes,
+    spread: &HashMap<(PhaseId, u64), PhaseSpread>,
+) {
+    if stragglers.is_empty() {
+        return;
+    }
+    for lane in lanes {
+        let rank = lane.rank;
+        for row in &mut lane.rows {
+            for k in 0..row.len() {
+                let (phase, step) = (row.phase[k], row.step[k]);
+                if !stragglers.contains(&(phase, rank)) {
+                    continue;
+                }
+                let mine = times.get(&(u32::from(phase), step, rank)).map(|t| t.0);
+                let median = spread.get(&(phase, step)).map(|s| s.median);
+                if let (Some(m), Some(med)) = (mine, median)
+                    && m > med
+                {
+                    row.flags[k] |= FLAG_STRAGGLER;
+                }
+            }
+        }
+    }
+}
+
+/// One collapsed row per phase, bars sorted by start.
+fn collapsed_rows(
+    spread: &HashMap<(PhaseId, u64), PhaseSpread>,
+    stragglers: &HashSet<(PhaseId, u32)>,
+    phase_order: &[PhaseId],
+    origin: i64,
+) -> Vec<CollapsedRow> {
+    let mut by_phase: HashMap<PhaseId, Vec<CollapsedBar>> = HashMap::new();
+    for (&(phase, step), s) in spread {
+        by_phase.entry(phase).or_default().push(CollapsedBar {
+            step,
+            start: s.median_start - origin,
+            stats: *s,
+            straggler: s.max > s.median && stragglers.contains(&(phase, s.max_rank)),
+        });
+    }
+    phase_order
+        .iter()
+        .filter_map(|&phase| {
+            let mut bars = by_phase.remove(&phase)?;
+            bars.sort_unstable_by_key(|b| (b.start, b.step));
+            let max_len = bars.iter().map(|b| b.stats.max).max().unwrap_or(0);
+            Some(CollapsedRow {
+                phase,
+                bars,
+                max_len,
+            })
+        })
+        .collect()
 }
 
 /// Splits one thread's spans into non-overlapping rows, one or more per depth.
@@ -521,7 +632,7 @@ fn build_rows(mut raw: Vec<RawSpan>, origin: i64) -> Vec<SpanRow> {
 }
 
 fn build_steps(lanes: &[Lane], step_tags: &BTreeMap<u64, BTreeSet<u16>>) -> Vec<StepMark> {
-    let mut bounds: BTreeMap<u32, (Ns, Ns)> = BTreeMap::new();
+    let mut bounds: BTreeMap<u64, (Ns, Ns)> = BTreeMap::new();
     for lane in lanes {
         for row in &lane.rows {
             for i in 0..row.len() {
@@ -537,11 +648,11 @@ fn build_steps(lanes: &[Lane], step_tags: &BTreeMap<u64, BTreeSet<u16>>) -> Vec<
     bounds
         .into_iter()
         .map(|(step, (start, end))| StepMark {
-            step: step as u64,
+            step,
             start,
             end,
             tags: step_tags
-                .get(&(step as u64))
+                .get(&step)
                 .map(|t| t.iter().copied().collect())
                 .unwrap_or_default(),
         })

@@ -13,9 +13,8 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Axis, Block, Chart, Clear, Dataset, GraphType, Paragraph, Row, Table};
 
 use super::cells::{self, Cell, CollapsedCell, Spread, Window};
-use super::model::{FLAG_ERROR, FLAG_STRAGGLER, NO_STEP, Ns, Timeline};
+use super::model::{FLAG_ERROR, FLAG_STRAGGLER, Ns, Timeline, step_label};
 use super::palette::{STRAGGLER, phase_color};
-use super::stats::{is_straggler, step_label};
 use super::units::{dur, nice_step, tick_label};
 use super::view::{Mode, RowRef, Selection, View};
 
@@ -101,7 +100,8 @@ fn label_width(t: &Timeline, v: &View) -> u16 {
         Mode::Lanes => {
             let max_rank = t.ranks.last().copied().unwrap_or(0);
             let threads = t.threads_per_rank_max() > 1;
-            format!("r{max_rank}").len() + if threads { 3 } else { 0 } + 5
+            let late = if t.late_rank().is_some() { 5 } else { 0 };
+            format!("r{max_rank}").len() + if threads { 3 } else { 0 } + 5 + late
         }
         Mode::Collapsed => {
             t.collapsed
@@ -131,6 +131,9 @@ fn draw_title(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View, chrome: &Chr
         t.span_count,
         t.steps.len()
     );
+    if let Some((rank, phase)) = t.late_rank() {
+        text.push_str(&format!(" │ waiting on r{rank} ({phase})"));
+    }
     if let Some(f) = &chrome.follow {
         text.push_str(&format!(" │ {f}"));
     }
@@ -277,10 +280,16 @@ fn row_label(t: &Timeline, row: RowRef) -> String {
                     .get(lane as usize + 1)
                     .is_some_and(|n| n.rank == l.rank)
                     || l.thread_ix > 0;
-                if multi {
+                let label = if multi {
                     format!("r{}.t{}", l.rank, l.thread_ix)
                 } else {
                     format!("r{}", l.rank)
+                };
+                // The rank the others waited for at collectives.
+                if t.late_rank().is_some_and(|(r, _)| r == l.rank) {
+                    format!("{label} late")
+                } else {
+                    label
                 }
             } else {
                 format!("  d{}", l.rows[r as usize].depth)
@@ -560,7 +569,6 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
             }
             let l2 = match t.phase_step.get(&(phase, row.step[i])) {
                 Some(st) => {
-                    let mine = per_rank_value(t, lane.rank, phase, row.step[i]);
                     let mut s = format!(
                         "{name} at {} on {} ranks: min {} (r{})  median {}  max {} (r{})",
                         step.map(|s| format!("step {s}"))
@@ -572,11 +580,25 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
                         dur(st.max),
                         st.max_rank
                     );
-                    if st.ranks > 1 && is_straggler(mine, st.median) {
+                    if row.flags[i] & FLAG_STRAGGLER != 0
+                        && let Some(x) = t.straggler(phase, lane.rank)
+                    {
+                        s.push_str(&straggler_note(x));
+                    }
+                    if let Some(w) = t
+                        .analysis
+                        .waits
+                        .per_step
+                        .iter()
+                        .find(|w| w.step == row.step[i])
+                        .filter(|_| titan_obs::vocab::collective::is_collective(name))
+                    {
                         s.push_str(&format!(
-                            "  ▲ STRAGGLER: rank {} {:.2}x median",
-                            lane.rank,
-                            mine as f64 / st.median.max(1) as f64
+                            "  ⧗ step {}: ranks waited {} for rank {} (late from {})",
+                            w.step,
+                            dur(w.wait_caused_ns),
+                            w.rank,
+                            w.phase
                         ));
                     }
                     s
@@ -601,12 +623,10 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
                 dur(st.max),
                 st.max_rank
             );
-            if b.is_straggler() {
-                l2.push_str(&format!(
-                    "  ▲ STRAGGLER: rank {} {:.2}x median",
-                    st.max_rank,
-                    st.max as f64 / st.median.max(1) as f64
-                ));
+            if b.is_straggler()
+                && let Some(x) = t.straggler(cr.phase, st.max_rank)
+            {
+                l2.push_str(&straggler_note(x));
             }
             vec![
                 format!(
@@ -620,30 +640,12 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
     }
 }
 
-/// A rank's total time in a phase at a step (what the cross-rank statistics compare).
-fn per_rank_value(t: &Timeline, rank: u32, phase: u16, step: u32) -> Ns {
-    let lo = t.lanes.partition_point(|l| l.rank < rank);
-    let mut total = 0;
-    for lane in t.lanes[lo..].iter().take_while(|l| l.rank == rank) {
-        for row in &lane.rows {
-            // Only the rows of this phase's depth can hold it; scan the step's time range.
-            let Some(si) = t.step_index(step as u64).filter(|_| step != NO_STEP) else {
-                total += (0..row.len())
-                    .filter(|&k| row.phase[k] == phase && row.step[k] == step)
-                    .map(|k| row.end[k] - row.start[k])
-                    .sum::<Ns>();
-                continue;
-            };
-            let s = &t.steps[si];
-            let a = row.first_ending_after(s.start);
-            let b = row.first_starting_at_or_after(s.end + 1);
-            total += (a..b.max(a))
-                .filter(|&k| row.phase[k] == phase && row.step[k] == step)
-                .map(|k| row.end[k] - row.start[k])
-                .sum::<Ns>();
-        }
-    }
-    total
+/// What the details panel says about a straggler (the analysis's numbers, as in `summary`).
+fn straggler_note(x: &titan_obs::analysis::Straggler) -> String {
+    format!(
+        "  ▲ STRAGGLER: rank {} above the median in {}/{} steps, median {:.2}x",
+        x.rank, x.above_median_steps, x.steps, x.median_ratio
+    )
 }
 
 fn draw_panels(f: &mut Frame, area: Rect, t: &Timeline, v: &View) {
@@ -697,10 +699,10 @@ fn draw_metric(f: &mut Frame, area: Rect, t: &Timeline, needle: &str, step: Opti
         Some((s, y)) => format!(
             "{}_{} · step {s}: {}",
             m.name,
-            m.reduce.suffix(),
+            m.reduce.as_str(),
             fmt_value(y)
         ),
-        None => format!("{}_{}", m.name, m.reduce.suffix()),
+        None => format!("{}_{}", m.name, m.reduce.as_str()),
     };
     let cursor_line: Vec<(f64, f64)> = step
         .map(|s| vec![(s as f64, y0), (s as f64, y1)])
@@ -757,27 +759,37 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
     ])
     .style(Style::new().add_modifier(Modifier::BOLD));
     let rows: Vec<Row> = t
-        .summary
+        .analysis
+        .phases
         .iter()
         .map(|s| {
-            let name = t.phase_name(s.phase);
+            let name = s.name.as_str();
+            let slow = t.analysis.straggler_ranks(name);
+            let slow = if slow.is_empty() {
+                "-".to_string()
+            } else {
+                slow.iter()
+                    .map(|r| format!("r{r}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
             Row::new(vec![
                 Line::from(vec![
                     Span::styled("█ ", Style::new().fg(phase_color(name))),
                     Span::raw(name.to_string()),
                 ]),
                 Line::from(s.count.to_string()),
-                Line::from(dur(s.total)),
-                Line::from(dur(s.mean)),
-                Line::from(dur(s.p50)),
-                Line::from(dur(s.p95)),
-                Line::from(dur(s.max)),
+                Line::from(dur(s.total_ns)),
+                Line::from(dur(s.mean_ns as Ns)),
+                Line::from(dur(s.p50_ns)),
+                Line::from(dur(s.p95_ns)),
+                Line::from(dur(s.max_ns)),
                 Line::from(
                     s.share_of_step
                         .map(|x| format!("{:.1}", x * 100.0))
                         .unwrap_or_else(|| "-".into()),
                 ),
-                Line::from(s.stragglers.to_string()),
+                Line::from(slow),
             ])
         })
         .collect();
@@ -790,7 +802,7 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
         Constraint::Length(8),
         Constraint::Length(8),
         Constraint::Length(6),
-        Constraint::Length(5),
+        Constraint::Length(8),
     ];
     let table = Table::new(rows, widths)
         .header(header)
@@ -876,7 +888,7 @@ fn draw_help(f: &mut Frame, area: Rect) {
         .collect();
     lines.push(Line::from(""));
     lines.push(Line::from(
-        " ▓ red = straggler: a rank ≥1.5x the median of that phase at that step",
+        " ▓ red = straggler (as `titan-obs summary`): above the median there",
     ));
     lines.push(Line::from(" step row: C checkpoint, V validation"));
     f.render_widget(Clear, r);

@@ -180,6 +180,33 @@ pub fn render(s: &Summary, top: usize) -> String {
 
     let _ = writeln!(
         o,
+        "\nwaiting on (the rank that arrived last at collectives, and the phase it came from)"
+    );
+    if s.waits.is_empty() {
+        let _ = writeln!(o, "  none (no collectives recorded on two or more ranks)");
+    } else {
+        let header = ["rank", "late from", "steps last", "wait caused"];
+        let rows: Vec<[String; 4]> = s
+            .waits
+            .iter()
+            .take(top)
+            .map(|w| {
+                [
+                    w.rank.to_string(),
+                    w.phase.clone(),
+                    format!("{}/{}", w.steps_last, s.steps),
+                    human_ns(w.wait_caused_ns as f64),
+                ]
+            })
+            .collect();
+        table(&mut o, &header, &rows, &[true, false, true, true]);
+        if s.waits.len() > top {
+            let _ = writeln!(o, "  ... {} more (--top or --json)", s.waits.len() - top);
+        }
+    }
+
+    let _ = writeln!(
+        o,
         "\ntagged steps (cost vs the median untagged step {})",
         human_ns(s.median_step_ns as f64)
     );
