@@ -7,6 +7,7 @@
 //! - [`runtime`]: [`runtime::Dist`] joins the job (store, clock offset to rank 0) and creates
 //!   groups implementing [`comm::Collectives`]: [`cpu::CpuGroup`] (TCP ring, gloo-style
 //!   chunked and pipelined) or `nccl::NcclGroup` (feature `nccl`).
+//! - [`recorded`]: every collective of a multi-rank group recorded as a titan-obs span.
 //! - [`dp`]: [`dp::DataParallel`], DDP bucketed all-reduce, ZeRO-2 sharded AdamW and HSDP.
 //! - [`hook`]: [`hook::DistributedDp`], the training loop's [`crate::parallel::DataParallel`]
 //!   on top of [`dp`].
@@ -21,6 +22,7 @@ pub mod hook;
 pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod recorded;
 pub mod ring;
 pub mod runtime;
 pub mod store;

@@ -1,0 +1,92 @@
+//! Every collective a rank runs, recorded as a titan-obs span named like torch.distributed's
+//! function (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`) with a scalar holding
+//! the bytes this rank passed in (`comm/<name>_bytes`, recorded inside the span). The analysis
+//! matches the same call across ranks to tell who arrived last and who waited (obs/SCHEMA.md,
+//! "Collectives").
+//!
+//! The span covers the host call: for the `cpu` backend the whole transfer; for `nccl`, what
+//! the call blocks for.
+
+use tch::Tensor;
+use titan_obs::Reduce;
+use titan_obs::vocab::collective as names;
+
+use super::comm::{Collectives, CommError, ReduceOp};
+
+/// A group whose collectives are recorded.
+pub struct Recorded(pub Box<dyn Collectives>);
+
+fn bytes(t: &Tensor) -> f64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as f64
+}
+
+/// Runs `f` inside a span `name` after recording the bytes scalar.
+fn recorded<T>(
+    name: &'static str,
+    bytes_scalar: &'static str,
+    payload: f64,
+    f: impl FnOnce() -> T,
+) -> T {
+    let _s = titan_obs::span(name);
+    titan_obs::scalar(bytes_scalar, payload, Reduce::Sum);
+    f()
+}
+
+impl Collectives for Recorded {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+
+    fn backend(&self) -> &'static str {
+        self.0.backend()
+    }
+
+    fn all_reduce(&mut self, tensor: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        recorded(
+            names::ALL_REDUCE,
+            names::ALL_REDUCE_BYTES,
+            bytes(tensor),
+            || self.0.all_reduce(tensor, op),
+        )
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        recorded(
+            names::REDUCE_SCATTER,
+            names::REDUCE_SCATTER_BYTES,
+            bytes(input),
+            || self.0.reduce_scatter(output, input, op),
+        )
+    }
+
+    fn all_gather(&mut self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
+        recorded(
+            names::ALL_GATHER,
+            names::ALL_GATHER_BYTES,
+            bytes(input),
+            || self.0.all_gather(output, input),
+        )
+    }
+
+    fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
+        recorded(
+            names::BROADCAST,
+            names::BROADCAST_BYTES,
+            bytes(tensor),
+            || self.0.broadcast(tensor, root),
+        )
+    }
+
+    fn barrier(&mut self) -> Result<(), CommError> {
+        self.0.barrier()
+    }
+}
