@@ -6,10 +6,13 @@
 //! [`scalar`], [`SpanGuard::error`] — append a fixed-size record to the calling thread's
 //! pre-allocated single-producer ring (no lock, no allocation, no syscall: time comes from
 //! the vDSO monotonic clock, names are `&'static str`). One background thread drains the
-//! rings and closes a Parquet (zstd) part file `<run>/obs/rank-<R>/part-<N>.parquet` every
-//! `flush_interval` or `max_records_per_part` records, written under a temporary name and
-//! renamed (or uploaded in one PUT for object_store URLs), so a kill -9 loses at most the
-//! last interval. [`set_step`] and [`add_step_tag`] are process-wide and attach to records.
+//! rings and appends one record batch every `flush_interval` to the rank's open [`journal`]
+//! (`<run>/obs/rank-<R>/journal-<N>.arrows`, an Arrow IPC stream; kept in a local spool folder
+//! for object_store URLs), so a kill -9 loses at most the last interval. Every
+//! `rotate_interval` (default 600 s) and at [`finish`] the journal is compacted into one Parquet
+//! (zstd) part `part-<N>.parquet`, written under a temporary name and renamed (or uploaded in
+//! one PUT); a journal a killed process left behind is compacted by the next `init` of its
+//! rank. [`set_step`] and [`add_step_tag`] are process-wide and attach to records.
 //! [`set_clock_offset_ns`] stores this rank's clock offset to rank 0 in the part footers.
 //!
 //! Scalar naming: `scalar("training/loss", v, Reduce::Mean)` is shown by `titan-obs metrics`
@@ -47,7 +50,10 @@
 pub mod analysis;
 pub mod clock;
 pub mod convert;
+mod decode;
 pub mod ingest;
+mod incremental;
+pub mod journal;
 pub mod location;
 pub mod part;
 pub mod read;

@@ -1,5 +1,6 @@
 //! Where a run lives: a local directory or an object_store URL (`s3://`, `gs://`, `az://`,
-//! `memory://`, `file://`). Parts live under `<run>/obs/rank-<R>/part-<N>.parquet`.
+//! `memory://`, `file://`). Parts live under `<run>/obs/rank-<R>/part-<N>.parquet`; the open
+//! journal of a local run next to them as `journal-<N>.arrows` (N = the part it becomes).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -127,6 +128,36 @@ pub fn parse_part_file_name(name: &str) -> Option<u64> {
         .ok()
 }
 
+/// File name of the journal that will be compacted into part `index`.
+pub fn journal_file_name(index: u64) -> String {
+    format!("journal-{index:06}.arrows")
+}
+
+/// Parses `journal-<N>.arrows` into N.
+pub fn parse_journal_file_name(name: &str) -> Option<u64> {
+    name.strip_prefix("journal-")?
+        .strip_suffix(".arrows")?
+        .parse()
+        .ok()
+}
+
+/// A rank's journal folder for an object-store run: object stores cannot be appended to, so
+/// the journal lives on local disk under `spool` (one folder per run URL and rank) and only
+/// compacted parts are uploaded.
+pub fn spool_rank_dir(spool: &Path, run_url: &str, rank: u32) -> PathBuf {
+    let run: String = run_url
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    spool.join(run).join(format!("rank-{rank}"))
+}
+
 /// Parses `rank-<R>` into R.
 pub fn parse_rank_dir_name(name: &str) -> Option<u32> {
     name.strip_prefix("rank-")?.parse().ok()
@@ -143,6 +174,13 @@ mod tests {
         assert_eq!(parse_part_file_name("part-12.parquet"), Some(12));
         assert_eq!(parse_part_file_name(".part-1.parquet.tmp"), None);
         assert_eq!(parse_rank_dir_name("rank-31"), Some(31));
+        assert_eq!(journal_file_name(3), "journal-000003.arrows");
+        assert_eq!(parse_journal_file_name("journal-000003.arrows"), Some(3));
+        assert_eq!(parse_journal_file_name("part-000003.parquet"), None);
+        assert_eq!(
+            spool_rank_dir(Path::new("/s"), "s3://b/runs/x", 2),
+            Path::new("/s/s3___b_runs_x/rank-2")
+        );
         assert_eq!(parse_rank_dir_name("rank-x"), None);
     }
 

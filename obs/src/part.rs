@@ -1,12 +1,14 @@
 //! Building and writing one Parquet part file: typed rows -> Arrow columns -> zstd Parquet,
 //! written under a temporary name and renamed into place (or uploaded in one PUT), so a reader
-//! never sees half a part.
+//! never sees half a part. [`PartHeader`] is the one footer type: written into every part's
+//! (and journal's) key-value metadata and parsed back by the reader.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use arrow::array::{
     ArrayRef, DictionaryArray, Float64Builder, Int32Array, Int64Builder, ListBuilder, StringArray,
     StringBuilder, StringDictionaryBuilder, UInt16Builder, UInt32Array, UInt32Builder,
@@ -21,7 +23,9 @@ use parquet::file::properties::WriterProperties;
 
 use object_store::ObjectStoreExt as _;
 
-use crate::location::{Location, part_file_name, rank_dir};
+use crate::location::{
+    Location, parse_journal_file_name, part_file_name, rank_dir, spool_rank_dir,
+};
 use crate::schema::{Kind, Reduce, SCHEMA_VERSION, arrow_schema, meta};
 
 /// Who wrote a part: constant columns plus footer metadata.
@@ -42,7 +46,8 @@ pub struct PartHeader {
 }
 
 impl PartHeader {
-    fn key_values(&self, part: u64) -> Vec<KeyValue> {
+    /// The footer as Parquet key-value metadata (also the journal's schema metadata).
+    pub fn key_values(&self, part: u64) -> Vec<KeyValue> {
         let threads: serde_json::Map<String, serde_json::Value> = self
             .threads
             .iter()
@@ -71,6 +76,66 @@ impl PartHeader {
         .into_iter()
         .map(|(k, v)| KeyValue::new(k.to_string(), v))
         .collect()
+    }
+}
+
+/// A footer parsed from key-value metadata: who wrote the records and which part they are.
+#[derive(Debug, Clone)]
+pub struct Footer {
+    pub header: PartHeader,
+    /// `titan.part`, when present.
+    pub part: Option<u64>,
+}
+
+impl Footer {
+    /// Parses a part footer (or journal schema metadata). Required: rank, run id, source and
+    /// world size; the rest default when absent or unreadable (older writers).
+    pub fn parse(kv: &HashMap<String, String>) -> Result<Footer> {
+        fn required<'a>(kv: &'a HashMap<String, String>, key: &str) -> Result<&'a str> {
+            kv.get(key).map(String::as_str).with_context(|| {
+                format!("footer metadata key `{key}` is missing (not a titan part?)")
+            })
+        }
+        fn number<T: std::str::FromStr>(kv: &HashMap<String, String>, key: &str) -> Result<T> {
+            required(kv, key)?
+                .parse()
+                .map_err(|_| anyhow::anyhow!("footer `{key}` is not a number"))
+        }
+        fn optional<T: std::str::FromStr + Default>(kv: &HashMap<String, String>, key: &str) -> T {
+            kv.get(key).and_then(|v| v.parse().ok()).unwrap_or_default()
+        }
+        if let Some(v) = kv.get(meta::SCHEMA_VERSION)
+            && v.parse::<u32>().is_ok_and(|v| v > SCHEMA_VERSION)
+        {
+            bail!("schema version {v} is newer than this titan-obs reads ({SCHEMA_VERSION})");
+        }
+        let header = PartHeader {
+            run_id: required(kv, meta::RUN_ID)?.to_string(),
+            source: required(kv, meta::SOURCE)?.to_string(),
+            host: kv.get(meta::HOST).cloned().unwrap_or_default(),
+            rank: number(kv, meta::RANK)?,
+            local_rank: optional(kv, meta::LOCAL_RANK),
+            world_size: number(kv, meta::WORLD_SIZE)?,
+            pid: optional(kv, meta::PID),
+            clock_offset_ns: optional(kv, meta::CLOCK_OFFSET_NS),
+            threads: kv
+                .get(meta::THREADS)
+                .and_then(|v| serde_json::from_str::<BTreeMap<String, String>>(v).ok())
+                .map(|m| {
+                    m.into_iter()
+                        .filter_map(|(k, v)| Some((k.parse().ok()?, v)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            run_metadata: kv
+                .get(meta::RUN_METADATA)
+                .and_then(|v| serde_json::from_str(v).ok())
+                .unwrap_or_default(),
+        };
+        Ok(Footer {
+            header,
+            part: kv.get(meta::PART).and_then(|v| v.parse().ok()),
+        })
     }
 }
 
@@ -265,24 +330,44 @@ impl PartBuilder {
 
 /// Encodes a batch as one zstd Parquet file with the header in the footer.
 pub fn encode(batch: &RecordBatch, header: &PartHeader, part: u64) -> Result<Vec<u8>> {
+    encode_batches(std::slice::from_ref(batch), header, part)
+}
+
+/// Encodes batches (in order, as one part) as one zstd Parquet file with the header in the
+/// footer. The batches' own schema metadata is dropped: the footer is the part's metadata.
+pub fn encode_batches(batches: &[RecordBatch], header: &PartHeader, part: u64) -> Result<Vec<u8>> {
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
         .set_dictionary_enabled(true)
         .set_max_row_group_row_count(Some(1 << 20))
         .set_key_value_metadata(Some(header.key_values(part)))
         .build();
-    let mut out = Vec::with_capacity(batch.get_array_memory_size() / 4 + 4096);
-    let mut writer = ArrowWriter::try_new(&mut out, batch.schema(), Some(props))?;
-    writer.write(batch)?;
+    let size: usize = batches.iter().map(|b| b.get_array_memory_size()).sum();
+    let mut out = Vec::with_capacity(size / 4 + 4096);
+    let schema = arrow_schema();
+    let mut writer = ArrowWriter::try_new(&mut out, schema.clone(), Some(props))?;
+    for batch in batches {
+        let batch = RecordBatch::try_new(schema.clone(), batch.columns().to_vec())
+            .context("a journal batch does not have the part schema")?;
+        writer.write(&batch)?;
+    }
     writer.close()?;
     Ok(out)
 }
 
-/// Writes encoded parts of one rank to the run location.
+/// Writes encoded parts of one rank to the run location, and knows where its journal lives.
 pub struct PartSink {
     location: Location,
     rank: u32,
     runtime: Option<tokio::runtime::Runtime>,
+    /// Where this rank's journal is written: its rank folder for local runs, a local spool
+    /// folder for object stores (see [`Self::with_spool`]).
+    journal_dir: PathBuf,
+}
+
+/// The default spool folder of object-store runs' journals: `$TMPDIR/titan-obs-spool`.
+pub fn default_spool_dir() -> PathBuf {
+    std::env::temp_dir().join("titan-obs-spool")
 }
 
 impl PartSink {
@@ -302,15 +387,80 @@ impl PartSink {
                     .context("starting the upload runtime")?,
             ),
         };
+        let journal_dir = match &location {
+            Location::Local(run) => rank_dir(run, rank),
+            Location::Object { url, .. } => spool_rank_dir(&default_spool_dir(), url, rank),
+        };
         Ok(PartSink {
             location,
             rank,
             runtime,
+            journal_dir,
         })
     }
 
-    /// The next unused part index (parts from an earlier process of this rank are kept).
+    /// Puts the journal of an object-store run under `spool` instead of the default
+    /// [`default_spool_dir`] (local runs keep it in their rank folder).
+    pub fn with_spool(mut self, spool: &Path) -> Self {
+        if let Location::Object { url, .. } = &self.location {
+            self.journal_dir = spool_rank_dir(spool, url, self.rank);
+        }
+        self
+    }
+
+    /// The folder holding this rank's journal (created when the first journal is opened).
+    pub fn journal_dir(&self) -> &Path {
+        &self.journal_dir
+    }
+
+    /// Journals left in the journal folder (by a process that was killed), oldest first.
+    pub fn leftover_journals(&self) -> Result<Vec<(u64, PathBuf)>> {
+        let mut found: Vec<(u64, PathBuf)> = match std::fs::read_dir(&self.journal_dir) {
+            Ok(rd) => rd
+                .filter_map(|e| e.ok())
+                .filter_map(|e| Some((parse_journal_file_name(e.file_name().to_str()?)?, e.path())))
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => {
+                return Err(e).with_context(|| format!("listing {}", self.journal_dir.display()));
+            }
+        };
+        found.sort();
+        Ok(found)
+    }
+
+    /// Whether part `index` exists already.
+    pub fn has_part(&self, index: u64) -> Result<bool> {
+        match &self.location {
+            Location::Local(run) => Ok(rank_dir(run, self.rank)
+                .join(part_file_name(index))
+                .exists()),
+            Location::Object { store, base, .. } => {
+                let path = base
+                    .clone()
+                    .join("obs")
+                    .join(format!("rank-{}", self.rank))
+                    .join(part_file_name(index).as_str());
+                let rt = self.runtime.as_ref().expect("object sinks have a runtime");
+                match rt.block_on(store.head(&path)) {
+                    Ok(_) => Ok(true),
+                    Err(object_store::Error::NotFound { .. }) => Ok(false),
+                    Err(e) => Err(e).with_context(|| {
+                        format!(
+                            "checking {}/{}",
+                            self.location.rank_display(self.rank),
+                            part_file_name(index)
+                        )
+                    }),
+                }
+            }
+        }
+    }
+
+    /// The next unused part index (parts and journals from an earlier process of this rank
+    /// are kept).
     pub fn next_part_index(&self) -> Result<u64> {
+        let journals = self.leftover_journals()?.last().map(|(n, _)| *n);
         let existing = match &self.location {
             Location::Local(run) => {
                 let dir = rank_dir(run, self.rank);
@@ -335,7 +485,7 @@ impl PartSink {
                     .max()
             }
         };
-        Ok(existing.map_or(0, |n| n + 1))
+        Ok(existing.max(journals).map_or(0, |n| n + 1))
     }
 
     /// Writes part `index` atomically; returns where it went.

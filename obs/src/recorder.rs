@@ -1,5 +1,6 @@
 //! The process-global recorder: thread-local rings on the hot path, one writer thread that
-//! drains them into part files.
+//! drains them into the rank's journal (one record batch every `flush_interval`) and compacts
+//! the journal into a Parquet part every `rotate_interval` and at [`finish`].
 //!
 //! Hot path cost (span enter + exit): two vDSO clock reads, a thread-local borrow, and one
 //! ring slot write with a Release store. No lock, no allocation, no syscall. Locks exist only
@@ -9,6 +10,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::marker::PhantomData;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -17,8 +19,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::clock::{EpochAnchor, monotonic_ns};
+use crate::journal::{JournalWriter, compact, read_journal};
 use crate::location::Location;
-use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use crate::part::{PartBuilder, PartHeader, PartSink, Row};
 use crate::record::{NO_STEP, RawRecord};
 use crate::ring::Ring;
 use crate::schema::{Kind, Reduce, Source};
@@ -32,15 +35,23 @@ pub struct InitOptions {
     pub rank: u32,
     pub local_rank: u32,
     pub world_size: u32,
-    /// A new part file is closed at least this often (torchtitan-style `observability.flush_interval_s`).
+    /// Records are appended to the rank's journal at least this often (torchtitan-style
+    /// `observability.flush_interval_s`): a kill -9 loses at most this much.
     pub flush_interval: Duration,
 }
 
 /// Less common recorder settings, for [`init_with`].
 #[derive(Debug, Clone)]
 pub struct Tuning {
-    /// A part is closed early once it holds this many records.
+    /// A journal batch is appended early once this many records are waiting (and no batch
+    /// holds more).
     pub max_records_per_part: usize,
+    /// The journal is compacted into one Parquet part this often (and at [`finish`]):
+    /// `observability.rotate_interval_s`.
+    pub rotate_interval: Duration,
+    /// Where object-store runs keep their journal (default [`crate::part::default_spool_dir`]);
+    /// local runs keep it in their rank folder.
+    pub spool_dir: Option<PathBuf>,
     /// Records each thread's ring holds before the thread waits for the writer.
     pub ring_capacity: usize,
     /// The run id written into every record; default: the last component of the run location.
@@ -53,6 +64,8 @@ impl Default for Tuning {
     fn default() -> Self {
         Tuning {
             max_records_per_part: 250_000,
+            rotate_interval: Duration::from_secs(600),
+            spool_dir: None,
             ring_capacity: 16 * 1024,
             run_id: None,
             run_metadata: Default::default(),
@@ -96,9 +109,13 @@ struct Recorder {
 #[derive(Debug, Clone, Default)]
 pub struct WriterStats {
     pub records: u64,
+    /// Batches appended to journals.
+    pub batches: u64,
     pub parts: u64,
     /// Where each part went, in order.
     pub part_paths: Vec<String>,
+    /// Parts compacted at `init` from journals an earlier (killed) process left behind.
+    pub recovered_parts: Vec<String>,
 }
 
 struct Local {
@@ -217,13 +234,20 @@ pub fn init_with(opts: InitOptions, tuning: Tuning) -> Result<()> {
     if opts.flush_interval.is_zero() {
         bail!("observability init: flush_interval must be > 0");
     }
+    if tuning.rotate_interval.is_zero() {
+        bail!("observability init: rotate_interval must be > 0");
+    }
     let mut guard = RECORDER.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_some() {
         bail!("observability is already initialised in this process; call finish() first");
     }
     let location = Location::parse(&opts.run)?;
-    let sink = PartSink::new(location, opts.rank)
+    let mut sink = PartSink::new(location, opts.rank)
         .with_context(|| format!("preparing the trace output of rank {}", opts.rank))?;
+    if let Some(spool) = &tuning.spool_dir {
+        sink = sink.with_spool(spool);
+    }
+    let recovered_parts = recover_journals(&sink);
     let first_part = sink.next_part_index()?;
     let run_id = tuning.run_id.clone().unwrap_or_else(|| {
         opts.run
@@ -262,11 +286,17 @@ pub fn init_with(opts: InitOptions, tuning: Tuning) -> Result<()> {
         anchor: EpochAnchor::now(),
         next_part: first_part,
         flush_interval: opts.flush_interval,
+        rotate_interval: tuning.rotate_interval,
         max_records: tuning.max_records_per_part.max(1),
         builder: PartBuilder::new(),
         step_tags: HashMap::new(),
-        stats: WriterStats::default(),
+        stats: WriterStats {
+            recovered_parts,
+            ..Default::default()
+        },
         first_error: None,
+        journal: None,
+        journal_opened: Instant::now(),
     };
     let handle = std::thread::Builder::new()
         .name("titan-obs-writer".into())
@@ -283,7 +313,50 @@ pub fn init_with(opts: InitOptions, tuning: Tuning) -> Result<()> {
     Ok(())
 }
 
-/// Flushes every buffered record and closes the last part file. Call before exit.
+/// Compacts the journals a killed process of this rank left behind into their parts (a
+/// journal whose part exists already was compacted but not yet deleted). Failures are
+/// logged and the journal kept: recording must start regardless.
+fn recover_journals(sink: &PartSink) -> Vec<String> {
+    let mut done = Vec::new();
+    let journals = match sink.leftover_journals() {
+        Ok(j) => j,
+        Err(e) => {
+            tracing::warn!("{e:#}");
+            return done;
+        }
+    };
+    for (index, path) in journals {
+        let result = (|| -> Result<Option<String>> {
+            if sink.has_part(index)? {
+                return Ok(None);
+            }
+            let contents = read_journal(&path)?;
+            if contents.batches.is_empty() {
+                return Ok(None);
+            }
+            if contents.torn_bytes > 0 {
+                tracing::warn!(
+                    "{}: {} bytes after the last complete batch (torn by a crash) dropped",
+                    path.display(),
+                    contents.torn_bytes
+                );
+            }
+            Ok(Some(sink.put(index, compact(&contents, index)?)?))
+        })();
+        match result {
+            Ok(part) => {
+                if let Err(e) = std::fs::remove_file(&path) {
+                    tracing::warn!("removing {}: {e}", path.display());
+                }
+                done.extend(part);
+            }
+            Err(e) => tracing::warn!("leftover journal {} kept: {e:#}", path.display()),
+        }
+    }
+    done
+}
+
+/// Flushes every buffered record and compacts the journal into its part. Call before exit.
 ///
 /// Returns an error naming the part that could not be written, if any could not.
 pub fn finish() -> Result<()> {
@@ -554,6 +627,7 @@ struct Writer {
     anchor: EpochAnchor,
     next_part: u64,
     flush_interval: Duration,
+    rotate_interval: Duration,
     max_records: usize,
     builder: PartBuilder,
     /// Union of tag masks seen per step, so records of a step drained before the tag was
@@ -561,6 +635,9 @@ struct Writer {
     step_tags: HashMap<u64, u64>,
     stats: WriterStats,
     first_error: Option<anyhow::Error>,
+    /// The open journal (opened at the first batch after a rotation).
+    journal: Option<JournalWriter>,
+    journal_opened: Instant,
 }
 
 /// Records drained but not yet converted (conversion needs the step's final tag set).
@@ -600,11 +677,16 @@ impl Writer {
                 while !pending.is_empty() {
                     let take = pending.len().min(self.max_records);
                     let rest = pending.split_off(take);
-                    self.close_part(std::mem::replace(&mut pending, rest));
+                    self.append_batch(std::mem::replace(&mut pending, rest));
                 }
                 part_opened = Instant::now();
             } else if due {
                 part_opened = Instant::now();
+            }
+            if shutdown
+                || (self.journal.is_some() && self.journal_opened.elapsed() >= self.rotate_interval)
+            {
+                self.rotate();
             }
             if shutdown {
                 break;
@@ -648,7 +730,8 @@ impl Writer {
             .retain(|r| Arc::strong_count(r) > 1 || !r.is_empty());
     }
 
-    fn close_part(&mut self, records: Vec<Pending>) {
+    /// Turns drained records into one batch and appends it to the journal.
+    fn append_batch(&mut self, records: Vec<Pending>) {
         let tag_names: Vec<&'static str> = self
             .shared
             .tags
@@ -689,34 +772,77 @@ impl Writer {
         if let Some(&last) = self.step_tags.keys().max() {
             self.step_tags.retain(|&s, _| s + 2 >= last);
         }
-        self.header.clock_offset_ns = CLOCK_OFFSET_NS.load(Ordering::Relaxed);
-        let index = self.next_part;
+        let offset = CLOCK_OFFSET_NS.load(Ordering::Relaxed);
+        // The footer holds one clock offset: a new offset starts a new part.
+        if self
+            .journal
+            .as_ref()
+            .is_some_and(|j| j.clock_offset_ns() != offset)
+        {
+            self.rotate();
+        }
+        self.header.clock_offset_ns = offset;
         let n = records.len() as u64;
-        let result = self
-            .builder
-            .finish(&self.header)
-            .and_then(|batch| encode(&batch, &self.header, index))
+        let result = self.builder.finish(&self.header).and_then(|batch| {
+            if self.journal.is_none() {
+                let index = self.next_part;
+                self.next_part += 1;
+                self.journal = Some(JournalWriter::create(
+                    self.sink.journal_dir(),
+                    index,
+                    &self.header,
+                )?);
+                self.journal_opened = Instant::now();
+            }
+            self.journal.as_mut().expect("opened above").append(&batch)
+        });
+        match result {
+            Ok(()) => {
+                self.stats.batches += 1;
+                self.stats.records += n;
+            }
+            Err(e) => self.fail(e.context(format!(
+                "journaling {n} records of rank {}",
+                self.header.rank
+            ))),
+        }
+    }
+
+    /// Compacts the open journal into its part (renamed into place or uploaded) and removes
+    /// it. On failure the journal stays on disk; the next process of this rank recovers it.
+    fn rotate(&mut self) {
+        let Some(journal) = self.journal.take() else {
+            return;
+        };
+        let index = journal.index();
+        let path = journal.path().to_path_buf();
+        drop(journal);
+        let result = read_journal(&path)
+            .and_then(|contents| compact(&contents, index))
             .and_then(|bytes| self.sink.put(index, bytes));
         match result {
-            Ok(path) => {
-                self.next_part += 1;
-                self.stats.parts += 1;
-                self.stats.records += n;
-                self.stats.part_paths.push(path);
-            }
-            Err(e) => {
-                tracing::error!(
-                    "trace part {index} of rank {} lost: {e:#}",
-                    self.header.rank
-                );
-                self.next_part += 1;
-                if self.first_error.is_none() {
-                    self.first_error = Some(e.context(format!(
-                        "writing trace part {index} of rank {}",
-                        self.header.rank
-                    )));
+            Ok(part) => {
+                if let Err(e) = std::fs::remove_file(&path) {
+                    tracing::warn!("removing the compacted journal {}: {e}", path.display());
                 }
+                self.stats.parts += 1;
+                self.stats.part_paths.push(part);
             }
+            Err(e) => self.fail(e.context(format!(
+                "compacting {} into part {index} of rank {}",
+                path.display(),
+                self.header.rank
+            ))),
+        }
+    }
+
+    fn fail(&mut self, e: anyhow::Error) {
+        tracing::error!(
+            "trace records of rank {} not written: {e:#}",
+            self.header.rank
+        );
+        if self.first_error.is_none() {
+            self.first_error = Some(e);
         }
     }
 }
@@ -743,4 +869,81 @@ pub fn wait_drained(timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_micros(200));
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The only unit test that starts the (process-global) recorder.
+    #[test]
+    fn object_store_runs_journal_in_the_spool_and_upload_only_parts() {
+        let dir = tempfile::tempdir().unwrap();
+        let spool = dir.path().join("spool");
+        let url = "memory://recorder-test/runs/a";
+        init_with(
+            InitOptions {
+                run: url.into(),
+                source: Source::Trainer,
+                rank: 0,
+                local_rank: 0,
+                world_size: 1,
+                flush_interval: Duration::from_millis(50),
+            },
+            Tuning {
+                rotate_interval: Duration::from_millis(400),
+                spool_dir: Some(spool.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let Location::Object { store, base, .. } = Location::parse(url).unwrap() else {
+            unreachable!()
+        };
+        let objects = || -> Vec<String> {
+            use futures::TryStreamExt;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            let metas: Vec<_> = rt.block_on(store.list(Some(&base)).try_collect()).unwrap();
+            let mut v: Vec<String> = metas.iter().map(|m| m.location.to_string()).collect();
+            v.sort();
+            v
+        };
+        let spool_rank = crate::location::spool_rank_dir(&spool, url, 0);
+        let journals = || {
+            std::fs::read_dir(&spool_rank)
+                .map(|d| d.count())
+                .unwrap_or(0)
+        };
+        let start = Instant::now();
+        let mut saw_journal = false;
+        let mut n = 0u64;
+        while start.elapsed() < Duration::from_millis(1000) {
+            set_step(n / 10);
+            let s = span("step");
+            n += 1;
+            std::thread::sleep(Duration::from_millis(2));
+            drop(s);
+            if n.is_multiple_of(50) {
+                saw_journal |= journals() > 0;
+                let o = objects();
+                assert!(o.iter().all(|o| o.ends_with(".parquet")), "{o:?}");
+            }
+        }
+        let stats = finish_with_stats().unwrap();
+        assert!(saw_journal, "the journal lives in the spool folder");
+        assert_eq!(journals(), 0, "compacted journals are removed");
+        let objects = objects();
+        assert!(objects.len() >= 2, "{objects:?}");
+        assert_eq!(objects.len() as u64, stats.parts);
+        assert!(
+            objects
+                .iter()
+                .all(|o| o.starts_with("runs/a/obs/rank-0/part-"))
+        );
+        let loaded = crate::read::load(url, &Default::default()).unwrap();
+        assert_eq!(loaded.spans.len() as u64, n);
+        assert_eq!(stats.records, n);
+    }
 }

@@ -1,6 +1,6 @@
 //! titan-obs end to end: a process that records like the trainer leaves parts that pyarrow
 //! reads with the documented schema; summary, metrics and export work on them; kill -9 loses
-//! at most one flush interval; corrupt parts and missing ranks are reported by name; runs on
+//! at most one flush interval (the journal keeps every flushed batch); corrupt parts and missing ranks are reported by name; runs on
 //! an S3 object store (moto) work.
 //!
 //! The recording process is this test binary re-executed with `OBS_CHILD_RUN` set, running
@@ -382,11 +382,9 @@ fn kill_9_loses_at_most_one_flush_interval() {
         "{:?}",
         loaded.report.corrupt_parts
     );
-    assert!(
-        loaded.report.parts_read >= 3,
-        "only {} parts",
-        loaded.report.parts_read
-    );
+    // What survives is the rank's open journal (compacted by the next process of the rank).
+    assert!(run.join("obs/rank-0/journal-000000.arrows").exists());
+    assert_eq!(loaded.report.parts_read, 1);
     let ticks = &loaded.instants;
     let last = *ticks.start_ns.iter().max().expect("some ticks survived");
     let first = *ticks.start_ns.iter().min().unwrap();

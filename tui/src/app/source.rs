@@ -4,8 +4,9 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-use titan_obs::ingest::{Follower, Refresh};
-use titan_obs::read::{ReadOptions, Run};
+use titan_obs::ingest::{Detected, Follower, Refresh, detect};
+use titan_obs::location::Location;
+use titan_obs::read::{PartsReader, ReadOptions, Run};
 
 use super::model::{PhaseId, Reduce, Timeline, TimelineBuilder};
 use super::terminal::TimelineSource;
@@ -138,19 +139,25 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
 }
 
 /// A run (titan parts, torchtitan structured logs or a Chrome trace; local or object
-/// store) kept open through [`Follower`]: torchtitan runs are re-read incrementally (only the
-/// bytes appended since the last refresh, and new files), titan runs when their parts change.
+/// store) kept open: titan runs through [`PartsReader`] (new parts and the batches appended to
+/// open journals, nothing decoded twice), torchtitan runs through [`Follower`] (only the
+/// bytes appended since the last refresh, and new files), Chrome traces re-read on change.
 pub struct RunSource {
     run: String,
     title: String,
     /// The writers may still be appending (`--follow`): wait for unfinished last lines.
     follow: bool,
-    follower: Option<Follower>,
+    reader: Option<Reader>,
     /// What the last load saw, to tell whether anything changed (titan runs).
     signature: Option<Signature>,
     parts: usize,
     last: Refresh,
     read_total: u64,
+}
+
+enum Reader {
+    Titan(Box<PartsReader>),
+    Other(Follower),
 }
 
 /// The set of part files (name and size) of a local run; `None` for object store URLs.
@@ -170,7 +177,7 @@ impl RunSource {
             run: run.to_string(),
             title,
             follow,
-            follower: None,
+            reader: None,
             signature: None,
             parts: 0,
             last: Refresh::default(),
@@ -188,7 +195,10 @@ impl RunSource {
             for part in std::fs::read_dir(rank.path()).ok()?.flatten() {
                 let name = part.file_name().to_string_lossy().into_owned();
                 // Parts are renamed into place when complete: temporaries are not parts yet.
-                if !name.ends_with(".parquet") || name.starts_with('.') {
+                // Open journals grow in place.
+                if !(name.ends_with(".parquet") || name.ends_with(".arrows"))
+                    || name.starts_with('.')
+                {
                     continue;
                 }
                 let len = part.metadata().map(|m| m.len()).unwrap_or(0);
@@ -203,19 +213,46 @@ impl RunSource {
     }
 
     fn read(&mut self) -> anyhow::Result<Timeline> {
-        let follower = match &mut self.follower {
-            Some(f) => f,
-            None => self.follower.insert(Follower::open(&self.run)?),
+        let reader = match &mut self.reader {
+            Some(r) => r,
+            None => {
+                let r = match detect(&Location::parse(&self.run)?)? {
+                    Detected::Titan => Reader::Titan(Box::new(PartsReader::open(&self.run)?)),
+                    _ => Reader::Other(Follower::open(&self.run)?),
+                };
+                self.reader.insert(r)
+            }
         };
-        let (run, stats) = follower.refresh(&ReadOptions::default(), !self.follow)?;
-        self.parts = run.report.parts_read;
-        self.last = stats;
-        self.read_total += stats.bytes;
-        Ok(timeline_from_run(&run, &self.title))
+        let opts = ReadOptions::default();
+        match reader {
+            Reader::Titan(r) => {
+                r.refresh_with(&opts, !self.follow)?;
+                let last = r.last();
+                self.parts = r.run().report.parts_read;
+                self.last = Refresh {
+                    new_files: last.parts_decoded as usize,
+                    bytes: last.bytes,
+                    lines: last.rows,
+                };
+                self.read_total += last.bytes;
+                Ok(timeline_from_run(r.run(), &self.title))
+            }
+            Reader::Other(f) => {
+                let (run, stats) = f.refresh(&opts, !self.follow)?;
+                self.parts = run.report.parts_read;
+                self.last = stats;
+                self.read_total += stats.bytes;
+                Ok(timeline_from_run(&run, &self.title))
+            }
+        }
     }
 
     fn incremental(&self) -> bool {
-        self.follower.as_ref().is_some_and(Follower::is_incremental)
+        match &self.reader {
+            Some(Reader::Titan(_)) => true,
+            Some(Reader::Other(f)) => f.is_incremental(),
+            None => false,
+        }
     }
 }
 
@@ -228,7 +265,10 @@ impl TimelineSource for RunSource {
     fn reload_if_changed(&mut self) -> anyhow::Result<Option<Timeline>> {
         if self.incremental() {
             let t = self.read()?;
-            return Ok((self.last.bytes > 0 || self.last.new_files > 0).then_some(t));
+            return Ok(
+                (self.last.bytes > 0 || self.last.new_files > 0 || self.last.lines > 0)
+                    .then_some(t),
+            );
         }
         let sig = self.local_signature();
         if sig.is_some() && sig == self.signature {

@@ -1,0 +1,545 @@
+//! Reading a titan run and keeping it open: [`PartsReader`] remembers every file it has read
+//! (parts: done; journals: byte offset and batches) and on each [`PartsReader::refresh`]
+//! decodes only what is new — new parts, and the bytes appended to open journals. A journal
+//! that got compacted into its part is not read twice: the part's first rows (those the
+//! journal already gave) are skipped.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use object_store::ObjectStoreExt as _;
+use rayon::prelude::*;
+
+use crate::decode::{decode_journal, decode_part};
+use crate::journal::JournalCursor;
+use crate::location::{
+    Location, parse_journal_file_name, parse_part_file_name, parse_rank_dir_name,
+};
+use crate::read::{CorruptPart, Merger, PartData, ReadOptions, Run, RunFormat};
+
+/// What was read: by one refresh ([`PartsReader::last`]) or in total ([`PartsReader::total`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadCounters {
+    /// Parquet parts decoded (each at most once).
+    pub parts_decoded: u64,
+    /// Rows of parts skipped because their journal had already been read.
+    pub part_rows_skipped: u64,
+    /// Journal record batches decoded.
+    pub journal_batches: u64,
+    /// File bytes read (whole parts, appended journal bytes).
+    pub bytes: u64,
+    /// Records decoded.
+    pub rows: u64,
+}
+
+impl ReadCounters {
+    fn add(&mut self, o: &ReadCounters) {
+        self.parts_decoded += o.parts_decoded;
+        self.part_rows_skipped += o.part_rows_skipped;
+        self.journal_batches += o.journal_batches;
+        self.bytes += o.bytes;
+        self.rows += o.rows;
+    }
+}
+
+/// What kind of file of a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum FileKind {
+    Part,
+    Journal,
+}
+
+/// One listed file of a rank.
+#[derive(Debug, Clone)]
+struct Listed {
+    rank: u32,
+    index: u64,
+    kind: FileKind,
+    size: u64,
+    /// Local path or URL, for messages (and the local path to read).
+    display: String,
+    object_path: Option<object_store::path::Path>,
+}
+
+struct Listing {
+    rank_dirs: BTreeSet<u32>,
+    files: Vec<Listed>,
+}
+
+/// What is known about (rank, part index).
+enum Seen {
+    /// The part was decoded (or found corrupt): never read again.
+    Part,
+    /// The journal was read up to its cursor.
+    Journal {
+        cursor: Box<JournalCursor>,
+        display: String,
+    },
+    /// The journal could not be decoded (reported once); its part is still read in full.
+    BadJournal,
+}
+
+/// A titan run kept open for incremental reading.
+pub struct PartsReader {
+    location: Location,
+    run: Run,
+    merger: Merger,
+    seen: HashMap<(u32, u64), Seen>,
+    rank_dirs: BTreeSet<u32>,
+    ok_ranks: BTreeSet<u32>,
+    world_size: u32,
+    runtime: Option<tokio::runtime::Runtime>,
+    last: ReadCounters,
+    total: ReadCounters,
+}
+
+/// One file's work in a refresh.
+enum Work {
+    Part {
+        file: Listed,
+        skip_rows: u64,
+    },
+    Journal {
+        file: Listed,
+        cursor: Box<JournalCursor>,
+    },
+}
+
+impl Work {
+    fn file(&self) -> &Listed {
+        match self {
+            Work::Part { file, .. } | Work::Journal { file, .. } => file,
+        }
+    }
+}
+
+enum Done {
+    Part {
+        file: Listed,
+        skip_rows: u64,
+        result: Result<(PartData, u64)>,
+    },
+    Journal {
+        file: Listed,
+        cursor: Box<JournalCursor>,
+        result: Result<(PartData, u64, u64)>,
+    },
+}
+
+impl PartsReader {
+    /// Opens the titan run at `run` (local folder or object store URL); reads nothing yet.
+    pub fn open(run: &str) -> Result<Self> {
+        let location = Location::parse(run)?;
+        let runtime = match &location {
+            Location::Object { .. } => Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .context("starting the object store runtime")?,
+            ),
+            Location::Local(_) => None,
+        };
+        Ok(PartsReader {
+            location,
+            run: Run {
+                location: run.to_string(),
+                ..Default::default()
+            },
+            merger: Merger::default(),
+            seen: HashMap::new(),
+            rank_dirs: BTreeSet::new(),
+            ok_ranks: BTreeSet::new(),
+            world_size: 0,
+            runtime,
+            last: ReadCounters::default(),
+            total: ReadCounters::default(),
+        })
+    }
+
+    /// Reads what is new since the last refresh. `at_end`: the writers are done, so bytes
+    /// after a journal's last complete batch are a torn tail (reported in
+    /// `report.truncated_tails`), not a batch still being written.
+    pub fn refresh(&mut self, opts: &ReadOptions) -> Result<&Run> {
+        self.refresh_with(opts, false)
+    }
+
+    /// [`Self::refresh`] with explicit `at_end`.
+    pub fn refresh_with(&mut self, opts: &ReadOptions, at_end: bool) -> Result<&Run> {
+        let listing = list_files(&self.location)?;
+        self.rank_dirs.extend(listing.rank_dirs.iter().copied());
+        let parts_listed: BTreeSet<(u32, u64)> = listing
+            .files
+            .iter()
+            .filter(|f| f.kind == FileKind::Part)
+            .map(|f| (f.rank, f.index))
+            .collect();
+        let mut work = Vec::new();
+        for file in listing.files {
+            let key = (file.rank, file.index);
+            match (file.kind, self.seen.get(&key)) {
+                (_, Some(Seen::Part)) => {}
+                (FileKind::Part, Some(Seen::Journal { cursor, .. })) => {
+                    let skip_rows = cursor.rows;
+                    work.push(Work::Part { file, skip_rows });
+                }
+                (FileKind::Part, _) => work.push(Work::Part { file, skip_rows: 0 }),
+                // The part is complete: read it instead (in this refresh).
+                (FileKind::Journal, _) if parts_listed.contains(&key) => {}
+                (FileKind::Journal, Some(Seen::BadJournal)) => {}
+                (FileKind::Journal, Some(Seen::Journal { cursor, .. })) => {
+                    if file.size > cursor.offset {
+                        let Some(Seen::Journal { cursor, .. }) = self.seen.remove(&key) else {
+                            unreachable!()
+                        };
+                        work.push(Work::Journal { file, cursor });
+                    }
+                }
+                (FileKind::Journal, None) => work.push(Work::Journal {
+                    file,
+                    cursor: Box::default(),
+                }),
+            }
+        }
+        self.last = ReadCounters::default();
+        // Decode in chunks: parallel within a chunk, merged (and freed) between chunks, so
+        // peak memory is the tables plus one chunk of decoded files.
+        let chunk = rayon::current_num_threads().max(1) * 4;
+        let total_files = work.len();
+        let mut done_files = 0usize;
+        let mut work = work.into_iter().peekable();
+        while work.peek().is_some() {
+            let batch: Vec<Work> = work.by_ref().take(chunk).collect();
+            let fetched = self.fetch(batch)?;
+            let decoded: Vec<Done> = fetched
+                .into_par_iter()
+                .map(|(w, bytes)| {
+                    let done = decode(w, bytes, opts);
+                    if let Some(cb) = &opts.progress {
+                        cb(1);
+                    }
+                    done
+                })
+                .collect();
+            done_files += decoded.len();
+            for d in decoded {
+                self.merge(d, opts);
+            }
+            if done_files < total_files && done_files == chunk {
+                // After the first chunk, reserve for the whole read (+5%) so the big columns
+                // grow once instead of doubling (which would transiently need 2x the memory).
+                let before = self.run.spans.len() as f64;
+                let scale = total_files as f64 / done_files as f64 * 1.05;
+                self.run.spans.reserve((before * scale) as usize);
+            }
+        }
+        self.total.add(&self.last);
+        self.publish(at_end);
+        Ok(&self.run)
+    }
+
+    /// Reads each work item's new bytes (whole parts; journals from their cursor).
+    fn fetch(&self, work: Vec<Work>) -> Result<Vec<(Work, Result<Bytes>)>> {
+        let range = |w: &Work| match w {
+            Work::Part { file, .. } => 0..file.size,
+            Work::Journal { file, cursor } => cursor.offset..file.size,
+        };
+        match &self.location {
+            Location::Local(_) => Ok(work
+                .into_par_iter()
+                .map(|w| {
+                    let r = range(&w);
+                    let bytes = read_local(&w.file().display, r);
+                    (w, bytes)
+                })
+                .collect()),
+            Location::Object { store, .. } => {
+                let rt = self.runtime.as_ref().expect("object runs have a runtime");
+                Ok(rt.block_on(async {
+                    use futures::StreamExt;
+                    futures::stream::iter(work)
+                        .map(|w| {
+                            let store = store.clone();
+                            let r = range(&w);
+                            async move {
+                                let f = w.file();
+                                let path = f.object_path.clone().expect("object files have paths");
+                                let bytes = store
+                                    .get_range(&path, r)
+                                    .await
+                                    .with_context(|| format!("downloading {}", f.display));
+                                (w, bytes)
+                            }
+                        })
+                        .buffer_unordered(16)
+                        .collect::<Vec<_>>()
+                        .await
+                }))
+            }
+        }
+    }
+
+    fn merge(&mut self, done: Done, opts: &ReadOptions) {
+        match done {
+            Done::Part {
+                file,
+                skip_rows,
+                result,
+            } => {
+                let key = (file.rank, file.index);
+                let had_journal = matches!(self.seen.get(&key), Some(Seen::Journal { .. }));
+                self.seen.insert(key, Seen::Part);
+                match result {
+                    Ok((mut data, bytes)) => {
+                        self.last.parts_decoded += 1;
+                        self.last.part_rows_skipped += skip_rows;
+                        self.last.bytes += bytes;
+                        self.last.rows += data.rows as u64;
+                        if had_journal {
+                            // Counted when its journal was first read.
+                            data.info.parts = 0;
+                        } else {
+                            self.run.report.parts_read += 1;
+                        }
+                        self.add(data, opts);
+                    }
+                    Err(e) => self.run.report.corrupt_parts.push(CorruptPart {
+                        path: file.display,
+                        error: format!("{e:#}"),
+                    }),
+                }
+            }
+            Done::Journal {
+                file,
+                cursor,
+                result,
+            } => {
+                let key = (file.rank, file.index);
+                match result {
+                    Ok((mut data, bytes, batches)) => {
+                        let first = cursor.batches == batches && batches > 0;
+                        self.last.journal_batches += batches;
+                        self.last.bytes += bytes;
+                        self.last.rows += data.rows as u64;
+                        if first {
+                            self.run.report.parts_read += 1;
+                        } else {
+                            data.info.parts = 0;
+                        }
+                        if batches > 0 {
+                            self.add(data, opts);
+                        }
+                        self.seen.insert(
+                            key,
+                            Seen::Journal {
+                                cursor,
+                                display: file.display,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        self.seen.insert(key, Seen::BadJournal);
+                        self.run.report.corrupt_parts.push(CorruptPart {
+                            path: file.display,
+                            error: format!("{e:#}"),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    fn add(&mut self, data: PartData, opts: &ReadOptions) {
+        self.world_size = self.world_size.max(data.info.world_size);
+        self.ok_ranks.insert(data.info.rank);
+        self.rank_dirs.insert(data.info.rank);
+        self.run.report.rows_read += data.rows;
+        self.merger.merge(&mut self.run, data, opts.align_clocks);
+    }
+
+    /// Brings the run's dictionaries and report up to date.
+    fn publish(&mut self, at_end: bool) {
+        let expected = self
+            .world_size
+            .max(self.rank_dirs.iter().next_back().map_or(0, |r| r + 1));
+        let r = &mut self.run.report;
+        r.world_size = expected;
+        r.missing_ranks = (0..expected)
+            .filter(|x| !self.ok_ranks.contains(x))
+            .collect();
+        r.format = RunFormat::Titan;
+        r.bytes_parsed = self.last.bytes;
+        r.truncated_tails = if at_end {
+            self.seen
+                .values()
+                .filter_map(|s| match s {
+                    Seen::Journal { cursor, display } if cursor.pending() > 0 => Some(format!(
+                        "{display}: {} bytes after the last complete batch",
+                        cursor.pending()
+                    )),
+                    _ => None,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        r.truncated_tails.sort();
+        self.merger.publish(&mut self.run);
+    }
+
+    /// The run as read so far.
+    pub fn run(&self) -> &Run {
+        &self.run
+    }
+
+    /// The run as read so far, without copying.
+    pub fn into_run(self) -> Run {
+        self.run
+    }
+
+    /// What the last refresh read.
+    pub fn last(&self) -> ReadCounters {
+        self.last
+    }
+
+    /// What all refreshes read.
+    pub fn total(&self) -> ReadCounters {
+        self.total
+    }
+}
+
+fn decode(work: Work, bytes: Result<Bytes>, opts: &ReadOptions) -> Done {
+    match work {
+        Work::Part { file, skip_rows } => {
+            let result = bytes.and_then(|b| {
+                let n = b.len() as u64;
+                decode_part(b, file.rank, opts.columns, skip_rows).map(|d| (d, n))
+            });
+            Done::Part {
+                file,
+                skip_rows,
+                result,
+            }
+        }
+        Work::Journal { file, mut cursor } => {
+            let result = bytes.and_then(|b| {
+                let n = b.len() as u64;
+                decode_journal(&mut cursor, b, file.rank, opts.columns)
+                    .map(|r| (r.data, n, r.batches))
+                    .with_context(|| format!("reading {}", file.display))
+            });
+            Done::Journal {
+                file,
+                cursor,
+                result,
+            }
+        }
+    }
+}
+
+fn read_local(path: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).with_context(|| format!("reading {path}"))?;
+    f.seek(SeekFrom::Start(range.start))
+        .with_context(|| format!("reading {path}"))?;
+    let mut buf = Vec::with_capacity((range.end - range.start) as usize);
+    f.take(range.end - range.start)
+        .read_to_end(&mut buf)
+        .with_context(|| format!("reading {path}"))?;
+    Ok(Bytes::from(buf))
+}
+
+fn list_files(location: &Location) -> Result<Listing> {
+    let mut rank_dirs = BTreeSet::new();
+    let mut files = Vec::new();
+    match location {
+        Location::Local(run) => {
+            let obs = run.join("obs");
+            if !obs.is_dir() {
+                if !run.exists() {
+                    bail!("run directory {} does not exist", run.display());
+                }
+                bail!(
+                    "{} has no obs/ directory: not a titan run (expected {}/obs/rank-<R>/part-<N>.parquet)",
+                    run.display(),
+                    run.display()
+                );
+            }
+            for entry in
+                std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))?
+            {
+                let entry = entry?;
+                let Some(rank) = entry.file_name().to_str().and_then(parse_rank_dir_name) else {
+                    continue;
+                };
+                rank_dirs.insert(rank);
+                let dir: PathBuf = entry.path();
+                for e in std::fs::read_dir(&dir)
+                    .with_context(|| format!("listing {}", dir.display()))?
+                    .filter_map(|e| e.ok())
+                {
+                    let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                        continue;
+                    };
+                    let (kind, index) = if let Some(n) = parse_part_file_name(&name) {
+                        (FileKind::Part, n)
+                    } else if let Some(n) = parse_journal_file_name(&name) {
+                        (FileKind::Journal, n)
+                    } else {
+                        continue;
+                    };
+                    // A journal may be removed (compacted) between listing and stat.
+                    let Ok(meta) = e.metadata() else { continue };
+                    files.push(Listed {
+                        rank,
+                        index,
+                        kind,
+                        size: meta.len(),
+                        display: e.path().display().to_string(),
+                        object_path: None,
+                    });
+                }
+            }
+        }
+        Location::Object { url, store, base } => {
+            use futures::TryStreamExt;
+            let prefix = base.clone().join("obs");
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let metas: Vec<object_store::ObjectMeta> = rt
+                .block_on(store.list(Some(&prefix)).try_collect())
+                .with_context(|| format!("listing {url}/obs"))?;
+            if metas.is_empty() {
+                bail!(
+                    "{url}/obs/ holds no objects: not a titan run (or wrong credentials/endpoint)"
+                );
+            }
+            for m in metas {
+                let parts_of: Vec<&str> = m.location.as_ref().rsplitn(3, '/').collect();
+                let [file, rank_dir, ..] = parts_of.as_slice() else {
+                    continue;
+                };
+                let (Some(rank), Some(index)) =
+                    (parse_rank_dir_name(rank_dir), parse_part_file_name(file))
+                else {
+                    continue;
+                };
+                rank_dirs.insert(rank);
+                files.push(Listed {
+                    rank,
+                    index,
+                    kind: FileKind::Part,
+                    size: m.size,
+                    display: format!("{url}/obs/{rank_dir}/{file}"),
+                    object_path: Some(m.location.clone()),
+                });
+            }
+        }
+    }
+    // Rank by rank, in part order (deterministic tables); a part before its journal.
+    files.sort_by_key(|f| (f.rank, f.index, f.kind));
+    Ok(Listing { rank_dirs, files })
+}
