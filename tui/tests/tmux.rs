@@ -233,9 +233,11 @@ fn tui_gantt_writes_svg_and_png() {
     );
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
-    for r in 0..4 {
+    for r in [0, 1, 3] {
         assert!(text.contains(&format!(">r{r}</text>")), "rank {r} missing");
     }
+    // The others waited for rank 2 at the all_reduce: its lane is marked.
+    assert!(text.contains(">r2 late</text>"), "late rank not marked");
     assert!(text.contains(">forward_backward</text>"), "legend missing");
     // The straggler (rank 2, forward_backward x2) is painted in the straggler colour.
     assert!(
@@ -365,4 +367,98 @@ fn tui_opens_a_torchtitan_gantt_trace() {
     tmux.keys(&["q"]);
     let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+}
+
+/// Rank 3 is 1.3x slow in forward_backward; the other ranks wait for it at the all_reduce.
+/// `summary --json`, the TUI's phase table and title, and the gantt image name the same rank
+/// and phase: they all read obs's analysis.
+#[test]
+fn summary_tui_and_gantt_name_the_same_straggler() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let obs = || Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")));
+    let out = obs()
+        .arg("synth")
+        .arg(&run)
+        .args(["--ranks", "4", "--steps", "12", "--spans-per-step", "12"])
+        .args(["--straggler", "3:forward_backward:1.3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let out = obs()
+        .args(["summary", run.to_str().unwrap(), "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let top = &s["waits"][0];
+    assert_eq!(top["rank"], 3, "{s:#}");
+    assert_eq!(top["phase"], "forward_backward", "{s:#}");
+    assert_eq!(top["steps_last"], 12);
+    assert!(top["wait_caused_ns"].as_i64().unwrap() > 0);
+    let stragglers = s["stragglers"].as_array().unwrap();
+    assert!(
+        stragglers
+            .iter()
+            .any(|x| x["rank"] == 3 && x["phase"] == "forward_backward"),
+        "{stragglers:#?}"
+    );
+    assert!(stragglers.iter().all(|x| x["rank"] == 3), "{stragglers:#?}");
+
+    // The TUI: title and the phase table's "slow" column.
+    let tmux = Tmux::start(
+        &format!("{} {}", env!("CARGO_BIN_EXE_titan-obs"), shell_quote(&run)),
+        200,
+        50,
+    );
+    let screen = tmux.wait_for("the phase table", |s| s.contains("phases (all ranks"));
+    assert!(
+        screen.contains("waiting on r3 (forward_backward)"),
+        "{screen}"
+    );
+    let row = screen
+        .lines()
+        .filter_map(|l| l.rsplit_once("█ forward_backward "))
+        .map(|(_, rest)| rest.to_string())
+        .next()
+        .unwrap_or_else(|| panic!("no forward_backward row:\n{screen}"));
+    let slow = row
+        .trim_end()
+        .trim_end_matches('│')
+        .split_whitespace()
+        .last();
+    assert_eq!(slow, Some("r3"), "forward_backward row: {row}\n{screen}");
+    tmux.keys(&["q"]);
+
+    // The gantt image: the late rank's lane and the legend's headline.
+    let svg = dir.path().join("gantt.svg");
+    let out = obs()
+        .args([
+            "gantt",
+            run.to_str().unwrap(),
+            "--svg",
+            svg.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.contains(">r3 late</text>"));
+    assert!(
+        text.contains("waiting on r3 (late from forward_backward, last in 12 steps"),
+        "legend has no headline"
+    );
 }

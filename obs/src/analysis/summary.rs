@@ -146,7 +146,8 @@ impl Analysis {
     }
 }
 
-/// Computes the summary of a loaded run (loaded with at least [`crate::Columns::SUMMARY`]).
+/// Computes the summary of a loaded run (loaded with at least [`crate::Columns::SUMMARY`];
+/// without start times there are no waits).
 pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let a = analyse(&SpanTable::of_run(run), &RunShape::of_run(run), opts);
     Summary {

@@ -28,7 +28,12 @@ pub struct SummaryArgs {
 }
 
 pub fn run(args: &SummaryArgs) -> Result<i32> {
-    let loaded = load_run(&args.run, Columns::SUMMARY)?;
+    // Start times match collectives across ranks ("waiting on").
+    let columns = Columns {
+        start: true,
+        ..Columns::SUMMARY
+    };
+    let loaded = load_run(&args.run, columns)?;
     let opts = StragglerOptions {
         min_share_of_steps: args.straggler_steps,
         min_excess_ratio: args.straggler_excess,
