@@ -517,6 +517,8 @@ pub struct Debug {
 pub struct Observability {
     pub enable: bool,
     pub flush_interval_s: f64,
+    /// The rank's journal is compacted into one Parquet part this often (and at the end).
+    pub rotate_interval_s: f64,
 }
 
 impl Default for Observability {
@@ -524,6 +526,7 @@ impl Default for Observability {
         Self {
             enable: true,
             flush_interval_s: 2.0,
+            rotate_interval_s: 600.0,
         }
     }
 }
@@ -829,6 +832,10 @@ impl JobConfig {
             (
                 "observability.flush_interval_s",
                 self.observability.flush_interval_s,
+            ),
+            (
+                "observability.rotate_interval_s",
+                self.observability.rotate_interval_s,
             ),
             (
                 "comm.init_timeout_seconds",

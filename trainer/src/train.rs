@@ -223,14 +223,24 @@ fn validate(
 pub fn run(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary> {
     let world = *dp.world();
     if cfg.observability.enable {
-        titan_obs::init(titan_obs::InitOptions {
-            run: cfg.job.dump_folder.clone(),
-            source: titan_obs::Source::Trainer,
-            rank: world.rank as u32,
-            local_rank: world.local_rank as u32,
-            world_size: world.world_size as u32,
-            flush_interval: std::time::Duration::from_secs_f64(cfg.observability.flush_interval_s),
-        })
+        titan_obs::init_with(
+            titan_obs::InitOptions {
+                run: cfg.job.dump_folder.clone(),
+                source: titan_obs::Source::Trainer,
+                rank: world.rank as u32,
+                local_rank: world.local_rank as u32,
+                world_size: world.world_size as u32,
+                flush_interval: std::time::Duration::from_secs_f64(
+                    cfg.observability.flush_interval_s,
+                ),
+            },
+            titan_obs::Tuning {
+                rotate_interval: std::time::Duration::from_secs_f64(
+                    cfg.observability.rotate_interval_s,
+                ),
+                ..Default::default()
+            },
+        )
         .context("starting titan-obs recording (observability.enable)")?;
     }
     let result = train(cfg, dp);
