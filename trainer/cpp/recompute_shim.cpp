@@ -131,9 +131,46 @@ struct Recompute : public torch::autograd::Function<Recompute> {
   }
 };
 
+// `y = x @ w.T` whose forward hands back an output kept from an earlier run of the same matmul
+// (torchtitan's selective AC keeps matmul outputs instead of recomputing them) and whose backward
+// is linear's: the same mm calls autograd makes for `matmul(x, w.t())` on a folded 2-D `x`.
+struct KeptLinear : public torch::autograd::Function<KeptLinear> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& x, const at::Tensor& w,
+                                                const std::vector<at::Tensor>& kept) {
+    ctx->save_for_backward({x, w});
+    return {kept.at(0)};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& w = saved[1];
+    const auto g = grads[0].reshape({-1, grads[0].size(-1)});
+    at::Tensor grad_x, grad_w;
+    if (x.requires_grad()) grad_x = g.mm(w).reshape(x.sizes());
+    if (w.requires_grad()) grad_w = g.t().mm(x.reshape({-1, x.size(-1)}));
+    return {grad_x, grad_w, at::Tensor()};
+  }
+};
+
 }  // namespace
 
 extern "C" {
+
+// `*out` = KeptLinear(x, w, kept) for tch tensors. Returns 0, or 1 with a message in `err`.
+int titan_kept_linear(void* x, void* w, void* kept, void** out, char* err, int64_t err_cap) {
+  try {
+    auto y = KeptLinear::apply(*reinterpret_cast<at::Tensor*>(x), *reinterpret_cast<at::Tensor*>(w),
+                               std::vector<at::Tensor>{*reinterpret_cast<at::Tensor*>(kept)});
+    *out = new at::Tensor(std::move(y.at(0)));
+    return 0;
+  } catch (const std::exception& e) {
+    std::strncpy(err, e.what(), err_cap - 1);
+    return 1;
+  }
+}
 
 // Applies a checkpointed region to `n_in` tch tensors (`at::Tensor*`), writing `n_out` new tensors
 // to `outputs`. `ctx` is owned from here on: `drop` frees it, also on error. Returns 0, or 1 with

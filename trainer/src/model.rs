@@ -5,10 +5,14 @@
 //! registration order, so checkpointing and the optimizer address them by name; the per-layer
 //! structs hold shallow clones (same storage, same autograd leaf) for the forward pass.
 
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
-use crate::recompute::checkpoint;
+use crate::recompute::{checkpoint, kept_linear};
 
 /// Llama-3.1's RoPE frequency scaling.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -161,8 +165,10 @@ pub enum ActivationCheckpointing {
     /// Recompute whole blocks number N, 2N, 3N, ... counting from 1, keep the others
     /// (`mode = selective`, `selective_ac_option = N`, as torchtitan's per-layer SAC counts).
     EveryNthLayer(u64),
-    /// Keep matmul and attention inputs and outputs; recompute the elementwise work between them
-    /// (RoPE, SiLU * up) in backward (`mode = selective`, `selective_ac_option = op`).
+    /// torchtitan's per-op rule (`mode = selective`, `selective_ac_option = op`): keep each
+    /// block's input and the outputs of its 1st, 3rd, 5th, ... matmul (wq, wv, w1, w2); backward
+    /// recomputes the block from its input, taking those kept outputs instead of multiplying
+    /// again, and recomputes the other matmuls, attention and the elementwise ops.
     Op,
 }
 
@@ -464,17 +470,28 @@ impl Llama {
     /// Logits (B, S, vocab) in fp32 for token ids (B, S).
     pub fn forward(&self, tokens: &Tensor) -> Tensor {
         let shape = BlockShape::of(&self.args);
-        let op = self.checkpointing == ActivationCheckpointing::Op;
         let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
         for (index, layer) in self.layers.iter().enumerate() {
-            h = if self.checkpointing.whole_layer(index) {
-                let (layer, freqs_cis) = (layer.share(), self.freqs_cis.shallow_clone());
+            let (layer_, freqs_cis) = (layer.share(), self.freqs_cis.shallow_clone());
+            h = if self.checkpointing == ActivationCheckpointing::Op {
+                // The first run (forward) records the kept matmul outputs, the second (the
+                // recompute in backward) replays them.
+                let kept = Mutex::new(None);
                 let [out] = checkpoint(&[&h], move |i| {
-                    [block(&layer, shape, &freqs_cis, &i[0], false)]
+                    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                    let matmuls = Matmuls::new(kept.take());
+                    let out = block(&layer_, shape, &freqs_cis, &i[0], &matmuls);
+                    *kept = matmuls.into_recorded();
+                    [out]
+                });
+                out
+            } else if self.checkpointing.whole_layer(index) {
+                let [out] = checkpoint(&[&h], move |i| {
+                    [block(&layer_, shape, &freqs_cis, &i[0], &Matmuls::plain())]
                 });
                 out
             } else {
-                block(layer, shape, &self.freqs_cis, &h, op)
+                block(layer, shape, &self.freqs_cis, &h, &Matmuls::plain())
             };
         }
         let h = h.rms_norm([shape.dim], Some(&self.norm), shape.norm_eps);
@@ -483,42 +500,78 @@ impl Llama {
     }
 }
 
-/// Runs `f` on `inputs` directly, or as a region recomputed in backward when `recompute`.
-fn maybe_checkpoint<const N: usize>(
-    recompute: bool,
-    inputs: [&Tensor; N],
-    f: impl Fn(&[Tensor]) -> [Tensor; 1] + Send + 'static,
-) -> Tensor {
-    if recompute {
-        let [out] = checkpoint(&inputs, f);
-        out
-    } else {
-        let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
-        let [out] = f(&owned);
-        out
+/// A block's matmuls (`x.linear(w)`), counted per run as torchtitan's selective-AC policy counts
+/// them: the odd-numbered ones are kept when recording and taken from the record when replaying.
+struct Matmuls {
+    memo: RefCell<Memo>,
+    count: Cell<usize>,
+}
+
+enum Memo {
+    Plain,
+    Record(Vec<Tensor>),
+    Replay(VecDeque<Tensor>),
+}
+
+impl Matmuls {
+    fn plain() -> Self {
+        Self::with(Memo::Plain)
+    }
+
+    /// Records when `replay` is `None`, else replays it.
+    fn new(replay: Option<VecDeque<Tensor>>) -> Self {
+        Self::with(match replay {
+            None => Memo::Record(Vec::new()),
+            Some(kept) => Memo::Replay(kept),
+        })
+    }
+
+    fn with(memo: Memo) -> Self {
+        Matmuls {
+            memo: RefCell::new(memo),
+            count: Cell::new(0),
+        }
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        self.count.set(self.count.get() + 1);
+        let kept = self.count.get() % 2 == 1;
+        match &mut *self.memo.borrow_mut() {
+            Memo::Replay(record) if kept => {
+                let value = record
+                    .pop_front()
+                    .expect("the recompute runs the matmuls the forward recorded");
+                kept_linear(x, w, &value)
+            }
+            Memo::Record(record) if kept => {
+                let y = x.linear::<&Tensor>(w, None);
+                record.push(y.shallow_clone());
+                y
+            }
+            _ => x.linear::<&Tensor>(w, None),
+        }
+    }
+
+    /// What a recording run kept, for the replay (`None` after a replay).
+    fn into_recorded(self) -> Option<VecDeque<Tensor>> {
+        match self.memo.into_inner() {
+            Memo::Record(record) => Some(record.into()),
+            Memo::Plain | Memo::Replay(_) => None,
+        }
     }
 }
 
-/// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))`. With
-/// `op_recompute`, the elementwise work between matmuls (RoPE, SiLU * up) is recomputed in backward
-/// instead of keeping its intermediates.
-fn block(
-    layer: &Layer,
-    shape: BlockShape,
-    freqs_cis: &Tensor,
-    h: &Tensor,
-    op_recompute: bool,
-) -> Tensor {
+/// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))`.
+fn block(layer: &Layer, shape: BlockShape, freqs_cis: &Tensor, h: &Tensor, mm: &Matmuls) -> Tensor {
     let (d, eps) = (shape.dim, shape.norm_eps);
     let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
     // `h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h` for the
     // rms_norm backward, so an in-place add breaks the backward pass.
-    let h = h + attention(layer, shape, freqs_cis, &x, op_recompute);
+    let h = h + attention(layer, shape, freqs_cis, &x, mm);
     let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
-    let gate = x.linear::<&Tensor>(&layer.w1, None);
-    let up = x.linear::<&Tensor>(&layer.w3, None);
-    let act = maybe_checkpoint(op_recompute, [&gate, &up], |i| [i[0].silu() * &i[1]]);
-    h + act.linear::<&Tensor>(&layer.w2, None)
+    let gate = mm.linear(&x, &layer.w1).silu();
+    let up = mm.linear(&x, &layer.w3);
+    h + mm.linear(&(gate * up), &layer.w2)
 }
 
 fn attention(
@@ -526,20 +579,15 @@ fn attention(
     shape: BlockShape,
     freqs_cis: &Tensor,
     x: &Tensor,
-    op_recompute: bool,
+    mm: &Matmuls,
 ) -> Tensor {
     let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
     let (h, kvh, hd) = (shape.n_heads, shape.kv_heads, shape.head_dim);
-    let q = x.linear::<&Tensor>(&layer.wq, None).view([b, s, h, hd]);
-    let k = x.linear::<&Tensor>(&layer.wk, None).view([b, s, kvh, hd]);
-    let v = x.linear::<&Tensor>(&layer.wv, None).view([b, s, kvh, hd]);
-    let rope = |t: &Tensor| {
-        let freqs_cis = freqs_cis.shallow_clone();
-        maybe_checkpoint(op_recompute, [t], move |i| {
-            [apply_rotary_emb(&i[0], &freqs_cis)]
-        })
-    };
-    let (q, k) = (rope(&q), rope(&k));
+    let q = mm.linear(x, &layer.wq).view([b, s, h, hd]);
+    let k = mm.linear(x, &layer.wk).view([b, s, kvh, hd]);
+    let v = mm.linear(x, &layer.wv).view([b, s, kvh, hd]);
+    let q = apply_rotary_emb(&q, freqs_cis);
+    let k = apply_rotary_emb(&k, freqs_cis);
     let (k, v) = if kvh == h {
         (k, v)
     } else {
@@ -562,9 +610,7 @@ fn attention(
         None,
         false,
     );
-    out.transpose(1, 2)
-        .reshape([b, s, h * hd])
-        .linear::<&Tensor>(&layer.wo, None)
+    mm.linear(&out.transpose(1, 2).reshape([b, s, h * hd]), &layer.wo)
 }
 
 #[cfg(test)]

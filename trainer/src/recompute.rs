@@ -36,6 +36,53 @@ unsafe extern "C" {
         err: *mut c_char,
         err_cap: i64,
     ) -> i32;
+    fn titan_kept_linear(
+        x: *mut c_void,
+        w: *mut c_void,
+        kept: *mut c_void,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        err_cap: i64,
+    ) -> i32;
+}
+
+fn raw(t: &Tensor) -> *mut c_void {
+    t.as_ptr().cast_mut().cast()
+}
+
+/// `x.linear(w)` for a recompute that already has its value: returns `kept` (the output of the
+/// same matmul in the forward pass) without multiplying, and back-propagates as linear does (the
+/// same mm calls, so the gradients are bit-identical). Under autocast `x` and `w` are cast to
+/// `kept`'s dtype first, as autocast's linear casts them.
+pub fn kept_linear(x: &Tensor, w: &Tensor, kept: &Tensor) -> Tensor {
+    let as_kept = |t: &Tensor| {
+        if t.kind() == kept.kind() {
+            t.shallow_clone()
+        } else {
+            t.to_kind(kept.kind())
+        }
+    };
+    let (x, w) = (as_kept(x), as_kept(w));
+    let mut out = std::ptr::null_mut();
+    let mut err = [0 as c_char; 1024];
+    // SAFETY: live tch tensors borrowed for the call; on success `out` is a new at::Tensor* we own.
+    let rc = unsafe {
+        titan_kept_linear(
+            raw(&x),
+            raw(&w),
+            raw(kept),
+            &mut out,
+            err.as_mut_ptr(),
+            err.len() as i64,
+        )
+    };
+    if rc != 0 {
+        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
+        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
+        panic!("{}", message.to_string_lossy());
+    }
+    // SAFETY: see above.
+    unsafe { Tensor::from_ptr(out.cast()) }
 }
 
 /// Runs `region` on `inputs` and returns its `N` outputs, keeping only `inputs` for the backward
@@ -48,10 +95,7 @@ where
     F: Fn(&[Tensor]) -> [Tensor; N] + Send + 'static,
 {
     let ctx = Box::into_raw(Box::new(region)).cast::<c_void>();
-    let mut in_ptrs: Vec<*mut c_void> = inputs
-        .iter()
-        .map(|t| t.as_ptr().cast_mut().cast::<c_void>())
-        .collect();
+    let mut in_ptrs: Vec<*mut c_void> = inputs.iter().map(|t| raw(t)).collect();
     let mut out_ptrs = [std::ptr::null_mut::<c_void>(); N];
     let mut err = [0 as c_char; 1024];
     // SAFETY: the input pointers are live tch tensors (at::Tensor*) borrowed for the call; the
@@ -209,6 +253,26 @@ mod tests {
         let (gx1, gw1) = run(true);
         assert_eq!(gw1.kind(), Kind::Float);
         assert!(gx0.equal(&gx1) && gw0.equal(&gw1));
+    }
+
+    #[test]
+    fn kept_linear_back_propagates_as_linear() {
+        let run = |kept: bool| {
+            tch::manual_seed(5);
+            let x = Tensor::randn([2, 3, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            let w = Tensor::randn([4, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+            let y = if kept {
+                let value = tch::no_grad(|| x.linear::<&Tensor>(&w, None));
+                kept_linear(&x, &w, &value)
+            } else {
+                x.linear::<&Tensor>(&w, None)
+            };
+            (y.tanh().sum(Kind::Float) * 2.0).backward();
+            (y.detach(), x.grad(), w.grad())
+        };
+        let (y0, gx0, gw0) = run(false);
+        let (y1, gx1, gw1) = run(true);
+        assert!(y0.equal(&y1) && gx0.equal(&gx1) && gw0.equal(&gw1));
     }
 
     #[test]
