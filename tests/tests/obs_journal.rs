@@ -236,6 +236,24 @@ fn kill_9_keeps_every_flushed_batch_and_the_next_process_compacts_it() {
         .unwrap();
     drop(f);
     let torn = load(&run);
+    // pyarrow reads the journal the same way: every complete batch, then the torn tail.
+    let out = titan_tests::python_script("tests/python/obs_read_journal.py")
+        .arg(&journal)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let py: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(py["rows"], ticks);
+    assert_eq!(py["kinds"]["instant"], ticks);
+    assert_eq!(
+        (py["rank"].as_u64(), py["part"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(py["torn"], true);
     assert!(
         torn.report.corrupt_parts.is_empty(),
         "{:?}",
@@ -369,7 +387,11 @@ fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted()
                 thread: 0,
                 seq,
                 kind: titan_obs::Kind::Span,
-                name: if seq.is_multiple_of(2) { "forward" } else { "backward" },
+                name: if seq.is_multiple_of(2) {
+                    "forward"
+                } else {
+                    "backward"
+                },
                 step: Some(seq / 10),
                 start_ns: seq as i64 * 1000,
                 dur_ns: Some(500),
@@ -377,7 +399,11 @@ fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted()
                 reduce: None,
                 depth: 0,
                 parent: None,
-                tags: if seq.is_multiple_of(10) { &["checkpoint"] } else { &[] },
+                tags: if seq.is_multiple_of(10) {
+                    &["checkpoint"]
+                } else {
+                    &[]
+                },
                 message: None,
             });
         }
