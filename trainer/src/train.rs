@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use tch::{Device, Kind, Reduction, Tensor};
 use titan_obs::Reduce;
+use titan_obs::vocab::{self, titan};
 
 use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
@@ -370,7 +371,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
     let n_micro = microbatches(&cfg.training, world.dp_degree())
         .map_err(|e| config_error("training.global_batch_size", e))?;
     let (mut optimizer, schedule) = {
-        let _s = titan_obs::span("optimizer");
+        let _s = titan_obs::span(titan::OPTIMIZER);
         (
             AdamW::new((&cfg.optimizer).into()),
             LrSchedule::new(&cfg.lr_scheduler, cfg.optimizer.lr, cfg.training.steps),
@@ -380,7 +381,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         .with_hf_assets(&cfg.model.hf_assets_path)
         .with_rank_sync(dp.rank_sync());
     let resumed_step = {
-        let _s = titan_obs::span("checkpoint");
+        let _s = titan_obs::span(titan::CHECKPOINT);
         let step = checkpointer.load(&mut TrainerState {
             model: &model,
             optimizer: &mut optimizer,
@@ -427,11 +428,11 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
 
     for step in resumed_step + 1..=cfg.training.steps {
         titan_obs::set_step(step);
-        let step_span = titan_obs::span("step");
+        let step_span = titan_obs::span(vocab::STEP);
         let lr = schedule.lr_for_step(step);
 
         let batches: Vec<Batch> = {
-            let _s = titan_obs::span("data_loading");
+            let _s = titan_obs::span(titan::DATA_LOADING);
             (0..n_micro)
                 .map(|_| {
                     train_loader
@@ -447,11 +448,11 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
 
         let mut local_loss = 0.0f64;
         {
-            let _s = titan_obs::span("forward_backward");
+            let _s = titan_obs::span(titan::FORWARD_BACKWARD);
             for batch in &batches {
-                let _m = titan_obs::span("microbatch");
+                let _m = titan_obs::span(titan::MICROBATCH);
                 let loss = {
-                    let _f = titan_obs::span("forward");
+                    let _f = titan_obs::span(titan::FORWARD);
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
                     precision.run(device, || {
@@ -460,7 +461,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                     })?
                 };
                 {
-                    let _b = titan_obs::span("backward");
+                    let _b = titan_obs::span(titan::BACKWARD);
                     loss.backward();
                 }
                 local_loss += loss.double_value(&[]);
@@ -469,20 +470,20 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         dp.reduce_gradients(&params)?;
 
         let grad_norm = {
-            let _s = titan_obs::span("optimizer");
+            let _s = titan_obs::span(titan::OPTIMIZER);
             let grad_norm = {
-                let _c = titan_obs::span("clip");
+                let _c = titan_obs::span(titan::CLIP);
                 let norm = dp.grad_norm(&params)?;
                 optim::clip_grads(&tensors, cfg.training.max_norm, norm);
                 norm
             };
             {
-                let _o = titan_obs::span("optimizer_step");
+                let _o = titan_obs::span(titan::OPTIMIZER_STEP);
                 dp.optimizer_step(&mut optimizer, &params, lr)?;
                 optim::clear_grads(&tensors);
             }
             {
-                let _l = titan_obs::span("lr");
+                let _l = titan_obs::span(titan::LR);
                 // The schedule is a pure function of the step; next step's lr is computed at
                 // its start. Kept as a phase for torchtitan parity.
             }
@@ -495,7 +496,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         }
 
         if step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps {
-            let _s = titan_obs::span("collect_dist_metrics");
+            let _s = titan_obs::span(titan::COLLECT_DIST_METRICS);
             let elapsed = window_start.elapsed().as_secs_f64();
             let tps = window_tokens as f64 / elapsed.max(1e-9);
             let (rss, peak_rss) = metrics::rss_bytes();
@@ -551,8 +552,8 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         if let Some(loader) = val_loader.as_mut()
             && step % cfg.validation.freq == 0
         {
-            let _s = titan_obs::span("validation");
-            titan_obs::add_step_tag("validation");
+            let _s = titan_obs::span(titan::VALIDATION);
+            titan_obs::add_step_tag(titan::VALIDATION);
             let v = validate(
                 &model,
                 loader,
@@ -576,8 +577,8 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         }
 
         if cfg.training.gc_freq > 0 && step % cfg.training.gc_freq == 0 {
-            let _s = titan_obs::span("gc");
-            titan_obs::add_step_tag("gc");
+            let _s = titan_obs::span(titan::GC);
+            titan_obs::add_step_tag(titan::GC);
             release_free_memory();
         }
         checkpointer.after_step(

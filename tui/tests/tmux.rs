@@ -458,7 +458,77 @@ fn summary_tui_and_gantt_name_the_same_straggler() {
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.contains(">r3 late</text>"));
     assert!(
+        text.contains("waiting on r3"),
+        "gantt legend has no waits headline"
+    );
+    assert!(
         text.contains("waiting on r3 (late from forward_backward, last in 12 steps"),
         "legend has no headline"
     );
+}
+
+/// `export --chrome` carries the same analysis: otherData's waits and stragglers, and each
+/// collective span's wait.
+#[test]
+fn chrome_export_carries_the_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let obs = || Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")));
+    let out = obs()
+        .arg("synth")
+        .arg(&run)
+        .args(["--ranks", "4", "--steps", "6", "--spans-per-step", "12"])
+        .args(["--straggler", "1:forward_backward:1.3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json = dir.path().join("trace.json");
+    let out = obs()
+        .args([
+            "export",
+            run.to_str().unwrap(),
+            "--chrome",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let top = &v["otherData"]["waits"][0];
+    assert_eq!(
+        (&top["rank"], &top["phase"]),
+        (&1.into(), &"forward_backward".into())
+    );
+    assert!(
+        v["otherData"]["stragglers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["rank"] == 1 && x["phase"] == "forward_backward")
+    );
+    // Ranks 0, 2 and 3 waited in every all_reduce; rank 1 never did.
+    let waited: Vec<(u64, i64)> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "all_reduce" && e["ph"] == "X")
+        .map(|e| {
+            (
+                e["pid"].as_u64().unwrap(),
+                e["args"]["waited_ns"].as_i64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(waited.len(), 4 * 6);
+    for (rank, w) in waited {
+        assert_eq!(w > 0, rank != 1, "rank {rank} waited {w} ns");
+    }
 }

@@ -5,11 +5,17 @@
 //! nesting shows from time containment (parents are written before their children), point
 //! events, step tags and errors as instant (`i`) events, scalars as counter (`C`) tracks.
 //! Times are microseconds since the earliest record; streamed, never built in memory.
+//!
+//! The analysis `titan-obs summary` prints goes along: `otherData` holds its `stragglers` and
+//! `waits`, and each collective span's args say how long that rank waited in it for later
+//! ranks (`waited_ns`).
 
 use std::io::Write;
 
 use anyhow::{Result, bail};
 
+use super::summary::{StragglerOptions, analyse};
+use super::table::{RunShape, SpanTable};
 use crate::read::Run;
 use crate::record::NO_STEP;
 
@@ -47,9 +53,21 @@ pub fn write_chrome(run: &Run, out: &mut dyn Write) -> Result<ChromeStats> {
         format!("{}.{:03}", d.div_euclid(1000), d.rem_euclid(1000))
     };
     let mut stats = ChromeStats::default();
+    let analysis = analyse(
+        &SpanTable::of_run(run),
+        &RunShape::of_run(run),
+        &StragglerOptions::default(),
+    );
     out.write_all(b"{\"displayTimeUnit\":\"ms\",\"otherData\":{\"run\":")?;
     out.write_all(json_str(&run.location).as_bytes())?;
+    write!(
+        out,
+        ",\"stragglers\":{},\"waits\":{}",
+        serde_json::to_string(&analysis.stragglers)?,
+        serde_json::to_string(&analysis.waits.table)?
+    )?;
     out.write_all(b"},\"traceEvents\":[\n")?;
+    let span_wait = &analysis.waits.span_wait;
     let mut first = true;
     let mut sep = |out: &mut dyn Write| -> std::io::Result<()> {
         if first {
@@ -112,6 +130,9 @@ pub fn write_chrome(run: &Run, out: &mut dyn Write) -> Result<ChromeStats> {
             if !tags.is_empty() {
                 write!(out, "\"tags\":{},", serde_json::to_string(&tags)?)?;
             }
+        }
+        if let Ok(k) = span_wait.binary_search_by_key(&(i as u32), |w| w.0) {
+            write!(out, "\"waited_ns\":{},", span_wait[k].1)?;
         }
         write!(out, "\"depth\":{}}}}}", sp.depth[i])?;
         stats.spans += 1;

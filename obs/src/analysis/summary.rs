@@ -17,8 +17,11 @@ use crate::record::NO_STEP;
 pub struct StragglerOptions {
     /// A rank must be above the cross-rank median in at least this share of steps...
     pub min_share_of_steps: f64,
-    /// ...and its median time / the cross-rank median must be at least 1 + this.
+    /// ...and its median time / the cross-rank median must be at least 1 + this...
     pub min_excess_ratio: f64,
+    /// ...and its median excess must be at least this share of the median step: a straggler
+    /// costs the job something (rank 0's 100 µs of logging in a 1 s step does not).
+    pub min_step_share: f64,
 }
 
 impl Default for StragglerOptions {
@@ -26,6 +29,7 @@ impl Default for StragglerOptions {
         StragglerOptions {
             min_share_of_steps: 0.75,
             min_excess_ratio: 0.05,
+            min_step_share: 0.005,
         }
     }
 }
@@ -183,7 +187,8 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
 /// Straggler rule: a rank is a straggler in a phase when, over the steps where at least two
 /// ranks ran it, its time is above the cross-rank median in at least
 /// `opts.min_share_of_steps` of them and its median ratio to the median is at least
-/// `1 + opts.min_excess_ratio`. A rank's time in a phase here leaves out the time it spent
+/// `1 + opts.min_excess_ratio` and its median excess at least `opts.min_step_share` of the
+/// median untagged step. A rank's time in a phase here leaves out the time it spent
 /// waiting in collectives inside that phase for ranks that arrived later (see [`waits`]):
 /// a fast rank waiting in `all_reduce` for a slow one is not slow.
 pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Analysis {
@@ -328,6 +333,7 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
     } else {
         median_f64(&mut untagged)
     };
+    stragglers.retain(|s| s.median_excess_ns >= opts.min_step_share * median_step);
     let mut tagged_phase: HashMap<(u64, u32), i64> = HashMap::new();
     if !shape.step_tags.is_empty() {
         let mut wanted: Vec<NameId> = shape

@@ -37,6 +37,7 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
     let opts = StragglerOptions {
         min_share_of_steps: args.straggler_steps,
         min_excess_ratio: args.straggler_excess,
+        ..StragglerOptions::default()
     };
     let s = summary(&loaded, &opts);
     if args.json {
