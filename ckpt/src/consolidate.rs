@@ -319,6 +319,7 @@ mod tests {
             dtype: Dtype::U8,
             shape: vec![n],
             row_map: None,
+            transpose: None,
         }
     }
 

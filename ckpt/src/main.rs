@@ -161,10 +161,9 @@ struct ConvertArgs {
     #[arg(long, value_enum)]
     to: Format,
     /// Rename tensors for a model family between torchtitan 0.3.0 (or older llama3) names and
-    /// HF names: RoPE q/k row permutation (llama3), experts split/stacked (qwen3 MoE,
-    /// deepseek_v3), MTP layers (deepseek_v3); --to hf also writes config.json. `auto` picks the
-    /// family from the tensor names and says which.
-    #[arg(long, value_parser = parse_adapter)]
+    /// HF names, transforming what differs; --to hf also writes config.json (from the shapes,
+    /// torchtitan's flavor defaults for what a checkpoint does not hold, or --hf-config).
+    #[arg(long, value_enum)]
     adapter: Option<AdapterChoice>,
     /// Which torchtitan names to write (--to dcp/dcp-hf with --adapter): torchtitan 0.3.0's
     /// (`attention.qkv_linear.wq`, `lm_head`) or older releases' (`attention.wq`, `output`).
@@ -178,7 +177,8 @@ struct ConvertArgs {
     #[arg(long)]
     model_only: bool,
     /// Attention heads (llama3 needs them for the RoPE permutation unless the model is a known
-    /// torchtitan flavor: debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3 reads them from q_norm).
+    /// torchtitan flavor: debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3 reads them from q_norm,
+    /// gpt_oss from the attention sinks).
     #[arg(long)]
     n_heads: Option<u64>,
     /// Key/value heads (default: inferred from wk's shape).
@@ -196,7 +196,8 @@ struct ConvertArgs {
     /// max_position_embeddings written to config.json.
     #[arg(long)]
     max_position_embeddings: Option<u64>,
-    /// Routed experts per token (MoE config.json; not stored in checkpoints).
+    /// Routed experts per token (MoE config.json; not stored in checkpoints; gpt_oss defaults
+    /// to torchtitan's 4).
     #[arg(long)]
     experts_per_token: Option<u64>,
     /// For --to hf: copy this config.json instead of writing one from the inferred arguments.
@@ -220,21 +221,34 @@ struct ConvertArgs {
     workers: Workers,
 }
 
-/// `--adapter` values.
+/// `--adapter` values: every [`Family`] (with its help) and `auto`.
 #[derive(Clone, Copy)]
 enum AdapterChoice {
-    Auto,
     Family(Family),
+    Auto,
 }
 
-fn parse_adapter(s: &str) -> Result<AdapterChoice, String> {
-    use clap::ValueEnum;
-    if s == "auto" {
-        return Ok(AdapterChoice::Auto);
+impl clap::ValueEnum for AdapterChoice {
+    fn value_variants<'a>() -> &'a [Self] {
+        static ALL: std::sync::LazyLock<Vec<AdapterChoice>> = std::sync::LazyLock::new(|| {
+            let families = Family::value_variants().iter().copied();
+            families
+                .map(AdapterChoice::Family)
+                .chain([AdapterChoice::Auto])
+                .collect()
+        });
+        &ALL
     }
-    Family::from_str(s, false)
-        .map(AdapterChoice::Family)
-        .map_err(|_| format!("unknown adapter `{s}` (llama3, qwen3, deepseek_v3 or auto)"))
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        match self {
+            AdapterChoice::Family(f) => f.to_possible_value(),
+            AdapterChoice::Auto => Some(
+                clap::builder::PossibleValue::new("auto")
+                    .help("Pick the family from the tensor names, and say which."),
+            ),
+        }
+    }
 }
 
 #[derive(Args)]
@@ -462,7 +476,8 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
                 AdapterChoice::Auto => {
                     let f = adapter::detect_family(&plan).ok_or_else(|| {
                         Error::usage(
-                            "--adapter auto: no llama3, qwen3 or deepseek_v3 tensor names found",
+                            "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor \
+                             names found",
                         )
                     })?;
                     eprintln!("titan-ckpt: --adapter auto picked {f}");
@@ -589,6 +604,13 @@ fn write_config(
     let Some(args) = args else { return Ok(()) };
     match adapter::hf_config(args, dtype)? {
         Some(cfg) => {
+            for value in &args.assumed {
+                eprintln!(
+                    "titan-ckpt: config.json: {value}: not in the checkpoint, torchtitan's {} \
+                     default (pass --hf-config to copy a config.json instead)",
+                    args.family
+                );
+            }
             let json = serde_json::to_vec_pretty(&cfg).expect("json");
             Ok(out.write_small("config.json", &json)?)
         }

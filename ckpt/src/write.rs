@@ -67,6 +67,93 @@ impl RowMap {
     }
 }
 
+/// Swaps the two inner dims of every expert of a stacked tensor: input `[E, rows, cols]`, output
+/// `[E, cols, rows]` (gpt-oss: torchtitan keeps `[E, out, in]` weights, HF `[E, in, out]`).
+///
+/// Streamed in tiles of output rows: a tile of `w` output rows of one expert reads `w` columns of
+/// each of the expert's `rows` input rows (one read per input row, or one read for the whole
+/// expert when the tile is all of it), so every input element is read once and memory is the
+/// tile, never the expert or the stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertTranspose {
+    /// Rows of one expert's input matrix.
+    pub rows: u64,
+    /// Columns of one expert's input matrix.
+    pub cols: u64,
+}
+
+impl ExpertTranspose {
+    /// The transpose of the `[.., rows, cols]` tensor `tensor` of shape `shape`.
+    pub fn of(tensor: &str, shape: &[u64]) -> Result<ExpertTranspose> {
+        match shape {
+            [_, rows, cols] => Ok(ExpertTranspose {
+                rows: *rows,
+                cols: *cols,
+            }),
+            _ => Err(Error::usage(format!(
+                "`{tensor}`: stacked experts to transpose need an [E, rows, cols] shape, got \
+                 {shape:?}"
+            ))),
+        }
+    }
+
+    /// The output shape for an input of `[experts, rows, cols]`.
+    pub fn out_shape(self, experts: u64) -> Vec<u64> {
+        vec![experts, self.cols, self.rows]
+    }
+
+    /// Fills `out` with the output elements `range` (whole output rows of `rows` elements) in
+    /// `src`'s dtype; `tile` is scratch space of at most `out`'s size.
+    pub fn read(
+        self,
+        reader: &mut TensorReader,
+        src: &TensorPlan,
+        range: Range<u64>,
+        out: &mut [u8],
+        tile: &mut Vec<u8>,
+    ) -> Result<()> {
+        let (rows, cols) = (self.rows, self.cols);
+        let es = src.dtype.size();
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        debug_assert!(range.start.is_multiple_of(rows) && range.end.is_multiple_of(rows));
+        let (mut k, k_end) = (range.start / rows, range.end / rows);
+        while k < k_end {
+            let (expert, c0) = (k / cols, k % cols);
+            let c1 = cols.min(c0 + (k_end - k));
+            let w = c1 - c0;
+            let base = expert * rows * cols;
+            let row_bytes = (w as usize) * es;
+            tile.resize(rows as usize * row_bytes, 0);
+            if w == cols {
+                reader.read_any(src, base..base + rows * cols, tile)?;
+            } else {
+                for r in 0..rows {
+                    let at = base + r * cols;
+                    let dst = &mut tile[r as usize * row_bytes..(r as usize + 1) * row_bytes];
+                    reader.read_any(src, at + c0..at + c1, dst)?;
+                }
+            }
+            let o = ((k - range.start / rows) * rows) as usize * es;
+            transpose_bytes(tile, rows as usize, w as usize, es, &mut out[o..]);
+            k = expert * cols + c1;
+        }
+        Ok(())
+    }
+}
+
+/// Writes the `[n, m]` matrix `a` of `es`-byte elements into `out` as `[m, n]`.
+fn transpose_bytes(a: &[u8], n: usize, m: usize, es: usize, out: &mut [u8]) {
+    for j in 0..m {
+        let row = &mut out[j * n * es..(j + 1) * n * es];
+        for (i, dst) in row.chunks_exact_mut(es).enumerate() {
+            let s = (i * m + j) * es;
+            dst.copy_from_slice(&a[s..s + es]);
+        }
+    }
+}
+
 /// A run of an input tensor's elements (C order): the whole tensor, or one expert's rows of a
 /// stacked `[E, ...]` tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,6 +179,8 @@ pub struct OutTensor {
     pub shape: Vec<u64>,
     /// Row reordering of a single-source 2-D tensor (RoPE q/k layouts).
     pub row_map: Option<RowMap>,
+    /// Per-expert transpose of a single-source stacked tensor (gpt-oss expert weights).
+    pub transpose: Option<ExpertTranspose>,
 }
 
 impl OutTensor {
@@ -107,6 +196,7 @@ impl OutTensor {
             dtype,
             shape: src.shape.clone(),
             row_map: None,
+            transpose: None,
         }
     }
 
@@ -358,15 +448,21 @@ impl<'a> Worker<'a> {
     fn write_tensor(&mut self, t: &OutTensor, out: &OutFile, offset: u64) -> Result<()> {
         let sources = resolve_sources(self.plan, t)?;
         tracing::debug!(tensor = %t.name, file = %out.name, "writing");
-        if let Some(map) = t.row_map {
+        if t.row_map.is_some() || t.transpose.is_some() {
+            // Both reorder one input tensor.
             let [(src, _)] = sources.as_slice() else {
                 return Err(Error::tensor(
                     self.plan.root.display(),
                     &t.name,
-                    "internal: a RoPE row map needs exactly one source",
+                    "internal: a RoPE row map or expert transpose needs exactly one source",
                 ));
             };
-            return self.write_permuted(src, t, map, out, offset);
+            if let Some(map) = t.row_map {
+                return self.write_permuted(src, t, map, out, offset);
+            }
+            if let Some(tr) = t.transpose {
+                return self.write_transposed(src, t, tr, out, offset);
+            }
         }
         let os = t.dtype.size() as u64;
         let mut pos = offset;
@@ -482,6 +578,40 @@ impl<'a> Worker<'a> {
         Ok(())
     }
 
+    /// Writes `t`, the per-expert transpose of `src`, in tiles of whole output rows of at most
+    /// the window size, sequentially (object store outputs take nothing else).
+    fn write_transposed(
+        &mut self,
+        src: &TensorPlan,
+        t: &OutTensor,
+        tr: ExpertTranspose,
+        out: &OutFile,
+        offset: u64,
+    ) -> Result<()> {
+        let es = src.dtype.size() as u64;
+        let per = (self.window / (tr.rows * es).max(1)).max(1) * tr.rows;
+        let (total, os) = (src.numel(), t.dtype.size() as u64);
+        let mut buf = std::mem::take(&mut self.buf);
+        let mut tile = Vec::new();
+        let mut s = 0;
+        while s < total {
+            let e = (s + per).min(total);
+            buf.resize(((e - s) * es) as usize, 0);
+            tr.read(&mut self.reader, src, s..e, &mut buf, &mut tile)?;
+            let bytes: &[u8] = if src.dtype == t.dtype {
+                &buf
+            } else {
+                cast::convert(src.dtype, t.dtype, &buf, &mut self.converted);
+                &self.converted
+            };
+            out.write_at(offset + s * os, bytes)?;
+            self.progress.inc((e - s) * es);
+            s = e;
+        }
+        self.buf = buf;
+        Ok(())
+    }
+
     /// Copies `len` bytes between files: `copy_file_range` when both are local, else through
     /// a bounded buffer.
     fn copy_range(
@@ -556,5 +686,21 @@ mod tests {
         let to = RowMap::ToHf { heads: 1 };
         let got: Vec<u64> = (0..8).map(|r| to.source_row(r, 8)).collect();
         assert_eq!(got, vec![0, 2, 4, 6, 1, 3, 5, 7]);
+    }
+
+    #[test]
+    fn transpose_bytes_swaps_dims() {
+        // [2, 3] of u16 -> [3, 2].
+        let a: Vec<u8> = [1u16, 2, 3, 4, 5, 6]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let mut out = vec![0u8; a.len()];
+        transpose_bytes(&a, 2, 3, 2, &mut out);
+        let got: Vec<u16> = out
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        assert_eq!(got, vec![1, 4, 2, 5, 3, 6]);
     }
 }

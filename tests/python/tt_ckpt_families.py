@@ -5,15 +5,21 @@ Run `make` and `check-dcp` with torch 2.15 + torchtitan (TITAN_TT_PYTHON); `chec
 TITAN_PYTHON (transformers 5).
 
 usage:
-  tt_ckpt_families.py make DIR FLAVOR     FLAVOR: qwen3, qwen3_moe, deepseek_v3, deepseek_v3_qlora_mtp
+  tt_ckpt_families.py make DIR FLAVOR     FLAVOR: qwen3, qwen3_moe, deepseek_v3, deepseek_v3_qlora_mtp,
+                                          gpt_oss
       DIR/ref.safetensors          the model state dict (seeded values, torchtitan 0.3.0 names)
       DIR/dcp1/                    model-only DCP from one process
       DIR/dcp2/                    the same from 2 gloo ranks with FSDP2 fully_shard (Shard(0),
                                    so stacked experts are split on the expert dim)
       DIR/expected_hf.safetensors  the family adapter's to_hf
       DIR/hf_config.json           transformers config of the flavor
-  tt_ckpt_families.py check-hf OURS DIR   OURS (titan's HF output) holds exactly expected_hf's
-      tensors bit for bit, and transformers' logits on OURS equal those on torchtitan's to_hf
+      DIR/tt_logits.safetensors    gpt_oss only: torchtitan's model's logits on LONG_TOKENS
+  tt_ckpt_families.py check-hf DIR OURS... [--own-config]   each OURS (titan's HF output) holds exactly
+      expected_hf's tensors bit for bit, and transformers' logits on OURS equal those on
+      torchtitan's to_hf. gpt_oss (torchtitan's to_hf drops the experts): the non-expert tensors
+      are expected_hf's bit for bit, the experts are ref's transposed per expert exactly, and
+      transformers' logits match torchtitan's model's (see GPT_OSS_LOGITS_RTOL).
+      --own-config: load OURS with its own config.json (titan's inferred one), not DIR's
   tt_ckpt_families.py check-dcp DCP DIR   dcp.load into the flavor's state dict equals ref,
       except tensors HF cannot hold (listed on stdout)
 """
@@ -28,6 +34,18 @@ from safetensors.torch import load_file, save_file
 
 TOKENS = torch.arange(0, 120, 7).remainder(256).unsqueeze(0)
 VOCAB, DIM = 256, 64
+# gpt-oss: longer than the sliding window (128) of its even layers, so the window is exercised.
+LONG_TOKENS = torch.arange(0, 160 * 7, 7).remainder(VOCAB).unsqueeze(0)
+SLIDING_WINDOW = 128
+
+# torchtitan 0.3.0's gpt-oss experts run their matmuls in bf16 whatever the model dtype
+# (`x.bfloat16()`, `w.bfloat16()` in GptOssGroupedExperts.forward), and its fp32 path fails on CPU
+# (the bf16 expert output meets an fp32 scatter_add), so its logits come from the model in bf16.
+# transformers runs titan's fp32 weights in fp32. The bound is relative to the logits' largest
+# magnitude: a few bf16 ulps (2**-8 = 0.0039 each) accumulated over the tiny model's 2 layers;
+# measured 0.72% with correct weights (transformers in bf16 too: 0.70%), while swapping gate and
+# up (the interleave order) moves them by 56%.
+GPT_OSS_LOGITS_RTOL = 0.02
 
 
 def flavor(name):
@@ -66,6 +84,8 @@ def flavor(name):
                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                   norm_topk_prob=True, tie_word_embeddings=False)
         return cfg, Qwen3StateDictAdapter, hf, ["moe.expert_bias_E"]
+    if name == "gpt_oss":
+        return gpt_oss_flavor(emb, head)
     from torchtitan.models import deepseek_v3 as d
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
     from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
@@ -94,6 +114,69 @@ def flavor(name):
     return cfg, DeepSeekV3StateDictAdapter, hf, []
 
 
+def gpt_oss_flavor(emb, head):
+    """torchtitan's gpt-oss layers (biased fused QKV, sinks, YaRN RoPE, sliding window on even
+    layers, biased router and experts) at a tiny size: the debugmodel's 64 heads are shrunk to 4
+    (2 kv heads) of dim 16 through torchtitan's own attention builder."""
+    from torchtitan.models import gpt_oss as g
+    from torchtitan.models.common import RMSNorm
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.gpt_oss import GptOssModel
+    from torchtitan.models.gpt_oss.state_dict_adapter import GptOssStateDictAdapter
+
+    heads, kv, hd, n_layers = 4, 2, 16, 2
+    rope = CosSinRoPE.Config(dim=hd, max_seq_len=256, theta=150000.0, scaling="yarn",
+                             rope_factor=32, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_seq_len=4096)
+    # Every token goes to all 4 experts (top_k 4, as in every torchtitan gpt-oss flavor): a
+    # top-k choice is discontinuous, and bf16 rounding in torchtitan's run flips near-ties.
+    layers = g._build_gptoss_layers(dim=DIM, n_layers=n_layers, hidden_dim=32, num_experts=4,
+                                    top_k=4, load_balance_coeff=1e-3, attn_backend="flex",
+                                    fuse_qkv=True, moe_comm_backend="standard", rope=rope)
+    for i, layer in enumerate(layers):
+        layer.attention = g._make_gptoss_attn_config(
+            dim=DIM, layer_id=i, attn_backend="flex", n_heads=heads, n_kv_heads=kv, head_dim=hd,
+            sliding_window_size=SLIDING_WINDOW if i % 2 == 0 else None, fuse_qkv=True, rope=rope)
+    cfg = GptOssModel.Config(vocab_size=VOCAB, dim=DIM, tok_embeddings=emb, lm_head=head,
+                             norm=RMSNorm.Config(normalized_shape=DIM), layers=layers)
+    hf = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=VOCAB,
+              hidden_size=DIM, intermediate_size=32, num_hidden_layers=n_layers,
+              num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+              num_local_experts=4, num_experts_per_tok=4, sliding_window=SLIDING_WINDOW,
+              layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                           for i in range(n_layers)],
+              rms_norm_eps=1e-5, max_position_embeddings=256, attention_bias=True,
+              tie_word_embeddings=False, swiglu_limit=7.0, rope_theta=150000.0,
+              rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                truncate=False, original_max_position_embeddings=4096),
+              rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                   beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                   original_max_position_embeddings=4096))
+    return cfg, GptOssStateDictAdapter, hf, ["moe.expert_bias_E"]
+
+
+# gpt-oss expert tensors: torchtitan name suffix -> (HF name suffix, transposed per expert).
+GPT_OSS_EXPERTS = {
+    "moe.routed_experts.inner_experts.mlp1_weight_EGD": ("mlp.experts.gate_up_proj", True),
+    "moe.routed_experts.inner_experts.mlp1_bias_EG": ("mlp.experts.gate_up_proj_bias", False),
+    "moe.routed_experts.inner_experts.mlp2_weight_EDF": ("mlp.experts.down_proj", True),
+    "moe.routed_experts.inner_experts.mlp2_bias_ED": ("mlp.experts.down_proj_bias", False),
+}
+
+
+def tt_logits(model, tokens):
+    """torchtitan's own forward on CPU: flex attention eager (compiled flex on CPU cannot return
+    the log-sum-exp the sinks need) and the model in bf16 (see GPT_OSS_LOGITS_RTOL)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    FlexAttention._compiled_flex_attn = flex_attention
+    model = model.to(torch.bfloat16)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        return model(tokens, positions, model.get_attention_masks(positions)).float()
+
+
 def build(name):
     cfg, adapter_cls, hf, no_home = flavor(name)
     with torch.device("cpu"):
@@ -101,12 +184,17 @@ def build(name):
     return cfg, model, adapter_cls, hf, no_home
 
 
-def seeded(model):
+def seeded(model, no_home):
+    """Seeded values for every tensor; those HF cannot hold are zero (gpt-oss's load-balancing
+    expert bias steers torchtitan's routing, so a nonzero one would make its logits differ from
+    any HF model's)."""
     g = torch.Generator().manual_seed(4321)
     with torch.no_grad():
         for name, p in model.state_dict().items():
             if p.is_floating_point():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05 + (1.0 if "norm" in name else 0.0))
+                if name.startswith("layers.") and any(name.endswith(s) for s in no_home):
+                    p.zero_()
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
@@ -133,8 +221,8 @@ def make(d, name):
     import torch.multiprocessing as mp
 
     os.makedirs(d, exist_ok=True)
-    cfg, model, adapter_cls, hf_cfg, _ = build(name)
-    ref = seeded(model)
+    cfg, model, adapter_cls, hf_cfg, no_home = build(name)
+    ref = seeded(model, no_home if name == "gpt_oss" else [])
     save_file(ref, os.path.join(d, "ref.safetensors"))
     dcp.save(model.state_dict(), checkpoint_id=os.path.join(d, "dcp1"))
     hf = adapter_cls(cfg, None).to_hf(dict(ref))
@@ -145,10 +233,12 @@ def make(d, name):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(fsdp_rank, args=(2, d, name, port), nprocs=2, join=True)
+    if name == "gpt_oss":
+        save_file({"logits": tt_logits(model, LONG_TOKENS)}, os.path.join(d, "tt_logits.safetensors"))
     print(f"made {name}: {len(ref)} torchtitan tensors, {len(hf)} HF tensors")
 
 
-def hf_logits(path, cfg_path):
+def hf_logits(path, cfg_path, tokens=TOKENS):
     import shutil
     import tempfile
 
@@ -160,7 +250,8 @@ def hf_logits(path, cfg_path):
                 shutil.copy(os.path.join(path, f), t)
         else:
             shutil.copy(path, os.path.join(t, "model.safetensors"))
-        shutil.copy(cfg_path, os.path.join(t, "config.json"))
+        if cfg_path is not None:
+            shutil.copy(cfg_path, os.path.join(t, "config.json"))
         config = AutoConfig.from_pretrained(t)
         model, info = AutoModelForCausalLM.from_pretrained(t, config=config, output_loading_info=True)
         # transformers has no MTP module: DeepSeek-V3's MTP layers (after the main layers, as in
@@ -172,30 +263,82 @@ def hf_logits(path, cfg_path):
         if bad:
             sys.exit(f"{path}: loading info {bad}")
         with torch.no_grad():
-            return model(TOKENS).logits
+            return model(tokens).logits
 
 
-def check_hf(ours, d):
+def load_dir(path):
     from safetensors import safe_open
 
-    exp = load_file(os.path.join(d, "expected_hf.safetensors"))
     got = {}
-    files = [os.path.join(ours, f) for f in os.listdir(ours) if f.endswith(".safetensors")]
-    for f in files:
-        with safe_open(f, "pt") as h:
-            for k in h.keys():
-                got[k] = h.get_tensor(k)
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), "pt") as h:
+                for k in h.keys():
+                    got[k] = h.get_tensor(k)
+    return got
+
+
+def check_hf(ours, d, own_config=False):
+    exp = load_file(os.path.join(d, "expected_hf.safetensors"))
+    got = load_dir(ours)
+    cfg = None if own_config else os.path.join(d, "hf_config.json")
+    if os.path.exists(os.path.join(d, "tt_logits.safetensors")):
+        return check_hf_gpt_oss(ours, d, exp, got, cfg)
     if set(got) != set(exp):
         sys.exit(f"names differ: only titan {sorted(set(got) - set(exp))[:5]}, only torchtitan {sorted(set(exp) - set(got))[:5]}")
     for k, v in exp.items():
         if got[k].dtype != v.dtype or not torch.equal(got[k], v):
             sys.exit(f"{k} differs from torchtitan's to_hf")
-    cfg = os.path.join(d, "hf_config.json")
     a = hf_logits(ours, cfg)
-    b = hf_logits(os.path.join(d, "expected_hf.safetensors"), cfg)
+    b = hf_logits(os.path.join(d, "expected_hf.safetensors"), os.path.join(d, "hf_config.json"))
     if not torch.equal(a, b):
         sys.exit(f"logits differ by {(a - b).abs().max().item():.3e}")
     print(f"ok {len(exp)} tensors bit-equal, logits equal")
+
+
+def check_hf_gpt_oss(ours, d, exp, got, cfg):
+    import shutil
+    import tempfile
+
+    ref = load_file(os.path.join(d, "ref.safetensors"))
+    # torchtitan's to_hf holds every tensor but the experts: those must be bit-equal ...
+    for k, v in exp.items():
+        if k not in got or got[k].dtype != v.dtype or not torch.equal(got[k], v):
+            sys.exit(f"{k} missing or differs from torchtitan's to_hf")
+    # ... and the experts, which it drops, ref's exactly (transposed per expert where HF keeps
+    # [E, in, out]).
+    want = {}
+    for k, v in ref.items():
+        for tt, (hf, transposed) in GPT_OSS_EXPERTS.items():
+            if k.endswith(tt):
+                layer = k.split(".")[1]
+                want[f"model.layers.{layer}.{hf}"] = v.transpose(1, 2) if transposed else v
+    if set(got) != set(exp) | set(want):
+        sys.exit(f"names differ: {sorted(set(got) ^ (set(exp) | set(want)))[:6]}")
+    for k, v in want.items():
+        if not torch.equal(got[k], v):
+            sys.exit(f"{k} is not torchtitan's expert tensor (transposed per expert)")
+    tt = load_file(os.path.join(d, "tt_logits.safetensors"))["logits"]
+    ours_logits = hf_logits(ours, cfg, LONG_TOKENS)
+    err = ((ours_logits - tt).abs().max() / tt.abs().max()).item()
+    if not err <= GPT_OSS_LOGITS_RTOL:
+        sys.exit(f"transformers' logits differ from torchtitan's model's by {err:.2%} of the "
+                 f"largest logit (bound {GPT_OSS_LOGITS_RTOL:.0%})")
+    # The bound tells a wrong expert layout apart: gate and up swapped must fail it.
+    with tempfile.TemporaryDirectory() as t:
+        swapped = {}
+        for k, v in got.items():
+            if k.endswith("gate_up_proj") or k.endswith("gate_up_proj_bias"):
+                v = v.unflatten(-1, (-1, 2)).flip(-1).flatten(-2).contiguous()
+            swapped[k] = v
+        save_file(swapped, os.path.join(t, "model.safetensors"))
+        shutil.copy(cfg or os.path.join(ours, "config.json"), os.path.join(t, "config.json"))
+        bad = ((hf_logits(t, None, LONG_TOKENS) - tt).abs().max() / tt.abs().max()).item()
+    if not bad > 2 * GPT_OSS_LOGITS_RTOL:
+        sys.exit(f"gate/up swapped moves the logits only {bad:.2%}: the bound cannot tell")
+    print(f"ok {len(exp)} tensors bit-equal to torchtitan's to_hf, {len(want)} expert tensors "
+          f"equal to the model's; logits within {err:.3%} of torchtitan's model "
+          f"(gate/up swapped: {bad:.1%})")
 
 
 def check_dcp(dcp_dir, d, name):
@@ -217,7 +360,10 @@ if __name__ == "__main__":
     if cmd == "make":
         make(sys.argv[2], sys.argv[3])
     elif cmd == "check-hf":
-        check_hf(sys.argv[2], sys.argv[3])
+        own = "--own-config" in sys.argv[4:]
+        for ours in (a for a in sys.argv[3:] if a != "--own-config"):
+            print(f"{ours}:", end=" ", flush=True)
+            check_hf(ours, sys.argv[2], own_config=own)
     elif cmd == "check-dcp":
         check_dcp(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

@@ -2,10 +2,9 @@
 //! exit non-zero, and leave no output behind.
 
 use std::path::Path;
-use std::process::Command;
 
 use serde_json::json;
-use titan_tests::bin;
+use titan_tests::titan_ckpt;
 
 /// A safetensors file from (name, dtype, shape, saved_offsets) entries with patterned data.
 fn shard(entries: &[(&str, &str, &[u64], &[u64])]) -> Vec<u8> {
@@ -58,7 +57,7 @@ fn good(dir: &Path) {
 /// Runs `titan-ckpt consolidate IN OUT`; asserts failure, the message fragments, and no output.
 fn fails(input: &Path, expect: &[&str]) -> String {
     let out = input.parent().unwrap().join("out");
-    let o = Command::new(bin("titan-ckpt"))
+    let o = titan_ckpt()
         .args(["--quiet", "consolidate"])
         .arg(input)
         .arg(&out)
@@ -76,7 +75,7 @@ fn fails(input: &Path, expect: &[&str]) -> String {
         out.display()
     );
     // verify agrees and exits 1.
-    let v = Command::new(bin("titan-ckpt"))
+    let v = titan_ckpt()
         .arg("verify")
         .arg(input)
         .output()
@@ -96,7 +95,7 @@ fn case() -> (tempfile::TempDir, std::path::PathBuf) {
 fn the_good_fixture_consolidates() {
     let (_t, d) = case();
     let out = d.parent().unwrap().join("out");
-    let o = Command::new(bin("titan-ckpt"))
+    let o = titan_ckpt()
         .args(["--quiet", "consolidate"])
         .arg(&d)
         .arg(&out)
@@ -251,7 +250,7 @@ fn index_from_mapping_leaving_the_output_directory() {
     )
     .unwrap();
     let out = d.parent().unwrap().join("out");
-    let o = Command::new(bin("titan-ckpt"))
+    let o = titan_ckpt()
         .args(["--quiet", "consolidate"])
         .arg(&d)
         .arg(&out)

@@ -6,10 +6,10 @@
 use std::path::Path;
 use std::process::Command;
 
-use titan_tests::{bin, python_script, run_ok};
+use titan_tests::{python_script, run_ok, titan_ckpt};
 
 fn ckpt() -> Command {
-    let mut c = Command::new(bin("titan-ckpt"));
+    let mut c = titan_ckpt();
     c.arg("--quiet");
     c
 }

@@ -6,11 +6,11 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_json::json;
-use titan_tests::{MotoServer, bin, run_ok as ok};
+use titan_tests::{MotoServer, run_ok as ok, titan_ckpt};
 
 /// titan-ckpt (no progress bars) talking to `moto`.
 fn ckpt(moto: &MotoServer) -> Command {
-    let mut c = Command::new(bin("titan-ckpt"));
+    let mut c = titan_ckpt();
     c.arg("--quiet");
     moto.aws_env(&mut c);
     c

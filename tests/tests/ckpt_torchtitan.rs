@@ -266,14 +266,15 @@ fn torch_2_15_dcp_fixtures_read_and_convert_exactly() {
 #[test]
 fn adapter_errors_name_what_was_looked_for_and_write_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    let cases: [(&[&str], &str); 3] = [
-        // The wrong family: qwen3 needs q_norm to know the head dim.
+    let cases: [(&[&str], &str); 4] = [
+        // The wrong family: qwen3 needs q_norm to know the head dim, gpt_oss its sinks.
         (&["--adapter", "qwen3"], "layers.0.attention.q_norm.weight"),
+        (&["--adapter", "gpt_oss"], "layers.0.attention.sinks"),
         (
             &["--adapter", "llama3", "--n-heads", "5"],
             "does not divide dim 256",
         ),
-        (&["--adapter", "gpt_oss"], "unknown adapter `gpt_oss`"),
+        (&["--adapter", "mistral"], "invalid value 'mistral'"),
     ];
     for (i, (flags, want)) in cases.iter().enumerate() {
         let out = tmp.path().join(format!("out{i}"));

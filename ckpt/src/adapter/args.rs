@@ -32,6 +32,34 @@ pub struct MoeArgs {
     pub experts_per_token: Option<u64>,
 }
 
+/// RoPE frequency scaling written to config.json.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Llama-3.1's (factor 8, low/high frequency factors 1 and 4, 8192 original positions).
+    Llama3,
+    /// YaRN as in torchtitan 0.3.0's gpt-oss flavors.
+    Yarn {
+        factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        truncate: bool,
+        original_max_position_embeddings: u64,
+    },
+}
+
+/// gpt-oss arguments a checkpoint does not hold: every torchtitan 0.3.0 flavor (debugmodel, 20b,
+/// 120b) uses these, as do the released models.
+pub const GPT_OSS_TOP_K: u64 = 4;
+pub const GPT_OSS_SLIDING_WINDOW: u64 = 128;
+pub const GPT_OSS_YARN: RopeScaling = RopeScaling::Yarn {
+    factor: 32.0,
+    beta_fast: 32.0,
+    beta_slow: 1.0,
+    truncate: false,
+    original_max_position_embeddings: 4096,
+};
+
 /// The architecture arguments of a decoder checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelArgs {
@@ -46,10 +74,15 @@ pub struct ModelArgs {
     pub ffn_hidden: u64,
     pub norm_eps: f64,
     pub rope_theta: f64,
-    pub llama3_rope_scaling: bool,
+    pub rope_scaling: RopeScaling,
     pub max_position_embeddings: u64,
     pub tie_word_embeddings: bool,
     pub moe: Option<MoeArgs>,
+    /// gpt-oss: causal window of the even layers (the odd ones attend to everything).
+    pub sliding_window: Option<u64>,
+    /// config.json values not in the checkpoint nor given, taken from the family's torchtitan
+    /// flavors (`key = value`), for the log.
+    pub assumed: Vec<String>,
 }
 
 /// n_heads of the torchtitan Llama-3 flavors, by (dim, n_layers).
@@ -133,6 +166,7 @@ pub fn infer(
     let (vocab_size, dim) = (emb[0], emb.get(1).copied().unwrap_or(0));
     let n_layers = main_layers(plan, naming);
     let family = table.family;
+    let mut assumed = Vec::new();
     let q = match family {
         Family::DeepseekV3 => None,
         _ => Some(s.need(
@@ -149,6 +183,20 @@ pub fn infer(
         // MLA (q/kv LoRA, split nope/rope head dims) has no RoPE permutation: heads are only
         // informational there and not inferable from shapes.
         Family::DeepseekV3 => (hints.n_heads.unwrap_or(0), 0),
+        // One attention sink per head.
+        Family::GptOss => {
+            let n = match hints.n_heads {
+                Some(n) => n,
+                None => s.need("layers.0.attention.sinks", "the attention heads")?[0],
+            };
+            let rows = q.map(|q| q[0]).unwrap_or(0);
+            if n == 0 || rows % n != 0 {
+                return Err(Error::usage(format!(
+                    "--adapter gpt_oss: {n} heads do not divide the q projection's {rows} rows"
+                )));
+            }
+            (n, rows / n)
+        }
         Family::Llama3 => {
             let n = hints
                 .n_heads
@@ -185,6 +233,21 @@ pub fn infer(
         .map(|w| w[0])
         .unwrap_or(0);
     let moe = (0..n_layers).find_map(|l| {
+        if family == Family::GptOss {
+            // torchtitan mlp2_weight_EDF [E, D, F]; HF down_proj [E, F, D].
+            let w2 = s.get(&format!(
+                "layers.{l}.moe.routed_experts.inner_experts.mlp2_weight_EDF"
+            ))?;
+            let hidden = match naming {
+                Naming::Torchtitan => w2.get(2),
+                Naming::Hf => w2.get(1),
+            };
+            return Some(MoeArgs {
+                num_experts: w2[0],
+                expert_hidden: *hidden?,
+                experts_per_token: hints.experts_per_token,
+            });
+        }
         let w1 = match naming {
             Naming::Torchtitan => s
                 .get(&format!(
@@ -218,10 +281,42 @@ pub fn infer(
             None => true,
         },
     };
+    let llama3 = if hints.no_rope_scaling {
+        RopeScaling::None
+    } else {
+        RopeScaling::Llama3
+    };
     let (theta, eps, scaling) = match family {
-        Family::Llama3 => (500000.0, 1e-5, !hints.no_rope_scaling),
-        Family::Qwen3 => (1000000.0, 1e-6, false),
-        Family::DeepseekV3 => (10000.0, 1e-6, false),
+        Family::Llama3 => (500000.0, 1e-5, llama3),
+        Family::Qwen3 => (1000000.0, 1e-6, RopeScaling::None),
+        Family::DeepseekV3 => (10000.0, 1e-6, RopeScaling::None),
+        Family::GptOss => (150000.0, 1e-5, GPT_OSS_YARN),
+    };
+    let mut moe = moe;
+    let mut sliding_window = None;
+    if family == Family::GptOss {
+        if let Some(m) = moe.as_mut().filter(|m| m.experts_per_token.is_none()) {
+            m.experts_per_token = Some(GPT_OSS_TOP_K);
+            assumed.push(format!("num_experts_per_tok = {GPT_OSS_TOP_K}"));
+        }
+        sliding_window = Some(GPT_OSS_SLIDING_WINDOW);
+        assumed.push(format!(
+            "sliding_window = {GPT_OSS_SLIDING_WINDOW} (even layers)"
+        ));
+        if !hints.no_rope_scaling {
+            assumed.push(
+                "rope_scaling = yarn (factor 32, beta_fast 32, beta_slow 1, 4096 original \
+                 positions)"
+                    .into(),
+            );
+        }
+        if hints.rope_theta.is_none() {
+            assumed.push(format!("rope_theta = {theta}"));
+        }
+    }
+    let scaling = match scaling {
+        RopeScaling::Yarn { .. } if hints.no_rope_scaling => RopeScaling::None,
+        other => other,
     };
     Ok(ModelArgs {
         family,
@@ -234,10 +329,12 @@ pub fn infer(
         ffn_hidden,
         norm_eps: hints.norm_eps.unwrap_or(eps),
         rope_theta: hints.rope_theta.unwrap_or(theta),
-        llama3_rope_scaling: scaling,
+        rope_scaling: scaling,
         max_position_embeddings: hints.max_position_embeddings.unwrap_or(131072),
         tie_word_embeddings,
         moe,
+        sliding_window,
+        assumed,
     })
 }
 
@@ -245,20 +342,34 @@ pub fn infer(
 /// transformers 5 reads `rope_parameters` (and ignores the old keys' absence silently, as 4 does
 /// the new one's: writing both is what makes one file right for both).
 fn rope_keys(args: &ModelArgs) -> [(&'static str, Value); 3] {
-    let params = if args.llama3_rope_scaling {
-        json!({
+    let params = match args.rope_scaling {
+        RopeScaling::Llama3 => json!({
             "rope_type": "llama3",
             "rope_theta": args.rope_theta,
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
-        })
-    } else {
-        json!({ "rope_type": "default", "rope_theta": args.rope_theta })
+        }),
+        RopeScaling::Yarn {
+            factor,
+            beta_fast,
+            beta_slow,
+            truncate,
+            original_max_position_embeddings,
+        } => json!({
+            "rope_type": "yarn",
+            "rope_theta": args.rope_theta,
+            "factor": factor,
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+            "truncate": truncate,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        }),
+        RopeScaling::None => json!({ "rope_type": "default", "rope_theta": args.rope_theta }),
     };
     // transformers 4 warns about `rope_theta` inside `rope_scaling`: it lives at the top there.
-    let scaling = match (&params, args.llama3_rope_scaling) {
+    let scaling = match (&params, args.rope_scaling != RopeScaling::None) {
         (Value::Object(p), true) => {
             let mut p = p.clone();
             p.remove("rope_theta");
@@ -326,6 +437,38 @@ pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
             o.insert("decoder_sparse_step".into(), json!(1));
             o.insert("mlp_only_layers".into(), json!([]));
             o.insert("norm_topk_prob".into(), json!(true));
+        }
+        (Family::GptOss, moe) => {
+            let m = moe.as_ref().ok_or_else(|| {
+                Error::usage(
+                    "--adapter gpt_oss: no expert weights (`mlp2_weight_EDF` / `down_proj`) found",
+                )
+            })?;
+            o.insert("architectures".into(), json!(["GptOssForCausalLM"]));
+            o.insert("model_type".into(), json!("gpt_oss"));
+            o.insert("attention_bias".into(), json!(true));
+            o.insert("intermediate_size".into(), json!(m.expert_hidden));
+            o.insert("num_local_experts".into(), json!(m.num_experts));
+            o.insert(
+                "num_experts_per_tok".into(),
+                json!(m.experts_per_token.unwrap_or(GPT_OSS_TOP_K)),
+            );
+            // torchtitan: sliding window on layers 0, 2, 4, ...; HF reads layer_types.
+            let window = args.sliding_window.unwrap_or(GPT_OSS_SLIDING_WINDOW);
+            o.insert("sliding_window".into(), json!(window));
+            let types: Vec<&str> = (0..args.n_layers)
+                .map(|l| {
+                    if l % 2 == 0 {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            o.insert("layer_types".into(), json!(types));
+            // torchtitan's swiglu: alpha 1.702, clamp 7.0.
+            o.insert("swiglu_limit".into(), json!(7.0));
+            o.insert("swiglu_alpha".into(), json!(1.702));
         }
         (Family::DeepseekV3, _) => return Ok(None),
     }

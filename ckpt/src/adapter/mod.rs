@@ -22,7 +22,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{CheckpointPlan, TensorPlan};
 use crate::storage::InFile;
-use crate::write::{OutTensor, RowMap, SourceSlice};
+use crate::write::{ExpertTranspose, OutTensor, RowMap, SourceSlice};
 use pattern::{Captures, fill, matches};
 
 /// Which naming a checkpoint uses.
@@ -32,14 +32,22 @@ pub enum Naming {
     Hf,
 }
 
-/// A model family with a torchtitan 0.3.0 state-dict adapter.
+/// A model family with a torchtitan 0.3.0 state-dict adapter (the doc comments are
+/// `--adapter`'s per-value help).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Family {
+    /// Llama-3 (torchtitan 0.3.0 or older names): q/k rows permuted between RoPE layouts.
     Llama3,
-    /// Qwen3 dense and MoE flavors.
+    /// Qwen3 dense and MoE: q_norm/k_norm, experts split/stacked, tied embeddings.
     Qwen3,
+    /// DeepSeek-V3: MLA with or without q-LoRA, routed and shared experts, expert bias, MTP
+    /// layers after the main ones.
     #[value(name = "deepseek_v3")]
     DeepseekV3,
+    /// gpt-oss: biased attention with sinks, router bias, stacked experts transposed per expert
+    /// (unquantized; MXFP4 checkpoints need dequantizing first).
+    #[value(name = "gpt_oss")]
+    GptOss,
 }
 
 impl fmt::Display for Family {
@@ -48,6 +56,7 @@ impl fmt::Display for Family {
             Family::Llama3 => "llama3",
             Family::Qwen3 => "qwen3",
             Family::DeepseekV3 => "deepseek_v3",
+            Family::GptOss => "gpt_oss",
         })
     }
 }
@@ -230,9 +239,17 @@ fn unknown(table: &Table, name: &str, naming: Naming) -> Error {
         Naming::Torchtitan => "torchtitan",
         Naming::Hf => "HF",
     };
+    // The released gpt-oss checkpoints store expert weights as MXFP4 blocks and scales.
+    let hint = if name.ends_with("_blocks") || name.ends_with("_scales") {
+        "; it looks MXFP4-quantized: titan-ckpt converts unquantized weights, so dequantize first \
+         (transformers: Mxfp4Config(dequantize=True), then save_pretrained)"
+    } else {
+        ""
+    };
     Error::usage(format!(
         "--adapter {}: `{name}` is not a {side} {} model tensor this adapter knows \
-         (torchtitan 0.3.0's state_dict_adapter names; use --model-only to drop training state)",
+         (torchtitan 0.3.0's state_dict_adapter names; use --model-only to drop training \
+         state){hint}",
         table.family, table.family
     ))
 }
@@ -247,6 +264,16 @@ fn rope_map(rule: &Rule, to: Naming, args: &ModelArgs) -> Option<RowMap> {
         Naming::Hf => RowMap::ToHf { heads },
         Naming::Torchtitan => RowMap::FromHf { heads },
     })
+}
+
+/// Makes `o` the per-expert transpose of `t` when `rule` says so.
+fn transposed(rule: &Rule, name: &str, t: &TensorPlan, o: &mut OutTensor) -> Result<()> {
+    if rule.transform == Transform::TransposedExperts {
+        let tr = ExpertTranspose::of(name, &t.shape)?;
+        o.shape = tr.out_shape(t.shape[0]);
+        o.transpose = Some(tr);
+    }
+    Ok(())
 }
 
 fn to_hf(
@@ -311,12 +338,14 @@ fn to_hf(
                     dtype,
                     shape: rest.to_vec(),
                     row_map: None,
+                    transpose: None,
                 });
             }
             continue;
         }
         let mut o = OutTensor::whole(fill(rule.hf, caps), name, t, dtype);
         o.row_map = rope_map(rule, Naming::Hf, args);
+        transposed(rule, name, t, &mut o)?;
         out.tensors.push(o);
     }
     Ok(())
@@ -358,6 +387,7 @@ fn from_hf(
         }
         let mut o = whole(tt, name, t, opts.dtype)?;
         o.row_map = rope_map(rule, Naming::Torchtitan, args);
+        transposed(rule, name, t, &mut o)?;
         out.tensors.push(o);
     }
     // torchtitan's model holds lm_head even when HF ties it to the embedding.
@@ -414,6 +444,7 @@ fn from_hf(
             dtype: out_dtype(t0.dtype, opts.dtype)?,
             shape,
             row_map: None,
+            transpose: None,
         });
     }
     Ok(())

@@ -16,6 +16,9 @@ pub enum Transform {
     /// torchtitan stacks all experts in one `[E, ...]` tensor; HF has one tensor per expert
     /// (`{E}` in the HF pattern).
     Experts,
+    /// Stacked in both, each expert's matrix transposed: torchtitan `[E, out, in]` <-> HF
+    /// `[E, in, out]` (gpt-oss).
+    TransposedExperts,
 }
 
 /// One name pair.
@@ -243,6 +246,88 @@ const SHARED_EXPERTS_AND_MTP: &[Rule] = &[
     ),
 ];
 
+/// gpt-oss attention: biased q/k/v/o projections and per-head sinks (no RoPE permutation:
+/// torchtitan's gpt-oss uses rotate-half RoPE like HF).
+const GPT_OSS_ATTENTION: &[Rule] = &[
+    r(
+        "layers.{L}.attention.qkv_linear.wq.weight",
+        "model.layers.{L}.self_attn.q_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wq.bias",
+        "model.layers.{L}.self_attn.q_proj.bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wk.weight",
+        "model.layers.{L}.self_attn.k_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wk.bias",
+        "model.layers.{L}.self_attn.k_proj.bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wv.weight",
+        "model.layers.{L}.self_attn.v_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.qkv_linear.wv.bias",
+        "model.layers.{L}.self_attn.v_proj.bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.wo.bias",
+        "model.layers.{L}.self_attn.o_proj.bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention.sinks",
+        "model.layers.{L}.self_attn.sinks",
+        Copy,
+    ),
+];
+
+/// gpt-oss experts: stacked on both sides, gate/up interleaved in the same order (gate in the
+/// even rows of torchtitan's `mlp1_weight_EGD`, in the even columns of HF's `gate_up_proj`), so
+/// the weights are transposed per expert and the biases copied. torchtitan 0.3.0's own adapter
+/// looks for `mlp1_weight` etc. and drops all four.
+const GPT_OSS_EXPERTS: &[Rule] = &[
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp1_weight_EGD",
+        "model.layers.{L}.mlp.experts.gate_up_proj",
+        TransposedExperts,
+    ),
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp1_bias_EG",
+        "model.layers.{L}.mlp.experts.gate_up_proj_bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp2_weight_EDF",
+        "model.layers.{L}.mlp.experts.down_proj",
+        TransposedExperts,
+    ),
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.mlp2_bias_ED",
+        "model.layers.{L}.mlp.experts.down_proj_bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.router.gate.weight",
+        "model.layers.{L}.mlp.router.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.router.gate.bias",
+        "model.layers.{L}.mlp.router.bias",
+        Copy,
+    ),
+];
+
 const ROTARY_INV_FREQ: &[&str] = &["model.layers.{L}.self_attn.rotary_emb.inv_freq"];
 
 pub static LLAMA3: Table = Table {
@@ -295,9 +380,22 @@ pub static DEEPSEEK_V3: Table = Table {
     signature: &["layers.0.attention.wkv_a.weight"],
 };
 
+pub static GPT_OSS: Table = Table {
+    family: Family::GptOss,
+    rules: &[TOP, GPT_OSS_ATTENTION, BLOCK, GPT_OSS_EXPERTS],
+    legacy: &[],
+    no_hf_home: &[(
+        "layers.{L}.moe.expert_bias_E",
+        "GptOssForCausalLM has no expert-bias (load balancing) tensor",
+    )],
+    hf_ignored: ROTARY_INV_FREQ,
+    mtp_layers: false,
+    signature: &["layers.0.attention.sinks"],
+};
+
 /// Every family's table, most specific signature first (DeepSeek-V3 with q-LoRA has a
 /// `q_norm` too; llama3 last: it has none).
-pub static TABLES: [&Table; 3] = [&DEEPSEEK_V3, &QWEN3, &LLAMA3];
+pub static TABLES: [&Table; 4] = [&GPT_OSS, &DEEPSEEK_V3, &QWEN3, &LLAMA3];
 
 impl Table {
     /// Every current rule, group after group.

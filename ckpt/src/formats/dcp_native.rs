@@ -231,6 +231,7 @@ pub fn write(
         .set_length(tensors.iter().map(|t| t.input_bytes(plan)).sum());
     let mut block = Vec::new();
     let mut converted = Vec::new();
+    let mut tile = Vec::new();
     for t in tensors {
         let sources = crate::write::resolve_sources(plan, t)?;
         let in_dtype = sources.first().map(|(s, _)| s.dtype).unwrap_or(t.dtype);
@@ -245,8 +246,8 @@ pub fn write(
         loop {
             let end = (r + per).min(rows);
             block.clear();
-            match (t.row_map, sources.as_slice()) {
-                (Some(map), [(src, _)]) => {
+            match (t.row_map, t.transpose, sources.as_slice()) {
+                (Some(map), _, [(src, _)]) => {
                     let mut row = vec![0u8; (row_len * es) as usize];
                     for out_row in r..end {
                         let in_row = map.source_row(out_row, rows);
@@ -254,14 +255,25 @@ pub fn write(
                         block.extend_from_slice(&row);
                     }
                 }
-                (Some(_), _) => {
+                (Some(_), _, _) | (None, Some(_), _) if sources.len() != 1 => {
                     return Err(Error::tensor(
                         plan.root.display(),
                         &t.name,
-                        "internal: a RoPE row map needs exactly one source",
+                        "internal: a RoPE row map or expert transpose needs exactly one source",
                     ));
                 }
-                (None, _) => {
+                (None, Some(tr), [(src, _)]) => {
+                    block.resize(((end - r) * row_len * es) as usize, 0);
+                    tr.read(
+                        &mut reader,
+                        src,
+                        r * row_len..end * row_len,
+                        &mut block,
+                        &mut tile,
+                    )?;
+                }
+                // No reordering: a copy, or experts concatenated.
+                _ => {
                     let n = if t.shape.is_empty() {
                         1
                     } else {
