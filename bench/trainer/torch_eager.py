@@ -17,6 +17,7 @@ import resource
 import time
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -88,12 +89,17 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(dim, n_heads, n_kv_heads, hidden, 1e-5) for _ in range(n_layers))
         self.norm = nn.RMSNorm(dim, eps=1e-5)
         self.output = nn.Linear(dim, vocab, bias=False)
+        self.full_ac = False
         self.register_buffer("freqs_cis", freqs(dim // n_heads, seq_len), persistent=False)
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.freqs_cis)
+            if self.full_ac and torch.is_grad_enabled():
+                # torchtitan's FullAC: checkpoint_wrapper around each block (non-reentrant).
+                h = torch.utils.checkpoint.checkpoint(layer, h, self.freqs_cis, use_reentrant=False)
+            else:
+                h = layer(h, self.freqs_cis)
         return self.output(self.norm(h)).float()
 
 
@@ -105,10 +111,12 @@ def main():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--autocast", action="store_true", help="bf16 autocast forward (fp32 weights)")
+    p.add_argument("--full_ac", action="store_true", help="recompute every block in backward")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = Llama(seq_len=a.seq_len)
+    model.full_ac = a.full_ac
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     start = None
     for step in range(1, a.steps + 1):
@@ -128,7 +136,7 @@ def main():
     elapsed = time.perf_counter() - start
     tokens = (a.steps - a.warmup) * a.batch * a.seq_len
     print(json.dumps({
-        "impl": "torch_eager_autocast" if a.autocast else "torch_eager",
+        "impl": ("torch_eager_autocast" if a.autocast else "torch_eager") + ("_full_ac" if a.full_ac else ""),
         "tps": tokens / elapsed,
         "threads": torch.get_num_threads(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
