@@ -1,0 +1,305 @@
+//! titan-obs at job scale: writes a simulated run in the journal layout (one Parquet part per
+//! rank per rotate interval) or in the previous layout (one part per flush interval), and
+//! times what readers do with it. Driven by bench/obs/scale.sh; prints one JSON line per
+//! measurement.
+//!
+//!   obs_scale gen  RUN LAYOUT RANKS HOURS     LAYOUT = journal | old
+//!   obs_scale load RUN RUNS                   headless load of what the TUI loads (all columns)
+//!   obs_scale follow RUN RANKS RUNS           open journals on every rank, then time refreshes
+//!                                             after one flush of every rank
+//!
+//! The simulated job: a step every STEP_S seconds, SPANS spans and 2 scalars per step per
+//! rank (forward_backward of rank 17 is 1.3x slower), flush every 2 s, rotate every 600 s
+//! (the defaults).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use rayon::prelude::*;
+use titan_obs::journal::JournalWriter;
+use titan_obs::location::Location;
+use titan_obs::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use titan_obs::read::{PartsReader, ReadOptions};
+use titan_obs::{Kind, Reduce};
+
+const STEP_S: f64 = 30.0;
+const FLUSH_S: f64 = 2.0;
+const ROTATE_S: f64 = 600.0;
+const START_NS: i64 = 1_750_000_000_000_000_000;
+const PHASES: [(&str, u16, f64); 10] = [
+    ("step", 0, 1.0),
+    ("data_loading", 1, 0.05),
+    ("forward_backward", 1, 0.6),
+    ("forward", 2, 0.2),
+    ("backward", 2, 0.4),
+    ("all_reduce", 1, 0.1),
+    ("optimizer", 1, 0.1),
+    ("clip", 2, 0.02),
+    ("optimizer_step", 2, 0.06),
+    ("lr", 2, 0.01),
+];
+
+/// One simulated record (owned names are static).
+struct Rec {
+    kind: Kind,
+    name: &'static str,
+    step: u64,
+    seq: u64,
+    start_ns: i64,
+    dur_ns: i64,
+    value: f64,
+    depth: u16,
+    /// When the recorder would have drained it (span end).
+    end_ns: i64,
+}
+
+fn step_records(rank: u32, step: u64, seq: &mut u64, out: &mut Vec<Rec>) {
+    let t0 = START_NS + (step as f64 * STEP_S * 1e9) as i64;
+    let step_ns = (STEP_S * 0.9 * 1e9) as i64;
+    // Small deterministic jitter per (rank, step).
+    let jitter = 1.0 + (((rank as u64 * 7919 + step * 104_729) % 101) as f64 - 50.0) / 2000.0;
+    let mut cursor = t0;
+    for (name, depth, share) in PHASES {
+        let slow = if rank == 17 && name == "forward_backward" {
+            1.3
+        } else {
+            1.0
+        };
+        let dur = (step_ns as f64 * share * jitter * slow) as i64;
+        let start = if depth == 0 { t0 } else { cursor };
+        if depth == 1 {
+            cursor = start + dur;
+        }
+        *seq += 1;
+        out.push(Rec {
+            kind: Kind::Span,
+            name,
+            step,
+            seq: *seq,
+            start_ns: start,
+            dur_ns: dur,
+            value: 0.0,
+            depth,
+            end_ns: start + dur,
+        });
+    }
+    for (name, v) in [
+        ("training/loss", 10.0 / (1.0 + step as f64 / 100.0)),
+        ("trainer_throughput/tps", 5000.0 * jitter),
+    ] {
+        *seq += 1;
+        out.push(Rec {
+            kind: Kind::Scalar,
+            name,
+            step,
+            seq: *seq,
+            start_ns: t0 + step_ns,
+            dur_ns: 0,
+            value: v,
+            depth: 1,
+            end_ns: t0 + step_ns,
+        });
+    }
+}
+
+fn header(rank: u32, ranks: u32) -> PartHeader {
+    PartHeader {
+        run_id: "scale".into(),
+        source: "trainer".into(),
+        host: format!("node-{}", rank / 8),
+        rank,
+        local_rank: rank % 8,
+        world_size: ranks,
+        pid: 10_000 + rank,
+        clock_offset_ns: 0,
+        threads: BTreeMap::from([(0, "main".to_string())]),
+        run_metadata: Default::default(),
+    }
+}
+
+fn push(builder: &mut PartBuilder, r: &Rec) {
+    builder.push(&Row {
+        thread: 0,
+        seq: r.seq,
+        kind: r.kind,
+        name: r.name,
+        step: Some(r.step),
+        start_ns: r.start_ns,
+        dur_ns: (r.kind == Kind::Span).then_some(r.dur_ns),
+        value: (r.kind == Kind::Scalar).then_some(r.value),
+        reduce: (r.kind == Kind::Scalar).then_some(Reduce::Mean),
+        depth: r.depth,
+        parent: None,
+        tags: &[],
+        message: None,
+    });
+}
+
+/// Writes one rank: a part per `window_s` of records (by drain time), like the recorder.
+fn write_rank(
+    location: &Location,
+    rank: u32,
+    ranks: u32,
+    hours: f64,
+    window_s: f64,
+) -> Result<(u64, u64)> {
+    let sink = PartSink::new(location.clone(), rank)?;
+    let h = header(rank, ranks);
+    let steps = (hours * 3600.0 / STEP_S) as u64;
+    let window_ns = (window_s * 1e9) as i64;
+    let mut builder = PartBuilder::new();
+    let mut records = Vec::new();
+    let mut seq = 0;
+    let mut part = 0u64;
+    let mut window = 0i64;
+    let mut bytes = 0u64;
+    let mut flush = |builder: &mut PartBuilder, part: &mut u64| -> Result<()> {
+        if builder.is_empty() {
+            return Ok(());
+        }
+        let batch = builder.finish(&h)?;
+        let b = encode(&batch, &h, *part)?;
+        bytes += b.len() as u64;
+        sink.put(*part, b)?;
+        *part += 1;
+        Ok(())
+    };
+    for step in 0..steps {
+        records.clear();
+        step_records(rank, step, &mut seq, &mut records);
+        records.sort_by_key(|r| r.end_ns);
+        for r in &records {
+            let w = (r.end_ns - START_NS) / window_ns;
+            if w != window {
+                flush(&mut builder, &mut part)?;
+                window = w;
+            }
+            push(&mut builder, r);
+        }
+    }
+    flush(&mut builder, &mut part)?;
+    Ok((part, bytes))
+}
+
+fn gen_run(run: &str, layout: &str, ranks: u32, hours: f64) -> Result<()> {
+    let window = match layout {
+        "journal" => ROTATE_S,
+        "old" => FLUSH_S,
+        other => bail!("unknown layout `{other}` (journal or old)"),
+    };
+    let location = Location::parse(run)?;
+    let t = Instant::now();
+    let results: Vec<(u64, u64)> = (0..ranks)
+        .into_par_iter()
+        .map(|r| write_rank(&location, r, ranks, hours, window))
+        .collect::<Result<_>>()?;
+    let files: u64 = results.iter().map(|r| r.0).sum();
+    let bytes: u64 = results.iter().map(|r| r.1).sum();
+    let records = ranks as u64 * (hours * 3600.0 / STEP_S) as u64 * (PHASES.len() as u64 + 2);
+    println!(
+        "{{\"gen\":\"{layout}\",\"ranks\":{ranks},\"hours\":{hours},\"files\":{files},\"bytes\":{bytes},\"records\":{records},\"seconds\":{:.1}}}",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn load(run: &str, runs: usize) -> Result<()> {
+    let mut times = Vec::new();
+    let mut rows = 0;
+    for _ in 0..runs {
+        let t = Instant::now();
+        let r = titan_obs::load(run, &ReadOptions::default())?;
+        times.push(t.elapsed().as_secs_f64());
+        rows = r.report.rows_read;
+    }
+    println!(
+        "{{\"load_all_columns_s\":{:.3},\"runs\":{runs},\"all\":{times:?},\"rows\":{rows}}}",
+        median(times.clone())
+    );
+    Ok(())
+}
+
+/// Opens a journal on every rank after its last part, reads the run, then appends one flush
+/// (the records of FLUSH_S seconds) to every journal and times each refresh.
+fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
+    let location = Location::parse(run)?;
+    let Location::Local(dir) = &location else {
+        bail!("follow runs on a local run");
+    };
+    let mut journals = Vec::new();
+    for rank in 0..ranks {
+        let sink = PartSink::new(location.clone(), rank)?;
+        let index = sink.next_part_index()?;
+        let h = header(rank, ranks);
+        journals.push((JournalWriter::create(sink.journal_dir(), index, &h)?, h));
+    }
+    let opts = ReadOptions::default();
+    let mut reader = PartsReader::open(run)?;
+    let t = Instant::now();
+    reader.refresh(&opts)?;
+    let open_s = t.elapsed().as_secs_f64();
+    let mut times = Vec::new();
+    let mut last = Default::default();
+    let mut builder = PartBuilder::new();
+    let mut seq = 1u64 << 40;
+    for i in 0..runs {
+        // One flush: about FLUSH_S / STEP_S of a step's records, at least one per rank.
+        for (rank, (j, h)) in journals.iter_mut().enumerate() {
+            let mut recs = Vec::new();
+            step_records(rank as u32, 1_000_000 + i as u64, &mut seq, &mut recs);
+            let n = ((recs.len() as f64 * FLUSH_S / STEP_S).ceil() as usize).max(1);
+            for r in &recs[..n] {
+                push(&mut builder, r);
+            }
+            j.append(&builder.finish(h)?)?;
+        }
+        let t = Instant::now();
+        reader.refresh(&opts)?;
+        times.push(t.elapsed().as_secs_f64());
+        last = reader.last();
+    }
+    let rows = reader.run().report.rows_read;
+    drop(journals);
+    // Leave the run as it was.
+    for rank in 0..ranks {
+        for e in std::fs::read_dir(dir.join(format!("obs/rank-{rank}")))? {
+            let p = e?.path();
+            if p.extension().is_some_and(|x| x == "arrows") {
+                std::fs::remove_file(p)?;
+            }
+        }
+    }
+    println!(
+        "{{\"follow_open_s\":{open_s:.3},\"refresh_s\":{:.4},\"runs\":{runs},\"all\":{times:?},\"last\":{{\"bytes\":{},\"journal_batches\":{},\"parts_decoded\":{},\"rows\":{}}},\"rows_in_run\":{rows}}}",
+        median(times.clone()),
+        last.bytes,
+        last.journal_batches,
+        last.parts_decoded,
+        last.rows
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let arg = |i: usize| {
+        args.get(i)
+            .map(String::as_str)
+            .context("missing argument (see bench/obs/scale.rs)")
+    };
+    match arg(0)? {
+        "gen" => gen_run(arg(1)?, arg(2)?, arg(3)?.parse()?, arg(4)?.parse()?),
+        "load" => load(arg(1)?, arg(2)?.parse()?),
+        "follow" => follow(arg(1)?, arg(2)?.parse()?, arg(3)?.parse()?),
+        other => bail!("unknown command `{other}`"),
+    }
+}

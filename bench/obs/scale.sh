@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# titan-obs at job scale: the journal layout (one Parquet part per rank per 600 s rotate
+# interval, the default) against the previous layout (one part per rank per 2 s flush) on the
+# same simulated job (bench/obs/scale.rs: a step every 30 s, 10 spans + 2 scalars per rank per
+# step, rank 17 1.3x slower in forward_backward). Measures files, bytes, `titan-obs summary` wall
+# time and peak RSS (/usr/bin/time), a headless load of what the TUI loads (all columns), and one
+# `--follow` refresh (every rank appended one flush to its open journal) as the run grows.
+#
+#   bash bench/obs/scale.sh [RUNS]     (median of RUNS timed runs, default 3)
+#
+# Environment: OBS_SCALE_DIR (default /tmp/titan-obs-scale), RANKS (1024), HOURS ("1 6 24"),
+# OLD_RANKS (16) and OLD_HOURS (2): the previous layout is generated at OLD_RANKS x OLD_HOURS
+# only (1024 x 24 h of it would be 35 M files), next to the journal layout of the same size.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+RUNS=${1:-3}
+DIR=${OBS_SCALE_DIR:-/tmp/titan-obs-scale}
+RANKS=${RANKS:-1024}
+HOURS=${HOURS:-"1 6 24"}
+OLD_RANKS=${OLD_RANKS:-16}
+OLD_HOURS=${OLD_HOURS:-2}
+TARGET=${CARGO_TARGET_DIR:-target}
+cargo build --release -p titan-obs-tui --bin titan-obs >&2
+cargo bench -p titan-obs --bench obs_scale --no-run >&2
+SCALE=$(ls -t "$TARGET"/release/deps/obs_scale-* | grep -v '\.d$' | head -1)
+BIN=$TARGET/release/titan-obs
+mkdir -p "$DIR"
+
+measure() {
+  local label=$1; shift
+  local walls=() rss=()
+  for _ in $(seq "$RUNS"); do
+    /usr/bin/time -f '%e %M' -o "$DIR/time.txt" "$@" > "$DIR/out.txt" 2>/dev/null
+    read -r w m < "$DIR/time.txt"
+    walls+=("$w"); rss+=("$m")
+  done
+  local mw mr
+  mw=$(printf '%s\n' "${walls[@]}" | sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}')
+  mr=$(printf '%s\n' "${rss[@]}" | sort -g | awk '{a[NR]=$1} END{print a[NR]}')
+  echo "{\"measure\":\"$label\",\"median_s\":$mw,\"all\":\"${walls[*]}\",\"peak_rss_mb\":$((mr / 1024))}"
+}
+
+describe() {
+  echo "{\"run\":\"$1\",\"files\":$(find "$1/obs" -type f | wc -l),\"bytes\":$(du -sb "$1/obs" | cut -f1)}"
+}
+
+one() {  # one LAYOUT RANKS HOURS
+  local run=$DIR/$1-$2x$3h
+  [ -d "$run/obs" ] || "$SCALE" gen "$run" "$1" "$2" "$3"
+  describe "$run"
+  measure "summary $1 $2x$3h" "$BIN" summary "$run" --quiet
+  "$SCALE" load "$run" "$RUNS"
+  if [ "$1" = journal ]; then "$SCALE" follow "$run" "$2" "$RUNS"; fi
+}
+
+echo "# machine: $(nproc) cores; other processes: $(ps -eo pcpu= | awk '{s+=$1} END{print s}')% CPU in use at start"
+one old "$OLD_RANKS" "$OLD_HOURS"
+one journal "$OLD_RANKS" "$OLD_HOURS"
+for h in $HOURS; do one journal "$RANKS" "$h"; done
