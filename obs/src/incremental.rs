@@ -90,7 +90,6 @@ pub struct PartsReader {
     rank_dirs: BTreeSet<u32>,
     ok_ranks: BTreeSet<u32>,
     world_size: u32,
-    runtime: Option<tokio::runtime::Runtime>,
     last: ReadCounters,
     total: ReadCounters,
 }
@@ -132,16 +131,6 @@ impl PartsReader {
     /// Opens the titan run at `run` (local folder or object store URL); reads nothing yet.
     pub fn open(run: &str) -> Result<Self> {
         let location = Location::parse(run)?;
-        let runtime = match &location {
-            Location::Object { .. } => Some(
-                tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .enable_all()
-                    .build()
-                    .context("starting the object store runtime")?,
-            ),
-            Location::Local(_) => None,
-        };
         Ok(PartsReader {
             location,
             run: Run {
@@ -153,7 +142,6 @@ impl PartsReader {
             rank_dirs: BTreeSet::new(),
             ok_ranks: BTreeSet::new(),
             world_size: 0,
-            runtime,
             last: ReadCounters::default(),
             total: ReadCounters::default(),
         })
@@ -256,7 +244,7 @@ impl PartsReader {
                 })
                 .collect()),
             Location::Object { store, .. } => {
-                let rt = self.runtime.as_ref().expect("object runs have a runtime");
+                let rt = titan_storage::runtime();
                 Ok(rt.block_on(async {
                     use futures::StreamExt;
                     futures::stream::iter(work)
@@ -506,10 +494,7 @@ fn list_files(location: &Location) -> Result<Listing> {
         Location::Object { url, store, base } => {
             use futures::TryStreamExt;
             let prefix = base.clone().join("obs");
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let metas: Vec<object_store::ObjectMeta> = rt
+            let metas: Vec<object_store::ObjectMeta> = titan_storage::runtime()
                 .block_on(store.list(Some(&prefix)).try_collect())
                 .with_context(|| format!("listing {url}/obs"))?;
             if metas.is_empty() {

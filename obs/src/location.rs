@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use object_store::ObjectStore;
 use object_store::path::Path as StorePath;
 
@@ -30,58 +30,24 @@ impl std::fmt::Debug for Location {
 }
 
 impl Location {
-    /// Parses `run`: anything with `scheme://` is an object store URL, the rest a local path.
+    /// Parses `run` with titan-storage's rules (one set of URL schemes for every titan tool):
+    /// anything with `scheme://` is an object store URL (`s3://`, `gs://`, `az://`,
+    /// `memory://`), `file://` and the rest are local paths.
     ///
     /// Credentials and endpoints come from the environment the way each store documents it
     /// (e.g. `AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT`, `AWS_ALLOW_HTTP=true` for a local S3).
     pub fn parse(run: &str) -> Result<Location> {
-        if !run.contains("://") {
-            return Ok(Location::Local(PathBuf::from(run)));
+        let root = titan_storage::Root::parse(run).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if let Some(dir) = root.local_dir() {
+            return Ok(Location::Local(dir.to_path_buf()));
         }
-        let url = url::Url::parse(run).with_context(|| format!("`{run}` is not a valid URL"))?;
-        if url.scheme() == "file" {
-            let path = url
-                .to_file_path()
-                .map_err(|_| anyhow::anyhow!("`{run}` is not a valid file:// URL"))?;
-            return Ok(Location::Local(path));
-        }
-        if url.scheme() == "memory" {
-            return Ok(Location::Object {
-                url: run.trim_end_matches('/').to_string(),
-                store: memory_store(&url),
-                base: StorePath::parse(url.path())
-                    .with_context(|| format!("`{run}`: invalid object path"))?,
-            });
-        }
-        let (scheme, path) = object_store::ObjectStoreScheme::parse(&url)
-            .with_context(|| format!("`{run}`: unsupported object store URL"))?;
-        let store: Arc<dyn ObjectStore> = match scheme {
-            object_store::ObjectStoreScheme::AmazonS3 => Arc::new(
-                object_store::aws::AmazonS3Builder::from_env()
-                    .with_url(run)
-                    .build()
-                    .with_context(|| format!("configuring S3 for `{run}`"))?,
-            ),
-            object_store::ObjectStoreScheme::GoogleCloudStorage => Arc::new(
-                object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                    .with_url(run)
-                    .build()
-                    .with_context(|| format!("configuring GCS for `{run}`"))?,
-            ),
-            object_store::ObjectStoreScheme::MicrosoftAzure => Arc::new(
-                object_store::azure::MicrosoftAzureBuilder::from_env()
-                    .with_url(run)
-                    .build()
-                    .with_context(|| format!("configuring Azure for `{run}`"))?,
-            ),
-            object_store::ObjectStoreScheme::Memory => memory_store(&url),
-            other => bail!("`{run}`: object store scheme {other:?} is not supported for runs"),
-        };
+        let (store, base) = root
+            .object_store()
+            .ok_or_else(|| anyhow::anyhow!("`{run}`: neither a local path nor an object store"))?;
         Ok(Location::Object {
-            url: run.trim_end_matches('/').to_string(),
-            store,
-            base: StorePath::parse(path)
-                .with_context(|| format!("`{run}`: invalid object path"))?,
+            url: root.display(),
+            store: store.clone(),
+            base: base.clone(),
         })
     }
 
@@ -92,22 +58,6 @@ impl Location {
             Location::Object { url, .. } => format!("{url}/obs/rank-{rank}"),
         }
     }
-}
-
-/// `memory://` stores are process-global per host name so a writer and a reader in one
-/// process (tests) see the same objects.
-fn memory_store(url: &url::Url) -> Arc<dyn ObjectStore> {
-    use std::collections::HashMap;
-    use std::sync::{LazyLock, Mutex};
-    static STORES: LazyLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> =
-        LazyLock::new(Default::default);
-    let key = url.host_str().unwrap_or("").to_string();
-    STORES
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .entry(key)
-        .or_insert_with(|| Arc::new(object_store::memory::InMemory::new()))
-        .clone()
 }
 
 /// `<run>/obs/rank-<R>`.

@@ -359,7 +359,6 @@ pub fn encode_batches(batches: &[RecordBatch], header: &PartHeader, part: u64) -
 pub struct PartSink {
     location: Location,
     rank: u32,
-    runtime: Option<tokio::runtime::Runtime>,
     /// Where this rank's journal is written: its rank folder for local runs, a local spool
     /// folder for object stores (see [`Self::with_spool`]).
     journal_dir: PathBuf,
@@ -373,20 +372,10 @@ pub fn default_spool_dir() -> PathBuf {
 impl PartSink {
     /// Prepares `<run>/obs/rank-<rank>/` (creating it for local runs).
     pub fn new(location: Location, rank: u32) -> Result<Self> {
-        let runtime = match &location {
-            Location::Local(run) => {
-                let dir = rank_dir(run, rank);
-                std::fs::create_dir_all(&dir)
-                    .with_context(|| format!("creating {}", dir.display()))?;
-                None
-            }
-            Location::Object { .. } => Some(
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .context("starting the upload runtime")?,
-            ),
-        };
+        if let Location::Local(run) = &location {
+            let dir = rank_dir(run, rank);
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
         let journal_dir = match &location {
             Location::Local(run) => rank_dir(run, rank),
             Location::Object { url, .. } => spool_rank_dir(&default_spool_dir(), url, rank),
@@ -394,7 +383,6 @@ impl PartSink {
         Ok(PartSink {
             location,
             rank,
-            runtime,
             journal_dir,
         })
     }
@@ -441,7 +429,7 @@ impl PartSink {
                     .join("obs")
                     .join(format!("rank-{}", self.rank))
                     .join(part_file_name(index).as_str());
-                let rt = self.runtime.as_ref().expect("object sinks have a runtime");
+                let rt = titan_storage::runtime();
                 match rt.block_on(store.head(&path)) {
                     Ok(_) => Ok(true),
                     Err(object_store::Error::NotFound { .. }) => Ok(false),
@@ -473,7 +461,7 @@ impl PartSink {
             Location::Object { store, base, .. } => {
                 use futures::TryStreamExt;
                 let prefix = base.clone().join("obs").join(format!("rank-{}", self.rank));
-                let rt = self.runtime.as_ref().expect("object sinks have a runtime");
+                let rt = titan_storage::runtime();
                 let metas: Vec<object_store::ObjectMeta> = rt
                     .block_on(store.list(Some(&prefix)).try_collect())
                     .with_context(|| {
@@ -511,7 +499,7 @@ impl PartSink {
                     .join("obs")
                     .join(format!("rank-{}", self.rank))
                     .join(name.as_str());
-                let rt = self.runtime.as_ref().expect("object sinks have a runtime");
+                let rt = titan_storage::runtime();
                 let shown = format!("{}/{}", self.location.rank_display(self.rank), name);
                 rt.block_on(store.put(&path, bytes.into()))
                     .with_context(|| format!("uploading {shown}"))?;

@@ -902,10 +902,9 @@ mod tests {
         };
         let objects = || -> Vec<String> {
             use futures::TryStreamExt;
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .build()
+            let metas: Vec<_> = titan_storage::runtime()
+                .block_on(store.list(Some(&base)).try_collect())
                 .unwrap();
-            let metas: Vec<_> = rt.block_on(store.list(Some(&base)).try_collect()).unwrap();
             let mut v: Vec<String> = metas.iter().map(|m| m.location.to_string()).collect();
             v.sort();
             v

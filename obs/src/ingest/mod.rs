@@ -51,8 +51,7 @@ pub fn detect(location: &Location) -> Result<Detected> {
     match location {
         Location::Local(path) => detect_local(path),
         Location::Object { url, store, base } => {
-            let rt = runtime()?;
-            rt.block_on(async {
+            titan_storage::runtime().block_on(async {
                 use futures::TryStreamExt;
                 // A single object (a trace file or one JSONL file)?
                 if !base.as_ref().is_empty() && store.head(base).await.is_ok() {
@@ -141,14 +140,6 @@ fn detect_local(path: &Path) -> Result<Detected> {
     )
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the object store runtime")
-}
-
 /// Loads the run at `run` once, whatever its format.
 pub fn load(run: &str, opts: &ReadOptions) -> Result<Run> {
     let location = Location::parse(run)?;
@@ -172,12 +163,7 @@ struct Listed {
     size: u64,
 }
 
-fn list_files(
-    location: &Location,
-    src: &Source,
-    rt: Option<&tokio::runtime::Runtime>,
-    keep: fn(&str) -> bool,
-) -> Result<Vec<Listed>> {
+fn list_files(location: &Location, src: &Source, keep: fn(&str) -> bool) -> Result<Vec<Listed>> {
     let mut out = Vec::new();
     match (src, location) {
         (Source::Local(p), _) if p.is_file() => {
@@ -214,7 +200,7 @@ fn list_files(
             }
         }
         (Source::Object(prefix), Location::Object { url, store, base }) => {
-            let rt = rt.context("object store runs need a runtime")?;
+            let rt = titan_storage::runtime();
             let shown = |p: &object_store::path::Path| {
                 let rel = p.as_ref().strip_prefix(base.as_ref()).unwrap_or(p.as_ref());
                 format!("{url}/{}", rel.trim_start_matches('/'))
@@ -251,12 +237,7 @@ fn list_files(
 }
 
 /// The bytes `range` of a listed file.
-fn read_range(
-    location: &Location,
-    rt: Option<&tokio::runtime::Runtime>,
-    f: &Listed,
-    range: std::ops::Range<u64>,
-) -> Result<Bytes> {
+fn read_range(location: &Location, f: &Listed, range: std::ops::Range<u64>) -> Result<Bytes> {
     match (&f.source, location) {
         (Source::Local(p), _) => {
             let file = std::fs::File::open(p).with_context(|| format!("opening {}", f.display))?;
@@ -276,7 +257,7 @@ fn read_range(
             Ok(Bytes::Mapped(map))
         }
         (Source::Object(path), Location::Object { store, .. }) => {
-            let rt = rt.context("object store runs need a runtime")?;
+            let rt = titan_storage::runtime();
             let b = rt
                 .block_on(store.get_range(path, range))
                 .with_context(|| format!("downloading {}", f.display))?;
@@ -308,7 +289,6 @@ impl std::ops::Deref for Bytes {
 pub struct TorchtitanReader {
     location: Location,
     src: Source,
-    rt: Option<tokio::runtime::Runtime>,
     cursors: Vec<jsonl::FileCursor>,
     /// Closed records, names and tags of everything read so far.
     run: Run,
@@ -325,13 +305,9 @@ pub struct Refresh {
 
 impl TorchtitanReader {
     fn new(run: &str, location: Location, src: Source) -> Result<Self> {
-        let rt = matches!(location, Location::Object { .. })
-            .then(runtime)
-            .transpose()?;
         Ok(TorchtitanReader {
             location,
             src,
-            rt,
             cursors: Vec::new(),
             run: Run {
                 location: run.to_string(),
@@ -345,7 +321,7 @@ impl TorchtitanReader {
     /// `at_end`, a last line without its newline is parsed (or reported as truncated);
     /// otherwise it waits for the writer to finish it.
     pub fn refresh(&mut self, opts: &ReadOptions, at_end: bool) -> Result<Refresh> {
-        let listed = list_files(&self.location, &self.src, self.rt.as_ref(), is_jsonl)?;
+        let listed = list_files(&self.location, &self.src, is_jsonl)?;
         if listed.is_empty() {
             bail!(
                 "{}: no torchtitan structured-log files (*.jsonl) found",
@@ -389,7 +365,6 @@ impl TorchtitanReader {
         // is parsed), merge in file order.
         let chunk = rayon::current_num_threads().max(1) * 2;
         let location = &self.location;
-        let rt = self.rt.as_ref();
         for batch in work.chunks(chunk) {
             let mut cursors: Vec<(usize, jsonl::FileCursor)> = batch
                 .iter()
@@ -399,7 +374,7 @@ impl TorchtitanReader {
                 .par_iter_mut()
                 .zip(batch.par_iter())
                 .map(|((_, cursor), (_, f))| {
-                    let bytes = read_range(location, rt, f, cursor.offset..f.size)?;
+                    let bytes = read_range(location, f, cursor.offset..f.size)?;
                     let mut report = LoadReport::default();
                     let (data, parsed) = cursor.parse(&bytes, at_end, &mut report);
                     if let Some(cb) = &opts.progress {
@@ -482,10 +457,7 @@ impl TorchtitanReader {
 }
 
 fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions) -> Result<Run> {
-    let rt = matches!(location, Location::Object { .. })
-        .then(runtime)
-        .transpose()?;
-    let files = list_files(location, src, rt.as_ref(), is_trace)?;
+    let files = list_files(location, src, is_trace)?;
     if files.is_empty() {
         bail!("{run}: no Chrome trace files (*.json) found");
     }
@@ -493,8 +465,7 @@ fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions)
     let parsed: Vec<(Listed, Result<chrome::Parsed>)> = files
         .into_par_iter()
         .map(|f| {
-            let r = read_range(location, rt.as_ref(), &f, 0..f.size)
-                .and_then(|b| chrome::parse(&b, &f.display));
+            let r = read_range(location, &f, 0..f.size).and_then(|b| chrome::parse(&b, &f.display));
             if let Some(cb) = &opts.progress {
                 cb(1);
             }
