@@ -38,6 +38,8 @@ pub mod collective {
     pub const BROADCAST: &str = "broadcast";
     pub const ALL: [&str; 4] = [ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST];
 
+    /// Prefix of the bytes scalars.
+    pub const BYTES_PREFIX: &str = "comm/";
     pub const ALL_REDUCE_BYTES: &str = "comm/all_reduce_bytes";
     pub const REDUCE_SCATTER_BYTES: &str = "comm/reduce_scatter_bytes";
     pub const ALL_GATHER_BYTES: &str = "comm/all_gather_bytes";

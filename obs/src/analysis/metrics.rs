@@ -75,15 +75,25 @@ pub fn metrics(run: &Run) -> Vec<MetricsLine> {
         });
         acc.add(sc.value[i]);
     }
+    // Collectives' payloads (`comm/...`, recorded inside their spans, often before the
+    // step's training scalars) go after the training metrics, so lines read like torchtitan's.
+    let is_comm: Vec<bool> = run
+        .names
+        .iter()
+        .map(|n| n.starts_with(crate::vocab::collective::BYTES_PREFIX))
+        .collect();
     lines
         .into_iter()
-        .map(|((step, validation), (order, accs))| MetricsLine {
+        .map(|((step, validation), (mut order, accs))| MetricsLine {
             step,
             validation,
-            values: order
-                .into_iter()
-                .map(|k| (format!("{}_{}", run.name(k.0), k.1), accs[&k].get(k.1)))
-                .collect(),
+            values: {
+                order.sort_by_key(|k| is_comm[k.0 as usize]);
+                order
+            }
+            .into_iter()
+            .map(|k| (format!("{}_{}", run.name(k.0), k.1), accs[&k].get(k.1)))
+            .collect(),
         })
         .collect()
 }
