@@ -187,7 +187,8 @@ struct ConvertArgs {
     /// RoPE theta written to config.json (default: the family's torchtitan default).
     #[arg(long)]
     rope_theta: Option<f64>,
-    /// Llama-3 without the Llama-3.1 RoPE scaling in config.json.
+    /// No RoPE scaling in config.json: llama3 without the Llama-3.1 scaling, gpt_oss and
+    /// deepseek_v3 without torchtitan's YaRN.
     #[arg(long)]
     no_rope_scaling: bool,
     /// RMSNorm epsilon written to config.json.

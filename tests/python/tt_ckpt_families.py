@@ -106,7 +106,7 @@ def flavor(name):
               hidden_size=DIM, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
               num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-              norm_topk_prob=True, routed_scaling_factor=1.0, scoring_func="softmax",
+              norm_topk_prob=False, routed_scaling_factor=1.0, scoring_func="softmax",
               q_lora_rank=qlora or None, kv_lora_rank=32, qk_nope_head_dim=16,
               qk_rope_head_dim=8, v_head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
               max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False,

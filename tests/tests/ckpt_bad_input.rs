@@ -75,11 +75,7 @@ fn fails(input: &Path, expect: &[&str]) -> String {
         out.display()
     );
     // verify agrees and exits 1.
-    let v = titan_ckpt()
-        .arg("verify")
-        .arg(input)
-        .output()
-        .unwrap();
+    let v = titan_ckpt().arg("verify").arg(input).output().unwrap();
     assert_ne!(v.status.code(), Some(0), "verify passed bad input");
     err
 }

@@ -191,6 +191,49 @@ fn qwen3_moe_config_inferred_without_hf_config() {
     );
 }
 
+/// Without --hf-config, DeepSeek-V3's config.json is read from the shapes (MLA ranks and head
+/// dims, heads, dense layers, experts, shared experts, MTP layers); the routing a checkpoint does
+/// not hold is given (top-k) or torchtitan's debugmodel's (logged); transformers loads it and
+/// its logits equal those on torchtitan's `to_hf` with the flavor's own config.
+#[test]
+fn deepseek_v3_config_inferred_without_hf_config() {
+    for flavor in ["deepseek_v3", "deepseek_v3_qlora_mtp"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = fixture(flavor);
+        let out = tmp.path().join("hf");
+        // The tiny flavors route to 2 experts and use no YaRN.
+        let flags = ["--experts-per-token", "2", "--no-rope-scaling", SHARDED];
+        let err = to_hf(&d.join("dcp2"), &out, "deepseek_v3", &flags);
+        assert!(err.contains("routed_scaling_factor = 1"), "{err}");
+        assert_config_keys(
+            &out,
+            &d,
+            &[
+                "architectures",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "intermediate_size",
+                "moe_intermediate_size",
+                "n_routed_experts",
+                "n_shared_experts",
+                "num_experts_per_tok",
+                "first_k_dense_replace",
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "num_nextn_predict_layers",
+                "norm_topk_prob",
+                "vocab_size",
+            ],
+        );
+        let want = "bit-equal, logits equal";
+        check_hf(python_script(SCRIPT), &d, &[&out], &["--own-config"], want);
+    }
+}
+
 /// titan's config.json in `out` has the fixture's values for `keys`.
 fn assert_config_keys(out: &Path, d: &Path, keys: &[&str]) {
     let read = |p: PathBuf| -> serde_json::Value {

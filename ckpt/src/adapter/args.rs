@@ -38,13 +38,15 @@ pub enum RopeScaling {
     None,
     /// Llama-3.1's (factor 8, low/high frequency factors 1 and 4, 8192 original positions).
     Llama3,
-    /// YaRN as in torchtitan 0.3.0's gpt-oss flavors.
+    /// YaRN as in torchtitan 0.3.0's gpt-oss and DeepSeek-V3 flavors.
     Yarn {
         factor: f64,
         beta_fast: f64,
         beta_slow: f64,
         truncate: bool,
         original_max_position_embeddings: u64,
+        /// DeepSeek-V3's attention mscale (HF `mscale` and `mscale_all_dim`).
+        mscale: Option<f64>,
     },
 }
 
@@ -58,7 +60,54 @@ pub const GPT_OSS_YARN: RopeScaling = RopeScaling::Yarn {
     beta_slow: 1.0,
     truncate: false,
     original_max_position_embeddings: 4096,
+    mscale: None,
 };
+
+/// DeepSeek-V3's MLA and MoE layout (read from the shapes) and routing (not in a checkpoint).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaArgs {
+    pub q_lora_rank: Option<u64>,
+    pub kv_lora_rank: u64,
+    pub qk_nope_head_dim: u64,
+    pub qk_rope_head_dim: u64,
+    pub v_head_dim: u64,
+    /// Leading dense (non-MoE) layers.
+    pub first_k_dense: u64,
+    pub n_shared_experts: u64,
+    /// Multi-token-prediction layers after the main ones.
+    pub mtp_layers: u64,
+    pub routing: Dsv3Routing,
+}
+
+/// A torchtitan DeepSeek-V3 flavor's router and YaRN settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dsv3Routing {
+    pub top_k: u64,
+    pub n_group: u64,
+    pub topk_group: u64,
+    pub route_scale: f64,
+    pub route_norm: bool,
+    pub mscale: f64,
+}
+
+/// torchtitan 0.3.0's DeepSeek-V3 flavors by (dim, n_layers): their name and routing.
+fn known_dsv3_flavor(dim: u64, n_layers: u64) -> Option<(&'static str, Dsv3Routing)> {
+    let r = |top_k, n_group, topk_group, route_scale, route_norm, mscale| Dsv3Routing {
+        top_k,
+        n_group,
+        topk_group,
+        route_scale,
+        route_norm,
+        mscale,
+    };
+    match (dim, n_layers) {
+        (256, 6) => Some(("debugmodel", r(3, 1, 1, 1.0, false, 0.70))),
+        (2048, 27) => Some(("16B", r(6, 1, 1, 1.0, false, 0.70))),
+        (5120, 60) => Some(("236B", r(6, 8, 3, 16.0, false, 1.0))),
+        (7168, 61) => Some(("671B", r(8, 8, 4, 2.5, true, 1.0))),
+        _ => None,
+    }
+}
 
 /// The architecture arguments of a decoder checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -80,6 +129,8 @@ pub struct ModelArgs {
     pub moe: Option<MoeArgs>,
     /// gpt-oss: causal window of the even layers (the odd ones attend to everything).
     pub sliding_window: Option<u64>,
+    /// DeepSeek-V3's attention and MoE layout.
+    pub mla: Option<MlaArgs>,
     /// config.json values not in the checkpoint nor given, taken from the family's torchtitan
     /// flavors (`key = value`), for the log.
     pub assumed: Vec<String>,
@@ -167,6 +218,10 @@ pub fn infer(
     let n_layers = main_layers(plan, naming);
     let family = table.family;
     let mut assumed = Vec::new();
+    let mla = match family {
+        Family::DeepseekV3 => Some(infer_mla(&s, dim, n_layers, hints, &mut assumed)?),
+        _ => None,
+    };
     let q = match family {
         Family::DeepseekV3 => None,
         _ => Some(s.need(
@@ -180,9 +235,11 @@ pub fn infer(
             let rows = q.map(|q| q[0]).unwrap_or(0);
             (hints.n_heads.unwrap_or(rows / hd.max(1)), hd)
         }
-        // MLA (q/kv LoRA, split nope/rope head dims) has no RoPE permutation: heads are only
-        // informational there and not inferable from shapes.
-        Family::DeepseekV3 => (hints.n_heads.unwrap_or(0), 0),
+        // MLA: HF's head_dim is the RoPE part of a head.
+        Family::DeepseekV3 => {
+            let m = mla.as_ref().expect("inferred above");
+            (m.1, m.0.qk_rope_head_dim)
+        }
         // One attention sink per head.
         Family::GptOss => {
             let n = match hints.n_heads {
@@ -289,11 +346,36 @@ pub fn infer(
     let (theta, eps, scaling) = match family {
         Family::Llama3 => (500000.0, 1e-5, llama3),
         Family::Qwen3 => (1000000.0, 1e-6, RopeScaling::None),
-        Family::DeepseekV3 => (10000.0, 1e-6, RopeScaling::None),
+        Family::DeepseekV3 => (
+            10000.0,
+            1e-6,
+            RopeScaling::Yarn {
+                factor: 40.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: true,
+                original_max_position_embeddings: 4096,
+                mscale: mla.as_ref().map(|m| m.0.routing.mscale),
+            },
+        ),
         Family::GptOss => (150000.0, 1e-5, GPT_OSS_YARN),
     };
     let mut moe = moe;
     let mut sliding_window = None;
+    if family != Family::Llama3 && family != Family::Qwen3 {
+        if !hints.no_rope_scaling {
+            let yarn = match family {
+                Family::GptOss => "factor 32, beta_fast 32, beta_slow 1, 4096 original positions",
+                _ => "factor 40, beta_fast 32, beta_slow 1, 4096 original positions",
+            };
+            assumed.push(format!(
+                "rope_scaling = yarn ({yarn}; --no-rope-scaling for none)"
+            ));
+        }
+        if hints.rope_theta.is_none() {
+            assumed.push(format!("rope_theta = {theta}"));
+        }
+    }
     if family == Family::GptOss {
         if let Some(m) = moe.as_mut().filter(|m| m.experts_per_token.is_none()) {
             m.experts_per_token = Some(GPT_OSS_TOP_K);
@@ -303,16 +385,6 @@ pub fn infer(
         assumed.push(format!(
             "sliding_window = {GPT_OSS_SLIDING_WINDOW} (even layers)"
         ));
-        if !hints.no_rope_scaling {
-            assumed.push(
-                "rope_scaling = yarn (factor 32, beta_fast 32, beta_slow 1, 4096 original \
-                 positions)"
-                    .into(),
-            );
-        }
-        if hints.rope_theta.is_none() {
-            assumed.push(format!("rope_theta = {theta}"));
-        }
     }
     let scaling = match scaling {
         RopeScaling::Yarn { .. } if hints.no_rope_scaling => RopeScaling::None,
@@ -334,8 +406,151 @@ pub fn infer(
         tie_word_embeddings,
         moe,
         sliding_window,
+        mla: mla.map(|m| m.0),
         assumed,
     })
+}
+
+/// DeepSeek-V3's MLA layout from the shapes: `kv_norm` [kv_lora], `wkv_a` [kv_lora + rope, D],
+/// q (`wq`, or `wq_b` after `wq_a`/`q_norm` [q_lora]) [n (nope + rope), ..], `wkv_b`
+/// [n (nope + v), kv_lora], `wo` [D, n v]; so n rope = q - wkv_b + wo. Returns it with the head
+/// count; the routing comes from the torchtitan flavor of the same dim and depth, else the
+/// debugmodel's (noted in `assumed`).
+fn infer_mla(
+    s: &Shapes,
+    dim: u64,
+    n_layers: u64,
+    hints: &Hints,
+    assumed: &mut Vec<String>,
+) -> Result<(MlaArgs, u64)> {
+    let bad = |what: String| {
+        Error::usage(format!(
+            "--adapter deepseek_v3: {what} in {}: not an MLA layout",
+            s.plan.root.display()
+        ))
+    };
+    let kv_lora = s.need("layers.0.attention.kv_norm.weight", "kv_lora_rank")?[0];
+    let wkv_a = s.need("layers.0.attention.wkv_a.weight", "qk_rope_head_dim")?[0];
+    let rope = wkv_a
+        .checked_sub(kv_lora)
+        .filter(|r| *r > 0)
+        .ok_or_else(|| {
+            bad(format!(
+                "wkv_a has {wkv_a} rows for a kv_lora_rank of {kv_lora}"
+            ))
+        })?;
+    let q_lora = s.get("layers.0.attention.q_norm.weight").map(|q| q[0]);
+    let q = match q_lora {
+        Some(_) => s.need("layers.0.attention.wq_b.weight", "the heads")?[0],
+        None => s.need("layers.0.attention.wq.weight", "the heads")?[0],
+    };
+    let kv_b = s.need("layers.0.attention.wkv_b.weight", "the heads")?[0];
+    let wo = s.need("layers.0.attention.wo.weight", "v_head_dim")?;
+    let o = wo.get(1).copied().unwrap_or(0);
+    let n = match hints.n_heads {
+        Some(n) => n,
+        None => (q + o)
+            .checked_sub(kv_b)
+            .filter(|x| x % rope == 0)
+            .map(|x| x / rope)
+            .ok_or_else(|| bad(format!("q {q}, wkv_b {kv_b}, wo {o} rows/cols")))?,
+    };
+    if n == 0 || q % n != 0 || o % n != 0 || q / n < rope {
+        return Err(bad(format!(
+            "{n} heads do not divide q's {q} rows and wo's {o} columns"
+        )));
+    }
+    let (v, nope) = (o / n, q / n - rope);
+    if kv_b != n * (nope + v) {
+        return Err(bad(format!(
+            "wkv_b has {kv_b} rows, not {n} heads x ({nope} + {v})"
+        )));
+    }
+    let first_k_dense = (0..n_layers)
+        .take_while(|l| {
+            s.get(&format!("layers.{l}.feed_forward.w1.weight"))
+                .is_some()
+        })
+        .count() as u64;
+    let moe_hidden = s
+        .get(&format!(
+            "layers.{first_k_dense}.moe.routed_experts.inner_experts.w1_EFD"
+        ))
+        .map(|w| w[1]);
+    let moe_hidden = match (moe_hidden, s.naming) {
+        (Some(f), _) => Some(f),
+        (None, Naming::Hf) => s
+            .plan
+            .tensors
+            .get(&format!(
+                "model.layers.{first_k_dense}.mlp.experts.0.gate_proj.weight"
+            ))
+            .map(|t| t.shape[0]),
+        (None, Naming::Torchtitan) => None,
+    };
+    let n_shared_experts = match (
+        s.get(&format!(
+            "layers.{first_k_dense}.moe.shared_experts.w1.weight"
+        )),
+        moe_hidden,
+    ) {
+        (Some(w), Some(f)) if f > 0 => w[0] / f,
+        _ => 0,
+    };
+    let mtp_layers = match s.naming {
+        Naming::Torchtitan => s
+            .plan
+            .tensors
+            .keys()
+            .filter_map(|k| super::tt_layer(k, "mtp_layers."))
+            .collect::<std::collections::BTreeSet<_>>()
+            .len() as u64,
+        Naming::Hf => {
+            s.plan
+                .tensors
+                .keys()
+                .filter_map(|k| super::tt_layer(k, "model.layers."))
+                .collect::<std::collections::BTreeSet<_>>()
+                .len() as u64
+                - n_layers
+        }
+    };
+    let routing = match known_dsv3_flavor(dim, n_layers) {
+        Some((_, r)) => r,
+        None => {
+            let (_, r) = known_dsv3_flavor(256, 6).expect("debugmodel");
+            if hints.experts_per_token.is_none() {
+                assumed.push(format!(
+                    "num_experts_per_tok = {} (debugmodel's; --experts-per-token to set)",
+                    r.top_k
+                ));
+            }
+            assumed.push(format!(
+                "n_group = {}, topk_group = {}, routed_scaling_factor = {}, norm_topk_prob = {} \
+                 (debugmodel's: dim {dim} x {n_layers} layers is no torchtitan flavor)",
+                r.n_group, r.topk_group, r.route_scale, r.route_norm
+            ));
+            r
+        }
+    };
+    let routing = Dsv3Routing {
+        top_k: hints.experts_per_token.unwrap_or(routing.top_k),
+        ..routing
+    };
+    Ok((
+        MlaArgs {
+            q_lora_rank: q_lora,
+            kv_lora_rank: kv_lora,
+            qk_nope_head_dim: nope,
+            qk_rope_head_dim: rope,
+            v_head_dim: v,
+            first_k_dense,
+            n_shared_experts,
+            mtp_layers,
+            routing,
+        },
+        n,
+    ))
 }
 
 /// The RoPE settings in both spellings: transformers 4 reads `rope_theta` + `rope_scaling`,
@@ -357,15 +572,25 @@ fn rope_keys(args: &ModelArgs) -> [(&'static str, Value); 3] {
             beta_slow,
             truncate,
             original_max_position_embeddings,
-        } => json!({
-            "rope_type": "yarn",
-            "rope_theta": args.rope_theta,
-            "factor": factor,
-            "beta_fast": beta_fast,
-            "beta_slow": beta_slow,
-            "truncate": truncate,
-            "original_max_position_embeddings": original_max_position_embeddings,
-        }),
+            mscale,
+        } => {
+            let mut p = json!({
+                "rope_type": "yarn",
+                "rope_theta": args.rope_theta,
+                "factor": factor,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "truncate": truncate,
+                "original_max_position_embeddings": original_max_position_embeddings,
+            });
+            if let Some(m) = mscale {
+                // torchtitan scales the softmax by the YaRN mscale squared, as HF does with
+                // mscale_all_dim; equal mscale leaves HF's cos/sin unscaled, as torchtitan's.
+                p["mscale"] = json!(m);
+                p["mscale_all_dim"] = json!(m);
+            }
+            p
+        }
         RopeScaling::None => json!({ "rope_type": "default", "rope_theta": args.rope_theta }),
     };
     // transformers 4 warns about `rope_theta` inside `rope_scaling`: it lives at the top there.
@@ -470,7 +695,34 @@ pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
             o.insert("swiglu_limit".into(), json!(7.0));
             o.insert("swiglu_alpha".into(), json!(1.702));
         }
-        (Family::DeepseekV3, _) => return Ok(None),
+        (Family::DeepseekV3, moe) => {
+            let (Some(m), Some(moe)) = (&args.mla, moe) else {
+                return Ok(None);
+            };
+            let r = m.routing;
+            o.insert("architectures".into(), json!(["DeepseekV3ForCausalLM"]));
+            o.insert("model_type".into(), json!("deepseek_v3"));
+            o.insert("intermediate_size".into(), json!(args.ffn_hidden));
+            o.insert("moe_intermediate_size".into(), json!(moe.expert_hidden));
+            o.insert("n_routed_experts".into(), json!(moe.num_experts));
+            o.insert("n_shared_experts".into(), json!(m.n_shared_experts));
+            o.insert("num_experts_per_tok".into(), json!(r.top_k));
+            o.insert("first_k_dense_replace".into(), json!(m.first_k_dense));
+            o.insert("n_group".into(), json!(r.n_group));
+            o.insert("topk_group".into(), json!(r.topk_group));
+            o.insert("routed_scaling_factor".into(), json!(r.route_scale));
+            o.insert("norm_topk_prob".into(), json!(r.route_norm));
+            o.insert("q_lora_rank".into(), json!(m.q_lora_rank));
+            o.insert("kv_lora_rank".into(), json!(m.kv_lora_rank));
+            o.insert("qk_nope_head_dim".into(), json!(m.qk_nope_head_dim));
+            o.insert("qk_rope_head_dim".into(), json!(m.qk_rope_head_dim));
+            o.insert("v_head_dim".into(), json!(m.v_head_dim));
+            // transformers 4 reads num_nextn_predict_layers, 5 num_mtp_layers.
+            o.insert("num_nextn_predict_layers".into(), json!(m.mtp_layers));
+            o.insert("num_mtp_layers".into(), json!(m.mtp_layers));
+            // torchtitan's complex RoPE pairs adjacent dims, as HF's rope_interleave.
+            o.insert("rope_interleave".into(), json!(true));
+        }
     }
     Ok(Some(v))
 }
