@@ -94,12 +94,4 @@ impl Error {
     pub fn usage(msg: impl Into<String>) -> Error {
         Error::Usage(msg.into())
     }
-
-    /// The process exit code for this error: 2 for usage errors, 1 otherwise.
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            Error::Usage(_) => 2,
-            _ => 1,
-        }
-    }
 }

@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use titan_cli::{Bin, ExitCode as Code, Level, Verbosity};
 
 use titan_ckpt::adapter::{self, Family, Hints, MapOptions, Naming, TtNames};
 use titan_ckpt::consolidate::{self, FileLayout, RankShare};
@@ -24,18 +25,16 @@ use titan_ckpt::{Dtype, storage};
 /// Paths may be local or object store URLs (s3://, gs://, az://, file://); credentials and
 /// endpoints come from the environment as object_store reads them (AWS_ACCESS_KEY_ID,
 /// AWS_ENDPOINT, AWS_ALLOW_HTTP, GOOGLE_SERVICE_ACCOUNT, AZURE_STORAGE_ACCOUNT_NAME, ...).
-///
-/// Exit codes: 0 ok; 1 differences found, verification failed or the checkpoint is invalid;
-/// 2 usage errors.
 #[derive(Parser)]
-#[command(name = "titan-ckpt", version, verbatim_doc_comment)]
+#[command(
+    name = "titan-ckpt",
+    version,
+    verbatim_doc_comment,
+    after_help = TITAN_CKPT.after_help()
+)]
 struct Cli {
-    /// More log output on stderr (-v info, -vv debug); RUST_LOG overrides.
-    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
-    verbose: u8,
-    /// No progress bars.
-    #[arg(short, long, global = true)]
-    quiet: bool,
+    #[command(flatten)]
+    verbosity: Verbosity,
     #[command(subcommand)]
     command: Command,
 }
@@ -275,25 +274,28 @@ struct DiffArgs {
     workers: Workers,
 }
 
+const OK: Code = Code::new(0, "success (diff: the checkpoints match; verify: OK)");
+const FAILED: Code = Code::new(
+    1,
+    "diff found differences, verify failed, or a checkpoint could not be read or written",
+);
+const USAGE: Code = Code::new(2, "usage error (bad flags or values, wrong kind of input)");
+
+/// The `titan-ckpt` binary: message prefix and exit-code table.
+const TITAN_CKPT: Bin = Bin::new("titan-ckpt", &[OK, FAILED, USAGE]);
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let level = match cli.verbose {
-        0 => "warn",
-        1 => "info",
-        _ => "debug",
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-    let quiet = cli.quiet;
-    match run(cli.command, quiet) {
-        Ok(code) => ExitCode::from(code),
+    cli.verbosity.init_logging(Level::Warn);
+    match run(cli.command, cli.verbosity.is_quiet()) {
+        Ok(code) => code.into(),
         Err(e) => {
-            eprintln!("titan-ckpt: error: {e}");
-            ExitCode::from(e.exit_code() as u8)
+            TITAN_CKPT.error(&e);
+            match e {
+                Error::Usage(_) => USAGE,
+                _ => FAILED,
+            }
+            .into()
         }
     }
 }
@@ -314,7 +316,7 @@ fn progress(quiet: bool, what: &str) -> ProgressBar {
     pb
 }
 
-fn run(cmd: Command, quiet: bool) -> Result<u8> {
+fn run(cmd: Command, quiet: bool) -> Result<Code> {
     match cmd {
         Command::Inspect(a) => {
             let plan = open_input(&a.path)?;
@@ -324,7 +326,7 @@ fn run(cmd: Command, quiet: bool) -> Result<u8> {
             } else {
                 print!("{}", report.render());
             }
-            Ok(0)
+            Ok(OK)
         }
         Command::Verify(a) => verify(&a),
         Command::Diff(a) => {
@@ -338,14 +340,14 @@ fn run(cmd: Command, quiet: bool) -> Result<u8> {
             } else {
                 print!("{}", report.render());
             }
-            Ok(if report.equal { 0 } else { 1 })
+            Ok(if report.equal { OK } else { FAILED })
         }
         Command::Consolidate(a) => consolidate_cmd(&a, quiet),
         Command::Convert(a) => convert_cmd(&a, quiet),
     }
 }
 
-fn verify(a: &InspectArgs) -> Result<u8> {
+fn verify(a: &InspectArgs) -> Result<Code> {
     let report = match open_input(&a.path) {
         Ok(plan) => {
             let err = formats::dcp_native::check_items(&plan).err();
@@ -385,19 +387,19 @@ fn verify(a: &InspectArgs) -> Result<u8> {
             report.error.as_deref().unwrap_or("")
         );
     }
-    Ok(if report.ok { 0 } else { 1 })
+    Ok(if report.ok { OK } else { FAILED })
 }
 
 /// Opens a command-line checkpoint, saying which `step-N` a run or checkpoint folder resolved to.
 fn open_input(s: &str) -> Result<titan_ckpt::CheckpointPlan> {
     let (loc, step) = formats::resolve_steps(titan_ckpt::storage::Location::parse(s)?)?;
     if let Some(step) = step {
-        eprintln!("titan-ckpt: using the newest complete checkpoint {step}");
+        TITAN_CKPT.note(format_args!("using the newest complete checkpoint {step}"));
     }
     formats::open(&loc)
 }
 
-fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<u8> {
+fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<Code> {
     let (rank, world_size) = a.share.resolve()?;
     let plan = open_input(&a.input)?;
     let out = formats::output_root(&a.output)?;
@@ -446,10 +448,10 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<u8> {
             ""
         }
     );
-    Ok(0)
+    Ok(OK)
 }
 
-fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
+fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
     let (rank, world_size) = a.share.resolve()?;
     let mut plan = open_input(&a.input)?;
     let out = formats::output_root(&a.output)?;
@@ -459,10 +461,10 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
         plan.bytes_items.clear();
         let dropped = before - plan.tensors.len();
         if dropped > 0 && !a.model_only {
-            eprintln!(
-                "titan-ckpt: {dropped} training-state entries (optimizer, lr_scheduler, dataloader, \
+            TITAN_CKPT.note(format_args!(
+                "{dropped} training-state entries (optimizer, lr_scheduler, dataloader, \
                  train_state, RNG) are not model weights; left out"
-            );
+            ));
         }
     }
     let target_naming = match a.to {
@@ -481,7 +483,7 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
                              names found",
                         )
                     })?;
-                    eprintln!("titan-ckpt: --adapter auto picked {f}");
+                    TITAN_CKPT.note(format_args!("--adapter auto picked {f}"));
                     f
                 }
             };
@@ -515,7 +517,7 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
                 },
             )?;
             for (name, why) in &planned.dropped {
-                eprintln!("titan-ckpt: warning: `{name}` left out: {why}");
+                TITAN_CKPT.warning(format_args!("`{name}` left out: {why}"));
             }
             config = Some(args);
             planned.tensors
@@ -540,11 +542,11 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
         progress: bar.clone(),
     };
     if a.to != Format::Hf && rank != 0 {
-        eprintln!(
+        TITAN_CKPT.note(format_args!(
             "rank {rank}/{world_size}: --to {} is written by rank 0 alone",
             a.to
-        );
-        return Ok(0);
+        ));
+        return Ok(OK);
     }
     match a.to {
         Format::Hf => {
@@ -585,7 +587,7 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<u8> {
     }
     bar.finish_and_clear();
     eprintln!("converted {} -> {} ({})", a.input, a.output, a.to);
-    Ok(0)
+    Ok(OK)
 }
 
 /// config.json next to an HF output: copied from --hf-config, else written from the inferred
@@ -606,21 +608,21 @@ fn write_config(
     match adapter::hf_config(args, dtype)? {
         Some(cfg) => {
             for value in &args.assumed {
-                eprintln!(
-                    "titan-ckpt: config.json: {value}: not in the checkpoint, torchtitan's {} \
+                TITAN_CKPT.note(format_args!(
+                    "config.json: {value}: not in the checkpoint, torchtitan's {} \
                      default (pass --hf-config to copy a config.json instead)",
                     args.family
-                );
+                ));
             }
             let json = serde_json::to_vec_pretty(&cfg).expect("json");
             Ok(out.write_small("config.json", &json)?)
         }
         None => {
-            eprintln!(
-                "titan-ckpt: warning: no config.json written: {}'s HF config needs arguments a \
+            TITAN_CKPT.warning(format_args!(
+                "no config.json written: {}'s HF config needs arguments a \
                  checkpoint does not hold; pass --hf-config",
                 args.family
-            );
+            ));
             Ok(())
         }
     }

@@ -96,7 +96,8 @@ impl Bin {
         eprintln!("{}", self.message(Severity::Warning, what));
     }
 
-    /// Prints `<binary>: note: <what>` on stderr (informational; hidden by `-q` at the caller).
+    /// Prints `<binary>: note: <what>` on stderr: something the user should know about the
+    /// result (which checkpoint or model family was picked, a default assumed).
     pub fn note(&self, what: impl Display) {
         eprintln!("{}", self.message(Severity::Note, what));
     }
@@ -123,8 +124,8 @@ impl Bin {
 }
 
 /// How every binary's logging is controlled (shown in `--help`).
-pub const LOGGING_HELP: &str = "Logging: tracing lines on stderr; -v info, -vv debug, -q errors only \
-(and no progress bars or notes). RUST_LOG (e.g. RUST_LOG=debug, RUST_LOG=titan_obs=trace) overrides -v/-q.";
+pub const LOGGING_HELP: &str = "Logging (tracing, on stderr unless said otherwise): -v info, -vv debug, \
+-q errors only (and no progress bars). RUST_LOG (e.g. RUST_LOG=debug, RUST_LOG=titan_obs=trace) overrides -v/-q.";
 
 /// `-v`/`-vv` and `-q`, shared by every binary (flatten into the top-level parser).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::Args)]
@@ -132,7 +133,7 @@ pub struct Verbosity {
     /// More log output on stderr (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
     pub verbose: u8,
-    /// No progress bars or notes, only errors in the log; RUST_LOG overrides.
+    /// No progress bars, only errors in the log; RUST_LOG overrides.
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     pub quiet: bool,
 }
@@ -167,7 +168,7 @@ impl Verbosity {
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(self.level(default).as_str()))
     }
 
-    /// `-q` given: no progress bars, no notes.
+    /// `-q` given: no progress bars.
     pub fn is_quiet(&self) -> bool {
         self.quiet
     }

@@ -1,5 +1,7 @@
 //! `titan-train`: trains a Llama-3 model from a torchtitan-style TOML config plus
-//! `--section.key value` overrides. Exit codes: 0 done, 1 training failed, 2 usage/config error.
+//! `--section.key value` overrides. Exit codes: [`TITAN_TRAIN`]. The arguments are parsed by
+//! hand, not with clap: torchtitan's `--section.key value` overrides are open-ended (every key
+//! of the config, checked against the config types), which clap cannot express as flags.
 //!
 //! One binary, three roles: with `--nproc-per-node N` it is the launcher (starts and supervises
 //! N copies of itself, like torchrun); started by a launcher (torchrun, srun, ours, or variables
@@ -10,11 +12,34 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
+use titan_cli::{Bin, ExitCode as Code, LOGGING_HELP, Level, Verbosity};
 use titan_train::config::{self, JobConfig};
 use titan_train::dist::launch::{self, LaunchArgs};
 use titan_train::dist::{Backend, CommOptions, Dist, DistributedDp, LaunchEnv};
 use titan_train::parallel::{SingleProcess, World};
 use titan_train::train::{self, TrainSummary};
+
+const OK: Code = Code::new(0, "success");
+const TRAINING_FAILED: Code = Code::new(
+    1,
+    "training failed (with --nproc-per-node: a rank failed; the launcher exits with the first \
+     failing rank's code, 1 when it was killed by a signal)",
+);
+const USAGE: Code = Code::new(
+    2,
+    "usage or config error (unknown key, wrong type, unsupported torchtitan setting)",
+);
+const INTERRUPTED: Code = Code::new(
+    130,
+    "the launcher got SIGINT (Ctrl-C) and stopped the ranks",
+);
+const TERMINATED: Code = Code::new(143, "the launcher got SIGTERM and stopped the ranks");
+
+/// The `titan-train` binary: message prefix and exit-code table.
+const TITAN_TRAIN: Bin = Bin::new(
+    "titan-train",
+    &[OK, TRAINING_FAILED, USAGE, INTERRUPTED, TERMINATED],
+);
 
 fn help() -> String {
     let defaults = serde_json::to_value(JobConfig::default()).expect("defaults serialize");
@@ -36,7 +61,7 @@ fn help() -> String {
     format!(
         "titan-train: train a Llama-3 model (torchtitan's llama3 numerics, config names and metrics)\n\
          \n\
-         USAGE:\n  titan-train [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE]...\n\
+         USAGE:\n  titan-train [-v|-vv|-q] [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE]...\n\
          \n\
          The config is torchtitan's TOML layout: defaults, then FILE (default: the embedded copy of\n\
          {default_file}, from any directory), then the command-line overrides in order. A boolean key\n\
@@ -58,20 +83,48 @@ fn help() -> String {
          step and validation, full precision, appended), obs/ (titan-obs timing records when\n\
          observability.enable), tb/<date>/events.out.tfevents.* (metrics.enable_tensorboard).\n\
          \n\
-         EXIT CODES: 0 success, 1 training failed, 2 usage or config error.\n\
+         {exit_codes}\n\
+         \n\
+         {logging} titan-train logs on stdout, at info by default.\n\
          \n\
          {launch_help}\n\n\
          KEYS (with defaults):\n{keys}",
         default_file = config::DEFAULT_CONFIG_FILE,
         launch_help = launch::LAUNCH_HELP,
+        exit_codes = TITAN_TRAIN.exit_codes_help(),
+        logging = LOGGING_HELP,
     )
 }
 
 /// A usage or configuration error: printed with a hint, exit 2.
 fn usage_error(message: impl std::fmt::Display) -> ExitCode {
-    eprintln!("error: {message}");
-    eprintln!("run `titan-train --help` for the flags, keys and their types");
-    ExitCode::from(2)
+    TITAN_TRAIN.error(format_args!(
+        "{message}\nrun `titan-train --help` for the flags, keys and their types"
+    ));
+    USAGE.into()
+}
+
+/// Removes `-v`/`-vv`/`--verbose` and `-q`/`--quiet` from `args` (before `--`).
+fn take_verbosity(args: &mut Vec<String>) -> Result<Verbosity, String> {
+    let mut v = Verbosity::default();
+    let end = args.iter().position(|a| a == "--").unwrap_or(args.len());
+    let mut kept = Vec::with_capacity(args.len());
+    for (i, a) in args.drain(..).enumerate() {
+        match a.as_str() {
+            _ if i >= end => kept.push(a),
+            "--verbose" => v.verbose += 1,
+            "-q" | "--quiet" => v.quiet = true,
+            s if s.len() > 1 && s.starts_with('-') && s[1..].bytes().all(|b| b == b'v') => {
+                v.verbose += (s.len() - 1) as u8
+            }
+            _ => kept.push(a),
+        }
+    }
+    *args = kept;
+    if v.quiet && v.verbose > 0 {
+        return Err("-v and -q contradict each other; give one".into());
+    }
+    Ok(v)
 }
 
 fn main() -> ExitCode {
@@ -80,9 +133,13 @@ fn main() -> ExitCode {
         Err(e) => return usage_error(e),
     };
     let rank_args = args.clone();
-    let args: Vec<String> = match args.into_iter().map(OsString::into_string).collect() {
+    let mut args: Vec<String> = match args.into_iter().map(OsString::into_string).collect() {
         Ok(a) => a,
         Err(bad) => return usage_error(format!("argument {bad:?} is not valid UTF-8")),
+    };
+    let verbosity = match take_verbosity(&mut args) {
+        Ok(v) => v,
+        Err(e) => return usage_error(e),
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         print!("{}", help());
@@ -97,7 +154,7 @@ fn main() -> ExitCode {
         Ok(cfg) => cfg,
         Err(e) => return usage_error(e),
     };
-    init_logging(&cfg);
+    init_logging(&cfg, &verbosity);
     if let Some(launch) = launch {
         return run_launcher(&launch, &rank_args);
     }
@@ -135,18 +192,16 @@ fn main() -> ExitCode {
         }
         Err(e) => {
             tracing::error!("training failed: {e:#}");
-            eprintln!("error: {e:#}");
-            ExitCode::from(1)
+            TITAN_TRAIN.error(format_args!("{e:#}"));
+            TRAINING_FAILED.into()
         }
     }
 }
 
-fn init_logging(cfg: &JobConfig) {
+/// Logs on stdout (with the metrics lines, as torchtitan does) at info, or as -v/-q/RUST_LOG say.
+fn init_logging(cfg: &JobConfig, verbosity: &Verbosity) {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(verbosity.filter(Level::Info))
         .with_ansi(
             !cfg.metrics.disable_color_printing
                 && std::io::IsTerminal::is_terminal(&std::io::stdout()),
@@ -159,20 +214,22 @@ fn run_launcher(launch: &LaunchArgs, rank_args: &[OsString]) -> ExitCode {
     let program = match std::env::current_exe() {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("error: cannot find this executable to start the ranks: {e}");
-            return ExitCode::from(1);
+            TITAN_TRAIN.error(format_args!(
+                "cannot find this executable to start the ranks: {e}"
+            ));
+            return TRAINING_FAILED.into();
         }
     };
     match launch::run(launch, &program, rank_args) {
         Ok(outcome) => {
             if let Some(failure) = &outcome.failure {
-                eprintln!("error: {failure}");
+                TITAN_TRAIN.error(failure);
             }
             ExitCode::from(outcome.exit_code.clamp(0, 255) as u8)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::from(1)
+            TITAN_TRAIN.error(format_args!("{e:#}"));
+            TRAINING_FAILED.into()
         }
     }
 }

@@ -5,3 +5,4 @@
 //! (summary, metrics, export) live with the binary.
 
 pub mod app;
+pub mod conventions;

@@ -1,11 +1,11 @@
-//! titan-obs: look at where the time of a titan run went.
-//!
-//! Exit codes: 0 success; 1 the run could not be read or the output not written; 2 usage
-//! error; 3 with `--strict`, the result was printed but ranks were missing or parts corrupt.
+//! titan-obs: look at where the time of a titan run went. Exit codes and message form:
+//! [`titan_obs_tui::conventions`].
 
 mod commands;
 
 use clap::{Parser, Subcommand};
+use titan_cli::{Level, Verbosity};
+use titan_obs_tui::conventions::{FAILED, TITAN_OBS, USAGE};
 
 /// Timing analysis of training runs: per-phase summaries with stragglers, torchtitan-style
 /// aggregated metrics, Perfetto export and gantt charts. RUN is a titan run (the Parquet
@@ -15,8 +15,15 @@ use clap::{Parser, Subcommand};
 ///
 /// `titan-obs RUN` opens the interactive gantt of every rank's timeline (needs a terminal).
 #[derive(Parser)]
-#[command(name = "titan-obs", version, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "titan-obs",
+    version,
+    args_conflicts_with_subcommands = true,
+    after_help = TITAN_OBS.after_help()
+)]
 struct Cli {
+    #[command(flatten)]
+    verbosity: Verbosity,
     #[command(subcommand)]
     command: Option<Command>,
     /// Run to open in the interactive gantt (directory or object store URL).
@@ -43,21 +50,19 @@ enum Command {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TITAN_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    cli.verbosity.init_logging(Level::Warn);
+    let quiet = cli.verbosity.is_quiet();
+    if let Some(run_args) = cli.command.as_mut().and_then(Command::run_args_mut) {
+        run_args.quiet = quiet;
+    }
     let result = match &cli.command {
         Some(Command::Summary(a)) => commands::summary::run(a),
         Some(Command::Metrics(a)) => commands::metrics::run(a),
         Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::Synth(a)) => commands::synth::run(a),
         Some(Command::Import(a)) => commands::import::run(a),
-        Some(Command::Gantt(a)) => Ok(titan_obs_tui::app::cli::gantt(a)),
+        Some(Command::Gantt(a)) => Ok(titan_obs_tui::app::cli::gantt(a, quiet)),
         None if cli.run.is_some() => Ok(titan_obs_tui::app::cli::open(
             cli.run.as_deref().unwrap_or_default(),
             &cli.open,
@@ -65,14 +70,27 @@ fn main() {
         None => {
             use clap::CommandFactory;
             let _ = Cli::command().print_help();
-            std::process::exit(2);
+            std::process::exit(USAGE.as_i32());
         }
     };
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::exit(1);
+            TITAN_OBS.error(format_args!("{e:#}"));
+            std::process::exit(FAILED.as_i32());
+        }
+    }
+}
+
+impl Command {
+    /// The options of the commands that read a run through `commands::load_run`.
+    fn run_args_mut(&mut self) -> Option<&mut commands::RunArgs> {
+        match self {
+            Command::Summary(a) => Some(&mut a.run),
+            Command::Metrics(a) => Some(&mut a.run),
+            Command::Export(a) => Some(&mut a.run),
+            Command::Import(a) => Some(&mut a.run),
+            Command::Synth(_) | Command::Gantt(_) => None,
         }
     }
 }

@@ -8,7 +8,8 @@ use clap::Args;
 
 use super::export::{self, GanttImageOptions, MAX_IMAGE_ROWS};
 use super::source::RunSource;
-use super::terminal::{self, EXIT_USAGE, TimelineSource};
+use super::terminal::{self, TimelineSource};
+use crate::conventions::{FAILED, INCOMPLETE, OK, TITAN_OBS, USAGE};
 
 /// Options of the interactive view (`titan-obs RUN`).
 #[derive(Debug, Clone, Args)]
@@ -46,6 +47,9 @@ pub struct GanttArgs {
     /// Hide spans nested deeper than this (0 = top-level spans only).
     #[arg(long, value_name = "N")]
     pub max_depth: Option<u8>,
+    /// Exit with code 3 when ranks are missing or parts are corrupt (after writing the image).
+    #[arg(long)]
+    pub strict: bool,
 }
 
 fn parse_steps(s: &str) -> Result<(u64, u64), String> {
@@ -70,29 +74,30 @@ fn parse_steps(s: &str) -> Result<(u64, u64), String> {
 /// `titan-obs RUN`: returns the process exit code.
 pub fn open(run: &str, args: &OpenArgs) -> i32 {
     if !terminal::has_terminal() {
-        eprint!("{}", terminal::no_terminal_message("titan-obs"));
-        return EXIT_USAGE;
+        eprint!("{}", terminal::no_terminal_message());
+        return USAGE.as_i32();
     }
     let mut source = RunSource::with_follow(run, args.follow);
     match terminal::run(&mut source, args.follow) {
-        Ok(()) => 0,
+        Ok(()) => OK.as_i32(),
         Err(e) => {
-            eprintln!("titan-obs: {e:#}");
-            1
+            TITAN_OBS.error(format_args!("{e:#}"));
+            FAILED.as_i32()
         }
     }
 }
 
-/// `titan-obs gantt`: returns the process exit code.
-pub fn gantt(args: &GanttArgs) -> i32 {
-    match gantt_inner(args) {
-        Ok(()) => 0,
+/// `titan-obs gantt`: returns the process exit code. `quiet` (`-q`): no notes, no `wrote` lines.
+pub fn gantt(args: &GanttArgs, quiet: bool) -> i32 {
+    match gantt_inner(args, quiet) {
+        Ok(complete) if !complete && args.strict => INCOMPLETE.as_i32(),
+        Ok(_) => OK.as_i32(),
         Err(e) => {
-            eprintln!("titan-obs gantt: {e:#}");
+            TITAN_OBS.error(format_args!("gantt: {e:#}"));
             if e.downcast_ref::<UsageError>().is_some() {
-                EXIT_USAGE
+                USAGE.as_i32()
             } else {
-                1
+                FAILED.as_i32()
             }
         }
     }
@@ -109,7 +114,8 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
-fn gantt_inner(args: &GanttArgs) -> anyhow::Result<()> {
+/// Writes the images; `Ok(false)` when the run was incomplete (ranks missing, parts corrupt).
+fn gantt_inner(args: &GanttArgs, quiet: bool) -> anyhow::Result<bool> {
     if args.svg.is_none() && args.png.is_none() {
         return Err(
             UsageError("nothing to write: give --svg OUT.svg and/or --png OUT.png".into()).into(),
@@ -121,15 +127,15 @@ fn gantt_inner(args: &GanttArgs) -> anyhow::Result<()> {
         bail!("{} has no spans to draw", args.run);
     }
     for w in &t.warnings {
-        eprintln!("titan-obs gantt: warning: {w}");
+        TITAN_OBS.warning(w);
     }
     let lane_rows: usize = t.lanes.iter().map(|l| l.rows.len()).sum();
     let collapsed = args.collapsed || (!args.lanes && lane_rows > MAX_IMAGE_ROWS);
-    if collapsed && !args.collapsed {
-        eprintln!(
-            "titan-obs gantt: {lane_rows} lane rows would make a very tall image; drawing one row per phase \
+    if collapsed && !args.collapsed && !quiet {
+        TITAN_OBS.note(format_args!(
+            "{lane_rows} lane rows would make a very tall image; drawing one row per phase \
              (min/median/max across ranks) instead (--lanes to force lanes)"
-        );
+        ));
     }
     let opts = GanttImageOptions {
         width: args.width,
@@ -141,13 +147,17 @@ fn gantt_inner(args: &GanttArgs) -> anyhow::Result<()> {
     if let Some(p) = &args.svg {
         export::write_atomic(p, export::to_svg(&scene).as_bytes())
             .with_context(|| format!("writing the SVG {}", p.display()))?;
-        eprintln!("wrote {} ({}x{})", p.display(), scene.width, scene.height);
+        if !quiet {
+            eprintln!("wrote {} ({}x{})", p.display(), scene.width, scene.height);
+        }
     }
     if let Some(p) = &args.png {
         let png = export::to_png(&scene)?;
         export::write_atomic(p, &png)
             .with_context(|| format!("writing the PNG {}", p.display()))?;
-        eprintln!("wrote {} ({}x{})", p.display(), scene.width, scene.height);
+        if !quiet {
+            eprintln!("wrote {} ({}x{})", p.display(), scene.width, scene.height);
+        }
     }
-    Ok(())
+    Ok(!t.incomplete)
 }

@@ -186,6 +186,8 @@ pub struct Timeline {
     pub span_count: usize,
     /// Problems met while reading (missing ranks, corrupt parts); shown, never fatal.
     pub warnings: Vec<String>,
+    /// Ranks were missing, parts corrupt or lines malformed (`gantt --strict` exits 3).
+    pub incomplete: bool,
 }
 
 impl Timeline {
@@ -528,6 +530,7 @@ impl TimelineBuilder {
             metrics,
             span_count,
             warnings: self.warnings,
+            incomplete: false,
         }
     }
 }

@@ -135,7 +135,9 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
             reduce(sc.reduce[i]),
         );
     }
-    b.finish()
+    let mut timeline = b.finish();
+    timeline.incomplete = !run.report.is_complete();
+    timeline
 }
 
 /// A run (titan parts, torchtitan structured logs or a Chrome trace; local or object

@@ -24,13 +24,11 @@ pub trait TimelineSource {
 /// How often `--follow` looks for new parts.
 pub const FOLLOW_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Exit code for usage errors, e.g. no terminal.
-pub const EXIT_USAGE: i32 = 2;
-
 /// What to print when started without a terminal.
-pub fn no_terminal_message(bin: &str) -> String {
+pub fn no_terminal_message() -> String {
+    let bin = crate::conventions::TITAN_OBS.name;
     format!(
-        "{bin}: the interactive gantt needs a terminal (stdin and stdout must be a tty).\n\
+        "{bin}: error: the interactive gantt needs a terminal (stdin and stdout must be a tty).\n\
          \n\
          Without one, use the non-interactive commands:\n\
          \x20 {bin} summary RUN            per-phase times across ranks and steps, stragglers\n\

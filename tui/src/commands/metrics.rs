@@ -38,7 +38,10 @@ pub fn run(args: &MetricsArgs) -> Result<i32> {
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
         if lines.is_empty() {
-            eprintln!("no scalars with a step in {}", loaded.location);
+            titan_obs_tui::conventions::TITAN_OBS.warning(format_args!(
+                "no scalars with a step in {}",
+                loaded.location
+            ));
         }
         use std::io::Write;
         let mut out = std::io::stdout().lock();

@@ -15,9 +15,7 @@ use std::time::Duration;
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use titan_obs::read::{Columns, ReadOptions, Run};
-
-/// Exit code when `--strict` is given and ranks are missing or parts are corrupt.
-pub const EXIT_INCOMPLETE: i32 = 3;
+use titan_obs_tui::conventions::{INCOMPLETE, OK, TITAN_OBS};
 
 /// Options every analysis command shares.
 #[derive(clap::Args, Debug, Clone)]
@@ -28,15 +26,15 @@ pub struct RunArgs {
     /// them). Local, or an object store URL (s3://bucket/run, gs://..., az://...; credentials
     /// and endpoint from AWS_*/GOOGLE_*/AZURE_* env vars).
     pub run: String,
-    /// Do not align hosts' clocks (torchtitan runs: keep each host's wall clock; titan runs:
-    /// do not add the recorded offsets).
     /// Exit with code 3 when ranks are missing or parts are corrupt (after printing the result).
     #[arg(long)]
     pub strict: bool,
+    /// Do not align hosts' clocks (torchtitan runs: keep each host's wall clock; titan runs:
+    /// do not add the recorded offsets).
     #[arg(long)]
     pub no_clock_align: bool,
-    /// No progress bar.
-    #[arg(long, short)]
+    /// The global `-q`/`--quiet` (no progress bar), copied here by `main`.
+    #[arg(skip)]
     pub quiet: bool,
 }
 
@@ -62,9 +60,18 @@ pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
         align_clocks: !args.no_clock_align,
         progress: Some(progress),
     };
+    let started = std::time::Instant::now();
     let run = titan_obs::read::load(&args.run, &opts);
     bar.finish_and_clear();
     let run = run?;
+    tracing::debug!(
+        "read {}: {} parts, {} ranks, {} spans in {:.3} s",
+        run.location,
+        run.report.parts_read,
+        run.ranks.len(),
+        run.spans.len(),
+        started.elapsed().as_secs_f64()
+    );
     report_problems(&run);
     Ok(run)
 }
@@ -74,11 +81,14 @@ fn console_is_tty() -> bool {
     std::io::stderr().is_terminal()
 }
 
-/// Missing ranks and corrupt parts, by name, on stderr.
+/// Missing ranks and corrupt parts, by name, on stderr (warnings, then notes).
 pub fn report_problems(run: &Run) {
     let r = &run.report;
     for c in &r.corrupt_parts {
-        eprintln!("warning: corrupt part {}: {} (skipped)", c.path, c.error);
+        TITAN_OBS.warning(format_args!(
+            "corrupt part {}: {} (skipped)",
+            c.path, c.error
+        ));
     }
     if !r.missing_ranks.is_empty() {
         let loc = titan_obs::location::Location::parse(&run.location).ok();
@@ -87,54 +97,56 @@ pub fn report_problems(run: &Run) {
                 .as_ref()
                 .map(|l| l.rank_display(rank))
                 .unwrap_or_else(|| format!("rank-{rank}"));
-            eprintln!(
-                "warning: rank {rank} of {} is missing: no readable part in {where_}",
+            TITAN_OBS.warning(format_args!(
+                "rank {rank} of {} is missing: no readable part in {where_}",
                 r.world_size
-            );
+            ));
         }
     }
     if r.parts_read == 0 {
-        eprintln!("warning: no readable part in {}", run.location);
+        TITAN_OBS.warning(format_args!("no readable part in {}", run.location));
     }
     for b in &r.bad_lines {
-        eprintln!(
-            "warning: malformed line {}:{}: {} (skipped)",
+        TITAN_OBS.warning(format_args!(
+            "malformed line {}:{}: {} (skipped)",
             b.file, b.line, b.error
-        );
+        ));
     }
     if r.malformed_lines > r.bad_lines.len() as u64 {
-        eprintln!(
-            "warning: {} more malformed lines (skipped)",
+        TITAN_OBS.warning(format_args!(
+            "{} more malformed lines (skipped)",
             r.malformed_lines - r.bad_lines.len() as u64
-        );
+        ));
     }
     for t in &r.truncated_tails {
-        eprintln!("note: {t}: last line is cut short (a running or killed writer): ignored");
+        TITAN_OBS.note(format_args!(
+            "{t}: last line is cut short (a running or killed writer): ignored"
+        ));
     }
     for o in &r.open_spans {
-        eprintln!(
-            "note: rank {} span `{}`{} never ended in {}: shown open until that process's last record ({})",
+        TITAN_OBS.note(format_args!(
+            "rank {} span `{}`{} never ended in {}: shown open until that process's last record ({})",
             o.rank,
             o.name,
             o.step.map(|s| format!(" (step {s})")).unwrap_or_default(),
             o.file,
             human_ns(o.shown_dur_ns as f64)
-        );
+        ));
     }
     if let Some(a) = &r.clock_alignment {
-        eprintln!("{}", clock_alignment_note(a));
+        TITAN_OBS.note(clock_alignment_note(a));
     }
 }
 
 /// One line per aligned host: how titan-obs put hosts without a shared clock on one clock.
 pub fn clock_alignment_note(a: &titan_obs::read::ClockAlignment) -> String {
     let mut s = format!(
-        "note: hosts have no shared clock; aligned to {} on shared step starts:",
+        "hosts have no shared clock; aligned to {} on shared step starts:",
         a.reference_host
     );
     for h in &a.hosts {
         s.push_str(&format!(
-            "\n  {} (ranks {:?}): {:+.3} ms from {} steps",
+            "\n{} (ranks {:?}): {:+.3} ms from {} steps",
             h.host,
             h.ranks,
             h.offset_ns as f64 / 1e6,
@@ -147,9 +159,9 @@ pub fn clock_alignment_note(a: &titan_obs::read::ClockAlignment) -> String {
 /// The process exit code after a command that printed its result.
 pub fn exit_code(args: &RunArgs, run: &Run) -> i32 {
     if args.strict && !run.report.is_complete() {
-        EXIT_INCOMPLETE
+        INCOMPLETE.as_i32()
     } else {
-        0
+        OK.as_i32()
     }
 }
 
