@@ -126,8 +126,7 @@ impl<'a> TensorReader<'a> {
                         let dcp = self.plan.dcp.as_ref().ok_or_else(|| {
                             Error::invalid(&file.name, "internal: DCP items without a DCP reader")
                         })?;
-                        let b =
-                            Arc::new(crate::formats::dcp_native::decode_chunk(dcp, fqn, *index)?);
+                        let b = Arc::new(dcp.decode_chunk(fqn, *index)?);
                         self.cached = Some((key, b.clone()));
                         b
                     }

@@ -11,6 +11,7 @@ pub mod adapter;
 pub mod assemble;
 pub mod cast;
 pub mod consolidate;
+pub mod dcp_store;
 pub mod error;
 pub mod formats;
 pub mod inspect;

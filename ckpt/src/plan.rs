@@ -118,19 +118,7 @@ pub struct CheckpointPlan {
     pub tensors: BTreeMap<String, TensorPlan>,
     pub bytes_items: BTreeMap<String, BytesItem>,
     /// The DCP reader for DCP native checkpoints (decodes items).
-    pub dcp: Option<DcpHandle>,
-}
-
-/// A shared DCP native reader over the plan's storage.
-#[derive(Clone)]
-pub struct DcpHandle(
-    pub std::sync::Arc<titan_dcp::DcpReader<crate::formats::dcp_native::RootStore>>,
-);
-
-impl fmt::Debug for DcpHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("DcpReader")
-    }
+    pub dcp: Option<crate::dcp_store::DcpHandle>,
 }
 
 impl CheckpointPlan {

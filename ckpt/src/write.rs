@@ -340,6 +340,35 @@ impl OutFilePlan {
     }
 }
 
+/// Where the copy engine puts one output tensor's bytes: C order, already in the output dtype.
+/// A safetensors file takes them at any position ([`FileSink`]); a DCP writer takes them in
+/// order and cuts them into row chunks (`formats::dcp_native`).
+pub trait TensorSink {
+    /// Bytes `pos..pos + data.len()` of the tensor.
+    fn put(&mut self, pos: u64, data: &[u8]) -> Result<()>;
+    /// The output file and the tensor's offset in it, when raw input runs may be copied file to
+    /// file, in any order (`copy_file_range`).
+    fn file(&self) -> Option<(&OutFile, u64)> {
+        None
+    }
+}
+
+/// A tensor at `offset` of an output file.
+pub struct FileSink<'a> {
+    pub out: &'a OutFile,
+    pub offset: u64,
+}
+
+impl TensorSink for FileSink<'_> {
+    fn put(&mut self, pos: u64, data: &[u8]) -> Result<()> {
+        Ok(self.out.write_at(self.offset + pos, data)?)
+    }
+
+    fn file(&self) -> Option<(&OutFile, u64)> {
+        Some((self.out, self.offset))
+    }
+}
+
 /// How to run the copy.
 #[derive(Clone)]
 pub struct EngineOptions {
@@ -388,19 +417,31 @@ pub fn write_files(
                 .collect();
             tasks.sort_by_key(|&(fi, ti)| std::cmp::Reverse(files[fi].tensors[ti].0.nbytes()));
             tasks.par_iter().try_for_each_init(
-                || Worker::new(plan, &inputs, opts),
+                || TensorCopier::new(plan, &inputs, opts),
                 |w, &(fi, ti)| {
-                    let (t, off) = &files[fi].tensors[ti];
-                    w.write_tensor(t, &outs[fi], *off)
+                    let (t, offset) = &files[fi].tensors[ti];
+                    w.write_tensor(
+                        t,
+                        &mut FileSink {
+                            out: &outs[fi],
+                            offset: *offset,
+                        },
+                    )
                 },
             )
         } else {
             files.par_iter().zip(&outs).try_for_each_init(
-                || Worker::new(plan, &inputs, opts),
+                || TensorCopier::new(plan, &inputs, opts),
                 |w, (f, o)| {
                     o.write_at(0, &f.header)?;
-                    for (t, off) in &f.tensors {
-                        w.write_tensor(t, o, *off)?;
+                    for (t, offset) in &f.tensors {
+                        w.write_tensor(
+                            t,
+                            &mut FileSink {
+                                out: o,
+                                offset: *offset,
+                            },
+                        )?;
                     }
                     Ok(())
                 },
@@ -421,8 +462,9 @@ pub fn write_files(
     Ok(())
 }
 
-/// Per-thread state: a reader with its caches and one bounded buffer pair.
-struct Worker<'a> {
+/// The copy engine for one thread: streams output tensors from a plan's inputs into
+/// [`TensorSink`]s through one bounded buffer pair (a reader with its caches, the window size).
+pub struct TensorCopier<'a> {
     plan: &'a CheckpointPlan,
     inputs: &'a [InFile],
     reader: TensorReader<'a>,
@@ -432,9 +474,9 @@ struct Worker<'a> {
     progress: ProgressBar,
 }
 
-impl<'a> Worker<'a> {
-    fn new(plan: &'a CheckpointPlan, inputs: &'a [InFile], opts: &EngineOptions) -> Self {
-        Worker {
+impl<'a> TensorCopier<'a> {
+    pub fn new(plan: &'a CheckpointPlan, inputs: &'a [InFile], opts: &EngineOptions) -> Self {
+        TensorCopier {
             plan,
             inputs,
             reader: TensorReader::new(plan, inputs),
@@ -445,9 +487,11 @@ impl<'a> Worker<'a> {
         }
     }
 
-    fn write_tensor(&mut self, t: &OutTensor, out: &OutFile, offset: u64) -> Result<()> {
+    /// Streams `t` into `sink`: sources in order, RoPE rows permuted or experts transposed,
+    /// cast to `t.dtype`.
+    pub fn write_tensor(&mut self, t: &OutTensor, sink: &mut dyn TensorSink) -> Result<()> {
         let sources = resolve_sources(self.plan, t)?;
-        tracing::debug!(tensor = %t.name, file = %out.name, "writing");
+        tracing::debug!(tensor = %t.name, "writing");
         if t.row_map.is_some() || t.transpose.is_some() {
             // Both reorder one input tensor.
             let [(src, _)] = sources.as_slice() else {
@@ -458,29 +502,30 @@ impl<'a> Worker<'a> {
                 ));
             };
             if let Some(map) = t.row_map {
-                return self.write_permuted(src, t, map, out, offset);
+                return self.write_permuted(src, t, map, sink);
             }
             if let Some(tr) = t.transpose {
-                return self.write_transposed(src, t, tr, out, offset);
+                return self.write_transposed(src, t, tr, sink);
             }
         }
         let os = t.dtype.size() as u64;
-        let mut pos = offset;
+        let mut pos = 0;
         for (src, slice) in sources {
-            self.write_slice(src, slice, t.dtype, out, pos)?;
+            self.write_slice(src, slice, t.dtype, sink, pos)?;
             pos += slice.numel * os;
         }
         Ok(())
     }
 
-    /// Writes the elements `slice` of `src` at `pos` of `out`, cast to `dtype`: raw runs are
-    /// copied file to file, anything else goes through windows of at most the window size.
+    /// Puts the elements `slice` of `src` at byte `pos` of the tensor, cast to `dtype`: raw runs
+    /// are copied file to file when the sink is a file, anything else goes through windows of at
+    /// most the window size, in order.
     fn write_slice(
         &mut self,
         src: &TensorPlan,
         slice: &SourceSlice,
         dtype: Dtype,
-        out: &OutFile,
+        sink: &mut dyn TensorSink,
         pos: u64,
     ) -> Result<()> {
         let range = slice.offset..slice.offset + slice.numel;
@@ -491,7 +536,7 @@ impl<'a> Worker<'a> {
                 .chunks
                 .iter()
                 .all(|c| c.source.encoding == Encoding::Raw);
-        if direct {
+        if direct && let Some((out, offset)) = sink.file() {
             let es = src.dtype.size() as u64;
             for c in src.chunks.iter().filter(|c| c.numel() > 0) {
                 let run = assemble::run_of(src, c);
@@ -503,7 +548,7 @@ impl<'a> Worker<'a> {
                     &self.inputs[c.source.file],
                     c.source.begin + (s - run.start) * es,
                     out,
-                    pos + (s - range.start) * es,
+                    offset + pos + (s - range.start) * es,
                     (e - s) * es,
                 )?;
             }
@@ -513,7 +558,7 @@ impl<'a> Worker<'a> {
         for w in assemble::windows_in(src, range, self.window) {
             let n = self.read_window(src, w.clone())?;
             let bytes = self.cast_window(src.dtype, dtype, n);
-            out.write_at(at, bytes)?;
+            sink.put(at, bytes)?;
             at += bytes.len() as u64;
             self.progress
                 .inc((w.end - w.start) * src.dtype.size() as u64);
@@ -543,8 +588,7 @@ impl<'a> Worker<'a> {
         src: &TensorPlan,
         t: &OutTensor,
         map: RowMap,
-        out: &OutFile,
-        offset: u64,
+        sink: &mut dyn TensorSink,
     ) -> Result<()> {
         if src.shape.len() != 2 {
             return Err(Error::tensor(
@@ -571,22 +615,21 @@ impl<'a> Worker<'a> {
                 let bytes = self.cast_window(src.dtype, t.dtype, n);
                 block.extend_from_slice(bytes);
             }
-            out.write_at(offset + r * cols * os, &block)?;
+            sink.put(r * cols * os, &block)?;
             self.progress.inc((end - r) * cols * es);
             r = end;
         }
         Ok(())
     }
 
-    /// Writes `t`, the per-expert transpose of `src`, in tiles of whole output rows of at most
-    /// the window size, sequentially (object store outputs take nothing else).
+    /// Puts `t`, the per-expert transpose of `src`, in tiles of whole output rows of at most
+    /// the window size, in order (object store outputs and DCP take nothing else).
     fn write_transposed(
         &mut self,
         src: &TensorPlan,
         t: &OutTensor,
         tr: ExpertTranspose,
-        out: &OutFile,
-        offset: u64,
+        sink: &mut dyn TensorSink,
     ) -> Result<()> {
         let es = src.dtype.size() as u64;
         let per = (self.window / (tr.rows * es).max(1)).max(1) * tr.rows;
@@ -604,7 +647,7 @@ impl<'a> Worker<'a> {
                 cast::convert(src.dtype, t.dtype, &buf, &mut self.converted);
                 &self.converted
             };
-            out.write_at(offset + s * os, bytes)?;
+            sink.put(s * os, bytes)?;
             self.progress.inc((e - s) * es);
             s = e;
         }

@@ -4,75 +4,19 @@
 //! Reading maps every chunk to a plan chunk: an untransformed item whose tensor is contiguous
 //! becomes a raw byte range of the `.distcp` file (streamed like safetensors data); a zstd or
 //! strided item is decoded by the DCP reader when its bytes are needed.
+//!
+//! Writing runs the copy engine (`write::TensorCopier`, as for safetensors) into a [`DcpSink`]
+//! that cuts each tensor into row chunks for `titan_dcp::DcpWriter`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use crate::assemble::TensorReader;
+use crate::dcp_store::{DcpHandle, RootStore};
 use crate::error::{Error, Result};
-use crate::plan::{BytesItem, CheckpointPlan, Chunk, ChunkSource, DcpHandle, Encoding, Format};
+use crate::plan::{BytesItem, CheckpointPlan, Chunk, ChunkSource, Encoding, Format};
 use crate::storage::{InFile, Root};
-use crate::write::{EngineOptions, OutTensor};
-use titan_dcp::{self, CheckpointStore, DcpReader, FileKey, PlannerData, ReadOptions, TensorChunk};
-
-/// The DCP reader's view of a [`Root`] (local or object store), with opened files cached.
-pub struct RootStore {
-    root: Root,
-    open: Mutex<HashMap<String, Arc<InFile>>>,
-}
-
-impl RootStore {
-    pub fn new(root: Root) -> RootStore {
-        RootStore {
-            root,
-            open: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn file(&self, rel: &str) -> io::Result<Arc<InFile>> {
-        let mut open = self.open.lock().expect("file cache lock");
-        if let Some(f) = open.get(rel) {
-            return Ok(f.clone());
-        }
-        let f = Arc::new(self.root.open(rel).map_err(to_io)?);
-        open.insert(rel.to_string(), f.clone());
-        Ok(f)
-    }
-}
-
-fn to_io(e: titan_storage::StorageError) -> io::Error {
-    match e {
-        titan_storage::StorageError::Io { source, .. } => source,
-        other => io::Error::other(other.to_string()),
-    }
-}
-
-impl CheckpointStore for RootStore {
-    fn describe(&self, relative_path: &str) -> String {
-        self.root.display_file(relative_path)
-    }
-
-    fn file_len(&self, relative_path: &str) -> io::Result<u64> {
-        Ok(self.file(relative_path)?.size)
-    }
-
-    fn read_range(&self, relative_path: &str, offset: u64, len: u64) -> io::Result<Vec<u8>> {
-        let f = self.file(relative_path)?;
-        if offset.checked_add(len).is_none_or(|e| e > f.size) {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!(
-                    "range {offset}+{len} is past the end ({} bytes): truncated",
-                    f.size
-                ),
-            ));
-        }
-        let mut buf = vec![0u8; len as usize];
-        f.read_at(offset, &mut buf).map_err(to_io)?;
-        Ok(buf)
-    }
-}
+use crate::write::{EngineOptions, OutTensor, TensorCopier, TensorSink};
+use titan_dcp::{self, DcpReader, FileKey, PlannerData, ReadOptions, TensorChunk};
 
 pub fn read(root: &Root) -> Result<CheckpointPlan> {
     let reader = DcpReader::with_store(RootStore::new(root.clone()), ReadOptions::default())?;
@@ -154,11 +98,6 @@ pub fn read(root: &Root) -> Result<CheckpointPlan> {
     })
 }
 
-/// Decodes chunk `chunk` of `fqn` into its C-order little-endian bytes.
-pub fn decode_chunk(dcp: &DcpHandle, fqn: &str, chunk: usize) -> Result<Vec<u8>> {
-    Ok(dcp.0.read_chunk(fqn, chunk)?.data)
-}
-
 /// Decodes every transformed item and bytes item once, so `verify` catches corrupt archives
 /// and zstd streams, not only inconsistent metadata.
 pub fn check_items(plan: &CheckpointPlan) -> Result<()> {
@@ -166,7 +105,7 @@ pub fn check_items(plan: &CheckpointPlan) -> Result<()> {
     for t in plan.tensors.values() {
         for c in &t.chunks {
             if let Encoding::DcpItem { fqn, chunk } = &c.source.encoding {
-                decode_chunk(dcp, fqn, *chunk)?;
+                dcp.decode_chunk(fqn, *chunk)?;
             }
         }
     }
@@ -211,7 +150,7 @@ pub fn write(
         .iter()
         .map(|f| Ok(plan.root.open(f)?))
         .collect::<Result<_>>()?;
-    let mut reader = TensorReader::new(plan, &inputs);
+    let mut copier = TensorCopier::new(plan, &inputs, opts);
     let mut writer = titan_dcp::DcpWriter::create(
         dir,
         titan_dcp::WriteOptions {
@@ -229,90 +168,20 @@ pub fn write(
         };
     opts.progress
         .set_length(tensors.iter().map(|t| t.input_bytes(plan)).sum());
-    let mut block = Vec::new();
-    let mut converted = Vec::new();
-    let mut tile = Vec::new();
+    let mut pending = Vec::new();
     for t in tensors {
-        let sources = crate::write::resolve_sources(plan, t)?;
-        let in_dtype = sources.first().map(|(s, _)| s.dtype).unwrap_or(t.dtype);
-        let rows = t.shape.first().copied().unwrap_or(1);
-        let row_len: u64 = t.shape.iter().skip(1).product();
-        let es = in_dtype.size() as u64;
-        let per = (opts.window_bytes / (row_len * es).max(1)).max(1);
-        if let Some(map) = t.row_map {
-            map.check(&t.name, rows)?;
-        }
-        let mut r = 0;
-        loop {
-            let end = (r + per).min(rows);
-            block.clear();
-            match (t.row_map, t.transpose, sources.as_slice()) {
-                (Some(map), _, [(src, _)]) => {
-                    let mut row = vec![0u8; (row_len * es) as usize];
-                    for out_row in r..end {
-                        let in_row = map.source_row(out_row, rows);
-                        reader.read(src, in_row * row_len..(in_row + 1) * row_len, &mut row)?;
-                        block.extend_from_slice(&row);
-                    }
-                }
-                (Some(_), _, _) | (None, Some(_), _) if sources.len() != 1 => {
-                    return Err(Error::tensor(
-                        plan.root.display(),
-                        &t.name,
-                        "internal: a RoPE row map or expert transpose needs exactly one source",
-                    ));
-                }
-                (None, Some(tr), [(src, _)]) => {
-                    block.resize(((end - r) * row_len * es) as usize, 0);
-                    tr.read(
-                        &mut reader,
-                        src,
-                        r * row_len..end * row_len,
-                        &mut block,
-                        &mut tile,
-                    )?;
-                }
-                // No reordering: a copy, or experts concatenated.
-                _ => {
-                    let n = if t.shape.is_empty() {
-                        1
-                    } else {
-                        (end - r) * row_len
-                    };
-                    let start = if t.shape.is_empty() { 0 } else { r * row_len };
-                    block.resize((n * es) as usize, 0);
-                    read_concat(&mut reader, &sources, start..start + n, &mut block)?;
-                }
-            }
-            let data: &[u8] = if in_dtype == t.dtype {
-                &block
-            } else {
-                crate::cast::convert(in_dtype, t.dtype, &block, &mut converted);
-                &converted
-            };
-            let mut offsets = vec![0u64; t.shape.len()];
-            let mut sizes = t.shape.clone();
-            if !t.shape.is_empty() {
-                offsets[0] = r;
-                sizes[0] = end - r;
-            }
-            writer.add_tensor_chunk(
-                key,
-                TensorChunk {
-                    fqn: &t.name,
-                    dtype: t.dtype,
-                    global_shape: &t.shape,
-                    offsets: &offsets,
-                    sizes: &sizes,
-                    data,
-                },
-            )?;
-            opts.progress.inc(block.len() as u64);
-            r = end;
-            if r >= rows {
-                break;
-            }
-        }
+        let mut sink = DcpSink {
+            writer: &mut writer,
+            key,
+            tensor: t,
+            row_bytes: t.shape.iter().skip(1).product::<u64>() * t.dtype.size() as u64,
+            window: opts.window_bytes.max(1),
+            next_row: 0,
+            pending: std::mem::take(&mut pending),
+        };
+        copier.write_tensor(t, &mut sink)?;
+        sink.finish()?;
+        pending = sink.pending;
         if t.whole_source() == Some(t.name.as_str())
             && let Some(path) = planner_paths.get(t.name.as_str())
         {
@@ -335,25 +204,110 @@ pub fn write(
     Ok(())
 }
 
-/// Fills `out` with the elements `range` of the concatenation of `sources`.
-fn read_concat(
-    reader: &mut TensorReader,
-    sources: &[(&crate::plan::TensorPlan, &crate::write::SourceSlice)],
-    range: std::ops::Range<u64>,
-    out: &mut [u8],
-) -> Result<()> {
-    let mut base = 0u64;
-    let mut filled = 0usize;
-    for (src, slice) in sources {
-        let (s, e) = (range.start.max(base), range.end.min(base + slice.numel));
-        if s < e {
-            let es = src.dtype.size();
-            let n = (e - s) as usize * es;
-            let from = slice.offset + (s - base);
-            reader.read_any(src, from..from + (e - s), &mut out[filled..filled + n])?;
-            filled += n;
-        }
-        base += slice.numel;
+/// How DCP output is named in messages (it is staged before it gets a name).
+const DCP_OUTPUT: &str = "the DCP output";
+
+/// The copy engine's output into a DCP writer: the tensor's bytes arrive in order and leave as
+/// chunks of whole rows (dim 0) of about the engine's window, so memory stays bounded and torch's
+/// `dcp.load` reassembles them.
+struct DcpSink<'w, 't> {
+    writer: &'w mut titan_dcp::DcpWriter,
+    key: FileKey,
+    tensor: &'t OutTensor,
+    /// Bytes of one row (a 0-d tensor is one row of one element).
+    row_bytes: u64,
+    window: u64,
+    /// The first row not written yet; `pending` holds the bytes from there.
+    next_row: u64,
+    pending: Vec<u8>,
+}
+
+impl DcpSink<'_, '_> {
+    fn written(&self) -> u64 {
+        self.next_row * self.row_bytes.max(1)
     }
-    Ok(())
+
+    /// Writes the whole rows in `pending` as one chunk.
+    fn flush_rows(&mut self) -> Result<()> {
+        let t = self.tensor;
+        if t.shape.is_empty() {
+            return Ok(());
+        }
+        // Rows of zero bytes (a 0 in a later dim) all go in one chunk.
+        let rows = (self.pending.len() as u64)
+            .checked_div(self.row_bytes)
+            .unwrap_or(t.shape[0] - self.next_row);
+        if rows == 0 {
+            return Ok(());
+        }
+        let n = (rows * self.row_bytes) as usize;
+        let mut offsets = vec![0u64; t.shape.len()];
+        let mut sizes = t.shape.clone();
+        offsets[0] = self.next_row;
+        sizes[0] = rows;
+        self.writer.add_tensor_chunk(
+            self.key,
+            TensorChunk {
+                fqn: &t.name,
+                dtype: t.dtype,
+                global_shape: &t.shape,
+                offsets: &offsets,
+                sizes: &sizes,
+                data: &self.pending[..n],
+            },
+        )?;
+        self.pending.drain(..n);
+        self.next_row += rows;
+        Ok(())
+    }
+
+    /// Writes what is left; every row must have arrived.
+    fn finish(&mut self) -> Result<()> {
+        let t = self.tensor;
+        if t.shape.is_empty() {
+            self.writer.add_tensor_chunk(
+                self.key,
+                TensorChunk {
+                    fqn: &t.name,
+                    dtype: t.dtype,
+                    global_shape: &t.shape,
+                    offsets: &[],
+                    sizes: &[],
+                    data: &self.pending,
+                },
+            )?;
+            self.pending.clear();
+            return Ok(());
+        }
+        self.flush_rows()?;
+        if self.next_row != t.shape[0] || !self.pending.is_empty() {
+            return Err(Error::tensor(
+                DCP_OUTPUT,
+                &t.name,
+                format!(
+                    "internal: {} of {} rows written to the DCP output",
+                    self.next_row, t.shape[0]
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl TensorSink for DcpSink<'_, '_> {
+    fn put(&mut self, pos: u64, data: &[u8]) -> Result<()> {
+        let expected = self.written() + self.pending.len() as u64;
+        if pos != expected {
+            return Err(Error::tensor(
+                DCP_OUTPUT,
+                &self.tensor.name,
+                format!("internal: DCP output takes bytes in order (at {expected}, got {pos})"),
+            ));
+        }
+        self.pending.extend_from_slice(data);
+        if self.pending.len() as u64 >= self.window {
+            self.flush_rows()?;
+        }
+        Ok(())
+    }
 }

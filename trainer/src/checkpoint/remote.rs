@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use titan_ckpt::formats::dcp_native::RootStore;
+use titan_ckpt::dcp_store::RootStore;
 use titan_dcp::{DcpReader, METADATA_FILE, ReadOptions};
 use titan_storage::Root;
 
