@@ -5,7 +5,8 @@
 //! shape and chunks, each chunk a box of the tensor plus where its bytes are. Commands work on
 //! plans: `consolidate` and `convert` plan output files and run the copy engine (`write`), which
 //! streams chunk bytes through bounded buffers (`assemble`, `cast`); `inspect`, `verify` and
-//! `diff` report on plans. `storage` hides whether bytes are local or in an object store.
+//! `diff` report on plans. The DCP format itself is the `titan-dcp` crate (read through
+//! `dcp_store`); files live wherever `titan-storage` reaches (`storage`).
 
 pub mod adapter;
 pub mod assemble;
@@ -22,6 +23,4 @@ pub mod write;
 
 pub use error::{Error, Result};
 pub use plan::{CheckpointPlan, Chunk, ChunkSource, Encoding, Format, TensorPlan};
-/// The DCP format library (the `titan-dcp` crate), re-exported under its old path.
-pub use titan_dcp as dcp;
-pub use titan_dcp::{Dtype, dtype};
+pub use titan_dcp::Dtype;

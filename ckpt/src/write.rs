@@ -13,11 +13,11 @@ use rayon::prelude::*;
 
 use crate::assemble::{self, Layout, TensorReader};
 use crate::cast;
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{CheckpointPlan, Encoding, TensorPlan};
 use crate::safetensors::{self, OutEntry};
 use crate::storage::{InFile, OutFile, Root};
+use titan_dcp::Dtype;
 
 /// The bytes a single copy or window moves at most (and so the per-thread buffer size).
 pub const DEFAULT_WINDOW_BYTES: u64 = 16 << 20;

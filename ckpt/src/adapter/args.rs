@@ -4,9 +4,9 @@
 use serde_json::{Value, json};
 
 use super::{Family, Naming, find_tt, main_layers, tables::Table};
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::CheckpointPlan;
+use titan_dcp::Dtype;
 
 /// What the user told us about the model (anything not given is inferred from shapes or from
 /// the known torchtitan flavors).

@@ -18,12 +18,12 @@ pub use args::{Hints, ModelArgs, hf_config};
 pub use tables::{Rule, TABLES, Table, Transform};
 
 use crate::assemble::TensorReader;
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::plan::{CheckpointPlan, TensorPlan};
 use crate::storage::InFile;
 use crate::write::{ExpertTranspose, OutTensor, RowMap, SourceSlice};
 use pattern::{Captures, fill, matches};
+use titan_dcp::Dtype;
 
 /// Which naming a checkpoint uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
