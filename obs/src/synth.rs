@@ -273,8 +273,10 @@ pub fn write_run(run: &str, cfg: &SynthConfig) -> Result<SynthStats> {
 /// Whether step `step` is a checkpoint step and a validation step.
 fn step_kind(cfg: &SynthConfig, step: u64) -> (bool, bool) {
     (
-        cfg.checkpoint_every.is_some_and(|e| e > 0 && step.is_multiple_of(e)),
-        cfg.validation_every.is_some_and(|e| e > 0 && step.is_multiple_of(e)),
+        cfg.checkpoint_every
+            .is_some_and(|e| e > 0 && step.is_multiple_of(e)),
+        cfg.validation_every
+            .is_some_and(|e| e > 0 && step.is_multiple_of(e)),
     )
 }
 
