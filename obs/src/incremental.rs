@@ -196,6 +196,7 @@ impl PartsReader {
         // peak memory is the tables plus one chunk of decoded files.
         let chunk = rayon::current_num_threads().max(1) * 4;
         let total_files = work.len();
+        let spans_before = self.run.spans.len();
         let mut done_files = 0usize;
         let mut work = work.into_iter().peekable();
         while work.peek().is_some() {
@@ -218,9 +219,13 @@ impl PartsReader {
             if done_files < total_files && done_files == chunk {
                 // After the first chunk, reserve for the whole read (+5%) so the big columns
                 // grow once instead of doubling (which would transiently need 2x the memory).
-                let before = self.run.spans.len() as f64;
+                // Scaled from what this refresh added, not the run: a refresh of a few new
+                // batches must not reserve for the run again.
+                let added = (self.run.spans.len() - spans_before) as f64;
                 let scale = total_files as f64 / done_files as f64 * 1.05;
-                self.run.spans.reserve((before * scale) as usize);
+                self.run
+                    .spans
+                    .reserve(spans_before + (added * scale) as usize);
             }
         }
         self.total.add(&self.last);
