@@ -7,8 +7,8 @@ use rayon::prelude::*;
 
 use crate::location::Location;
 use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
-use crate::read::Run;
 use crate::record::NO_STEP;
+use crate::run::Run;
 use crate::schema::Kind;
 
 /// What [`write_parts`] wrote.

@@ -18,8 +18,8 @@ use parquet::arrow::arrow_reader::{ParquetRecordBatchReaderBuilder, RowSelection
 
 use crate::journal::{JournalCursor, thread_names};
 use crate::part::Footer;
-use crate::read::{Columns, PartData, RankInfo};
 use crate::record::NO_STEP;
+use crate::run::{Columns, PartData, RankInfo};
 use crate::schema::{Kind, Reduce, col};
 
 /// The reader's view of a footer.
@@ -326,7 +326,7 @@ impl<'a> BatchColumns<'a> {
             .context("`tags` items are not utf8")?;
         let mut mask = 0u64;
         for t in list.iter().flatten() {
-            let id = crate::read::intern(tags_out, &mut dicts.tag_ids, t);
+            let id = crate::run::intern(tags_out, &mut dicts.tag_ids, t);
             if id < 64 {
                 mask |= 1 << id;
             }
@@ -467,7 +467,7 @@ fn dict_to_local(
         .as_string_opt::<i32>()
         .context("dictionary values are not utf8")?;
     let map: Vec<u32> = (0..values.len())
-        .map(|i| crate::read::intern(values_out, ids, values.value(i)))
+        .map(|i| crate::run::intern(values_out, ids, values.value(i)))
         .collect();
     let keys = dict.keys();
     let mut out = Vec::with_capacity(keys.len());

@@ -17,7 +17,7 @@ use crate::journal::JournalCursor;
 use crate::location::{
     Location, parse_journal_file_name, parse_part_file_name, parse_rank_dir_name,
 };
-use crate::read::{CorruptPart, Merger, PartData, ReadOptions, Run, RunFormat};
+use crate::run::{CorruptPart, Merger, PartData, ReadOptions, Run, RunFormat};
 
 /// What was read: by one refresh ([`PartsReader::last`]) or in total ([`PartsReader::total`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -532,4 +532,13 @@ fn list_files(location: &Location) -> Result<Listing> {
     // Rank by rank, in part order (deterministic tables); a part before its journal.
     files.sort_by_key(|f| (f.rank, f.index, f.kind));
     Ok(Listing { rank_dirs, files })
+}
+
+/// Loads every rank's parts (and open journals) of the titan run at `run` (local dir or
+/// object store URL) once. Bytes after a journal's last complete batch are reported in
+/// `report.truncated_tails`.
+pub fn load_parts(run: &str, opts: &ReadOptions) -> Result<Run> {
+    let mut reader = PartsReader::open(run)?;
+    reader.refresh_with(opts, true)?;
+    Ok(reader.into_run())
 }

@@ -60,6 +60,7 @@ pub mod read;
 mod record;
 mod recorder;
 mod ring;
+mod run;
 pub mod schema;
 pub mod synth;
 pub mod vocab;

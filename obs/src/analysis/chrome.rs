@@ -16,8 +16,8 @@ use anyhow::{Result, bail};
 
 use super::summary::{StragglerOptions, analyse};
 use super::table::{RunShape, SpanTable};
-use crate::read::Run;
 use crate::record::NO_STEP;
+use crate::run::Run;
 
 /// What was written.
 #[derive(Debug, Clone, Copy, Default)]

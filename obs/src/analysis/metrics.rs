@@ -9,8 +9,8 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
-use crate::read::Run;
 use crate::record::NO_STEP;
+use crate::run::Run;
 use crate::schema::Reduce;
 
 /// One aggregated line.

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::stats::quantile_in_place;
 use super::table::SpanTable;
-use crate::read::NameId;
+use crate::run::NameId;
 
 /// One phase at one step across ranks; a rank's value is its total time in the phase at that
 /// step (summed over threads and repeats).

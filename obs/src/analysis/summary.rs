@@ -9,8 +9,8 @@ use serde::Serialize;
 use super::stats::{DurationStats, median_f64};
 use super::table::{RunShape, SpanTable};
 use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
-use crate::read::{BadLine, ClockAlignment, NameId, OpenSpan, Run, RunFormat};
 use crate::record::NO_STEP;
+use crate::run::{BadLine, ClockAlignment, NameId, OpenSpan, Run, RunFormat};
 
 /// Straggler detection thresholds.
 #[derive(Debug, Clone, Copy)]

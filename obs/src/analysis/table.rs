@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::read::{NameId, Run};
+use crate::run::{NameId, Run};
 
 /// Columns of one span table (row i of every column is span i). `start_ns` and `depth`
 /// may be empty when the source does not have them.

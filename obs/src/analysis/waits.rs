@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 
 use super::table::SpanTable;
-use crate::read::NameId;
 use crate::record::NO_STEP;
+use crate::run::NameId;
 use crate::vocab;
 
 /// One row of the "waiting on" table: a rank that arrived last at collectives after a phase.

@@ -19,8 +19,8 @@ use anyhow::{Context, Result};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
-use crate::read::{OpenSpan, PartData, RankInfo};
 use crate::record::NO_STEP;
+use crate::run::{OpenSpan, PartData, RankInfo};
 use crate::schema::Reduce;
 use crate::vocab::{PROFILER_STEP, PROFILER_STEP_PREFIX, torchtitan as tt};
 

@@ -17,8 +17,8 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
-use crate::read::{BadLine, LoadReport, OpenSpan, PartData, RankInfo, intern};
 use crate::record::NO_STEP;
+use crate::run::{BadLine, LoadReport, OpenSpan, PartData, RankInfo, intern};
 use crate::schema::Reduce;
 use crate::vocab::torchtitan as tt;
 
@@ -124,7 +124,7 @@ impl FileCursor {
     /// Parses `bytes` (the file's content from [`Self::offset`] on). Complete lines are
     /// consumed; a last line without its newline is left for the next call unless `at_end`
     /// (nothing more will be written): then it is parsed if complete, or reported as a
-    /// truncated tail. Returns the records as a [`PartData`] for [`crate::read::Merger`].
+    /// truncated tail. Returns the records as a [`PartData`] for [`crate::run::Merger`].
     pub fn parse(
         &mut self,
         bytes: &[u8],

@@ -1,5 +1,5 @@
 //! Every input titan-obs opens, turned into one [`Run`]: titan's Parquet parts
-//! ([`crate::read::load_parts`]), torchtitan's structured-logger JSONL ([`jsonl`]) and
+//! ([`crate::incremental::load_parts`]), torchtitan's structured-logger JSONL ([`jsonl`]) and
 //! Chrome trace-event JSON ([`chrome`]), local or on an object store.
 //!
 //! [`detect`] decides what a location holds; [`load`] reads it once; [`Follower`] keeps
@@ -17,7 +17,7 @@ use object_store::ObjectStoreExt as _;
 use rayon::prelude::*;
 
 use crate::location::Location;
-use crate::read::{LoadReport, Merger, PartData, ReadOptions, Run, RunFormat};
+use crate::run::{LoadReport, Merger, PartData, ReadOptions, Run, RunFormat};
 use crate::vocab::torchtitan as tt;
 
 /// What a run location holds and where its files are.
@@ -144,7 +144,7 @@ fn detect_local(path: &Path) -> Result<Detected> {
 pub fn load(run: &str, opts: &ReadOptions) -> Result<Run> {
     let location = Location::parse(run)?;
     match detect(&location)? {
-        Detected::Titan => crate::read::load_parts(run, opts),
+        Detected::Titan => crate::incremental::load_parts(run, opts),
         Detected::Torchtitan(src) => {
             let mut r = TorchtitanReader::new(run, location, src)?;
             r.refresh(opts, true)?;
@@ -393,7 +393,7 @@ impl TorchtitanReader {
                 r.parts_read += data.info.parts;
                 r.malformed_lines += report.malformed_lines;
                 for b in report.bad_lines {
-                    if r.bad_lines.len() < crate::read::MAX_NAMED_BAD_LINES {
+                    if r.bad_lines.len() < crate::run::MAX_NAMED_BAD_LINES {
                         r.bad_lines.push(b);
                     }
                 }
@@ -494,7 +494,7 @@ fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions)
                     merger.merge(&mut out, part, false);
                 }
             }
-            Err(e) => out.report.corrupt_parts.push(crate::read::CorruptPart {
+            Err(e) => out.report.corrupt_parts.push(crate::run::CorruptPart {
                 path: f.display,
                 error: format!("{e:#}"),
             }),

@@ -1,0 +1,490 @@
+//! The in-memory model of a loaded run, whatever its format: typed columnar tables ([`Spans`],
+//! [`Instants`], [`Scalars`], [`Errors`]) with names and tags interned into run-wide
+//! dictionaries, per-rank [`RankInfo`], the [`LoadReport`] of what could not be read, and the
+//! [`Merger`] every reader appends decoded [`PartData`] through. Public as `titan_obs::read::*`.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use crate::schema::Reduce;
+
+/// Index into [`Run::names`].
+pub type NameId = u32;
+
+/// A set of step tags: bit i = [`Run::tags`]`[i]`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct TagSet(pub u64);
+
+impl TagSet {
+    pub fn contains(self, tag: u32) -> bool {
+        tag < 64 && self.0 & (1 << tag) != 0
+    }
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    pub fn iter(self) -> impl Iterator<Item = u32> {
+        (0..64u32).filter(move |i| self.0 & (1 << i) != 0)
+    }
+}
+
+/// Which optional columns to decode. Rank, kind, name, step, duration and value are always read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Columns {
+    /// `start_ns` (needed for timelines and exports).
+    pub start: bool,
+    /// `thread`.
+    pub thread: bool,
+    /// `depth`.
+    pub depth: bool,
+    /// `seq`, `parent` (the exact span tree).
+    pub links: bool,
+    /// `tags` (step tags; needed for checkpoint/validation step costs).
+    pub tags: bool,
+    /// `message` of error records.
+    pub messages: bool,
+}
+
+impl Columns {
+    pub const ALL: Columns = Columns {
+        start: true,
+        thread: true,
+        depth: true,
+        links: true,
+        tags: true,
+        messages: true,
+    };
+    /// What `summary` needs: durations per rank/phase/step, depth and step tags.
+    pub const SUMMARY: Columns = Columns {
+        start: false,
+        thread: false,
+        depth: true,
+        links: false,
+        tags: true,
+        messages: false,
+    };
+    /// What `metrics` needs: scalars and step tags.
+    pub const METRICS: Columns = Columns {
+        start: false,
+        thread: false,
+        depth: false,
+        links: false,
+        tags: false,
+        messages: false,
+    };
+}
+
+/// Reading options.
+#[derive(Clone)]
+pub struct ReadOptions {
+    pub columns: Columns,
+    /// Add each rank's footer clock offset to its times, putting all ranks on rank 0's clock.
+    pub align_clocks: bool,
+    /// Called with the number of parts finished, as they finish (for progress bars).
+    pub progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
+}
+
+impl Default for ReadOptions {
+    fn default() -> Self {
+        ReadOptions {
+            columns: Columns::ALL,
+            align_clocks: true,
+            progress: None,
+        }
+    }
+}
+
+impl ReadOptions {
+    pub fn with_columns(columns: Columns) -> Self {
+        ReadOptions {
+            columns,
+            ..Default::default()
+        }
+    }
+}
+
+/// Span records, one entry per span in every column (columns not asked for stay empty).
+#[derive(Debug, Default, Clone)]
+pub struct Spans {
+    pub rank: Vec<u32>,
+    pub name: Vec<NameId>,
+    /// [`NO_STEP`] when recorded before the first step.
+    pub step: Vec<u64>,
+    pub dur_ns: Vec<i64>,
+    pub start_ns: Vec<i64>,
+    pub thread: Vec<u32>,
+    pub depth: Vec<u16>,
+    pub seq: Vec<u64>,
+    /// Seq of the enclosing span in the same thread; 0 for top-level spans.
+    pub parent: Vec<u64>,
+}
+
+impl Spans {
+    /// Grows every column already in use to hold `n` spans in total.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        fn r<T>(v: &mut Vec<T>, n: usize) {
+            if !v.is_empty() {
+                v.reserve_exact(n.saturating_sub(v.len()));
+            }
+        }
+        r(&mut self.rank, n);
+        r(&mut self.name, n);
+        r(&mut self.step, n);
+        r(&mut self.dur_ns, n);
+        r(&mut self.start_ns, n);
+        r(&mut self.thread, n);
+        r(&mut self.depth, n);
+        r(&mut self.seq, n);
+        r(&mut self.parent, n);
+    }
+
+    pub fn len(&self) -> usize {
+        self.rank.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.rank.is_empty()
+    }
+}
+
+/// Instant (point event) records.
+#[derive(Debug, Default, Clone)]
+pub struct Instants {
+    pub rank: Vec<u32>,
+    pub name: Vec<NameId>,
+    pub step: Vec<u64>,
+    pub start_ns: Vec<i64>,
+    pub thread: Vec<u32>,
+    pub depth: Vec<u16>,
+    pub parent: Vec<u64>,
+}
+
+/// Scalar records.
+#[derive(Debug, Default, Clone)]
+pub struct Scalars {
+    pub rank: Vec<u32>,
+    pub name: Vec<NameId>,
+    pub step: Vec<u64>,
+    pub value: Vec<f64>,
+    pub reduce: Vec<Reduce>,
+    pub start_ns: Vec<i64>,
+}
+
+/// Error records.
+#[derive(Debug, Default, Clone)]
+pub struct Errors {
+    pub rank: Vec<u32>,
+    pub name: Vec<NameId>,
+    pub step: Vec<u64>,
+    pub start_ns: Vec<i64>,
+    pub thread: Vec<u32>,
+    pub parent: Vec<u64>,
+    pub message: Vec<String>,
+}
+
+/// Who a rank was, from its parts' footers.
+#[derive(Debug, Clone, Default)]
+pub struct RankInfo {
+    pub rank: u32,
+    pub run_id: String,
+    pub source: String,
+    pub host: String,
+    pub pid: u32,
+    pub local_rank: u32,
+    pub world_size: u32,
+    pub clock_offset_ns: i64,
+    pub threads: BTreeMap<u32, String>,
+    pub run_metadata: serde_json::Map<String, serde_json::Value>,
+    pub parts: usize,
+}
+
+/// A part that could not be read, by name.
+#[derive(Debug, Clone)]
+pub struct CorruptPart {
+    pub path: String,
+    pub error: String,
+}
+
+/// What kind of files a run was read from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunFormat {
+    /// titan's Parquet parts (`RUN/obs/rank-<R>/part-<N>.parquet`).
+    #[default]
+    Titan,
+    /// torchtitan's structured-logger JSONL (`RUN/structured_logs/*.global_rank_<R>.*.jsonl`).
+    Torchtitan,
+    /// Chrome trace-event JSON (torchtitan's gantt, PyTorch profiler traces, titan's export).
+    ChromeTrace,
+}
+
+impl RunFormat {
+    pub fn describe(self) -> &'static str {
+        match self {
+            RunFormat::Titan => "titan parts",
+            RunFormat::Torchtitan => "torchtitan structured logs",
+            RunFormat::ChromeTrace => "Chrome trace",
+        }
+    }
+}
+
+/// A line of a text log that is not a record, by file and 1-based line number.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BadLine {
+    pub file: String,
+    pub line: u64,
+    pub error: String,
+}
+
+/// A span whose end was never logged (the process crashed or is still inside it): shown
+/// as lasting until the last record its process wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OpenSpan {
+    pub file: String,
+    pub rank: u32,
+    pub name: String,
+    /// `None` outside steps.
+    pub step: Option<u64>,
+    pub start_ns: i64,
+    /// Start to the process's last record.
+    pub shown_dur_ns: i64,
+}
+
+/// Per-host clock offsets applied to a run whose records carry only each host's wall clock.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ClockAlignment {
+    /// How the offsets were found.
+    pub method: String,
+    /// The host the others were aligned to.
+    pub reference_host: String,
+    pub hosts: Vec<HostOffset>,
+}
+
+/// One host's offset: added to every time of its ranks.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct HostOffset {
+    pub host: String,
+    pub ranks: Vec<u32>,
+    pub offset_ns: i64,
+    /// Steps whose start both this host and the reference host logged.
+    pub steps_used: u64,
+}
+
+/// At most this many malformed lines are named one by one (all are counted).
+pub const MAX_NAMED_BAD_LINES: usize = 100;
+
+/// What was found and what was not.
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    pub format: RunFormat,
+    /// The largest world size any footer declares (0 when no part could be read).
+    pub world_size: u32,
+    /// Ranks below `world_size` with no readable part.
+    pub missing_ranks: Vec<u32>,
+    pub corrupt_parts: Vec<CorruptPart>,
+    /// Parts (or JSONL / trace files) read.
+    pub parts_read: usize,
+    /// Records (rows, JSONL lines or trace events) read.
+    pub rows_read: usize,
+    /// Bytes of text logs parsed by the last read (for `--follow`: only what was new).
+    pub bytes_parsed: u64,
+    /// Malformed lines of text logs: all counted, the first [`MAX_NAMED_BAD_LINES`] named.
+    pub malformed_lines: u64,
+    pub bad_lines: Vec<BadLine>,
+    /// Files whose last line is cut short (a running or killed writer): ignored, not an error.
+    pub truncated_tails: Vec<String>,
+    pub open_spans: Vec<OpenSpan>,
+    /// Set when ranks on different hosts were put on one clock by the analysis.
+    pub clock_alignment: Option<ClockAlignment>,
+}
+
+impl LoadReport {
+    pub fn is_complete(&self) -> bool {
+        self.missing_ranks.is_empty() && self.corrupt_parts.is_empty() && self.malformed_lines == 0
+    }
+
+    /// Counts a malformed line, naming it while fewer than [`MAX_NAMED_BAD_LINES`] are named.
+    pub fn add_bad_line(&mut self, bad: BadLine) {
+        self.malformed_lines += 1;
+        if self.bad_lines.len() < MAX_NAMED_BAD_LINES {
+            self.bad_lines.push(bad);
+        }
+    }
+}
+
+/// A loaded run.
+#[derive(Debug, Default, Clone)]
+pub struct Run {
+    pub location: String,
+    pub names: Vec<String>,
+    pub tags: Vec<String>,
+    pub spans: Spans,
+    pub instants: Instants,
+    pub scalars: Scalars,
+    pub errors: Errors,
+    pub ranks: BTreeMap<u32, RankInfo>,
+    /// Union of the tags seen on any record of (rank, step).
+    pub step_tags: BTreeMap<(u32, u64), TagSet>,
+    pub report: LoadReport,
+}
+
+impl Run {
+    pub fn name(&self, id: NameId) -> &str {
+        &self.names[id as usize]
+    }
+    pub fn name_id(&self, name: &str) -> Option<NameId> {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .map(|i| i as NameId)
+    }
+    pub fn tag_id(&self, tag: &str) -> Option<u32> {
+        self.tags.iter().position(|t| t == tag).map(|i| i as u32)
+    }
+    /// Steps that any rank tagged with `tag`.
+    pub fn steps_tagged(&self, tag: &str) -> BTreeSet<u64> {
+        let Some(id) = self.tag_id(tag) else {
+            return BTreeSet::new();
+        };
+        self.step_tags
+            .iter()
+            .filter(|(_, t)| t.contains(id))
+            .map(|((_, s), _)| *s)
+            .collect()
+    }
+    /// Tag names of (rank, step).
+    pub fn tag_names(&self, rank: u32, step: u64) -> Vec<&str> {
+        self.step_tags
+            .get(&(rank, step))
+            .map(|t| t.iter().map(|i| self.tags[i as usize].as_str()).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// One decoded part (or a slice of another format's file) with part-local name/tag ids:
+/// what [`Merger`] appends to a [`Run`].
+#[derive(Default)]
+pub(crate) struct PartData {
+    pub(crate) info: RankInfo,
+    pub(crate) rows: usize,
+    pub(crate) names: Vec<String>,
+    pub(crate) tags: Vec<String>,
+    pub(crate) spans: Spans,
+    pub(crate) instants: Instants,
+    pub(crate) scalars: Scalars,
+    pub(crate) errors: Errors,
+    /// Step -> bit mask over `tags`.
+    pub(crate) step_tags: HashMap<u64, u64>,
+}
+
+/// Run-wide interning of names and tags while parts are appended.
+#[derive(Default, Clone)]
+pub(crate) struct Merger {
+    names: Vec<String>,
+    name_ids: HashMap<String, u32>,
+    tags: Vec<String>,
+    tag_ids: HashMap<String, u32>,
+}
+
+/// Id of `v` in `values`, appending it when new.
+pub(crate) fn intern(values: &mut Vec<String>, ids: &mut HashMap<String, u32>, v: &str) -> u32 {
+    if let Some(&id) = ids.get(v) {
+        return id;
+    }
+    let id = values.len() as u32;
+    values.push(v.to_string());
+    ids.insert(v.to_string(), id);
+    id
+}
+
+impl Merger {
+    /// Copies the run-wide dictionaries into `run` (after the last merge).
+    pub(crate) fn publish(&self, run: &mut Run) {
+        run.names.clone_from(&self.names);
+        run.tags.clone_from(&self.tags);
+    }
+
+    pub(crate) fn merge(&mut self, run: &mut Run, part: PartData, align: bool) {
+        let name_map: Vec<u32> = part
+            .names
+            .iter()
+            .map(|n| intern(&mut self.names, &mut self.name_ids, n))
+            .collect();
+        let tag_map: Vec<u32> = part
+            .tags
+            .iter()
+            .map(|t| intern(&mut self.tags, &mut self.tag_ids, t))
+            .collect();
+        let offset = if align { part.info.clock_offset_ns } else { 0 };
+        let rank = part.info.rank;
+        let shift = |v: Vec<i64>| -> Vec<i64> {
+            if offset == 0 {
+                v
+            } else {
+                v.into_iter().map(|t| t + offset).collect()
+            }
+        };
+        let remap =
+            |v: Vec<u32>| -> Vec<u32> { v.into_iter().map(|i| name_map[i as usize]).collect() };
+
+        let s = part.spans;
+        let t = &mut run.spans;
+        t.rank.extend(s.rank);
+        t.name.extend(remap(s.name));
+        t.step.extend(s.step);
+        t.dur_ns.extend(s.dur_ns);
+        t.start_ns.extend(shift(s.start_ns));
+        t.thread.extend(s.thread);
+        t.depth.extend(s.depth);
+        t.seq.extend(s.seq);
+        t.parent.extend(s.parent);
+
+        let s = part.instants;
+        let t = &mut run.instants;
+        t.rank.extend(s.rank);
+        t.name.extend(remap(s.name));
+        t.step.extend(s.step);
+        t.start_ns.extend(shift(s.start_ns));
+        t.thread.extend(s.thread);
+        t.depth.extend(s.depth);
+        t.parent.extend(s.parent);
+
+        let s = part.scalars;
+        let t = &mut run.scalars;
+        t.rank.extend(s.rank);
+        t.name.extend(remap(s.name));
+        t.step.extend(s.step);
+        t.value.extend(s.value);
+        t.reduce.extend(s.reduce);
+        t.start_ns.extend(shift(s.start_ns));
+
+        let s = part.errors;
+        let t = &mut run.errors;
+        t.rank.extend(s.rank);
+        t.name.extend(remap(s.name));
+        t.step.extend(s.step);
+        t.start_ns.extend(shift(s.start_ns));
+        t.thread.extend(s.thread);
+        t.parent.extend(s.parent);
+        t.message.extend(s.message);
+
+        for (step, mask) in part.step_tags {
+            let mut global = 0u64;
+            for (local, &g) in tag_map.iter().enumerate() {
+                if mask & (1 << local) != 0 && g < 64 {
+                    global |= 1 << g;
+                }
+            }
+            run.step_tags.entry((rank, step)).or_default().0 |= global;
+        }
+
+        match run.ranks.get_mut(&rank) {
+            Some(info) => {
+                info.parts += part.info.parts;
+                info.threads.extend(part.info.threads);
+                info.world_size = info.world_size.max(part.info.world_size);
+            }
+            None => {
+                run.ranks.insert(rank, part.info);
+            }
+        }
+    }
+}
