@@ -26,7 +26,6 @@ usage:
 
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -198,14 +197,15 @@ def seeded(model, no_home):
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
-def fsdp_rank(rank, world, d, name, port):
+def fsdp_rank(rank, world, d, name, store):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file store, not a TCP port: tests make several fixtures at once, and a free port picked
+    # here can be taken by another fixture before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     _, model, _, _, _ = build(name)
     model.load_state_dict(load_file(os.path.join(d, "ref.safetensors")))
     mesh = init_device_mesh("cpu", (world,))
@@ -213,6 +213,9 @@ def fsdp_rank(rank, world, d, name, port):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     dcp.save(model.state_dict(), checkpoint_id=os.path.join(d, "dcp2"))
+    # Both ranks leave gloo together: a rank exiting while the other is still in a collective
+    # aborts the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -229,10 +232,10 @@ def make(d, name):
     save_file({k: v.contiguous() for k, v in hf.items()}, os.path.join(d, "expected_hf.safetensors"))
     with open(os.path.join(d, "hf_config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(fsdp_rank, args=(2, d, name, port), nprocs=2, join=True)
+    store = os.path.join(d, "gloo.store")
+    if os.path.exists(store):
+        os.remove(store)
+    mp.spawn(fsdp_rank, args=(2, d, name, store), nprocs=2, join=True)
     if name == "gpt_oss":
         save_file({"logits": tt_logits(model, LONG_TOKENS)}, os.path.join(d, "tt_logits.safetensors"))
     print(f"made {name}: {len(ref)} torchtitan tensors, {len(hf)} HF tensors")
