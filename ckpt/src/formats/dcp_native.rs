@@ -227,6 +227,23 @@ impl DcpSink<'_, '_> {
         self.next_row * self.row_bytes.max(1)
     }
 
+    /// Writes the first `n` pending bytes as the chunk at `offsets` of size `sizes`.
+    fn add_chunk(&mut self, offsets: &[u64], sizes: &[u64], n: usize) -> Result<()> {
+        let t = self.tensor;
+        self.writer.add_tensor_chunk(
+            self.key,
+            TensorChunk {
+                fqn: &t.name,
+                dtype: t.dtype,
+                global_shape: &t.shape,
+                offsets,
+                sizes,
+                data: &self.pending[..n],
+            },
+        )?;
+        Ok(())
+    }
+
     /// Writes the whole rows in `pending` as one chunk.
     fn flush_rows(&mut self) -> Result<()> {
         let t = self.tensor;
@@ -245,17 +262,7 @@ impl DcpSink<'_, '_> {
         let mut sizes = t.shape.clone();
         offsets[0] = self.next_row;
         sizes[0] = rows;
-        self.writer.add_tensor_chunk(
-            self.key,
-            TensorChunk {
-                fqn: &t.name,
-                dtype: t.dtype,
-                global_shape: &t.shape,
-                offsets: &offsets,
-                sizes: &sizes,
-                data: &self.pending[..n],
-            },
-        )?;
+        self.add_chunk(&offsets, &sizes, n)?;
         self.pending.drain(..n);
         self.next_row += rows;
         Ok(())
@@ -265,17 +272,7 @@ impl DcpSink<'_, '_> {
     fn finish(&mut self) -> Result<()> {
         let t = self.tensor;
         if t.shape.is_empty() {
-            self.writer.add_tensor_chunk(
-                self.key,
-                TensorChunk {
-                    fqn: &t.name,
-                    dtype: t.dtype,
-                    global_shape: &t.shape,
-                    offsets: &[],
-                    sizes: &[],
-                    data: &self.pending,
-                },
-            )?;
+            self.add_chunk(&[], &[], self.pending.len())?;
             self.pending.clear();
             return Ok(());
         }
