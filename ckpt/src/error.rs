@@ -12,13 +12,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// An object store request for `file` failed.
-    #[error("{file}: {source}")]
-    Store {
-        file: String,
-        #[source]
-        source: object_store::Error,
-    },
+    /// Reaching a file through titan-storage failed (local or object store; the message names
+    /// the file or URL).
+    #[error(transparent)]
+    Storage(titan_storage::StorageError),
     /// The checkpoint's bytes or metadata are not what the format requires.
     #[error("{file}{tensor}: {reason}", tensor = TensorSuffix(tensor))]
     Invalid {
@@ -55,12 +52,10 @@ impl From<titan_dcp::DcpError> for Error {
 
 impl From<titan_storage::StorageError> for Error {
     fn from(e: titan_storage::StorageError) -> Error {
-        use titan_storage::StorageError as S;
         match e {
-            S::Io { file, source } => Error::Io { file, source },
-            S::Store { file, source } => Error::Store { file, source },
-            S::Invalid { file, reason } => Error::invalid(file, reason),
-            S::Usage(msg) => Error::Usage(msg),
+            // A location the user typed is a usage error (exit 2), whichever layer found it.
+            titan_storage::StorageError::Usage(msg) => Error::Usage(msg),
+            other => Error::Storage(other),
         }
     }
 }
