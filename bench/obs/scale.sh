@@ -4,7 +4,9 @@
 # same simulated job (bench/obs/scale.rs: a step every 30 s, 10 spans + 2 scalars per rank per
 # step, rank 17 1.3x slower in forward_backward). Measures files, bytes, `titan-obs summary` wall
 # time and peak RSS (/usr/bin/time), a headless load of what the TUI loads (all columns), and one
-# `--follow` refresh (every rank appended one flush to its open journal) as the run grows.
+# `--follow` refresh (every rank appended one flush to its open journal) as the run grows, and
+# the TUI's open time: `titan-obs RUN` started in a 160x50 tmux pane until its first frame shows
+# the gantt (rank lanes and the forward_backward legend), with its peak RSS.
 #
 #   bash bench/obs/scale.sh [RUNS]     (median of RUNS timed runs, default 3)
 #
@@ -40,6 +42,37 @@ measure() {
   echo "{\"measure\":\"$label\",\"median_s\":$mw,\"all\":\"${walls[*]}\",\"peak_rss_mb\":$((mr / 1024))}"
 }
 
+# tui_open LABEL RUN: median seconds from starting the TUI to its first gantt frame on screen.
+tui_open() {
+  local label=$1 run=$2 session=titan-obs-scale-$$
+  local opens=() rss=()
+  for _ in $(seq "$RUNS"); do
+    rm -f "$DIR/tui_time.txt"
+    local t0 t1
+    t0=$(date +%s.%N)
+    tmux new-session -d -s "$session" -x 160 -y 50 \
+      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run"
+    until tmux capture-pane -p -t "$session" 2>/dev/null |
+      awk '/ranks, .* lanes/ {h = 1} /forward_backward/ {g = 1} END {exit !(h && g)}'; do
+      sleep 0.05
+      if ! tmux has-session -t "$session" 2>/dev/null; then
+        echo "{\"measure\":\"$label\",\"error\":\"the TUI exited before drawing the gantt\"}"
+        return
+      fi
+    done
+    t1=$(date +%s.%N)
+    tmux send-keys -t "$session" q
+    while [ ! -s "$DIR/tui_time.txt" ]; do sleep 0.05; done
+    opens+=("$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.2f", b - a}')")
+    rss+=("$(awk '{print $2}' "$DIR/tui_time.txt")")
+    tmux kill-session -t "$session" 2>/dev/null || true
+  done
+  local mo mr
+  mo=$(printf '%s\n' "${opens[@]}" | sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}')
+  mr=$(printf '%s\n' "${rss[@]}" | sort -g | awk '{a[NR]=$1} END{print a[NR]}')
+  echo "{\"measure\":\"$label\",\"median_s\":$mo,\"all\":\"${opens[*]}\",\"peak_rss_mb\":$((mr / 1024))}"
+}
+
 describe() {
   echo "{\"run\":\"$1\",\"files\":$(find "$1/obs" -type f | wc -l),\"bytes\":$(du -sb "$1/obs" | cut -f1)}"
 }
@@ -50,6 +83,7 @@ one() {  # one LAYOUT RANKS HOURS
   describe "$run"
   measure "summary $1 $2x$3h" "$BIN" summary "$run" --quiet
   "$SCALE" load "$run" "$RUNS"
+  tui_open "tui open $1 $2x$3h" "$run"
   if [ "$1" = journal ]; then "$SCALE" follow "$run" "$2" "$RUNS"; fi
 }
 
