@@ -6,7 +6,8 @@
 //!   obs_scale gen  RUN LAYOUT RANKS HOURS     LAYOUT = journal | old
 //!   obs_scale load RUN RUNS                   headless load of what the TUI loads (all columns)
 //!   obs_scale follow RUN RANKS RUNS           open journals on every rank, then time refreshes
-//!                                             after one flush of every rank
+//!                                             after one flush of every rank (the first lists
+//!                                             every rank directory again: they just changed)
 //!
 //! The simulated job: a step every STEP_S seconds, SPANS spans and 2 scalars per step per
 //! rank (forward_backward of rank 17 is 1.3x slower), flush every 2 s, rotate every 600 s
@@ -246,6 +247,7 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
     let open_s = t.elapsed().as_secs_f64();
     let mut times = Vec::new();
     let mut last = Default::default();
+    let mut dirs_read = Vec::new();
     let mut builder = PartBuilder::new();
     let mut seq = 1u64 << 40;
     for i in 0..runs {
@@ -263,6 +265,7 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
         reader.refresh(&opts)?;
         times.push(t.elapsed().as_secs_f64());
         last = reader.last();
+        dirs_read.push(reader.dirs_read());
     }
     let rows = reader.run().report.rows_read;
     drop(journals);
@@ -276,7 +279,7 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
         }
     }
     println!(
-        "{{\"follow_open_s\":{open_s:.3},\"refresh_s\":{:.4},\"runs\":{runs},\"all\":{times:?},\"last\":{{\"bytes\":{},\"journal_batches\":{},\"parts_decoded\":{},\"rows\":{}}},\"rows_in_run\":{rows}}}",
+        "{{\"follow_open_s\":{open_s:.3},\"refresh_s\":{:.4},\"runs\":{runs},\"all\":{times:?},\"last\":{{\"bytes\":{},\"journal_batches\":{},\"parts_decoded\":{},\"rows\":{}}},\"rank_dirs_read\":{dirs_read:?},\"rows_in_run\":{rows}}}",
         median(times.clone()),
         last.bytes,
         last.journal_batches,

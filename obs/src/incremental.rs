@@ -66,6 +66,8 @@ struct Listed {
 struct Listing {
     rank_dirs: BTreeSet<u32>,
     files: Vec<Listed>,
+    /// Local rank directories read (the others were unchanged since their last listing).
+    dirs_read: u64,
 }
 
 /// What is known about (rank, part index).
@@ -81,9 +83,37 @@ enum Seen {
     BadJournal,
 }
 
+/// What the last listing of one local rank directory found, to skip reading the directory
+/// again while it has not changed.
+struct RankDirListing {
+    /// The directory's mtime when listed. Adding, renaming or removing a file changes it;
+    /// appending to a journal does not (journals are stat'ed on every refresh).
+    mtime: std::time::SystemTime,
+    /// When the listing started.
+    listed_at: std::time::SystemTime,
+    /// The parts and journals (name, kind, index) that were not yet known when listed.
+    pending: Vec<(String, FileKind, u64)>,
+}
+
+impl RankDirListing {
+    /// Whether a directory now at `mtime` still holds what this listing found. File
+    /// timestamps come from a coarse clock (a few ms), so a change right after a listing can
+    /// keep the mtime it saw: a listing is only trusted when the directory had been quiet for
+    /// a second before it.
+    fn still_valid(&self, mtime: std::time::SystemTime) -> bool {
+        mtime == self.mtime
+            && self
+                .listed_at
+                .duration_since(self.mtime)
+                .is_ok_and(|quiet| quiet > std::time::Duration::from_secs(1))
+    }
+}
+
 /// A titan run kept open for incremental reading.
 pub struct PartsReader {
     location: Location,
+    /// Local runs: the last listing of each rank directory.
+    rank_dir_listings: HashMap<u32, RankDirListing>,
     run: Run,
     merger: Merger,
     seen: HashMap<(u32, u64), Seen>,
@@ -92,6 +122,8 @@ pub struct PartsReader {
     world_size: u32,
     last: ReadCounters,
     total: ReadCounters,
+    /// Local rank directories the last refresh read.
+    last_dirs_read: u64,
 }
 
 /// One file's work in a refresh.
@@ -138,12 +170,14 @@ impl PartsReader {
                 ..Default::default()
             },
             merger: Merger::default(),
+            rank_dir_listings: HashMap::new(),
             seen: HashMap::new(),
             rank_dirs: BTreeSet::new(),
             ok_ranks: BTreeSet::new(),
             world_size: 0,
             last: ReadCounters::default(),
             total: ReadCounters::default(),
+            last_dirs_read: 0,
         })
     }
 
@@ -156,8 +190,16 @@ impl PartsReader {
 
     /// [`Self::refresh`] with explicit `at_end`.
     pub fn refresh_with(&mut self, opts: &ReadOptions, at_end: bool) -> Result<&Run> {
-        let listing = list_files(&self.location)?;
+        // Parts already decoded are immutable: the listing skips them (no stat, no strings),
+        // so a refresh costs the directory read plus what is new, not the run's history.
+        let seen = &self.seen;
+        let listing = list_files(
+            &self.location,
+            &mut self.rank_dir_listings,
+            |rank, index| matches!(seen.get(&(rank, index)), Some(Seen::Part)),
+        )?;
         self.rank_dirs.extend(listing.rank_dirs.iter().copied());
+        self.last_dirs_read = listing.dirs_read;
         let parts_listed: BTreeSet<(u32, u64)> = listing
             .files
             .iter()
@@ -219,13 +261,14 @@ impl PartsReader {
             if done_files < total_files && done_files == chunk {
                 // After the first chunk, reserve for the whole read (+5%) so the big columns
                 // grow once instead of doubling (which would transiently need 2x the memory).
-                // Scaled from what this refresh added, not the run: a refresh of a few new
-                // batches must not reserve for the run again.
+                // Only for a read that adds a lot to what is held: an exact reservation on
+                // every small `--follow` refresh would copy the whole run each time, where
+                // Vec's doubling copies it once per doubling.
                 let added = (self.run.spans.len() - spans_before) as f64;
-                let scale = total_files as f64 / done_files as f64 * 1.05;
-                self.run
-                    .spans
-                    .reserve(spans_before + (added * scale) as usize);
+                let predicted = (added * total_files as f64 / done_files as f64 * 1.05) as usize;
+                if predicted > spans_before / 2 {
+                    self.run.spans.reserve(spans_before + predicted);
+                }
             }
         }
         self.total.add(&self.last);
@@ -397,6 +440,12 @@ impl PartsReader {
         self.last
     }
 
+    /// How many local rank directories the last refresh listed: those unchanged since their
+    /// last listing (and quiet for a second before it) are not read again.
+    pub fn dirs_read(&self) -> u64 {
+        self.last_dirs_read
+    }
+
     /// What all refreshes read.
     pub fn total(&self) -> ReadCounters {
         self.total
@@ -444,9 +493,18 @@ fn read_local(path: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
     Ok(Bytes::from(buf))
 }
 
-fn list_files(location: &Location) -> Result<Listing> {
+/// Lists the run's parts and journals, leaving out the parts `known(rank, index)` names.
+/// Local rank directories that have not changed since their last listing (`listings`) are
+/// not read again: only their journals and the files still pending are stat'ed, so a
+/// refresh does not cost in proportion to the parts a long run has accumulated.
+fn list_files(
+    location: &Location,
+    listings: &mut HashMap<u32, RankDirListing>,
+    known: impl Fn(u32, u64) -> bool,
+) -> Result<Listing> {
     let mut rank_dirs = BTreeSet::new();
     let mut files = Vec::new();
+    let mut dirs_read = 0;
     match location {
         Location::Local(run) => {
             let obs = run.join("obs");
@@ -469,28 +527,52 @@ fn list_files(location: &Location) -> Result<Listing> {
                 };
                 rank_dirs.insert(rank);
                 let dir: PathBuf = entry.path();
-                for e in std::fs::read_dir(&dir)
-                    .with_context(|| format!("listing {}", dir.display()))?
-                    .filter_map(|e| e.ok())
-                {
-                    let Some(name) = e.file_name().to_str().map(str::to_string) else {
-                        continue;
-                    };
-                    let (kind, index) = if let Some(n) = parse_part_file_name(&name) {
-                        (FileKind::Part, n)
-                    } else if let Some(n) = parse_journal_file_name(&name) {
-                        (FileKind::Journal, n)
-                    } else {
-                        continue;
-                    };
+                let mtime = std::fs::metadata(&dir).and_then(|m| m.modified()).ok();
+                let cached = listings.get_mut(&rank);
+                let listing = match (cached, mtime) {
+                    (Some(l), Some(m)) if l.still_valid(m) => l,
+                    _ => {
+                        dirs_read += 1;
+                        let listed_at = std::time::SystemTime::now();
+                        let mut pending = Vec::new();
+                        for e in std::fs::read_dir(&dir)
+                            .with_context(|| format!("listing {}", dir.display()))?
+                            .filter_map(|e| e.ok())
+                        {
+                            let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                                continue;
+                            };
+                            if let Some(n) = parse_part_file_name(&name) {
+                                pending.push((name, FileKind::Part, n));
+                            } else if let Some(n) = parse_journal_file_name(&name) {
+                                pending.push((name, FileKind::Journal, n));
+                            }
+                        }
+                        let l = RankDirListing {
+                            mtime: mtime.unwrap_or(std::time::UNIX_EPOCH),
+                            listed_at,
+                            pending,
+                        };
+                        listings.insert(rank, l);
+                        listings.get_mut(&rank).expect("just inserted")
+                    }
+                };
+                // Parts once known stay known: drop them from what is re-checked.
+                listing
+                    .pending
+                    .retain(|(_, kind, index)| *kind == FileKind::Journal || !known(rank, *index));
+                for (name, kind, index) in &listing.pending {
+                    let path = dir.join(name);
                     // A journal may be removed (compacted) between listing and stat.
-                    let Ok(meta) = e.metadata() else { continue };
+                    let Ok(meta) = std::fs::metadata(&path) else {
+                        continue;
+                    };
                     files.push(Listed {
                         rank,
-                        index,
-                        kind,
+                        index: *index,
+                        kind: *kind,
                         size: meta.len(),
-                        display: e.path().display().to_string(),
+                        display: path.display().to_string(),
                         object_path: None,
                     });
                 }
@@ -518,6 +600,9 @@ fn list_files(location: &Location) -> Result<Listing> {
                     continue;
                 };
                 rank_dirs.insert(rank);
+                if known(rank, index) {
+                    continue;
+                }
                 files.push(Listed {
                     rank,
                     index,
@@ -531,7 +616,11 @@ fn list_files(location: &Location) -> Result<Listing> {
     }
     // Rank by rank, in part order (deterministic tables); a part before its journal.
     files.sort_by_key(|f| (f.rank, f.index, f.kind));
-    Ok(Listing { rank_dirs, files })
+    Ok(Listing {
+        rank_dirs,
+        files,
+        dirs_read,
+    })
 }
 
 /// Loads every rank's parts (and open journals) of the titan run at `run` (local dir or

@@ -460,6 +460,54 @@ fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted()
 }
 
 #[test]
+fn follow_does_not_reread_quiet_rank_directories_and_finds_new_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let cfg = titan_obs::synth::SynthConfig {
+        ranks: 3,
+        steps: 12,
+        spans_per_step: 4,
+        steps_per_part: 4,
+        ..Default::default()
+    };
+    titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
+    let rank_dir = run.join("obs/rank-1");
+    let mut parts: Vec<_> = std::fs::read_dir(&rank_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
+        .collect();
+    parts.sort();
+    let last_part = parts.pop().unwrap();
+    let held = dir.path().join("held.parquet");
+    std::fs::rename(&last_part, &held).unwrap();
+
+    let mut reader = PartsReader::open(run.to_str().unwrap()).unwrap();
+    let opts = ReadOptions::default();
+    // Listings of directories changed within the last second are not trusted: wait so the
+    // directories are quiet, then one refresh lists them all and later ones none.
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    reader.refresh(&opts).unwrap();
+    assert_eq!(reader.dirs_read(), 3);
+    let rows = reader.run().report.rows_read;
+    reader.refresh(&opts).unwrap();
+    assert_eq!(
+        reader.dirs_read(),
+        0,
+        "unchanged directories are not read again"
+    );
+    assert_eq!(reader.last(), Default::default());
+
+    // A part renamed into a quiet directory is found (the directory's mtime changed).
+    std::fs::rename(&held, &last_part).unwrap();
+    reader.refresh(&opts).unwrap();
+    assert_eq!(reader.dirs_read(), 1);
+    assert_eq!(reader.last().parts_decoded, 1);
+    assert!(reader.run().report.rows_read > rows);
+    assert_eq!(records(reader.run()), records(&load(&run)));
+}
+
+#[test]
 fn old_layout_parts_and_a_journal_load_together() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");

@@ -303,6 +303,13 @@ pub struct Refresh {
     pub lines: u64,
 }
 
+impl Refresh {
+    /// True when the refresh read anything.
+    pub fn changed(&self) -> bool {
+        self.new_files > 0 || self.bytes > 0 || self.lines > 0
+    }
+}
+
 impl TorchtitanReader {
     fn new(run: &str, location: Location, src: Source) -> Result<Self> {
         Ok(TorchtitanReader {
