@@ -77,8 +77,8 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         eprint!("{}", terminal::no_terminal_message());
         return USAGE.as_i32();
     }
-    let mut source = RunSource::with_follow(run, args.follow);
-    match terminal::run(&mut source, args.follow) {
+    let source = RunSource::with_follow(run, args.follow);
+    match terminal::run(Box::new(source), args.follow) {
         Ok(()) => OK.as_i32(),
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));

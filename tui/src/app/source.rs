@@ -214,7 +214,10 @@ impl RunSource {
         Some(sig)
     }
 
-    fn read(&mut self) -> anyhow::Result<Timeline> {
+    /// Reads what is new since the last read and returns the run's timeline when anything
+    /// was (or always, with `always`). Building the timeline costs in proportion to the
+    /// whole run, so a `--follow` refresh that found nothing does not build one.
+    fn read(&mut self, always: bool) -> anyhow::Result<Option<Timeline>> {
         let reader = match &mut self.reader {
             Some(r) => r,
             None => {
@@ -237,14 +240,16 @@ impl RunSource {
                     lines: last.rows,
                 };
                 self.read_total += last.bytes;
-                Ok(timeline_from_run(r.run(), &self.title))
+                let changed = always || self.last.changed();
+                Ok(changed.then(|| timeline_from_run(r.run(), &self.title)))
             }
             Reader::Other(f) => {
                 let (run, stats) = f.refresh(&opts, !self.follow)?;
                 self.parts = run.report.parts_read;
                 self.last = stats;
                 self.read_total += stats.bytes;
-                Ok(timeline_from_run(&run, &self.title))
+                let changed = always || self.last.changed();
+                Ok(changed.then(|| timeline_from_run(&run, &self.title)))
             }
         }
     }
@@ -261,16 +266,13 @@ impl RunSource {
 impl TimelineSource for RunSource {
     fn load(&mut self) -> anyhow::Result<Timeline> {
         self.signature = self.local_signature();
-        self.read()
+        let timeline = self.read(true)?;
+        Ok(timeline.unwrap_or_else(|| TimelineBuilder::new(&self.title).finish()))
     }
 
     fn reload_if_changed(&mut self) -> anyhow::Result<Option<Timeline>> {
         if self.incremental() {
-            let t = self.read()?;
-            return Ok(
-                (self.last.bytes > 0 || self.last.new_files > 0 || self.last.lines > 0)
-                    .then_some(t),
-            );
+            return self.read(false);
         }
         let sig = self.local_signature();
         if sig.is_some() && sig == self.signature {
@@ -278,9 +280,9 @@ impl TimelineSource for RunSource {
         }
         let before = self.parts;
         self.signature = sig;
-        let t = self.read()?;
+        let t = self.read(true)?;
         // Object store runs cannot be listed cheaply here: reload and compare part counts.
-        Ok((self.signature.is_some() || self.parts != before).then_some(t))
+        Ok(t.filter(|_| self.signature.is_some() || self.parts != before))
     }
 
     fn describe(&self) -> String {

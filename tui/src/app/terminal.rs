@@ -1,6 +1,9 @@
 //! The interactive loop: terminal setup and teardown, events, and `--follow` reloads.
 
 use std::io::{IsTerminal, Write};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -21,8 +24,78 @@ pub trait TimelineSource {
     fn describe(&self) -> String;
 }
 
-/// How often `--follow` looks for new parts.
+/// How often `--follow` looks for new parts (at least: see [`Reloads`]).
 pub const FOLLOW_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How often the event loop looks for a reloaded timeline while following.
+const SWAP_INTERVAL: Duration = Duration::from_millis(100);
+
+/// A reloaded timeline and the source's new description, or why the reload failed.
+type Reload = Result<(Timeline, String), String>;
+
+/// `--follow`'s reloads on a worker thread that owns the source. Building a large run's
+/// timeline takes seconds (1024 ranks x 6 h: ~7 s), so it must not run on the thread that
+/// reads keys: the event loop only swaps in what the worker sends. After a reload that took
+/// `d`, the worker waits `max(FOLLOW_INTERVAL, d)`, so following keeps at most half a core busy.
+struct Reloads {
+    rx: Receiver<Reload>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Reloads {
+    fn spawn(mut source: Box<dyn TimelineSource + Send>) -> Self {
+        let (tx, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        std::thread::spawn(move || {
+            let mut wait = FOLLOW_INTERVAL;
+            loop {
+                let wake = Instant::now() + wait;
+                while Instant::now() < wake {
+                    if stopped.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    std::thread::sleep(SWAP_INTERVAL.min(wake - Instant::now()));
+                }
+                let t = Instant::now();
+                let reload = match source.reload_if_changed() {
+                    Ok(Some(timeline)) => Some(Ok((timeline, source.describe()))),
+                    Ok(None) => None,
+                    Err(e) => Some(Err(format!("{e:#}"))),
+                };
+                wait = FOLLOW_INTERVAL.max(t.elapsed());
+                if let Some(r) = reload
+                    && (stopped.load(Ordering::Relaxed) || tx.send(r).is_err())
+                {
+                    return;
+                }
+            }
+        });
+        Reloads { rx, stop }
+    }
+
+    /// The newest reload sent since the last call, if any.
+    fn newest(&self) -> Option<Reload> {
+        let mut newest = None;
+        loop {
+            match self.rx.try_recv() {
+                Ok(r) => newest = Some(r),
+                Err(TryRecvError::Empty) => return newest,
+                Err(TryRecvError::Disconnected) => {
+                    return newest.or(Some(Err("the reload thread stopped".into())));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Reloads {
+    fn drop(&mut self) {
+        // The worker may be in the middle of a long rebuild: it sees the flag when done and
+        // exits without sending; nobody waits for it.
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
 
 /// What to print when started without a terminal.
 pub fn no_terminal_message() -> String {
@@ -45,13 +118,22 @@ pub fn has_terminal() -> bool {
     std::io::stdin().is_terminal() && std::io::stdout().is_terminal()
 }
 
-/// Runs the interactive gantt until the user quits.
-pub fn run(source: &mut dyn TimelineSource, follow: bool) -> anyhow::Result<()> {
+/// Runs the interactive gantt until the user quits. With `follow`, the source is reloaded on
+/// a worker thread ([`Reloads`]).
+pub fn run(mut source: Box<dyn TimelineSource + Send>, follow: bool) -> anyhow::Result<()> {
     let mut timeline = source.load()?;
     let mut view = View::new(&timeline);
+    let follow_note = follow.then(|| format!("following: {}", source.describe()));
+    let reloads = follow.then(|| Reloads::spawn(source));
     let mut terminal = ratatui::try_init().context("cannot set up the terminal")?;
     execute!(std::io::stdout(), EnableMouseCapture).context("cannot enable mouse capture")?;
-    let result = event_loop(&mut terminal, source, &mut timeline, &mut view, follow);
+    let result = event_loop(
+        &mut terminal,
+        reloads.as_ref(),
+        follow_note,
+        &mut timeline,
+        &mut view,
+    );
     let _ = execute!(std::io::stdout(), DisableMouseCapture);
     ratatui::restore();
     let _ = std::io::stdout().flush();
@@ -60,15 +142,12 @@ pub fn run(source: &mut dyn TimelineSource, follow: bool) -> anyhow::Result<()> 
 
 fn event_loop(
     terminal: &mut ratatui::DefaultTerminal,
-    source: &mut dyn TimelineSource,
+    reloads: Option<&Reloads>,
+    mut follow_note: Option<String>,
     timeline: &mut Timeline,
     view: &mut View,
-    follow: bool,
 ) -> anyhow::Result<()> {
     let mut geometry = Geometry::default();
-    let mut last_check = Instant::now();
-    let mut follow_note: Option<String> =
-        follow.then(|| format!("following: {}", source.describe()));
     let mut dirty = true;
     loop {
         if dirty {
@@ -78,8 +157,8 @@ fn event_loop(
             terminal.draw(|f| geometry = render::draw(f, timeline, view, &chrome))?;
             dirty = false;
         }
-        let timeout = if follow {
-            FOLLOW_INTERVAL.saturating_sub(last_check.elapsed())
+        let timeout = if reloads.is_some() {
+            SWAP_INTERVAL
         } else {
             Duration::from_secs(3600)
         };
@@ -100,21 +179,18 @@ fn event_loop(
             }
             dirty = true;
         }
-        if follow && last_check.elapsed() >= FOLLOW_INTERVAL {
-            last_check = Instant::now();
-            match source.reload_if_changed() {
-                Ok(Some(t)) => {
-                    *timeline = t;
-                    view.on_reload(timeline);
-                    follow_note = Some(format!("following: {}", source.describe()));
-                    dirty = true;
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    follow_note = Some(format!("following: reload failed: {e:#}"));
-                    dirty = true;
-                }
+        match reloads.and_then(Reloads::newest) {
+            Some(Ok((t, describe))) => {
+                *timeline = t;
+                view.on_reload(timeline);
+                follow_note = Some(format!("following: {describe}"));
+                dirty = true;
             }
+            Some(Err(e)) => {
+                follow_note = Some(format!("following: reload failed: {e}"));
+                dirty = true;
+            }
+            None => {}
         }
     }
 }
