@@ -9,6 +9,8 @@
 # Part 2, activation checkpointing (b AC_BATCH x s AC_SEQ_LEN, AC_STEPS steps, where activations
 #   dominate memory): titan default precision with mode none / full / selective op / selective 2,
 #   and torch eager autocast with and without torch.utils.checkpoint on every block.
+# First, once: the hardware's ceiling for mixed precision (bench/trainer/matmul_ceiling.py:
+#   torch.mm bf16 vs fp32 GFLOP/s at the model's matmul shapes).
 #
 # Usage: bench/trainer/run.sh [RUNS] [STEPS] [SEQ_LEN] [BATCH]
 #   env AC_STEPS (12), AC_SEQ_LEN (1024), AC_BATCH (8); AC=0 skips part 2.
@@ -61,6 +63,14 @@ print(json.dumps({"impl": sys.argv[2], "tps": row["tps"], "peak_rss_gib": float(
 PY
 }
 
+# The hardware's ceiling for mixed precision: torch.mm bf16 vs fp32 at the model's shapes.
+"$py" bench/trainer/matmul_ceiling.py --threads "$threads" > "$out/ceiling.json"
+echo '{}' > "$out/isa.json"
+if grep -qw avx512_bf16 /proc/cpuinfo && command -v cc > /dev/null; then
+  cc -O2 -mavx512f -mavx512bf16 -o "$out/isa_peak" bench/trainer/isa_peak.c
+  "$out/isa_peak" > "$out/isa.json"
+fi
+
 precision=(titan_bf16 titan_fp32 titan_dtype_bf16 torch_fp32 torch_autocast)
 checkpointing=(titan_ac_none titan_ac_full titan_ac_op titan_ac_every2 torch_autocast_ac_none torch_autocast_ac_full)
 for i in $(seq 1 "$runs"); do
@@ -89,6 +99,8 @@ load="$(cut -d' ' -f1-3 /proc/loadavg)"
   "$steps:$warmup:$seq:$batch" "$ac_steps:$ac_warmup:$ac_seq:$ac_batch:$ac" <<'PY'
 import json, os, statistics, sys
 d, threads, load, argv = sys.argv[1:5]
+ceiling = json.load(open(f"{d}/ceiling.json"))
+isa = json.load(open(f"{d}/isa.json"))
 steps, warmup, seq, batch = map(int, sys.argv[5].split(":"))
 ac_steps, ac_warmup, ac_seq, ac_batch, ac = map(int, sys.argv[6].split(":"))
 label = {
@@ -125,6 +137,20 @@ summary = {
     "titan_bf16_over_torch_autocast": med["titan_bf16"] / med["torch_autocast"],
     "titan_fp32_over_torch_fp32": med["titan_fp32"] / med["torch_fp32"],
 }
+print(f"\nThe ceiling: torch.mm GFLOP/s, torch {ceiling['torch']}, {ceiling['threads']} threads, "
+      f"avx512_bf16 {ceiling['avx512_bf16']}, amx_bf16 {ceiling['amx_bf16']} "
+      "(`bench/trainer/matmul_ceiling.py`)\n")
+print("| m x k x n | fp32 | bf16 | bf16 / fp32 |")
+print("|---|---|---|---|")
+for r in ceiling["matmuls"]:
+    m, k, n = r["mkn"]
+    print(f"| {m} x {k} x {n} | {r['fp32_gflops']:.0f} | {r['bf16_gflops']:.0f} | {r['bf16_over_fp32']:.2f}x |")
+if isa:
+    print(f"\nOne core's arithmetic peak (`bench/trainer/isa_peak.c`): fp32 FMA "
+          f"{isa['fp32_fma_gflops_per_core']:.0f} GFLOP/s, bf16 dot product (vdpbf16ps) "
+          f"{isa['bf16_dot_gflops_per_core']:.0f} GFLOP/s")
+    summary["bf16_dot_over_fp32_fma_peak"] = isa["bf16_dot_gflops_per_core"] / isa["fp32_fma_gflops_per_core"]
+summary["bf16_mm_over_fp32_mm_median"] = statistics.median(r["bf16_over_fp32"] for r in ceiling["matmuls"])
 if ac:
     print(f"\nActivation checkpointing: debugmodel b{ac_batch} x s{ac_seq}, {ac_steps} steps, tokens/s of steps {ac_warmup + 1}-{ac_steps}\n")
     med, rss = table(["titan_ac_none", "titan_ac_full", "titan_ac_op", "titan_ac_every2",
