@@ -24,26 +24,14 @@ if [ ! -d "$RUN/obs" ]; then
 fi
 echo "run: $RUN ($(du -sh "$RUN" | cut -f1) on disk, $(find "$RUN" -name 'part-*.parquet' | wc -l) parts)"
 
-# median of N wall times and peak RSS via /usr/bin/time
-measure() {
-  local label=$1; shift
-  local walls=() rss=()
-  for _ in $(seq "$RUNS"); do
-    /usr/bin/time -f '%e %M' -o "$DIR/time.txt" "$@" > "$DIR/out.txt"
-    read -r w m < "$DIR/time.txt"
-    walls+=("$w"); rss+=("$m")
-  done
-  local mw mr
-  mw=$(printf '%s\n' "${walls[@]}" | sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}')
-  mr=$(printf '%s\n' "${rss[@]}" | sort -g | awk '{a[NR]=$1} END{print a[NR]}')
-  echo "$label: median ${mw} s over $RUNS runs (all: ${walls[*]}), peak RSS $((mr / 1024)) MB"
-}
+# shellcheck source=bench/obs/measure.sh
+source bench/obs/measure.sh
 
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-measure "titan-obs summary" "$BIN" summary "$RUN" --quiet
+measure "titan-obs summary" "$RUNS" "$BIN" summary "$RUN" --quiet
 head -30 "$DIR/out.txt"
-measure "titan-obs summary --json" "$BIN" summary "$RUN" --quiet --json
-measure "pyarrow group_by (count/sum/mean/max/tdigest p50,p95 per phase)" $PY bench/obs/pyarrow_summary.py "$RUN"
+measure "titan-obs summary --json" "$RUNS" "$BIN" summary "$RUN" --quiet --json
+measure "pyarrow group_by (count/sum/mean/max/tdigest p50,p95 per phase)" "$RUNS" $PY bench/obs/pyarrow_summary.py "$RUN"
 cat "$DIR/out.txt" | head -5
 
 # Criterion runs kept short (1 s warm-up, 3 s measurement per benchmark); medians printed.

@@ -28,19 +28,8 @@ SCALE=$(ls -t "$TARGET"/release/deps/obs_scale-* | grep -v '\.d$' | head -1)
 BIN=$TARGET/release/titan-obs
 mkdir -p "$DIR"
 
-measure() {
-  local label=$1; shift
-  local walls=() rss=()
-  for _ in $(seq "$RUNS"); do
-    /usr/bin/time -f '%e %M' -o "$DIR/time.txt" "$@" > "$DIR/out.txt" 2>/dev/null
-    read -r w m < "$DIR/time.txt"
-    walls+=("$w"); rss+=("$m")
-  done
-  local mw mr
-  mw=$(printf '%s\n' "${walls[@]}" | sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}')
-  mr=$(printf '%s\n' "${rss[@]}" | sort -g | awk '{a[NR]=$1} END{print a[NR]}')
-  echo "{\"measure\":\"$label\",\"median_s\":$mw,\"all\":\"${walls[*]}\",\"peak_rss_mb\":$((mr / 1024))}"
-}
+# shellcheck source=bench/obs/measure.sh
+source bench/obs/measure.sh
 
 # tui_open LABEL RUN: median seconds from starting the TUI to its first gantt frame on screen.
 tui_open() {
@@ -67,10 +56,7 @@ tui_open() {
     rss+=("$(awk '{print $2}' "$DIR/tui_time.txt")")
     tmux kill-session -t "$session" 2>/dev/null || true
   done
-  local mo mr
-  mo=$(printf '%s\n' "${opens[@]}" | sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}')
-  mr=$(printf '%s\n' "${rss[@]}" | sort -g | awk '{a[NR]=$1} END{print a[NR]}')
-  echo "{\"measure\":\"$label\",\"median_s\":$mo,\"all\":\"${opens[*]}\",\"peak_rss_mb\":$((mr / 1024))}"
+  json_line "$label" "${opens[*]}" "$(printf '%s\n' "${rss[@]}" | maximum)"
 }
 
 describe() {
@@ -81,7 +67,7 @@ one() {  # one LAYOUT RANKS HOURS
   local run=$DIR/$1-$2x$3h
   [ -d "$run/obs" ] || "$SCALE" gen "$run" "$1" "$2" "$3"
   describe "$run"
-  measure "summary $1 $2x$3h" "$BIN" summary "$run" --quiet
+  measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
   "$SCALE" load "$run" "$RUNS"
   tui_open "tui open $1 $2x$3h" "$run"
   if [ "$1" = journal ]; then "$SCALE" follow "$run" "$2" "$RUNS"; fi

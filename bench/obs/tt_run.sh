@@ -22,19 +22,8 @@ fi
 echo "run: $RUN ($(du -sh "$RUN" | cut -f1), $(ls "$RUN/structured_logs" | wc -l) files, $(cat "$RUN"/structured_logs/*.jsonl | wc -l) records)"
 echo "load while measuring: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-measure() {
-  local label=$1 n=$2; shift 2
-  local walls=() rss=()
-  for _ in $(seq "$n"); do
-    /usr/bin/time -f '%e %M' -o "$DIR/time.txt" "$@" > "$DIR/out.txt" 2> "$DIR/err.txt"
-    read -r w m < "$DIR/time.txt"
-    walls+=("$w"); rss+=("$m")
-  done
-  local mw mr
-  mw=$(printf '%s\n' "${walls[@]}" | sort -g | awk '{a[NR]=$1} END{print a[int((NR+1)/2)]}')
-  mr=$(printf '%s\n' "${rss[@]}" | sort -g | awk '{a[NR]=$1} END{print a[NR]}')
-  echo "$label: median ${mw} s over $n runs (all: ${walls[*]}), peak RSS $((mr / 1024)) MB"
-}
+# shellcheck source=bench/obs/measure.sh
+source bench/obs/measure.sh
 
 measure "titan-obs summary" "$RUNS" "$BIN" summary --quiet "$RUN"
 measure "titan-obs summary --json" "$RUNS" "$BIN" summary --quiet --json "$RUN"
