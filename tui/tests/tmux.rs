@@ -7,31 +7,56 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Runs `titan-obs ARGS` to completion, asserts it succeeded (its stderr otherwise) and returns
+/// its stdout.
+fn titan_obs<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Vec<u8> {
+    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .args(args)
+        .output()
+        .expect("running titan-obs");
+    assert!(
+        out.status.success(),
+        "titan-obs {:?} failed: {}",
+        args.iter().map(|a| a.as_ref()).collect::<Vec<_>>(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// `titan-obs synth RUN --ranks R --steps S --spans-per-step 12 EXTRA...`: a run of real part files.
+fn synth(run: &Path, ranks: u32, steps: u32, extra: &[&str]) {
+    let (ranks, steps) = (ranks.to_string(), steps.to_string());
+    let mut args = vec![
+        "synth",
+        run.to_str().unwrap(),
+        "--ranks",
+        &ranks,
+        "--steps",
+        &steps,
+    ];
+    args.extend(["--spans-per-step", "12"]);
+    args.extend(extra);
+    titan_obs(&args);
+}
+
 /// A 4-rank, 8-step run written by `titan-obs synth` (real part files); rank 2 is 2x slow in
 /// forward_backward, every 4th step is a checkpoint step and every 3rd a validation step.
 fn synthetic_run(dir: &Path) -> PathBuf {
     let run = dir.join("run");
-    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
-        .arg("synth")
-        .arg(&run)
-        .args([
-            "--ranks",
-            "4",
-            "--steps",
-            "8",
-            "--spans-per-step",
-            "12",
+    synth(
+        &run,
+        4,
+        8,
+        &[
             "--steps-per-part",
             "4",
-        ])
-        .args(["--straggler", "2:forward_backward:2.0"])
-        .args(["--checkpoint-every", "4", "--validation-every", "3"])
-        .output()
-        .expect("running titan-obs synth");
-    assert!(
-        out.status.success(),
-        "titan-obs synth failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+            "--straggler",
+            "2:forward_backward:2.0",
+            "--checkpoint-every",
+            "4",
+            "--validation-every",
+            "3",
+        ],
     );
     run
 }
@@ -216,21 +241,16 @@ fn tui_gantt_writes_svg_and_png() {
     let run = synthetic_run(dir.path());
     let svg = dir.path().join("gantt.svg");
     let png = dir.path().join("gantt.png");
-    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
-        .args([
-            "gantt",
-            run.to_str().unwrap(),
-            "--svg",
-            svg.to_str().unwrap(),
-        ])
-        .args(["--png", png.to_str().unwrap(), "--width", "1200"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    titan_obs(&[
+        "gantt",
+        run.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+        "--png",
+        png.to_str().unwrap(),
+        "--width",
+        "1200",
+    ]);
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
     for r in [0, 1, 3] {
@@ -376,30 +396,10 @@ fn tui_opens_a_torchtitan_gantt_trace() {
 fn summary_tui_and_gantt_name_the_same_straggler() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let obs = || Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")));
-    let out = obs()
-        .arg("synth")
-        .arg(&run)
-        .args(["--ranks", "4", "--steps", "12", "--spans-per-step", "12"])
-        .args(["--straggler", "3:forward_backward:1.3"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    synth(&run, 4, 12, &["--straggler", "3:forward_backward:1.3"]);
 
-    let out = obs()
-        .args(["summary", run.to_str().unwrap(), "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let out = titan_obs(&["summary", run.to_str().unwrap(), "--json"]);
+    let s: serde_json::Value = serde_json::from_slice(&out).unwrap();
     let top = &s["waits"][0];
     assert_eq!(top["rank"], 3, "{s:#}");
     assert_eq!(top["phase"], "forward_backward", "{s:#}");
@@ -441,20 +441,12 @@ fn summary_tui_and_gantt_name_the_same_straggler() {
 
     // The gantt image: the late rank's lane and the legend's headline.
     let svg = dir.path().join("gantt.svg");
-    let out = obs()
-        .args([
-            "gantt",
-            run.to_str().unwrap(),
-            "--svg",
-            svg.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    titan_obs(&[
+        "gantt",
+        run.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.contains(">r3 late</text>"));
     assert!(
@@ -473,34 +465,14 @@ fn summary_tui_and_gantt_name_the_same_straggler() {
 fn chrome_export_carries_the_waits() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let obs = || Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")));
-    let out = obs()
-        .arg("synth")
-        .arg(&run)
-        .args(["--ranks", "4", "--steps", "6", "--spans-per-step", "12"])
-        .args(["--straggler", "1:forward_backward:1.3"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    synth(&run, 4, 6, &["--straggler", "1:forward_backward:1.3"]);
     let json = dir.path().join("trace.json");
-    let out = obs()
-        .args([
-            "export",
-            run.to_str().unwrap(),
-            "--chrome",
-            json.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    titan_obs(&[
+        "export",
+        run.to_str().unwrap(),
+        "--chrome",
+        json.to_str().unwrap(),
+    ]);
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let top = &v["otherData"]["waits"][0];
     assert_eq!(
