@@ -11,6 +11,7 @@
 #   bash bench/obs/scale.sh [RUNS]     (median of RUNS timed runs, default 3)
 #
 # Environment: OBS_SCALE_DIR (default /tmp/titan-obs-scale), RANKS (1024), HOURS ("1 6 24"),
+# FOLLOW_RUNS (5: follow refreshes timed; the first re-lists every rank directory),
 # OLD_RANKS (16) and OLD_HOURS (2): the previous layout is generated at OLD_RANKS x OLD_HOURS
 # only (1024 x 24 h of it would be 35 M files), next to the journal layout of the same size.
 set -euo pipefail
@@ -21,6 +22,7 @@ RANKS=${RANKS:-1024}
 HOURS=${HOURS:-"1 6 24"}
 OLD_RANKS=${OLD_RANKS:-16}
 OLD_HOURS=${OLD_HOURS:-2}
+FOLLOW_RUNS=${FOLLOW_RUNS:-5}
 TARGET=${CARGO_TARGET_DIR:-target}
 cargo build --release -p titan-obs-tui --bin titan-obs >&2
 cargo bench -p titan-obs --bench obs_scale --no-run >&2
@@ -70,7 +72,7 @@ one() {  # one LAYOUT RANKS HOURS
   measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
   "$SCALE" load "$run" "$RUNS"
   tui_open "tui open $1 $2x$3h" "$run"
-  if [ "$1" = journal ]; then "$SCALE" follow "$run" "$2" "$RUNS"; fi
+  if [ "$1" = journal ]; then "$SCALE" follow "$run" "$2" "$FOLLOW_RUNS"; fi
 }
 
 echo "# machine: $(nproc) cores; other processes: $(ps -eo pcpu= | awk '{s+=$1} END{print s}')% CPU in use at start"
