@@ -83,6 +83,11 @@ enum Seen {
     BadJournal,
 }
 
+/// How long a rank directory must have been unchanged before a listing of it is trusted while
+/// its mtime stays the same (file timestamps come from a coarse clock; see
+/// [`RankDirListing::still_valid`]).
+const LISTING_QUIET: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// What the last listing of one local rank directory found, to skip reading the directory
 /// again while it has not changed.
 struct RankDirListing {
@@ -99,13 +104,13 @@ impl RankDirListing {
     /// Whether a directory now at `mtime` still holds what this listing found. File
     /// timestamps come from a coarse clock (a few ms), so a change right after a listing can
     /// keep the mtime it saw: a listing is only trusted when the directory had been quiet for
-    /// a second before it.
+    /// [`LISTING_QUIET`] before it.
     fn still_valid(&self, mtime: std::time::SystemTime) -> bool {
         mtime == self.mtime
             && self
                 .listed_at
                 .duration_since(self.mtime)
-                .is_ok_and(|quiet| quiet > std::time::Duration::from_secs(1))
+                .is_ok_and(|quiet| quiet > LISTING_QUIET)
     }
 }
 
@@ -553,8 +558,7 @@ fn list_files(
                             listed_at,
                             pending,
                         };
-                        listings.insert(rank, l);
-                        listings.get_mut(&rank).expect("just inserted")
+                        listings.entry(rank).insert_entry(l).into_mut()
                     }
                 };
                 // Parts once known stay known: drop them from what is re-checked.

@@ -34,12 +34,14 @@ const SWAP_INTERVAL: Duration = Duration::from_millis(100);
 type Reload = Result<(Timeline, String), String>;
 
 /// `--follow`'s reloads on a worker thread that owns the source. Building a large run's
-/// timeline takes seconds (1024 ranks x 6 h: ~7 s), so it must not run on the thread that
+/// timeline takes seconds (1024 ranks x 6 h: ~12 s), so it must not run on the thread that
 /// reads keys: the event loop only swaps in what the worker sends. After a reload that took
 /// `d`, the worker waits `max(FOLLOW_INTERVAL, d)`, so following keeps at most half a core busy.
 struct Reloads {
     rx: Receiver<Reload>,
     stop: Arc<AtomicBool>,
+    /// The worker is gone (it panicked): said once, then nothing more is looked for.
+    gone: std::cell::Cell<bool>,
 }
 
 impl Reloads {
@@ -55,7 +57,9 @@ impl Reloads {
                     if stopped.load(Ordering::Relaxed) {
                         return;
                     }
-                    std::thread::sleep(SWAP_INTERVAL.min(wake - Instant::now()));
+                    std::thread::sleep(
+                        SWAP_INTERVAL.min(wake.saturating_duration_since(Instant::now())),
+                    );
                 }
                 let t = Instant::now();
                 let reload = match source.reload_if_changed() {
@@ -71,17 +75,25 @@ impl Reloads {
                 }
             }
         });
-        Reloads { rx, stop }
+        Reloads {
+            rx,
+            stop,
+            gone: std::cell::Cell::new(false),
+        }
     }
 
     /// The newest reload sent since the last call, if any.
     fn newest(&self) -> Option<Reload> {
+        if self.gone.get() {
+            return None;
+        }
         let mut newest = None;
         loop {
             match self.rx.try_recv() {
                 Ok(r) => newest = Some(r),
                 Err(TryRecvError::Empty) => return newest,
                 Err(TryRecvError::Disconnected) => {
+                    self.gone.set(true);
                     return newest.or(Some(Err("the reload thread stopped".into())));
                 }
             }
