@@ -79,7 +79,7 @@ fn main() {
             true,
         );
         let tokens = tch::Tensor::randint(1000, [1, 33], (Kind::Int64, Device::Cpu));
-        let logits = model.forward(&tokens.narrow(1, 0, 32));
+        let logits = model.forward(&tokens.narrow(1, 0, 32), None);
         (summed_cross_entropy(&logits, &tokens.narrow(1, 1, 32)) / 32.0).backward();
         for (n, p) in model.named_parameters() {
             optimizer.step_param(n, p, 1e-3);

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::command_line::CommandLine;
 use crate::model::ActivationCheckpointing;
 
 /// Where the readable copy of the default config lives in the repository.
@@ -247,6 +248,10 @@ pub struct Model {
     pub hf_assets_path: String,
     pub converters: Vec<String>,
     pub print_after_conversion: bool,
+    /// torchtitan's `attn_backend`: `flex` and `varlen` attend causally within each packed
+    /// document (torchtitan 0.3.0's only choices for language models); `sdpa` is plain causal
+    /// attention across documents.
+    pub attn_backend: crate::model::AttnBackend,
 }
 
 impl Default for Model {
@@ -257,6 +262,7 @@ impl Default for Model {
             hf_assets_path: String::new(),
             converters: Vec::new(),
             print_after_conversion: false,
+            attn_backend: crate::model::AttnBackend::default(),
         }
     }
 }
@@ -480,8 +486,12 @@ pub struct Validation {
     pub enable: bool,
     pub dataset: String,
     pub dataset_path: Option<String>,
-    pub local_batch_size: i64,
-    pub seq_len: i64,
+    /// Unset (-1): `training.local_batch_size`, as torchtitan 0.3.0's validator.
+    #[serde(with = "minus_one_is_none")]
+    pub local_batch_size: Option<u64>,
+    /// Unset (-1): `training.seq_len`, as torchtitan 0.3.0's validator.
+    #[serde(with = "minus_one_is_none")]
+    pub seq_len: Option<u64>,
     pub freq: u64,
     /// Batches per validation; unset (-1) runs the whole split once.
     #[serde(with = "minus_one_is_none")]
@@ -494,8 +504,8 @@ impl Default for Validation {
             enable: false,
             dataset: "default_validation".into(),
             dataset_path: None,
-            local_batch_size: 8,
-            seq_len: 2048,
+            local_batch_size: None,
+            seq_len: None,
             freq: 500,
             steps: None,
         }
@@ -594,6 +604,18 @@ impl Default for ActivationCheckpoint {
     }
 }
 
+impl Validation {
+    /// Batch size and sequence length of a validation batch (unset: training's).
+    pub fn batch_shape(&self, training: &Training) -> (usize, usize) {
+        (
+            self.local_batch_size
+                .map_or(training.local_batch_size as usize, |v| v as usize),
+            self.seq_len
+                .map_or(training.seq_len as usize, |v| v as usize),
+        )
+    }
+}
+
 impl ActivationCheckpoint {
     /// What the model keeps for backward under this section.
     pub fn policy(&self) -> ActivationCheckpointing {
@@ -635,45 +657,19 @@ pub struct Override {
     pub value: String,
 }
 
-/// Splits command-line arguments into overrides. A key without a value (`--debug.deterministic`
-/// followed by another `--key` or nothing) means `true`.
-pub fn parse_overrides<I: IntoIterator<Item = String>>(
-    args: I,
-) -> Result<Vec<Override>, ConfigError> {
-    let mut out = Vec::new();
-    let mut args = args.into_iter().peekable();
-    while let Some(arg) = args.next() {
-        let Some(body) = arg.strip_prefix("--") else {
-            return Err(ConfigError::Usage(format!(
-                "unexpected argument `{arg}`: options are `--section.key value` (see --help)"
-            )));
-        };
-        let (key, value) = match body.split_once('=') {
-            Some((k, v)) => (k.to_string(), v.to_string()),
-            None => {
-                let takes_next = args.peek().is_some_and(|next| !next.starts_with("--"));
-                let value = if takes_next {
-                    args.next().unwrap_or_default()
-                } else {
-                    "true".to_string()
-                };
-                (body.to_string(), value)
-            }
-        };
-        if !key.contains('.') {
-            return Err(ConfigError::Usage(format!(
-                "unexpected option `--{key}`: config options are `--section.key value`, e.g. `--training.steps 10` (see --help)"
-            )));
-        }
-        out.push(Override { key, value });
-    }
-    Ok(out)
-}
-
 impl JobConfig {
-    /// Loads the config: defaults, then the TOML file (`--job.config_file`, else the embedded
-    /// [`DEFAULT_CONFIG`]), then the overrides in order.
-    pub fn load(overrides: &[Override]) -> Result<Self, ConfigError> {
+    /// Loads the config: defaults, then the registry entry (`--module/--config`), or the TOML
+    /// file (`--job.config_file`, else the embedded [`DEFAULT_CONFIG`]), then the overrides in
+    /// order.
+    pub fn load(command_line: &CommandLine) -> Result<Self, ConfigError> {
+        let overrides = &command_line.overrides;
+        if let Some(entry) = command_line.registry {
+            let origin = format!(
+                "torchtitan 0.3.0's {}.{} (configs/registry/{}.toml)",
+                entry.module, entry.name, entry.name
+            );
+            return Self::from_parts(Some((entry.toml, Path::new(&origin))), overrides);
+        }
         let file = overrides
             .iter()
             .rev()
@@ -794,9 +790,12 @@ impl JobConfig {
             ("training.seq_len", self.training.seq_len),
             (
                 "validation.local_batch_size",
-                self.validation.local_batch_size,
+                self.validation.local_batch_size.map_or(1, |v| v as i64),
             ),
-            ("validation.seq_len", self.validation.seq_len),
+            (
+                "validation.seq_len",
+                self.validation.seq_len.map_or(1, |v| v as i64),
+            ),
         ] {
             if v < 1 {
                 return bad(key, format!("{v} must be at least 1"));
@@ -858,6 +857,48 @@ impl JobConfig {
 }
 
 impl JobConfig {
+    /// Settings given in `overrides` that do nothing because a key they depend on is off: one
+    /// warning each, naming both keys (so a flag is never dropped in silence).
+    pub fn ignored_settings(&self, overrides: &[Override]) -> Vec<String> {
+        let needs: &[(&str, &str, bool)] = &[
+            ("checkpoint.", "checkpoint.enable", self.checkpoint.enable),
+            ("validation.", "validation.enable", self.validation.enable),
+            (
+                "metrics.save_tb_folder",
+                "metrics.enable_tensorboard",
+                self.metrics.enable_tensorboard,
+            ),
+            (
+                "observability.",
+                "observability.enable",
+                self.observability.enable,
+            ),
+            (
+                "activation_checkpoint.selective_ac_option",
+                "activation_checkpoint.mode selective",
+                self.activation_checkpoint.mode == AcMode::Selective,
+            ),
+            (
+                "training.mixed_precision_param",
+                "training.dtype float32 (bfloat16 weights are not autocast)",
+                self.training.dtype == DtypeName::Float32,
+            ),
+        ];
+        let mut warnings = Vec::new();
+        for o in overrides {
+            for (key, prerequisite, on) in needs {
+                let owner = prerequisite.split(' ').next().unwrap_or(prerequisite);
+                if !on && o.key.starts_with(key) && o.key != owner {
+                    warnings.push(format!(
+                        "--{} has no effect: it needs {prerequisite}, which is off",
+                        o.key
+                    ));
+                }
+            }
+        }
+        warnings
+    }
+
     /// torchtitan keys titan-train does not implement: accepted at their defaults only, so a
     /// config that asks for them fails instead of training without them.
     fn refuse_unimplemented(&self) -> Result<(), ConfigError> {
@@ -1050,7 +1091,9 @@ mod tests {
     use super::*;
 
     fn ov(args: &[&str]) -> Vec<Override> {
-        parse_overrides(args.iter().map(|s| s.to_string())).unwrap()
+        crate::command_line::parse(args.iter().map(|s| s.to_string()).collect())
+            .unwrap()
+            .overrides
     }
 
     #[test]
@@ -1122,7 +1165,7 @@ mod tests {
 
     #[test]
     fn embedded_default_is_the_debug_config() {
-        let c = JobConfig::load(&[]).unwrap();
+        let c = JobConfig::load(&CommandLine::default()).unwrap();
         assert_eq!((c.training.seq_len, c.training.steps), (256, 50));
         assert_eq!(c.model.flavor, "debugmodel");
         let file = std::fs::read_to_string(

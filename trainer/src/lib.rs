@@ -1,7 +1,9 @@
 //! titan-train: a lean Llama-3 trainer on libtorch (through tch), numerically matching
 //! torchtitan's llama3 and reading torchtitan's config files.
 //!
-//! - [`config`]: [`config::JobConfig`], torchtitan's TOML sections plus `--section.key` overrides.
+//! - [`config`]: [`config::JobConfig`], torchtitan's TOML sections plus `--section.key` overrides;
+//!   [`command_line`] reads both of torchtitan's command lines (TOML, and 0.3.0's
+//!   `--module/--config` registry with its key names) onto it.
 //! - [`model`]: [`model::Llama`] with torchtitan 0.3.0's parameter names, init and RoPE; [`names`]
 //!   maps the older name generation; [`hf`] maps Hugging Face checkpoints onto it.
 //! - [`data`]: tokenizer, document sources (.txt/.jsonl/.parquet, embedded default), packing loader
@@ -19,6 +21,7 @@
 //!   files.
 
 pub mod checkpoint;
+pub mod command_line;
 pub mod config;
 pub mod data;
 pub mod dist;

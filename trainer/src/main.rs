@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use titan_cli::{Bin, ExitCode as Code, LOGGING_HELP, Level, Verbosity};
+use titan_train::command_line;
 use titan_train::config::{self, JobConfig};
 use titan_train::dist::launch::{self, LaunchArgs};
 use titan_train::dist::{Backend, CommOptions, Dist, DistributedDp, LaunchEnv};
@@ -61,10 +62,15 @@ fn help() -> String {
     format!(
         "titan-train: train a Llama-3 model (torchtitan's llama3 numerics, config names and metrics)\n\
          \n\
-         USAGE:\n  titan-train [-v|-vv|-q] [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE]...\n\
+         USAGE:\n  titan-train [-v|-vv|-q] [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE]...\n  titan-train [-v|-vv|-q] --module llama3 --config NAME [--key VALUE]...      (torchtitan 0.3.0's form)\n\
          \n\
-         The config is torchtitan's TOML layout: defaults, then FILE (default: the embedded copy of\n\
-         {default_file}, from any directory), then the command-line overrides in order. A boolean key\n\
+         Two command lines, one config. The TOML form (torchtitan before 0.3): defaults, then FILE\n\
+         (default: the embedded copy of {default_file}, from any directory), then the overrides in\n\
+         order. torchtitan 0.3.0's form: --module/--config pick a function of its config registry\n\
+         ({registry}; their values are in configs/registry/NAME.toml), then the overrides, with\n\
+         0.3.0's key names (--dump_folder, --hf_assets_path, --dataloader.dataset_path, --validator.enable,\n\
+         --optimizer.param_groups.0.optimizer_kwargs.lr, ...) and tyro's spellings (- or _, --x.no-enable,\n\
+         activation_checkpoint:full|selective|none); either form takes either name. A boolean key\n\
          alone (--debug.deterministic) means true; list keys take comma-separated values. Unknown keys,\n\
          wrong types and values outside a key's choices are errors (exit 2), and so is any torchtitan key\n\
          titan-train does not implement (compile, TP/PP/CP/EP degrees, float8, wandb, ...) unless at its\n\
@@ -73,7 +79,7 @@ fn help() -> String {
          checkpointing: activation_checkpoint.mode none | full | selective, with selective_ac_option\n\
          op (recompute the elementwise work between matmuls) or N (recompute every N-th layer).\n\
          \n\
-         EXAMPLES:\n  titan-train --training.steps 200\n  titan-train --debug.seed=42 --debug.deterministic --training.steps 20\n  titan-train --training.dataset_path my_texts/ --model.hf_assets_path my_tokenizer/\n\
+         EXAMPLES:\n  titan-train --training.steps 200\n  titan-train --module llama3 --config llama3_debugmodel --dataloader.dataset_path data/ --hf_assets_path tok/\n  titan-train --debug.seed=42 --debug.deterministic --training.steps 20\n  titan-train --training.dataset_path my_texts/ --model.hf_assets_path my_tokenizer/\n\
          \n\
          DATA: training.dataset = default uses the embedded dataset; training.dataset_path reads .txt (one\n\
          sample per line), .jsonl and .parquet (a `text` field) files or a folder of them. The embedded\n\
@@ -90,6 +96,11 @@ fn help() -> String {
          {launch_help}\n\n\
          KEYS (with defaults):\n{keys}",
         default_file = config::DEFAULT_CONFIG_FILE,
+        registry = command_line::REGISTRY
+            .iter()
+            .map(|r| r.name)
+            .collect::<Vec<_>>()
+            .join(", "),
         launch_help = launch::LAUNCH_HELP,
         exit_codes = TITAN_TRAIN.exit_codes_help(),
         logging = LOGGING_HELP,
@@ -150,18 +161,36 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     // Checked before any rank starts, so a typo costs no rendezvous.
-    let cfg = match config::parse_overrides(args).and_then(|o| JobConfig::load(&o)) {
+    let command_line = match command_line::parse(args) {
+        Ok(c) => c,
+        Err(e) => return usage_error(e),
+    };
+    let cfg = match JobConfig::load(&command_line) {
         Ok(cfg) => cfg,
         Err(e) => return usage_error(e),
     };
     init_logging(&cfg, &verbosity);
+    for note in &command_line.notes {
+        tracing::info!("{note}");
+    }
+    for warning in cfg.ignored_settings(&command_line.overrides) {
+        tracing::warn!("{warning}");
+    }
     if let Some(launch) = launch {
+        // The degrees are checked against the world before any rank starts.
+        let world_size = launch.nproc_per_node * launch.nnodes;
+        if let Err(e) = World::new(&cfg.parallelism, 0, 0, world_size) {
+            return usage_error(format!("{e:#}"));
+        }
         return run_launcher(&launch, &rank_args);
     }
     let env = match LaunchEnv::from_process_env() {
         Ok(env) => env,
         Err(e) => return usage_error(e),
     };
+    if let Err(e) = World::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size) {
+        return usage_error(format!("{e:#}"));
+    }
     if cfg.debug.deterministic {
         // cuBLAS picks reduction splits per workspace; a fixed workspace config makes them
         // repeatable. Must be set before CUDA initialises.

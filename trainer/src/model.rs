@@ -221,18 +221,83 @@ pub fn precompute_freqs_cis(args: &ModelArgs, device: Device) -> Tensor {
     Tensor::polar(&angles.ones_like(), &angles).to_device(device)
 }
 
-/// Rotates `x` (B, S, H, head_dim) by `freqs_cis` (S, head_dim/2), pairing adjacent features.
-fn apply_rotary_emb(x: &Tensor, freqs_cis: &Tensor) -> Tensor {
+/// The rotations for each token, shape (B or 1, S, 1, head_dim/2): the table's rows for the
+/// tokens' `positions` (B, S) in their documents, or rows `0..S` without positions.
+fn rope_for(freqs_cis: &Tensor, seq_len: i64, positions: Option<&Tensor>) -> Tensor {
+    let half = freqs_cis.size()[1];
+    match positions {
+        Some(p) => {
+            let b = p.size()[0];
+            freqs_cis
+                .index_select(0, &p.reshape([-1]))
+                .reshape([b, seq_len, 1, half])
+        }
+        None => freqs_cis
+            .narrow(0, 0, seq_len)
+            .reshape([1, seq_len, 1, half]),
+    }
+}
+
+/// Rotates `x` (B, S, H, head_dim) by `rope` (from [`rope_for`]), pairing adjacent features.
+fn apply_rotary_emb(x: &Tensor, rope: &Tensor) -> Tensor {
     let (b, s, h, d) = x.size4().expect("attention input is (B, S, H, D)");
     let xc = x
         .to_kind(Kind::Float)
         .reshape([b, s, h, d / 2, 2])
         .view_as_complex();
-    let f = freqs_cis.narrow(0, 0, s).reshape([1, s, 1, d / 2]);
-    (xc * f)
+    (xc * rope)
         .view_as_real()
         .reshape([b, s, h, d])
         .to_kind(x.kind())
+}
+
+/// Which tokens attend to which (`model.attn_backend`, torchtitan's `attn_backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttnBackend {
+    /// torchtitan's default: causal within each packed document (its FlexAttention with the
+    /// block-causal mask); here SDPA with the same mask.
+    #[default]
+    Flex,
+    /// torchtitan's `varlen` backend: the same document-causal attention.
+    Varlen,
+    /// Plain causal attention across the whole sample, documents included (torchtitan 0.3.0 no
+    /// longer offers it for language models; RoPE still uses document positions).
+    Sdpa,
+}
+
+impl AttnBackend {
+    /// Whether attention stops at document boundaries.
+    pub fn document_causal(self) -> bool {
+        matches!(self, AttnBackend::Flex | AttnBackend::Varlen)
+    }
+}
+
+/// The attention mask of one forward pass: (B, 1, S, S) booleans, true where query `q` may
+/// attend to key `k` (`k <= q` and both in the same document), or `None` for plain causal.
+/// Documents start where `positions` is 0 (torchtitan's `get_document_mask_mod`).
+pub fn document_causal_mask(positions: &Tensor) -> Tensor {
+    let (b, s) = positions.size2().expect("positions are (B, S)");
+    let doc = positions.eq(0).cumsum(1, Kind::Int64);
+    let same_doc = doc.unsqueeze(2).eq_tensor(&doc.unsqueeze(1));
+    let causal = Tensor::ones([s, s], (Kind::Bool, positions.device())).tril(0);
+    (same_doc.logical_and(&causal)).view([b, 1, s, s])
+}
+
+/// What every block of one forward pass shares: the rotations for its tokens and its mask.
+struct ForwardContext {
+    rope: Tensor,
+    /// `None`: plain causal attention.
+    mask: Option<Tensor>,
+}
+
+impl ForwardContext {
+    fn share(&self) -> ForwardContext {
+        ForwardContext {
+            rope: self.rope.shallow_clone(),
+            mask: self.mask.as_ref().map(Tensor::shallow_clone),
+        }
+    }
 }
 
 struct Layer {
@@ -296,6 +361,7 @@ pub struct Llama {
     lm_head: Tensor,
     freqs_cis: Tensor,
     checkpointing: ActivationCheckpointing,
+    attn_backend: AttnBackend,
 }
 
 /// Fills `t` with a normal(0, std) truncated to [a, b], PyTorch's `trunc_normal_` algorithm
@@ -407,6 +473,7 @@ impl Llama {
             lm_head,
             freqs_cis,
             checkpointing: ActivationCheckpointing::None,
+            attn_backend: AttnBackend::default(),
         })
     }
 
@@ -467,12 +534,31 @@ impl Llama {
         self.checkpointing
     }
 
-    /// Logits (B, S, vocab) in fp32 for token ids (B, S).
-    pub fn forward(&self, tokens: &Tensor) -> Tensor {
+    /// Sets which tokens attend to which.
+    pub fn with_attn_backend(mut self, backend: AttnBackend) -> Self {
+        self.attn_backend = backend;
+        self
+    }
+
+    pub fn attn_backend(&self) -> AttnBackend {
+        self.attn_backend
+    }
+
+    /// Logits (B, S, vocab) in fp32 for token ids (B, S) whose `positions` (B, S) in their
+    /// documents come from the loader ([`crate::data::Batch`]); `None` treats each row as one
+    /// document starting at position 0.
+    pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
         let shape = BlockShape::of(&self.args);
+        let seq_len = tokens.size()[1];
+        let ctx = ForwardContext {
+            rope: rope_for(&self.freqs_cis, seq_len, positions),
+            mask: positions
+                .filter(|_| self.attn_backend.document_causal())
+                .map(document_causal_mask),
+        };
         let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
         for (index, layer) in self.layers.iter().enumerate() {
-            let (layer_, freqs_cis) = (layer.share(), self.freqs_cis.shallow_clone());
+            let (layer_, ctx_) = (layer.share(), ctx.share());
             h = if self.checkpointing == ActivationCheckpointing::Op {
                 // The first run (forward) records the kept matmul outputs, the second (the
                 // recompute in backward) replays them.
@@ -480,18 +566,18 @@ impl Llama {
                 let [out] = checkpoint(&[&h], move |i| {
                     let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
                     let matmuls = Matmuls::new(kept.take());
-                    let out = block(&layer_, shape, &freqs_cis, &i[0], &matmuls);
+                    let out = block(&layer_, shape, &ctx_, &i[0], &matmuls);
                     *kept = matmuls.into_recorded();
                     [out]
                 });
                 out
             } else if self.checkpointing.whole_layer(index) {
                 let [out] = checkpoint(&[&h], move |i| {
-                    [block(&layer_, shape, &freqs_cis, &i[0], &Matmuls::plain())]
+                    [block(&layer_, shape, &ctx_, &i[0], &Matmuls::plain())]
                 });
                 out
             } else {
-                block(layer, shape, &self.freqs_cis, &h, &Matmuls::plain())
+                block(layer, shape, &ctx, &h, &Matmuls::plain())
             };
         }
         let h = h.rms_norm([shape.dim], Some(&self.norm), shape.norm_eps);
@@ -562,12 +648,18 @@ impl Matmuls {
 }
 
 /// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))`.
-fn block(layer: &Layer, shape: BlockShape, freqs_cis: &Tensor, h: &Tensor, mm: &Matmuls) -> Tensor {
+fn block(
+    layer: &Layer,
+    shape: BlockShape,
+    ctx: &ForwardContext,
+    h: &Tensor,
+    mm: &Matmuls,
+) -> Tensor {
     let (d, eps) = (shape.dim, shape.norm_eps);
     let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
     // `h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h` for the
     // rms_norm backward, so an in-place add breaks the backward pass.
-    let h = h + attention(layer, shape, freqs_cis, &x, mm);
+    let h = h + attention(layer, shape, ctx, &x, mm);
     let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
     let gate = mm.linear(&x, &layer.w1).silu();
     let up = mm.linear(&x, &layer.w3);
@@ -577,7 +669,7 @@ fn block(layer: &Layer, shape: BlockShape, freqs_cis: &Tensor, h: &Tensor, mm: &
 fn attention(
     layer: &Layer,
     shape: BlockShape,
-    freqs_cis: &Tensor,
+    ctx: &ForwardContext,
     x: &Tensor,
     mm: &Matmuls,
 ) -> Tensor {
@@ -586,8 +678,8 @@ fn attention(
     let q = mm.linear(x, &layer.wq).view([b, s, h, hd]);
     let k = mm.linear(x, &layer.wk).view([b, s, kvh, hd]);
     let v = mm.linear(x, &layer.wv).view([b, s, kvh, hd]);
-    let q = apply_rotary_emb(&q, freqs_cis);
-    let k = apply_rotary_emb(&k, freqs_cis);
+    let q = apply_rotary_emb(&q, &ctx.rope);
+    let k = apply_rotary_emb(&k, &ctx.rope);
     let (k, v) = if kvh == h {
         (k, v)
     } else {
@@ -604,9 +696,9 @@ fn attention(
         &q.transpose(1, 2),
         &k.transpose(1, 2),
         &v.transpose(1, 2),
-        None,
+        ctx.mask.as_ref(),
         0.0,
-        true,
+        ctx.mask.is_none(),
         None,
         false,
     );
@@ -666,7 +758,7 @@ mod tests {
         let out = m.parameter("lm_head.weight").unwrap();
         let bound = 3.0 / 16.0;
         assert!(out.abs().max().double_value(&[]) <= bound + 1e-6);
-        let logits = m.forward(&Tensor::from_slice(&[1i64, 2, 3, 4]).view([1, 4]));
+        let logits = m.forward(&Tensor::from_slice(&[1i64, 2, 3, 4]).view([1, 4]), None);
         assert_eq!(logits.size(), vec![1, 4, 2048]);
     }
 

@@ -39,44 +39,63 @@ impl World {
         }
     }
 
-    /// Resolves the dp degrees for `world_size` ranks as torchtitan's ParallelDims does
-    /// (`data_parallel_shard_degree = -1` takes the ranks the other degrees leave).
+    /// Resolves the degrees for `world_size` ranks with torchtitan's `ParallelDims` rule and
+    /// messages: every degree but `data_parallel_shard_degree` is at least 1; -1 there takes the
+    /// ranks the others leave; dp_replicate x dp_shard x cp x tp x pp must equal the world size.
+    /// Checked on every launch path, one process included.
     pub fn new(
         cfg: &Parallelism,
         rank: usize,
         local_rank: usize,
         world_size: usize,
     ) -> Result<Self> {
-        let replicate = cfg.data_parallel_replicate_degree;
-        if replicate < 1 {
-            bail!("parallelism.data_parallel_replicate_degree must be at least 1, got {replicate}");
+        let degrees = [
+            (
+                "data_parallel_replicate_degree",
+                cfg.data_parallel_replicate_degree,
+            ),
+            ("context_parallel_degree", cfg.context_parallel_degree),
+            ("tensor_parallel_degree", cfg.tensor_parallel_degree),
+            ("pipeline_parallel_degree", cfg.pipeline_parallel_degree),
+            ("expert_parallel_degree", cfg.expert_parallel_degree),
+        ];
+        for (key, d) in degrees {
+            if d < 1 {
+                bail!(
+                    "parallelism.{key} is {d}: parallelism degree should be >= 1, except for \
+                     data_parallel_shard_degree (-1: the ranks left over)"
+                );
+            }
         }
-        let replicate = replicate as usize;
-        let shard = match cfg.data_parallel_shard_degree {
-            None => {
-                if !world_size.is_multiple_of(replicate) {
-                    bail!(
-                        "parallelism.data_parallel_replicate_degree {replicate} does not divide the world size {world_size}"
-                    );
-                }
-                world_size / replicate
-            }
-            Some(s) if s >= 1 => s as usize,
-            Some(s) => {
-                bail!("parallelism.data_parallel_shard_degree must be -1 or at least 1, got {s}")
-            }
+        let [dp_replicate, cp, tp, pp] = [
+            cfg.data_parallel_replicate_degree,
+            cfg.context_parallel_degree,
+            cfg.tensor_parallel_degree,
+            cfg.pipeline_parallel_degree,
+        ]
+        .map(|d| d as usize);
+        let others = dp_replicate * cp * tp * pp;
+        let dp_shard = match cfg.data_parallel_shard_degree {
+            None if others > world_size => bail!(
+                "invalid parallel dims: data_parallel_shard_degree -1 leaves no rank: \
+                 dp_replicate({dp_replicate}) * cp({cp}) * tp({tp}) * pp({pp}) = {others} > \
+                 WORLD_SIZE({world_size})"
+            ),
+            None => world_size / others,
+            Some(s) => s as usize,
         };
-        if replicate * shard != world_size {
+        if others * dp_shard != world_size {
             bail!(
-                "parallelism: data_parallel_replicate_degree {replicate} x data_parallel_shard_degree {shard} != world size {world_size}"
+                "invalid parallel dims: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * \
+                 cp({cp}) * tp({tp}) * pp({pp}) != WORLD_SIZE({world_size})"
             );
         }
         Ok(Self {
             rank,
             local_rank,
             world_size,
-            dp_replicate: replicate,
-            dp_shard: shard,
+            dp_replicate,
+            dp_shard,
         })
     }
 

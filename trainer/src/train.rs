@@ -193,11 +193,16 @@ fn validate(
     let mut batches = 0u64;
     tch::no_grad(|| -> Result<()> {
         while max_steps.is_none_or(|max| batches < max) {
-            let Some(Batch { inputs, labels }) = loader.next_batch(device)? else {
+            let Some(Batch {
+                inputs,
+                labels,
+                positions,
+            }) = loader.next_batch(device)?
+            else {
                 break;
             };
             let loss = precision.run(device, || {
-                summed_cross_entropy(&model.forward(&inputs), &labels)
+                summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels)
             })?;
             loss_sum += loss.double_value(&[]);
             tokens += count_valid(&labels);
@@ -307,14 +312,15 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
             true,
         );
         let v = &cfg.validation;
+        let (val_batch, val_seq_len) = v.batch_shape(t);
         let val_loader = if v.enable {
             let set = Dataset::resolve(&v.dataset, v.dataset_path.as_deref(), "validation")
                 .map_err(|e| config_error("validation.dataset", e))?;
             Some(TextLoader::new(
                 set,
                 tokenizer.clone(),
-                v.seq_len as usize,
-                v.local_batch_size as usize,
+                val_seq_len,
+                val_batch,
                 dp_rank,
                 dp_degree,
                 false,
@@ -337,9 +343,11 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 args.vocab_size
             );
         }
-        args.max_seq_len = cfg.training.seq_len.max(cfg.validation.seq_len);
-        let model =
-            Llama::new(args, device)?.with_checkpointing(cfg.activation_checkpoint.policy());
+        let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
+        args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
+        let model = Llama::new(args, device)?
+            .with_checkpointing(cfg.activation_checkpoint.policy())
+            .with_attn_backend(cfg.model.attn_backend);
         if cfg.training.dtype != DtypeName::Float32 {
             model.cast_parameters(cfg.training.dtype.kind());
         }
@@ -354,6 +362,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         flops_per_token,
         mixed_precision = precision.describe(),
         activation_checkpointing = ?model.checkpointing(),
+        attn_backend = ?model.attn_backend(),
         "model built"
     );
 
@@ -456,7 +465,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
                     precision.run(device, || {
-                        let logits = model.forward(&batch.inputs);
+                        let logits = model.forward(&batch.inputs, Some(&batch.positions));
                         summed_cross_entropy(&logits, &batch.labels) / global_tokens.max(1) as f64
                     })?
                 };

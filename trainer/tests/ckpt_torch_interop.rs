@@ -100,7 +100,7 @@ fn setup(total_steps: u64) -> Run {
 /// One plain training step (loss = mean CE), as the loop does it on one rank.
 fn train_step(run: &mut Run, step: u64) {
     let batch = run.loader.next_batch(Device::Cpu).unwrap().unwrap();
-    let logits = run.model.forward(&batch.inputs);
+    let logits = run.model.forward(&batch.inputs, Some(&batch.positions));
     let n = batch.labels.ne(-100).sum(Kind::Int64).int64_value(&[]);
     let loss = summed_cross_entropy(&logits, &batch.labels) / n as f64;
     loss.backward();
@@ -221,7 +221,7 @@ fn hf_export_loads_in_transformers_with_the_same_loss() {
     let inputs = tokens.narrow(1, 0, 23);
     let labels = tokens.narrow(1, 1, 23);
     let loss = tch::no_grad(|| {
-        let logits = run.model.forward(&inputs);
+        let logits = run.model.forward(&inputs, None);
         summed_cross_entropy(&logits, &labels).double_value(&[]) / labels.numel() as f64
     });
     let batch = dump.path().join("batch.json");

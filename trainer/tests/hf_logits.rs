@@ -75,7 +75,7 @@ fn logits_match_transformers_llama() {
             .shallow_clone()
     };
     let (tokens, want) = (get("tokens"), get("logits"));
-    let got = tch::no_grad(|| model.forward(&tokens));
+    let got = tch::no_grad(|| model.forward(&tokens, None));
     assert_eq!(got.size(), want.size());
     let max_abs = (&got - &want).abs().max().double_value(&[]);
     let scale = want.abs().max().double_value(&[]);
@@ -89,7 +89,7 @@ fn logits_match_transformers_llama() {
             model.set_parameter(&titan, &t).unwrap();
         }
     }
-    let unpermuted = tch::no_grad(|| model.forward(&tokens));
+    let unpermuted = tch::no_grad(|| model.forward(&tokens, None));
     let diff = (&unpermuted - &want).abs().max().double_value(&[]);
     assert!(diff > 1e-2, "unpermuted weights matched too ({diff})");
 
@@ -120,7 +120,7 @@ fn train_step(
     let (inputs, labels) = (tokens.narrow(1, 0, seq - 1), tokens.narrow(1, 1, seq - 1));
     let loss = precision
         .run(Device::Cpu, || {
-            summed_cross_entropy(&model.forward(&inputs), &labels) / labels.numel() as f64
+            summed_cross_entropy(&model.forward(&inputs, None), &labels) / labels.numel() as f64
         })
         .unwrap();
     loss.backward();

@@ -396,7 +396,12 @@ pub fn apply(
             bail!("dataloader state `{key}` is not a bytes value");
         };
         let loader: LoaderState = serde_json::from_slice(&bytes).with_context(|| {
-            format!("dataloader state `{key}` is not titan-train's loader state")
+            format!(
+                "dataloader state `{key}` is not titan-train's loader state (a checkpoint of \
+                 titan-train before per-document packing, or of torchtitan, whose state is a \
+                 pickle titan does not execute): add `--checkpoint.exclude_from_loading \
+                 dataloader` to start the data from its beginning"
+            )
         })?;
         state.loader.load_state(loader)?;
     }

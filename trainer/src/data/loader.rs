@@ -1,9 +1,19 @@
-//! Packs tokenized documents into `seq_len + 1` windows and batches them, as torchtitan's
-//! HuggingFaceDataset does: every document becomes `BOS + ids + EOS`, appended to a token
-//! buffer; each full window yields `input = w[..seq_len]`, `label = w[1..]`.
+//! Packs tokenized documents into `seq_len` samples and batches them, as torchtitan 0.3.0's
+//! `HuggingFaceTextDataset` does:
 //!
-//! Data-parallel aware: document `i` of the stream belongs to dp rank `i % dp_world`. The
-//! position ([`LoaderState`]) is plain serde data so a checkpoint can resume the stream.
+//! - every document becomes `BOS + ids + EOS` and is shifted **within itself**: its inputs are
+//!   `tokens[..n-1]`, its labels `tokens[1..]`, so a document's last token never predicts the next
+//!   document's first;
+//! - each token carries its **position in its document** (0, 1, 2, ...); a sample that starts in
+//!   the middle of a document has that document's positions renumbered from 0 (torchtitan's
+//!   `_normalize_positions`), so every sample's first token has position 0. The model rotates by
+//!   these positions and attends only within a document ([`crate::model::AttnBackend`]);
+//! - data-parallel rank `r` of `n` reads the `r`-th **contiguous** shard of the dataset (Hugging
+//!   Face `split_dataset_by_node` on a map-style dataset: the first `len % n` shards hold one more
+//!   document).
+//!
+//! The position ([`LoaderState`]) holds torchtitan's fields (`sample_idx`, `epoch`, the three
+//! buffers), as plain serde data so a checkpoint resumes the stream exactly.
 
 use std::sync::Arc;
 
@@ -14,27 +24,53 @@ use tch::{Device, Tensor};
 use super::source::{Dataset, DocStream};
 use super::tokenizer::TextTokenizer;
 
-/// Where this rank's loader is in its stream (per dp rank).
+/// Where this rank's loader is in its shard (torchtitan's dataset `state_dict`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LoaderState {
-    /// Documents of the whole stream consumed so far in this epoch (all ranks' documents count,
-    /// since ranks interleave).
-    pub stream_idx: u64,
-    /// Documents this rank has tokenized in this epoch (torchtitan's `sample_idx`).
+    /// Documents of this rank's shard read in this epoch.
     pub sample_idx: u64,
     /// Completed passes over the dataset.
     pub epoch: u64,
-    /// Tokens read but not yet emitted in a window.
-    pub token_buffer: Vec<u32>,
+    /// Tokens read but not yet emitted in a sample: inputs, labels (the inputs shifted within
+    /// each document) and positions in the document.
+    pub inputs_buffer: Vec<u32>,
+    pub labels_buffer: Vec<u32>,
+    pub positions_buffer: Vec<u32>,
     /// dp rank and degree this state was written by (resuming on another layout is refused).
     pub dp_rank: u64,
     pub dp_world: u64,
 }
 
-/// One batch: `inputs` and `labels`, both (B, seq_len) int64.
+/// One batch: `inputs`, `labels` and `positions`, each (B, seq_len) int64.
 pub struct Batch {
     pub inputs: Tensor,
     pub labels: Tensor,
+    /// Each token's position within its document (0 at every document start).
+    pub positions: Tensor,
+}
+
+/// One `seq_len` sample.
+struct Sample {
+    inputs: Vec<u32>,
+    labels: Vec<u32>,
+    positions: Vec<u32>,
+}
+
+/// The documents `[start, end)` that dp rank `rank` of `world` reads from a dataset of `len`
+/// documents: Hugging Face `Dataset.shard(world, rank, contiguous=True)`.
+pub fn contiguous_shard(len: u64, world: u64, rank: u64) -> (u64, u64) {
+    let (div, rem) = (len / world, len % world);
+    let start = div * rank + rank.min(rem);
+    let end = start + div + u64::from(rank < rem);
+    (start, end)
+}
+
+/// A shard of the dataset open at a document.
+struct OpenShard {
+    stream: DocStream,
+    /// Documents in this rank's shard.
+    len: u64,
 }
 
 /// A packing, batching loader over one dataset for one dp rank.
@@ -46,7 +82,7 @@ pub struct TextLoader {
     /// Restart at the beginning when the dataset ends (training) or stop (validation).
     infinite: bool,
     state: LoaderState,
-    stream: Option<DocStream>,
+    shard: Option<OpenShard>,
 }
 
 impl TextLoader {
@@ -70,7 +106,7 @@ impl TextLoader {
                 dp_world,
                 ..LoaderState::default()
             },
-            stream: None,
+            shard: None,
         }
     }
 
@@ -79,7 +115,7 @@ impl TextLoader {
         &self.state
     }
 
-    /// Resumes from a saved position (the stream is re-read up to it).
+    /// Resumes from a saved position (the shard is re-read up to it).
     pub fn load_state(&mut self, state: LoaderState) -> Result<()> {
         if (state.dp_rank, state.dp_world) != (self.state.dp_rank, self.state.dp_world) {
             bail!(
@@ -90,8 +126,17 @@ impl TextLoader {
                 self.state.dp_world
             );
         }
+        let n = state.inputs_buffer.len();
+        if state.labels_buffer.len() != n || state.positions_buffer.len() != n {
+            bail!(
+                "dataloader state has {} inputs, {} labels and {} positions buffered; they must be equal",
+                n,
+                state.labels_buffer.len(),
+                state.positions_buffer.len()
+            );
+        }
         self.state = state;
-        self.stream = None;
+        self.shard = None;
         Ok(())
     }
 
@@ -103,100 +148,137 @@ impl TextLoader {
             dp_world: w,
             ..LoaderState::default()
         };
-        self.stream = None;
+        self.shard = None;
     }
 
-    /// The next document of this rank, handling the end of the dataset.
+    /// Opens this rank's shard at `sample_idx`.
+    fn open_shard(&self) -> Result<OpenShard> {
+        let total = self.dataset.count_docs()?;
+        let (start, end) = contiguous_shard(total, self.state.dp_world, self.state.dp_rank);
+        let mut stream = self.dataset.open()?;
+        for _ in 0..start + self.state.sample_idx.min(end - start) {
+            if stream.next_doc()?.is_none() {
+                bail!("the dataset ended before its counted {total} documents (changed on disk?)");
+            }
+        }
+        Ok(OpenShard {
+            stream,
+            len: end - start,
+        })
+    }
+
+    /// The next document of this rank's shard, handling the end of the shard.
     fn next_doc(&mut self) -> Result<Option<String>> {
-        if self.stream.is_none() {
-            // Fresh or resumed: skip what this epoch already consumed.
-            let mut stream = self.dataset.open()?;
-            for _ in 0..self.state.stream_idx {
-                if stream.next_doc()?.is_none() {
-                    break;
-                }
-            }
-            self.stream = Some(stream);
-        }
-        let mut restarted_empty = false;
+        let mut relooped_empty = false;
         loop {
-            let stream = self.stream.as_mut().expect("opened above");
-            match stream.next_doc()? {
-                Some(doc) => {
-                    let idx = self.state.stream_idx;
-                    self.state.stream_idx += 1;
-                    if idx % self.state.dp_world == self.state.dp_rank {
-                        self.state.sample_idx += 1;
-                        return Ok(Some(doc));
-                    }
-                }
-                None => {
-                    if !self.infinite {
-                        return Ok(None);
-                    }
-                    if restarted_empty {
-                        bail!(
-                            "the dataset has no documents for dp rank {}",
-                            self.state.dp_rank
-                        );
-                    }
-                    tracing::warn!(
-                        epoch = self.state.epoch,
-                        "dataset exhausted; restarting from its beginning"
-                    );
-                    restarted_empty = self.state.stream_idx == 0;
-                    self.state.epoch += 1;
-                    self.state.stream_idx = 0;
-                    self.state.sample_idx = 0;
-                    self.stream = Some(self.dataset.open()?);
-                }
+            if self.shard.is_none() {
+                self.shard = Some(self.open_shard()?);
             }
+            let shard = self.shard.as_mut().expect("opened above");
+            if self.state.sample_idx < shard.len {
+                let Some(doc) = shard.stream.next_doc()? else {
+                    bail!(
+                        "the dataset ended inside dp rank {}'s shard (changed on disk?)",
+                        self.state.dp_rank
+                    );
+                };
+                self.state.sample_idx += 1;
+                return Ok(Some(doc));
+            }
+            if !self.infinite {
+                return Ok(None);
+            }
+            if relooped_empty || shard.len == 0 {
+                bail!(
+                    "the dataset has no documents for dp rank {} of {}",
+                    self.state.dp_rank,
+                    self.state.dp_world
+                );
+            }
+            relooped_empty = self.state.sample_idx == 0;
+            self.state.epoch += 1;
+            self.state.sample_idx = 0;
+            self.shard = None;
+            tracing::warn!(
+                epoch = self.state.epoch,
+                "dataset exhausted; re-looping from its beginning (in its stored order: titan does \
+                 not reproduce torchtitan's per-epoch shuffle)"
+            );
         }
     }
 
-    /// The next `seq_len + 1` tokens, or `None` when a finite dataset ends.
-    fn next_window(&mut self) -> Result<Option<Vec<u32>>> {
-        let need = self.seq_len + 1;
-        while self.state.token_buffer.len() < need {
-            match self.next_doc()? {
-                Some(doc) => {
-                    let ids = self.tokenizer.encode(&doc)?;
-                    self.state.token_buffer.extend_from_slice(&ids);
-                }
-                None => return Ok(None),
+    /// The next `seq_len` sample, or `None` when a finite dataset ends.
+    fn next_sample(&mut self) -> Result<Option<Sample>> {
+        let s = self.seq_len;
+        while self.state.inputs_buffer.len() < s {
+            let Some(doc) = self.next_doc()? else {
+                return Ok(None);
+            };
+            let tokens = self.tokenizer.encode(&doc)?;
+            if tokens.len() < 2 {
+                continue;
             }
+            let n = tokens.len() - 1;
+            self.state.inputs_buffer.extend_from_slice(&tokens[..n]);
+            self.state.labels_buffer.extend_from_slice(&tokens[1..]);
+            self.state.positions_buffer.extend(0..n as u32);
         }
-        let rest = self.state.token_buffer.split_off(need);
-        Ok(Some(std::mem::replace(&mut self.state.token_buffer, rest)))
+        let take = |buffer: &mut Vec<u32>| {
+            let rest = buffer.split_off(s);
+            std::mem::replace(buffer, rest)
+        };
+        let inputs = take(&mut self.state.inputs_buffer);
+        let labels = take(&mut self.state.labels_buffer);
+        let mut positions = take(&mut self.state.positions_buffer);
+        normalize_positions(&mut positions);
+        Ok(Some(Sample {
+            inputs,
+            labels,
+            positions,
+        }))
     }
 
     /// The next batch on `device`; a finite dataset's last batch may be smaller, then `None`.
     pub fn next_batch(&mut self, device: Device) -> Result<Option<Batch>> {
-        let mut windows = Vec::with_capacity(self.batch_size);
-        while windows.len() < self.batch_size {
-            match self.next_window()? {
-                Some(w) => windows.push(w),
+        let mut samples = Vec::with_capacity(self.batch_size);
+        while samples.len() < self.batch_size {
+            match self.next_sample()? {
+                Some(w) => samples.push(w),
                 None => break,
             }
         }
-        if windows.is_empty() {
+        if samples.is_empty() {
             return Ok(None);
         }
-        let (b, s) = (windows.len() as i64, self.seq_len);
-        let mut inputs = Vec::with_capacity(windows.len() * s);
-        let mut labels = Vec::with_capacity(windows.len() * s);
-        for w in &windows {
-            inputs.extend(w[..s].iter().map(|&t| t as i64));
-            labels.extend(w[1..].iter().map(|&t| t as i64));
-        }
+        let shape = [samples.len() as i64, self.seq_len as i64];
+        let column = |pick: fn(&Sample) -> &Vec<u32>| {
+            let flat: Vec<i64> = samples
+                .iter()
+                .flat_map(|w| pick(w).iter().map(|&t| t as i64))
+                .collect();
+            Tensor::from_slice(&flat).view(shape).to_device(device)
+        };
         Ok(Some(Batch {
-            inputs: Tensor::from_slice(&inputs)
-                .view([b, s as i64])
-                .to_device(device),
-            labels: Tensor::from_slice(&labels)
-                .view([b, s as i64])
-                .to_device(device),
+            inputs: column(|w| &w.inputs),
+            labels: column(|w| &w.labels),
+            positions: column(|w| &w.positions),
         }))
+    }
+}
+
+/// Renumbers the positions of a document continued from the previous sample so that it starts
+/// at 0 here too (torchtitan's `_normalize_positions`): the model sees each sample's first token
+/// as a document start.
+fn normalize_positions(positions: &mut [u32]) {
+    let offset = positions.first().copied().unwrap_or(0);
+    if offset == 0 {
+        return;
+    }
+    for p in positions.iter_mut() {
+        if *p == 0 {
+            break;
+        }
+        *p -= offset;
     }
 }
 
@@ -217,30 +299,117 @@ mod tests {
         )
     }
 
-    fn tokens(b: &Batch) -> Vec<i64> {
-        Vec::<i64>::try_from(&b.inputs.flatten(0, -1)).unwrap()
+    fn rows(t: &Tensor) -> Vec<Vec<i64>> {
+        (0..t.size()[0])
+            .map(|i| Vec::<i64>::try_from(&t.get(i)).unwrap())
+            .collect()
+    }
+
+    /// The torchtitan stream written out plainly: per document, inputs/labels shifted within the
+    /// document and positions from 0, concatenated, cut into `seq_len` samples.
+    fn reference(l: &TextLoader, docs: &[String], seq_len: usize) -> Vec<[Vec<i64>; 3]> {
+        let (mut i, mut t, mut p) = (Vec::new(), Vec::new(), Vec::new());
+        for doc in docs {
+            let ids: Vec<i64> = l
+                .tokenizer
+                .encode(doc)
+                .unwrap()
+                .iter()
+                .map(|&x| x as i64)
+                .collect();
+            let n = ids.len() - 1;
+            i.extend_from_slice(&ids[..n]);
+            t.extend_from_slice(&ids[1..]);
+            p.extend(0..n as i64);
+        }
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at + seq_len <= i.len() {
+            let mut pos = p[at..at + seq_len].to_vec();
+            let off = pos[0];
+            for x in pos.iter_mut() {
+                if *x == 0 {
+                    break;
+                }
+                *x -= off;
+            }
+            out.push([
+                i[at..at + seq_len].to_vec(),
+                t[at..at + seq_len].to_vec(),
+                pos,
+            ]);
+            at += seq_len;
+        }
+        out
+    }
+
+    fn docs(ds: &Dataset) -> Vec<String> {
+        let mut s = ds.open().unwrap();
+        let mut out = Vec::new();
+        while let Some(d) = s.next_doc().unwrap() {
+            out.push(d);
+        }
+        out
     }
 
     #[test]
-    fn windows_are_shifted_and_start_with_bos() {
+    fn samples_shift_within_documents_with_document_positions() {
         let mut l = loader(0, 1, false);
-        let b = l.next_batch(Device::Cpu).unwrap().unwrap();
-        assert_eq!(b.inputs.size(), vec![2, 32]);
-        let bos = l.tokenizer.bos_id.unwrap() as i64;
-        assert_eq!(tokens(&b)[0], bos);
-        let inp = Vec::<i64>::try_from(&b.inputs.get(0)).unwrap();
-        let lab = Vec::<i64>::try_from(&b.labels.get(0)).unwrap();
-        assert_eq!(&inp[1..], &lab[..31]);
-        // The rows are consecutive 33-token windows of the BOS/EOS-wrapped document stream.
-        let mut stream = Dataset::DefaultValidation.open().unwrap();
-        let mut expected: Vec<i64> = Vec::new();
-        while expected.len() < 66 {
-            let doc = stream.next_doc().unwrap().unwrap();
-            expected.extend(l.tokenizer.encode(&doc).unwrap().iter().map(|&t| t as i64));
+        let want = reference(&l, &docs(&Dataset::DefaultValidation), 32);
+        let mut got = Vec::new();
+        while let Some(b) = l.next_batch(Device::Cpu).unwrap() {
+            assert_eq!(b.inputs.size(), b.positions.size());
+            for ((i, t), p) in rows(&b.inputs)
+                .into_iter()
+                .zip(rows(&b.labels))
+                .zip(rows(&b.positions))
+            {
+                got.push([i, t, p]);
+            }
         }
-        let row1 = Vec::<i64>::try_from(&b.inputs.get(1)).unwrap();
-        assert_eq!(inp, expected[..32]);
-        assert_eq!(row1, expected[33..65]);
+        assert_eq!(got.len(), want.len());
+        assert_eq!(got, want);
+        let bos = l.tokenizer.bos_id.unwrap() as i64;
+        let eos = l.tokenizer.eos_id.unwrap() as i64;
+        // No label is a BOS (that would be a document predicting the next one's first token) and
+        // every EOS label ends a document: the next input is a BOS at position 0.
+        for [i, t, p] in &got {
+            assert_eq!(p[0], 0);
+            assert!(!t.contains(&bos));
+            for k in 0..31 {
+                if t[k] == eos {
+                    assert_eq!((i[k + 1], p[k + 1]), (bos, 0));
+                } else {
+                    assert_eq!(p[k + 1], p[k] + 1, "positions count up within a document");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn positions_of_a_continued_document_restart_at_zero() {
+        let mut p = vec![5, 6, 7, 0, 1, 2];
+        normalize_positions(&mut p);
+        assert_eq!(p, [0, 1, 2, 0, 1, 2]);
+        let mut q = vec![0, 1, 0];
+        normalize_positions(&mut q);
+        assert_eq!(q, [0, 1, 0]);
+    }
+
+    #[test]
+    fn shards_are_contiguous_like_hugging_face() {
+        // Dataset.shard(contiguous=True): 10 rows over 3 ranks -> 4, 3, 3.
+        assert_eq!(contiguous_shard(10, 3, 0), (0, 4));
+        assert_eq!(contiguous_shard(10, 3, 1), (4, 7));
+        assert_eq!(contiguous_shard(10, 3, 2), (7, 10));
+        assert_eq!(contiguous_shard(7, 1, 0), (0, 7));
+        // Rank 1 of 2 reads exactly the second half of the documents.
+        let all = docs(&Dataset::DefaultValidation);
+        let mut l = loader(1, 2, false);
+        let (start, _) = contiguous_shard(all.len() as u64, 2, 1);
+        let want = reference(&l, &all[start as usize..], 32);
+        let first = l.next_batch(Device::Cpu).unwrap().unwrap();
+        assert_eq!(rows(&first.inputs)[0], want[0][0]);
     }
 
     #[test]
@@ -250,14 +419,14 @@ mod tests {
             a.next_batch(Device::Cpu).unwrap();
         }
         let saved = serde_json::to_string(a.state()).unwrap();
-        let want: Vec<Vec<i64>> = (0..4)
-            .map(|_| tokens(&a.next_batch(Device::Cpu).unwrap().unwrap()))
-            .collect();
+        let take = |l: &mut TextLoader| {
+            let b = l.next_batch(Device::Cpu).unwrap().unwrap();
+            (rows(&b.inputs), rows(&b.labels), rows(&b.positions))
+        };
+        let want: Vec<_> = (0..4).map(|_| take(&mut a)).collect();
         let mut b = loader(0, 1, true);
         b.load_state(serde_json::from_str(&saved).unwrap()).unwrap();
-        let got: Vec<Vec<i64>> = (0..4)
-            .map(|_| tokens(&b.next_batch(Device::Cpu).unwrap().unwrap()))
-            .collect();
+        let got: Vec<_> = (0..4).map(|_| take(&mut b)).collect();
         assert_eq!(got, want);
         let mut wrong = loader(1, 2, true);
         assert!(

@@ -16,6 +16,9 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 const EMBEDDED_TRAIN: &str = include_str!("../../assets/default_train.jsonl");
 const EMBEDDED_VALIDATION: &str = include_str!("../../assets/default_validation.jsonl");
 
+/// Where torchtitan's `c4_test` dataset lives when no path is given (its `DATASETS` entry).
+pub const C4_TEST_PATH: &str = "tests/assets/c4_test";
+
 /// A dataset: an ordered list of document sources.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Dataset {
@@ -40,24 +43,45 @@ impl Dataset {
         match name {
             "default" => Ok(Self::DefaultTrain),
             "default_validation" => Ok(Self::DefaultValidation),
+            // torchtitan's local test set: its registry's default path, relative to the working
+            // directory as in torchtitan.
+            "c4_test" => Self::resolve(name, Some(C4_TEST_PATH), section),
+            "c4" | "c4_validation" => bail!(
+                "{section}.dataset `{name}` is allenai/c4 on the Hugging Face Hub, which titan-train \
+                 does not download: fetch its .json.gz/.parquet files and set the dataset_path key \
+                 to them (--dataloader.dataset_path, or {section}.dataset_path)"
+            ),
             other => bail!(
                 "{section}.dataset `{other}` is not built in: use `default` / `default_validation` or set {section}.dataset_path to .txt/.jsonl/.parquet files"
             ),
         }
     }
 
-    /// Opens the stream at its first document.
-    pub fn open(&self) -> Result<DocStream> {
-        let sources: Vec<SourceSpec> = match self {
+    /// How many documents the dataset has (what Hugging Face `datasets` calls its length):
+    /// data-parallel ranks split it into contiguous shards by this count.
+    pub fn count_docs(&self) -> Result<u64> {
+        let mut total = 0u64;
+        for spec in self.sources() {
+            total += count_source(&spec)?;
+        }
+        Ok(total)
+    }
+
+    fn sources(&self) -> Vec<SourceSpec> {
+        match self {
             Self::DefaultTrain => vec![SourceSpec::EmbeddedJsonl("default", EMBEDDED_TRAIN)],
             Self::DefaultValidation => vec![SourceSpec::EmbeddedJsonl(
                 "default_validation",
                 EMBEDDED_VALIDATION,
             )],
             Self::Files(files) => files.iter().cloned().map(SourceSpec::File).collect(),
-        };
+        }
+    }
+
+    /// Opens the stream at its first document.
+    pub fn open(&self) -> Result<DocStream> {
         Ok(DocStream {
-            sources,
+            sources: self.sources(),
             next_source: 0,
             current: None,
         })
@@ -165,6 +189,36 @@ fn open_source(spec: SourceSpec) -> Result<Docs> {
                 "parquet" => parquet_texts(&path),
                 _ => bail!("{} is not a .txt, .jsonl or .parquet file", path.display()),
             }
+        }
+    }
+}
+
+/// The number of documents in one source without decoding them: lines of a `.txt`, non-blank
+/// lines of a `.jsonl` (as [`jsonl_text`] skips blank ones), rows of a `.parquet` (its footer).
+fn count_source(spec: &SourceSpec) -> Result<u64> {
+    let non_blank = |line: &str| !line.trim().is_empty();
+    match spec {
+        SourceSpec::EmbeddedJsonl(_, text) => {
+            Ok(text.lines().filter(|l| non_blank(l)).count() as u64)
+        }
+        SourceSpec::File(path) => {
+            let shown = path.display().to_string();
+            let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if ext == "parquet" {
+                let file = File::open(path).with_context(|| format!("cannot open {shown}"))?;
+                let builder = ParquetRecordBatchReaderBuilder::try_new(file)
+                    .with_context(|| format!("{shown} is not a readable parquet file"))?;
+                return Ok(builder.metadata().file_metadata().num_rows().max(0) as u64);
+            }
+            let f = File::open(path).with_context(|| format!("cannot open {shown}"))?;
+            let mut n = 0u64;
+            for line in BufReader::new(f).lines() {
+                let line = line.with_context(|| format!("reading {shown}"))?;
+                if ext == "txt" || non_blank(&line) {
+                    n += 1;
+                }
+            }
+            Ok(n)
         }
     }
 }

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The full loss-parity matrix against torchtitan 0.3.0's Trainer (CI runs 1 process and 2 ranks:
+# tests/tests/tt_parity.rs). Every layout gets torchtitan's command line; both trainers start from
+# torchtitan's seed checkpoint and resume once in the middle; per-step losses and grad norms must
+# agree to RTOL (relative). Prints one line per step and layout, then a JSON summary.
+#
+#   bash bench/trainer/parity.sh [STEPS] [RESUME_AT] [RTOL]
+#
+# Needs scripts/setup.sh's environments and a release build (cargo build --release -p titan-train).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$root"
+steps=${1:-10}
+resume_at=${2:-5}
+rtol=${3:-1e-5}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+titan="$root/target/release/titan-train"
+[ -x "$titan" ] || cargo build --release -p titan-train
+layouts=(
+  "single:1:1:"
+  "dp2:2:2:"
+  "dp4:4:4:"
+  "hsdp2x2:4:4:--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2"
+  "accum2:1:1:--training.global_batch_size 4"
+  "dp2_accum2:2:2:--training.global_batch_size 8"
+  "ac_full:1:1:activation_checkpoint:full"
+)
+exec .venv-tt/bin/python tests/python/tt_parity.py compare "$work" "$titan" "${layouts[@]}" \
+  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol"

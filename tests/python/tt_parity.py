@@ -1,0 +1,199 @@
+"""Loss parity between torchtitan 0.3.0's Trainer and titan-train, from the same seed checkpoint.
+
+Both trainers get the same command line (torchtitan 0.3.0's: `--module llama3 --config
+llama3_debugmodel --dataloader.dataset_path ...`), start from the seed checkpoint torchtitan writes
+with `--checkpoint.create_seed_checkpoint`, read the same `.jsonl` data with the same
+`tokenizer.json`, in fp32, and report every step's loss and grad norm at full precision:
+torchtitan's through a wrapper of its MetricsProcessor.log, titan's in its metrics.jsonl.
+
+Each layout also runs a resume: a first run stops at RESUME_AT (saving a full checkpoint), a
+second run in the same folder resumes from it and trains to the end. Its losses must equal the
+unbroken run's.
+
+Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
+
+  tt_parity.py compare WORKDIR TITAN_TRAIN LAYOUT [LAYOUT ...] [--steps N] [--resume-at K] [--rtol R]
+      LAYOUT is `name:torchtitan_nproc:titan_nproc:extra args`, e.g. `dp2:2:2:` (FSDP on 2 ranks
+      against titan's 2 data-parallel ranks) or `tp2:2:2:--parallelism.tensor_parallel_degree 2`.
+      Prints one line per step and a JSON summary as the last line; exits 1 when a loss or grad
+      norm differs by more than RTOL (relative), 2 on usage errors.
+
+  tt_parity.py rank ARGS...      one torchtitan rank (used through torch.distributed.run)
+"""
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from tt_ckpt_trainer import free_port, patch_for_cpu, write_assets  # noqa: E402
+
+LOSSES_ENV = "TITAN_PARITY_LOSSES"
+
+
+def rank_main(args):
+    """One torchtitan rank: the CPU patches, plus rank 0 appends each logged step's loss and grad
+    norm (full precision) to $TITAN_PARITY_LOSSES."""
+    patch_for_cpu()
+    from torchtitan.components import metrics
+
+    out = os.environ.get(LOSSES_ENV)
+    log = metrics.MetricsProcessor.log
+
+    def recording_log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if out and int(os.environ.get("RANK", "0")) == 0:
+            with open(out, "a") as f:
+                f.write(json.dumps({"step": step, "loss": float(global_avg_loss), "grad_norm": float(grad_norm)}) + "\n")
+        return log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    metrics.MetricsProcessor.log = recording_log
+    from torchtitan import train
+
+    sys.argv = ["torchtitan.train"] + args
+    train.main()
+
+
+def common_args(assets, steps):
+    """The command line both trainers get (torchtitan 0.3.0's keys)."""
+    tok, data = assets
+    return [
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--hf_assets_path", tok, "--dataloader.dataset_path", data,
+        "--training.seq_len", "128", "--training.local_batch_size", "2",
+        "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
+        "--validator.no-enable", "--debug.seed", "7",
+    ]
+
+
+def run(cmd, env, what):
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"{what} failed ({p.returncode}): {shlex.join(cmd)}\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    return p
+
+
+def torchtitan(nproc, args, losses):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **{LOSSES_ENV: losses})
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        os.path.abspath(__file__), "rank",
+    ] + args
+    run(cmd, env, "torchtitan's Trainer")
+
+
+def titan(binary, nproc, args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
+    run([binary] + launch + args, env, "titan-train")
+
+
+def read_jsonl(path, kind=None):
+    rows = []
+    if os.path.exists(path):
+        for line in open(path):
+            r = json.loads(line)
+            if kind is None or r.get("kind") == kind:
+                rows.append({"step": r["step"], "loss": r["loss"], "grad_norm": r["grad_norm"]})
+    return rows
+
+
+def seed_checkpoint(workdir, assets):
+    """torchtitan's seed checkpoint (one process, model only): both trainers start from it."""
+    seed_dir = os.path.join(workdir, "seed")
+    step0 = os.path.join(seed_dir, "checkpoint", "step-0")
+    if not os.path.exists(os.path.join(step0, ".metadata")):
+        args = common_args(assets, 1) + [
+            "--dump_folder", seed_dir, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+            "--parallelism.data_parallel_shard_degree", "1",
+        ]
+        torchtitan(1, args, os.path.join(workdir, "unused.jsonl"))
+    return step0
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def main():
+    ap = argparse.ArgumentParser(prog="tt_parity.py compare")
+    ap.add_argument("workdir")
+    ap.add_argument("titan_train")
+    ap.add_argument("layouts", nargs="+")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--resume-at", type=int, default=3)
+    ap.add_argument("--rtol", type=float, default=1e-5)
+    ap.add_argument("--only", choices=["both", "titan", "torchtitan"], default="both")
+    a = ap.parse_args(sys.argv[2:])
+    os.makedirs(a.workdir, exist_ok=True)
+    assets = write_assets(a.workdir)
+    seed = seed_checkpoint(a.workdir, assets)
+
+    summary = {"steps": a.steps, "resume_at": a.resume_at, "rtol": a.rtol, "layouts": {}}
+    worst = 0.0
+    for spec in a.layouts:
+        try:
+            name, tt_n, titan_n, extra = spec.split(":", 3)
+            tt_n, titan_n = int(tt_n), int(titan_n)
+        except ValueError:
+            print(f"layout `{spec}` is not name:torchtitan_nproc:titan_nproc:extra", file=sys.stderr)
+            sys.exit(2)
+        extra = shlex.split(extra)
+        result = {}
+        for who in ("torchtitan", "titan"):
+            if a.only not in ("both", who):
+                continue
+            for mode in ("unbroken", "resumed"):
+                dump = os.path.join(a.workdir, f"{name}-{who}-{mode}")
+                ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
+                        "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
+                stops = [a.resume_at, a.steps] if mode == "resumed" else [a.steps]
+                losses = os.path.join(dump, "parity_losses.jsonl")
+                for steps in stops:
+                    args = common_args(assets, steps) + ["--dump_folder", dump] + ckpt + extra
+                    if who == "torchtitan":
+                        torchtitan(tt_n, args, losses)
+                    else:
+                        titan(a.titan_train, titan_n, args)
+                rows = read_jsonl(losses) if who == "torchtitan" else read_jsonl(os.path.join(dump, "metrics.jsonl"), "train")
+                result[f"{who}_{mode}"] = rows
+        summary["layouts"][name] = result
+
+        ref = result.get("torchtitan_unbroken") or result.get("titan_unbroken")
+        for key, rows in result.items():
+            by_step = {r["step"]: r for r in rows}
+            want_steps = range(1, a.steps + 1)
+            if "resumed" in key:
+                # The second run's steps after the resume point; the first run's are the unbroken run's.
+                want_steps = range(1, a.steps + 1)
+            for s in want_steps:
+                if s not in by_step:
+                    print(f"{name} {key}: no step {s} logged", file=sys.stderr)
+                    sys.exit(1)
+        for s in range(1, a.steps + 1):
+            line = [f"{name} step {s}"]
+            for key, rows in result.items():
+                r = [x for x in rows if x["step"] == s][-1]
+                r0 = [x for x in ref if x["step"] == s][-1]
+                dl, dg = rel(r["loss"], r0["loss"]), rel(r["grad_norm"], r0["grad_norm"])
+                worst = max(worst, dl, dg)
+                line.append(f"{key} loss {r['loss']:.8f} grad_norm {r['grad_norm']:.8f} (rel {dl:.1e}, {dg:.1e})")
+            print(" | ".join(line))
+    summary["worst_rel"] = worst
+    print(json.dumps(summary))
+    sys.exit(0 if worst <= a.rtol else 1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "rank":
+        rank_main(sys.argv[2:])
+    elif len(sys.argv) >= 2 and sys.argv[1] == "compare":
+        main()
+    else:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
