@@ -5,12 +5,27 @@
 //! unbroken run and in one resumed from a checkpoint in the middle.
 //!
 //! Layouts in CI: 1 process, and 2 data-parallel ranks (torchtitan's FSDP2 against titan's data
-//! parallelism). The full matrix is `bash bench/trainer/parity.sh`.
+//! parallelism), in fp32; and 1 process in bf16 mixed precision. The full matrix is
+//! `bash bench/trainer/parity.sh`.
+//!
+//! Tolerances, from measurements (docs/training.md, "Parity with torchtitan"): fp32 losses 1e-5
+//! (measured <= 1.2e-7 at 1 and 2 ranks); fp32 grad norms 1e-5 at 1 process (measured 1.0e-6) and
+//! 1e-4 at 2 ranks (measured 4.0e-5: at 2 ranks the grad norm moves at that level with how the
+//! batch is split into GEMMs — torchtitan's own FSDP and DDP runs of the same step differ by
+//! 6.0e-5, with identical losses); bf16 losses 1e-3 and grad norms 5e-3 (measured 3.7e-4 and
+//! 1.3e-3: torchtitan casts the parameters to bf16 through FSDP's MixedPrecisionPolicy,
+//! titan-train autocasts).
 
 use titan_tests::{bin, output_text, tt_python_script};
 
 /// Runs the comparison for `layouts`; returns the JSON summary (the script's last line).
-fn compare(layouts: &[&str], steps: u32, resume_at: u32) -> serde_json::Value {
+fn compare(
+    layouts: &[&str],
+    steps: u32,
+    resume_at: u32,
+    rtol: f64,
+    grad_rtol: f64,
+) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let o = tt_python_script("tests/python/tt_parity.py")
         .arg("compare")
@@ -22,6 +37,10 @@ fn compare(layouts: &[&str], steps: u32, resume_at: u32) -> serde_json::Value {
             &steps.to_string(),
             "--resume-at",
             &resume_at.to_string(),
+            "--rtol",
+            &rtol.to_string(),
+            "--grad-rtol",
+            &grad_rtol.to_string(),
         ])
         .output()
         .unwrap();
@@ -61,17 +80,29 @@ fn assert_trained(summary: &serde_json::Value, layout: &str, steps: u64) {
             "{layout} {key}: {first} -> {last}"
         );
     }
-    assert!(summary["worst_rel"].as_f64().unwrap() <= 1e-5);
+    assert!(summary["worst_loss_rel"].as_f64().unwrap() <= summary["rtol"].as_f64().unwrap());
 }
 
 #[test]
 fn one_process_matches_torchtitan_losses_and_grad_norms() {
-    let s = compare(&["single:1:1:"], 6, 3);
+    let s = compare(&["single:1:1:"], 6, 3, 1e-5, 1e-5);
     assert_trained(&s, "single", 6);
 }
 
 #[test]
 fn two_data_parallel_ranks_match_torchtitan_fsdp() {
-    let s = compare(&["dp2:2:2:"], 6, 3);
+    let s = compare(&["dp2:2:2:"], 6, 3, 1e-5, 1e-4);
     assert_trained(&s, "dp2", 6);
+}
+
+#[test]
+fn bf16_mixed_precision_stays_within_the_measured_tolerance() {
+    let s = compare(
+        &["bf16:1:1:--training.mixed_precision_param bfloat16"],
+        6,
+        3,
+        1e-3,
+        5e-3,
+    );
+    assert_trained(&s, "bf16", 6);
 }

@@ -190,7 +190,6 @@ const NO_EFFECT: &[(&str, Accepts, &str)] = &[
         Accepts::Only(&["false"]),
         "",
     ),
-    ("lr_scheduler.total_steps", Accepts::Only(&["none"]), ""),
     ("debug.spmd_typechecking", Accepts::Only(&["false"]), ""),
     (
         "debug.moe_force_load_balance",
@@ -544,6 +543,67 @@ mod tests {
             err.contains("needs a value") || err.contains("dump_folder"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn toml_file_and_module_config_resolve_to_the_same_config() {
+        use crate::config::JobConfig;
+        let toml = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../configs/registry/llama3_debugmodel.toml"
+        );
+        let module = parse_strs(&[
+            "--module",
+            "llama3",
+            "--config",
+            "llama3_debugmodel",
+            "--dump_folder",
+            "out",
+            "--dataloader.dataset-path",
+            "data",
+            "--training.steps",
+            "5",
+            "activation_checkpoint:none",
+        ])
+        .unwrap();
+        let file = parse_strs(&[
+            "--job.config_file",
+            toml,
+            "--job.dump_folder",
+            "out",
+            "--training.dataset_path",
+            "data",
+            "--training.steps",
+            "5",
+            "--activation_checkpoint.mode",
+            "none",
+        ])
+        .unwrap();
+        let a = JobConfig::load(&module).unwrap();
+        let mut b = JobConfig::load(&file).unwrap();
+        b.job.config_file = None;
+        assert_eq!(a, b);
+        // And they are torchtitan's llama3_debugmodel values, not titan's TOML defaults.
+        assert_eq!(a.metrics.log_freq, 1);
+        assert_eq!(a.lr_scheduler.decay_ratio, Some(0.8));
+        assert_eq!(a.training.dataset, "c4_test");
+        assert_eq!(a.validation.batch_shape(&a.training), (8, 2048));
+        assert!(!a.validation.enable);
+        // Every registry entry parses (70B/405B then refuse their parallelism, naming it).
+        for entry in REGISTRY {
+            let cl = CommandLine {
+                registry: Some(entry),
+                ..Default::default()
+            };
+            match JobConfig::load(&cl) {
+                Ok(c) => assert_eq!(c.model.name, "llama3"),
+                Err(e) => assert!(
+                    matches!(e, ConfigError::Unsupported { .. }),
+                    "{}: {e}",
+                    entry.name
+                ),
+            }
+        }
     }
 
     #[test]

@@ -301,6 +301,10 @@ impl Default for Optimizer {
 #[serde(default, deny_unknown_fields)]
 pub struct LrScheduler {
     pub warmup_steps: u64,
+    /// The schedule's length; unset (-1): `training.steps` (torchtitan 0.3.0's key). Keeping it
+    /// fixed keeps the schedule when a resumed run trains longer.
+    #[serde(with = "minus_one_is_none")]
+    pub total_steps: Option<u64>,
     /// Fraction of the steps spent decaying; unset means every step after warmup decays.
     pub decay_ratio: Option<f64>,
     pub decay_type: DecayType,
@@ -311,6 +315,7 @@ impl Default for LrScheduler {
     fn default() -> Self {
         Self {
             warmup_steps: 200,
+            total_steps: None,
             decay_ratio: None,
             decay_type: DecayType::Linear,
             min_lr_factor: 0.0,

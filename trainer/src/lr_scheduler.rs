@@ -17,8 +17,10 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
-    /// Resolves the phases as torchtitan's `build_lr_schedulers` does.
-    pub fn new(cfg: &LrSchedulerConfig, base_lr: f64, total_steps: u64) -> Self {
+    /// Resolves the phases as torchtitan's `build_lr_schedulers` does: over
+    /// `lr_scheduler.total_steps` when set, else over `training_steps`.
+    pub fn new(cfg: &LrSchedulerConfig, base_lr: f64, training_steps: u64) -> Self {
+        let total_steps = cfg.total_steps.unwrap_or(training_steps);
         let warmup = cfg.warmup_steps.min(total_steps);
         let decay = match cfg.decay_ratio {
             Some(ratio) => ((total_steps as f64 * ratio).round() as u64).min(total_steps - warmup),
@@ -66,6 +68,7 @@ mod tests {
 
     fn cfg(warmup: u64, ratio: Option<f64>, decay: &str, min: f64) -> LrSchedulerConfig {
         LrSchedulerConfig {
+            total_steps: None,
             warmup_steps: warmup,
             decay_ratio: ratio,
             decay_type: serde_json::from_value(decay.into()).unwrap(),

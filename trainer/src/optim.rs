@@ -43,6 +43,11 @@ pub struct ParamState {
 pub struct AdamW {
     pub hparams: AdamWParams,
     pub state: BTreeMap<String, ParamState>,
+    /// The learning rate a loaded checkpoint's `param_groups` hold: torch's optimizer steps with
+    /// it once after a resume, before the scheduler next writes the schedule's value (what
+    /// torchtitan does; it differs from the schedule only when the schedule's settings or
+    /// `training.steps` changed between the runs).
+    pub resumed_lr: Option<f64>,
 }
 
 impl AdamW {
@@ -50,7 +55,13 @@ impl AdamW {
         Self {
             hparams,
             state: BTreeMap::new(),
+            resumed_lr: None,
         }
+    }
+
+    /// The learning rate of the next optimizer step: the resumed one once, then `scheduled`.
+    pub fn next_lr(&mut self, scheduled: f64) -> f64 {
+        self.resumed_lr.take().unwrap_or(scheduled)
     }
 
     /// One AdamW update of `param` (named `name`) with its current gradient, at learning rate `lr`.

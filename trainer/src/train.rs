@@ -438,7 +438,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
     for step in resumed_step + 1..=cfg.training.steps {
         titan_obs::set_step(step);
         let step_span = titan_obs::span(vocab::STEP);
-        let lr = schedule.lr_for_step(step);
+        let lr = optimizer.next_lr(schedule.lr_for_step(step));
 
         let batches: Vec<Batch> = {
             let _s = titan_obs::span(titan::DATA_LOADING);

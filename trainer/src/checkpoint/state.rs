@@ -189,7 +189,8 @@ fn stage_optimizer(
     counters: TrainCounters,
 ) -> Result<()> {
     let hp = state.optimizer.hparams;
-    let lr = state.schedule.lr_for_step(counters.step.max(1));
+    // torch's param_groups hold the lr the scheduler set after this step: the next step's.
+    let lr = state.schedule.lr_for_step(counters.step + 1);
     for (fqn, _) in state.model.named_parameters() {
         if let Some(s) = state.optimizer.state.get(fqn) {
             let m = HostTensor::from_tensor(&s.exp_avg, None)
@@ -441,6 +442,7 @@ fn load_optimizer(
     device: Device,
 ) -> Result<()> {
     state.optimizer.state.clear();
+    state.optimizer.resumed_lr = None;
     let args = &state.model.args;
     let state_key = |name: &str, field: &str| format!("{OPTIMIZER}.state.{name}.{field}");
     for (fqn, p) in state.model.named_parameters() {
@@ -483,6 +485,25 @@ fn load_optimizer(
                 exp_avg_sq,
             },
         );
+    }
+    // The lr torch's optimizer takes its next step with (the same in every param group here).
+    let lr = state
+        .model
+        .named_parameters()
+        .iter()
+        .flat_map(|(fqn, _)| {
+            std::iter::once(fqn.to_string())
+                .chain(names::legacy(fqn))
+                .chain(names::fused_qkv(fqn).map(|(_, fused)| fused))
+        })
+        .map(|name| format!("{OPTIMIZER}.param_groups.{name}.lr"))
+        .find(|key| src.has(key));
+    if let Some(key) = lr {
+        match src.object(&key)? {
+            Value::Float(lr) => state.optimizer.resumed_lr = Some(lr),
+            Value::Int(lr) => state.optimizer.resumed_lr = Some(lr as f64),
+            other => bail!("`{key}` is {other:?}, not a learning rate"),
+        }
     }
     Ok(())
 }
