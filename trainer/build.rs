@@ -5,7 +5,8 @@
 //! Also compiles `cpp/tcpstore_shim.cpp`: libtorch's c10d TCPStore (the rendezvous store torchrun
 //! and torch.distributed speak) behind a C ABI, against the headers of the same libtorch; and the
 //! small `rng_shim.cpp` (CPU generator state), `grad_shim.cpp` (set a grad to None),
-//! `autocast_shim.cpp` (torch.autocast for CPU and CUDA) and `recompute_shim.cpp` (activation
+//! `autocast_shim.cpp` (torch.autocast for CPU and CUDA), `varlen_shim.cpp` (FlashAttention's
+//! varlen kernel for document-causal attention on CUDA) and `recompute_shim.cpp` (activation
 //! checkpointing: a custom autograd Function that recomputes a region in backward).
 use std::path::Path;
 
@@ -16,6 +17,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/grad_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/autocast_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/recompute_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/varlen_shim.cpp");
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };
@@ -42,6 +44,7 @@ fn build_torch_shims(lib: &Path) {
         .file("cpp/grad_shim.cpp")
         .file("cpp/autocast_shim.cpp")
         .file("cpp/recompute_shim.cpp")
+        .file("cpp/varlen_shim.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -132,9 +132,15 @@ def main():
     ap.add_argument("--grad-rtol", type=float, default=None,
                     help="relative tolerance for grad norms (default: --rtol)")
     ap.add_argument("--only", choices=["both", "titan", "torchtitan"], default="both")
+    ap.add_argument("--docs", type=int, default=None,
+                    help="keep only the first N documents (a small N makes the runs re-loop the data)")
     a = ap.parse_args(sys.argv[2:])
     os.makedirs(a.workdir, exist_ok=True)
     assets = write_assets(a.workdir)
+    if a.docs is not None:
+        train = os.path.join(assets[1], "train.jsonl")
+        lines = open(train).readlines()[: a.docs]
+        open(train, "w").writelines(lines)
     seed = seed_checkpoint(a.workdir, assets)
 
     summary = {"steps": a.steps, "resume_at": a.resume_at, "rtol": a.rtol, "layouts": {}}

@@ -5,8 +5,9 @@
 //! - killing one rank mid-run ends the job non-zero, quickly, with the dead rank named.
 //!
 //! The data makes "the same global batch" exact: a word-level tokenizer and documents of exactly
-//! seq_len + 1 tokens (with BOS/EOS), so every document is one window and dp rank r of W reads
-//! documents r, r+W, ... — the global batch of a step is the same set of windows at any W.
+//! seq_len + 1 tokens (with BOS/EOS), so every document is one sample. dp rank r of W reads the
+//! r-th contiguous shard (torchtitan's split), so each layout gets the documents in an order whose
+//! shards put the single process's step-s samples on the W ranks' step s ([`write_dataset`]).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -43,17 +44,29 @@ fn write_tokenizer(dir: &Path) {
     std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
 }
 
-/// Documents of SEQ_LEN - 1 words (a learnable pattern), one per line.
-fn write_dataset(path: &Path) {
-    let mut text = String::new();
-    for d in 0..400usize {
+const DOCS: usize = 400;
+
+/// Documents of SEQ_LEN - 1 words (a learnable pattern), one per line, laid out for `world` dp
+/// ranks: line `r * DOCS/world + b*s + j` (rank r's shard, its step s, sample j of its local batch
+/// b = GLOBAL_BATCH/world) holds document `GLOBAL_BATCH*s + b*r + j`, the sample one process reads
+/// at step s. Every layout then trains on the same global batches.
+fn write_dataset(path: &Path, world: usize) {
+    let doc = |d: usize| -> String {
         let words: Vec<String> = (0..SEQ_LEN - 1)
             .map(|i| format!("w{}", (d * 7 + i * (1 + d % 3)) % WORDS))
             .collect();
-        text.push_str(&words.join(" "));
-        text.push('\n');
+        words.join(" ")
+    };
+    let (shard, local) = (DOCS / world, GLOBAL_BATCH / world);
+    let mut lines = vec![String::new(); DOCS];
+    for r in 0..world {
+        for s in 0..shard / local {
+            for j in 0..local {
+                lines[r * shard + local * s + j] = doc(GLOBAL_BATCH * s + local * r + j);
+            }
+        }
     }
-    std::fs::write(path, text).unwrap();
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
 }
 
 struct Fixture {
@@ -66,7 +79,9 @@ impl Fixture {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().to_path_buf();
         write_tokenizer(&root.join("tokenizer"));
-        write_dataset(&root.join("docs.txt"));
+        for world in [1, 2, 4] {
+            write_dataset(&root.join(format!("docs_w{world}.txt")), world);
+        }
         Fixture { _dir: dir, root }
     }
 
@@ -79,7 +94,10 @@ impl Fixture {
             s("--model.hf_assets_path"),
             self.root.join("tokenizer").display().to_string(),
             s("--training.dataset_path"),
-            self.root.join("docs.txt").display().to_string(),
+            self.root
+                .join(format!("docs_w{}.txt", GLOBAL_BATCH / local_batch))
+                .display()
+                .to_string(),
             s("--training.seq_len"),
             SEQ_LEN.to_string(),
             s("--training.local_batch_size"),

@@ -25,6 +25,7 @@ fn compare(
     resume_at: u32,
     rtol: f64,
     grad_rtol: f64,
+    extra: &[&str],
 ) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let o = tt_python_script("tests/python/tt_parity.py")
@@ -42,6 +43,7 @@ fn compare(
             "--grad-rtol",
             &grad_rtol.to_string(),
         ])
+        .args(extra)
         .output()
         .unwrap();
     let text = output_text(&o);
@@ -85,13 +87,13 @@ fn assert_trained(summary: &serde_json::Value, layout: &str, steps: u64) {
 
 #[test]
 fn one_process_matches_torchtitan_losses_and_grad_norms() {
-    let s = compare(&["single:1:1:"], 6, 3, 1e-5, 1e-5);
+    let s = compare(&["single:1:1:"], 6, 3, 1e-5, 1e-5, &[]);
     assert_trained(&s, "single", 6);
 }
 
 #[test]
 fn two_data_parallel_ranks_match_torchtitan_fsdp() {
-    let s = compare(&["dp2:2:2:"], 6, 3, 1e-5, 1e-4);
+    let s = compare(&["dp2:2:2:"], 6, 3, 1e-5, 1e-4, &[]);
     assert_trained(&s, "dp2", 6);
 }
 
@@ -103,6 +105,15 @@ fn bf16_mixed_precision_stays_within_the_measured_tolerance() {
         3,
         1e-3,
         5e-3,
+        &[],
     );
     assert_trained(&s, "bf16", 6);
+}
+
+/// Six documents run out every few steps: the data re-loops twice in 6 steps, in torchtitan's
+/// shuffled order for each new epoch (and the resume at step 3 lands inside a shuffled epoch).
+#[test]
+fn re_looped_data_follows_torchtitans_epoch_shuffle() {
+    let s = compare(&["epochs:1:1:"], 6, 3, 1e-5, 1e-5, &["--docs", "6"]);
+    assert_trained(&s, "epochs", 6);
 }

@@ -284,11 +284,83 @@ pub fn document_causal_mask(positions: &Tensor) -> Tensor {
     (same_doc.logical_and(&causal)).view([b, 1, s, s])
 }
 
-/// What every block of one forward pass shares: the rotations for its tokens and its mask.
+/// Where each document starts in the packed (B * S) tokens, then B * S (int32, the layout
+/// FlashAttention's varlen kernel takes), and the longest document's length.
+pub fn document_offsets(positions: &Tensor) -> (Tensor, i64) {
+    let flat = positions.reshape([-1]);
+    let total = flat.size()[0];
+    let starts = flat.eq(0).nonzero().reshape([-1]);
+    let end = Tensor::from_slice(&[total]).to_device(positions.device());
+    let offsets = Tensor::cat(&[starts, end], 0);
+    // One host read per forward pass, for the kernel's launch bounds.
+    let longest = offsets
+        .diff(1, 0, None::<Tensor>, None::<Tensor>)
+        .max()
+        .int64_value(&[]);
+    (offsets.to_kind(Kind::Int), longest)
+}
+
+unsafe extern "C" {
+    fn titan_varlen_attention(
+        q: *mut std::ffi::c_void,
+        k: *mut std::ffi::c_void,
+        v: *mut std::ffi::c_void,
+        cu_seqlens: *mut std::ffi::c_void,
+        max_len: i64,
+        scale: f64,
+        out: *mut *mut std::ffi::c_void,
+        err: *mut std::ffi::c_char,
+        err_cap: i64,
+    ) -> i32;
+}
+
+/// Document-causal attention with FlashAttention's varlen kernel: q (T, H, D), k/v (T, H_kv, D)
+/// packed tokens, `offsets`/`longest` from [`document_offsets`]. CUDA and bf16/fp16 only;
+/// differentiable (libtorch's autograd runs its backward kernel).
+pub fn varlen_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    offsets: &Tensor,
+    longest: i64,
+) -> Result<Tensor> {
+    let raw = |t: &Tensor| t.as_ptr().cast_mut().cast();
+    let scale = 1.0 / (q.size()[2] as f64).sqrt();
+    let mut out = std::ptr::null_mut();
+    let mut err = [0 as std::ffi::c_char; 1024];
+    // SAFETY: live tch tensors (`at::Tensor*`) borrowed for the call; on success `out` is a new
+    // at::Tensor* that we own.
+    let rc = unsafe {
+        titan_varlen_attention(
+            raw(q),
+            raw(k),
+            raw(v),
+            raw(offsets),
+            longest,
+            scale,
+            &mut out,
+            err.as_mut_ptr(),
+            err.len() as i64,
+        )
+    };
+    if rc != 0 {
+        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
+        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
+        bail!("varlen attention: {}", message.to_string_lossy());
+    }
+    // SAFETY: see above.
+    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+}
+
+/// What every block of one forward pass shares: the rotations for its tokens, its mask, and on
+/// CUDA the document offsets for the varlen kernel.
 struct ForwardContext {
     rope: Tensor,
     /// `None`: plain causal attention.
     mask: Option<Tensor>,
+    /// `Some` on CUDA with document-causal attention: FlashAttention's varlen kernel takes
+    /// bf16/fp16 activations; fp32 ones use `mask`.
+    varlen: Option<(Tensor, i64)>,
 }
 
 impl ForwardContext {
@@ -296,6 +368,7 @@ impl ForwardContext {
         ForwardContext {
             rope: self.rope.shallow_clone(),
             mask: self.mask.as_ref().map(Tensor::shallow_clone),
+            varlen: self.varlen.as_ref().map(|(o, l)| (o.shallow_clone(), *l)),
         }
     }
 }
@@ -362,6 +435,24 @@ pub struct Llama {
     freqs_cis: Tensor,
     checkpointing: ActivationCheckpointing,
     attn_backend: AttnBackend,
+    /// FlashAttention's varlen kernel answered a probe on this device (CUDA builds with it).
+    varlen_kernel: bool,
+}
+
+/// Whether FlashAttention's varlen kernel runs on `device`: a two-document probe, once.
+fn probe_varlen_kernel(device: Device) -> bool {
+    if !device.is_cuda() {
+        return false;
+    }
+    let q = Tensor::zeros([4, 1, 64], (Kind::BFloat16, device));
+    let offsets = Tensor::from_slice(&[0i32, 2, 4]).to_device(device);
+    match varlen_attention(&q, &q, &q, &offsets, 2) {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!("document-causal attention uses SDPA with a mask: {e:#}");
+            false
+        }
+    }
 }
 
 /// Fills `t` with a normal(0, std) truncated to [a, b], PyTorch's `trunc_normal_` algorithm
@@ -474,6 +565,7 @@ impl Llama {
             freqs_cis,
             checkpointing: ActivationCheckpointing::None,
             attn_backend: AttnBackend::default(),
+            varlen_kernel: false,
         })
     }
 
@@ -537,6 +629,7 @@ impl Llama {
     /// Sets which tokens attend to which.
     pub fn with_attn_backend(mut self, backend: AttnBackend) -> Self {
         self.attn_backend = backend;
+        self.varlen_kernel = backend.document_causal() && probe_varlen_kernel(self.device());
         self
     }
 
@@ -550,11 +643,13 @@ impl Llama {
     pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
         let shape = BlockShape::of(&self.args);
         let seq_len = tokens.size()[1];
+        let document_causal = positions.filter(|_| self.attn_backend.document_causal());
         let ctx = ForwardContext {
             rope: rope_for(&self.freqs_cis, seq_len, positions),
-            mask: positions
-                .filter(|_| self.attn_backend.document_causal())
-                .map(document_causal_mask),
+            mask: document_causal.map(document_causal_mask),
+            varlen: document_causal
+                .filter(|_| self.varlen_kernel)
+                .map(document_offsets),
         };
         let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
         for (index, layer) in self.layers.iter().enumerate() {
@@ -680,6 +775,22 @@ fn attention(
     let v = mm.linear(x, &layer.wv).view([b, s, kvh, hd]);
     let q = apply_rotary_emb(&q, &ctx.rope);
     let k = apply_rotary_emb(&k, &ctx.rope);
+    if let Some((offsets, longest)) = &ctx.varlen
+        && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
+    {
+        // The packed tokens: rows are whole documents' runs (each row starts a document).
+        let pack = |t: &Tensor, heads: i64| t.reshape([b * s, heads, hd]);
+        // The kernel answered the probe at build time ([`probe_varlen_kernel`]).
+        let out = varlen_attention(
+            &pack(&q, h),
+            &pack(&k, kvh),
+            &pack(&v, kvh),
+            offsets,
+            *longest,
+        )
+        .expect("the varlen kernel ran in the probe");
+        return mm.linear(&out.reshape([b, s, h * hd]), &layer.wo);
+    }
     let (k, v) = if kvh == h {
         (k, v)
     } else {
@@ -760,6 +871,34 @@ mod tests {
         assert!(out.abs().max().double_value(&[]) <= bound + 1e-6);
         let logits = m.forward(&Tensor::from_slice(&[1i64, 2, 3, 4]).view([1, 4]), None);
         assert_eq!(logits.size(), vec![1, 4, 2048]);
+    }
+
+    #[test]
+    fn document_mask_and_offsets_follow_positions() {
+        // Two rows: documents of 3 and 2 tokens, then one of 5.
+        let positions = Tensor::from_slice(&[0i64, 1, 2, 0, 1, 0, 1, 2, 3, 4]).view([2, 5]);
+        let mask = document_causal_mask(&positions);
+        let row0: Vec<Vec<bool>> = (0..5)
+            .map(|q| Vec::<bool>::try_from(&mask.get(0).get(0).get(q)).unwrap())
+            .collect();
+        let t = true;
+        let f = false;
+        assert_eq!(
+            row0,
+            [
+                [t, f, f, f, f],
+                [t, t, f, f, f],
+                [t, t, t, f, f],
+                [f, f, f, t, f],
+                [f, f, f, t, t]
+            ]
+        );
+        let (offsets, longest) = document_offsets(&positions);
+        assert_eq!(Vec::<i32>::try_from(&offsets).unwrap(), [0, 3, 5, 10]);
+        assert_eq!(longest, 5);
+        // The varlen kernel exists only on CUDA: elsewhere it is an error, not a crash.
+        let q = Tensor::zeros([10, 2, 8], (Kind::BFloat16, Device::Cpu));
+        assert!(varlen_attention(&q, &q, &q, &offsets, longest).is_err());
     }
 
     #[test]

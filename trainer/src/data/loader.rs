@@ -10,7 +10,9 @@
 //!   these positions and attends only within a document ([`crate::model::AttnBackend`]);
 //! - data-parallel rank `r` of `n` reads the `r`-th **contiguous** shard of the dataset (Hugging
 //!   Face `split_dataset_by_node` on a map-style dataset: the first `len % n` shards hold one more
-//!   document).
+//!   document);
+//! - when the shard runs out, epoch `e` re-reads it in the order of `shuffle(seed=42 + e)`
+//!   ([`super::shuffle`]).
 //!
 //! The position ([`LoaderState`]) holds torchtitan's fields (`sample_idx`, `epoch`, the three
 //! buffers), as plain serde data so a checkpoint resumes the stream exactly.
@@ -66,11 +68,25 @@ pub fn contiguous_shard(len: u64, world: u64, rank: u64) -> (u64, u64) {
     (start, end)
 }
 
-/// A shard of the dataset open at a document.
+/// This rank's shard of the dataset, open at a document.
 struct OpenShard {
-    stream: DocStream,
+    order: ShardOrder,
     /// Documents in this rank's shard.
     len: u64,
+}
+
+/// How an epoch reads the shard.
+enum ShardOrder {
+    /// Epoch 0: the stored order, streamed.
+    Stored(DocStream),
+    /// Later epochs: torchtitan re-shuffles the shard (`shuffle(seed=42 + epoch)`), so its
+    /// documents are held in memory and visited in that permutation.
+    Shuffled { docs: Vec<String>, order: Vec<u64> },
+}
+
+/// torchtitan's seed for epoch `e`'s shuffle (`HuggingFaceTextDataset.reloop`).
+fn shuffle_seed(epoch: u64) -> u64 {
+    42 + epoch
 }
 
 /// A packing, batching loader over one dataset for one dp rank.
@@ -151,20 +167,38 @@ impl TextLoader {
         self.shard = None;
     }
 
-    /// Opens this rank's shard at `sample_idx`.
+    /// Opens this rank's shard at `sample_idx` of the current epoch.
     fn open_shard(&self) -> Result<OpenShard> {
         let total = self.dataset.count_docs()?;
         let (start, end) = contiguous_shard(total, self.state.dp_world, self.state.dp_rank);
+        let len = end - start;
         let mut stream = self.dataset.open()?;
-        for _ in 0..start + self.state.sample_idx.min(end - start) {
-            if stream.next_doc()?.is_none() {
-                bail!("the dataset ended before its counted {total} documents (changed on disk?)");
-            }
+        let changed = || {
+            anyhow::anyhow!(
+                "the dataset ended before its counted {total} documents (changed on disk?)"
+            )
+        };
+        let skip = if self.state.epoch == 0 {
+            start + self.state.sample_idx.min(len)
+        } else {
+            start
+        };
+        for _ in 0..skip {
+            stream.next_doc()?.ok_or_else(changed)?;
         }
-        Ok(OpenShard {
-            stream,
-            len: end - start,
-        })
+        let order = if self.state.epoch == 0 {
+            ShardOrder::Stored(stream)
+        } else {
+            let mut docs = Vec::with_capacity(len as usize);
+            for _ in 0..len {
+                docs.push(stream.next_doc()?.ok_or_else(changed)?);
+            }
+            ShardOrder::Shuffled {
+                docs,
+                order: super::shuffle::permutation(shuffle_seed(self.state.epoch), len),
+            }
+        };
+        Ok(OpenShard { order, len })
     }
 
     /// The next document of this rank's shard, handling the end of the shard.
@@ -176,11 +210,17 @@ impl TextLoader {
             }
             let shard = self.shard.as_mut().expect("opened above");
             if self.state.sample_idx < shard.len {
-                let Some(doc) = shard.stream.next_doc()? else {
-                    bail!(
-                        "the dataset ended inside dp rank {}'s shard (changed on disk?)",
-                        self.state.dp_rank
-                    );
+                let doc = match &mut shard.order {
+                    ShardOrder::Stored(stream) => stream.next_doc()?.ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "the dataset ended inside dp rank {}'s shard (changed on disk?)",
+                            self.state.dp_rank
+                        )
+                    })?,
+                    // Each index comes once per epoch: the text can be moved out.
+                    ShardOrder::Shuffled { docs, order } => {
+                        std::mem::take(&mut docs[order[self.state.sample_idx as usize] as usize])
+                    }
                 };
                 self.state.sample_idx += 1;
                 return Ok(Some(doc));
@@ -201,8 +241,9 @@ impl TextLoader {
             self.shard = None;
             tracing::warn!(
                 epoch = self.state.epoch,
-                "dataset exhausted; re-looping from its beginning (in its stored order: titan does \
-                 not reproduce torchtitan's per-epoch shuffle)"
+                "dataset exhausted; re-looping in torchtitan's order for this epoch \
+                 (shuffle seed {})",
+                shuffle_seed(self.state.epoch)
             );
         }
     }
@@ -446,6 +487,30 @@ mod tests {
         let all = count(0, 1);
         assert_eq!(count(0, 2) + count(1, 2), all);
         assert!(count(0, 2) > 0 && count(1, 2) > 0);
+    }
+
+    #[test]
+    fn later_epochs_read_the_shard_in_torchtitans_shuffled_order() {
+        let all = docs(&Dataset::DefaultValidation);
+        let (start, end) = contiguous_shard(all.len() as u64, 2, 1);
+        let shard = &all[start as usize..end as usize];
+        let mut l = loader(1, 2, true);
+        l.state.epoch = 1;
+        let order = crate::data::shuffle::permutation(43, shard.len() as u64);
+        let shuffled: Vec<String> = order.iter().map(|&i| shard[i as usize].clone()).collect();
+        let want = reference(&l, &shuffled, 32);
+        let b = l.next_batch(Device::Cpu).unwrap().unwrap();
+        assert_eq!(
+            rows(&b.inputs),
+            vec![want[0][0].clone(), want[1][0].clone()]
+        );
+        // Resuming mid-epoch 1 continues the same permutation.
+        let saved = l.state().clone();
+        let next = l.next_batch(Device::Cpu).unwrap().unwrap();
+        let mut r = loader(1, 2, true);
+        r.load_state(saved).unwrap();
+        let again = r.next_batch(Device::Cpu).unwrap().unwrap();
+        assert_eq!(rows(&again.inputs), rows(&next.inputs));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Training and validation data: tokenizer, document sources, and the packing loader.
 
 pub mod loader;
+pub mod shuffle;
 pub mod source;
 pub mod tokenizer;
 
