@@ -129,7 +129,9 @@ pub fn detect(location: &Location) -> Result<Detected> {
 
 fn detect_local(path: &Path) -> Result<Detected> {
     if !path.exists() {
-        return Err(NotARun(format!("{} does not exist; {WHAT_TO_PASS}", path.display())).into());
+        // Could not be read (exit 1, as titan-ckpt's missing paths): it may be a run yet to
+        // start, or a mount that is not there.
+        bail!("{} does not exist; {WHAT_TO_PASS}", path.display());
     }
     if path.is_file() {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
