@@ -389,10 +389,28 @@ fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i6
     if shape.step_tags.is_empty() {
         return out;
     }
+    // Names that are some tag's phase at all: the one check most spans (forward, backward,
+    // ...) need, before the lookup of their step's tags.
+    let mut all_tags: Vec<&str> = shape
+        .step_tags
+        .values()
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    all_tags.sort_unstable();
+    all_tags.dedup();
+    let candidate: Vec<bool> = t
+        .names
+        .iter()
+        .map(|n| all_tags.iter().any(|tag| is_tag_phase(n, tag)))
+        .collect();
     // Whether a name matches depends on its step's tags: decided once per (name, step).
     let mut spans: HashMap<(u64, u32), Vec<usize>> = HashMap::new();
     let mut matches: HashMap<(NameId, u64), bool> = HashMap::new();
     for i in 0..t.len() {
+        if !candidate[t.name[i] as usize] {
+            continue;
+        }
         let Some(tags) = shape.step_tags.get(&t.step[i]) else {
             continue;
         };
