@@ -123,6 +123,9 @@ impl InspectReport {
 #[derive(Debug, Serialize)]
 pub struct VerifyReport {
     pub path: String,
+    /// The `step-N` folder checked when `path` is a run or checkpoint folder (its newest
+    /// complete step), else None.
+    pub checked: Option<String>,
     pub ok: bool,
     pub format: Option<Format>,
     pub tensors: usize,
@@ -157,9 +160,16 @@ pub struct DiffReport {
     pub a: String,
     pub b: String,
     pub atol: f64,
+    /// Same names on both sides, every one within `atol`.
     pub equal: bool,
+    /// Tensors present on both sides (whose values were compared).
     pub compared: usize,
+    /// Of those, the ones whose values (or shapes) differ.
     pub differing: usize,
+    /// Tensors only A has, and only B has: not differences in value, a different name set
+    /// (torchtitan vs HF names: `--adapter`).
+    pub only_in_a: usize,
+    pub only_in_b: usize,
     pub tensors: Vec<TensorDiff>,
 }
 
@@ -205,10 +215,14 @@ impl DiffReport {
             s.push('\n');
         }
         s.push_str(&format!(
-            "{} tensors compared, {} differ (atol {}): {}\n",
+            "{} tensors in both: {} equal, {} differ in value (atol {}); {} only in A, {} only \
+             in B: {}\n",
             self.compared,
+            self.compared - self.differing,
             self.differing,
             self.atol,
+            self.only_in_a,
+            self.only_in_b,
             if self.equal { "EQUAL" } else { "DIFFERENT" }
         ));
         s
@@ -283,17 +297,19 @@ pub fn diff(
             )
             .collect::<Result<Vec<_>>>()
     })?;
-    let differing = tensors
-        .iter()
-        .filter(|t| t.status != DiffStatus::Equal)
-        .count();
+    let count = |want: &[DiffStatus]| tensors.iter().filter(|t| want.contains(&t.status)).count();
+    let only_in_a = count(&[DiffStatus::OnlyInA]);
+    let only_in_b = count(&[DiffStatus::OnlyInB]);
+    let differing = count(&[DiffStatus::Differs, DiffStatus::ShapeDiffers]);
     Ok(DiffReport {
         a: a.root.display(),
         b: b.root.display(),
         atol,
-        equal: differing == 0,
-        compared: tensors.len(),
+        equal: differing == 0 && only_in_a == 0 && only_in_b == 0,
+        compared: tensors.len() - only_in_a - only_in_b,
         differing,
+        only_in_a,
+        only_in_b,
         tensors,
     })
 }

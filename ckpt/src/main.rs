@@ -141,6 +141,10 @@ struct ConsolidateArgs {
     /// tensors keep theirs.
     #[arg(long)]
     dtype: Option<Dtype>,
+    /// Keep only model weights: leave out the optimizer, lr_scheduler, dataloader,
+    /// train_state and rng_state tensors of a training checkpoint.
+    #[arg(long)]
+    model_only: bool,
     #[command(flatten)]
     share: ShareArgs,
     /// Seconds rank 0 waits for the other ranks' files before writing the index.
@@ -162,8 +166,14 @@ struct ConvertArgs {
     /// Rename tensors for a model family between torchtitan 0.3.0 (or older llama3) names and
     /// HF names, transforming what differs; --to hf also writes config.json (from the shapes,
     /// torchtitan's flavor defaults for what a checkpoint does not hold, or --hf-config).
+    /// Without it, --to hf picks the family as `auto` does when the names are torchtitan's,
+    /// and every other case keeps the names (saying so); `none` always keeps them.
     #[arg(long, value_enum)]
     adapter: Option<AdapterChoice>,
+    /// Write into an output folder that already holds files (files of the same name are
+    /// replaced, others stay).
+    #[arg(long)]
+    force: bool,
     /// Which torchtitan names to write (--to dcp/dcp-hf with --adapter): torchtitan 0.3.0's
     /// (`attention.qkv_linear.wq`, `lm_head`) or older releases' (`attention.wq`, `output`).
     #[arg(long, value_enum, default_value = "current")]
@@ -221,11 +231,12 @@ struct ConvertArgs {
     workers: Workers,
 }
 
-/// `--adapter` values: every [`Family`] (with its help) and `auto`.
+/// `--adapter` values: every [`Family`] (with its help), `auto` and `none`.
 #[derive(Clone, Copy)]
 enum AdapterChoice {
     Family(Family),
     Auto,
+    None,
 }
 
 impl clap::ValueEnum for AdapterChoice {
@@ -234,7 +245,7 @@ impl clap::ValueEnum for AdapterChoice {
             let families = Family::value_variants().iter().copied();
             families
                 .map(AdapterChoice::Family)
-                .chain([AdapterChoice::Auto])
+                .chain([AdapterChoice::Auto, AdapterChoice::None])
                 .collect()
         });
         &ALL
@@ -246,6 +257,10 @@ impl clap::ValueEnum for AdapterChoice {
             AdapterChoice::Auto => Some(
                 clap::builder::PossibleValue::new("auto")
                     .help("Pick the family from the tensor names, and say which."),
+            ),
+            AdapterChoice::None => Some(
+                clap::builder::PossibleValue::new("none")
+                    .help("Keep the tensor names as they are (no config.json)."),
             ),
         }
     }
@@ -267,6 +282,14 @@ struct DiffArgs {
     /// Tensors whose max abs difference is at most this are equal.
     #[arg(long, default_value_t = 0.0)]
     atol: f64,
+    /// Compare a torchtitan checkpoint with an HF one: the torchtitan side's model weights
+    /// are renamed (and q/k permuted) by this family's adapter first, through a temporary HF
+    /// copy in $TMPDIR (as large as its model weights); its training state is left out.
+    #[arg(long, value_enum)]
+    adapter: Option<AdapterChoice>,
+    /// Attention heads, for --adapter llama3 when the model is not a known torchtitan flavor.
+    #[arg(long)]
+    n_heads: Option<u64>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -330,8 +353,30 @@ fn run(cmd: Command, quiet: bool) -> Result<Code> {
         }
         Command::Verify(a) => verify(&a),
         Command::Diff(a) => {
-            let pa = open_input(&a.a)?;
-            let pb = open_input(&a.b)?;
+            let mut pa = open_input(&a.a)?;
+            let mut pb = open_input(&a.b)?;
+            // The temporary HF copy --adapter compares against lives until the diff is done.
+            let _renamed = match a.adapter {
+                Some(choice) => Some(diff_in_hf_names(&mut pa, &mut pb, choice, &a, quiet)?),
+                None => {
+                    let naming =
+                        |p: &titan_ckpt::CheckpointPlan| adapter::detect_naming(p.tensors.keys());
+                    let word = |n: Naming| match n {
+                        Naming::Torchtitan => "torchtitan",
+                        Naming::Hf => "HF",
+                    };
+                    if let (Some(x), Some(y)) = (naming(&pa), naming(&pb))
+                        && x != y
+                    {
+                        let (x, y) = (word(x), word(y));
+                        TITAN_CKPT.note(format_args!(
+                            "A has {x} names, B {y} names: the same weight is \"only in\" both \
+                             sides; --adapter auto compares them in HF names"
+                        ));
+                    }
+                    None
+                }
+            };
             let bar = progress(quiet || a.json, "diff");
             let report = inspect::diff(&pa, &pb, a.atol, a.workers.count(), &bar)?;
             bar.finish_and_clear();
@@ -348,11 +393,15 @@ fn run(cmd: Command, quiet: bool) -> Result<Code> {
 }
 
 fn verify(a: &InspectArgs) -> Result<Code> {
-    let report = match open_input(&a.path) {
+    // A run or checkpoint folder stands for its newest complete step: the report names the
+    // step it checked, so "OK" is not read as "every step is OK".
+    let (loc, step) = resolve_input(&a.path)?;
+    let report = match formats::open(&loc) {
         Ok(plan) => {
             let err = formats::dcp_native::check_items(&plan).err();
             VerifyReport {
                 path: a.path.clone(),
+                checked: step.clone(),
                 ok: err.is_none(),
                 format: Some(plan.format),
                 tensors: plan.tensors.len(),
@@ -363,6 +412,7 @@ fn verify(a: &InspectArgs) -> Result<Code> {
         Err(e @ Error::Usage(_)) => return Err(e),
         Err(e) => VerifyReport {
             path: a.path.clone(),
+            checked: step.clone(),
             ok: false,
             format: None,
             tensors: 0,
@@ -370,38 +420,46 @@ fn verify(a: &InspectArgs) -> Result<Code> {
             error: Some(e.to_string()),
         },
     };
+    let what = match &report.checked {
+        Some(step) => format!(
+            "{} (checked {step}, the newest complete step only)",
+            report.path
+        ),
+        None => report.path.clone(),
+    };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("json"));
     } else if report.ok {
         println!(
-            "{}: OK ({}, {} tensors, {} chunks tile exactly)",
-            report.path,
+            "{what}: OK ({}, {} tensors, {} chunks tile exactly)",
             report.format.map(|f| f.to_string()).unwrap_or_default(),
             report.tensors,
             report.chunks
         );
     } else {
-        println!(
-            "{}: FAILED: {}",
-            report.path,
-            report.error.as_deref().unwrap_or("")
-        );
+        println!("{what}: FAILED: {}", report.error.as_deref().unwrap_or(""));
     }
     Ok(if report.ok { OK } else { FAILED })
 }
 
-/// Opens a command-line checkpoint, saying which `step-N` a run or checkpoint folder resolved to.
-fn open_input(s: &str) -> Result<titan_ckpt::CheckpointPlan> {
-    let (loc, step) = formats::resolve_steps(titan_ckpt::storage::Location::parse(s)?)?;
-    if let Some(step) = step {
+/// Where a command-line checkpoint is, and the `step-N` folder a run or checkpoint folder
+/// resolved to (said in a note).
+fn resolve_input(s: &str) -> Result<(storage::Location, Option<String>)> {
+    let (loc, step) = formats::resolve_steps(storage::Location::parse(s)?)?;
+    if let Some(step) = &step {
         TITAN_CKPT.note(format_args!("using the newest complete checkpoint {step}"));
     }
-    formats::open(&loc)
+    Ok((loc, step))
+}
+
+/// Opens a command-line checkpoint, saying which `step-N` a run or checkpoint folder resolved to.
+fn open_input(s: &str) -> Result<titan_ckpt::CheckpointPlan> {
+    formats::open(&resolve_input(s)?.0)
 }
 
 fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<Code> {
     let (rank, world_size) = a.share.resolve()?;
-    let plan = open_input(&a.input)?;
+    let mut plan = open_input(&a.input)?;
     let out = formats::output_root(&a.output)?;
     let layout = match &a.index_from {
         Some(p) => {
@@ -414,6 +472,7 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<Code> {
         }
         None => FileLayout::MaxShardSize(a.max_shard_size),
     };
+    let included = keep_model_only(&mut plan, a.model_only);
     let tensors = consolidate::consolidation_tensors(&plan, a.dtype)?;
     if !plan.bytes_items.is_empty() {
         tracing::warn!(
@@ -437,7 +496,7 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<Code> {
     let summary = consolidate::run(&plan, &out, &files, write_index, share, &opts)?;
     bar.finish_and_clear();
     eprintln!(
-        "rank {}/{}: wrote {} file(s), {}{}",
+        "rank {}/{}: wrote {} file(s), {}{}; {included}",
         rank,
         world_size,
         summary.files_written.len(),
@@ -451,11 +510,43 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<Code> {
     Ok(OK)
 }
 
+/// With `model_only`, drops every training-state tensor (optimizer, lr_scheduler, dataloader,
+/// train_state, RNG) and non-tensor item from `plan`. Returns what the output holds, in words
+/// for the closing line: a training checkpoint's optimizer state in `model.safetensors` is a
+/// surprise unless said.
+fn keep_model_only(plan: &mut titan_ckpt::CheckpointPlan, model_only: bool) -> String {
+    let total = plan.tensors.len();
+    let model = plan.tensors.keys().filter(|n| is_model_tensor(n)).count();
+    let state = total - model;
+    if model_only {
+        plan.tensors.retain(|n, _| is_model_tensor(n));
+        plan.bytes_items.clear();
+        if state == 0 {
+            format!("{model} model tensors (no training state to leave out)")
+        } else {
+            format!("{model} model tensors; {state} training-state tensors left out (--model-only)")
+        }
+    } else if state == 0 {
+        format!("{model} model tensors")
+    } else {
+        format!(
+            "{total} tensors: {model} model, {state} training state (optimizer, lr_scheduler, \
+             dataloader, train_state, RNG; --model-only leaves those out)"
+        )
+    }
+}
+
 fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
     let (rank, world_size) = a.share.resolve()?;
     let mut plan = open_input(&a.input)?;
     let out = formats::output_root(&a.output)?;
-    if a.model_only || a.adapter.is_some() {
+    // Several processes share one output folder and see each other's files appear: only a
+    // single writer can tell an earlier output from its own.
+    if !a.force && world_size == 1 {
+        refuse_existing_output(&out, &a.output)?;
+    }
+    let family = adapter_family(a, &plan)?;
+    if a.model_only || family.is_some() {
         let before = plan.tensors.len() + plan.bytes_items.len();
         plan.tensors.retain(|n, _| is_model_tensor(n));
         plan.bytes_items.clear();
@@ -472,29 +563,8 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
         Format::Dcp | Format::DcpHf => Naming::Torchtitan,
     };
     let mut config = None;
-    let tensors: Vec<OutTensor> = match a.adapter {
-        Some(choice) => {
-            let family = match choice {
-                AdapterChoice::Family(f) => f,
-                AdapterChoice::Auto => {
-                    let f = adapter::detect_family(&plan).ok_or_else(|| {
-                        Error::usage(
-                            "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor \
-                             names found",
-                        )
-                    })?;
-                    TITAN_CKPT.note(format_args!("--adapter auto picked {f}"));
-                    f
-                }
-            };
-            let table = family.table();
-            let from = adapter::detect_naming(plan.tensors.keys()).ok_or_else(|| {
-                Error::usage(format!(
-                    "--adapter {family}: found neither `tok_embeddings.weight` (torchtitan) nor \
-                     `model.embed_tokens.weight` (HF) in {}",
-                    plan.root.display()
-                ))
-            })?;
+    let tensors: Vec<OutTensor> = match family {
+        Some(family) => {
             let hints = Hints {
                 n_heads: a.n_heads,
                 n_kv_heads: a.n_kv_heads,
@@ -504,23 +574,14 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
                 experts_per_token: a.experts_per_token,
                 no_rope_scaling: a.no_rope_scaling,
             };
-            let args = adapter::args::infer(&plan, table, from, &hints)?;
-            let planned = adapter::plan_tensors(
-                &plan,
-                table,
-                from,
-                &args,
-                MapOptions {
-                    to: target_naming,
-                    tt_names: a.tt_names,
-                    dtype: a.dtype,
-                },
-            )?;
-            for (name, why) in &planned.dropped {
-                TITAN_CKPT.warning(format_args!("`{name}` left out: {why}"));
-            }
+            let map = MapOptions {
+                to: target_naming,
+                tt_names: a.tt_names,
+                dtype: a.dtype,
+            };
+            let (tensors, args) = adapt(&plan, family, &hints, map)?;
             config = Some(args);
-            planned.tensors
+            tensors
         }
         None => plan
             .tensors
@@ -588,6 +649,221 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
     bar.finish_and_clear();
     eprintln!("converted {} -> {} ({})", a.input, a.output, a.to);
     Ok(OK)
+}
+
+/// The family `convert` renames with (None: names kept), from `--adapter` or, without it,
+/// the default: `--to hf` is for transformers, which loads only HF names with a config.json,
+/// so torchtitan names of a known family are renamed as `auto` would; everything else keeps
+/// its names. Either way the choice is said on stderr.
+fn adapter_family(a: &ConvertArgs, plan: &titan_ckpt::CheckpointPlan) -> Result<Option<Family>> {
+    let detected = || adapter::detect_family(plan);
+    match a.adapter {
+        Some(AdapterChoice::Family(f)) => Ok(Some(f)),
+        Some(AdapterChoice::Auto) => {
+            let f = detected().ok_or_else(|| {
+                Error::usage(
+                    "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor names found",
+                )
+            })?;
+            TITAN_CKPT.note(format_args!("--adapter auto picked {f}"));
+            Ok(Some(f))
+        }
+        Some(AdapterChoice::None) => {
+            TITAN_CKPT.note("--adapter none: tensor names kept as they are");
+            Ok(None)
+        }
+        None => {
+            let naming = adapter::detect_naming(plan.tensors.keys());
+            match (a.to, detected(), naming) {
+                (Format::Hf, Some(f), Some(Naming::Torchtitan)) => {
+                    TITAN_CKPT.note(format_args!(
+                        "no --adapter: picked {f} from the tensor names (as --adapter auto); \
+                         --adapter none keeps torchtitan's names"
+                    ));
+                    Ok(Some(f))
+                }
+                (Format::Hf, _, Some(Naming::Hf)) => {
+                    TITAN_CKPT.note("tensor names kept as they are: they are HF's already");
+                    Ok(None)
+                }
+                (Format::Hf, _, _) => {
+                    TITAN_CKPT.warning(
+                        "tensor names kept as they are: no llama3, qwen3, deepseek_v3 or gpt_oss \
+                         names found, so no config.json either (transformers will not load this \
+                         as a model; --adapter FAMILY renames)",
+                    );
+                    Ok(None)
+                }
+                (_, Some(f), Some(Naming::Hf)) => {
+                    TITAN_CKPT.note(format_args!(
+                        "tensor names kept as they are (HF's); --adapter auto renames them to \
+                         torchtitan's ({f})"
+                    ));
+                    Ok(None)
+                }
+                _ => {
+                    TITAN_CKPT.note("tensor names kept as they are (--adapter renames)");
+                    Ok(None)
+                }
+            }
+        }
+    }
+}
+
+/// For `diff --adapter`: replaces whichever of `pa`/`pb` has torchtitan names by an HF copy
+/// of its model weights (the adapter's renaming and q/k permutation, written to a temporary
+/// folder, returned so it outlives the diff), so both sides are in HF names.
+fn diff_in_hf_names(
+    pa: &mut titan_ckpt::CheckpointPlan,
+    pb: &mut titan_ckpt::CheckpointPlan,
+    choice: AdapterChoice,
+    a: &DiffArgs,
+    quiet: bool,
+) -> Result<Option<tempfile::TempDir>> {
+    // The family given, None for `auto` (picked from the torchtitan side's names below).
+    let given = match choice {
+        AdapterChoice::None => return Ok(None),
+        AdapterChoice::Family(f) => Some(f),
+        AdapterChoice::Auto => None,
+    };
+    let naming = |p: &titan_ckpt::CheckpointPlan| adapter::detect_naming(p.tensors.keys());
+    let (side, plan) = match (naming(pa), naming(pb)) {
+        (Some(Naming::Torchtitan), Some(Naming::Hf)) => ("A", &mut *pa),
+        (Some(Naming::Hf), Some(Naming::Torchtitan)) => ("B", &mut *pb),
+        (x, y) if x.is_some() && x == y => {
+            TITAN_CKPT
+                .note("--adapter: both sides have the same kind of names; compared as they are");
+            return Ok(None);
+        }
+        _ => {
+            return Err(Error::usage(format!(
+                "--adapter: cannot tell torchtitan from HF names in {} or {} (looked for \
+                 `tok_embeddings.weight` and `model.embed_tokens.weight`)",
+                a.a, a.b
+            )));
+        }
+    };
+    let family = match given {
+        Some(f) => f,
+        None => {
+            let f = adapter::detect_family(plan).ok_or_else(|| {
+                Error::usage(format!(
+                    "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor names in {side}"
+                ))
+            })?;
+            TITAN_CKPT.note(format_args!("--adapter auto picked {f} for {side}"));
+            f
+        }
+    };
+    let state = plan.tensors.len();
+    plan.tensors.retain(|n, _| is_model_tensor(n));
+    plan.bytes_items.clear();
+    let state = state - plan.tensors.len();
+    if state > 0 {
+        TITAN_CKPT.note(format_args!(
+            "{side}: {state} training-state tensors are not model weights; not compared"
+        ));
+    }
+    let hints = Hints {
+        n_heads: a.n_heads,
+        ..Hints::default()
+    };
+    let map = MapOptions {
+        to: Naming::Hf,
+        tt_names: TtNames::Current,
+        dtype: None,
+    };
+    let (tensors, _) = adapt(plan, family, &hints, map)?;
+    let dir = tempfile::Builder::new()
+        .prefix("titan-ckpt-diff-")
+        .tempdir()
+        .map_err(|e| Error::io(std::env::temp_dir().display(), e))?;
+    let out = storage::Root::parse(&dir.path().display().to_string())?;
+    let bar = progress(quiet || a.json, &format!("{side} in HF names"));
+    let opts = EngineOptions {
+        workers: a.workers.count(),
+        window_bytes: a.workers.window,
+        progress: bar.clone(),
+    };
+    let files = consolidate::plan_files(tensors, &FileLayout::MaxShardSize(5_000_000_000))?;
+    let share = RankShare {
+        rank: 0,
+        world_size: 1,
+        wait_timeout: Duration::from_secs(0),
+    };
+    consolidate::run(plan, &out, &files, files.len() > 1, share, &opts)?;
+    bar.finish_and_clear();
+    *plan = formats::open(&storage::Location {
+        root: out,
+        file: None,
+    })?;
+    TITAN_CKPT.note(format_args!(
+        "{side} compared in HF names ({family} adapter)"
+    ));
+    Ok(Some(dir))
+}
+
+/// `plan`'s tensors renamed (and transformed) by `family`'s adapter into `map.to`'s names,
+/// with the model arguments inferred on the way; what the adapter leaves out is warned about.
+fn adapt(
+    plan: &titan_ckpt::CheckpointPlan,
+    family: Family,
+    hints: &Hints,
+    map: MapOptions,
+) -> Result<(Vec<OutTensor>, adapter::ModelArgs)> {
+    let table = family.table();
+    let from = adapter::detect_naming(plan.tensors.keys()).ok_or_else(|| {
+        Error::usage(format!(
+            "--adapter {family}: found neither `tok_embeddings.weight` (torchtitan) nor \
+             `model.embed_tokens.weight` (HF) in {}",
+            plan.root.display()
+        ))
+    })?;
+    let hint = |e| wrong_family_hint(e, family, plan);
+    let args = adapter::args::infer(plan, table, from, hints).map_err(hint)?;
+    let planned = adapter::plan_tensors(plan, table, from, &args, map).map_err(hint)?;
+    for (name, why) in &planned.dropped {
+        TITAN_CKPT.warning(format_args!("`{name}` left out: {why}"));
+    }
+    Ok((planned.tensors, args))
+}
+
+/// A usage error of the adapter for `family` on a checkpoint whose names are another
+/// family's (`--adapter qwen3` on a llama3 checkpoint): the error then names the family the
+/// names look like, and `auto`.
+fn wrong_family_hint(e: Error, family: Family, plan: &titan_ckpt::CheckpointPlan) -> Error {
+    match (e, adapter::detect_family(plan)) {
+        (Error::Usage(msg), Some(found)) if found != family => Error::Usage(format!(
+            "{msg}; the tensor names look like a {found} checkpoint: pass --adapter {found} \
+             or --adapter auto"
+        )),
+        (e, _) => e,
+    }
+}
+
+/// Refuses to write into an output folder that already holds files: convert would replace
+/// some and leave others (a stale shard beside a new index).
+fn refuse_existing_output(out: &titan_ckpt::storage::Root, given: &str) -> Result<()> {
+    let files = match out.list() {
+        Ok(files) => files,
+        // Not there yet (or not listable): nothing to overwrite; writing reports real errors.
+        Err(_) => return Ok(()),
+    };
+    if files.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = files.iter().take(3).map(|(n, _)| n.as_str()).collect();
+    Err(Error::usage(format!(
+        "output {given} already holds {} file(s) ({}{}): pass --force to write into it, or \
+         choose a new folder",
+        files.len(),
+        names.join(", "),
+        if files.len() > names.len() {
+            ", ..."
+        } else {
+            ""
+        }
+    )))
 }
 
 /// config.json next to an HF output: copied from --hf-config, else written from the inferred

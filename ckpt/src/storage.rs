@@ -15,17 +15,22 @@ pub struct Location {
 impl Location {
     /// Parses a local path or a `s3://`, `gs://`, `az://`, `memory://`, `file://` URL. A path
     /// naming a file (locally: an existing file; on object stores: a name ending in
-    /// `.safetensors` or `.json`) becomes its parent root plus the file name.
+    /// `.safetensors`, `.json` or `.distcp`, or `.metadata`) becomes its parent root plus the
+    /// file name (DCP files only to be refused by name, with their folder to pass instead).
     pub fn parse(s: &str) -> Result<Location> {
         let root = Root::parse(s)?;
-        Ok(
-            match root.split_file(|n| n.ends_with(".safetensors") || n.ends_with(".json")) {
-                Some((root, file)) => Location {
-                    root,
-                    file: Some(file),
-                },
-                None => Location { root, file: None },
+        let is_file = |n: &str| {
+            n.ends_with(".safetensors")
+                || n.ends_with(".json")
+                || n.ends_with(".distcp")
+                || n == ".metadata"
+        };
+        Ok(match root.split_file(is_file) {
+            Some((root, file)) => Location {
+                root,
+                file: Some(file),
             },
-        )
+            None => Location { root, file: None },
+        })
     }
 }

@@ -448,9 +448,9 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stdout(&o).starts_with("step:  1  training/loss_mean:"));
 
-    // A directory that is not a run is an error with a hint, exit 1.
+    // A directory that is not a run is a usage error with a hint, exit 2.
     let o = titan_obs(&["summary", dir.path().to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(o.status.code(), Some(2));
     // The hint names every layout titan-obs reads.
     for hint in [
         "is not a run titan-obs can read",

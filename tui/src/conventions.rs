@@ -9,7 +9,8 @@ pub const FAILED: ExitCode =
     ExitCode::new(1, "the run could not be read or the output not written");
 pub const USAGE: ExitCode = ExitCode::new(
     2,
-    "usage error (bad flags, nothing to write, no terminal for the interactive view)",
+    "usage error (bad flags, nothing to write, no terminal for the interactive view, RUN is \
+     not a run, a misspelt command)",
 );
 pub const INCOMPLETE: ExitCode = ExitCode::new(
     3,

@@ -50,6 +50,10 @@ enum Command {
 }
 
 fn main() {
+    if let Some(message) = misspelt_command(std::env::args_os().skip(1)) {
+        TITAN_OBS.error(message);
+        std::process::exit(USAGE.as_i32());
+    }
     let mut cli = Cli::parse();
     cli.verbosity.init_logging(Level::Warn);
     let quiet = cli.verbosity.is_quiet();
@@ -77,9 +81,73 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));
-            std::process::exit(FAILED.as_i32());
+            let code = if titan_obs::ingest::is_not_a_run(&e) {
+                USAGE
+            } else {
+                FAILED
+            };
+            std::process::exit(code.as_i32());
         }
     }
+}
+
+/// The message for a command line whose first word is neither a command nor an existing
+/// path but reads like a misspelt command (`titan-obs summry RUN`). Without this, clap takes
+/// the word for the RUN of the interactive view and complains about the real RUN as an
+/// unexpected `[RUN]` argument, or the view reports a missing folder.
+fn misspelt_command(args: impl Iterator<Item = std::ffi::OsString>) -> Option<String> {
+    use clap::CommandFactory;
+    let args: Vec<String> = args.filter_map(|a| a.into_string().ok()).collect();
+    let mut words = args.iter().filter(|a| !a.starts_with('-'));
+    let first = words.next()?;
+    let more = words.next().is_some();
+    let cmd = Cli::command();
+    let commands: Vec<&str> = cmd
+        .get_subcommands()
+        .map(|c| c.get_name())
+        .filter(|n| *n != "help")
+        .collect();
+    if commands.contains(&first.as_str())
+        || first == "help"
+        || first.contains(['/', '.', ':'])
+        || std::path::Path::new(first).exists()
+    {
+        return None;
+    }
+    let closest = commands
+        .iter()
+        .map(|c| (edit_distance(first, c), *c))
+        .min()
+        .filter(|(d, _)| *d <= 2);
+    let list = commands.join(", ");
+    match closest {
+        Some((_, c)) => Some(format!(
+            "`{first}` is not a command (did you mean `{c}`? titan-obs {c} RUN); the commands \
+             are {list}, and `titan-obs RUN` opens the interactive view"
+        )),
+        // Two words where the first is no command and no path: a command was meant.
+        None if more => Some(format!(
+            "`{first}` is not a command or an existing path; the commands are {list}, and \
+             `titan-obs RUN` opens the interactive view"
+        )),
+        None => None,
+    }
+}
+
+/// Levenshtein distance (insertions, deletions, substitutions) between two short words.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
 }
 
 impl Command {
@@ -92,5 +160,48 @@ impl Command {
             Command::Import(a) => Some(&mut a.run),
             Command::Synth(_) | Command::Gantt(_) => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(s: &str) -> impl Iterator<Item = std::ffi::OsString> {
+        s.split_whitespace()
+            .map(std::ffi::OsString::from)
+            .collect::<Vec<_>>()
+            .into_iter()
+    }
+
+    #[test]
+    fn misspelt_commands_are_named() {
+        let m = misspelt_command(words("summry outputs/demo")).unwrap();
+        assert!(m.contains("did you mean `summary`"), "{m}");
+        let m = misspelt_command(words("-q exprot run")).unwrap();
+        assert!(m.contains("did you mean `export`"), "{m}");
+        let m = misspelt_command(words("sumry")).unwrap();
+        assert!(m.contains("`summary`"), "{m}");
+        // A word far from every command, followed by a run: still not taken for the RUN.
+        let m = misspelt_command(words("analyse outputs/demo")).unwrap();
+        assert!(m.contains("the commands are summary, metrics"), "{m}");
+    }
+
+    #[test]
+    fn commands_and_runs_are_left_to_clap() {
+        for ok in [
+            "summary outputs/demo",
+            "outputs/demo",
+            "run.json",
+            "s3://bucket/run",
+            "--follow outputs/demo",
+            "help",
+            "",
+            "somerun",
+        ] {
+            assert_eq!(misspelt_command(words(ok)), None, "{ok}");
+        }
+        assert_eq!(edit_distance("summry", "summary"), 1);
+        assert_eq!(edit_distance("", "abc"), 3);
     }
 }

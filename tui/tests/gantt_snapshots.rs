@@ -235,6 +235,56 @@ fn help_overlay_and_quit() {
 }
 
 #[test]
+fn help_box_fits_and_explains_every_mark() {
+    for (w, h) in [(80, 24), (100, 40), (140, 44), (200, 50), (60, 40)] {
+        let mut s = Screen::new(w, h);
+        s.keys("?");
+        let text = s.draw();
+        // The whole box is on screen: both bottom corners drawn.
+        assert!(
+            text.contains('└') && text.contains('┘'),
+            "{w}x{h}: box cut:\n{text}"
+        );
+        let lines: Vec<&str> = render::HELP
+            .iter()
+            .map(|(_, d)| *d)
+            .chain(render::HELP_NOTES.iter().copied())
+            .collect();
+        for line in lines {
+            if w >= 80 {
+                // Wide enough for every line whole.
+                assert!(text.contains(line), "{w}x{h}: `{line}` cut:\n{text}");
+            } else {
+                for word in line.split(' ') {
+                    assert!(text.contains(word), "{w}x{h}: `{word}` missing:\n{text}");
+                }
+            }
+        }
+    }
+    // The marks no key explains are explained.
+    let notes = render::HELP_NOTES.join("\n");
+    for mark in [
+        "d1 d2 d3",
+        "G gc",
+        "rN late",
+        "C checkpoint",
+        "V validation",
+    ] {
+        assert!(notes.contains(mark), "{mark}");
+    }
+}
+
+#[test]
+fn narrow_title_keeps_the_rank_the_others_wait_for() {
+    for w in [80, 60] {
+        let mut s = Screen::new(w, 24);
+        let text = s.draw();
+        let title = text.lines().next().unwrap();
+        assert!(title.contains("waiting on r2"), "{w}: {title}");
+    }
+}
+
+#[test]
 fn next_and_previous_step_and_fit() {
     let mut s = Screen::new(120, 30);
     // The run starts with step 1, where the cursor starts.

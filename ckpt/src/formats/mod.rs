@@ -25,6 +25,23 @@ pub fn detect(loc: &Location) -> Result<Format> {
         if file.ends_with(".json") {
             return Ok(Format::Hf);
         }
+        if file.ends_with(".distcp") || file == DCP_METADATA {
+            // One file of a DCP checkpoint means nothing without the others and `.metadata`:
+            // read as safetensors it gives a nonsense header length.
+            return Err(Error::usage(format!(
+                "{} is one file of a DCP checkpoint: pass its folder {}",
+                root.display_file(file),
+                root.display()
+            )));
+        }
+        if !file.ends_with(".safetensors") {
+            return Err(Error::usage(format!(
+                "{}: not a checkpoint file titan-ckpt reads: pass a .safetensors file, an HF \
+                 index (.json), or a checkpoint folder (dcp, dcp-hf, hf, or a run's step-N \
+                 folders)",
+                root.display_file(file)
+            )));
+        }
         let header = safetensors::read_header(&root.open(file)?)?;
         return Ok(if header.metadata.contains_key(DCP_SHARDING_INFO) {
             Format::DcpHf

@@ -76,7 +76,10 @@ pub struct TaggedStep {
     pub wall_ns: i64,
     /// `wall_ns` minus the median wall time of untagged steps.
     pub extra_ns: i64,
-    /// Slowest rank's time in spans named like the tags (e.g. the `checkpoint` span).
+    /// Slowest rank's time in the tags' own spans: those named like a tag or `<tag>_...`
+    /// (titan-train's `checkpoint_stage` and `checkpoint_save` in a `checkpoint` step,
+    /// torchtitan's `checkpoint_save` span in a `checkpoint_save` step), nested or
+    /// overlapping ones counted once.
     pub tagged_phase_ns: i64,
 }
 
@@ -334,22 +337,7 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
         median_f64(&mut untagged)
     };
     stragglers.retain(|s| s.median_excess_ns >= opts.min_step_share * median_step);
-    let mut tagged_phase: HashMap<(u64, u32), i64> = HashMap::new();
-    if !shape.step_tags.is_empty() {
-        let mut wanted: Vec<NameId> = shape
-            .step_tags
-            .values()
-            .flatten()
-            .filter_map(|tag| t.name_id(tag))
-            .collect();
-        wanted.sort_unstable();
-        wanted.dedup();
-        for i in 0..n {
-            if t.step[i] != NO_STEP && wanted.contains(&t.name[i]) {
-                *tagged_phase.entry((t.step[i], t.rank[i])).or_default() += t.dur_ns[i];
-            }
-        }
-    }
+    let tagged_phase = tagged_phase_times(t, shape);
     let tagged_steps = shape
         .step_tags
         .iter()
@@ -381,6 +369,89 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
         tagged_steps,
         waits,
     }
+}
+
+/// Whether span name `name` is the work of step tag `tag`: the span named like the tag, or
+/// one of its sub-phases `<tag>_...`. titan-train tags a step `checkpoint` and records
+/// `checkpoint_stage`/`checkpoint_save`; torchtitan tags and names both `checkpoint_save`.
+fn is_tag_phase(name: &str, tag: &str) -> bool {
+    name.strip_prefix(tag)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
+}
+
+/// Per (tagged step, rank): the time that rank spent in its step's tag phases
+/// ([`is_tag_phase`]). With start times it is the length of the union of their intervals,
+/// so a `checkpoint` span around its own `checkpoint_save` (or a save on a background
+/// thread overlapping the staging) is not counted twice; without them, the outermost ones
+/// (smallest depth) are summed.
+fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i64> {
+    let mut out = HashMap::new();
+    if shape.step_tags.is_empty() {
+        return out;
+    }
+    // Names that are some tag's phase at all: the one check most spans (forward, backward,
+    // ...) need, before the lookup of their step's tags.
+    let mut all_tags: Vec<&str> = shape
+        .step_tags
+        .values()
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    all_tags.sort_unstable();
+    all_tags.dedup();
+    let candidate: Vec<bool> = t
+        .names
+        .iter()
+        .map(|n| all_tags.iter().any(|tag| is_tag_phase(n, tag)))
+        .collect();
+    // Whether a name matches depends on its step's tags: decided once per (name, step).
+    let mut spans: HashMap<(u64, u32), Vec<usize>> = HashMap::new();
+    let mut matches: HashMap<(NameId, u64), bool> = HashMap::new();
+    for i in 0..t.len() {
+        if !candidate[t.name[i] as usize] {
+            continue;
+        }
+        let Some(tags) = shape.step_tags.get(&t.step[i]) else {
+            continue;
+        };
+        let hit = *matches.entry((t.name[i], t.step[i])).or_insert_with(|| {
+            let name = &t.names[t.name[i] as usize];
+            tags.iter().any(|tag| is_tag_phase(name, tag))
+        });
+        if hit {
+            spans.entry((t.step[i], t.rank[i])).or_default().push(i);
+        }
+    }
+    for (key, idx) in spans {
+        let ns = if t.has_start() {
+            let mut iv: Vec<(i64, i64)> = idx
+                .iter()
+                .map(|&i| (t.start_ns[i], t.start_ns[i] + t.dur_ns[i]))
+                .collect();
+            iv.sort_unstable();
+            let (mut total, mut end) = (0i64, i64::MIN);
+            for (s, e) in iv {
+                let s = s.max(end);
+                if e > s {
+                    total += e - s;
+                    end = e;
+                }
+            }
+            total
+        } else {
+            let top = if t.has_depth() {
+                idx.iter().map(|&i| t.depth[i]).min().unwrap_or(0)
+            } else {
+                0
+            };
+            idx.iter()
+                .filter(|&&i| !t.has_depth() || t.depth[i] == top)
+                .map(|&i| t.dur_ns[i])
+                .sum()
+        };
+        out.insert(key, ns);
+    }
+    out
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -606,6 +677,59 @@ mod tests {
         assert_eq!(s.steps, 10);
         assert!((s.median_ratio - 1.5).abs() < 0.05, "{}", s.median_ratio);
         assert!(s.median_excess_ns > 40.0 && s.median_excess_ns < 60.0);
+    }
+
+    /// One rank, steps 1..=3, step 2 tagged `checkpoint` with titan-train's spans: a 5 ns
+    /// `checkpoint_stage`, then a `checkpoint_save` of 40 ns with a nested
+    /// `checkpoint_save_shard` of 30 ns, and a `checkpointing_note` that is not the tag's.
+    #[test]
+    fn tagged_phase_counts_the_tags_own_spans_once() {
+        let names: Vec<String> = [
+            "step",
+            "checkpoint_stage",
+            "checkpoint_save",
+            "checkpoint_save_shard",
+            "checkpointing_note",
+        ]
+        .map(String::from)
+        .to_vec();
+        // (step, name, start, dur, depth)
+        let rows: Vec<(u64, NameId, i64, i64, u16)> = vec![
+            (1, 0, 0, 100, 0),
+            (2, 0, 200, 100, 0),
+            (2, 1, 300, 5, 0),
+            (2, 2, 305, 40, 0),
+            (2, 3, 310, 30, 1),
+            (2, 4, 345, 7, 0),
+            (3, 0, 400, 100, 0),
+        ];
+        let rank = vec![0u32; rows.len()];
+        let step: Vec<u64> = rows.iter().map(|r| r.0).collect();
+        let name: Vec<NameId> = rows.iter().map(|r| r.1).collect();
+        let start: Vec<i64> = rows.iter().map(|r| r.2).collect();
+        let dur: Vec<i64> = rows.iter().map(|r| r.3).collect();
+        let depth: Vec<u16> = rows.iter().map(|r| r.4).collect();
+        let mut t = SpanTable {
+            rank: &rank,
+            step: &step,
+            name: &name,
+            dur_ns: &dur,
+            start_ns: &start,
+            depth: &depth,
+            names: &names,
+        };
+        let shape = RunShape {
+            ranks: vec![0],
+            step_tags: [(2, vec!["checkpoint".to_string()])].into(),
+        };
+        let opts = StragglerOptions::default();
+        let a = analyse(&t, &shape, &opts);
+        assert_eq!(a.tagged_steps.len(), 1);
+        assert_eq!(a.tagged_steps[0].tagged_phase_ns, 45);
+        // Without start times: the outermost (depth 0) spans, summed.
+        t.start_ns = &[];
+        let a = analyse(&t, &shape, &opts);
+        assert_eq!(a.tagged_steps[0].tagged_phase_ns, 45);
     }
 
     #[test]

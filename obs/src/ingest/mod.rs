@@ -31,6 +31,30 @@ pub enum Detected {
     ChromeTrace(Source),
 }
 
+/// The error of a location that holds no run titan-obs can read (a README, a checkpoint, a
+/// run's `obs/` folder): the command line named the wrong thing, so the CLI exits with its
+/// usage code. The message says what was found and what to pass instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotARun(pub String);
+
+impl std::fmt::Display for NotARun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NotARun {}
+
+/// Whether `e` (or an error it wraps) is [`NotARun`].
+pub fn is_not_a_run(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<NotARun>())
+}
+
+/// What every "not a run" message ends with: the three inputs titan-obs reads.
+const WHAT_TO_PASS: &str = "pass a titan run (the folder holding obs/rank-<R>/part-<N>.parquet), \
+     a torchtitan run (the folder holding structured_logs/<source>.global_rank_<R>.<stamp>.jsonl, \
+     that folder, or one such file) or a Chrome trace (a .json file or a folder of them)";
+
 /// A local path or an object store path under a [`Location`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
@@ -105,18 +129,35 @@ pub fn detect(location: &Location) -> Result<Detected> {
 
 fn detect_local(path: &Path) -> Result<Detected> {
     if !path.exists() {
-        bail!("{} does not exist", path.display());
+        // Could not be read (exit 1, as titan-ckpt's missing paths): it may be a run yet to
+        // start, or a mount that is not there.
+        bail!("{} does not exist; {WHAT_TO_PASS}", path.display());
     }
     if path.is_file() {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        return Ok(if is_jsonl(name) {
-            Detected::Torchtitan(Source::Local(path.to_path_buf()))
-        } else {
-            Detected::ChromeTrace(Source::Local(path.to_path_buf()))
-        });
+        if is_jsonl(name) {
+            return Ok(Detected::Torchtitan(Source::Local(path.to_path_buf())));
+        }
+        if is_trace(name) {
+            return Ok(Detected::ChromeTrace(Source::Local(path.to_path_buf())));
+        }
+        return Err(NotARun(format!(
+            "{} is not a run titan-obs can read (a file that is neither .jsonl nor .json); \
+             {WHAT_TO_PASS}",
+            path.display()
+        ))
+        .into());
     }
     if path.join("obs").is_dir() {
         return Ok(Detected::Titan);
+    }
+    if let Some(run) = titan_run_above(path) {
+        return Err(NotARun(format!(
+            "{} is inside the titan run {}: pass the run folder itself",
+            path.display(),
+            run.display()
+        ))
+        .into());
     }
     let logs = path.join(tt::STRUCTURED_LOGS_DIR);
     if logs.is_dir() {
@@ -132,12 +173,39 @@ fn detect_local(path: &Path) -> Result<Detected> {
     if names.iter().any(|n| is_trace(n)) {
         return Ok(Detected::ChromeTrace(Source::Local(path.to_path_buf())));
     }
-    bail!(
-        "{} is not a run titan-obs can read: expected a titan run ({0}/obs/rank-<R>/part-<N>.parquet), \
-         a torchtitan run ({0}/structured_logs/<source>.global_rank_<R>.<stamp>.jsonl or a folder of \
-         such files) or a Chrome trace (a .json file or a folder of them)",
+    Err(NotARun(format!(
+        "{} is not a run titan-obs can read: no obs/, structured_logs/, .jsonl or .json in it; \
+         {WHAT_TO_PASS}",
         path.display()
-    )
+    ))
+    .into())
+}
+
+/// The titan run a folder inside it belongs to: `RUN/obs` or `RUN/obs/rank-<R>` -> `RUN`.
+fn titan_run_above(path: &Path) -> Option<PathBuf> {
+    let name = |p: &Path| p.file_name().and_then(|n| n.to_str()).map(str::to_owned);
+    let obs = if name(path).as_deref() == Some("obs") {
+        path.to_path_buf()
+    } else if name(path).is_some_and(|n| n.starts_with("rank-")) {
+        path.parent()
+            .filter(|p| name(p).as_deref() == Some("obs"))?
+            .to_path_buf()
+    } else {
+        return None;
+    };
+    let has_rank_dirs = std::fs::read_dir(&obs).ok()?.any(|e| {
+        e.ok()
+            .and_then(|e| e.file_name().into_string().ok())
+            .is_some_and(|n| n.starts_with("rank-"))
+    });
+    // `obs` with a relative path has the empty path as parent: the current directory.
+    let run = obs.parent()?;
+    let run = if run.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        run
+    };
+    has_rank_dirs.then(|| run.to_path_buf())
 }
 
 /// Loads the run at `run` once, whatever its format.
@@ -506,6 +574,21 @@ fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions)
                 error: format!("{e:#}"),
             }),
         }
+    }
+    if out.report.parts_read == 0 {
+        // Not one file parsed as a trace: the wrong input, not a trace with damage.
+        let why: Vec<String> = out
+            .report
+            .corrupt_parts
+            .iter()
+            .take(3)
+            .map(|c| format!("{}: {}", c.path, c.error))
+            .collect();
+        return Err(NotARun(format!(
+            "{run} is not a Chrome trace ({}); {WHAT_TO_PASS}",
+            why.join("; ")
+        ))
+        .into());
     }
     merger.publish(&mut out);
     let world = out.ranks.keys().next_back().map_or(0, |r| r + 1);

@@ -286,7 +286,10 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
         }
     }
 
-    // The rows themselves.
+    // The rows themselves. What was drawn in which colour feeds the legend, which names only
+    // that: a phase outside the window or deeper than --max-depth has no swatch to explain.
+    let mut drawn = vec![false; t.phases.len()];
+    let mut straggler_drawn = false;
     let mut span_cells = Vec::with_capacity(cols);
     let mut bar_cells = Vec::with_capacity(cols);
     for (r, &ry) in rows.iter().zip(&row_ys) {
@@ -311,8 +314,10 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
                 for (c, cell) in span_cells.iter().enumerate() {
                     let Some(cell) = cell else { continue };
                     let color = if cell.straggler {
+                        straggler_drawn = true;
                         rgb(STRAGGLER_INDEX)
                     } else {
+                        drawn[cell.phase as usize] = true;
                         rgb(phase_index(t.phase_name(cell.phase)))
                     };
                     let alpha = if cell.coverage >= 0.5 { 1.0 } else { 0.5 };
@@ -324,6 +329,8 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
                 let base = rgb(phase_index(t.phase_name(row.phase)));
                 for (c, cell) in bar_cells.iter().enumerate() {
                     let Some(cell) = cell else { continue };
+                    straggler_drawn |= cell.straggler;
+                    drawn[row.phase as usize] |= !cell.straggler;
                     let (color, alpha) = match (cell.spread, cell.straggler) {
                         (_, true) => (rgb(STRAGGLER_INDEX), 0.8),
                         (Spread::AllRanks, _) => (base, 1.0),
@@ -349,21 +356,26 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
     // Legend.
     let mut lx = plot_x;
     let mut ly = plot_bottom + 12.0;
-    let mut entries: Vec<(String, Rgb)> = t
+    // (text, swatch colour; None: a note without a swatch).
+    let mut entries: Vec<(String, Option<Rgb>)> = t
         .phase_order
         .iter()
+        .filter(|&&p| drawn.get(p as usize).copied().unwrap_or(false))
         .map(|&p| {
             (
                 t.phase_name(p).to_string(),
-                rgb(phase_index(t.phase_name(p))),
+                Some(rgb(phase_index(t.phase_name(p)))),
             )
         })
         .collect();
-    entries.push((
-        "straggler (as titan-obs summary), above the median".into(),
-        rgb(STRAGGLER_INDEX),
-    ));
-    // The headline of the analysis: who the others waited for, and after which phase.
+    if straggler_drawn {
+        entries.push((
+            "straggler (as titan-obs summary), above the median".into(),
+            Some(rgb(STRAGGLER_INDEX)),
+        ));
+    }
+    // The headline of the analysis: who the others waited for, and after which phase. A
+    // finding about the whole run, not a colour in the picture: no swatch.
     if let Some(w) = t.analysis.waits.table.first() {
         entries.push((
             format!(
@@ -373,25 +385,28 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
                 w.steps_last,
                 dur(w.wait_caused_ns)
             ),
-            rgb(STRAGGLER_INDEX),
+            None,
         ));
     }
     for (name, color) in entries {
-        let w = 14.0 + (name.chars().count() as f32 + 2.0) * CHAR_W;
+        let swatch = if color.is_some() { 14.0 } else { 0.0 };
+        let w = swatch + (name.chars().count() as f32 + 2.0) * CHAR_W;
         if lx + w > width - 10.0 && lx > plot_x {
             lx = plot_x;
             ly += 14.0;
         }
-        prims.push(Prim::Rect {
-            x: lx,
-            y: ly,
-            w: 10.0,
-            h: 10.0,
-            color,
-            alpha: 1.0,
-        });
+        if let Some(color) = color {
+            prims.push(Prim::Rect {
+                x: lx,
+                y: ly,
+                w: 10.0,
+                h: 10.0,
+                color,
+                alpha: 1.0,
+            });
+        }
         prims.push(Prim::Text {
-            x: lx + 14.0,
+            x: lx + swatch,
             y: ly + 1.0,
             text: name,
             color: INK,
@@ -566,6 +581,29 @@ mod tests {
         assert!(s.contains(">4C</text>"));
         // Its forward_backward spans are painted red.
         assert!(s.contains("fill=\"#ff0000\""));
+    }
+
+    #[test]
+    fn legend_names_only_what_is_drawn() {
+        let t = timeline(&small()).unwrap();
+        // Top-level spans of step 2 only: no forward_backward (depth 1), so none of rank 2's
+        // red either.
+        let opts = GanttImageOptions {
+            max_depth: Some(0),
+            steps: Some((2, 2)),
+            ..Default::default()
+        };
+        let s = to_svg(&scene(&t, &opts).unwrap());
+        assert!(s.contains(">step</text>"), "{s}");
+        for absent in [
+            ">forward_backward</text>",
+            ">microbatch</text>",
+            ">optimizer_step</text>",
+            "straggler (as titan-obs summary)",
+            "fill=\"#ff0000\"",
+        ] {
+            assert!(!s.contains(absent), "{absent} in the legend of:\n{s}");
+        }
     }
 
     #[test]

@@ -3,7 +3,9 @@
 
 use ratatui::style::Color;
 
-const PALETTE: [u8; 12] = [167, 74, 143, 108, 179, 61, 132, 37, 173, 98, 150, 31];
+/// No reds, salmons or oranges: the straggler red ([`STRAGGLER`]) must stand out from every
+/// phase (167 salmon, where `broadcast` hashed, and 173 light salmon read as it).
+const PALETTE: [u8; 12] = [67, 74, 143, 108, 179, 61, 132, 37, 140, 98, 150, 31];
 
 /// xterm-256 colour index of a phase.
 pub fn phase_index(name: &str) -> u8 {
@@ -28,7 +30,7 @@ pub fn phase_index(name: &str) -> u8 {
         "checkpoint" | "checkpoint_save" => 170,
         "checkpoint_load" => 176,
         "validation" => 44,
-        "gc" => 130,
+        "gc" => 101,
         "collect_dist_metrics" => 139,
         "tokenizer" => 102,
         "dataloader" => 136,
@@ -90,6 +92,54 @@ pub fn rgb(index: u8) -> (u8, u8, u8) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Euclidean RGB distance.
+    fn distance(a: u8, b: u8) -> f64 {
+        let ((r1, g1, b1), (r2, g2, b2)) = (rgb(a), rgb(b));
+        let d = |x: u8, y: u8| (f64::from(x) - f64::from(y)).powi(2);
+        (d(r1, r2) + d(g1, g2) + d(b1, b2)).sqrt()
+    }
+
+    #[test]
+    fn no_phase_colour_is_near_the_straggler_red() {
+        // Every fixed name, a spread of other names (palette colours), every palette entry.
+        let mut names: Vec<String> = [
+            "step",
+            "data_loading",
+            "forward_backward",
+            "microbatch",
+            "forward",
+            "backward",
+            "optimizer",
+            "optimizer_step",
+            "checkpoint",
+            "checkpoint_load",
+            "validation",
+            "gc",
+            "collect_dist_metrics",
+            "tokenizer",
+            "dataloader",
+            "model_build",
+            "parallelism",
+            "teardown",
+            "build",
+            "init",
+        ]
+        .map(String::from)
+        .to_vec();
+        names.extend((0..200).map(|i| format!("phase_{i}")));
+        for n in &names {
+            let d = distance(phase_index(n), STRAGGLER_INDEX);
+            assert!(
+                d >= 150.0,
+                "`{n}` ({}) is {d:.0} from the straggler red",
+                phase_index(n)
+            );
+        }
+        for &p in &PALETTE {
+            assert!(distance(p, STRAGGLER_INDEX) >= 150.0, "palette {p}");
+        }
+    }
 
     #[test]
     fn xterm_cube_and_grey() {

@@ -123,25 +123,49 @@ fn draw_title(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View, chrome: &Chr
         Mode::Lanes => "lanes",
         Mode::Collapsed => "collapsed: min/median/max across ranks",
     };
-    let mut text = format!(
-        " titan-obs  {}  │ {} ranks, {} lanes, {} spans, {} steps │ {mode}",
-        t.title,
-        t.ranks.len(),
-        t.lanes.len(),
-        t.span_count,
-        t.steps.len()
-    );
+    // (priority, text): when the line is wider than the screen the lowest priorities go
+    // first, so the finding (who the others wait for) outlives the counts and the mode.
+    let mut parts: Vec<(u8, String)> = vec![
+        (9, format!(" titan-obs  {}  ", t.title)),
+        (
+            1,
+            format!(
+                " {} ranks, {} lanes, {} spans, {} steps ",
+                t.ranks.len(),
+                t.lanes.len(),
+                t.span_count,
+                t.steps.len()
+            ),
+        ),
+        (2, format!(" {mode} ")),
+    ];
     if let Some((rank, phase)) = t.late_rank() {
-        text.push_str(&format!(" │ waiting on r{rank} ({phase})"));
+        parts.push((8, format!(" waiting on r{rank} ({phase}) ")));
     }
     if let Some(f) = &chrome.follow {
-        text.push_str(&format!(" │ {f}"));
+        parts.push((7, format!(" {f} ")));
     }
     if !t.warnings.is_empty() {
-        text.push_str(&format!(" │ ⚠ {}", t.warnings[0]));
+        let mut w = format!(" ⚠ {}", t.warnings[0]);
         if t.warnings.len() > 1 {
-            text.push_str(&format!(" (+{} more)", t.warnings.len() - 1));
+            w.push_str(&format!(" (+{} more)", t.warnings.len() - 1));
         }
+        parts.push((3, w));
+    }
+    let join = |parts: &[(u8, String)]| {
+        parts
+            .iter()
+            .map(|(_, p)| p.as_str())
+            .collect::<Vec<_>>()
+            .join("│")
+    };
+    let mut text = join(&parts);
+    while text.trim_end().chars().count() > area.width as usize && parts.len() > 1 {
+        let lowest = (0..parts.len())
+            .min_by_key(|&i| parts[i].0)
+            .expect("non-empty");
+        parts.remove(lowest);
+        text = join(&parts);
     }
     buf.set_stringn(
         area.x,
@@ -861,36 +885,100 @@ pub const HELP: &[(&str, &str)] = &[
     ("Esc", "clear selection, close help"),
     (
         "c",
-        "collapse: one lane per phase (min/median/max across ranks)",
+        "collapse: one lane per phase, min/median/max over ranks",
     ),
     ("m / s", "toggle metrics charts / phase summary"),
     ("?", "this help"),
     ("q / Ctrl+C", "quit"),
 ];
 
+/// What the help box says below the keys: the marks on screen that no key explains.
+pub const HELP_NOTES: &[&str] = &[
+    "rN: rank N's top-level spans; d1 d2 d3: its spans nested 1, 2, 3 deep",
+    "rN late: the rank the others waited for (title: waiting on rN)",
+    "▓ red: a straggler's span (as `titan-obs summary`), above the median",
+    "step row: C checkpoint, V validation, G gc (garbage collection)",
+];
+
+/// Width of the key column of the help box: the longest key and two spaces.
+fn help_key_width() -> usize {
+    HELP.iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(0)
+        + 2
+}
+
+/// The help box's lines, each at most `width` columns: descriptions wrap under their
+/// description column, notes under their first character, so nothing is cut at any width.
+fn help_lines(width: usize) -> Vec<Line<'static>> {
+    let kw = help_key_width();
+    let mut lines = Vec::new();
+    for (k, d) in HELP {
+        let text_w = width.saturating_sub(kw + 1).max(8);
+        for (i, part) in wrap_words(d, text_w).into_iter().enumerate() {
+            let key = if i == 0 { *k } else { "" };
+            lines.push(Line::from(vec![
+                Span::styled(format!(" {key:<kw$}"), Style::new().fg(Color::Yellow)),
+                Span::raw(part),
+            ]));
+        }
+    }
+    lines.push(Line::from(""));
+    for note in HELP_NOTES {
+        for (i, part) in wrap_words(note, width.saturating_sub(3).max(8))
+            .into_iter()
+            .enumerate()
+        {
+            let indent = if i == 0 { " " } else { "   " };
+            lines.push(Line::from(format!("{indent}{part}")));
+        }
+    }
+    lines
+}
+
+/// Greedy word wrap into lines of at most `width` characters (a longer word is split).
+fn wrap_words(text: &str, width: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for word in text.split(' ') {
+        let mut word: Vec<char> = word.chars().collect();
+        while word.len() > width {
+            if !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+            }
+            out.push(word.drain(..width).collect());
+        }
+        let n = cur.chars().count();
+        if n > 0 && n + 1 + word.len() > width {
+            out.push(std::mem::take(&mut cur));
+        }
+        if !cur.is_empty() {
+            cur.push(' ');
+        }
+        cur.extend(word);
+    }
+    out.push(cur);
+    out
+}
+
 fn draw_help(f: &mut Frame, area: Rect) {
-    let w = 72.min(area.width);
-    let h = (HELP.len() as u16 + 6).min(area.height);
+    // As wide as the longest line needs, at most the screen; then as tall as the lines
+    // wrapped to that width need. Only a screen too small for the wrapped text cuts it.
+    let widest = help_lines(usize::MAX / 2)
+        .iter()
+        .map(Line::width)
+        .max()
+        .unwrap_or(0);
+    let w = (widest as u16 + 3).min(area.width);
+    let lines = help_lines(w.saturating_sub(3) as usize);
+    let h = (lines.len() as u16 + 2).min(area.height);
     let r = Rect {
         x: area.x + (area.width - w) / 2,
         y: area.y + (area.height - h) / 2,
         width: w,
         height: h,
     };
-    let mut lines: Vec<Line> = HELP
-        .iter()
-        .map(|(k, d)| {
-            Line::from(vec![
-                Span::styled(format!(" {k:<20}"), Style::new().fg(Color::Yellow)),
-                Span::raw(*d),
-            ])
-        })
-        .collect();
-    lines.push(Line::from(""));
-    lines.push(Line::from(
-        " ▓ red = straggler (as `titan-obs summary`): above the median there",
-    ));
-    lines.push(Line::from(" step row: C checkpoint, V validation"));
     f.render_widget(Clear, r);
     f.render_widget(
         Paragraph::new(lines).block(Block::bordered().title(" keys (? or Esc closes) ")),

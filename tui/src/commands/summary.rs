@@ -114,14 +114,21 @@ pub fn render(s: &Summary, top: usize) -> String {
             hosts.join(", ")
         );
     }
-    let _ = writeln!(o, "\nphases (all ranks, all steps)");
+    // Sorted by total time, so a phase is not under its parent: nesting is a column of its
+    // own rather than an indentation that would read as a tree (`forward` under
+    // `all_reduce`).
+    let _ = writeln!(
+        o,
+        "\nphases (all ranks, all steps; by total time; depth 0 = top level)"
+    );
     let header = [
-        "phase", "count", "total", "mean", "p50", "p95", "max", "% step",
+        "phase", "depth", "count", "total", "mean", "p50", "p95", "max", "% step",
     ];
-    let mut rows: Vec<[String; 8]> = Vec::new();
+    let mut rows: Vec<[String; 9]> = Vec::new();
     for p in &s.phases {
         rows.push([
-            format!("{}{}", "  ".repeat(p.depth as usize), p.name),
+            p.name.clone(),
+            p.depth.to_string(),
             p.count.to_string(),
             human_ns(p.total_ns as f64),
             human_ns(p.mean_ns),
@@ -136,7 +143,7 @@ pub fn render(s: &Summary, top: usize) -> String {
         &mut o,
         &header,
         &rows,
-        &[false, true, true, true, true, true, true, true],
+        &[false, true, true, true, true, true, true, true, true],
     );
 
     let _ = writeln!(
