@@ -6,7 +6,7 @@
 #
 #   bash bench/trainer/parity.sh [STEPS] [RESUME_AT] [RTOL]
 #
-# Needs scripts/setup.sh's environments and a release build (cargo build --release -p titan-train).
+# Needs scripts/setup.sh's environments; builds titan-train in release unless TITAN_TRAIN names a binary.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -15,7 +15,7 @@ resume_at=${2:-5}
 rtol=${3:-1e-5}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-titan="$root/target/release/titan-train"
+titan="${TITAN_TRAIN:-$root/target/release/titan-train}"
 [ -x "$titan" ] || cargo build --release -p titan-train
 layouts=(
   "single:1:1:"

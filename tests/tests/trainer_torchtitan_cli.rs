@@ -189,3 +189,21 @@ fn a_setting_whose_prerequisite_is_off_warns_naming_both() {
         text(&o)
     );
 }
+
+#[test]
+fn help_shows_both_command_lines_and_the_values_a_bare_run_uses() {
+    let o = titan_train(&["--help"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let help = String::from_utf8_lossy(&o.stdout);
+    // A bare run trains the embedded debug config: 50 steps of seq_len 256, warmup 2.
+    for line in [
+        "--training.steps 50\n",
+        "--training.seq_len 256\n",
+        "--lr_scheduler.warmup_steps 2\n",
+        "--module llama3 --config NAME",
+        "llama3_debugmodel",
+    ] {
+        assert!(help.contains(line), "--help lacks {line:?}:\n{help}");
+    }
+    assert!(!help.contains("--training.steps 10000\n"), "{help}");
+}

@@ -43,7 +43,10 @@ const TITAN_TRAIN: Bin = Bin::new(
 );
 
 fn help() -> String {
-    let defaults = serde_json::to_value(JobConfig::default()).expect("defaults serialize");
+    // The values a bare `titan-train` runs with: the embedded debug config over the key defaults.
+    let bare = JobConfig::load(&command_line::CommandLine::default())
+        .expect("the embedded default config loads");
+    let defaults = serde_json::to_value(bare).expect("defaults serialize");
     let mut keys = String::new();
     if let serde_json::Value::Object(sections) = defaults {
         for (section, body) in sections {
@@ -94,7 +97,8 @@ fn help() -> String {
          {logging} titan-train logs on stdout, at info by default.\n\
          \n\
          {launch_help}\n\n\
-         KEYS (with defaults):\n{keys}",
+         KEYS (with the values a bare `titan-train` uses: the embedded {default_file} over the key\n\
+         defaults; --job.config_file or --module/--config start from their own values):\n{keys}",
         default_file = config::DEFAULT_CONFIG_FILE,
         registry = command_line::REGISTRY
             .iter()

@@ -99,6 +99,49 @@ pub fn peak_flops(device: Device, configured_tflops: f64) -> f64 {
     }
 }
 
+/// The tokens and the training time behind one logged throughput: the steps since the last
+/// logged step, minus the time spent outside training in between (validation), so tokens/s,
+/// TFLOPS and MFU cover the same tokens and the same training time.
+#[derive(Debug, Clone)]
+pub struct ThroughputWindow {
+    start: std::time::Instant,
+    excluded: std::time::Duration,
+    tokens: i64,
+}
+
+impl ThroughputWindow {
+    pub fn new(now: std::time::Instant) -> Self {
+        Self {
+            start: now,
+            excluded: std::time::Duration::ZERO,
+            tokens: 0,
+        }
+    }
+
+    /// A step's input tokens.
+    pub fn add_tokens(&mut self, tokens: i64) {
+        self.tokens += tokens;
+    }
+
+    /// Time inside the window that was not training (validation).
+    pub fn exclude(&mut self, not_training: std::time::Duration) {
+        self.excluded += not_training;
+    }
+
+    /// Tokens per second of training time up to `now`.
+    pub fn tokens_per_second(&self, now: std::time::Instant) -> f64 {
+        let training = now
+            .saturating_duration_since(self.start)
+            .saturating_sub(self.excluded);
+        self.tokens as f64 / training.as_secs_f64().max(1e-9)
+    }
+
+    /// Starts the next window at `now` (after a logged step).
+    pub fn restart(&mut self, now: std::time::Instant) {
+        *self = Self::new(now);
+    }
+}
+
 /// The metrics of one logged training step: one rank's, or reduced across ranks.
 #[derive(Debug, Clone, Serialize)]
 pub struct StepMetrics {
@@ -204,6 +247,24 @@ pub fn suffix(r: Reduce) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn throughput_leaves_validation_time_out() {
+        use std::time::{Duration, Instant};
+        let t0 = Instant::now();
+        let mut w = ThroughputWindow::new(t0);
+        // 5 steps of 1000 tokens in 5 s of training, then 5 s of validation, then 5 more steps
+        // in 5 s: 10000 tokens over 10 s of training.
+        w.add_tokens(5000);
+        w.exclude(Duration::from_secs(5));
+        w.add_tokens(5000);
+        let tps = w.tokens_per_second(t0 + Duration::from_secs(15));
+        assert!((tps - 1000.0).abs() < 1e-6, "{tps}");
+        w.restart(t0 + Duration::from_secs(15));
+        w.add_tokens(3000);
+        let tps = w.tokens_per_second(t0 + Duration::from_secs(18));
+        assert!((tps - 1000.0).abs() < 1e-6, "{tps}");
+    }
 
     #[test]
     fn console_line_has_torchtitan_names() {

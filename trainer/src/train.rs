@@ -432,8 +432,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         last_loss: None,
         last_validation_loss: None,
     };
-    let mut window_start = Instant::now();
-    let mut window_tokens = 0i64;
+    let mut window = metrics::ThroughputWindow::new(Instant::now());
 
     for step in resumed_step + 1..=cfg.training.steps {
         titan_obs::set_step(step);
@@ -453,7 +452,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         let local_tokens: i64 = batches.iter().map(|b| count_valid(&b.labels)).sum();
         let global_tokens = dp.global_valid_tokens(local_tokens)?;
         let step_input_tokens = batches.iter().map(|b| b.inputs.numel() as i64).sum::<i64>();
-        window_tokens += step_input_tokens;
+        window.add_tokens(step_input_tokens);
 
         let mut local_loss = 0.0f64;
         {
@@ -506,8 +505,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
 
         if step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps {
             let _s = titan_obs::span(titan::COLLECT_DIST_METRICS);
-            let elapsed = window_start.elapsed().as_secs_f64();
-            let tps = window_tokens as f64 / elapsed.max(1e-9);
+            let tps = window.tokens_per_second(Instant::now());
             let (rss, peak_rss) = metrics::rss_bytes();
             let memory = if device.is_cuda() {
                 metrics::cuda_process_memory_bytes().unwrap_or(0)
@@ -554,8 +552,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
             }
             summary.first_loss.get_or_insert(m.loss);
             summary.last_loss = Some(m.loss);
-            window_start = Instant::now();
-            window_tokens = 0;
+            window.restart(Instant::now());
         }
 
         if let Some(loader) = val_loader.as_mut()
@@ -581,8 +578,9 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 tb.scalars(step, &v.console_scalars())?;
             }
             summary.last_validation_loss = Some(v.loss);
-            // Validation time is not training throughput.
-            window_start = Instant::now();
+            // Validation time is not training time: the next logged throughput leaves it out
+            // (its tokens are the steps' since the last logged step).
+            window.exclude(std::time::Duration::from_secs_f64(v.seconds));
         }
 
         if cfg.training.gc_freq > 0 && step % cfg.training.gc_freq == 0 {
