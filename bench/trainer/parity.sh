@@ -4,7 +4,10 @@
 # torchtitan's seed checkpoint and resume once in the middle; per-step losses and grad norms must
 # agree to RTOL (relative). Prints one line per step and layout, then a JSON summary.
 #
-#   bash bench/trainer/parity.sh [STEPS] [RESUME_AT] [RTOL]
+#   bash bench/trainer/parity.sh [STEPS] [RESUME_AT] [RTOL] [GRAD_RTOL]
+#
+# RTOL bounds the losses (default 1e-5), GRAD_RTOL the grad norms (default 1e-4: across ranks the
+# grad norm moves at the 1e-5 level with how the batch is split into GEMMs; docs/training.md).
 #
 # Needs scripts/setup.sh's environments; builds titan-train in release unless TITAN_TRAIN names a binary.
 set -euo pipefail
@@ -13,6 +16,7 @@ cd "$root"
 steps=${1:-10}
 resume_at=${2:-5}
 rtol=${3:-1e-5}
+grad_rtol=${4:-1e-4}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 titan="${TITAN_TRAIN:-$root/target/release/titan-train}"
@@ -27,4 +31,4 @@ layouts=(
   "ac_full:1:1:activation_checkpoint:full"
 )
 exec .venv-tt/bin/python tests/python/tt_parity.py compare "$work" "$titan" "${layouts[@]}" \
-  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol"
+  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
