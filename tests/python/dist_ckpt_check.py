@@ -7,6 +7,7 @@ usage: dist_ckpt_check.py CHECKPOINT_DIR WORLD_SIZE
 """
 
 import json
+import pickle
 import os
 import sys
 import warnings
@@ -40,8 +41,9 @@ for key, item in md.state_dict_metadata.items():
 assert sd["dataloader.world_size"] == world, sd["dataloader.world_size"]
 ranks = []
 for r in range(world):
-    state = json.loads(sd[f"dataloader.dp_rank_{r}"])
-    assert state["dp_rank"] == r and state["dp_world"] == world, state
+    # torchtitan's format (a pickled StatefulDataLoader state that titan wrote); each rank its own.
+    state = pickle.loads(sd[f"dataloader.dp_rank_{r}"])
+    assert state["dataset_state"]["sample_idx"] > 0, state
     ranks.append(r)
 
 chunks = {

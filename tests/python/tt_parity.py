@@ -132,6 +132,9 @@ def main():
     ap.add_argument("--grad-rtol", type=float, default=None,
                     help="relative tolerance for grad norms (default: --rtol)")
     ap.add_argument("--only", choices=["both", "titan", "torchtitan"], default="both")
+    ap.add_argument("--cross", action="store_true",
+                    help="also resume titan-train from torchtitan's checkpoint at RESUME_AT (model, "
+                         "optimizer, lr, data position) and compare its steps with torchtitan's")
     ap.add_argument("--docs", type=int, default=None,
                     help="keep only the first N documents (a small N makes the runs re-loop the data)")
     a = ap.parse_args(sys.argv[2:])
@@ -171,6 +174,18 @@ def main():
                         titan(a.titan_train, titan_n, args)
                 rows = read_jsonl(losses) if who == "torchtitan" else read_jsonl(os.path.join(dump, "metrics.jsonl"), "train")
                 result[f"{who}_{mode}"] = rows
+        if a.cross and a.only == "both":
+            # torchtitan trains to RESUME_AT and saves; titan-train resumes from that checkpoint in
+            # the same folder and trains on: its steps must be torchtitan's unbroken run's.
+            dump = os.path.join(a.workdir, f"{name}-cross")
+            ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
+                    "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
+            losses = os.path.join(dump, "parity_losses.jsonl")
+            torchtitan(tt_n, common_args(assets, a.resume_at, a.steps) + ["--dump_folder", dump] + ckpt + extra, losses)
+            titan(a.titan_train, titan_n, common_args(assets, a.steps, a.steps) + ["--dump_folder", dump] + ckpt + extra)
+            first = [r for r in read_jsonl(losses) if r["step"] <= a.resume_at]
+            rest = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] > a.resume_at]
+            result["torchtitan_then_titan"] = first + rest
         summary["layouts"][name] = result
 
         # Every run against torchtitan's unbroken run: each logged every step once (a resumed

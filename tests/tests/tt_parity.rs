@@ -4,6 +4,10 @@
 //! and `tokenizer.json`, in fp32: every step's loss and grad norm agree to 1e-5 relative, in an
 //! unbroken run and in one resumed from a checkpoint in the middle.
 //!
+//! The 1-process test also switches trainers mid-run: torchtitan trains 3 steps and saves, and
+//! titan-train resumes from torchtitan's checkpoint (model, optimizer, lr schedule, the
+//! dataloader's pickled position) and trains on as torchtitan's unbroken run does.
+//!
 //! Layouts in CI: 1 process, and 2 data-parallel ranks (torchtitan's FSDP2 against titan's data
 //! parallelism), in fp32; and 1 process in bf16 mixed precision. The full matrix is
 //! `bash bench/trainer/parity.sh`.
@@ -87,8 +91,14 @@ fn assert_trained(summary: &serde_json::Value, layout: &str, steps: u64) {
 
 #[test]
 fn one_process_matches_torchtitan_losses_and_grad_norms() {
-    let s = compare(&["single:1:1:"], 6, 3, 1e-5, 1e-5, &[]);
+    let s = compare(&["single:1:1:"], 6, 3, 1e-5, 1e-5, &["--cross"]);
     assert_trained(&s, "single", 6);
+    // titan-train resumed torchtitan's own checkpoint (model, optimizer, lr, data position):
+    // the run that switched trainers at step 3 logged every step within the tolerance.
+    let cross = s["layouts"]["single"]["torchtitan_then_titan"]
+        .as_array()
+        .expect("the cross run");
+    assert_eq!(cross.len(), 6);
 }
 
 #[test]

@@ -197,6 +197,7 @@ impl Checkpointer {
             model_only: false,
             exclude: self.cfg.exclude_from_loading.clone(),
             dp_rank,
+            dp_world: self.world.dp_degree() as u64,
             rank: self.world.rank as u64,
         };
         if let Some(step) = chosen {

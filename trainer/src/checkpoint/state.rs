@@ -173,8 +173,9 @@ pub fn stage(
             data: rng,
         }),
     );
-    let loader =
-        serde_json::to_vec(state.loader.state()).context("serializing the loader state")?;
+    // torchtitan's own format (a pickled StatefulDataLoader state), so either trainer resumes
+    // the other's data position.
+    let loader = state.loader.state().to_torchtitan_pickle();
     out.push(
         Some(DATALOADER),
         format!("dp_rank_{}", opts.dp_rank),
@@ -324,6 +325,8 @@ pub struct LoadOptions {
     /// `train_state`, or any state key prefix.
     pub exclude: Vec<String>,
     pub dp_rank: u64,
+    /// Data-parallel ranks of this run (a dataloader state saved by another count is refused).
+    pub dp_world: u64,
     pub rank: u64,
 }
 
@@ -380,10 +383,10 @@ pub fn apply(
         load_optimizer(src, state, device)?;
     }
     if !opts.excluded("train_state.", TRAIN_STATE) {
-        counters.step = src.tensor(&format!("{TRAIN_STATE}.step"))?.scalar_value()? as u64;
+        counters.step = saved_count(src, &format!("{TRAIN_STATE}.step"))?;
         let tokens = format!("{TRAIN_STATE}.ntokens_seen");
         if src.has(&tokens) {
-            counters.ntokens_seen = src.tensor(&tokens)?.scalar_value()? as u64;
+            counters.ntokens_seen = saved_count(src, &tokens)?;
         }
     }
     if !opts.excluded("dataloader.", DATALOADER) {
@@ -396,14 +399,32 @@ pub fn apply(
         let Value::Bytes(bytes) = src.object(&key)? else {
             bail!("dataloader state `{key}` is not a bytes value");
         };
-        let loader: LoaderState = serde_json::from_slice(&bytes).with_context(|| {
-            format!(
-                "dataloader state `{key}` is not titan-train's loader state (a checkpoint of \
-                 titan-train before per-document packing, or of torchtitan, whose state is a \
-                 pickle titan does not execute): add `--checkpoint.exclude_from_loading \
-                 dataloader` to start the data from its beginning"
-            )
-        })?;
+        let world_key = format!("{DATALOADER}.world_size");
+        let saved_world = if src.has(&world_key) {
+            match src.object(&world_key)? {
+                Value::Int(w) => w as u64,
+                other => bail!("`{world_key}` is {other:?}, not a count"),
+            }
+        } else {
+            opts.dp_world
+        };
+        if saved_world != opts.dp_world {
+            bail!(
+                "the dataloader state was saved by {saved_world} data-parallel ranks and this run has {}: \
+                 resharding it is not supported (torchtitan refuses it too); add \
+                 `--checkpoint.exclude_from_loading dataloader` to start the data from its beginning",
+                opts.dp_world
+            );
+        }
+        if bytes.first() != Some(&0x80) {
+            bail!(
+                "dataloader state `{key}` is not a pickled torchtitan loader state (a titan-train \
+                 checkpoint from before per-document packing?): add \
+                 `--checkpoint.exclude_from_loading dataloader` to start the data from its beginning"
+            );
+        }
+        let loader =
+            LoaderState::from_torchtitan_pickle(&bytes, opts.dp_rank as u64, opts.dp_world, &key)?;
         state.loader.load_state(loader)?;
     }
     // Checkpoints from torch/torchtitan have no RNG state: then the seed's stream goes on.
@@ -427,6 +448,23 @@ pub fn apply(
         );
     }
     Ok(counters)
+}
+
+/// A counter of `train_state`: a 0-dim tensor (older torchtitan, titan-train) or a plain int
+/// object (torchtitan 0.3.0).
+fn saved_count(src: &dyn StateSource, key: &str) -> Result<u64> {
+    let value = match src.tensor(key) {
+        Ok(t) => t.scalar_value()?,
+        Err(tensor_err) => match src.object(key) {
+            Ok(Value::Int(v)) => v as f64,
+            Ok(other) => bail!("`{key}` is {other:?}, not a count"),
+            Err(_) => return Err(tensor_err),
+        },
+    };
+    if !(value >= 0.0 && value.fract() == 0.0) {
+        bail!("`{key}` is {value}, not a count");
+    }
+    Ok(value as u64)
 }
 
 /// The name `fqn` has in `src` as `key(name)`: torchtitan 0.3.0's or the older one.

@@ -42,6 +42,125 @@ pub struct LoaderState {
     /// dp rank and degree this state was written by (resuming on another layout is refused).
     pub dp_rank: u64,
     pub dp_world: u64,
+    /// Samples and batches handed out since the loader started (torch's StatefulDataLoader
+    /// counts them; torchtitan's checkpoints carry them).
+    #[serde(default)]
+    pub samples_yielded: u64,
+    #[serde(default)]
+    pub batches_yielded: u64,
+}
+
+impl LoaderState {
+    /// torchtitan's `dataloader.dp_rank_<r>` value: the pickled `state_dict()` of torchdata's
+    /// StatefulDataLoader (no workers) around the dataset's own state, so torchtitan resumes
+    /// from titan-train's checkpoints with the same data position.
+    pub fn to_torchtitan_pickle(&self) -> Vec<u8> {
+        use titan_dcp::pickle::{Protocol, Value, pickle};
+        let s = |k: &str| Value::str(k);
+        let int = |v: u64| Value::Int(v as i64);
+        let ids = |v: &[u32]| Value::List(v.iter().map(|&t| Value::Int(t.into())).collect());
+        let dataset = Value::Dict(vec![
+            (s("inputs_buffer"), ids(&self.inputs_buffer)),
+            (s("labels_buffer"), ids(&self.labels_buffer)),
+            (s("positions_buffer"), ids(&self.positions_buffer)),
+            (s("sample_idx"), int(self.sample_idx)),
+            (s("epoch"), int(self.epoch)),
+        ]);
+        let state = Value::Dict(vec![
+            (s("_index_sampler_state"), Value::None),
+            (
+                s("_sampler_iter_state"),
+                Value::Dict(vec![(s("samples_yielded"), int(self.samples_yielded))]),
+            ),
+            (s("_sampler_iter_yielded"), int(self.batches_yielded)),
+            (s("_num_yielded"), int(self.batches_yielded)),
+            (s("_IterableDataset_len_called"), Value::None),
+            (s("_shared_seed"), Value::None),
+            (
+                s("fetcher_state"),
+                Value::Dict(vec![
+                    (s("dataset_iter_state"), Value::None),
+                    (s("fetcher_ended"), Value::Bool(false)),
+                ]),
+            ),
+            (s("dataset_state"), dataset),
+            (s("_iterator_finished"), Value::Bool(false)),
+        ]);
+        pickle(&state, Protocol::new(4).expect("protocol 4 exists"))
+    }
+
+    /// Reads torchtitan's pickled loader state (written by torchtitan or by
+    /// [`LoaderState::to_torchtitan_pickle`]) without executing it: only its dicts, lists and
+    /// numbers are read, with the unpickler's limits. `key` names it in errors.
+    pub fn from_torchtitan_pickle(
+        bytes: &[u8],
+        dp_rank: u64,
+        dp_world: u64,
+        key: &str,
+    ) -> Result<Self> {
+        use titan_dcp::pickle::{Value, unpickle};
+        let root = unpickle(bytes)
+            .map_err(|e| anyhow::anyhow!("`{key}` is not a readable pickle: {e}"))?;
+        let get = |v: &'_ Value, name: &str| -> Option<Value> {
+            match v {
+                Value::Dict(items) => items
+                    .iter()
+                    .find(|(k, _)| k.as_str() == Some(name))
+                    .map(|(_, v)| v.clone()),
+                _ => None,
+            }
+        };
+        let Some(dataset) = get(&root, "dataset_state") else {
+            bail!("`{key}` has no `dataset_state`: not a torchtitan text dataloader's state");
+        };
+        let count = |v: Option<Value>, field: &str| -> Result<u64> {
+            match v {
+                None => Ok(0),
+                Some(v) => v
+                    .as_int()
+                    .and_then(|n| u64::try_from(n).ok())
+                    .ok_or_else(|| anyhow::anyhow!("`{key}`: `{field}` is not a count")),
+            }
+        };
+        let ids = |field: &str| -> Result<Vec<u32>> {
+            // torchtitan's states before per-document positions lack that buffer (it warns and
+            // starts it empty); the others are required.
+            let Some(v) = get(&dataset, field) else {
+                if field == "positions_buffer" {
+                    return Ok(Vec::new());
+                }
+                bail!("`{key}`: dataset_state has no `{field}`");
+            };
+            let Some(items) = v.as_seq() else {
+                bail!("`{key}`: `{field}` is a {}, not a list", v.kind());
+            };
+            items
+                .iter()
+                .map(|t| {
+                    t.as_int()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| {
+                            anyhow::anyhow!("`{key}`: `{field}` holds a non-token {t:?}")
+                        })
+                })
+                .collect()
+        };
+        let samples_yielded = count(
+            get(&root, "_sampler_iter_state").and_then(|v| get(&v, "samples_yielded")),
+            "samples_yielded",
+        )?;
+        Ok(LoaderState {
+            sample_idx: count(get(&dataset, "sample_idx"), "sample_idx")?,
+            epoch: count(get(&dataset, "epoch"), "epoch")?,
+            inputs_buffer: ids("inputs_buffer")?,
+            labels_buffer: ids("labels_buffer")?,
+            positions_buffer: ids("positions_buffer")?,
+            dp_rank,
+            dp_world,
+            samples_yielded,
+            batches_yielded: count(get(&root, "_num_yielded"), "_num_yielded")?,
+        })
+    }
 }
 
 /// One batch: `inputs`, `labels` and `positions`, each (B, seq_len) int64.
@@ -291,6 +410,8 @@ impl TextLoader {
         if samples.is_empty() {
             return Ok(None);
         }
+        self.state.samples_yielded += samples.len() as u64;
+        self.state.batches_yielded += 1;
         let shape = [samples.len() as i64, self.seq_len as i64];
         let column = |pick: fn(&Sample) -> &Vec<u32>| {
             let flat: Vec<i64> = samples
@@ -475,6 +596,22 @@ mod tests {
                 .load_state(serde_json::from_str(&saved).unwrap())
                 .is_err()
         );
+    }
+
+    #[test]
+    fn torchtitans_pickled_state_round_trips() {
+        let mut a = loader(1, 2, true);
+        for _ in 0..3 {
+            a.next_batch(Device::Cpu).unwrap();
+        }
+        let bytes = a.state().to_torchtitan_pickle();
+        let back = LoaderState::from_torchtitan_pickle(&bytes, 1, 2, "k").unwrap();
+        assert_eq!(&back, a.state());
+        assert_eq!((back.samples_yielded, back.batches_yielded), (6, 3));
+        let err = LoaderState::from_torchtitan_pickle(b"{}", 1, 2, "dataloader.dp_rank_1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("dataloader.dp_rank_1"), "{err}");
     }
 
     #[test]
