@@ -424,7 +424,7 @@ pub fn apply(
             );
         }
         let loader =
-            LoaderState::from_torchtitan_pickle(&bytes, opts.dp_rank as u64, opts.dp_world, &key)?;
+            LoaderState::from_torchtitan_pickle(&bytes, opts.dp_rank, opts.dp_world, &key)?;
         state.loader.load_state(loader)?;
     }
     // Checkpoints from torch/torchtitan have no RNG state: then the seed's stream goes on.
