@@ -8,8 +8,8 @@
 //! titan-train resumes from torchtitan's checkpoint (model, optimizer, lr schedule, the
 //! dataloader's pickled position) and trains on as torchtitan's unbroken run does.
 //!
-//! Layouts in CI: 1 process, and 2 data-parallel ranks (torchtitan's FSDP2 against titan's data
-//! parallelism), in fp32; and 1 process in bf16 mixed precision. The full matrix is
+//! Layouts in CI: 1 process, 2 data-parallel ranks (torchtitan's FSDP2 against titan's ZeRO-2)
+//! and 2 DDP ranks (both trainers), in fp32; 1 process in bf16 mixed precision. The full matrix is
 //! `bash bench/trainer/parity.sh`.
 //!
 //! Tolerances, from measurements (docs/training.md, "Parity with torchtitan"): fp32 losses 1e-5
@@ -106,6 +106,16 @@ fn one_process_matches_torchtitan_losses_and_grad_norms() {
 fn two_data_parallel_ranks_match_torchtitan_fsdp() {
     let s = compare(&["dp2:2:2:"], 6, 3, 1e-5, 1e-4, &[]);
     assert_trained(&s, "dp2", 6);
+}
+
+/// With DDP on both sides both trainers sum the grad norm in fp32 over the full gradients, and
+/// 2-rank grad norms meet 1e-5 too.
+#[test]
+fn two_ddp_ranks_match_torchtitan_ddp_losses_and_grad_norms() {
+    let layout = "ddp2:2:2:--parallelism.data_parallel_replicate_degree 2 \
+                  --parallelism.data_parallel_shard_degree 1";
+    let s = compare(&[layout], 6, 3, 1e-5, 1e-5, &[]);
+    assert_trained(&s, "ddp2", 6);
 }
 
 #[test]

@@ -349,8 +349,8 @@ impl DataParallel {
         Ok(())
     }
 
-    /// The global L2 norm of the (reduced) gradients: across shards for ZeRO-2, of the full
-    /// gradients for DDP.
+    /// The global L2 norm of the (reduced) gradients: across shards for ZeRO-2 (squares summed in
+    /// f64), of the full gradients for DDP (as torch computes it, in fp32).
     pub fn grad_norm(&mut self, params: &[Tensor]) -> Result<f64, CommError> {
         tch::no_grad(|| match &self.zero {
             Some(zero) => {
@@ -364,19 +364,12 @@ impl DataParallel {
                 self.shard_group.all_reduce(&sq, ReduceOp::Sum)?;
                 Ok(sq.double_value(&[0]).sqrt())
             }
+            // Every rank holds the full reduced gradients: the norm as torch's clip_grad_norm_
+            // computes it for DDP (fp32 norms per tensor, then their norm), so titan's DDP reports
+            // torchtitan's DDP value, with no host sync per parameter.
             None => {
-                let mut total = 0f64;
-                for p in params {
-                    let g = p.grad();
-                    if g.defined() {
-                        total += g
-                            .to_kind(Kind::Double)
-                            .square()
-                            .sum(Kind::Double)
-                            .double_value(&[]);
-                    }
-                }
-                Ok(total.sqrt())
+                let refs: Vec<&Tensor> = params.iter().collect();
+                Ok(crate::optim::total_grad_norm(&refs))
             }
         })
     }
