@@ -15,7 +15,7 @@
 //! Tolerances, from measurements (docs/training.md, "Parity with torchtitan"): fp32 losses 1e-5
 //! (measured <= 1.2e-7 at 1 and 2 ranks); fp32 grad norms 1e-5 at 1 process (measured 1.0e-6) and
 //! 1e-4 at 2 ranks (measured 4.0e-5: torch sums the total norm in fp32 — per tensor, under FSDP2
-//! per shard — which is off the exact norm by up to 8e-5 on this model; titan's multi-rank path
+//! per shard — which is off the exact norm by up to 8e-5 on this model; titan's ZeRO-2 path
 //! sums in f64, and its per-parameter gradients equal the one-process ones bit for bit when both
 //! ranks see the one-process batch); bf16 losses 1e-3 and grad norms 5e-3 (measured 3.7e-4 and
 //! 1.3e-3: torchtitan casts the parameters to bf16 through FSDP's MixedPrecisionPolicy,
