@@ -7,7 +7,7 @@
 #   bash bench/trainer/parity.sh [STEPS] [RESUME_AT] [RTOL] [GRAD_RTOL]
 #
 # RTOL bounds the losses (default 1e-5), GRAD_RTOL the grad norms (default 1e-4: torch sums the
-# total norm in fp32, off the exact norm by up to 8e-5 here; titan's multi-rank path sums in f64;
+# total norm in fp32, off the exact norm by up to 8e-5 here; titan's ZeRO-2 path sums in f64;
 # docs/training.md).
 #
 # Needs scripts/setup.sh's environments; builds titan-train in release unless TITAN_TRAIN names a binary.
