@@ -361,11 +361,11 @@ pub fn parse(args: Vec<String>) -> Result<CommandLine, ConfigError> {
 
 /// The registry entry `module`/`config`, or an error listing what there is.
 fn lookup(module: &str, config: &str) -> Result<&'static Registered, ConfigError> {
-    let modules: Vec<&str> = REGISTRY.iter().map(|r| r.module).collect();
-    if !modules.contains(&module) {
+    let modules: std::collections::BTreeSet<&str> = REGISTRY.iter().map(|r| r.module).collect();
+    if !modules.contains(module) {
         return Err(usage(format!(
             "--module `{module}` is not one titan-train trains (it has: {})",
-            dedup(modules).join(", ")
+            modules.into_iter().collect::<Vec<_>>().join(", ")
         )));
     }
     REGISTRY
@@ -382,11 +382,6 @@ fn lookup(module: &str, config: &str) -> Result<&'static Registered, ConfigError
                 known.join(", ")
             ))
         })
-}
-
-fn dedup(mut v: Vec<&str>) -> Vec<&str> {
-    v.dedup();
-    v
 }
 
 /// Adds `key` = `value` (key normalised, either spelling) to the overrides, or checks a

@@ -175,7 +175,7 @@ fn main() -> ExitCode {
     };
     init_logging(&cfg, &verbosity);
     for note in &command_line.notes {
-        tracing::info!("{note}");
+        tracing::warn!("{note}");
     }
     for warning in cfg.ignored_settings(&command_line.overrides) {
         tracing::warn!("{warning}");

@@ -352,23 +352,32 @@ pub fn varlen_attention(
     Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }
 
-/// What every block of one forward pass shares: the rotations for its tokens, its mask, and on
-/// CUDA the document offsets for the varlen kernel.
+/// What every block of one forward pass shares: the rotations for its tokens and how its tokens
+/// attend, both built once per forward pass.
 struct ForwardContext {
     rope: Tensor,
-    /// `None`: plain causal attention.
-    mask: Option<Tensor>,
-    /// `Some` on CUDA with document-causal attention: FlashAttention's varlen kernel takes
-    /// bf16/fp16 activations; fp32 ones use `mask`.
-    varlen: Option<(Tensor, i64)>,
+    attend: Attend,
+}
+
+/// How tokens attend in one forward pass.
+enum Attend {
+    /// Plain causal attention.
+    Causal,
+    /// SDPA with the document-causal mask (B, 1, S, S).
+    Masked(Tensor),
+    /// FlashAttention's varlen kernel over the packed documents: offsets and longest document.
+    Varlen(Tensor, i64),
 }
 
 impl ForwardContext {
     fn share(&self) -> ForwardContext {
         ForwardContext {
             rope: self.rope.shallow_clone(),
-            mask: self.mask.as_ref().map(Tensor::shallow_clone),
-            varlen: self.varlen.as_ref().map(|(o, l)| (o.shallow_clone(), *l)),
+            attend: match &self.attend {
+                Attend::Causal => Attend::Causal,
+                Attend::Masked(m) => Attend::Masked(m.shallow_clone()),
+                Attend::Varlen(o, l) => Attend::Varlen(o.shallow_clone(), *l),
+            },
         }
     }
 }
@@ -435,7 +444,8 @@ pub struct Llama {
     freqs_cis: Tensor,
     checkpointing: ActivationCheckpointing,
     attn_backend: AttnBackend,
-    /// FlashAttention's varlen kernel answered a probe on this device (CUDA builds with it).
+    /// Document-causal attention runs FlashAttention's varlen kernel: CUDA, bf16/fp16
+    /// activations, and the kernel answered a probe.
     varlen_kernel: bool,
 }
 
@@ -626,10 +636,13 @@ impl Llama {
         self.checkpointing
     }
 
-    /// Sets which tokens attend to which.
-    pub fn with_attn_backend(mut self, backend: AttnBackend) -> Self {
+    /// Sets which tokens attend to which; `activations` is the dtype attention will compute in
+    /// (FlashAttention's varlen kernel takes bf16/fp16 only).
+    pub fn with_attn_backend(mut self, backend: AttnBackend, activations: Kind) -> Self {
         self.attn_backend = backend;
-        self.varlen_kernel = backend.document_causal() && probe_varlen_kernel(self.device());
+        self.varlen_kernel = backend.document_causal()
+            && matches!(activations, Kind::BFloat16 | Kind::Half)
+            && probe_varlen_kernel(self.device());
         self
     }
 
@@ -643,13 +656,17 @@ impl Llama {
     pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
         let shape = BlockShape::of(&self.args);
         let seq_len = tokens.size()[1];
-        let document_causal = positions.filter(|_| self.attn_backend.document_causal());
+        let attend = match positions.filter(|_| self.attn_backend.document_causal()) {
+            None => Attend::Causal,
+            Some(p) if self.varlen_kernel => {
+                let (offsets, longest) = document_offsets(p);
+                Attend::Varlen(offsets, longest)
+            }
+            Some(p) => Attend::Masked(document_causal_mask(p)),
+        };
         let ctx = ForwardContext {
             rope: rope_for(&self.freqs_cis, seq_len, positions),
-            mask: document_causal.map(document_causal_mask),
-            varlen: document_causal
-                .filter(|_| self.varlen_kernel)
-                .map(document_offsets),
+            attend,
         };
         let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
         for (index, layer) in self.layers.iter().enumerate() {
@@ -775,12 +792,10 @@ fn attention(
     let v = mm.linear(x, &layer.wv).view([b, s, kvh, hd]);
     let q = apply_rotary_emb(&q, &ctx.rope);
     let k = apply_rotary_emb(&k, &ctx.rope);
-    if let Some((offsets, longest)) = &ctx.varlen
-        && matches!(q.kind(), Kind::BFloat16 | Kind::Half)
-    {
+    if let Attend::Varlen(offsets, longest) = &ctx.attend {
         // The packed tokens: rows are whole documents' runs (each row starts a document).
         let pack = |t: &Tensor, heads: i64| t.reshape([b * s, heads, hd]);
-        // The kernel answered the probe at build time ([`probe_varlen_kernel`]).
+        // The kernel answered the probe at build time ([`probe_varlen_kernel`]) for this dtype.
         let out = varlen_attention(
             &pack(&q, h),
             &pack(&k, kvh),
@@ -791,6 +806,10 @@ fn attention(
         .expect("the varlen kernel ran in the probe");
         return mm.linear(&out.reshape([b, s, h * hd]), &layer.wo);
     }
+    let mask = match &ctx.attend {
+        Attend::Masked(m) => Some(m),
+        Attend::Causal | Attend::Varlen(..) => None,
+    };
     let (k, v) = if kvh == h {
         (k, v)
     } else {
@@ -807,9 +826,9 @@ fn attention(
         &q.transpose(1, 2),
         &k.transpose(1, 2),
         &v.transpose(1, 2),
-        ctx.mask.as_ref(),
+        mask,
         0.0,
-        ctx.mask.is_none(),
+        mask.is_none(),
         None,
         false,
     );

@@ -46,6 +46,14 @@ impl Precision {
         }
     }
 
+    /// The dtype the matmuls and attention compute in, for parameters of `params`.
+    pub fn activation_kind(self, params: Kind) -> Kind {
+        match self {
+            Precision::Plain => params,
+            Precision::Autocast(kind) => kind,
+        }
+    }
+
     pub fn describe(self) -> String {
         match self {
             Precision::Plain => "none".into(),

@@ -347,7 +347,10 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
         let model = Llama::new(args, device)?
             .with_checkpointing(cfg.activation_checkpoint.policy())
-            .with_attn_backend(cfg.model.attn_backend);
+            .with_attn_backend(
+                cfg.model.attn_backend,
+                Precision::from_config(&cfg.training).activation_kind(cfg.training.dtype.kind()),
+            );
         if cfg.training.dtype != DtypeName::Float32 {
             model.cast_parameters(cfg.training.dtype.kind());
         }

@@ -101,19 +101,19 @@ impl LoaderState {
         use titan_dcp::pickle::{Value, unpickle};
         let root = unpickle(bytes)
             .map_err(|e| anyhow::anyhow!("`{key}` is not a readable pickle: {e}"))?;
-        let get = |v: &'_ Value, name: &str| -> Option<Value> {
+        fn get<'a>(v: &'a Value, name: &str) -> Option<&'a Value> {
             match v {
                 Value::Dict(items) => items
                     .iter()
                     .find(|(k, _)| k.as_str() == Some(name))
-                    .map(|(_, v)| v.clone()),
+                    .map(|(_, v)| v),
                 _ => None,
             }
-        };
+        }
         let Some(dataset) = get(&root, "dataset_state") else {
             bail!("`{key}` has no `dataset_state`: not a torchtitan text dataloader's state");
         };
-        let count = |v: Option<Value>, field: &str| -> Result<u64> {
+        let count = |v: Option<&Value>, field: &str| -> Result<u64> {
             match v {
                 None => Ok(0),
                 Some(v) => v
@@ -125,7 +125,7 @@ impl LoaderState {
         let ids = |field: &str| -> Result<Vec<u32>> {
             // torchtitan's states before per-document positions lack that buffer (it warns and
             // starts it empty); the others are required.
-            let Some(v) = get(&dataset, field) else {
+            let Some(v) = get(dataset, field) else {
                 if field == "positions_buffer" {
                     return Ok(Vec::new());
                 }
@@ -146,12 +146,12 @@ impl LoaderState {
                 .collect()
         };
         let samples_yielded = count(
-            get(&root, "_sampler_iter_state").and_then(|v| get(&v, "samples_yielded")),
+            get(&root, "_sampler_iter_state").and_then(|v| get(v, "samples_yielded")),
             "samples_yielded",
         )?;
         Ok(LoaderState {
-            sample_idx: count(get(&dataset, "sample_idx"), "sample_idx")?,
-            epoch: count(get(&dataset, "epoch"), "epoch")?,
+            sample_idx: count(get(dataset, "sample_idx"), "sample_idx")?,
+            epoch: count(get(dataset, "epoch"), "epoch")?,
             inputs_buffer: ids("inputs_buffer")?,
             labels_buffer: ids("labels_buffer")?,
             positions_buffer: ids("positions_buffer")?,
@@ -205,7 +205,8 @@ enum ShardOrder {
 
 /// torchtitan's seed for epoch `e`'s shuffle (`HuggingFaceTextDataset.reloop`).
 fn shuffle_seed(epoch: u64) -> u64 {
-    42 + epoch
+    // Saturating: a damaged checkpoint's epoch must not overflow.
+    epoch.saturating_add(42)
 }
 
 /// A packing, batching loader over one dataset for one dp rank.
@@ -218,6 +219,8 @@ pub struct TextLoader {
     infinite: bool,
     state: LoaderState,
     shard: Option<OpenShard>,
+    /// The dataset's document count, read once (a pass over its files).
+    total_docs: Option<u64>,
 }
 
 impl TextLoader {
@@ -242,6 +245,7 @@ impl TextLoader {
                 ..LoaderState::default()
             },
             shard: None,
+            total_docs: None,
         }
     }
 
@@ -287,8 +291,11 @@ impl TextLoader {
     }
 
     /// Opens this rank's shard at `sample_idx` of the current epoch.
-    fn open_shard(&self) -> Result<OpenShard> {
-        let total = self.dataset.count_docs()?;
+    fn open_shard(&mut self) -> Result<OpenShard> {
+        let total = match self.total_docs {
+            Some(n) => n,
+            None => *self.total_docs.insert(self.dataset.count_docs()?),
+        };
         let (start, end) = contiguous_shard(total, self.state.dp_world, self.state.dp_rank);
         let len = end - start;
         let mut stream = self.dataset.open()?;
