@@ -138,3 +138,57 @@ fn re_looped_data_follows_torchtitans_epoch_shuffle() {
     let s = compare(&["epochs:1:1:"], 6, 3, 1e-5, 1e-5, &["--docs", "6"]);
     assert_trained(&s, "epochs", 6);
 }
+
+/// torchtitan's own HuggingFaceTextDataLoader loads the `dataloader.dp_rank_0` state titan-train
+/// writes and hands out the batches an unbroken torchtitan loader does after the same steps.
+#[test]
+fn torchtitans_dataloader_resumes_the_state_titan_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "tests/python/tt_loader_resume.py";
+    let o = tt_python_script(script)
+        .arg("assets")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", output_text(&o));
+    let d = |p: &str| dir.path().join(p).display().to_string();
+    let o = titan_tests::titan_train()
+        .args(["--module", "llama3", "--config", "llama3_debugmodel"])
+        .args([
+            "--hf_assets_path",
+            &d("tokenizer"),
+            "--dataloader.dataset_path",
+            &d("c4_test"),
+        ])
+        .args([
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+        ])
+        .args([
+            "--training.steps",
+            "3",
+            "--training.mixed_precision_param",
+            "float32",
+        ])
+        .args(["--validator.no-enable", "--observability.enable=false"])
+        .args([
+            "--dump_folder",
+            &d("run"),
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "3",
+        ])
+        .arg("--checkpoint.no-last-save-model-only")
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", output_text(&o));
+    let o = tt_python_script(script)
+        .args(["check", &d(""), &d("run/checkpoint/step-3"), "64", "2", "3"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", output_text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("ok torchtitan's dataloader resumed"));
+}
