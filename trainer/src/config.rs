@@ -865,37 +865,51 @@ impl JobConfig {
     /// Settings given in `overrides` that do nothing because a key they depend on is off: one
     /// warning each, naming both keys (so a flag is never dropped in silence).
     pub fn ignored_settings(&self, overrides: &[Override]) -> Vec<String> {
-        let needs: &[(&str, &str, bool)] = &[
-            ("checkpoint.", "checkpoint.enable", self.checkpoint.enable),
-            ("validation.", "validation.enable", self.validation.enable),
+        // (keys this covers, the key they need, what it must be, whether it is).
+        let needs: &[(&str, &str, &str, bool)] = &[
+            (
+                "checkpoint.",
+                "checkpoint.enable",
+                "true",
+                self.checkpoint.enable,
+            ),
+            (
+                "validation.",
+                "validation.enable",
+                "true",
+                self.validation.enable,
+            ),
             (
                 "metrics.save_tb_folder",
                 "metrics.enable_tensorboard",
+                "true",
                 self.metrics.enable_tensorboard,
             ),
             (
                 "observability.",
                 "observability.enable",
+                "true",
                 self.observability.enable,
             ),
             (
                 "activation_checkpoint.selective_ac_option",
-                "activation_checkpoint.mode selective",
+                "activation_checkpoint.mode",
+                "selective",
                 self.activation_checkpoint.mode == AcMode::Selective,
             ),
             (
                 "training.mixed_precision_param",
-                "training.dtype float32 (bfloat16 weights are not autocast)",
+                "training.dtype",
+                "float32 (bfloat16 weights are not autocast)",
                 self.training.dtype == DtypeName::Float32,
             ),
         ];
         let mut warnings = Vec::new();
         for o in overrides {
-            for (key, prerequisite, on) in needs {
-                let owner = prerequisite.split(' ').next().unwrap_or(prerequisite);
-                if !on && o.key.starts_with(key) && o.key != owner {
+            for (covered, needed, value, on) in needs {
+                if !on && o.key.starts_with(covered) && o.key != *needed {
                     warnings.push(format!(
-                        "--{} has no effect: it needs {prerequisite}, which is off",
+                        "--{} has no effect: it needs {needed} {value}, which is not set",
                         o.key
                     ));
                 }

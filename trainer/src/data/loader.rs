@@ -20,15 +20,14 @@
 use std::sync::Arc;
 
 use anyhow::{Result, bail};
-use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
 
 use super::source::{Dataset, DocStream};
 use super::tokenizer::TextTokenizer;
 
-/// Where this rank's loader is in its shard (torchtitan's dataset `state_dict`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// Where this rank's loader is in its shard (torchtitan's dataset `state_dict`), stored in
+/// checkpoints in torchtitan's own format ([`LoaderState::to_torchtitan_pickle`]).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoaderState {
     /// Documents of this rank's shard read in this epoch.
     pub sample_idx: u64,
@@ -44,9 +43,7 @@ pub struct LoaderState {
     pub dp_world: u64,
     /// Samples and batches handed out since the loader started (torch's StatefulDataLoader
     /// counts them; torchtitan's checkpoints carry them).
-    #[serde(default)]
     pub samples_yielded: u64,
-    #[serde(default)]
     pub batches_yielded: u64,
 }
 
@@ -587,22 +584,19 @@ mod tests {
         for _ in 0..3 {
             a.next_batch(Device::Cpu).unwrap();
         }
-        let saved = serde_json::to_string(a.state()).unwrap();
+        let saved = a.state().to_torchtitan_pickle();
+        let restore = |rank, world| LoaderState::from_torchtitan_pickle(&saved, rank, world, "k");
         let take = |l: &mut TextLoader| {
             let b = l.next_batch(Device::Cpu).unwrap().unwrap();
             (rows(&b.inputs), rows(&b.labels), rows(&b.positions))
         };
         let want: Vec<_> = (0..4).map(|_| take(&mut a)).collect();
         let mut b = loader(0, 1, true);
-        b.load_state(serde_json::from_str(&saved).unwrap()).unwrap();
+        b.load_state(restore(0, 1).unwrap()).unwrap();
         let got: Vec<_> = (0..4).map(|_| take(&mut b)).collect();
         assert_eq!(got, want);
         let mut wrong = loader(1, 2, true);
-        assert!(
-            wrong
-                .load_state(serde_json::from_str(&saved).unwrap())
-                .is_err()
-        );
+        assert!(wrong.load_state(restore(0, 1).unwrap()).is_err());
     }
 
     #[test]
