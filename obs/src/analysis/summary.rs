@@ -408,14 +408,15 @@ fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i6
     let mut spans: HashMap<(u64, u32), Vec<usize>> = HashMap::new();
     let mut matches: HashMap<(NameId, u64), bool> = HashMap::new();
     for i in 0..t.len() {
-        if !candidate[t.name[i] as usize] {
+        // A name id outside the table (a damaged part) is no tag's phase.
+        if !candidate.get(t.name[i] as usize).copied().unwrap_or(false) {
             continue;
         }
         let Some(tags) = shape.step_tags.get(&t.step[i]) else {
             continue;
         };
         let hit = *matches.entry((t.name[i], t.step[i])).or_insert_with(|| {
-            let name = &t.names[t.name[i] as usize];
+            let name = &t.names[t.name[i] as usize]; // in range: `candidate` checked it
             tags.iter().any(|tag| is_tag_phase(name, tag))
         });
         if hit {
@@ -426,14 +427,15 @@ fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i6
         let ns = if t.has_start() {
             let mut iv: Vec<(i64, i64)> = idx
                 .iter()
-                .map(|&i| (t.start_ns[i], t.start_ns[i] + t.dur_ns[i]))
+                // Saturating: a damaged part's huge times must not overflow.
+                .map(|&i| (t.start_ns[i], t.start_ns[i].saturating_add(t.dur_ns[i])))
                 .collect();
             iv.sort_unstable();
             let (mut total, mut end) = (0i64, i64::MIN);
             for (s, e) in iv {
                 let s = s.max(end);
                 if e > s {
-                    total += e - s;
+                    total = total.saturating_add(e.saturating_sub(s));
                     end = e;
                 }
             }
@@ -447,7 +449,7 @@ fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i6
             idx.iter()
                 .filter(|&&i| !t.has_depth() || t.depth[i] == top)
                 .map(|&i| t.dur_ns[i])
-                .sum()
+                .fold(0i64, i64::saturating_add)
         };
         out.insert(key, ns);
     }

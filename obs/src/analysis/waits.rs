@@ -258,8 +258,9 @@ pub fn durations_without_waits(t: &SpanTable, waits: &Waits) -> Option<Vec<i64>>
                     None => d,
                     Some(v) => {
                         let s = t.start_ns[i];
-                        let waited = before(v, s + d) - before(v, s);
-                        (d - waited).max(0)
+                        // Saturating: a damaged part's huge times must not overflow.
+                        let waited = before(v, s.saturating_add(d)).saturating_sub(before(v, s));
+                        d.saturating_sub(waited).max(0)
                     }
                 }
             })
