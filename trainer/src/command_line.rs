@@ -87,6 +87,8 @@ const ALIASES: &[(&str, &str)] = &[
         "optimizer.weight_decay",
     ),
     ("debug.print_config", "job.print_config"),
+    // torchtitan's older spelling of `[memory_estimation]`'s switch.
+    ("memory_estimation.enabled", "memory_estimation.enable"),
 ];
 
 /// Values a [`NO_EFFECT`] key accepts.

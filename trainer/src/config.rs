@@ -609,6 +609,23 @@ impl Default for ActivationCheckpoint {
     }
 }
 
+/// `[memory_estimation]`: print the per-rank memory estimate for the config and layout and exit
+/// ([`crate::memory_estimate`]; no model is built, no rank started).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct MemoryEstimation {
+    /// torchtitan's key (`enabled` in its older releases, read as the same key).
+    pub enable: bool,
+    /// Print one JSON object instead of the table.
+    pub json: bool,
+    /// torchtitan runs its estimate on fake tensors unless this is set; titan-train's is
+    /// arithmetic and allocates nothing, fake or real: only false is accepted.
+    pub disable_fake_mode: bool,
+}
+
+/// Older torchtitan spellings a config file may use: (section, key, today's key).
+const FILE_ALIASES: &[(&str, &str, &str)] = &[("memory_estimation", "enabled", "enable")];
+
 impl Validation {
     /// Batch size and sequence length of a validation batch (unset: training's).
     pub fn batch_shape(&self, training: &Training) -> (usize, usize) {
@@ -653,6 +670,7 @@ pub struct JobConfig {
     pub comm: Comm,
     pub compile: Compile,
     pub activation_checkpoint: ActivationCheckpoint,
+    pub memory_estimation: MemoryEstimation,
 }
 
 /// One `--section.key value` from the command line, value still a string.
@@ -719,6 +737,10 @@ impl JobConfig {
                     });
                 };
                 for (key, value) in body {
+                    let key = FILE_ALIASES
+                        .iter()
+                        .find(|(s, k, _)| *s == section && *k == key)
+                        .map_or(key, |(_, _, to)| to.to_string());
                     let full = format!("{section}.{key}");
                     check_known(&schema, &section, &key, &origin)?;
                     let json = serde_json::to_value(&value).map_err(|e| ConfigError::BadValue {
@@ -1020,8 +1042,24 @@ impl JobConfig {
                 w(&d.comm.trace_buf_size),
                 " (no NCCL flight recorder)",
             ),
+            (
+                "memory_estimation.disable_fake_mode",
+                w(&self.memory_estimation.disable_fake_mode),
+                w(&d.memory_estimation.disable_fake_mode),
+                " (the estimate is arithmetic: it allocates no tensors, fake or real)",
+            ),
+        ];
+        // The estimate is arithmetic on the layout: it takes layouts training does not run yet.
+        let estimated = [
+            "parallelism.tensor_parallel_degree",
+            "parallelism.context_parallel_degree",
+            "parallelism.pipeline_parallel_degree",
+            "parallelism.fsdp_reshard_after_forward",
         ];
         for (key, value, default, note) in checks {
+            if self.memory_estimation.enable && estimated.contains(&key) {
+                continue;
+            }
             if value != default {
                 return Err(ConfigError::Unsupported {
                     key: key.into(),

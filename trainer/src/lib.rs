@@ -17,6 +17,7 @@
 //! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it; [`recompute`]:
 //!   activation checkpointing (regions recomputed in backward), which [`model`] applies per
 //!   `[activation_checkpoint]`.
+//! - [`memory_estimate`]: `--memory_estimation.enable`, per-rank memory by arithmetic.
 //! - [`train`]: the loop; [`metrics`]: console line, throughput, memory; [`tensorboard`]: event
 //!   files.
 
@@ -27,6 +28,7 @@ pub mod data;
 pub mod dist;
 pub mod hf;
 pub mod lr_scheduler;
+pub mod memory_estimate;
 pub mod metrics;
 pub mod model;
 pub mod names;

@@ -17,6 +17,7 @@ use titan_train::command_line;
 use titan_train::config::{self, JobConfig};
 use titan_train::dist::launch::{self, LaunchArgs};
 use titan_train::dist::{Backend, CommOptions, Dist, DistributedDp, LaunchEnv};
+use titan_train::memory_estimate;
 use titan_train::parallel::{SingleProcess, World};
 use titan_train::train::{self, TrainSummary};
 
@@ -180,6 +181,10 @@ fn main() -> ExitCode {
     for warning in cfg.ignored_settings(&command_line.overrides) {
         tracing::warn!("{warning}");
     }
+    if cfg.memory_estimation.enable {
+        // Arithmetic only: no model is built and no rank started.
+        return print_memory_estimate(&cfg, launch.as_ref());
+    }
     if let Some(launch) = launch {
         // The degrees are checked against the world before any rank starts.
         let world_size = launch.nproc_per_node * launch.nnodes;
@@ -229,6 +234,31 @@ fn main() -> ExitCode {
             TRAINING_FAILED.into()
         }
     }
+}
+
+/// `--memory_estimation.enable`: prints one rank's estimate for the job's world size (the
+/// launcher's `--nproc-per-node x --nnodes`, else WORLD_SIZE) once, from node 0's launcher or
+/// rank 0, and exits.
+fn print_memory_estimate(cfg: &JobConfig, launch: Option<&LaunchArgs>) -> ExitCode {
+    let (world_size, prints) = match launch {
+        Some(l) => (l.nproc_per_node * l.nnodes, l.node_rank == 0),
+        None => match LaunchEnv::from_process_env() {
+            Ok(env) => (env.world_size, env.rank == 0),
+            Err(e) => return usage_error(e),
+        },
+    };
+    let estimate = match memory_estimate::estimate(cfg, world_size) {
+        Ok(e) => e,
+        Err(e) => return usage_error(format!("{e:#}")),
+    };
+    if prints {
+        if cfg.memory_estimation.json {
+            println!("{}", estimate.to_json());
+        } else {
+            print!("{}", estimate.table());
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 /// Logs on stdout (with the metrics lines, as torchtitan does) at info, or as -v/-q/RUST_LOG say.

@@ -1,0 +1,913 @@
+//! `titan-train --memory_estimation.enable`: the per-rank memory of a training step for a config
+//! and a layout, by arithmetic on the model's shapes. No tensor is allocated, no rank started.
+//!
+//! torchtitan's own estimator (`scripts/estimate/estimation.py`, section `[memory_estimation]`,
+//! key `enabled`, later `enable`) builds the model under `FakeTensorMode` and runs two steps with
+//! `FSDPMemTracker`; titan-train computes the same quantities from the shapes instead, which needs
+//! no device and works for any layout (TP, PP, CP included, which torchtitan's estimator skips).
+//!
+//! # What a rank holds
+//!
+//! The model is FSDP2 + torchtitan's llama3 tensor-parallel plan (sequence parallel on, loss
+//! parallel unless `parallelism.disable_loss_parallel`), on torchtitan's mesh: `World::new`
+//! resolves `dp_replicate x dp_shard x cp x tp x pp = world size` (the -1 rule). Notation:
+//! `N = dp_shard x cp` (torchtitan's `fsdp` mesh: FSDP shards over data *and* context ranks;
+//! `dp_replicate` replicates, so it divides nothing), `t = tp`, `L` layers (`ceil(L / pp)` per
+//! pipeline stage), `d` dim, `h`/`k` query/kv heads, `e` head dim, `F` FFN hidden dim, `V`
+//! vocabulary, `B` local batch, `S` sequence, `T = B x S / cp` tokens per rank.
+//!
+//! **Shapes per rank.** TP splits each weight as torchtitan's plan does (column-wise `wq`, `wk`,
+//! `wv`, `w1`, `w3`, `tok_embeddings`, `lm_head`: rows / t; row-wise `wo`, `w2`: columns / t; the
+//! norms replicated). FSDP2 then chunks dim 0 of every parameter's local tensor into `N` parts,
+//! each `ceil(rows / N)` rows (the last padded), so a rank holds `ceil(rows / N) x cols` elements
+//! of each parameter and an all-gather materialises `N x ceil(rows / N) x cols` (padded).
+//!
+//! | term | formula (per rank) |
+//! |---|---|
+//! | parameter shards | `sum_p ceil(rows_p / N) x cols_p x` bytes of `training.dtype` (fp32 master weights) |
+//! | all-gathered blocks | `2 x` one block's padded unsharded size `x` bytes of the param dtype: the block computing and the one FSDP2 prefetches; every block of the stage when blocks are not resharded after forward (`fsdp_reshard_after_forward = never`, or `default` with PP) |
+//! | norm + output kept | `norm` + `lm_head` unsharded in the param dtype: torchtitan does not reshard them after forward unless `always` |
+//! | tok_embeddings kept | unsharded in the param dtype when blocks are not resharded after forward |
+//! | gradient shards | the parameter shards' size in `training.dtype` (FSDP2 casts the reduced gradient to the sharded parameter's dtype) |
+//! | unsharded gradients | the largest FSDP unit (a block, or `norm`+`lm_head`, or `tok_embeddings`) unsharded, in the param dtype: what backward produces before the reduce-scatter |
+//! | reduce-scatter input | the same unit in `mixed_precision_reduce` (fp32): FSDP2 copies the gradients into it |
+//! | AdamW state | `2 x` the parameter shards (`exp_avg`, `exp_avg_sq`, in `training.dtype`) |
+//! | saved activations | per layer and mode (below) `x` layers `x` microbatches in flight, in the param dtype |
+//! | output head inputs | final norm input `T d / t` + `lm_head` input `T d` (gathered by SP), param dtype, + `rstd` |
+//! | backward working set | `max(3 x T x V_l x 4` (fp32 logits, log-softmax output and its gradient; `V_l = V / t` with loss parallel), one layer's recompute + activation gradients `2 T d + 3 T F / t`) |
+//! | batch + RoPE | input ids, labels, positions (`3 B S / cp x 8`), the RoPE table (`max_seq_len x e / 2 x 8`, complex64) and its rows for the batch (`T x e / 2 x 8`), the `B x S x S` boolean document mask when attention is document-causal without the varlen kernel |
+//!
+//! The gather and reduce-scatter transients exist only when FSDP gathers something: `N > 1`, or
+//! a param dtype other than `training.dtype` (FSDP2 then casts each unit). With `N = 1` and one
+//! dtype (a plain fp32 single process) they are 0.
+//!
+//! **Activations saved per layer** (elements of the param dtype; with TP, `h_l = h / t`,
+//! `k_l = k / t`, `F_l = F / t`; sequence-parallel regions hold `T / t` tokens):
+//!
+//! - `none`: the two norm inputs `2 T d / t` (twice that with `training.device = cpu`: libtorch's
+//!   CPU `rms_norm` is the composite op and also saves the normalised input); the two norm outputs all-gathered for the
+//!   column-wise matmuls `2 T d` (saved by `wq`/`wk`/`wv` and `w1`/`w3`); `q` `T h_l e`; `k`, `v`
+//!   `2 T k_l e` (the varlen kernel, or `2 T h_l e` when titan's SDPA path repeats them to every
+//!   query head); the attention output `T h_l e` (also `wo`'s input); the FFN's `w1` output, its
+//!   SiLU, the `w3` output and the product `4 T F_l`; plus fp32 `rstd` `2 T / t` and the
+//!   attention log-sum-exp `T h_l` (x 4 bytes).
+//! - `full`: the block input `T d / t`.
+//! - `selective`, `op` (titan's rule: the 1st, 3rd, 5th, 7th matmul): the block input `T d / t`,
+//!   `wq` `T h_l e`, `wv` `T k_l e`, `w1` `T F_l`, `w2` `T d` (torchtitan also keeps the SDPA
+//!   output, `T h_l e` more).
+//! - `selective`, `N`: layers N, 2N, ... as `full`, the others as `none`.
+//!
+//! With checkpointing, the backward of one layer recomputes its `none` set: that minus what the
+//! mode kept is the recompute term inside the backward working set.
+//!
+//! **Pipeline parallelism**: the stage holds `ceil(L / pp)` layers and, as an upper bound for
+//! every stage, both `tok_embeddings` and `norm`+`lm_head`; microbatches are torchtitan's
+//! default `pipeline_parallel_microbatch_size = 1` and the first stage of 1F1B keeps
+//! `min(pp, B)` of them in flight.
+//!
+//! **Peak** is the sum of the four terms. With gradient accumulation that is the step's peak
+//! (the gradient shards are whole while the next microbatch's activations are saved); with one
+//! microbatch it over-counts by at most the gradient shards, which fill up during backward while
+//! the activations drain. Not counted: the CUDA context and NCCL buffers (~1-3 GiB per GPU), the
+//! caching allocator's fragmentation, and the optimizer's transient buffers.
+
+use anyhow::{Result, bail};
+use serde_json::json;
+
+use crate::config::{DtypeName, JobConfig, ReshardAfterForward};
+use crate::model::{ActivationCheckpointing, ModelArgs};
+use crate::parallel::World;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// The mesh the estimate assumed: torchtitan's degrees, resolved by [`World::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub world_size: usize,
+    pub dp_replicate: usize,
+    pub dp_shard: usize,
+    pub cp: usize,
+    pub tp: usize,
+    pub pp: usize,
+}
+
+impl Layout {
+    /// The degrees for `world_size` ranks; a layout torchtitan's `ParallelDims` refuses is an
+    /// error with its message.
+    pub fn resolve(cfg: &crate::config::Parallelism, world_size: usize) -> Result<Self> {
+        let world = World::new(cfg, 0, 0, world_size)?;
+        Ok(Self {
+            world_size,
+            dp_replicate: world.dp_replicate,
+            dp_shard: world.dp_shard,
+            cp: cfg.context_parallel_degree as usize,
+            tp: cfg.tensor_parallel_degree as usize,
+            pp: cfg.pipeline_parallel_degree as usize,
+        })
+    }
+
+    /// FSDP's shard count: torchtitan's `fsdp` mesh is `dp_shard x cp`.
+    pub fn fsdp(&self) -> usize {
+        self.dp_shard * self.cp
+    }
+}
+
+/// Which of the four reported quantities a row adds to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Term {
+    Params,
+    Grads,
+    Optimizer,
+    Activations,
+}
+
+impl Term {
+    pub fn name(self) -> &'static str {
+        match self {
+            Term::Params => "params",
+            Term::Grads => "grads",
+            Term::Optimizer => "optimizer",
+            Term::Activations => "activations",
+        }
+    }
+}
+
+/// One line of the estimate: what it is, its bytes and how they were computed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub term: Term,
+    pub what: &'static str,
+    pub bytes: u64,
+    pub formula: String,
+}
+
+/// The per-rank estimate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Estimate {
+    pub layout: Layout,
+    pub flavor: String,
+    pub num_params: u64,
+    /// Parameters this rank stores (its shards, padding included).
+    pub params_per_rank: u64,
+    pub local_batch_size: u64,
+    pub seq_len: u64,
+    pub checkpointing: ActivationCheckpointing,
+    pub master_dtype: DtypeName,
+    pub param_dtype: DtypeName,
+    pub reduce_dtype: DtypeName,
+    pub rows: Vec<Row>,
+}
+
+fn bytes_of(d: DtypeName) -> u64 {
+    match d {
+        DtypeName::Float32 => 4,
+        DtypeName::Bfloat16 | DtypeName::Float16 => 2,
+    }
+}
+
+fn ceil_div(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+/// One parameter's TP-local shape: rows (FSDP's dim 0) and columns (1 for a vector).
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    rows: u64,
+    cols: u64,
+}
+
+impl Shape {
+    /// Elements one rank stores: `ceil(rows / n) x cols`.
+    fn shard(self, n: u64) -> u64 {
+        ceil_div(self.rows, n) * self.cols
+    }
+
+    /// Elements an all-gather materialises: `n x ceil(rows / n) x cols`.
+    fn unsharded(self, n: u64) -> u64 {
+        self.shard(n) * n
+    }
+}
+
+fn sum_shard(shapes: &[Shape], n: u64) -> u64 {
+    shapes.iter().map(|s| s.shard(n)).sum()
+}
+
+fn sum_unsharded(shapes: &[Shape], n: u64) -> u64 {
+    shapes.iter().map(|s| s.unsharded(n)).sum()
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// Estimates one rank's memory for `cfg` on `world_size` ranks.
+pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
+    let layout = Layout::resolve(&cfg.parallelism, world_size)?;
+    let mut args = ModelArgs::flavor(&cfg.model.flavor)?;
+    let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
+    args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
+    let u = |v: i64| v as u64;
+    let (d, layers, heads, kv_heads, e, f, v) = (
+        u(args.dim),
+        u(args.n_layers),
+        u(args.n_heads),
+        u(args.kv_heads()),
+        u(args.head_dim()),
+        u(args.ffn_hidden_dim()),
+        u(args.vocab_size),
+    );
+    let (t, n, pp, cp) = (
+        layout.tp as u64,
+        layout.fsdp() as u64,
+        layout.pp as u64,
+        layout.cp as u64,
+    );
+    for (what, count) in [("n_heads", heads), ("n_kv_heads", kv_heads)] {
+        if count % t != 0 {
+            bail!(
+                "parallelism.tensor_parallel_degree {t} does not divide llama3 {}'s {what} \
+                 {count}: torchtitan's plan splits attention by heads",
+                cfg.model.flavor
+            );
+        }
+    }
+    let (h_l, k_l, f_l, v_l) = (heads / t, kv_heads / t, ceil_div(f, t), ceil_div(v, t));
+
+    // TP-local shapes, torchtitan's llama3 plan.
+    let vector = Shape { rows: d, cols: 1 };
+    let block = [
+        Shape {
+            rows: h_l * e,
+            cols: d,
+        }, // wq, column-wise
+        Shape {
+            rows: k_l * e,
+            cols: d,
+        }, // wk
+        Shape {
+            rows: k_l * e,
+            cols: d,
+        }, // wv
+        Shape {
+            rows: d,
+            cols: h_l * e,
+        }, // wo, row-wise
+        Shape { rows: f_l, cols: d }, // w1
+        Shape { rows: d, cols: f_l }, // w2, row-wise
+        Shape { rows: f_l, cols: d }, // w3
+        vector,                       // attention_norm
+        vector,                       // ffn_norm
+    ];
+    let embed = [Shape { rows: v_l, cols: d }];
+    let head = [vector, Shape { rows: v_l, cols: d }];
+    let stage_layers = ceil_div(layers, pp);
+
+    let master = cfg.training.dtype;
+    let param = if master == DtypeName::Float32 {
+        cfg.training.mixed_precision_param
+    } else {
+        master
+    };
+    let reduce = cfg.training.mixed_precision_reduce;
+    let (mb, pb, rb) = (bytes_of(master), bytes_of(param), bytes_of(reduce));
+
+    let shard_elems =
+        stage_layers * sum_shard(&block, n) + sum_shard(&embed, n) + sum_shard(&head, n);
+    let block_full = sum_unsharded(&block, n);
+    let embed_full = sum_unsharded(&embed, n);
+    let head_full = sum_unsharded(&head, n);
+    let gathers = n > 1 || pb != mb;
+
+    let policy = cfg.parallelism.fsdp_reshard_after_forward;
+    let reshard_blocks = match policy {
+        ReshardAfterForward::Always => true,
+        ReshardAfterForward::Never => false,
+        ReshardAfterForward::Default => pp == 1,
+    };
+    let mut rows = Vec::new();
+    let mut row = |term, what, bytes, formula: String| {
+        rows.push(Row {
+            term,
+            what,
+            bytes,
+            formula,
+        })
+    };
+    let mesh_note = format!("N = dp_shard {} x cp {cp} = {n}", layout.dp_shard);
+    row(
+        Term::Params,
+        "parameter shards",
+        shard_elems * mb,
+        format!(
+            "sum_p ceil(rows_p / N) x cols_p = {shard_elems} elements x {mb} B ({}; {mesh_note}; \
+             {stage_layers} layers + tok_embeddings + norm + lm_head, TP-local shapes)",
+            master.name()
+        ),
+    );
+    let gathered_blocks = match (gathers, reshard_blocks) {
+        (false, _) => 0,
+        (true, true) => stage_layers.min(2),
+        (true, false) => stage_layers,
+    };
+    row(
+        Term::Params,
+        "all-gathered blocks",
+        gathered_blocks * block_full * pb,
+        if gathers {
+            format!(
+                "{gathered_blocks} blocks ({}) x {block_full} elements (N x ceil(rows / N) x cols) x {pb} B ({})",
+                if reshard_blocks {
+                    "the one computing + the one prefetched"
+                } else {
+                    "not resharded after forward"
+                },
+                param.name()
+            )
+        } else {
+            "nothing to gather: N = 1 and one dtype".into()
+        },
+    );
+    let head_kept = gathers && policy != ReshardAfterForward::Always;
+    row(
+        Term::Params,
+        "norm + lm_head kept after forward",
+        if head_kept { head_full * pb } else { 0 },
+        if head_kept {
+            format!(
+                "{head_full} elements x {pb} B: torchtitan reshards them after forward only with \
+                 fsdp_reshard_after_forward = always"
+            )
+        } else {
+            "resharded after forward, or nothing gathered".into()
+        },
+    );
+    let embed_kept = gathers && !reshard_blocks;
+    row(
+        Term::Params,
+        "tok_embeddings kept after forward",
+        if embed_kept { embed_full * pb } else { 0 },
+        if embed_kept {
+            format!("{embed_full} elements x {pb} B: not resharded after forward")
+        } else {
+            "resharded after forward, or nothing gathered".into()
+        },
+    );
+
+    row(
+        Term::Grads,
+        "gradient shards",
+        shard_elems * mb,
+        format!(
+            "as the parameter shards: {shard_elems} elements x {mb} B ({})",
+            master.name()
+        ),
+    );
+    let largest_unit = block_full.max(embed_full).max(head_full);
+    let unit_name = if largest_unit == block_full {
+        "a block"
+    } else if largest_unit == head_full {
+        "norm + lm_head"
+    } else {
+        "tok_embeddings"
+    };
+    row(
+        Term::Grads,
+        "unsharded gradients of one unit",
+        if gathers { largest_unit * pb } else { 0 },
+        if gathers {
+            format!(
+                "the largest FSDP unit ({unit_name}) {largest_unit} elements x {pb} B ({})",
+                param.name()
+            )
+        } else {
+            "gradients accumulate in place: N = 1 and one dtype".into()
+        },
+    );
+    let copies_in = n > 1 || pb != rb;
+    row(
+        Term::Grads,
+        "reduce-scatter input",
+        if gathers && copies_in {
+            largest_unit * rb
+        } else {
+            0
+        },
+        if gathers && copies_in {
+            format!(
+                "{largest_unit} elements x {rb} B ({}, mixed_precision_reduce)",
+                reduce.name()
+            )
+        } else {
+            "no reduce-scatter copy".into()
+        },
+    );
+    row(
+        Term::Optimizer,
+        "AdamW exp_avg + exp_avg_sq",
+        2 * shard_elems * mb,
+        format!("2 x {shard_elems} elements x {mb} B ({})", master.name()),
+    );
+
+    // Activations. With PP, microbatches of one sample (torchtitan's default size), up to pp of
+    // them in flight on the first stage of 1F1B.
+    let batch = cfg.training.local_batch_size as u64;
+    let seq = cfg.training.seq_len as u64;
+    let (micro_batch, in_flight) = if pp > 1 {
+        (1, pp.min(batch))
+    } else {
+        (batch, 1)
+    };
+    let tokens = ceil_div(micro_batch * seq, cp);
+    let sp = |x: u64| ceil_div(x, t); // a sequence-parallel region: tokens split over tp
+    let ab = pb;
+    let device_cpu = cfg.training.device == crate::config::DeviceChoice::Cpu;
+    let document_causal = cfg.model.attn_backend.document_causal();
+    // titan's model runs FlashAttention's varlen kernel for document-causal attention with
+    // bf16/fp16 activations on CUDA (kv heads as they are, no mask); otherwise SDPA, with k and v
+    // repeated to every query head and, when document-causal, a (B, 1, S, S) boolean mask.
+    let varlen = document_causal && ab == 2 && !device_cpu;
+    let kv_saved = if varlen { k_l } else { h_l };
+    // libtorch's CPU rms_norm is the composite one: it also saves the normalised input (one more
+    // `T d / t` per norm); CUDA's fused kernel saves the input and rstd only.
+    let norm_saves = if device_cpu { 2 } else { 1 };
+    let none_elems = 2 * norm_saves * sp(tokens * d)
+        + 2 * tokens * d
+        + tokens * h_l * e
+        + 2 * tokens * kv_saved * e
+        + tokens * h_l * e
+        + 4 * tokens * f_l;
+    let none_fp32 = 2 * sp(tokens) + tokens * h_l;
+    let none_bytes = none_elems * ab + none_fp32 * 4;
+    let input_bytes = sp(tokens * d) * ab;
+    let op_bytes =
+        (sp(tokens * d) + tokens * h_l * e + tokens * k_l * e + tokens * f_l + tokens * d) * ab;
+    let policy_ac = cfg.activation_checkpoint.policy();
+    let (saved_per_stage, kept_when_recomputed, ac_name) = match policy_ac {
+        ActivationCheckpointing::None => (stage_layers * none_bytes, none_bytes, "none".into()),
+        ActivationCheckpointing::Full => (stage_layers * input_bytes, input_bytes, "full".into()),
+        ActivationCheckpointing::Op => (stage_layers * op_bytes, op_bytes, "selective op".into()),
+        ActivationCheckpointing::EveryNthLayer(every) => {
+            let whole = stage_layers / every;
+            (
+                whole * input_bytes + (stage_layers - whole) * none_bytes,
+                if whole > 0 { input_bytes } else { none_bytes },
+                format!("selective every {every}"),
+            )
+        }
+    };
+    row(
+        Term::Activations,
+        "saved activations",
+        saved_per_stage * in_flight,
+        format!(
+            "{stage_layers} layers x {} per layer ({ac_name}; none would be {}){}; T = {tokens} \
+             tokens{}",
+            mib(saved_per_stage / stage_layers.max(1)),
+            mib(none_bytes),
+            if in_flight > 1 {
+                format!(" x {in_flight} microbatches in flight")
+            } else {
+                String::new()
+            },
+            if varlen {
+                ", k/v at kv heads (varlen kernel)"
+            } else {
+                ", k/v repeated to every head (SDPA)"
+            }
+        ),
+    );
+    let head_inputs = (norm_saves * sp(tokens * d) + tokens * d) * ab + sp(tokens) * 4;
+    row(
+        Term::Activations,
+        "final norm + lm_head inputs",
+        head_inputs,
+        format!(
+            "({norm_saves} x T d / t + T d) x {ab} B + rstd T / t x 4 B{}",
+            if device_cpu {
+                " (CPU rms_norm also saves its normalised input)"
+            } else {
+                ""
+            }
+        ),
+    );
+    let v_loss = if t > 1 && !cfg.parallelism.disable_loss_parallel {
+        v_l
+    } else {
+        v
+    };
+    let loss_ws = 3 * tokens * v_loss * 4;
+    let recompute = none_bytes.saturating_sub(kept_when_recomputed);
+    let grad_ws = (2 * tokens * d + 3 * tokens * f_l) * ab;
+    let layer_ws = match policy_ac {
+        ActivationCheckpointing::None => grad_ws,
+        _ => recompute + grad_ws,
+    };
+    row(
+        Term::Activations,
+        "backward working set",
+        loss_ws.max(layer_ws),
+        format!(
+            "max(logits + cross-entropy 3 x T x {v_loss} x 4 B = {}, one layer's recompute {} + \
+             activation gradients (2 T d + 3 T F / t) x {ab} B = {})",
+            mib(loss_ws),
+            mib(if policy_ac == ActivationCheckpointing::None {
+                0
+            } else {
+                recompute
+            }),
+            mib(grad_ws)
+        ),
+    );
+    let rope_table = u(args.max_seq_len) * (e / 2) * 8;
+    let rope_rows = tokens * (e / 2) * 8;
+    let batch_tensors = 3 * ceil_div(micro_batch * seq, cp) * 8;
+    let mask = if document_causal && !varlen {
+        micro_batch * seq * seq
+    } else {
+        0
+    };
+    row(
+        Term::Activations,
+        "batch, RoPE and mask",
+        rope_table + rope_rows + batch_tensors + mask,
+        format!(
+            "ids/labels/positions 3 x {} x 8 B + RoPE table {} x {} x 8 B + its rows {tokens} x \
+             {} x 8 B + mask {}",
+            ceil_div(micro_batch * seq, cp),
+            args.max_seq_len,
+            e / 2,
+            e / 2,
+            if mask > 0 {
+                format!("B x S x S = {mask} B")
+            } else {
+                "none".into()
+            }
+        ),
+    );
+
+    let (num_params, _) = args.num_params();
+    Ok(Estimate {
+        layout,
+        flavor: cfg.model.flavor.clone(),
+        num_params: num_params as u64,
+        params_per_rank: shard_elems,
+        local_batch_size: batch,
+        seq_len: seq,
+        checkpointing: policy_ac,
+        master_dtype: master,
+        param_dtype: param,
+        reduce_dtype: reduce,
+        rows,
+    })
+}
+
+impl Estimate {
+    /// The sum of the rows of `term`.
+    pub fn bytes(&self, term: Term) -> u64 {
+        self.rows
+            .iter()
+            .filter(|r| r.term == term)
+            .map(|r| r.bytes)
+            .sum()
+    }
+
+    pub fn params_bytes(&self) -> u64 {
+        self.bytes(Term::Params)
+    }
+
+    pub fn grads_bytes(&self) -> u64 {
+        self.bytes(Term::Grads)
+    }
+
+    pub fn optimizer_bytes(&self) -> u64 {
+        self.bytes(Term::Optimizer)
+    }
+
+    pub fn activations_bytes(&self) -> u64 {
+        self.bytes(Term::Activations)
+    }
+
+    /// The four terms added (see the module doc for why that is the peak).
+    pub fn peak_bytes(&self) -> u64 {
+        self.params_bytes() + self.grads_bytes() + self.optimizer_bytes() + self.activations_bytes()
+    }
+
+    fn layout_line(&self) -> String {
+        let l = &self.layout;
+        format!(
+            "world {} = dp_replicate {} x dp_shard {} x cp {} x tp {} x pp {} (FSDP shards over \
+             dp_shard x cp = {})",
+            l.world_size,
+            l.dp_replicate,
+            l.dp_shard,
+            l.cp,
+            l.tp,
+            l.pp,
+            l.fsdp()
+        )
+    }
+
+    /// `--memory_estimation.json`: one object, the five sums first.
+    pub fn to_json(&self) -> serde_json::Value {
+        let l = &self.layout;
+        json!({
+            "params_bytes": self.params_bytes(),
+            "grads_bytes": self.grads_bytes(),
+            "optimizer_bytes": self.optimizer_bytes(),
+            "activations_bytes": self.activations_bytes(),
+            "peak_bytes": self.peak_bytes(),
+            "layout": {
+                "world_size": l.world_size,
+                "dp_replicate": l.dp_replicate,
+                "dp_shard": l.dp_shard,
+                "cp": l.cp,
+                "tp": l.tp,
+                "pp": l.pp,
+                "fsdp": l.fsdp(),
+            },
+            "model": {
+                "flavor": self.flavor,
+                "num_params": self.num_params,
+                "params_per_rank": self.params_per_rank,
+            },
+            "local_batch_size": self.local_batch_size,
+            "seq_len": self.seq_len,
+            "activation_checkpointing": format!("{:?}", self.checkpointing),
+            "dtypes": {
+                "master": self.master_dtype.name(),
+                "param": self.param_dtype.name(),
+                "reduce": self.reduce_dtype.name(),
+            },
+            "rows": self.rows.iter().map(|r| json!({
+                "term": r.term.name(),
+                "what": r.what,
+                "bytes": r.bytes,
+                "formula": r.formula,
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The human-readable table: one row per item, each term's total, the peak.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        out.push_str(
+            "titan-train memory estimate, per rank (arithmetic on the shapes; nothing allocated)\n",
+        );
+        out.push_str(&format!(
+            "  model: llama3 {} ({} parameters, {} stored per rank); local_batch_size {} x \
+             seq_len {}; activation checkpointing {:?}\n",
+            self.flavor,
+            self.num_params,
+            self.params_per_rank,
+            self.local_batch_size,
+            self.seq_len,
+            self.checkpointing
+        ));
+        out.push_str(&format!("  layout: {}\n", self.layout_line()));
+        out.push_str(&format!(
+            "  dtypes: parameters/gradients/AdamW {}, gathered + activations {}, reduce {}\n\n",
+            self.master_dtype.name(),
+            self.param_dtype.name(),
+            self.reduce_dtype.name()
+        ));
+        out.push_str(&format!(
+            "  {:<12} {:<42} {:>10} {:>18}\n",
+            "term", "item", "GiB", "bytes"
+        ));
+        let line = |out: &mut String, term: &str, what: &str, bytes: u64| {
+            out.push_str(&format!(
+                "  {:<12} {:<42} {:>10.3} {:>18}\n",
+                term,
+                what,
+                bytes as f64 / GIB,
+                bytes
+            ));
+        };
+        for term in [
+            Term::Params,
+            Term::Grads,
+            Term::Optimizer,
+            Term::Activations,
+        ] {
+            for r in self.rows.iter().filter(|r| r.term == term) {
+                line(&mut out, term.name(), r.what, r.bytes);
+                out.push_str(&format!("  {:<12}   = {}\n", "", r.formula));
+            }
+            line(&mut out, term.name(), "TOTAL", self.bytes(term));
+            out.push('\n');
+        }
+        line(
+            &mut out,
+            "peak",
+            "params + grads + optimizer + activations",
+            self.peak_bytes(),
+        );
+        out.push_str(
+            "  (not counted: CUDA context and NCCL buffers, allocator fragmentation; see \
+             docs/training.md#memory-estimate)\n",
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::command_line;
+
+    fn config(args: &[&str]) -> JobConfig {
+        let cl = command_line::parse(args.iter().map(|s| s.to_string()).collect()).unwrap();
+        JobConfig::load(&cl).unwrap()
+    }
+
+    fn registry(name: &str, extra: &[&str]) -> JobConfig {
+        let mut args = vec!["--module", "llama3", "--config", name];
+        args.extend_from_slice(extra);
+        args.push("--memory_estimation.enable");
+        config(&args)
+    }
+
+    #[test]
+    fn debugmodel_on_one_fp32_rank_is_the_plain_sum() {
+        let cfg = config(&[
+            "--training.mixed_precision_param",
+            "float32",
+            "--memory_estimation.enable",
+        ]);
+        let est = estimate(&cfg, 1).unwrap();
+        let p = ModelArgs::flavor("debugmodel").unwrap().num_params().0 as u64;
+        assert_eq!(est.params_per_rank, p);
+        // N = 1, one dtype: no gathered copies, no reduce-scatter buffers.
+        assert_eq!(est.params_bytes(), 4 * p);
+        assert_eq!(est.grads_bytes(), 4 * p);
+        assert_eq!(est.optimizer_bytes(), 8 * p);
+        assert!(est.activations_bytes() > 0);
+        assert_eq!(
+            est.peak_bytes(),
+            16 * p + est.activations_bytes(),
+            "the terms add up"
+        );
+    }
+
+    #[test]
+    fn debugmodel_none_activations_by_hand() {
+        // b2 x s64, fp32, sdpa (no mask), one rank: every term written out.
+        let cfg = config(&[
+            "--training.mixed_precision_param",
+            "float32",
+            "--training.local_batch_size",
+            "2",
+            "--training.seq_len",
+            "64",
+            "--validation.seq_len",
+            "64",
+            "--model.attn_backend",
+            "sdpa",
+            "--memory_estimation.enable",
+        ]);
+        let est = estimate(&cfg, 1).unwrap();
+        let (tk, d, h, e, f, v, l) = (128u64, 256u64, 16u64, 16u64, 768u64, 2048u64, 6u64);
+        // norm inputs 2Td, gathered norm outputs 2Td, q, k, v (repeated), out: 4 T h e, FFN 4TF.
+        let per_layer = (4 * tk * d + 4 * tk * h * e + 4 * tk * f) * 4 + (2 * tk + tk * h) * 4;
+        let saved = l * per_layer;
+        let head = 2 * tk * d * 4 + tk * 4;
+        let loss = 3 * tk * v * 4;
+        let grads = (2 * tk * d + 3 * tk * f) * 4;
+        let other = 64 * (e / 2) * 8 + tk * (e / 2) * 8 + 3 * tk * 8;
+        assert_eq!(
+            est.activations_bytes(),
+            saved + head + loss.max(grads) + other
+        );
+    }
+
+    #[test]
+    fn llama3_8b_on_8_fsdp_ranks_fits_80_gb() {
+        let cfg = registry("llama3_8b", &[]);
+        let est = estimate(&cfg, 8).unwrap();
+        assert_eq!((est.layout.dp_shard, est.layout.fsdp()), (8, 8));
+        let p = 8_030_261_248u64;
+        // Padded shards: every dim-0 of the 8B model divides by 8, so exactly P / 8.
+        assert_eq!(est.params_per_rank, p / 8);
+        let shards = est.rows[0].bytes;
+        assert_eq!(shards, p / 8 * 4);
+        assert_eq!(est.optimizer_bytes(), 2 * shards);
+        assert!(est.peak_bytes() < 80 * (1u64 << 30), "{}", est.table());
+        assert!(est.peak_bytes() < 80_000_000_000, "{}", est.table());
+        assert_eq!(
+            est.peak_bytes(),
+            est.params_bytes()
+                + est.grads_bytes()
+                + est.optimizer_bytes()
+                + est.activations_bytes()
+        );
+    }
+
+    #[test]
+    fn padding_follows_fsdp2_chunks() {
+        // debugmodel on 3 FSDP ranks: dim 256 rows split ceil(256/3) = 86, padded to 258.
+        let cfg = config(&[
+            "--training.mixed_precision_param",
+            "float32",
+            "--memory_estimation.enable",
+        ]);
+        let est = estimate(&cfg, 3).unwrap();
+        let (d, f, v, kv) = (256u64, 768u64, 2048u64, 256u64);
+        let s = |rows: u64, cols: u64| rows.div_ceil(3) * cols;
+        let block = s(d, d) + 2 * s(kv, d) + s(d, d) + 2 * s(f, d) + s(d, f) + 2 * s(d, 1);
+        let want = 6 * block + s(v, d) + s(d, 1) + s(v, d);
+        assert_eq!(est.params_per_rank, want);
+        assert!(want * 3 > ModelArgs::flavor("debugmodel").unwrap().num_params().0 as u64);
+    }
+
+    #[test]
+    fn tensor_parallel_divides_weights_and_activations() {
+        let fsdp8 = estimate(&registry("llama3_8b", &[]), 8).unwrap();
+        let tp2 = estimate(
+            &registry("llama3_8b", &["--parallelism.tensor_parallel_degree", "2"]),
+            8,
+        )
+        .unwrap();
+        assert_eq!((tp2.layout.dp_shard, tp2.layout.tp), (4, 2));
+        // Sharded over dp_shard x tp = 8 either way, except the 65 norm vectors, which TP
+        // replicates: those are split 4 ways, not 8.
+        assert_eq!(
+            tp2.params_per_rank,
+            fsdp8.params_per_rank + 65 * (4096 / 4 - 4096 / 8)
+        );
+        assert!(tp2.activations_bytes() < fsdp8.activations_bytes());
+        // 70B on 64 ranks, its registry layout TP 8 x FSDP 8.
+        let est = estimate(&registry("llama3_70b", &[]), 64).unwrap();
+        assert_eq!((est.layout.dp_shard, est.layout.tp), (8, 8));
+        assert!(est.peak_bytes() < 80 * (1u64 << 30), "{}", est.table());
+        // tp must divide the heads.
+        let err = estimate(
+            &registry("llama3_8b", &["--parallelism.tensor_parallel_degree", "3"]),
+            6,
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("tensor_parallel_degree"),
+            "{err:#}"
+        );
+    }
+
+    #[test]
+    fn checkpointing_orders_activations() {
+        let act = |mode: &[&str]| {
+            estimate(&registry("llama3_8b", mode), 8)
+                .unwrap()
+                .activations_bytes()
+        };
+        let none = act(&["activation_checkpoint:none"]);
+        let op = act(&["activation_checkpoint:selective"]);
+        let full = act(&["activation_checkpoint:full"]);
+        let every2 = act(&[
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+        ]);
+        assert!(full < op && op < none && full < every2 && every2 < none);
+    }
+
+    #[test]
+    fn config_files_take_either_spelling() {
+        for key in ["enable", "enabled"] {
+            let toml = format!("[memory_estimation]\n{key} = true\njson = true\n");
+            let cfg =
+                JobConfig::from_parts(Some((&toml, std::path::Path::new("m.toml"))), &[]).unwrap();
+            assert!(
+                cfg.memory_estimation.enable && cfg.memory_estimation.json,
+                "{key}"
+            );
+        }
+        let toml = "[memory_estimation]\nenable = true\ndisable_fake_mode = true\n";
+        let err =
+            JobConfig::from_parts(Some((toml, std::path::Path::new("m.toml"))), &[]).unwrap_err();
+        assert!(err.to_string().contains("disable_fake_mode"), "{err}");
+        // The layout keys training refuses are taken when estimating.
+        let cl = command_line::parse(
+            [
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.fsdp_reshard_after_forward",
+                "never",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        )
+        .unwrap();
+        assert!(JobConfig::load(&cl).is_err());
+    }
+
+    #[test]
+    fn a_bad_layout_is_refused_with_torchtitans_rule() {
+        let cfg = registry(
+            "llama3_8b",
+            &["--parallelism.data_parallel_shard_degree", "3"],
+        );
+        let err = estimate(&cfg, 8).unwrap_err();
+        assert!(format!("{err}").contains("WORLD_SIZE(8)"), "{err}");
+    }
+}
