@@ -1,0 +1,238 @@
+//! The process groups of one rank's device mesh ([`DeviceMesh`]): one [`Group`] per mesh
+//! dimension titan-train shards over (`tp`, `dp_shard`, `dp_replicate`) and the flattened `dp`
+//! (replicate x shard) torchtitan uses for token counts and metrics. The same code runs one
+//! process (every group of size 1, no collective is called) and many (cpu or nccl groups).
+
+use std::sync::{Arc, Mutex};
+
+use tch::{Device, Kind, Tensor};
+use titan_obs::Reduce;
+
+use super::comm::{Collectives, CommError, ReduceOp};
+use super::runtime::Dist;
+use crate::parallel::{Dim, Mesh, RankSync};
+
+/// A handle on one process group, shareable with autograd functions (which run the group's
+/// collectives from the backward pass). A group of one rank calls no backend at all.
+#[derive(Clone)]
+pub struct Group {
+    inner: Option<Arc<Mutex<Box<dyn Collectives>>>>,
+    rank: usize,
+    size: usize,
+}
+
+impl Group {
+    /// The group of this rank alone.
+    pub fn solo() -> Self {
+        Group {
+            inner: None,
+            rank: 0,
+            size: 1,
+        }
+    }
+
+    fn new(group: Box<dyn Collectives>) -> Self {
+        let (rank, size) = (group.rank(), group.size());
+        Group {
+            inner: (size > 1).then(|| Arc::new(Mutex::new(group))),
+            rank,
+            size,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut dyn Collectives) -> Result<T, CommError>,
+    ) -> Option<Result<T, CommError>> {
+        let inner = self.inner.as_ref()?;
+        let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
+        Some(f(g.as_mut()))
+    }
+
+    /// In place on every rank.
+    pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        self.with(|g| g.all_reduce(t, op)).unwrap_or(Ok(()))
+    }
+
+    /// `output` (size x input elements) gets every rank's `input` in rank order.
+    pub fn all_gather(&self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
+        match self.with(|g| g.all_gather(output, input)) {
+            Some(r) => r,
+            None => {
+                output.shallow_clone().copy_(&input.reshape_as(output));
+                Ok(())
+            }
+        }
+    }
+
+    /// Rank r's `output` gets the reduction of chunk r of everyone's `input`.
+    pub fn reduce_scatter(&self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
+        match self.with(|g| g.reduce_scatter(output, input, ReduceOp::Sum)) {
+            Some(r) => r,
+            None => {
+                output.shallow_clone().copy_(&input.reshape_as(output));
+                Ok(())
+            }
+        }
+    }
+
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<(), CommError> {
+        self.with(|g| g.broadcast(t, root)).unwrap_or(Ok(()))
+    }
+
+    pub fn barrier(&self) -> Result<(), CommError> {
+        self.with(|g| g.barrier()).unwrap_or(Ok(()))
+    }
+
+    /// The backend's device for small host values (scalars must be CUDA tensors for nccl).
+    fn scalar_device(&self, cuda_index: usize) -> Device {
+        match self.with(|g| Ok(g.backend())) {
+            Some(Ok("nccl")) => Device::Cuda(cuda_index),
+            _ => Device::Cpu,
+        }
+    }
+}
+
+/// This rank's mesh and its groups.
+pub struct DeviceMesh {
+    pub mesh: Mesh,
+    pub tp: Group,
+    pub dp_shard: Group,
+    pub dp_replicate: Group,
+    /// dp_replicate x dp_shard flattened: the ranks that read different data.
+    pub dp: Group,
+    scalar_device: Device,
+    dist: Option<Dist>,
+}
+
+impl DeviceMesh {
+    /// One process: every group is this rank alone.
+    pub fn single() -> Self {
+        DeviceMesh {
+            mesh: Mesh::single(),
+            tp: Group::solo(),
+            dp_shard: Group::solo(),
+            dp_replicate: Group::solo(),
+            dp: Group::solo(),
+            scalar_device: Device::Cpu,
+            dist: None,
+        }
+    }
+
+    /// Creates the groups of `mesh` over the joined job `dist` (every rank calls this with the
+    /// same mesh degrees). Pipeline and context parallelism have no groups: they are refused
+    /// before the job starts.
+    pub fn connect(dist: Dist, mesh: Mesh) -> Result<Self, CommError> {
+        let group = |dims: &[Dim], tag: &str| -> Result<Group, CommError> {
+            let members = mesh.group_members(dims);
+            let name = format!("{tag}/{}", members[0]);
+            if members.len() == 1 {
+                return Ok(Group::solo());
+            }
+            Ok(Group::new(dist.new_group(&name, members)?))
+        };
+        let tp = group(&[Dim::Tp], "tp")?;
+        let dp_shard = group(&[Dim::DpShard], "dp_shard")?;
+        let dp_replicate = group(&[Dim::DpReplicate], "dp_replicate")?;
+        let dp = group(&[Dim::DpReplicate, Dim::DpShard], "dp")?;
+        let scalar_device = [&tp, &dp]
+            .iter()
+            .map(|g| g.scalar_device(dist.device_index))
+            .find(|d| d.is_cuda())
+            .unwrap_or(Device::Cpu);
+        Ok(DeviceMesh {
+            mesh,
+            tp,
+            dp_shard,
+            dp_replicate,
+            dp,
+            scalar_device,
+            dist: Some(dist),
+        })
+    }
+
+    pub fn dist(&self) -> Option<&Dist> {
+        self.dist.as_ref()
+    }
+
+    /// How ranks meet to commit a checkpoint (None: one process).
+    pub fn rank_sync(&self) -> Option<Arc<dyn RankSync>> {
+        self.dist.as_ref()?.store_barrier()
+    }
+
+    /// Reduces `values` (f64) over `group` with `op`.
+    pub fn reduce_scalars(
+        &self,
+        group: &Group,
+        values: &[f64],
+        op: ReduceOp,
+    ) -> Result<Vec<f64>, CommError> {
+        if group.size() == 1 {
+            return Ok(values.to_vec());
+        }
+        let t = Tensor::from_slice(values)
+            .to_kind(Kind::Double)
+            .to_device(self.scalar_device);
+        group.all_reduce(&t, op)?;
+        Ok(Vec::<f64>::try_from(&t.to_device(Device::Cpu)).unwrap_or_default())
+    }
+
+    /// Makes every rank use rank 0's `seed` (a seed drawn from the clock differs per rank; the
+    /// model is initialised from the same stream everywhere and each rank keeps its part).
+    pub fn agree_seed(&self, seed: u64) -> Result<u64, CommError> {
+        let t = Tensor::from_slice(&[seed as i64]).to_device(self.scalar_device);
+        for g in [&self.dp, &self.tp] {
+            if g.size() > 1 {
+                g.broadcast(&t, 0)?;
+            }
+        }
+        Ok(t.int64_value(&[0]) as u64)
+    }
+
+    /// Valid label tokens of this step summed over the data-parallel ranks: the loss
+    /// denominator.
+    pub fn global_valid_tokens(&self, local: i64) -> Result<i64, CommError> {
+        let sum = self.reduce_scalars(&self.dp, &[local as f64], ReduceOp::Sum)?;
+        Ok(sum[0].round() as i64)
+    }
+
+    /// Reduces each metric over the data-parallel ranks in place with its reduction (tensor
+    /// parallel ranks hold the same values).
+    pub fn reduce_metrics(&self, metrics: &mut [(f64, Reduce)]) -> Result<(), CommError> {
+        let n = self.mesh.dp_degree() as f64;
+        let sums: Vec<f64> = metrics
+            .iter()
+            .map(|&(v, r)| match r {
+                Reduce::Mean | Reduce::Sum => v,
+                _ => 0.0,
+            })
+            .collect();
+        let maxes: Vec<f64> = metrics
+            .iter()
+            .map(|&(v, r)| match r {
+                Reduce::Max => v,
+                Reduce::Min => -v,
+                _ => f64::MIN,
+            })
+            .collect();
+        let sums = self.reduce_scalars(&self.dp, &sums, ReduceOp::Sum)?;
+        let maxes = self.reduce_scalars(&self.dp, &maxes, ReduceOp::Max)?;
+        for (i, (v, r)) in metrics.iter_mut().enumerate() {
+            *v = match r {
+                Reduce::Mean => sums[i] / n,
+                Reduce::Sum => sums[i],
+                Reduce::Max => maxes[i],
+                Reduce::Min => -maxes[i],
+            };
+        }
+        Ok(())
+    }
+}
