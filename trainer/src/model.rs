@@ -7,7 +7,8 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
@@ -760,11 +761,32 @@ impl Llama {
             rope: rope_for(&self.freqs_cis, seq_len, positions),
             attend,
         };
+        // The units in forward order; a prefetch left from an earlier pass is stale.
+        let units: Vec<&FsdpUnit> = std::iter::once(&self.embeddings)
+            .chain(&self.layers)
+            .chain(std::iter::once(&self.head))
+            .collect();
+        for unit in &units {
+            unit.drop_prefetch();
+        }
         let [embeddings]: [Tensor; 1] = self.embeddings.gather().try_into().expect("one weight");
+        units[1].prefetch();
         let h = self.tp.embedding(&embeddings, tokens);
-        let mut h = self.embeddings.after_forward(h);
+        let mut h = self.embeddings.after_forward(h, None);
         for (index, unit) in self.layers.iter().enumerate() {
+            // Gather the next unit while this block computes (not in backward's recompute: the
+            // closure below runs again there).
+            let (next, previous) = (units[index + 2].clone(), units[index]);
             let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
+            let forward_pass = Arc::new(AtomicBool::new(true));
+            let in_forward = forward_pass.clone();
+            let gather = move || {
+                let layer = Layer::from_params(unit_.gather());
+                if in_forward.swap(false, Ordering::Relaxed) {
+                    next.prefetch();
+                }
+                layer
+            };
             h = if self.checkpointing == ActivationCheckpointing::Op {
                 // The first run (forward) records the kept matmul outputs, the second (the
                 // recompute in backward) replays them. Each run gathers the block's parameters.
@@ -772,7 +794,7 @@ impl Llama {
                 let [out] = checkpoint(&[&h], move |i| {
                     let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
                     let matmuls = Matmuls::new(kept.take());
-                    let layer = Layer::from_params(unit_.gather());
+                    let layer = gather();
                     let out = block(&layer, shape, &ctx_, &tp_, &i[0], &matmuls);
                     *kept = matmuls.into_recorded();
                     [out]
@@ -780,15 +802,21 @@ impl Llama {
                 out
             } else if self.checkpointing.whole_layer(index) {
                 let [out] = checkpoint(&[&h], move |i| {
-                    let layer = Layer::from_params(unit_.gather());
-                    [block(&layer, shape, &ctx_, &tp_, &i[0], &Matmuls::plain())]
+                    [block(
+                        &gather(),
+                        shape,
+                        &ctx_,
+                        &tp_,
+                        &i[0],
+                        &Matmuls::plain(),
+                    )]
                 });
                 out
             } else {
-                let layer = Layer::from_params(unit.gather());
+                let layer = gather();
                 let out = block(&layer, shape, &ctx, &self.tp, &h, &Matmuls::plain());
                 drop(layer);
-                unit.after_forward(out)
+                unit.after_forward(out, Some(previous))
             };
         }
         let [norm, lm_head]: [Tensor; 2] = self.head.gather().try_into().expect("two weights");

@@ -191,8 +191,9 @@ fn validate(
             else {
                 break;
             };
-            let loss =
-                model.summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels);
+            let loss = forward_pass(step, || {
+                model.summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels)
+            })?;
             loss_sum += loss.double_value(&[]);
             tokens += count_valid(&labels);
             batches += 1;
@@ -465,8 +466,11 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
                     let _f = titan_obs::span(titan::FORWARD);
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
-                    let logits = model.forward(&batch.inputs, Some(&batch.positions));
-                    model.summed_cross_entropy(&logits, &batch.labels) / global_tokens.max(1) as f64
+                    forward_pass(step, || {
+                        let logits = model.forward(&batch.inputs, Some(&batch.positions));
+                        model.summed_cross_entropy(&logits, &batch.labels)
+                            / global_tokens.max(1) as f64
+                    })?
                 };
                 {
                     let _b = titan_obs::span(titan::BACKWARD);
@@ -601,6 +605,17 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     }
     checkpointer.finish()?;
     Ok(summary)
+}
+
+/// Runs a forward pass, turning a failure inside it (a collective whose peer died: the model's
+/// ops fail as tch's do, by panicking) into an error naming the step.
+fn forward_pass(step: u64, f: impl FnOnce() -> Tensor) -> Result<Tensor> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+        anyhow::anyhow!(
+            "step {step}: forward: {}",
+            crate::autograd::panic_text(panic)
+        )
+    })
 }
 
 /// Sums over the tp ranks the gradients that are partial there: the norms' under sequence

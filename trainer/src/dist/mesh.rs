@@ -3,7 +3,8 @@
 //! (replicate x shard) torchtitan uses for token counts and metrics. The same code runs one
 //! process (every group of size 1, no collective is called) and many (cpu or nccl groups).
 
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{Receiver, channel};
+use std::sync::{Arc, Condvar, Mutex};
 
 use tch::{Device, Kind, Tensor};
 use titan_obs::Reduce;
@@ -14,11 +15,68 @@ use crate::parallel::{Dim, Mesh, RankSync};
 
 /// A handle on one process group, shareable with autograd functions (which run the group's
 /// collectives from the backward pass). A group of one rank calls no backend at all.
+///
+/// Collectives run in the order they are issued on this rank, whether they block the caller or
+/// run on a background thread ([`Group::all_gather_async`], FSDP's prefetch): every rank issues
+/// the same sequence, so every rank's backend sees the same order.
 #[derive(Clone)]
 pub struct Group {
-    inner: Option<Arc<Mutex<Box<dyn Collectives>>>>,
+    inner: Option<Arc<Shared>>,
     rank: usize,
     size: usize,
+}
+
+struct Shared {
+    group: Mutex<Box<dyn Collectives>>,
+    /// (next ticket to hand out, ticket whose turn it is).
+    turn: Mutex<(u64, u64)>,
+    turn_changed: Condvar,
+}
+
+impl Shared {
+    fn ticket(&self) -> u64 {
+        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        t.0 += 1;
+        t.0 - 1
+    }
+
+    /// Runs `f` on the backend once every earlier ticket has run.
+    fn run<T>(
+        &self,
+        ticket: u64,
+        f: impl FnOnce(&mut dyn Collectives) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        while t.1 != ticket {
+            t = self.turn_changed.wait(t).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(t);
+        let result = {
+            let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
+            f(g.as_mut())
+        };
+        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        t.1 += 1;
+        self.turn_changed.notify_all();
+        result
+    }
+}
+
+/// A collective running in the background; [`Pending::wait`] returns its result.
+pub struct Pending(Option<Receiver<Result<(), CommError>>>);
+
+impl Pending {
+    pub fn wait(self) -> Result<(), CommError> {
+        match self.0 {
+            None => Ok(()),
+            Some(rx) => rx.recv().unwrap_or_else(|_| {
+                Err(CommError::BadArgument {
+                    op: "prefetch",
+                    message: "the background collective's thread ended without a result".into(),
+                })
+            }),
+        }
+    }
 }
 
 impl Group {
@@ -34,7 +92,13 @@ impl Group {
     fn new(group: Box<dyn Collectives>) -> Self {
         let (rank, size) = (group.rank(), group.size());
         Group {
-            inner: (size > 1).then(|| Arc::new(Mutex::new(group))),
+            inner: (size > 1).then(|| {
+                Arc::new(Shared {
+                    group: Mutex::new(group),
+                    turn: Mutex::new((0, 0)),
+                    turn_changed: Condvar::new(),
+                })
+            }),
             rank,
             size,
         }
@@ -53,8 +117,35 @@ impl Group {
         f: impl FnOnce(&mut dyn Collectives) -> Result<T, CommError>,
     ) -> Option<Result<T, CommError>> {
         let inner = self.inner.as_ref()?;
-        let mut g = inner.lock().unwrap_or_else(|e| e.into_inner());
-        Some(f(g.as_mut()))
+        Some(inner.run(inner.ticket(), f))
+    }
+
+    /// [`Group::all_gather`] on a background thread, after the collectives issued before it.
+    /// The tensors must stay untouched until [`Pending::wait`] returns.
+    pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Pending {
+        let Some(inner) = &self.inner else {
+            output.shallow_clone().copy_(&input.reshape_as(output));
+            return Pending(None);
+        };
+        let ticket = inner.ticket();
+        let (tx, rx) = channel();
+        let job = {
+            let (inner, output, input) =
+                (inner.clone(), output.shallow_clone(), input.shallow_clone());
+            let tx = tx.clone();
+            move || {
+                let _ = tx.send(inner.run(ticket, |g| g.all_gather(&output, &input)));
+            }
+        };
+        if std::thread::Builder::new()
+            .name("titan-prefetch".into())
+            .spawn(job)
+            .is_err()
+        {
+            // No thread: run it here, in its turn, so the order stays the same on every rank.
+            let _ = tx.send(inner.run(ticket, |g| g.all_gather(output, input)));
+        }
+        Pending(Some(rx))
     }
 
     /// In place on every rank.

@@ -27,5 +27,5 @@ pub mod store;
 
 pub use comm::{Collectives, CommError, ReduceOp};
 pub use env::{EnvError, LaunchEnv};
-pub use mesh::{DeviceMesh, Group};
+pub use mesh::{DeviceMesh, Group, Pending};
 pub use runtime::{Backend, CommOptions, Dist};

@@ -7,6 +7,12 @@
 //! parameters' memory is freed after the unit's forward ([`FsdpUnit::after_forward`]) and
 //! gathered again, into the same tensors autograd saved, when the backward pass reaches the unit.
 //!
+//! Overlap: [`FsdpUnit::prefetch`] starts a unit's all-gather in the background (in issue order
+//! with the group's other collectives, see [`crate::dist::Group`]): the model prefetches the next
+//! unit while the current one computes in forward, and the backward pass prefetches the previous
+//! unit's re-gather while the current unit's backward runs. A prefetch is only ever consumed in
+//! the pass that issued it (each forward drops leftovers first: the shards change in between).
+//!
 //! With one shard and one replica nothing is gathered: the unit hands out its parameters (cast
 //! to the parameter dtype if that differs, as FSDP2's mixed precision policy does).
 
@@ -16,7 +22,7 @@ use tch::{Kind, Tensor};
 
 use super::Placement;
 use crate::autograd::{self, Function};
-use crate::dist::{Group, ReduceOp};
+use crate::dist::{Group, Pending, ReduceOp};
 
 /// The groups and dtypes FSDP works with.
 #[derive(Clone)]
@@ -54,6 +60,15 @@ struct UnitTensors {
     shards: Vec<Tensor>,
     /// The gathered parameters of the forward in flight (kept to free and refill them).
     gathered: Vec<Tensor>,
+    /// An all-gather of the shards running in the background.
+    prefetched: Option<Prefetch>,
+}
+
+struct Prefetch {
+    pending: Pending,
+    recv: Tensor,
+    /// Read by the background collective until it completes.
+    _send: Tensor,
 }
 
 /// One FSDP unit.
@@ -78,20 +93,31 @@ impl UnitState {
         self.tensors.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Fresh unsharded parameters from `shards` in the parameter dtype (no autograd).
-    fn unshard(&self, shards: &[Tensor]) -> Vec<Tensor> {
+    /// Fresh unsharded parameters in the parameter dtype (no autograd): from a finished
+    /// prefetch of the current shards, or gathered now.
+    fn unshard(&self, shards: &[Tensor], prefetched: Option<Prefetch>) -> Vec<Tensor> {
+        if let Some(p) = prefetched {
+            panic_on(p.pending.wait());
+            return self.split_gathered(&p.recv);
+        }
         self.unshard_as(shards, self.mesh.param_kind)
     }
 
     /// Fresh unsharded parameters from `shards` in `kind` (no autograd).
     fn unshard_as(&self, shards: &[Tensor], kind: Kind) -> Vec<Tensor> {
-        let shard = &self.mesh.shard;
-        if shard.size() == 1 {
+        if self.mesh.shard.size() == 1 {
             return shards
                 .iter()
                 .map(|s| s.detach().to_kind(kind).copy())
                 .collect();
         }
+        let (send, recv) = self.gather_buffers(shards, kind);
+        panic_on(self.mesh.shard.all_gather(&recv, &send));
+        self.split_gathered(&recv)
+    }
+
+    /// This rank's padded shards packed in one buffer, and the buffer the all-gather fills.
+    fn gather_buffers(&self, shards: &[Tensor], kind: Kind) -> (Tensor, Tensor) {
         let device = shards[0].device();
         let send = Tensor::zeros([self.per_rank], (kind, device));
         for (slot, s) in self.slots.iter().zip(shards) {
@@ -100,9 +126,14 @@ impl UnitState {
                     .copy_(&s.detach().reshape([-1]));
             }
         }
-        let size = shard.size() as i64;
+        let size = self.mesh.shard.size() as i64;
         let recv = Tensor::empty([size * self.per_rank], (kind, device));
-        panic_on(shard.all_gather(&recv, &send));
+        (send, recv)
+    }
+
+    /// The whole (TP-local) parameters out of every rank's packed shards.
+    fn split_gathered(&self, recv: &Tensor) -> Vec<Tensor> {
+        let size = self.mesh.shard.size() as i64;
         let per_rank = recv.view([size, self.per_rank]);
         self.slots
             .iter()
@@ -116,6 +147,25 @@ impl UnitState {
                     .contiguous()
             })
             .collect()
+    }
+
+    /// Starts gathering the current shards in the background (nothing if one is running or
+    /// there is nothing to gather).
+    fn prefetch(&self) {
+        if self.mesh.shard.size() == 1 {
+            return;
+        }
+        let mut t = self.tensors();
+        if t.prefetched.is_some() {
+            return;
+        }
+        let (send, recv) = tch::no_grad(|| self.gather_buffers(&t.shards, self.mesh.param_kind));
+        let pending = self.mesh.shard.all_gather_async(&recv, &send);
+        t.prefetched = Some(Prefetch {
+            pending,
+            recv,
+            _send: send,
+        });
     }
 
     /// The shards' gradients from the unsharded ones: cast to the reduce dtype, summed over the
@@ -172,7 +222,8 @@ struct AllGather(Arc<UnitState>);
 
 impl Function for AllGather {
     fn forward(&mut self, shards: &[Tensor]) -> Vec<Tensor> {
-        self.0.unshard(shards)
+        let prefetched = self.0.tensors().prefetched.take();
+        self.0.unshard(shards, prefetched)
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
@@ -187,8 +238,12 @@ impl Function for AllGather {
 }
 
 /// Identity in forward; in backward, before the unit's own backward runs, gathers the unit's
-/// parameters again into the tensors the forward freed (FSDP2's pre-backward unshard).
-struct RegatherBeforeBackward(Arc<UnitState>);
+/// parameters again into the tensors the forward freed (FSDP2's pre-backward unshard), then
+/// starts gathering the unit before it (the next one backward reaches).
+struct RegatherBeforeBackward {
+    unit: Arc<UnitState>,
+    previous: Option<Arc<UnitState>>,
+}
 
 impl Function for RegatherBeforeBackward {
     fn forward(&mut self, x: &[Tensor]) -> Vec<Tensor> {
@@ -196,13 +251,20 @@ impl Function for RegatherBeforeBackward {
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
-        let t = self.0.tensors();
-        if !t.gathered.is_empty() {
-            let fresh = tch::no_grad(|| self.0.unshard(&t.shards));
-            for (freed, value) in t.gathered.iter().zip(&fresh) {
+        let (shards, gathered, prefetched) = {
+            let mut t = self.unit.tensors();
+            let clone = |v: &[Tensor]| v.iter().map(|x| x.shallow_clone()).collect::<Vec<_>>();
+            (clone(&t.shards), clone(&t.gathered), t.prefetched.take())
+        };
+        if !gathered.is_empty() {
+            let fresh = tch::no_grad(|| self.unit.unshard(&shards, prefetched));
+            for (freed, value) in gathered.iter().zip(&fresh) {
                 autograd::resize_storage(freed, value.numel() * value.kind().elt_size_in_bytes());
                 autograd::copy_keep_version(freed, value);
             }
+        }
+        if let Some(previous) = &self.previous {
+            previous.prefetch();
         }
         vec![grads[0].shallow_clone()]
     }
@@ -245,6 +307,7 @@ impl FsdpUnit {
                 tensors: Mutex::new(UnitTensors {
                     shards,
                     gathered: Vec::new(),
+                    prefetched: None,
                 }),
             }),
             reshard_after_forward: reshard_after_forward && communicates,
@@ -295,9 +358,24 @@ impl FsdpUnit {
         self.state.unshard_as(&shards, kind)
     }
 
+    /// Starts gathering this unit's parameters in the background, for its next
+    /// [`FsdpUnit::gather`] in the same pass.
+    pub fn prefetch(&self) {
+        self.state.prefetch();
+    }
+
+    /// Waits for and drops a prefetch no gather took (the shards may have changed since).
+    pub fn drop_prefetch(&self) {
+        let leftover = self.state.tensors().prefetched.take();
+        if let Some(p) = leftover {
+            panic_on(p.pending.wait());
+        }
+    }
+
     /// After the unit's forward: frees the gathered parameters (when resharding) and returns
-    /// `out` wrapped so that the backward pass gathers them again before it needs them.
-    pub fn after_forward(&self, out: Tensor) -> Tensor {
+    /// `out` wrapped so that the backward pass gathers them again before it needs them, and then
+    /// starts gathering `previous` (the unit backward reaches next).
+    pub fn after_forward(&self, out: Tensor, previous: Option<&FsdpUnit>) -> Tensor {
         let s = &self.state;
         let t = s.tensors();
         if t.gathered.is_empty() {
@@ -307,6 +385,10 @@ impl FsdpUnit {
             autograd::resize_storage(g, 0);
         }
         drop(t);
-        autograd::apply(RegatherBeforeBackward(s.clone()), &[&out], 1).remove(0)
+        let regather = RegatherBeforeBackward {
+            unit: s.clone(),
+            previous: previous.map(|p| p.state.clone()),
+        };
+        autograd::apply(regather, &[&out], 1).remove(0)
     }
 }
