@@ -446,6 +446,94 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
     assert!(ckpt.join("step-10/.metadata").is_file());
 }
 
+/// A checkpoint of FSDP2 x TP2 (4 ranks: each writes its 2-D blocks) is read by torch's
+/// `dcp.load`, resumes on FSDP2 alone (2 ranks) with the straight run's next losses, and the two
+/// layouts' final checkpoints hold the same weights and AdamW state.
+#[test]
+fn sharded_checkpoints_load_on_another_layout() {
+    let f = Fixture::new();
+    let ckpt_args = [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "5",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ];
+    let mut args = f.args("mesh", GLOBAL_BATCH / 2);
+    args.extend(ckpt_args.map(String::from));
+    let mut c = titan_train(&args);
+    c.args([
+        "--nproc-per-node",
+        "4",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ]);
+    run_ok(&mut c);
+    let straight = f.losses("mesh");
+    let ckpt = f.root.join("mesh/checkpoint");
+
+    let out = titan_tests::python_script("tests/python/dist_ckpt_check.py")
+        .arg(ckpt.join("step-10"))
+        .arg("2")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let chunks = &report["exp_avg_chunks"];
+    // Column-wise (tp splits rows) and row-wise (tp splits columns) weights: 2 x 2 blocks; a
+    // norm is replicated over tp and written once per FSDP shard.
+    assert_eq!(chunks["layers.0.attention.qkv_linear.wq.weight"], 4);
+    assert_eq!(chunks["layers.0.attention.wo.weight"], 4);
+    assert_eq!(chunks["layers.0.attention_norm.weight"], 2);
+    assert_eq!(report["step"], 10);
+
+    // Keep step 5 in a second run folder and resume it on FSDP2 alone (the same dp degree, so
+    // the data position loads too).
+    let resumed_dir = f.root.join("fsdp");
+    std::fs::create_dir_all(resumed_dir.join("checkpoint")).unwrap();
+    let copy = Command::new("cp")
+        .arg("-r")
+        .arg(ckpt.join("step-5"))
+        .arg(resumed_dir.join("checkpoint"))
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let mut args = f.args("fsdp", GLOBAL_BATCH / 2);
+    args.extend(ckpt_args.map(String::from));
+    let mut c = titan_train(&args);
+    c.args(["--nproc-per-node", "2"]);
+    run_ok(&mut c);
+    let resumed = f.losses("fsdp");
+    assert_eq!(resumed.len(), 5, "steps 6..10: {resumed:?}");
+    for (step, (a, b)) in straight[5..].iter().zip(&resumed).enumerate() {
+        assert!(
+            (a - b).abs() / a <= 1e-5,
+            "step {}: {b} after resuming on FSDP2 vs {a} on FSDP2 x TP2",
+            step + 6
+        );
+    }
+    // Both layouts end with the same state (weights and AdamW moments), tensor by tensor; only
+    // the RNG states of ranks 2 and 3 have no counterpart on 2 ranks.
+    let out = Command::new(bin("titan-ckpt"))
+        .arg("diff")
+        .arg(ckpt.join("step-10"))
+        .arg(resumed_dir.join("checkpoint/step-10"))
+        .args(["--atol", "1e-5"])
+        .output()
+        .unwrap();
+    let report = text(&out);
+    assert!(
+        report.contains(" 0 differ in value (atol 0.00001); 2 only in A, 0 only in B"),
+        "{report}"
+    );
+    let rows = report
+        .lines()
+        .filter(|l| l.contains("only in A") && !l.contains("in both"));
+    for line in rows {
+        assert!(line.starts_with("rng_state.cpu.rank_"), "{report}");
+    }
+}
+
 /// The last save in HF format from 2 ranks (weights written and consolidated by both) equals
 /// titan-ckpt's conversion of the same run's DCP checkpoint.
 #[test]
