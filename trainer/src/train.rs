@@ -370,12 +370,28 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     }
     let (n_params, _) = model.args.num_params();
     let flops_per_token = model.args.flops_per_token(cfg.training.seq_len);
+    // What this rank holds of the model: its parameter parts, and as many again for their
+    // gradients and twice that for AdamW's moments (in the parameters' dtype).
+    let (local_params, local_bytes) =
+        model
+            .named_parameters()
+            .iter()
+            .fold((0i64, 0usize), |(n, b), (_, t)| {
+                (
+                    n + t.numel() as i64,
+                    b + t.numel() * t.kind().elt_size_in_bytes(),
+                )
+            });
     tracing::info!(
         flavor = cfg.model.flavor,
         params = n_params,
+        params_on_this_rank = local_params,
+        model_state_mib_on_this_rank = (4 * local_bytes) as f64 / (1 << 20) as f64,
         flops_per_token,
         param_dtype = ?precision::param_kind(&cfg.training),
-        layout = ?world,
+        dp_replicate = world.dp_replicate,
+        dp_shard = world.dp_shard,
+        tp = world.tp,
         activation_checkpointing = ?model.checkpointing(),
         attn_backend = ?model.attn_backend(),
         "model built"
