@@ -3,7 +3,7 @@
 //! (replicate x shard) torchtitan uses for token counts and metrics. The same code runs one
 //! process (every group of size 1, no collective is called) and many (cpu or nccl groups).
 
-use std::sync::mpsc::{Receiver, channel};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 
 use tch::{Device, Kind, Tensor};
@@ -31,9 +31,40 @@ struct Shared {
     /// (next ticket to hand out, ticket whose turn it is).
     turn: Mutex<(u64, u64)>,
     turn_changed: Condvar,
+    /// The group's background thread (started by its first background collective), fed jobs
+    /// in issue order; it ends when the group is dropped.
+    worker: Mutex<Option<Sender<Job>>>,
 }
 
+type Job = Box<dyn FnOnce() + Send>;
+
 impl Shared {
+    /// Runs `job` on the group's background thread, or here when no thread can be started.
+    fn in_background(&self, job: Job) {
+        let mut worker = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        if worker.is_none() {
+            let (tx, rx) = channel::<Job>();
+            let started = std::thread::Builder::new()
+                .name("titan-comm".into())
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                });
+            if started.is_ok() {
+                *worker = Some(tx);
+            }
+        }
+        match worker.as_ref() {
+            Some(tx) => {
+                if let Err(returned) = tx.send(job) {
+                    returned.0();
+                }
+            }
+            None => job(),
+        }
+    }
+
     fn ticket(&self) -> u64 {
         let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
         t.0 += 1;
@@ -97,6 +128,7 @@ impl Group {
                     group: Mutex::new(group),
                     turn: Mutex::new((0, 0)),
                     turn_changed: Condvar::new(),
+                    worker: Mutex::new(None),
                 })
             }),
             rank,
@@ -130,21 +162,13 @@ impl Group {
         let ticket = inner.ticket();
         let (tx, rx) = channel();
         let job = {
-            let (inner, output, input) =
+            let (shared, output, input) =
                 (inner.clone(), output.shallow_clone(), input.shallow_clone());
-            let tx = tx.clone();
             move || {
-                let _ = tx.send(inner.run(ticket, |g| g.all_gather(&output, &input)));
+                let _ = tx.send(shared.run(ticket, |g| g.all_gather(&output, &input)));
             }
         };
-        if std::thread::Builder::new()
-            .name("titan-prefetch".into())
-            .spawn(job)
-            .is_err()
-        {
-            // No thread: run it here, in its turn, so the order stays the same on every rank.
-            let _ = tx.send(inner.run(ticket, |g| g.all_gather(output, input)));
-        }
+        inner.in_background(Box::new(job));
         Pending(Some(rx))
     }
 
