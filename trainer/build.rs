@@ -18,6 +18,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/autocast_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/recompute_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/varlen_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/function_shim.cpp");
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };
@@ -45,6 +46,7 @@ fn build_torch_shims(lib: &Path) {
         .file("cpp/autocast_shim.cpp")
         .file("cpp/recompute_shim.cpp")
         .file("cpp/varlen_shim.cpp")
+        .file("cpp/function_shim.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

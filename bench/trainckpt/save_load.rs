@@ -19,8 +19,8 @@ use titan_train::data::{Dataset, TextLoader, TextTokenizer};
 use titan_train::lr_scheduler::LrSchedule;
 use titan_train::model::{Llama, ModelArgs};
 use titan_train::optim::{AdamW, AdamWParams};
-use titan_train::parallel::World;
-use titan_train::train::summed_cross_entropy;
+use titan_train::parallel::Mesh;
+use titan_train::parallelize::ParallelPlan;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -61,7 +61,7 @@ fn main() {
         let dump = out.join(&size);
         let _ = std::fs::remove_dir_all(&dump);
         tch::manual_seed(0);
-        let model = Llama::new(args, Device::Cpu).unwrap();
+        let model = Llama::new(args, Device::Cpu, &ParallelPlan::single()).unwrap();
         let mut optimizer = AdamW::new(AdamWParams {
             beta1: 0.9,
             beta2: 0.95,
@@ -80,7 +80,7 @@ fn main() {
         );
         let tokens = tch::Tensor::randint(1000, [1, 33], (Kind::Int64, Device::Cpu));
         let logits = model.forward(&tokens.narrow(1, 0, 32), None);
-        (summed_cross_entropy(&logits, &tokens.narrow(1, 1, 32)) / 32.0).backward();
+        (model.summed_cross_entropy(&logits, &tokens.narrow(1, 1, 32)) / 32.0).backward();
         for (n, p) in model.named_parameters() {
             optimizer.step_param(n, p, 1e-3);
             p.shallow_clone().zero_grad();
@@ -98,13 +98,12 @@ fn main() {
         for mode in [AsyncModeName::Disabled, AsyncModeName::Async] {
             cfg.async_mode = mode;
             for i in 0..runs {
-                let mut ckpt = Checkpointer::new(&cfg, &dump, World::single()).unwrap();
+                let mut ckpt = Checkpointer::new(&cfg, &dump, Mesh::single()).unwrap();
                 let state = TrainerState {
                     model: &model,
                     optimizer: &mut optimizer,
                     loader: &mut loader,
                     schedule: &schedule,
-                    optimizer_shards: None,
                 };
                 let t = Instant::now();
                 ckpt.after_step(i as u64 + 1, 1_000_000, 0, &state).unwrap();
@@ -130,7 +129,7 @@ fn main() {
                     ..cfg.clone()
                 },
                 &dump,
-                World::single(),
+                Mesh::single(),
             )
             .unwrap();
             let mut state = TrainerState {
@@ -138,7 +137,6 @@ fn main() {
                 optimizer: &mut optimizer,
                 loader: &mut loader,
                 schedule: &schedule,
-                optimizer_shards: None,
             };
             let t = Instant::now();
             ckpt.load(&mut state).unwrap();

@@ -22,11 +22,14 @@ Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
 """
 
 import argparse
+import atexit
 import json
 import os
+import resource
 import shlex
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -48,10 +51,16 @@ def rank_main(args):
     def recording_log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         if out and int(os.environ.get("RANK", "0")) == 0:
             with open(out, "a") as f:
-                f.write(json.dumps({"step": step, "loss": float(global_avg_loss), "grad_norm": float(grad_norm)}) + "\n")
+                f.write(json.dumps({"step": step, "loss": float(global_avg_loss), "grad_norm": float(grad_norm),
+                                    "time": time.time()}) + "\n")
         return log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
 
     metrics.MetricsProcessor.log = recording_log
+    if out:
+        # Each rank's peak resident memory, for bench/trainer/mesh_speed.py.
+        rank = os.environ.get("RANK", "0")
+        atexit.register(lambda: open(f"{out}.maxrss.{rank}", "w").write(
+            str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
     from torchtitan import train
 
     sys.argv = ["torchtitan.train"] + args

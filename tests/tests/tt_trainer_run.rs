@@ -5,7 +5,8 @@
 //!   bit for bit and logits equal to torchtitan's model in transformers 5 and 4; the HF output
 //!   converts back to a DCP that torch 2.15's `dcp.load` reads into torchtitan's model exactly.
 //! - Its structured logs open in `titan-obs summary` with every step of every rank.
-//! - titan-train and the Trainer start from each other's checkpoints (`initial_load_path`) and,
+//! - titan-train (its checkpoint sharded by FSDP2 x TP2) and the Trainer start from each other's
+//!   checkpoints (`initial_load_path`) and,
 //!   taking one step at learning rate 0, save exactly the weights they loaded.
 
 use std::path::Path;
@@ -157,6 +158,8 @@ fn equal_model_tensors(a: &Path, b: &Path) -> Vec<String> {
     both
 }
 
+/// titan-train's checkpoint is sharded (FSDP2 x TP2 on 4 ranks: 2-D blocks); torchtitan's
+/// Trainer on 2 FSDP ranks loads it through DCP's resharding.
 #[test]
 fn torchtitan_trainer_starts_from_a_titan_train_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
@@ -164,6 +167,12 @@ fn torchtitan_trainer_starts_from_a_titan_train_checkpoint() {
     run_ok(
         titan_train()
             .args(SMALL_DETERMINISTIC_RUN)
+            .args([
+                "--nproc-per-node",
+                "4",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ])
             .args(["--training.steps", "2", "--checkpoint.enable"])
             .args(["--checkpoint.last_save_model_only", "--job.dump_folder"])
             .arg(&titan),

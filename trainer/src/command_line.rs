@@ -114,11 +114,6 @@ const NO_EFFECT: &[(&str, Accepts, &str)] = &[
         "titan-train captures no CUDA graphs",
     ),
     (
-        "parallelism.enable_sequence_parallel",
-        Accepts::Any,
-        "only used with tensor parallelism",
-    ),
-    (
         "parallelism.pipeline_parallel_schedule",
         Accepts::Any,
         "only used with pipeline parallelism",

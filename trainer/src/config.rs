@@ -385,6 +385,9 @@ pub struct Parallelism {
     pub data_parallel_shard_degree: Option<u64>,
     pub fsdp_reshard_after_forward: ReshardAfterForward,
     pub tensor_parallel_degree: i64,
+    /// Tensor parallelism splits the activations between blocks along the sequence (and the
+    /// norms run on sequence blocks), as torchtitan's default.
+    pub enable_sequence_parallel: bool,
     pub context_parallel_degree: i64,
     pub pipeline_parallel_degree: i64,
     pub expert_parallel_degree: i64,
@@ -399,6 +402,7 @@ impl Default for Parallelism {
             data_parallel_shard_degree: None,
             fsdp_reshard_after_forward: ReshardAfterForward::Default,
             tensor_parallel_degree: 1,
+            enable_sequence_parallel: true,
             context_parallel_degree: 1,
             pipeline_parallel_degree: 1,
             expert_parallel_degree: 1,
@@ -977,40 +981,28 @@ impl JobConfig {
                 " (Python's gc debugging has no counterpart)",
             ),
             (
-                "parallelism.tensor_parallel_degree",
-                w(&self.parallelism.tensor_parallel_degree),
-                w(&d.parallelism.tensor_parallel_degree),
-                " (data parallelism only)",
-            ),
-            (
                 "parallelism.context_parallel_degree",
                 w(&self.parallelism.context_parallel_degree),
                 w(&d.parallelism.context_parallel_degree),
-                " (data parallelism only)",
+                " (titan-train has FSDP and tensor parallelism)",
             ),
             (
                 "parallelism.pipeline_parallel_degree",
                 w(&self.parallelism.pipeline_parallel_degree),
                 w(&d.parallelism.pipeline_parallel_degree),
-                " (data parallelism only)",
+                " (titan-train has FSDP and tensor parallelism)",
             ),
             (
                 "parallelism.expert_parallel_degree",
                 w(&self.parallelism.expert_parallel_degree),
                 w(&d.parallelism.expert_parallel_degree),
-                " (data parallelism only)",
+                " (titan-train has FSDP and tensor parallelism)",
             ),
             (
                 "parallelism.enable_compiled_autograd",
                 w(&self.parallelism.enable_compiled_autograd),
                 w(&d.parallelism.enable_compiled_autograd),
                 " (no torch.compile)",
-            ),
-            (
-                "parallelism.fsdp_reshard_after_forward",
-                w(&self.parallelism.fsdp_reshard_after_forward),
-                w(&d.parallelism.fsdp_reshard_after_forward),
-                " (ZeRO-2 keeps whole parameters on every rank)",
             ),
             (
                 "compile.enable",
@@ -1049,7 +1041,7 @@ impl JobConfig {
                 " (the estimate is arithmetic: it allocates no tensors, fake or real)",
             ),
         ];
-        // The estimate is arithmetic on the layout: it takes layouts training does not run yet.
+        // The estimate is arithmetic on the layout: it takes layouts training does not run.
         let estimated = [
             "parallelism.tensor_parallel_degree",
             "parallelism.context_parallel_degree",
@@ -1311,11 +1303,11 @@ mod tests {
     fn unimplemented_keys_are_refused_unless_default() {
         for (key, value) in [
             ("--compile.enable", "true"),
-            ("--parallelism.tensor_parallel_degree", "2"),
+            ("--parallelism.context_parallel_degree", "2"),
             ("--metrics.enable_wandb", "true"),
             ("--training.enable_cpu_offload", "true"),
             ("--model.converters", "float8"),
-            ("--parallelism.fsdp_reshard_after_forward", "always"),
+            ("--parallelism.pipeline_parallel_degree", "2"),
         ] {
             let err = JobConfig::from_parts(None, &ov(&[key, value])).unwrap_err();
             assert!(
@@ -1332,7 +1324,7 @@ mod tests {
             None,
             &ov(&[
                 "--compile.enable=false",
-                "--parallelism.tensor_parallel_degree",
+                "--parallelism.context_parallel_degree",
                 "1",
             ]),
         )

@@ -9,11 +9,12 @@
 //! - [`data`]: tokenizer, document sources (.txt/.jsonl/.parquet, embedded default), packing loader
 //!   with resumable [`data::LoaderState`].
 //! - [`optim`] (AdamW with visible state, grad clipping) and [`lr_scheduler`].
-//! - [`parallel`]: [`parallel::World`] and the [`parallel::DataParallel`] touch points, with the
-//!   single-process implementation.
+//! - [`parallel`]: [`parallel::Mesh`], this rank's place on torchtitan's device mesh;
+//!   [`parallelize`]: how the model is split over it (FSDP2, tensor parallelism), with
+//!   [`autograd`] functions that run the collectives inside forward and backward.
 //! - [`checkpoint`]: DCP saves/resume (torchtitan's layout), async saves, HF export.
-//! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and
-//!   data parallelism (DDP, ZeRO-2, HSDP).
+//! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and the
+//!   mesh's process groups ([`dist::DeviceMesh`]).
 //! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it; [`recompute`]:
 //!   activation checkpointing (regions recomputed in backward), which [`model`] applies per
 //!   `[activation_checkpoint]`.
@@ -21,6 +22,7 @@
 //! - [`train`]: the loop; [`metrics`]: console line, throughput, memory; [`tensorboard`]: event
 //!   files.
 
+pub mod autograd;
 pub mod checkpoint;
 pub mod command_line;
 pub mod config;
@@ -34,6 +36,7 @@ pub mod model;
 pub mod names;
 pub mod optim;
 pub mod parallel;
+pub mod parallelize;
 pub mod precision;
 pub mod recompute;
 pub mod rng;

@@ -16,9 +16,9 @@ use titan_cli::{Bin, ExitCode as Code, LOGGING_HELP, Level, Verbosity};
 use titan_train::command_line;
 use titan_train::config::{self, JobConfig};
 use titan_train::dist::launch::{self, LaunchArgs};
-use titan_train::dist::{Backend, CommOptions, Dist, DistributedDp, LaunchEnv};
+use titan_train::dist::{Backend, CommOptions, DeviceMesh, Dist, LaunchEnv};
 use titan_train::memory_estimate;
-use titan_train::parallel::{SingleProcess, World};
+use titan_train::parallel::Mesh;
 use titan_train::train::{self, TrainSummary};
 
 const OK: Code = Code::new(0, "success");
@@ -188,7 +188,7 @@ fn main() -> ExitCode {
     if let Some(launch) = launch {
         // The degrees are checked against the world before any rank starts.
         let world_size = launch.nproc_per_node * launch.nnodes;
-        if let Err(e) = World::new(&cfg.parallelism, 0, 0, world_size) {
+        if let Err(e) = Mesh::new(&cfg.parallelism, 0, 0, world_size) {
             return usage_error(format!("{e:#}"));
         }
         return run_launcher(&launch, &rank_args);
@@ -197,7 +197,7 @@ fn main() -> ExitCode {
         Ok(env) => env,
         Err(e) => return usage_error(e),
     };
-    if let Err(e) = World::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size) {
+    if let Err(e) = Mesh::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size) {
         return usage_error(format!("{e:#}"));
     }
     if cfg.debug.deterministic {
@@ -216,7 +216,7 @@ fn main() -> ExitCode {
     let result = if env.is_distributed() {
         train_distributed(&cfg, env)
     } else {
-        train::run(&cfg, &mut SingleProcess::new())
+        train::run(&cfg, &DeviceMesh::single())
     };
     match result {
         Ok(summary) => {
@@ -297,7 +297,7 @@ fn run_launcher(launch: &LaunchArgs, rank_args: &[OsString]) -> ExitCode {
     }
 }
 
-/// One rank of a data-parallel job: join it, train, and tell the other ranks if this one fails.
+/// One rank of a multi-process job: join it, train, and tell the other ranks if this one fails.
 fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSummary> {
     let invalid = |key: &str, e: anyhow::Error| -> anyhow::Error {
         config::ConfigError::Invalid {
@@ -306,7 +306,7 @@ fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSum
         }
         .into()
     };
-    let world = World::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size)
+    let world = Mesh::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size)
         .map_err(|e| invalid("parallelism.data_parallel_shard_degree", e))?;
     let device = train::select_device(&cfg.training, env.local_rank)
         .map_err(|e| invalid("training.device", e))?;
@@ -324,11 +324,13 @@ fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSum
     let dist = Dist::init(env, opts).context("joining the distributed job")?;
     // Rank timelines in titan-obs line up on rank 0's clock.
     titan_obs::set_clock_offset_ns(dist.clock_offset_ns);
-    let mut dp = DistributedDp::new(dist, world, cfg.training.max_norm);
-    let result = train::run(cfg, &mut dp);
-    if let Err(e) = &result {
+    let mesh = DeviceMesh::connect(dist, world).context("creating the device mesh's groups")?;
+    let result = train::run(cfg, &mesh);
+    if let Err(e) = &result
+        && let Some(dist) = mesh.dist()
+    {
         // First failure wins: the other ranks' errors then name this one as the cause.
-        dp.dist().post_failure(&format!("rank {rank}: {e:#}"));
+        dist.post_failure(&format!("rank {rank}: {e:#}"));
     }
     result
 }

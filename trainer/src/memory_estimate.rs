@@ -8,8 +8,8 @@
 //!
 //! # What a rank holds
 //!
-//! The model is FSDP2 + torchtitan's llama3 tensor-parallel plan (sequence parallel on, loss
-//! parallel unless `parallelism.disable_loss_parallel`), on torchtitan's mesh: `World::new`
+//! The model is FSDP2 + torchtitan's llama3 tensor-parallel plan (sequence parallel per
+//! `parallelism.enable_sequence_parallel`, loss parallel unless `parallelism.disable_loss_parallel`), on torchtitan's mesh: `Mesh::new`
 //! resolves `dp_replicate x dp_shard x cp x tp x pp = world size` (the -1 rule). Notation:
 //! `N = dp_shard x cp` (torchtitan's `fsdp` mesh: FSDP shards over data *and* context ranks;
 //! `dp_replicate` replicates, so it divides nothing), `t = tp`, `L` layers (`ceil(L / pp)` per
@@ -76,11 +76,11 @@ use serde_json::json;
 
 use crate::config::{DtypeName, JobConfig, ReshardAfterForward};
 use crate::model::{ActivationCheckpointing, ModelArgs};
-use crate::parallel::World;
+use crate::parallel::Mesh;
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// The mesh the estimate assumed: torchtitan's degrees, resolved by [`World::new`].
+/// The mesh the estimate assumed: torchtitan's degrees, resolved by [`Mesh::new`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
     pub world_size: usize,
@@ -95,14 +95,14 @@ impl Layout {
     /// The degrees for `world_size` ranks; a layout torchtitan's `ParallelDims` refuses is an
     /// error with its message.
     pub fn resolve(cfg: &crate::config::Parallelism, world_size: usize) -> Result<Self> {
-        let world = World::new(cfg, 0, 0, world_size)?;
+        let mesh = Mesh::new(cfg, 0, 0, world_size)?;
         Ok(Self {
             world_size,
-            dp_replicate: world.dp_replicate,
-            dp_shard: world.dp_shard,
-            cp: cfg.context_parallel_degree as usize,
-            tp: cfg.tensor_parallel_degree as usize,
-            pp: cfg.pipeline_parallel_degree as usize,
+            dp_replicate: mesh.dp_replicate,
+            dp_shard: mesh.dp_shard,
+            cp: mesh.cp,
+            tp: mesh.tp,
+            pp: mesh.pp,
         })
     }
 
@@ -418,7 +418,10 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         (batch, 1)
     };
     let tokens = ceil_div(micro_batch * seq, cp);
-    let sp = |x: u64| ceil_div(x, t); // a sequence-parallel region: tokens split over tp
+    // A sequence-parallel region: tokens split over tp (replicated with
+    // `enable_sequence_parallel = false`).
+    let seq_parallel = cfg.parallelism.enable_sequence_parallel;
+    let sp = |x: u64| if seq_parallel { ceil_div(x, t) } else { x };
     let ab = pb;
     let device_cpu = cfg.training.device == crate::config::DeviceChoice::Cpu;
     let document_causal = cfg.model.attn_backend.document_causal();

@@ -7,11 +7,15 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
+use crate::parallelize::fsdp::FsdpUnit;
+use crate::parallelize::tp::TensorParallel;
+use crate::parallelize::{ParallelPlan, Placement, TpStyle};
 use crate::recompute::{checkpoint, kept_linear};
 
 /// Llama-3.1's RoPE frequency scaling.
@@ -395,18 +399,20 @@ struct Layer {
 }
 
 impl Layer {
-    /// The same parameters (shallow clones), for a recomputed region to own.
-    fn share(&self) -> Layer {
+    /// A block's parameters in registration order (as its FSDP unit gathers them).
+    fn from_params(p: Vec<Tensor>) -> Layer {
+        let [wq, wk, wv, wo, w1, w2, w3, attention_norm, ffn_norm]: [Tensor; 9] =
+            p.try_into().expect("a transformer block has 9 parameters");
         Layer {
-            wq: self.wq.shallow_clone(),
-            wk: self.wk.shallow_clone(),
-            wv: self.wv.shallow_clone(),
-            wo: self.wo.shallow_clone(),
-            w1: self.w1.shallow_clone(),
-            w2: self.w2.shallow_clone(),
-            w3: self.w3.shallow_clone(),
-            attention_norm: self.attention_norm.shallow_clone(),
-            ffn_norm: self.ffn_norm.shallow_clone(),
+            wq,
+            wk,
+            wv,
+            wo,
+            w1,
+            w2,
+            w3,
+            attention_norm,
+            ffn_norm,
         }
     }
 }
@@ -422,25 +428,29 @@ struct BlockShape {
 }
 
 impl BlockShape {
-    fn of(args: &ModelArgs) -> Self {
+    /// The shape of this rank's part of a block: `tp` splits the heads.
+    fn of(args: &ModelArgs, tp: i64) -> Self {
         BlockShape {
             dim: args.dim,
-            n_heads: args.n_heads,
-            kv_heads: args.kv_heads(),
+            n_heads: args.n_heads / tp,
+            kv_heads: args.kv_heads() / tp,
             head_dim: args.head_dim(),
             norm_eps: args.norm_eps,
         }
     }
 }
 
-/// The model: parameters by fqn plus the RoPE table.
+/// The model: this rank's parameters by fqn (the whole tensors on one process, else the parts
+/// [`ParallelPlan`] gives it), the FSDP units that gather them, and the RoPE table.
 pub struct Llama {
     pub args: ModelArgs,
     params: Vec<(String, Tensor)>,
-    layers: Vec<Layer>,
-    tok_embeddings: Tensor,
-    norm: Tensor,
-    lm_head: Tensor,
+    placements: Vec<Placement>,
+    embeddings: FsdpUnit,
+    layers: Vec<FsdpUnit>,
+    /// The final norm and the output projection.
+    head: FsdpUnit,
+    tp: TensorParallel,
     freqs_cis: Tensor,
     checkpointing: ActivationCheckpointing,
     attn_backend: AttnBackend,
@@ -501,32 +511,55 @@ fn erfc(x: f64) -> f64 {
 }
 
 impl Llama {
-    /// Builds the model on `device` with torchtitan's initialisation (uses the global torch RNG:
-    /// seed it first for reproducible weights).
-    pub fn new(args: ModelArgs, device: Device) -> Result<Self> {
+    /// Builds this rank's part of the model on `device` with torchtitan's initialisation (uses
+    /// the global torch RNG: seed it first for reproducible weights). Each parameter is drawn
+    /// whole, in registration order, and only this rank's part is kept: every layout gets the
+    /// values one process gets, and no rank ever holds more than one whole parameter.
+    pub fn new(args: ModelArgs, device: Device, plan: &ParallelPlan) -> Result<Self> {
         args.validate()?;
+        let tp = plan.tp.size() as i64;
+        for (what, n) in [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads())] {
+            if n % tp != 0 {
+                bail!(
+                    "model {what} = {n} cannot be split over parallelism.tensor_parallel_degree = {tp}"
+                );
+            }
+        }
         let (d, hd, kv) = (
             args.dim,
             args.ffn_hidden_dim(),
             args.kv_heads() * args.head_dim(),
         );
         let opts = (Kind::Float, device);
-        let mut params = Vec::new();
-        let mut add = |name: String, shape: &[i64], init: &dyn Fn(&mut Tensor)| -> Tensor {
-            let mut t = Tensor::empty(shape, opts);
-            tch::no_grad(|| init(&mut t));
-            let t = t.set_requires_grad(true);
-            params.push((name, t.shallow_clone()));
-            t
+        let mut params: Vec<(String, Tensor)> = Vec::new();
+        let mut placements = Vec::new();
+        let mut add = |name: String,
+                       shape: &[i64],
+                       style: TpStyle,
+                       init: &dyn Fn(&mut Tensor)|
+         -> Result<()> {
+            let placement = plan
+                .placement(shape, style)
+                .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
+            let mut full = Tensor::empty(shape, opts);
+            tch::no_grad(|| init(&mut full));
+            let local = if placement.is_whole() {
+                full
+            } else {
+                placement.take_local(&full)
+            };
+            params.push((name, local.set_requires_grad(true)));
+            placements.push(placement);
+            Ok(())
         };
-        let tok_embeddings = add(
+        add(
             "tok_embeddings.weight".into(),
             &[args.vocab_size, d],
+            TpStyle::Rows,
             &|t| {
                 let _ = t.normal_(0.0, 1.0);
             },
-        );
-        let mut layers = Vec::new();
+        )?;
         for i in 0..args.n_layers {
             // Depth-scaled init for the output projections, as torchtitan's depth_init.
             let depth_std = 0.02 / (2.0 * (i + 1) as f64).sqrt();
@@ -536,42 +569,54 @@ impl Llama {
                 let _ = t.fill_(1.0);
             };
             let p = |n: &str| format!("layers.{i}.{n}");
-            let wq = add(p("attention.qkv_linear.wq.weight"), &[d, d], &std02);
-            let wk = add(p("attention.qkv_linear.wk.weight"), &[kv, d], &std02);
-            let wv = add(p("attention.qkv_linear.wv.weight"), &[kv, d], &std02);
-            let wo = add(p("attention.wo.weight"), &[d, d], &depth);
-            let w1 = add(p("feed_forward.w1.weight"), &[hd, d], &std02);
-            let w2 = add(p("feed_forward.w2.weight"), &[d, hd], &depth);
-            let w3 = add(p("feed_forward.w3.weight"), &[hd, d], &depth);
-            let attention_norm = add(p("attention_norm.weight"), &[d], &ones);
-            let ffn_norm = add(p("ffn_norm.weight"), &[d], &ones);
-            layers.push(Layer {
-                wq,
-                wk,
-                wv,
-                wo,
-                w1,
-                w2,
-                w3,
-                attention_norm,
-                ffn_norm,
-            });
+            use TpStyle::{Cols, Replicated, Rows};
+            add(p("attention.qkv_linear.wq.weight"), &[d, d], Rows, &std02)?;
+            add(p("attention.qkv_linear.wk.weight"), &[kv, d], Rows, &std02)?;
+            add(p("attention.qkv_linear.wv.weight"), &[kv, d], Rows, &std02)?;
+            add(p("attention.wo.weight"), &[d, d], Cols, &depth)?;
+            add(p("feed_forward.w1.weight"), &[hd, d], Rows, &std02)?;
+            add(p("feed_forward.w2.weight"), &[d, hd], Cols, &depth)?;
+            add(p("feed_forward.w3.weight"), &[hd, d], Rows, &depth)?;
+            add(p("attention_norm.weight"), &[d], Replicated, &ones)?;
+            add(p("ffn_norm.weight"), &[d], Replicated, &ones)?;
         }
-        let norm = add("norm.weight".into(), &[d], &|t| {
+        add("norm.weight".into(), &[d], TpStyle::Replicated, &|t| {
             let _ = t.fill_(1.0);
-        });
+        })?;
         let final_std = (d as f64).powf(-0.5);
-        let lm_head = add("lm_head.weight".into(), &[args.vocab_size, d], &|t| {
-            trunc_normal_(t, final_std, -3.0 * final_std, 3.0 * final_std)
-        });
+        add(
+            "lm_head.weight".into(),
+            &[args.vocab_size, d],
+            TpStyle::Rows,
+            &|t| trunc_normal_(t, final_std, -3.0 * final_std, 3.0 * final_std),
+        )?;
+        // FSDP units as torchtitan wraps them: the embeddings, each block, norm + output.
+        let unit = |range: std::ops::Range<usize>, last: bool| {
+            FsdpUnit::new(
+                &plan.fsdp,
+                params[range.clone()]
+                    .iter()
+                    .map(|(_, t)| t.shallow_clone())
+                    .collect(),
+                &placements[range].iter().collect::<Vec<_>>(),
+                plan.reshards(last),
+            )
+        };
+        let n = params.len();
+        let embeddings = unit(0..1, false);
+        let layers = (0..args.n_layers as usize)
+            .map(|i| unit(1 + 9 * i..10 + 9 * i, false))
+            .collect();
+        let head = unit(n - 2..n, true);
         let freqs_cis = precompute_freqs_cis(&args, device);
         Ok(Self {
             args,
             params,
+            placements,
+            embeddings,
             layers,
-            tok_embeddings,
-            norm,
-            lm_head,
+            head,
+            tp: plan.tp.clone(),
             freqs_cis,
             checkpointing: ActivationCheckpointing::None,
             attn_backend: AttnBackend::default(),
@@ -590,26 +635,73 @@ impl Llama {
     }
 
     pub fn device(&self) -> Device {
-        self.tok_embeddings.device()
+        self.params[0].1.device()
     }
 
-    /// Copies `value` into parameter `fqn` (shape must match): the load path for checkpoints.
+    /// Where each parameter's local part sits (same order as [`Llama::named_parameters`]).
+    pub fn placements(&self) -> &[Placement] {
+        &self.placements
+    }
+
+    /// The placement of parameter `fqn`.
+    pub fn placement(&self, fqn: &str) -> Option<&Placement> {
+        let i = self.params.iter().position(|(n, _)| n == fqn)?;
+        Some(&self.placements[i])
+    }
+
+    /// Sets parameter `fqn` from the whole tensor `value` (its global shape): this rank keeps
+    /// its part. The load path for checkpoints of any layout.
     pub fn set_parameter(&self, fqn: &str, value: &Tensor) -> Result<()> {
-        let Some(p) = self.parameter(fqn) else {
+        let (Some(p), Some(placement)) = (self.parameter(fqn), self.placement(fqn)) else {
             bail!("the model has no parameter `{fqn}`");
         };
-        if p.size() != value.size() {
+        if value.size() != placement.global {
             bail!(
                 "parameter `{fqn}` has shape {:?} but the loaded tensor has {:?}",
-                p.size(),
+                placement.global,
                 value.size()
             );
         }
         tch::no_grad(|| {
             let mut p = p.shallow_clone();
-            p.copy_(value);
+            p.copy_(&placement.take_local(value));
         });
         Ok(())
+    }
+
+    /// The summed cross entropy of `logits` from [`Llama::forward`] against `labels` over valid
+    /// labels (over vocab-sharded logits under tensor parallelism).
+    pub fn summed_cross_entropy(&self, logits: &Tensor, labels: &Tensor) -> Tensor {
+        self.tp.cross_entropy_sum(logits, labels)
+    }
+
+    /// The whole parameters whose names `keep` accepts, in their own dtype, gathered one FSDP
+    /// unit at a time. A collective: every rank calls it with the same model.
+    pub fn full_parameters(&self, keep: impl Fn(&str) -> bool) -> Vec<(String, Tensor)> {
+        let units = std::iter::once(&self.embeddings)
+            .chain(&self.layers)
+            .chain(std::iter::once(&self.head));
+        let mut out = Vec::new();
+        let mut index = 0;
+        for unit in units {
+            for full in unit.full_masters() {
+                let (name, _) = &self.params[index];
+                let full = match self.placements[index].tp_dim {
+                    Some(dim) => self.tp.gather_dim(&full, dim),
+                    None => full,
+                };
+                if keep(name) {
+                    out.push((name.clone(), full));
+                }
+                index += 1;
+            }
+        }
+        out
+    }
+
+    /// Whether activations between blocks are sequence-sharded over tp.
+    pub fn sequence_parallel(&self) -> bool {
+        self.tp.sequence_parallel()
     }
 
     /// Converts every parameter to `kind` in place (the shallow clones the layers hold see it):
@@ -652,9 +744,10 @@ impl Llama {
 
     /// Logits (B, S, vocab) in fp32 for token ids (B, S) whose `positions` (B, S) in their
     /// documents come from the loader ([`crate::data::Batch`]); `None` treats each row as one
-    /// document starting at position 0.
+    /// document starting at position 0. Under tensor parallelism the logits are this rank's
+    /// vocab columns (B, S, vocab / tp): take the loss with [`Llama::summed_cross_entropy`].
     pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
-        let shape = BlockShape::of(&self.args);
+        let shape = BlockShape::of(&self.args, self.tp.size() as i64);
         let seq_len = tokens.size()[1];
         let attend = match positions.filter(|_| self.attn_backend.document_causal()) {
             None => Attend::Causal,
@@ -668,32 +761,69 @@ impl Llama {
             rope: rope_for(&self.freqs_cis, seq_len, positions),
             attend,
         };
-        let mut h = Tensor::embedding(&self.tok_embeddings, tokens, -1, false, false);
-        for (index, layer) in self.layers.iter().enumerate() {
-            let (layer_, ctx_) = (layer.share(), ctx.share());
+        // The units in forward order; a prefetch left from an earlier pass is stale.
+        let units: Vec<&FsdpUnit> = std::iter::once(&self.embeddings)
+            .chain(&self.layers)
+            .chain(std::iter::once(&self.head))
+            .collect();
+        for unit in &units {
+            unit.drop_prefetch();
+        }
+        let [embeddings]: [Tensor; 1] = self.embeddings.gather().try_into().expect("one weight");
+        units[1].prefetch();
+        let h = self.tp.embedding(&embeddings, tokens);
+        let mut h = self.embeddings.after_forward(h, None);
+        for (index, unit) in self.layers.iter().enumerate() {
+            // Gather the next unit while this block computes (not in backward's recompute: the
+            // closure below runs again there).
+            let (next, previous) = (units[index + 2].clone(), units[index]);
+            let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
+            let forward_pass = Arc::new(AtomicBool::new(true));
+            let in_forward = forward_pass.clone();
+            let gather = move || {
+                let layer = Layer::from_params(unit_.gather());
+                if in_forward.swap(false, Ordering::Relaxed) {
+                    next.prefetch();
+                }
+                layer
+            };
             h = if self.checkpointing == ActivationCheckpointing::Op {
                 // The first run (forward) records the kept matmul outputs, the second (the
-                // recompute in backward) replays them.
+                // recompute in backward) replays them. Each run gathers the block's parameters.
                 let kept = Mutex::new(None);
                 let [out] = checkpoint(&[&h], move |i| {
                     let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
                     let matmuls = Matmuls::new(kept.take());
-                    let out = block(&layer_, shape, &ctx_, &i[0], &matmuls);
+                    let layer = gather();
+                    let out = block(&layer, shape, &ctx_, &tp_, &i[0], &matmuls);
                     *kept = matmuls.into_recorded();
                     [out]
                 });
                 out
             } else if self.checkpointing.whole_layer(index) {
                 let [out] = checkpoint(&[&h], move |i| {
-                    [block(&layer_, shape, &ctx_, &i[0], &Matmuls::plain())]
+                    [block(
+                        &gather(),
+                        shape,
+                        &ctx_,
+                        &tp_,
+                        &i[0],
+                        &Matmuls::plain(),
+                    )]
                 });
                 out
             } else {
-                block(layer, shape, &ctx, &h, &Matmuls::plain())
+                let layer = gather();
+                let out = block(&layer, shape, &ctx, &self.tp, &h, &Matmuls::plain());
+                drop(layer);
+                unit.after_forward(out, Some(previous))
             };
         }
-        let h = h.rms_norm([shape.dim], Some(&self.norm), shape.norm_eps);
-        h.linear::<&Tensor>(&self.lm_head, None)
+        let [norm, lm_head]: [Tensor; 2] = self.head.gather().try_into().expect("two weights");
+        let h = h.rms_norm([shape.dim], Some(&norm), shape.norm_eps);
+        self.tp
+            .enter(&h)
+            .linear::<&Tensor>(&lm_head, None)
             .to_kind(Kind::Float)
     }
 }
@@ -760,22 +890,26 @@ impl Matmuls {
 }
 
 /// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))`.
+///
+/// Under tensor parallelism `h` is this rank's sequence block (sequence parallel) or the whole
+/// replicated sequence; each linear region is entered and left through `tp`.
 fn block(
     layer: &Layer,
     shape: BlockShape,
     ctx: &ForwardContext,
+    tp: &TensorParallel,
     h: &Tensor,
     mm: &Matmuls,
 ) -> Tensor {
     let (d, eps) = (shape.dim, shape.norm_eps);
-    let x = h.rms_norm([d], Some(&layer.attention_norm), eps);
+    let x = tp.enter(&h.rms_norm([d], Some(&layer.attention_norm), eps));
     // `h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h` for the
     // rms_norm backward, so an in-place add breaks the backward pass.
-    let h = h + attention(layer, shape, ctx, &x, mm);
-    let x = h.rms_norm([d], Some(&layer.ffn_norm), eps);
+    let h = h + tp.exit(&attention(layer, shape, ctx, &x, mm));
+    let x = tp.enter(&h.rms_norm([d], Some(&layer.ffn_norm), eps));
     let gate = mm.linear(&x, &layer.w1).silu();
     let up = mm.linear(&x, &layer.w3);
-    h + mm.linear(&(gate * up), &layer.w2)
+    h + tp.exit(&mm.linear(&(gate * up), &layer.w2))
 }
 
 fn attention(
@@ -861,7 +995,7 @@ mod tests {
         let mut args = ModelArgs::flavor("debugmodel").unwrap();
         args.n_layers = 2;
         args.max_seq_len = 16;
-        let m = Llama::new(args.clone(), Device::Cpu).unwrap();
+        let m = Llama::new(args.clone(), Device::Cpu, &ParallelPlan::single()).unwrap();
         let names: Vec<&str> = m
             .named_parameters()
             .iter()

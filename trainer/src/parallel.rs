@@ -1,41 +1,64 @@
-//! Who this process is in the job ([`World`]) and every place training touches other ranks
-//! ([`DataParallel`]), with the single-process implementation ([`SingleProcess`]).
-//!
-//! The training loop calls only these touch points, so a multi-process backend (DDP,
-//! ZeRO-2) plugs in by implementing the trait: `prepare` once the parameters exist, then per step
-//! (a) the global valid-token count, (b) gradient reduction after backward, (c) the global
-//! grad norm, (d) the optimizer step, (e) cross-rank metric reduction.
-
-use std::sync::Arc;
+//! Where this process sits in the job: the device mesh `[pp, dp_replicate, dp_shard, cp, tp]`
+//! resolved with torchtitan's `ParallelDims` rule ([`Mesh`]), and the meeting points of work done
+//! outside collectives ([`RankSync`]). The process groups of each mesh dimension are built from it
+//! in [`crate::dist::DeviceMesh`]; how the model is split over them is [`crate::parallelize`].
 
 use anyhow::{Result, bail};
-use tch::Tensor;
-use titan_obs::Reduce;
 
 use crate::config::Parallelism;
-use crate::optim::{self, AdamW};
 
-/// This process's place in the job.
+/// A mesh dimension (torchtitan's names, outermost first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct World {
+pub enum Dim {
+    Pp,
+    DpReplicate,
+    DpShard,
+    Cp,
+    Tp,
+}
+
+impl Dim {
+    pub const ALL: [Dim; 5] = [Dim::Pp, Dim::DpReplicate, Dim::DpShard, Dim::Cp, Dim::Tp];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dim::Pp => "pp",
+            Dim::DpReplicate => "dp_replicate",
+            Dim::DpShard => "dp_shard",
+            Dim::Cp => "cp",
+            Dim::Tp => "tp",
+        }
+    }
+}
+
+/// This process's place in the job: the mesh degrees and its rank. Global rank is row-major over
+/// `[pp, dp_replicate, dp_shard, cp, tp]`, as torchtitan's `world_mesh`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mesh {
     pub rank: usize,
     pub local_rank: usize,
     pub world_size: usize,
+    pub pp: usize,
     /// Replicated data-parallel degree (DDP / HSDP replicas).
     pub dp_replicate: usize,
-    /// Sharded data-parallel degree (FSDP / ZeRO shards).
+    /// Sharded data-parallel degree (FSDP shards).
     pub dp_shard: usize,
+    pub cp: usize,
+    pub tp: usize,
 }
 
-impl World {
+impl Mesh {
     /// One process doing everything.
     pub fn single() -> Self {
         Self {
             rank: 0,
             local_rank: 0,
             world_size: 1,
+            pp: 1,
             dp_replicate: 1,
             dp_shard: 1,
+            cp: 1,
+            tp: 1,
         }
     }
 
@@ -94,19 +117,66 @@ impl World {
             rank,
             local_rank,
             world_size,
+            pp,
             dp_replicate,
             dp_shard,
+            cp,
+            tp,
         })
     }
 
-    /// Number of data-parallel ranks (every rank is a dp rank: titan-train has no TP/PP/CP).
+    pub fn degree(&self, dim: Dim) -> usize {
+        match dim {
+            Dim::Pp => self.pp,
+            Dim::DpReplicate => self.dp_replicate,
+            Dim::DpShard => self.dp_shard,
+            Dim::Cp => self.cp,
+            Dim::Tp => self.tp,
+        }
+    }
+
+    /// `rank`'s index along every dimension.
+    fn coords_of(&self, rank: usize) -> [usize; 5] {
+        let mut rest = rank;
+        let mut out = [0; 5];
+        for (i, dim) in Dim::ALL.iter().enumerate().rev() {
+            let d = self.degree(*dim);
+            out[i] = rest % d;
+            rest /= d;
+        }
+        out
+    }
+
+    /// This rank's index along `dim`.
+    pub fn coord(&self, dim: Dim) -> usize {
+        let i = Dim::ALL.iter().position(|d| *d == dim).expect("a mesh dim");
+        self.coords_of(self.rank)[i]
+    }
+
+    /// The global ranks of this rank's group over `dims` (flattened in mesh order): the ranks
+    /// that agree with this one on every other dimension.
+    pub fn group_members(&self, dims: &[Dim]) -> Vec<usize> {
+        let me = self.coords_of(self.rank);
+        (0..self.world_size)
+            .filter(|&r| {
+                let c = self.coords_of(r);
+                Dim::ALL
+                    .iter()
+                    .enumerate()
+                    .all(|(i, d)| dims.contains(d) || c[i] == me[i])
+            })
+            .collect()
+    }
+
+    /// Number of data-parallel ranks (replicas x shards): how many slices the batch has.
     pub fn dp_degree(&self) -> usize {
         self.dp_replicate * self.dp_shard
     }
 
-    /// This rank's index among the dp ranks.
+    /// This rank's data-parallel index (which slice of the global batch it reads); the tensor
+    /// parallel ranks of one slice read the same batches.
     pub fn dp_rank(&self) -> usize {
-        self.rank
+        self.coord(Dim::DpReplicate) * self.dp_shard + self.coord(Dim::DpShard)
     }
 }
 
@@ -117,127 +187,6 @@ pub trait RankSync: Send + Sync {
     fn barrier(&self, name: &str) -> Result<()>;
 }
 
-/// The rows `[row_offset, row_offset + rows)` of one parameter's AdamW state that this rank
-/// holds and checkpoints (ZeRO-2: the state is sharded along dim 0).
-pub struct OptimizerShard {
-    /// Index into the parameter list.
-    pub param: usize,
-    pub row_offset: i64,
-    /// The rows of `exp_avg` / `exp_avg_sq`, shaped like the parameter's rows.
-    pub exp_avg: Tensor,
-    pub exp_avg_sq: Tensor,
-    /// Optimizer steps taken (the same for every parameter).
-    pub step: u64,
-}
-
-/// The places where training needs the other ranks.
-pub trait DataParallel {
-    fn world(&self) -> &World;
-
-    /// Once, after the model is built: make every rank's parameters identical (broadcast from
-    /// rank 0) and set up gradient buckets or shards.
-    fn prepare(&mut self, _params: &[(String, Tensor)]) -> Result<()> {
-        Ok(())
-    }
-
-    /// (a) Valid (non-ignored) label tokens of this step summed over all dp ranks: the loss
-    /// denominator.
-    fn global_valid_tokens(&mut self, local: i64) -> Result<i64>;
-
-    /// (b) After all microbatches' backward: sum-reduce gradients across dp ranks (a sharded
-    /// backend reduce-scatters and keeps its shard).
-    fn reduce_gradients(&mut self, params: &[(String, Tensor)]) -> Result<()>;
-
-    /// (c) The total 2-norm of the gradients over all ranks' (shards of) gradients.
-    fn grad_norm(&mut self, params: &[(String, Tensor)]) -> Result<f64>;
-
-    /// (d) One optimizer update at `lr` (a sharded backend updates its shard and all-gathers).
-    fn optimizer_step(
-        &mut self,
-        optimizer: &mut AdamW,
-        params: &[(String, Tensor)],
-        lr: f64,
-    ) -> Result<()>;
-
-    /// (e) Reduces each metric across ranks in place with its reduction.
-    fn reduce_metrics(&mut self, metrics: &mut [(f64, Reduce)]) -> Result<()>;
-
-    /// Checkpointing: how ranks meet to commit a save (None: one process).
-    fn rank_sync(&self) -> Option<Arc<dyn RankSync>> {
-        None
-    }
-
-    /// Checkpointing: `Some` when the optimizer state is sharded across ranks instead of held
-    /// by `AdamW`; the shards this rank writes (replicas of a shard write nothing).
-    fn optimizer_shards(&self, _params: &[(String, Tensor)]) -> Option<Vec<OptimizerShard>> {
-        None
-    }
-
-    /// Checkpointing: after a load put the full parameters and the optimizer state (loaded
-    /// into `optimizer`) where the step uses them (a sharded backend takes its rows).
-    fn adopt_loaded_state(
-        &mut self,
-        _optimizer: &mut AdamW,
-        _params: &[(String, Tensor)],
-    ) -> Result<()> {
-        Ok(())
-    }
-}
-
-/// The single-process implementation: every reduction is the identity.
-pub struct SingleProcess {
-    world: World,
-}
-
-impl SingleProcess {
-    pub fn new() -> Self {
-        Self {
-            world: World::single(),
-        }
-    }
-}
-
-impl Default for SingleProcess {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl DataParallel for SingleProcess {
-    fn world(&self) -> &World {
-        &self.world
-    }
-
-    fn global_valid_tokens(&mut self, local: i64) -> Result<i64> {
-        Ok(local)
-    }
-
-    fn reduce_gradients(&mut self, _params: &[(String, Tensor)]) -> Result<()> {
-        Ok(())
-    }
-
-    fn grad_norm(&mut self, params: &[(String, Tensor)]) -> Result<f64> {
-        let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
-        Ok(optim::total_grad_norm(&tensors))
-    }
-
-    fn optimizer_step(
-        &mut self,
-        optimizer: &mut AdamW,
-        params: &[(String, Tensor)],
-        lr: f64,
-    ) -> Result<()> {
-        for (name, p) in params {
-            optimizer.step_param(name, p, lr);
-        }
-        Ok(())
-    }
-
-    fn reduce_metrics(&mut self, _metrics: &mut [(f64, Reduce)]) -> Result<()> {
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,12 +194,40 @@ mod tests {
     #[test]
     fn dp_degrees_resolve_like_torchtitan() {
         let mut cfg = Parallelism::default();
-        let w = World::new(&cfg, 3, 1, 4).unwrap();
+        let w = Mesh::new(&cfg, 3, 1, 4).unwrap();
         assert_eq!((w.dp_replicate, w.dp_shard, w.dp_degree()), (1, 4, 4));
         cfg.data_parallel_replicate_degree = 2;
-        let w = World::new(&cfg, 0, 0, 4).unwrap();
+        let w = Mesh::new(&cfg, 0, 0, 4).unwrap();
         assert_eq!((w.dp_replicate, w.dp_shard), (2, 2));
         cfg.data_parallel_shard_degree = Some(3);
-        assert!(World::new(&cfg, 0, 0, 4).is_err());
+        assert!(Mesh::new(&cfg, 0, 0, 4).is_err());
+    }
+
+    #[test]
+    fn groups_follow_torchtitans_row_major_mesh() {
+        let cfg = Parallelism {
+            data_parallel_replicate_degree: 2,
+            data_parallel_shard_degree: Some(2),
+            tensor_parallel_degree: 2,
+            ..Parallelism::default()
+        };
+        // rank 5 = replicate 1, shard 0, tp 1.
+        let m = Mesh::new(&cfg, 5, 1, 8).unwrap();
+        assert_eq!(
+            (
+                m.coord(Dim::DpReplicate),
+                m.coord(Dim::DpShard),
+                m.coord(Dim::Tp)
+            ),
+            (1, 0, 1)
+        );
+        assert_eq!(m.group_members(&[Dim::Tp]), vec![4, 5]);
+        assert_eq!(m.group_members(&[Dim::DpShard]), vec![5, 7]);
+        assert_eq!(m.group_members(&[Dim::DpReplicate]), vec![1, 5]);
+        assert_eq!(
+            m.group_members(&[Dim::DpReplicate, Dim::DpShard]),
+            vec![1, 3, 5, 7]
+        );
+        assert_eq!((m.dp_rank(), m.dp_degree()), (2, 4));
     }
 }

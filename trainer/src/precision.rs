@@ -1,4 +1,8 @@
-//! Mixed precision as torchtitan 0.3.0 applies it without FSDP: fp32 parameters (master weights),
+//! Mixed precision. torchtitan 0.3.0 applies FSDP2's `MixedPrecisionPolicy` to every layout, one
+//! process included: [`param_kind`] is the dtype parameters are gathered and computed in (see
+//! [`crate::parallelize::fsdp`]); gradients reach the fp32 shards through the reduce dtype.
+//!
+//! [`Precision`] is the autocast alternative earlier torchtitan releases used without FSDP: fp32 parameters (master weights),
 //! gradients and optimizer state, with the forward pass (and so the backward's matmuls and
 //! attention) under `torch.autocast(device, mixed_precision_param)`. The model keeps RoPE and
 //! the logits/loss in fp32 itself, as torchtitan's model does.
@@ -12,6 +16,15 @@ use anyhow::{Result, bail};
 use tch::{Device, Kind};
 
 use crate::config::{DtypeName, Training};
+
+/// The dtype parameters compute in: `mixed_precision_param` over fp32 master weights, or the
+/// whole model's `training.dtype`.
+pub fn param_kind(t: &Training) -> Kind {
+    match t.dtype {
+        DtypeName::Float32 => t.mixed_precision_param.kind(),
+        other => other.kind(),
+    }
+}
 
 /// How the forward pass computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

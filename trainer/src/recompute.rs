@@ -13,6 +13,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use tch::Tensor;
 
+use crate::autograd::{check, hand_over, panic_text, raw, write_error};
+
 type RegionRun = unsafe extern "C" fn(
     ctx: *mut c_void,
     inputs: *mut *mut c_void,
@@ -46,10 +48,6 @@ unsafe extern "C" {
     ) -> i32;
 }
 
-fn raw(t: &Tensor) -> *mut c_void {
-    t.as_ptr().cast_mut().cast()
-}
-
 /// `x.linear(w)` for a recompute that already has its value: returns `kept` (the output of the
 /// same matmul in the forward pass) without multiplying, and back-propagates as linear does (the
 /// same mm calls, so the gradients are bit-identical). Under autocast `x` and `w` are cast to
@@ -76,11 +74,7 @@ pub fn kept_linear(x: &Tensor, w: &Tensor, kept: &Tensor) -> Tensor {
             err.len() as i64,
         )
     };
-    if rc != 0 {
-        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
-        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
-        panic!("{}", message.to_string_lossy());
-    }
+    check(rc, &err, "kept linear");
     // SAFETY: see above.
     unsafe { Tensor::from_ptr(out.cast()) }
 }
@@ -113,11 +107,7 @@ where
             err.len() as i64,
         )
     };
-    if rc != 0 {
-        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
-        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
-        panic!("{}", message.to_string_lossy());
-    }
+    check(rc, &err, "activation checkpoint");
     // SAFETY: on success each slot holds a new at::Tensor* that we now own.
     out_ptrs.map(|p| unsafe { Tensor::from_ptr(p.cast()) })
 }
@@ -143,27 +133,15 @@ where
     let region = unsafe { &*ctx.cast::<F>() };
     let message = match catch_unwind(AssertUnwindSafe(|| region(&inputs))) {
         Ok(out) if n_out as usize == N => {
-            for (i, t) in out.into_iter().enumerate() {
-                // SAFETY: the shim's output array has n_out = N slots; it takes ownership.
-                unsafe { *outputs.add(i) = t.as_ptr().cast_mut().cast() };
-                std::mem::forget(t);
-            }
+            // SAFETY: the shim's output array has n_out = N slots.
+            unsafe { hand_over(out, outputs) };
             return 0;
         }
         Ok(_) => format!("the region returns {N} tensors, the shim expected {n_out}"),
-        Err(panic) => panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "the region panicked".into()),
+        Err(panic) => panic_text(panic),
     };
-    let bytes = message.as_bytes();
-    let n = bytes.len().min(err_cap.max(1) as usize - 1);
-    // SAFETY: err has err_cap bytes; we write n < err_cap bytes and a NUL.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), err, n);
-        *err.add(n) = 0;
-    }
+    // SAFETY: err has err_cap bytes (the shim's contract).
+    unsafe { write_error(&message, err, err_cap) };
     1
 }
 

@@ -1,31 +1,34 @@
 //! The training loop, readable top to bottom: build (tokenizer, data, model, optimizer), then per
 //! step: load microbatches, forward/backward, reduce, clip, step, log, validate.
 //!
-//! Everything that would touch other ranks goes through [`DataParallel`]; everything timed goes
-//! through titan-obs spans with torchtitan's phase names.
+//! The model is split over the device mesh by the plan it is built with ([`ParallelPlan`]): its
+//! collectives run inside forward and backward. The loop meets the other ranks only through
+//! [`DeviceMesh`] for what is global by nature: the token count the loss is divided by, the
+//! gradient norm, and metrics. Everything timed goes through titan-obs spans with torchtitan's
+//! phase names.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use tch::{Device, Kind, Reduction, Tensor};
+use tch::{Device, Kind, Tensor};
 use titan_obs::Reduce;
 use titan_obs::vocab::{self, titan};
 
 use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
+use crate::dist::{DeviceMesh, ReduceOp};
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
 use crate::model::{Llama, ModelArgs};
 use crate::optim::{self, AdamW};
-use crate::parallel::DataParallel;
-use crate::precision::Precision;
+use crate::parallelize::ParallelPlan;
+use crate::precision;
 use crate::tensorboard::EventWriter;
 
-/// Labels with this value are not predicted (PyTorch's cross-entropy default).
-pub const IGNORE_INDEX: i64 = -100;
+pub use crate::parallelize::tp::IGNORE_INDEX;
 
 /// What a finished run reports.
 #[derive(Debug, Clone)]
@@ -82,18 +85,6 @@ pub fn set_determinism(debug: &config::Debug, device: Device) -> u64 {
         tch::Cuda::cudnn_set_benchmark(false);
     }
     seed
-}
-
-/// The summed cross entropy of `logits` (B, S, V) against `labels` (B, S) over valid labels.
-pub fn summed_cross_entropy(logits: &Tensor, labels: &Tensor) -> Tensor {
-    let vocab = logits.size()[2];
-    logits.reshape([-1, vocab]).cross_entropy_loss::<Tensor>(
-        &labels.reshape([-1]),
-        None,
-        Reduction::Sum,
-        IGNORE_INDEX,
-        0.0,
-    )
 }
 
 fn count_valid(labels: &Tensor) -> i64 {
@@ -182,8 +173,7 @@ fn validate(
     model: &Llama,
     loader: &mut TextLoader,
     max_steps: Option<u64>,
-    precision: Precision,
-    dp: &mut dyn DataParallel,
+    mesh: &DeviceMesh,
     step: u64,
     device: Device,
 ) -> Result<ValidationMetrics> {
@@ -201,8 +191,8 @@ fn validate(
             else {
                 break;
             };
-            let loss = precision.run(device, || {
-                summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels)
+            let loss = forward_pass(step, || {
+                model.summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels)
             })?;
             loss_sum += loss.double_value(&[]);
             tokens += count_valid(&labels);
@@ -211,7 +201,7 @@ fn validate(
         Ok(())
     })?;
     let mut reduced = [(loss_sum, Reduce::Sum), (tokens as f64, Reduce::Sum)];
-    dp.reduce_metrics(&mut reduced)?;
+    mesh.reduce_metrics(&mut reduced)?;
     let (loss_sum, tokens) = (reduced[0].0, reduced[1].0 as i64);
     if tokens == 0 {
         bail!("the validation dataset yielded no tokens (validation.seq_len too long for it?)");
@@ -226,8 +216,8 @@ fn validate(
 
 /// Runs a whole job: starts titan-obs recording under `job.dump_folder` (when
 /// `observability.enable`), trains, and flushes the records, also when training fails.
-pub fn run(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary> {
-    let world = *dp.world();
+pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
+    let world = mesh.mesh;
     if cfg.observability.enable {
         titan_obs::init_with(
             titan_obs::InitOptions {
@@ -249,7 +239,7 @@ pub fn run(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary> {
         )
         .context("starting titan-obs recording (observability.enable)")?;
     }
-    let result = train(cfg, dp);
+    let result = train(cfg, mesh);
     if cfg.observability.enable {
         let _s = titan_obs::span("teardown");
         drop(_s);
@@ -265,12 +255,21 @@ pub fn run(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary> {
 
 /// Trains per `cfg` with the ranks behind `dp`. Init phases and per-step phases are recorded as
 /// titan-obs spans; metrics go to the console, `metrics.jsonl` and titan-obs scalars.
-pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary> {
-    let world = *dp.world();
+pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
+    let world = mesh.mesh;
     let device = select_device(&cfg.training, world.local_rank)
         .map_err(|e| config_error("training.device", e))?;
     keep_freed_tensor_memory();
     let seed = set_determinism(&cfg.debug, device);
+    // Every rank draws the model from rank 0's seed and keeps its part.
+    let seed = mesh.agree_seed(seed)?;
+    set_determinism(
+        &config::Debug {
+            seed: Some(seed),
+            ..cfg.debug.clone()
+        },
+        device,
+    );
     let dump_folder = PathBuf::from(&cfg.job.dump_folder);
     std::fs::create_dir_all(&dump_folder)
         .with_context(|| format!("creating job.dump_folder {}", dump_folder.display()))?;
@@ -345,25 +344,54 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         }
         let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
         args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
-        let model = Llama::new(args, device)?
+        let plan = ParallelPlan::new(
+            mesh,
+            &cfg.parallelism,
+            precision::param_kind(&cfg.training),
+            cfg.training.mixed_precision_reduce.kind(),
+        );
+        let model = Llama::new(args, device, &plan)
+            .map_err(|e| config_error("parallelism.tensor_parallel_degree", e))?
             .with_checkpointing(cfg.activation_checkpoint.policy())
-            .with_attn_backend(
-                cfg.model.attn_backend,
-                Precision::from_config(&cfg.training).activation_kind(cfg.training.dtype.kind()),
-            );
+            .with_attn_backend(cfg.model.attn_backend, precision::param_kind(&cfg.training));
         if cfg.training.dtype != DtypeName::Float32 {
             model.cast_parameters(cfg.training.dtype.kind());
         }
         model
     };
-    let precision = Precision::from_config(&cfg.training);
+    if world.tp > 1 && cfg.parallelism.disable_loss_parallel {
+        bail!(config_error(
+            "parallelism.disable_loss_parallel",
+            anyhow::anyhow!(
+                "titan-train's tensor parallelism always takes the loss over vocab-sharded \
+                 logits (torchtitan 0.3.0 has no other way)"
+            )
+        ));
+    }
     let (n_params, _) = model.args.num_params();
     let flops_per_token = model.args.flops_per_token(cfg.training.seq_len);
+    // What this rank holds of the model: its parameter parts, and as many again for their
+    // gradients and twice that for AdamW's moments (in the parameters' dtype).
+    let (local_params, local_bytes) =
+        model
+            .named_parameters()
+            .iter()
+            .fold((0i64, 0usize), |(n, b), (_, t)| {
+                (
+                    n + t.numel() as i64,
+                    b + t.numel() * t.kind().elt_size_in_bytes(),
+                )
+            });
     tracing::info!(
         flavor = cfg.model.flavor,
         params = n_params,
+        params_on_this_rank = local_params,
+        model_state_mib_on_this_rank = (4 * local_bytes) as f64 / (1 << 20) as f64,
         flops_per_token,
-        mixed_precision = precision.describe(),
+        param_dtype = ?precision::param_kind(&cfg.training),
+        dp_replicate = world.dp_replicate,
+        dp_shard = world.dp_shard,
+        tp = world.tp,
         activation_checkpointing = ?model.checkpointing(),
         attn_backend = ?model.attn_backend(),
         "model built"
@@ -374,12 +402,6 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         .iter()
         .map(|(n, t)| (n.clone(), t.shallow_clone()))
         .collect();
-    {
-        // Rank 0's initial weights to every rank; gradient buckets / ZeRO shards.
-        let _s = titan_obs::span("parallelism");
-        dp.prepare(&params)
-            .context("setting up data parallelism (parallelism.*)")?;
-    }
     let n_micro = microbatches(&cfg.training, world.dp_degree())
         .map_err(|e| config_error("training.global_batch_size", e))?;
     let (mut optimizer, schedule) = {
@@ -391,21 +413,15 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
     };
     let mut checkpointer = Checkpointer::new(&cfg.checkpoint, &dump_folder, world)?
         .with_hf_assets(&cfg.model.hf_assets_path)
-        .with_rank_sync(dp.rank_sync());
+        .with_rank_sync(mesh.rank_sync());
     let resumed_step = {
         let _s = titan_obs::span(titan::CHECKPOINT);
-        let step = checkpointer.load(&mut TrainerState {
+        checkpointer.load(&mut TrainerState {
             model: &model,
             optimizer: &mut optimizer,
             loader: &mut train_loader,
             schedule: &schedule,
-            optimizer_shards: None,
-        })?;
-        if cfg.checkpoint.enable {
-            // Loaded weights / AdamW state to where the step reads them (ZeRO-2 shards).
-            dp.adopt_loaded_state(&mut optimizer, &params)?;
-        }
-        step
+        })?
     };
 
     let peak_flops = metrics::peak_flops(device, cfg.metrics.peak_tflops);
@@ -453,7 +469,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 .collect::<Result<_>>()?
         };
         let local_tokens: i64 = batches.iter().map(|b| count_valid(&b.labels)).sum();
-        let global_tokens = dp.global_valid_tokens(local_tokens)?;
+        let global_tokens = mesh.global_valid_tokens(local_tokens)?;
         let step_input_tokens = batches.iter().map(|b| b.inputs.numel() as i64).sum::<i64>();
         window.add_tokens(step_input_tokens);
 
@@ -466,31 +482,37 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                     let _f = titan_obs::span(titan::FORWARD);
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
-                    precision.run(device, || {
+                    forward_pass(step, || {
                         let logits = model.forward(&batch.inputs, Some(&batch.positions));
-                        summed_cross_entropy(&logits, &batch.labels) / global_tokens.max(1) as f64
+                        model.summed_cross_entropy(&logits, &batch.labels)
+                            / global_tokens.max(1) as f64
                     })?
                 };
                 {
                     let _b = titan_obs::span(titan::BACKWARD);
-                    loss.backward();
+                    // A collective that fails in backward (a rank died) fails the pass.
+                    loss.f_backward()
+                        .map_err(|e| anyhow::anyhow!("step {step}: backward: {e}"))?;
                 }
                 local_loss += loss.double_value(&[]);
             }
         }
-        dp.reduce_gradients(&params)?;
+        // Sequence-parallel norms saw part of the sequence: sum their gradients over tp.
+        reduce_partial_grads(mesh, &model)?;
 
         let grad_norm = {
             let _s = titan_obs::span(titan::OPTIMIZER);
             let grad_norm = {
                 let _c = titan_obs::span(titan::CLIP);
-                let norm = dp.grad_norm(&params)?;
+                let norm = grad_norm(mesh, &model)?;
                 optim::clip_grads(&tensors, cfg.training.max_norm, norm);
                 norm
             };
             {
                 let _o = titan_obs::span(titan::OPTIMIZER_STEP);
-                dp.optimizer_step(&mut optimizer, &params, lr)?;
+                for (name, p) in &params {
+                    optimizer.step_param(name, p, lr);
+                }
                 optim::clear_grads(&tensors);
             }
             {
@@ -543,7 +565,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 (memory as f64, Reduce::Max),
                 (tps, Reduce::Mean),
             ];
-            dp.reduce_metrics(&mut reduced)?;
+            mesh.reduce_metrics(&mut reduced)?;
             let [loss, grad_norm, memory, tps] = reduced.map(|(v, _)| v);
             let m = per_rank(loss, grad_norm, memory, tps, global_tokens);
             if let Some(file) = metrics_file.as_mut() {
@@ -563,15 +585,7 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
         {
             let _s = titan_obs::span(titan::VALIDATION);
             titan_obs::add_step_tag(titan::VALIDATION);
-            let v = validate(
-                &model,
-                loader,
-                cfg.validation.steps,
-                precision,
-                dp,
-                step,
-                device,
-            )?;
+            let v = validate(&model, loader, cfg.validation.steps, mesh, step, device)?;
             titan_obs::scalar("validation/loss", v.loss, Reduce::Mean);
             if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", v.console_line());
@@ -600,11 +614,6 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
                 optimizer: &mut optimizer,
                 loader: &mut train_loader,
                 schedule: &schedule,
-                optimizer_shards: if checkpointer.saves_at(step, cfg.training.steps) {
-                    dp.optimizer_shards(&params)
-                } else {
-                    None
-                },
             },
         )?;
         summary.steps = step;
@@ -612,6 +621,73 @@ pub fn train(cfg: &JobConfig, dp: &mut dyn DataParallel) -> Result<TrainSummary>
     }
     checkpointer.finish()?;
     Ok(summary)
+}
+
+/// Runs a forward pass, turning a failure inside it (a collective whose peer died: the model's
+/// ops fail as tch's do, by panicking) into an error naming the step.
+fn forward_pass(step: u64, f: impl FnOnce() -> Tensor) -> Result<Tensor> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+        anyhow::anyhow!(
+            "step {step}: forward: {}",
+            crate::autograd::panic_text(panic)
+        )
+    })
+}
+
+/// Sums over the tp ranks the gradients that are partial there: the norms' under sequence
+/// parallelism (each rank normalised its part of the sequence).
+fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
+    if !model.sequence_parallel() {
+        return Ok(());
+    }
+    let grads: Vec<Tensor> = model
+        .named_parameters()
+        .iter()
+        .zip(model.placements())
+        .filter(|(_, p)| p.tp_dim.is_none())
+        .map(|((_, t), _)| t.grad())
+        .filter(|g| g.defined())
+        .collect();
+    if grads.is_empty() {
+        return Ok(());
+    }
+    tch::no_grad(|| -> Result<()> {
+        let flat = Tensor::cat(
+            &grads.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(),
+            0,
+        );
+        mesh.tp.all_reduce(&flat, ReduceOp::Sum)?;
+        let mut at = 0;
+        for g in &grads {
+            let n = g.numel() as i64;
+            g.shallow_clone().copy_(&flat.narrow(0, at, n).view_as(g));
+            at += n;
+        }
+        Ok(())
+    })
+}
+
+/// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
+/// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
+/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
+fn grad_norm(mesh: &DeviceMesh, model: &Llama) -> Result<f64> {
+    let local = |split: bool| -> f64 {
+        let tensors: Vec<&Tensor> = model
+            .named_parameters()
+            .iter()
+            .zip(model.placements())
+            .filter(|(_, p)| p.tp_dim.is_some() == split)
+            .map(|((_, t), _)| t)
+            .collect();
+        optim::total_grad_norm(&tensors).powi(2)
+    };
+    if mesh.mesh.world_size == 1 {
+        let all: Vec<&Tensor> = model.named_parameters().iter().map(|(_, t)| t).collect();
+        return Ok(optim::total_grad_norm(&all));
+    }
+    let sums = mesh.reduce_scalars(&mesh.dp_shard, &[local(true), local(false)], ReduceOp::Sum)?;
+    let split = mesh.reduce_scalars(&mesh.tp, &[sums[0]], ReduceOp::Sum)?;
+    Ok((split[0] + sums[1]).sqrt())
 }
 
 #[cfg(test)]
@@ -635,7 +711,9 @@ mod tests {
     fn cross_entropy_ignores_masked_labels() {
         let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 0.5, 0.5, 0.5]).view([1, 2, 3]);
         let labels = Tensor::from_slice(&[2i64, IGNORE_INDEX]).view([1, 2]);
-        let got = summed_cross_entropy(&logits, &labels).double_value(&[]);
+        let got = crate::parallelize::tp::TensorParallel::new(crate::dist::Group::solo(), false)
+            .cross_entropy_sum(&logits, &labels)
+            .double_value(&[]);
         let want = -(2.0f64.exp() / (1.0 + 1f64.exp() + 2f64.exp())).ln();
         assert!((got - want).abs() < 1e-6);
         assert_eq!(count_valid(&labels), 1);

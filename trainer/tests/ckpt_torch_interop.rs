@@ -16,8 +16,8 @@ use titan_train::data::{Dataset, TextLoader, TextTokenizer};
 use titan_train::lr_scheduler::LrSchedule;
 use titan_train::model::{Llama, ModelArgs};
 use titan_train::optim::{AdamW, AdamWParams};
-use titan_train::parallel::World;
-use titan_train::train::summed_cross_entropy;
+use titan_train::parallel::Mesh;
+use titan_train::parallelize::ParallelPlan;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -85,7 +85,7 @@ fn setup(total_steps: u64) -> Run {
         true,
     );
     Run {
-        model: Llama::new(small_args(), Device::Cpu).unwrap(),
+        model: Llama::new(small_args(), Device::Cpu, &ParallelPlan::single()).unwrap(),
         optimizer: AdamW::new(AdamWParams {
             beta1: 0.9,
             beta2: 0.95,
@@ -102,7 +102,7 @@ fn train_step(run: &mut Run, step: u64) {
     let batch = run.loader.next_batch(Device::Cpu).unwrap().unwrap();
     let logits = run.model.forward(&batch.inputs, Some(&batch.positions));
     let n = batch.labels.ne(-100).sum(Kind::Int64).int64_value(&[]);
-    let loss = summed_cross_entropy(&logits, &batch.labels) / n as f64;
+    let loss = run.model.summed_cross_entropy(&logits, &batch.labels) / n as f64;
     loss.backward();
     let lr = run.schedule.lr_for_step(step);
     for (name, p) in run.model.named_parameters() {
@@ -117,7 +117,6 @@ fn state(run: &mut Run) -> TrainerState<'_> {
         optimizer: &mut run.optimizer,
         loader: &mut run.loader,
         schedule: &run.schedule,
-        optimizer_shards: None,
     }
 }
 
@@ -131,7 +130,7 @@ fn dcp_save_loads_in_torch_with_the_same_values() {
         ..Checkpoint::default()
     };
     let mut run = setup(3);
-    let mut ckpt = Checkpointer::new(&cfg, dump.path(), World::single()).unwrap();
+    let mut ckpt = Checkpointer::new(&cfg, dump.path(), Mesh::single()).unwrap();
     for step in 1..=3 {
         train_step(&mut run, step);
         ckpt.after_step(step, 3, 64, &state(&mut run)).unwrap();
@@ -173,7 +172,7 @@ fn dcp_save_loads_in_torch_with_the_same_values() {
 
     // And the checkpoint resumes into a fresh run with identical state.
     let mut fresh = setup(3);
-    let mut ckpt = Checkpointer::new(&cfg, dump.path(), World::single()).unwrap();
+    let mut ckpt = Checkpointer::new(&cfg, dump.path(), Mesh::single()).unwrap();
     assert_eq!(ckpt.load(&mut state(&mut fresh)).unwrap(), 3);
     for (fqn, p) in run.model.named_parameters() {
         assert!(
@@ -199,7 +198,7 @@ fn hf_export_loads_in_transformers_with_the_same_loss() {
         ..Checkpoint::default()
     };
     let mut run = setup(2);
-    let mut ckpt = Checkpointer::new(&cfg, dump.path(), World::single()).unwrap();
+    let mut ckpt = Checkpointer::new(&cfg, dump.path(), Mesh::single()).unwrap();
     for step in 1..=2 {
         train_step(&mut run, step);
         ckpt.after_step(step, 2, 64, &state(&mut run)).unwrap();
@@ -222,7 +221,10 @@ fn hf_export_loads_in_transformers_with_the_same_loss() {
     let labels = tokens.narrow(1, 1, 23);
     let loss = tch::no_grad(|| {
         let logits = run.model.forward(&inputs, None);
-        summed_cross_entropy(&logits, &labels).double_value(&[]) / labels.numel() as f64
+        run.model
+            .summed_cross_entropy(&logits, &labels)
+            .double_value(&[])
+            / labels.numel() as f64
     });
     let batch = dump.path().join("batch.json");
     let ids: Vec<i64> = Vec::try_from(&tokens.view([-1])).unwrap();

@@ -9,8 +9,8 @@ use std::process::Command;
 use tch::{Device, Kind, Tensor};
 use titan_train::hf;
 use titan_train::model::{Llama, ModelArgs};
+use titan_train::parallelize::ParallelPlan;
 use titan_train::precision::Precision;
-use titan_train::train::summed_cross_entropy;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -53,7 +53,7 @@ fn reference() -> (tempfile::TempDir, Llama) {
     let n_hf = hf_state.len();
     let state = hf::from_hf(hf_state, &args).unwrap();
     tch::manual_seed(0);
-    let model = Llama::new(args, Device::Cpu).unwrap();
+    let model = Llama::new(args, Device::Cpu, &ParallelPlan::single()).unwrap();
     assert_eq!(state.len(), model.named_parameters().len());
     assert_eq!(n_hf, state.len());
     for (name, t) in &state {
@@ -120,7 +120,8 @@ fn train_step(
     let (inputs, labels) = (tokens.narrow(1, 0, seq - 1), tokens.narrow(1, 1, seq - 1));
     let loss = precision
         .run(Device::Cpu, || {
-            summed_cross_entropy(&model.forward(&inputs, None), &labels) / labels.numel() as f64
+            model.summed_cross_entropy(&model.forward(&inputs, None), &labels)
+                / labels.numel() as f64
         })
         .unwrap();
     loss.backward();

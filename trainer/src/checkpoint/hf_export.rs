@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use tch::{Kind, Tensor};
+use tch::Kind;
 use titan_ckpt::consolidate::{self, FileLayout, RankShare};
 use titan_ckpt::formats::{self, DCP_SHARDING_INFO, dcp_hf};
 use titan_ckpt::safetensors::{OutEntry, build_header};
@@ -23,7 +23,7 @@ use super::host::HostTensor;
 use super::layout;
 use crate::hf;
 use crate::model::{Llama, ModelArgs};
-use crate::parallel::World;
+use crate::parallel::Mesh;
 
 /// HF's default maximum shard size.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
@@ -38,7 +38,7 @@ pub fn export(
     step: u64,
     model: &Llama,
     kind: Kind,
-    world: World,
+    world: Mesh,
     hf_assets: Option<&Path>,
     sync: &dyn Fn(&str) -> Result<()>,
 ) -> Result<PathBuf> {
@@ -85,25 +85,27 @@ pub fn export(
     }
 }
 
-/// This rank's share of the weights (they are replicated: rank r takes every world_size-th
-/// tensor in name order) as one DCP sharded safetensors file.
-fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: World) -> Result<()> {
+/// This rank's share of the weights (rank r takes every world_size-th tensor in name order) as
+/// one DCP sharded safetensors file. Sharded parameters are gathered whole one unit at a time
+/// (every rank takes part), and each rank keeps only its share.
+fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // Rank r takes every world_size-th tensor in HF name order; only that share is permuted,
     // copied to host memory and cast. (A name without an HF counterpart sorts first and makes
     // `to_hf` fail on the rank that takes it.)
-    let mut titan: Vec<(Option<String>, &String, &Tensor)> = model
+    let mut titan: Vec<(Option<String>, &String)> = model
         .named_parameters()
         .iter()
-        .map(|(n, t)| (hf::hf_name(n), n, t))
+        .map(|(n, _)| (hf::hf_name(n), n))
         .collect();
-    titan.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
-    let share: Vec<(String, Tensor)> = titan
-        .into_iter()
+    titan.sort();
+    let mine: std::collections::BTreeSet<&str> = titan
+        .iter()
         .enumerate()
         .filter(|(i, _)| i % world.world_size == world.rank)
-        .map(|(_, (_, n, t))| (n.clone(), t.shallow_clone()))
+        .map(|(_, (_, n))| n.as_str())
         .collect();
+    let share = tch::no_grad(|| model.full_parameters(|name| mine.contains(name)));
     let hf_named = tch::no_grad(|| hf::to_hf(&share, &model.args))?;
     let staged: Vec<(String, HostTensor)> = hf_named
         .iter()
@@ -154,7 +156,7 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: World) -> Result<
     Ok(())
 }
 
-fn consolidate_shards(out_dir: &Path, world: World, hf_assets: Option<&Path>) -> Result<()> {
+fn consolidate_shards(out_dir: &Path, world: Mesh, hf_assets: Option<&Path>) -> Result<()> {
     let plan = dcp_hf::read(&Root::local(out_dir.join(SHARDED)), None)
         .context("reading the sharded HF files back")?;
     let layout = match hf_assets

@@ -12,8 +12,9 @@
 //! - `checkpoint.folder` may be an object-store URL ([`remote`]): saves are committed locally,
 //!   then uploaded with a commit marker.
 //! - Several ranks ([`Checkpointer::with_rank_sync`]): each writes `__{rank}_0.distcp` with what
-//!   it owns (rank 0 the replicated state, every rank its dataloader position and, under ZeRO-2,
-//!   its rows of the optimizer state) into one shared partial directory; rank 0 merges the
+//!   it owns (rank 0 the replicated state, every rank its dataloader position and its parts of
+//!   sharded parameters and their optimizer state, as DCP chunks) into one shared partial
+//!   directory; rank 0 merges the
 //!   ranks' metadata into `.metadata` and commits ([`save::SaveGroup`]).
 
 pub mod hf_export;
@@ -33,7 +34,7 @@ use anyhow::{Context, Result, bail};
 use tch::Kind;
 
 use crate::config;
-use crate::parallel::{RankSync, World};
+use crate::parallel::{Mesh, RankSync};
 pub use save::{SaveGroup, SaveReport};
 pub use state::{LoadOptions, StageOptions, TrainCounters, TrainerState};
 
@@ -71,7 +72,7 @@ pub struct SaveTotals {
 pub struct Checkpointer {
     cfg: config::Checkpoint,
     root: PathBuf,
-    world: World,
+    world: Mesh,
     mode: AsyncMode,
     export_kind: Kind,
     counters: TrainCounters,
@@ -87,7 +88,7 @@ pub struct Checkpointer {
 
 impl Checkpointer {
     /// Checks the `[checkpoint]` keys; `dump_folder` is `job.dump_folder`.
-    pub fn new(cfg: &config::Checkpoint, dump_folder: &Path, world: World) -> Result<Self> {
+    pub fn new(cfg: &config::Checkpoint, dump_folder: &Path, world: Mesh) -> Result<Self> {
         let mode = AsyncMode::from(cfg.async_mode);
         let export_kind = cfg.export_dtype.kind();
         if cfg.enable && cfg.interval == 0 {
@@ -319,6 +320,7 @@ impl Checkpointer {
                     dp_rank: self.world.dp_rank() as u64,
                     rank: self.world.rank as u64,
                     dp_degree: self.world.dp_degree() as u64,
+                    writes_dataloader: self.world.coord(crate::parallel::Dim::Tp) == 0,
                 },
             )?
         };

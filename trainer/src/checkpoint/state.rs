@@ -26,7 +26,7 @@ use crate::lr_scheduler::LrSchedule;
 use crate::model::Llama;
 use crate::names;
 use crate::optim::{AdamW, ParamState};
-use crate::parallel::OptimizerShard;
+use crate::parallelize::Placement;
 
 pub const OPTIMIZER: &str = "optimizer";
 pub const LR_SCHEDULER: &str = "lr_scheduler";
@@ -42,9 +42,6 @@ pub struct TrainerState<'a> {
     pub optimizer: &'a mut AdamW,
     pub loader: &'a mut TextLoader,
     pub schedule: &'a LrSchedule,
-    /// `Some` when the AdamW state is sharded across ranks (ZeRO-2) rather than in `optimizer`:
-    /// this rank's rows to save (see [`crate::parallel::DataParallel::optimizer_shards`]).
-    pub optimizer_shards: Option<Vec<OptimizerShard>>,
 }
 
 /// A staged value: a tensor in host memory or a picklable object.
@@ -60,7 +57,7 @@ pub struct StagedItem {
     pub key: String,
     pub planner_path: Vec<PathPart>,
     pub value: StagedValue,
-    /// For a tensor that is one rank's rows of a larger one: (global shape, offsets).
+    /// For a tensor that is one rank's part of a larger one: (global shape, offsets).
     pub chunk_of: Option<(Vec<u64>, Vec<u64>)>,
 }
 
@@ -119,6 +116,9 @@ pub struct StageOptions {
     pub rank: u64,
     pub dp_rank: u64,
     pub dp_degree: u64,
+    /// This rank writes its dp rank's dataloader position (the first of the ranks that read
+    /// the same data: tensor-parallel ranks share it).
+    pub writes_dataloader: bool,
 }
 
 /// Copies the state into host memory (the `stage` phase; the only part that must block training).
@@ -131,19 +131,21 @@ pub fn stage(
         step: counters.step,
         items: Vec::new(),
     };
-    if opts.owns_replicated {
-        for (fqn, p) in state.model.named_parameters() {
-            let t = HostTensor::from_tensor(p, opts.model_kind)
-                .with_context(|| format!("staging model parameter `{fqn}`"))?;
-            out.push(None, fqn.clone(), StagedValue::Tensor(t));
+    // Every rank writes its own parts of the parameters (whole tensors on one process).
+    let model = state.model;
+    for ((fqn, p), placement) in model.named_parameters().iter().zip(model.placements()) {
+        if !placement.writes || p.numel() == 0 {
+            continue;
         }
+        let t = HostTensor::from_tensor(p, opts.model_kind)
+            .with_context(|| format!("staging model parameter `{fqn}`"))?;
+        out.push(None, fqn.clone(), StagedValue::Tensor(t));
+        out.items.last_mut().expect("pushed").chunk_of = chunk_of(placement);
     }
     if opts.model_only {
         return Ok(out);
     }
-    if let Some(shards) = &state.optimizer_shards {
-        stage_optimizer_shards(&mut out, state, shards, opts.owns_replicated)?;
-    }
+    stage_optimizer_state(&mut out, state)?;
     if opts.owns_replicated {
         stage_optimizer(&mut out, state, counters)?;
         stage_lr_scheduler(&mut out, state.schedule, counters.step);
@@ -175,12 +177,14 @@ pub fn stage(
     );
     // torchtitan's own format (a pickled StatefulDataLoader state), so either trainer resumes
     // the other's data position.
-    let loader = state.loader.state().to_torchtitan_pickle();
-    out.push(
-        Some(DATALOADER),
-        format!("dp_rank_{}", opts.dp_rank),
-        StagedValue::Object(Value::Bytes(loader)),
-    );
+    if opts.writes_dataloader {
+        let loader = state.loader.state().to_torchtitan_pickle();
+        out.push(
+            Some(DATALOADER),
+            format!("dp_rank_{}", opts.dp_rank),
+            StagedValue::Object(Value::Bytes(loader)),
+        );
+    }
     Ok(out)
 }
 
@@ -194,26 +198,12 @@ fn stage_optimizer(
     let lr = state.schedule.lr_for_step(counters.step + 1);
     for (fqn, _) in state.model.named_parameters() {
         if let Some(s) = state.optimizer.state.get(fqn) {
-            let m = HostTensor::from_tensor(&s.exp_avg, None)
-                .with_context(|| format!("staging exp_avg of `{fqn}`"))?;
-            let v = HostTensor::from_tensor(&s.exp_avg_sq, None)
-                .with_context(|| format!("staging exp_avg_sq of `{fqn}`"))?;
             // torch.optim.AdamW keeps `step` as a 0-dim float32 tensor.
             let step = HostTensor::scalar_f32(s.step as f32);
             out.push(
                 Some(OPTIMIZER),
                 format!("state.{fqn}.step"),
                 StagedValue::Tensor(step),
-            );
-            out.push(
-                Some(OPTIMIZER),
-                format!("state.{fqn}.exp_avg"),
-                StagedValue::Tensor(m),
-            );
-            out.push(
-                Some(OPTIMIZER),
-                format!("state.{fqn}.exp_avg_sq"),
-                StagedValue::Tensor(v),
             );
         }
         // torch.optim.AdamW's param_group entries, as torch 2.13 names them.
@@ -245,46 +235,32 @@ fn stage_optimizer(
     Ok(())
 }
 
-/// ZeRO-2: this rank's rows of `exp_avg` / `exp_avg_sq` as chunks of the full tensors (what
-/// torch's DCP saves for a Shard(0) DTensor); rank 0 also writes every `step`.
-fn stage_optimizer_shards(
-    out: &mut StagedState,
-    state: &TrainerState<'_>,
-    shards: &[OptimizerShard],
-    owns_replicated: bool,
-) -> Result<()> {
-    let params = state.model.named_parameters();
-    for shard in shards {
-        let (fqn, p) = params
-            .get(shard.param)
-            .context("optimizer shard of a parameter the model does not have")?;
-        let global: Vec<u64> = p.size().iter().map(|&d| d as u64).collect();
-        let mut offsets = vec![0u64; global.len()];
-        if let Some(first) = offsets.first_mut() {
-            *first = shard.row_offset as u64;
+/// A part's place in its global tensor for DCP (`None`: the part is the whole tensor).
+fn chunk_of(p: &Placement) -> Option<(Vec<u64>, Vec<u64>)> {
+    let u = |v: &[i64]| v.iter().map(|&d| d as u64).collect::<Vec<u64>>();
+    (!p.is_whole()).then(|| (u(&p.global), u(&p.offsets)))
+}
+
+/// This rank's parts of `exp_avg` / `exp_avg_sq` (shaped like its parameter parts): what torch's
+/// DCP saves for the optimizer state of sharded (DTensor) parameters.
+fn stage_optimizer_state(out: &mut StagedState, state: &TrainerState<'_>) -> Result<()> {
+    let model = state.model;
+    for ((fqn, p), placement) in model.named_parameters().iter().zip(model.placements()) {
+        let Some(s) = state.optimizer.state.get(fqn) else {
+            continue;
+        };
+        if !placement.writes || p.numel() == 0 {
+            continue;
         }
-        for (name, t) in [
-            ("exp_avg", &shard.exp_avg),
-            ("exp_avg_sq", &shard.exp_avg_sq),
-        ] {
+        for (name, t) in [("exp_avg", &s.exp_avg), ("exp_avg_sq", &s.exp_avg_sq)] {
             let host = HostTensor::from_tensor(t, None)
-                .with_context(|| format!("staging {name} rows of `{fqn}`"))?;
+                .with_context(|| format!("staging {name} of `{fqn}`"))?;
             out.push(
                 Some(OPTIMIZER),
                 format!("state.{fqn}.{name}"),
                 StagedValue::Tensor(host),
             );
-            out.items.last_mut().expect("pushed").chunk_of =
-                Some((global.clone(), offsets.clone()));
-        }
-    }
-    if owns_replicated && let Some(step) = shards.first().map(|s| s.step) {
-        for (fqn, _) in params {
-            out.push(
-                Some(OPTIMIZER),
-                format!("state.{fqn}.step"),
-                StagedValue::Tensor(HostTensor::scalar_f32(step as f32)),
-            );
+            out.items.last_mut().expect("pushed").chunk_of = chunk_of(placement);
         }
     }
     Ok(())
@@ -503,14 +479,18 @@ fn load_optimizer(
                 Some(part) => names::split_fused_qkv(&t, part, args.n_heads, args.kv_heads()),
                 None => t,
             };
-            if t.size() != p.size() {
+            let placement = state
+                .model
+                .placement(fqn)
+                .context("a parameter without placement")?;
+            if t.size() != placement.global {
                 bail!(
                     "`{key}` gives shape {:?} for `{fqn}`, the parameter has {:?}",
                     t.size(),
-                    p.size()
+                    placement.global
                 );
             }
-            Ok(t.to_kind(p.kind()))
+            Ok(placement.take_local(&t).to_kind(p.kind()))
         };
         let exp_avg = read("exp_avg")?;
         let exp_avg_sq = read("exp_avg_sq")?;

@@ -1,4 +1,4 @@
-//! Multi-process data parallelism: launcher, rendezvous, collectives and data-parallel training.
+//! Multi-process training: launcher, rendezvous, collectives and the device mesh's groups.
 //!
 //! - [`launch`]: `titan-train --nproc-per-node N` starts and supervises ranks like torchrun.
 //! - [`env`]: [`env::LaunchEnv`], this process's rank/world from torchrun, srun or by-hand variables.
@@ -8,18 +8,16 @@
 //!   groups implementing [`comm::Collectives`]: [`cpu::CpuGroup`] (TCP ring, gloo-style
 //!   chunked and pipelined) or `nccl::NcclGroup` (feature `nccl`).
 //! - [`recorded`]: every collective of a multi-rank group recorded as a titan-obs span.
-//! - [`dp`]: [`dp::DataParallel`], DDP bucketed all-reduce, ZeRO-2 sharded AdamW and HSDP.
-//! - [`hook`]: [`hook::DistributedDp`], the training loop's [`crate::parallel::DataParallel`]
-//!   on top of [`dp`].
+//! - [`mesh`]: [`mesh::DeviceMesh`], this rank's process group per mesh dimension
+//!   ([`mesh::Group`]), shared with the autograd functions of [`crate::parallelize`].
 pub mod clock;
 pub mod comm;
 pub mod connect;
 pub mod cpu;
-pub mod dp;
 pub mod elem;
 pub mod env;
-pub mod hook;
 pub mod launch;
+pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod recorded;
@@ -28,7 +26,6 @@ pub mod runtime;
 pub mod store;
 
 pub use comm::{Collectives, CommError, ReduceOp};
-pub use dp::{AdamWStep, DataParallel, DpDegrees};
 pub use env::{EnvError, LaunchEnv};
-pub use hook::DistributedDp;
+pub use mesh::{DeviceMesh, Group, Pending};
 pub use runtime::{Backend, CommOptions, Dist};

@@ -1,14 +1,19 @@
 //! The `nccl` backend: [`Collectives`] on CUDA tensors through NCCL, loaded at run time by
 //! cudarc (so the default build and CI need no CUDA). The unique id travels through the store.
 //!
-//! Operations are enqueued on the legacy default stream, the one tch's kernels run on (tch
-//! exposes no stream API), so they are ordered after the kernels that produced their inputs.
-//! Every collective then waits for completion while polling NCCL's async error state, and aborts
-//! the communicator when it makes no progress within the timeout: a dead or hung peer becomes an
-//! error instead of a hang.
+//! Each collective runs on the group's own CUDA stream, ordered by events and never by a host
+//! wait: the stream waits for an event recorded on the legacy default stream (where tch's kernels
+//! run, so the inputs are ready), NCCL enqueues there, and the default stream waits for the
+//! collective's completion event before its next kernels (which may read the output or reuse the
+//! inputs' memory). A watchdog thread polls the completion events and NCCL's async error state:
+//! a collective that makes no progress within the timeout (a dead or hung peer) aborts the
+//! communicator, posts the failure to the store and ends the process, as torch's NCCL watchdog
+//! does. `barrier` alone waits on the host.
 
+use std::collections::VecDeque;
 use std::ffi::{CStr, c_void};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
@@ -22,20 +27,45 @@ use super::store::TcpStore;
 
 /// A NCCL communicator over a group of ranks, each driving one GPU.
 pub struct NcclGroup {
-    comm: sys::ncclComm_t,
+    watch: Arc<Watch>,
+    /// The group's own stream (non-blocking with respect to the legacy default stream).
+    stream: cuda::CUstream,
     rank: usize,
     size: usize,
     global_rank: usize,
     device: usize,
     timeout: Duration,
-    store: Option<Arc<TcpStore>>,
+    watchdog: Option<std::thread::JoinHandle<()>>,
     // Keeps the primary context retained while the communicator lives.
-    _ctx: Arc<CudaContext>,
+    ctx: Arc<CudaContext>,
 }
 
-// SAFETY: a NCCL communicator may be used from any thread as long as calls are not concurrent;
-// `&mut self` on every operation guarantees that.
+// SAFETY: a NCCL communicator and a CUDA stream may be used from any thread as long as calls are
+// not concurrent; `&mut self` on every operation guarantees that (the watchdog only aborts, under
+// the communicator's lock).
 unsafe impl Send for NcclGroup {}
+
+/// What the group and its watchdog share.
+struct Watch {
+    /// The communicator; null once aborted.
+    comm: Mutex<sys::ncclComm_t>,
+    /// Completion events of the enqueued collectives, oldest first.
+    in_flight: Mutex<VecDeque<InFlight>>,
+    /// Why the communicator was aborted.
+    failure: Mutex<Option<String>>,
+    stop: AtomicBool,
+}
+
+struct InFlight {
+    done: cuda::CUevent,
+    op: &'static str,
+    since: Instant,
+}
+
+// SAFETY: the raw handles are only used under the mutexes above.
+unsafe impl Send for Watch {}
+// SAFETY: as above.
+unsafe impl Sync for Watch {}
 
 fn nccl_err(rank: usize, what: &str, e: nccl::NcclError) -> CommError {
     // SAFETY: ncclGetErrorString returns a static NUL-terminated string.
@@ -117,15 +147,42 @@ impl NcclGroup {
         // SAFETY: valid out-pointer; rank and size are in range.
         unsafe { nccl::comm_init_rank(&mut comm, members.len() as i32, id, me as i32) }
             .map_err(|e| nccl_err(rank, "init", e))?;
+        let mut stream: cuda::CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, context bound above.
+        let rc = unsafe {
+            cuda::cuStreamCreate(
+                &mut stream,
+                cuda::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32,
+            )
+        };
+        if rc != cuda::CUresult::CUDA_SUCCESS {
+            // SAFETY: the communicator was just created and is not used elsewhere.
+            unsafe { sys::ncclCommDestroy(comm) };
+            return Err(setup(format!("creating the NCCL stream: {rc:?}")));
+        }
+        let watch = Arc::new(Watch {
+            comm: Mutex::new(comm),
+            in_flight: Mutex::new(VecDeque::new()),
+            failure: Mutex::new(None),
+            stop: AtomicBool::new(false),
+        });
+        let watchdog = {
+            let (watch, ctx) = (watch.clone(), ctx.clone());
+            std::thread::Builder::new()
+                .name(format!("titan-nccl-watchdog-{key}"))
+                .spawn(move || watchdog(&watch, &ctx, store.as_deref(), rank, timeout))
+                .map_err(|e| setup(format!("starting the NCCL watchdog: {e}")))?
+        };
         Ok(NcclGroup {
-            comm,
+            watch,
+            stream,
             rank: me,
             size: members.len(),
             global_rank: rank,
             device,
             timeout,
-            store,
-            _ctx: ctx,
+            watchdog: Some(watchdog),
+            ctx,
         })
     }
 
@@ -170,66 +227,120 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// Waits for the enqueued operation, polling NCCL's async error; aborts on timeout.
-    fn wait(&mut self, op: &'static str) -> Result<(), CommError> {
+    /// Runs `enqueue(comm, stream)` (one NCCL call) on the group's stream, after the work already
+    /// on the legacy default stream, and makes the default stream wait for it: no host wait.
+    fn launch(
+        &mut self,
+        op: &'static str,
+        enqueue: impl FnOnce(
+            sys::ncclComm_t,
+            cuda::CUstream,
+        ) -> Result<nccl::NcclStatus, nccl::NcclError>,
+    ) -> Result<(), CommError> {
+        let bound = self.ctx.bind_to_thread();
+        bound.map_err(|e| self.error(format!("CUDA device {}: {e:?}", self.device)))?;
+        let comm = self.live(op)?;
+        let cu = |rc: cuda::CUresult, what: &str| -> Result<(), String> {
+            if rc == cuda::CUresult::CUDA_SUCCESS {
+                Ok(())
+            } else {
+                Err(format!("CUDA {what} during {op}: {rc:?}"))
+            }
+        };
+        let event = || -> Result<cuda::CUevent, String> {
+            let mut e: cuda::CUevent = std::ptr::null_mut();
+            let flags = cuda::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
+            // SAFETY: valid out-pointer, context bound.
+            cu(
+                unsafe { cuda::cuEventCreate(&mut e, flags) },
+                "event create",
+            )?;
+            Ok(e)
+        };
+        let legacy: cuda::CUstream = std::ptr::null_mut();
+        let result = (|| -> Result<cuda::CUevent, String> {
+            let inputs_ready = event()?;
+            // SAFETY: live event and streams of the bound context. An event destroyed after
+            // it was recorded and waited on is released once it completes.
+            unsafe {
+                cu(cuda::cuEventRecord(inputs_ready, legacy), "event record")?;
+                cu(
+                    cuda::cuStreamWaitEvent(self.stream, inputs_ready, 0),
+                    "stream wait",
+                )?;
+                cu(cuda::cuEventDestroy_v2(inputs_ready), "event destroy")?;
+            }
+            enqueue(comm, self.stream).map_err(|e| {
+                // SAFETY: ncclGetErrorString returns a static NUL-terminated string.
+                let msg = unsafe { CStr::from_ptr(sys::ncclGetErrorString(e.0)) };
+                format!("NCCL {op}: {} ({:?})", msg.to_string_lossy(), e.0)
+            })?;
+            let done = event()?;
+            // SAFETY: as above.
+            unsafe {
+                cu(cuda::cuEventRecord(done, self.stream), "event record")?;
+                cu(cuda::cuStreamWaitEvent(legacy, done, 0), "stream wait")?;
+            }
+            Ok(done)
+        })();
+        let done = result.map_err(|m| self.error(m))?;
+        self.watch
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(InFlight {
+                done,
+                op,
+                since: Instant::now(),
+            });
+        Ok(())
+    }
+
+    /// Waits on the host until every collective enqueued so far completed (or the watchdog
+    /// failed the group).
+    fn wait_all(&mut self, op: &'static str) -> Result<(), CommError> {
         let start = Instant::now();
         loop {
-            let mut async_err = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: live communicator, valid out-pointer.
-            unsafe { sys::ncclCommGetAsyncError(self.comm, &mut async_err) };
-            if async_err != sys::ncclResult_t::ncclSuccess
-                && async_err != sys::ncclResult_t::ncclInProgress
+            self.live(op)?;
+            if self
+                .watch
+                .in_flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_empty()
             {
-                return Err(self.fail(format!("NCCL {op} failed: {async_err:?}")));
+                return Ok(());
             }
-            // SAFETY: querying the legacy default stream of the bound context.
-            match unsafe { cuda::cuStreamQuery(std::ptr::null_mut()) } {
-                cuda::CUresult::CUDA_SUCCESS => return Ok(()),
-                cuda::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(self.fail(format!("CUDA error during {op}: {other:?}"))),
-            }
-            if start.elapsed() > self.timeout {
-                return Err(self.fail(format!(
-                    "NCCL {op} made no progress for {:?}: a peer is dead or hung (see the \
-                     launcher's report of which rank exited)",
-                    self.timeout
-                )));
+            if start.elapsed() > self.timeout + Duration::from_secs(1) {
+                return Err(self.error(format!("{op} did not complete in {:?}", self.timeout)));
             }
             std::thread::sleep(Duration::from_micros(200));
         }
     }
 
-    /// Aborts the communicator (it is unusable after a failure) and posts a failure notice.
-    fn fail(&mut self, message: String) -> CommError {
-        // SAFETY: live communicator; abort makes pending operations return.
-        unsafe { sys::ncclCommAbort(self.comm) };
-        self.comm = std::ptr::null_mut();
-        let err = CommError::Setup {
+    fn error(&self, message: String) -> CommError {
+        CommError::Setup {
             rank: self.global_rank,
             message,
-        };
-        if let Some(store) = &self.store {
-            let own = err.to_string();
-            if let Ok(first) = store.compare_set(FAILURE_KEY, b"", own.as_bytes())
-                && first != own.as_bytes()
-            {
-                return CommError::AfterPeerFailure {
-                    own: Box::new(err),
-                    first: String::from_utf8_lossy(&first).into_owned(),
-                };
-            }
         }
-        err
     }
 
-    fn live(&self, op: &'static str) -> Result<(), CommError> {
-        if self.comm.is_null() {
+    /// The communicator, or the reason the watchdog aborted it.
+    fn live(&self, op: &'static str) -> Result<sys::ncclComm_t, CommError> {
+        let comm = *self.watch.comm.lock().unwrap_or_else(|e| e.into_inner());
+        if comm.is_null() {
+            let failure = self.watch.failure.lock().unwrap_or_else(|e| e.into_inner());
             return Err(CommError::BadArgument {
                 op,
-                message: "the NCCL communicator was aborted after an earlier failure".into(),
+                message: format!(
+                    "the NCCL communicator was aborted after an earlier failure{}",
+                    failure
+                        .as_deref()
+                        .map_or(String::new(), |f| format!(": {f}"))
+                ),
             });
         }
-        Ok(())
+        Ok(comm)
     }
 
     fn red_op(op: ReduceOp) -> sys::ncclRedOp_t {
@@ -254,24 +365,21 @@ impl Collectives for NcclGroup {
     }
 
     fn all_reduce(&mut self, tensor: &Tensor, op: ReduceOp) -> Result<(), CommError> {
-        self.live("all_reduce")?;
         self.check("all_reduce", tensor)?;
         let dt = self.dtype("all_reduce", tensor.kind())?;
-        let p = tensor.data_ptr();
-        // SAFETY: in-place on a contiguous CUDA tensor of numel elements on our device.
-        unsafe {
+        let (p, n) = (tensor.data_ptr(), tensor.numel());
+        // SAFETY: in-place on a contiguous CUDA tensor of n elements on our device.
+        self.launch("all_reduce", |comm, stream| unsafe {
             nccl::all_reduce(
                 p as *const c_void,
                 p,
-                tensor.numel(),
+                n,
                 dt,
                 Self::red_op(op),
-                self.comm,
-                std::ptr::null_mut(),
+                comm,
+                stream.cast(),
             )
-        }
-        .map_err(|e| nccl_err(self.global_rank, "all_reduce", e))?;
-        self.wait("all_reduce")
+        })
     }
 
     fn reduce_scatter(
@@ -280,50 +388,30 @@ impl Collectives for NcclGroup {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.live("reduce_scatter")?;
         let k = check_split("reduce_scatter", input, output, self.size)?;
         self.check("reduce_scatter", input)?;
         self.check("reduce_scatter", output)?;
         let dt = self.dtype("reduce_scatter", input.kind())?;
+        let (src, dst) = (input.data_ptr() as *const c_void, output.data_ptr());
         // SAFETY: input holds size * k elements, output k, both on our device.
-        unsafe {
-            nccl::reduce_scatter(
-                input.data_ptr() as *const c_void,
-                output.data_ptr(),
-                k,
-                dt,
-                Self::red_op(op),
-                self.comm,
-                std::ptr::null_mut(),
-            )
-        }
-        .map_err(|e| nccl_err(self.global_rank, "reduce_scatter", e))?;
-        self.wait("reduce_scatter")
+        self.launch("reduce_scatter", |comm, stream| unsafe {
+            nccl::reduce_scatter(src, dst, k, dt, Self::red_op(op), comm, stream.cast())
+        })
     }
 
     fn all_gather(&mut self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
-        self.live("all_gather")?;
         let k = check_split("all_gather", output, input, self.size)?;
         self.check("all_gather", input)?;
         self.check("all_gather", output)?;
         let dt = self.dtype("all_gather", input.kind())?;
+        let (src, dst) = (input.data_ptr() as *const c_void, output.data_ptr());
         // SAFETY: input holds k elements, output size * k, both on our device.
-        unsafe {
-            nccl::all_gather(
-                input.data_ptr() as *const c_void,
-                output.data_ptr(),
-                k,
-                dt,
-                self.comm,
-                std::ptr::null_mut(),
-            )
-        }
-        .map_err(|e| nccl_err(self.global_rank, "all_gather", e))?;
-        self.wait("all_gather")
+        self.launch("all_gather", |comm, stream| unsafe {
+            nccl::all_gather(src, dst, k, dt, comm, stream.cast())
+        })
     }
 
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
-        self.live("broadcast")?;
         self.check("broadcast", tensor)?;
         if root >= self.size {
             return Err(CommError::BadArgument {
@@ -332,34 +420,137 @@ impl Collectives for NcclGroup {
             });
         }
         let dt = self.dtype("broadcast", tensor.kind())?;
-        let p = tensor.data_ptr();
+        let (p, n) = (tensor.data_ptr(), tensor.numel());
         // SAFETY: in-place on a contiguous CUDA tensor on our device.
-        unsafe {
+        self.launch("broadcast", |comm, stream| unsafe {
             nccl::broadcast(
                 p as *const c_void,
                 p,
-                tensor.numel(),
+                n,
                 dt,
                 root as i32,
-                self.comm,
-                std::ptr::null_mut(),
+                comm,
+                stream.cast(),
             )
-        }
-        .map_err(|e| nccl_err(self.global_rank, "broadcast", e))?;
-        self.wait("broadcast")
+        })
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
         let t = Tensor::zeros([1], (Kind::Int, Device::Cuda(self.device)));
-        self.all_reduce(&t, ReduceOp::Sum)
+        self.all_reduce(&t, ReduceOp::Sum)?;
+        self.wait_all("barrier")
+    }
+}
+
+/// The watchdog of one group: retires completed collectives, and when one makes no progress
+/// within `timeout` or NCCL reports an async error, aborts the communicator, posts the failure
+/// to the store (first writer wins) and ends the process naming it: the default stream may be
+/// blocked behind the collective, so no later host call can be trusted to return.
+fn watchdog(
+    watch: &Watch,
+    ctx: &CudaContext,
+    store: Option<&TcpStore>,
+    rank: usize,
+    timeout: Duration,
+) {
+    if ctx.bind_to_thread().is_err() {
+        return;
+    }
+    while !watch.stop.load(Ordering::Relaxed) {
+        let failure = {
+            let mut in_flight = watch.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            let mut failure = None;
+            while let Some(front) = in_flight.front() {
+                // SAFETY: a live event of the bound context.
+                match unsafe { cuda::cuEventQuery(front.done) } {
+                    cuda::CUresult::CUDA_SUCCESS => {
+                        // SAFETY: completed, destroyed once.
+                        unsafe { cuda::cuEventDestroy_v2(front.done) };
+                        in_flight.pop_front();
+                    }
+                    cuda::CUresult::CUDA_ERROR_NOT_READY => {
+                        if front.since.elapsed() > timeout {
+                            failure = Some(format!(
+                                "NCCL {} made no progress for {timeout:?}: a peer is dead or hung \
+                                 (see the launcher's report of which rank exited)",
+                                front.op
+                            ));
+                        }
+                        break;
+                    }
+                    other => {
+                        failure = Some(format!("CUDA error during NCCL {}: {other:?}", front.op));
+                        break;
+                    }
+                }
+            }
+            failure
+        };
+        let failure = failure.or_else(|| {
+            let comm = *watch.comm.lock().unwrap_or_else(|e| e.into_inner());
+            if comm.is_null() {
+                return None;
+            }
+            let mut async_err = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: live communicator, valid out-pointer.
+            unsafe { sys::ncclCommGetAsyncError(comm, &mut async_err) };
+            (async_err != sys::ncclResult_t::ncclSuccess
+                && async_err != sys::ncclResult_t::ncclInProgress)
+                .then(|| format!("NCCL async error: {async_err:?}"))
+        });
+        if let Some(message) = failure {
+            {
+                let mut comm = watch.comm.lock().unwrap_or_else(|e| e.into_inner());
+                if !comm.is_null() {
+                    // SAFETY: live communicator; abort makes pending operations return.
+                    unsafe { sys::ncclCommAbort(*comm) };
+                    *comm = std::ptr::null_mut();
+                }
+            }
+            let own = format!("rank {rank}: {message}");
+            let first = store
+                .and_then(|s| s.compare_set(FAILURE_KEY, b"", own.as_bytes()).ok())
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+                .filter(|first| *first != own);
+            *watch.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(own.clone());
+            match first {
+                Some(first) => eprintln!(
+                    "titan-train: error: {own}\n  first failure reported in the job: {first}"
+                ),
+                None => eprintln!("titan-train: error: {own}"),
+            }
+            std::process::exit(1);
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
 impl Drop for NcclGroup {
     fn drop(&mut self) {
-        if !self.comm.is_null() {
-            // SAFETY: live communicator, destroyed once.
-            unsafe { sys::ncclCommDestroy(self.comm) };
+        self.watch.stop.store(true, Ordering::Relaxed);
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
+        }
+        let _ = self.ctx.bind_to_thread();
+        let comm = std::mem::replace(
+            &mut *self.watch.comm.lock().unwrap_or_else(|e| e.into_inner()),
+            std::ptr::null_mut(),
+        );
+        // SAFETY: the watchdog has stopped; each handle is released once.
+        unsafe {
+            if !comm.is_null() {
+                sys::ncclCommDestroy(comm);
+            }
+            for f in self
+                .watch
+                .in_flight
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .drain(..)
+            {
+                cuda::cuEventDestroy_v2(f.done);
+            }
+            cuda::cuStreamDestroy_v2(self.stream);
         }
     }
 }

@@ -1,0 +1,163 @@
+// A custom autograd Function whose forward and backward are Rust callbacks (torch.autograd.Function
+// for libtorch callers; tch binds none). The collectives of sharded training live in such
+// functions: FSDP's all-gather (backward: reduce-scatter) and tensor parallelism's copies and
+// reductions, so autograd runs them at the right point of the backward pass.
+//
+// Also two storage primitives FSDP2 uses to free the unsharded parameters after forward and bring
+// them back before backward while autograd holds them: resizing a tensor's storage in place, and
+// copying into a tensor without bumping its version counter (the saved tensors stay valid).
+#include <ATen/core/ivalue.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+extern "C" {
+// Maps `n_in` tensors (borrowed: owned by the caller) to `n_out` new tensors (ownership passes to
+// the caller). Returns 0, or non-zero with a message in `err`.
+typedef int (*titan_fn_call)(void* ctx, at::Tensor** in, int64_t n_in, at::Tensor** out,
+                             int64_t n_out, char* err, int64_t err_cap);
+// Frees `ctx` once neither forward nor backward can run any more.
+typedef void (*titan_fn_drop)(void* ctx);
+}
+
+namespace {
+
+struct Callbacks : torch::CustomClassHolder {
+  void* ctx;
+  titan_fn_call forward;
+  titan_fn_call backward;
+  titan_fn_drop drop;
+  int64_t n_in, n_out;
+
+  Callbacks(void* ctx, titan_fn_call f, titan_fn_call b, titan_fn_drop d, int64_t n_in,
+            int64_t n_out)
+      : ctx(ctx), forward(f), backward(b), drop(d), n_in(n_in), n_out(n_out) {}
+  ~Callbacks() override { drop(ctx); }
+
+  static torch::autograd::variable_list call(titan_fn_call fn, void* ctx, const char* what,
+                                             const torch::autograd::variable_list& in,
+                                             int64_t n_out) {
+    std::vector<at::Tensor*> ins;
+    ins.reserve(in.size());
+    for (const auto& t : in) ins.push_back(const_cast<at::Tensor*>(&t));
+    std::vector<at::Tensor*> outs(n_out, nullptr);
+    char err[2048] = {0};
+    const int rc = fn(ctx, ins.data(), static_cast<int64_t>(ins.size()), outs.data(), n_out, err,
+                      sizeof(err));
+    torch::autograd::variable_list result;
+    result.reserve(n_out);
+    for (auto* t : outs) {
+      if (t != nullptr) {
+        result.push_back(std::move(*t));
+        delete t;
+      } else {
+        result.emplace_back();
+      }
+    }
+    if (rc != 0) throw std::runtime_error(std::string(what) + ": " + err);
+    return result;
+  }
+};
+
+struct RustFunction : public torch::autograd::Function<RustFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs,
+                                                c10::intrusive_ptr<Callbacks> cb) {
+    ctx->saved_data["cb"] = c10::IValue::make_capsule(cb);
+    return Callbacks::call(cb->forward, cb->ctx, "forward", inputs.vec(), cb->n_out);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto cb = c10::static_intrusive_pointer_cast<Callbacks>(ctx->saved_data["cb"].toCapsule());
+    auto out = Callbacks::call(cb->backward, cb->ctx, "backward", grads, cb->n_in);
+    out.emplace_back();  // the callbacks handle is not differentiable
+    return out;
+  }
+};
+
+void write_err(const char* what, char* err, int64_t err_cap) {
+  std::strncpy(err, what, err_cap - 1);
+  err[err_cap - 1] = 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Applies a Rust-defined autograd Function to `n_in` tch tensors, writing `n_out` new tensors.
+// `ctx` is owned from here on (`drop` frees it, also on error). Returns 0, or 1 with `err`.
+int titan_function_apply(void* ctx, titan_fn_call forward, titan_fn_call backward,
+                         titan_fn_drop drop, void** inputs, int64_t n_in, void** outputs,
+                         int64_t n_out, char* err, int64_t err_cap) {
+  try {
+    auto cb = c10::make_intrusive<Callbacks>(ctx, forward, backward, drop, n_in, n_out);
+    std::vector<at::Tensor> in;
+    in.reserve(n_in);
+    for (int64_t i = 0; i < n_in; ++i) in.push_back(*reinterpret_cast<at::Tensor*>(inputs[i]));
+    auto out = RustFunction::apply(at::TensorList(in), cb);
+    if (static_cast<int64_t>(out.size()) != n_out) {
+      throw std::runtime_error("the function returned " + std::to_string(out.size()) +
+                               " tensors, expected " + std::to_string(n_out));
+    }
+    for (int64_t i = 0; i < n_out; ++i) outputs[i] = new at::Tensor(std::move(out[i]));
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(e.what(), err, err_cap);
+    return 1;
+  } catch (...) {
+    write_err("unknown C++ exception", err, err_cap);
+    return 1;
+  }
+}
+
+// Gives `tensor`'s storage `nbytes` bytes of fresh (uninitialised) memory from its own allocator,
+// or frees it with 0, in place: every tensor sharing the storage (autograd's saved copies
+// included) sees the change. FSDP2's free / alloc of unsharded parameters.
+int titan_storage_resize(void* tensor, int64_t nbytes, char* err, int64_t err_cap) {
+  try {
+    auto& t = *reinterpret_cast<at::Tensor*>(tensor);
+    c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    c10::DeviceGuard guard(t.device());
+    if (nbytes == 0) {
+      s->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+      s->set_nbytes(0);
+    } else {
+      at::Allocator* alloc = s->allocator();
+      if (alloc == nullptr) throw std::runtime_error("the storage has no allocator");
+      s->set_data_ptr_noswap(alloc->allocate(static_cast<size_t>(nbytes)));
+      s->set_nbytes(static_cast<size_t>(nbytes));
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(e.what(), err, err_cap);
+    return 1;
+  }
+}
+
+// `dst.copy_(src)` without grad and without bumping `dst`'s version counter, so autograd's saved
+// references to `dst` stay valid (torch.autograd._unsafe_preserve_version_counter).
+int titan_copy_keep_version(void* dst, void* src, char* err, int64_t err_cap) {
+  try {
+    auto& d = *reinterpret_cast<at::Tensor*>(dst);
+    const auto& s = *reinterpret_cast<at::Tensor*>(src);
+    const auto version = d._version();
+    {
+      at::NoGradGuard no_grad;
+      d.copy_(s, /*non_blocking=*/true);
+    }
+    // A copy of the handle shares the tensor's counter.
+    c10::VariableVersion counter = torch::autograd::impl::version_counter(d);
+    counter.set_version(version);
+    return 0;
+  } catch (const std::exception& e) {
+    write_err(e.what(), err, err_cap);
+    return 1;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,353 @@
+//! The process groups of one rank's device mesh ([`DeviceMesh`]): one [`Group`] per mesh
+//! dimension titan-train shards over (`tp`, `dp_shard`, `dp_replicate`) and the flattened `dp`
+//! (replicate x shard) torchtitan uses for token counts and metrics. The same code runs one
+//! process (every group of size 1, no collective is called) and many (cpu or nccl groups).
+
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Condvar, Mutex};
+
+use tch::{Device, Kind, Tensor};
+use titan_obs::Reduce;
+
+use super::comm::{Collectives, CommError, ReduceOp};
+use super::runtime::Dist;
+use crate::parallel::{Dim, Mesh, RankSync};
+
+/// A handle on one process group, shareable with autograd functions (which run the group's
+/// collectives from the backward pass). A group of one rank calls no backend at all.
+///
+/// Collectives run in the order they are issued on this rank, whether they block the caller or
+/// run on a background thread ([`Group::all_gather_async`], FSDP's prefetch): every rank issues
+/// the same sequence, so every rank's backend sees the same order.
+#[derive(Clone)]
+pub struct Group {
+    inner: Option<Arc<Shared>>,
+    rank: usize,
+    size: usize,
+}
+
+struct Shared {
+    group: Mutex<Box<dyn Collectives>>,
+    /// (next ticket to hand out, ticket whose turn it is).
+    turn: Mutex<(u64, u64)>,
+    turn_changed: Condvar,
+    /// The group's background thread (started by its first background collective), fed jobs
+    /// in issue order; it ends when the group is dropped.
+    worker: Mutex<Option<Sender<Job>>>,
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+impl Shared {
+    /// Runs `job` on the group's background thread, or here when no thread can be started.
+    fn in_background(&self, job: Job) {
+        let mut worker = self.worker.lock().unwrap_or_else(|e| e.into_inner());
+        if worker.is_none() {
+            let (tx, rx) = channel::<Job>();
+            let started = std::thread::Builder::new()
+                .name("titan-comm".into())
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                });
+            if started.is_ok() {
+                *worker = Some(tx);
+            }
+        }
+        match worker.as_ref() {
+            Some(tx) => {
+                if let Err(returned) = tx.send(job) {
+                    returned.0();
+                }
+            }
+            None => job(),
+        }
+    }
+
+    fn ticket(&self) -> u64 {
+        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        t.0 += 1;
+        t.0 - 1
+    }
+
+    /// Runs `f` on the backend once every earlier ticket has run.
+    fn run<T>(
+        &self,
+        ticket: u64,
+        f: impl FnOnce(&mut dyn Collectives) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        while t.1 != ticket {
+            t = self.turn_changed.wait(t).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(t);
+        let result = {
+            let mut g = self.group.lock().unwrap_or_else(|e| e.into_inner());
+            f(g.as_mut())
+        };
+        let mut t = self.turn.lock().unwrap_or_else(|e| e.into_inner());
+        t.1 += 1;
+        self.turn_changed.notify_all();
+        result
+    }
+}
+
+/// A collective running in the background; [`Pending::wait`] returns its result.
+pub struct Pending(Option<Receiver<Result<(), CommError>>>);
+
+impl Pending {
+    pub fn wait(self) -> Result<(), CommError> {
+        match self.0 {
+            None => Ok(()),
+            Some(rx) => rx.recv().unwrap_or_else(|_| {
+                Err(CommError::BadArgument {
+                    op: "prefetch",
+                    message: "the background collective's thread ended without a result".into(),
+                })
+            }),
+        }
+    }
+}
+
+impl Group {
+    /// The group of this rank alone.
+    pub fn solo() -> Self {
+        Group {
+            inner: None,
+            rank: 0,
+            size: 1,
+        }
+    }
+
+    fn new(group: Box<dyn Collectives>) -> Self {
+        let (rank, size) = (group.rank(), group.size());
+        Group {
+            inner: (size > 1).then(|| {
+                Arc::new(Shared {
+                    group: Mutex::new(group),
+                    turn: Mutex::new((0, 0)),
+                    turn_changed: Condvar::new(),
+                    worker: Mutex::new(None),
+                })
+            }),
+            rank,
+            size,
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut dyn Collectives) -> Result<T, CommError>,
+    ) -> Option<Result<T, CommError>> {
+        let inner = self.inner.as_ref()?;
+        Some(inner.run(inner.ticket(), f))
+    }
+
+    /// [`Group::all_gather`] on a background thread, after the collectives issued before it.
+    /// The tensors must stay untouched until [`Pending::wait`] returns.
+    pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Pending {
+        let Some(inner) = &self.inner else {
+            output.shallow_clone().copy_(&input.reshape_as(output));
+            return Pending(None);
+        };
+        let ticket = inner.ticket();
+        let (tx, rx) = channel();
+        let job = {
+            let (shared, output, input) =
+                (inner.clone(), output.shallow_clone(), input.shallow_clone());
+            move || {
+                let _ = tx.send(shared.run(ticket, |g| g.all_gather(&output, &input)));
+            }
+        };
+        inner.in_background(Box::new(job));
+        Pending(Some(rx))
+    }
+
+    /// In place on every rank.
+    pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<(), CommError> {
+        self.with(|g| g.all_reduce(t, op)).unwrap_or(Ok(()))
+    }
+
+    /// `output` (size x input elements) gets every rank's `input` in rank order.
+    pub fn all_gather(&self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
+        match self.with(|g| g.all_gather(output, input)) {
+            Some(r) => r,
+            None => {
+                output.shallow_clone().copy_(&input.reshape_as(output));
+                Ok(())
+            }
+        }
+    }
+
+    /// Rank r's `output` gets the reduction of chunk r of everyone's `input`.
+    pub fn reduce_scatter(&self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
+        match self.with(|g| g.reduce_scatter(output, input, ReduceOp::Sum)) {
+            Some(r) => r,
+            None => {
+                output.shallow_clone().copy_(&input.reshape_as(output));
+                Ok(())
+            }
+        }
+    }
+
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<(), CommError> {
+        self.with(|g| g.broadcast(t, root)).unwrap_or(Ok(()))
+    }
+
+    pub fn barrier(&self) -> Result<(), CommError> {
+        self.with(|g| g.barrier()).unwrap_or(Ok(()))
+    }
+
+    /// The backend's device for small host values (scalars must be CUDA tensors for nccl).
+    fn scalar_device(&self, cuda_index: usize) -> Device {
+        match self.with(|g| Ok(g.backend())) {
+            Some(Ok("nccl")) => Device::Cuda(cuda_index),
+            _ => Device::Cpu,
+        }
+    }
+}
+
+/// This rank's mesh and its groups.
+pub struct DeviceMesh {
+    pub mesh: Mesh,
+    pub tp: Group,
+    pub dp_shard: Group,
+    pub dp_replicate: Group,
+    /// dp_replicate x dp_shard flattened: the ranks that read different data.
+    pub dp: Group,
+    scalar_device: Device,
+    dist: Option<Dist>,
+}
+
+impl DeviceMesh {
+    /// One process: every group is this rank alone.
+    pub fn single() -> Self {
+        DeviceMesh {
+            mesh: Mesh::single(),
+            tp: Group::solo(),
+            dp_shard: Group::solo(),
+            dp_replicate: Group::solo(),
+            dp: Group::solo(),
+            scalar_device: Device::Cpu,
+            dist: None,
+        }
+    }
+
+    /// Creates the groups of `mesh` over the joined job `dist` (every rank calls this with the
+    /// same mesh degrees). Pipeline and context parallelism have no groups: they are refused
+    /// before the job starts.
+    pub fn connect(dist: Dist, mesh: Mesh) -> Result<Self, CommError> {
+        let group = |dims: &[Dim], tag: &str| -> Result<Group, CommError> {
+            let members = mesh.group_members(dims);
+            let name = format!("{tag}/{}", members[0]);
+            if members.len() == 1 {
+                return Ok(Group::solo());
+            }
+            Ok(Group::new(dist.new_group(&name, members)?))
+        };
+        let tp = group(&[Dim::Tp], "tp")?;
+        let dp_shard = group(&[Dim::DpShard], "dp_shard")?;
+        let dp_replicate = group(&[Dim::DpReplicate], "dp_replicate")?;
+        let dp = group(&[Dim::DpReplicate, Dim::DpShard], "dp")?;
+        let scalar_device = [&tp, &dp]
+            .iter()
+            .map(|g| g.scalar_device(dist.device_index))
+            .find(|d| d.is_cuda())
+            .unwrap_or(Device::Cpu);
+        Ok(DeviceMesh {
+            mesh,
+            tp,
+            dp_shard,
+            dp_replicate,
+            dp,
+            scalar_device,
+            dist: Some(dist),
+        })
+    }
+
+    pub fn dist(&self) -> Option<&Dist> {
+        self.dist.as_ref()
+    }
+
+    /// How ranks meet to commit a checkpoint (None: one process).
+    pub fn rank_sync(&self) -> Option<Arc<dyn RankSync>> {
+        self.dist.as_ref()?.store_barrier()
+    }
+
+    /// Reduces `values` (f64) over `group` with `op`.
+    pub fn reduce_scalars(
+        &self,
+        group: &Group,
+        values: &[f64],
+        op: ReduceOp,
+    ) -> Result<Vec<f64>, CommError> {
+        if group.size() == 1 {
+            return Ok(values.to_vec());
+        }
+        let t = Tensor::from_slice(values)
+            .to_kind(Kind::Double)
+            .to_device(self.scalar_device);
+        group.all_reduce(&t, op)?;
+        Ok(Vec::<f64>::try_from(&t.to_device(Device::Cpu)).unwrap_or_default())
+    }
+
+    /// Makes every rank use rank 0's `seed` (a seed drawn from the clock differs per rank; the
+    /// model is initialised from the same stream everywhere and each rank keeps its part).
+    pub fn agree_seed(&self, seed: u64) -> Result<u64, CommError> {
+        let t = Tensor::from_slice(&[seed as i64]).to_device(self.scalar_device);
+        for g in [&self.dp, &self.tp] {
+            if g.size() > 1 {
+                g.broadcast(&t, 0)?;
+            }
+        }
+        Ok(t.int64_value(&[0]) as u64)
+    }
+
+    /// Valid label tokens of this step summed over the data-parallel ranks: the loss
+    /// denominator.
+    pub fn global_valid_tokens(&self, local: i64) -> Result<i64, CommError> {
+        let sum = self.reduce_scalars(&self.dp, &[local as f64], ReduceOp::Sum)?;
+        Ok(sum[0].round() as i64)
+    }
+
+    /// Reduces each metric over the data-parallel ranks in place with its reduction (tensor
+    /// parallel ranks hold the same values).
+    pub fn reduce_metrics(&self, metrics: &mut [(f64, Reduce)]) -> Result<(), CommError> {
+        let n = self.mesh.dp_degree() as f64;
+        let sums: Vec<f64> = metrics
+            .iter()
+            .map(|&(v, r)| match r {
+                Reduce::Mean | Reduce::Sum => v,
+                _ => 0.0,
+            })
+            .collect();
+        let maxes: Vec<f64> = metrics
+            .iter()
+            .map(|&(v, r)| match r {
+                Reduce::Max => v,
+                Reduce::Min => -v,
+                _ => f64::MIN,
+            })
+            .collect();
+        let sums = self.reduce_scalars(&self.dp, &sums, ReduceOp::Sum)?;
+        let maxes = self.reduce_scalars(&self.dp, &maxes, ReduceOp::Max)?;
+        for (i, (v, r)) in metrics.iter_mut().enumerate() {
+            *v = match r {
+                Reduce::Mean => sums[i] / n,
+                Reduce::Sum => sums[i],
+                Reduce::Max => maxes[i],
+                Reduce::Min => -maxes[i],
+            };
+        }
+        Ok(())
+    }
+}
