@@ -15,7 +15,8 @@
 //!
 //! Tolerances, from measurements (docs/training.md, "Parity with torchtitan"): fp32 losses and
 //! grad norms 1e-5 on every layout (measured <= 1.2e-7 and <= 2.2e-7); bf16 losses 1e-3 and grad
-//! norms 5e-3.
+//! norms 3e-4 (measured 7.6e-5 and 5.7e-5: both trainers cast the parameters to bf16 the same
+//! way, through FSDP's mixed precision; bf16 kernels then round differently).
 
 use titan_tests::{bin, output_text, tt_python_script};
 
@@ -143,8 +144,8 @@ fn bf16_mixed_precision_stays_within_the_measured_tolerance() {
         &["bf16:1:1:--training.mixed_precision_param bfloat16"],
         6,
         3,
-        1e-3,
-        5e-3,
+        3e-4,
+        3e-4,
         &[],
     );
     assert_trained(&s, "bf16", 6);
