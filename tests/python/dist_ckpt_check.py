@@ -36,7 +36,13 @@ for key, item in md.state_dict_metadata.items():
         assert not torch.isnan(sd[key]).any(), f"{key}: part of the tensor was never loaded"
     if key.startswith("optimizer.state.") and key.endswith(".exp_avg"):
         fqn = key[len("optimizer.state."):-len(".exp_avg")]
-        assert tuple(item.size) == tuple(md.state_dict_metadata[fqn].size), key
+        if fqn.endswith(".qkv_linear.wqkv.weight"):
+            # torchtitan 0.3.0's fused q/k/v parameter: the three projections' rows.
+            base = fqn[: -len("wqkv.weight")]
+            parts = [md.state_dict_metadata[f"{base}{p}.weight"].size for p in ("wq", "wk", "wv")]
+            assert tuple(item.size) == (sum(p[0] for p in parts), parts[0][1]), key
+        else:
+            assert tuple(item.size) == tuple(md.state_dict_metadata[fqn].size), key
 
 assert sd["dataloader.world_size"] == world, sd["dataloader.world_size"]
 ranks = []

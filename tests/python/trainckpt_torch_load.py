@@ -52,7 +52,9 @@ for key, want in expected.items():
     assert got.dtype == want.dtype and got.shape == want.shape, (key, got.dtype, want.dtype, got.shape, want.shape)
     assert torch.equal(got, want), f"{key} differs"
 
-step = int(sd["train_state.step"])
+# torchtitan 0.3.0's TrainState: plain ints.
+assert isinstance(sd["train_state.step"], int) and sd["train_state.ntokens_seen"] == 192, sd["train_state.ntokens_seen"]
+step = sd["train_state.step"]
 assert sd["lr_scheduler.last_epoch"] == step, sd["lr_scheduler.last_epoch"]
 assert sd["dataloader.world_size"] == 1
 # torchtitan's own format: a pickled torchdata StatefulDataLoader state (titan wrote it, so
@@ -62,18 +64,24 @@ ds = loader["dataset_state"]
 assert ds["sample_idx"] > 0 and len(ds["inputs_buffer"]) == len(ds["positions_buffer"]), loader
 assert loader["_num_yielded"] >= step, loader
 
-# A module tree with the same fqns, and a real AdamW loading our flattened optimizer state.
-model_keys = [k for k in tensor_keys if not k.startswith(("optimizer.", "train_state."))]
+# A module tree with the optimizer's parameter fqns (torchtitan 0.3.0's: the q/k/v projections
+# are one fused `qkv_linear.wqkv.weight`), and a real AdamW loading our flattened state.
+opt_keys = sorted(
+    k[len("optimizer.state."):-len(".exp_avg")]
+    for k in tensor_keys
+    if k.startswith("optimizer.state.") and k.endswith(".exp_avg")
+)
+assert any(k.endswith(".qkv_linear.wqkv.weight") for k in opt_keys), opt_keys[:5]
 root = torch.nn.Module()
-for fqn in sorted(model_keys):
+for fqn in opt_keys:
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
         if not hasattr(mod, part):
             mod.add_module(part, torch.nn.Module())
         mod = getattr(mod, part)
-    mod.register_parameter(leaf, torch.nn.Parameter(sd[fqn].clone()))
-assert set(root.state_dict().keys()) == set(model_keys)
+    mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(sd[f"optimizer.state.{fqn}.exp_avg"])))
+assert set(root.state_dict().keys()) == set(opt_keys)
 opt = torch.optim.AdamW(root.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 # torchtitan builds a LambdaLR on the optimizer, which adds `initial_lr` to the param groups.
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

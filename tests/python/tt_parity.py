@@ -13,6 +13,7 @@ unbroken run's.
 Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
 
   tt_parity.py compare WORKDIR TITAN_TRAIN LAYOUT [LAYOUT ...] [--steps N] [--resume-at K] [--rtol R]
+      [--cross] [--cross-back]
       LAYOUT is `name:torchtitan_nproc:titan_nproc:extra args`, e.g. `dp2:2:2:` (FSDP on 2 ranks
       against titan's 2 data-parallel ranks) or `tp2:2:2:--parallelism.tensor_parallel_degree 2`.
       Prints one line per step and a JSON summary as the last line; exits 1 when a loss or grad
@@ -144,6 +145,9 @@ def main():
     ap.add_argument("--cross", action="store_true",
                     help="also resume titan-train from torchtitan's checkpoint at RESUME_AT (model, "
                          "optimizer, lr, data position) and compare its steps with torchtitan's")
+    ap.add_argument("--cross-back", action="store_true",
+                    help="also resume torchtitan from titan-train's checkpoint at RESUME_AT (model, "
+                         "optimizer, lr, data position) and compare its steps with torchtitan's")
     ap.add_argument("--docs", type=int, default=None,
                     help="keep only the first N documents (a small N makes the runs re-loop the data)")
     a = ap.parse_args(sys.argv[2:])
@@ -195,6 +199,18 @@ def main():
             first = [r for r in read_jsonl(losses) if r["step"] <= a.resume_at]
             rest = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] > a.resume_at]
             result["torchtitan_then_titan"] = first + rest
+        if a.cross_back and a.only == "both":
+            # titan-train trains to RESUME_AT and saves; torchtitan resumes from that checkpoint
+            # in the same folder and trains on: its steps must be its own unbroken run's.
+            dump = os.path.join(a.workdir, f"{name}-cross-back")
+            ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
+                    "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
+            losses = os.path.join(dump, "parity_losses.jsonl")
+            titan(a.titan_train, titan_n, common_args(assets, a.resume_at, a.steps) + ["--dump_folder", dump] + ckpt + extra)
+            torchtitan(tt_n, common_args(assets, a.steps, a.steps) + ["--dump_folder", dump] + ckpt + extra, losses)
+            first = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] <= a.resume_at]
+            rest = [r for r in read_jsonl(losses) if r["step"] > a.resume_at]
+            result["titan_then_torchtitan"] = first + rest
         summary["layouts"][name] = result
 
         # Every run against torchtitan's unbroken run: each logged every step once (a resumed

@@ -413,7 +413,7 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
     let straight = f.losses("ckpt");
     let ckpt = f.root.join("ckpt/checkpoint");
 
-    // torch reads the 2-rank ZeRO-2 checkpoint: one data file per rank, AdamW rows from both.
+    // torch reads the 2-rank FSDP2 checkpoint: one data file per rank, AdamW rows from both.
     let out = titan_tests::python_script("tests/python/dist_ckpt_check.py")
         .arg(ckpt.join("step-10"))
         .arg("2")
@@ -427,9 +427,10 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
     );
     assert_eq!(report["step"], 10);
     assert_eq!(report["exp_avg_chunks"]["tok_embeddings.weight"], 2);
+    // q/k/v under torchtitan's fused name: one chunk per head of each projection (16 + 16 + 16).
     assert_eq!(
-        report["exp_avg_chunks"]["layers.0.attention.qkv_linear.wq.weight"],
-        2
+        report["exp_avg_chunks"]["layers.0.attention.qkv_linear.wqkv.weight"],
+        48
     );
 
     // Resume from step 5 (async saves this time) and replay steps 6..10 exactly.
@@ -481,9 +482,11 @@ fn sharded_checkpoints_load_on_another_layout() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let chunks = &report["exp_avg_chunks"];
     // Column-wise (tp splits rows) and row-wise (tp splits columns) weights: 2 x 2 blocks; a
-    // norm is replicated over tp and written once per FSDP shard.
-    assert_eq!(chunks["layers.0.attention.qkv_linear.wq.weight"], 4);
+    // norm is replicated over tp and written once per FSDP shard; q/k/v's state goes under
+    // torchtitan's fused name, one run of rows per head and projection.
+    assert_eq!(chunks["layers.0.feed_forward.w1.weight"], 4);
     assert_eq!(chunks["layers.0.attention.wo.weight"], 4);
+    assert_eq!(chunks["layers.0.attention.qkv_linear.wqkv.weight"], 48);
     assert_eq!(chunks["layers.0.attention_norm.weight"], 2);
     assert_eq!(report["step"], 10);
 

@@ -4,9 +4,11 @@
 //! and `tokenizer.json`, in fp32: every step's loss and grad norm agree to 1e-5 relative, in an
 //! unbroken run and in one resumed from a checkpoint in the middle.
 //!
-//! The 1-process test also switches trainers mid-run: torchtitan trains 3 steps and saves, and
-//! titan-train resumes from torchtitan's checkpoint (model, optimizer, lr schedule, the
-//! dataloader's pickled position) and trains on as torchtitan's unbroken run does.
+//! The 1-process test also switches trainers mid-run, both ways: torchtitan trains 3 steps and
+//! saves, and titan-train resumes from torchtitan's checkpoint (model, optimizer, lr schedule, the
+//! dataloader's pickled position) and trains on as torchtitan's unbroken run does; and titan-train
+//! trains 3 steps and saves, and torchtitan resumes from titan's checkpoint (on 1 process and
+//! on 2 FSDP ranks) with its unbroken run's steps.
 //!
 //! Layouts in CI, in fp32, both trainers on the same layout: 1 process, FSDP2 (2 ranks), DDP (2
 //! ranks), TP2 (`--parallelism.spmd_backend partial_dtensor` for torchtitan on CPU), FSDP2 x TP2
@@ -89,8 +91,21 @@ fn assert_trained(summary: &serde_json::Value, layout: &str, steps: u64) {
 
 #[test]
 fn one_process_matches_torchtitan_losses_and_grad_norms() {
-    let s = compare(&["single:1:1:"], 6, 3, 1e-5, 1e-5, &["--cross"]);
+    let s = compare(
+        &["single:1:1:"],
+        6,
+        3,
+        1e-5,
+        1e-5,
+        &["--cross", "--cross-back"],
+    );
     assert_trained(&s, "single", 6);
+    // And the other way: torchtitan resumed titan-train's full checkpoint (its AdamW state
+    // under torchtitan's fused wqkv, the pickled data position, train_state as ints).
+    let back = s["layouts"]["single"]["titan_then_torchtitan"]
+        .as_array()
+        .expect("the cross-back run");
+    assert_eq!(back.len(), 6);
     // titan-train resumed torchtitan's own checkpoint (model, optimizer, lr, data position):
     // the run that switched trainers at step 3 logged every step within the tolerance.
     let cross = s["layouts"]["single"]["torchtitan_then_titan"]
@@ -103,8 +118,13 @@ fn one_process_matches_torchtitan_losses_and_grad_norms() {
 /// agrees to 1e-5.
 #[test]
 fn two_fsdp_ranks_match_torchtitan_fsdp() {
-    let s = compare(&["dp2:2:2:"], 6, 3, 1e-5, 1e-5, &[]);
+    let s = compare(&["dp2:2:2:"], 6, 3, 1e-5, 1e-5, &["--cross-back"]);
     assert_trained(&s, "dp2", 6);
+    // torchtitan's FSDP2 resumed titan's FSDP2 checkpoint (each rank's chunks) at step 3.
+    let back = s["layouts"]["dp2"]["titan_then_torchtitan"]
+        .as_array()
+        .expect("the cross-back run");
+    assert_eq!(back.len(), 6);
 }
 
 /// Tensor parallelism with torchtitan's llama3 plan (sequence parallel, loss parallel).

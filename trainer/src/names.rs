@@ -71,6 +71,52 @@ pub fn split_fused_qkv(fused: &Tensor, part: usize, n_heads: i64, n_kv_heads: i6
         .contiguous()
 }
 
+/// The fused `wqkv` tensor of `q`, `k` and `v` (rows grouped per kv head): the inverse of
+/// [`split_fused_qkv`].
+pub fn fuse_qkv(q: &Tensor, k: &Tensor, v: &Tensor, n_kv_heads: i64) -> Tensor {
+    let cols = q.size()[1];
+    let group = |t: &Tensor| t.reshape([n_kv_heads, -1, cols]);
+    Tensor::cat(&[group(q), group(k), group(v)], 1).reshape([-1, cols])
+}
+
+/// Where rows `start..start + rows` of projection `part` (0 = q, 1 = k, 2 = v) sit in the fused
+/// `wqkv` tensor (the layout [`split_fused_qkv`] reads): runs of `(row in the projection, row in
+/// the fused tensor, length)`. A q run ends at its kv group's end, a k or v run at its head's.
+pub fn fused_qkv_runs(
+    part: usize,
+    start: i64,
+    rows: i64,
+    n_heads: i64,
+    n_kv_heads: i64,
+    head_dim: i64,
+) -> Vec<(i64, i64, i64)> {
+    let per_kv = n_heads / n_kv_heads;
+    let group_rows = (per_kv + 2) * head_dim;
+    let mut runs = Vec::new();
+    let mut r = start;
+    while r < start + rows {
+        let (fused, end) = match part {
+            0 => {
+                let group = r / (per_kv * head_dim);
+                let within = r % (per_kv * head_dim);
+                (group * group_rows + within, (group + 1) * per_kv * head_dim)
+            }
+            _ => {
+                let head = r / head_dim;
+                let slot = per_kv + part as i64 - 1;
+                (
+                    head * group_rows + slot * head_dim + r % head_dim,
+                    (head + 1) * head_dim,
+                )
+            }
+        };
+        let len = end.min(start + rows) - r;
+        runs.push((r, fused, len));
+        r += len;
+    }
+    runs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +141,37 @@ mod tests {
             Some((2, "layers.2.attention.qkv_linear.wqkv.weight".into()))
         );
         assert_eq!(fused_qkv("layers.2.attention.wo.weight"), None);
+    }
+
+    #[test]
+    fn fused_runs_invert_the_split() {
+        // 8 q heads, 2 kv heads (4 q heads per group), head_dim 3: any row range of any part
+        // lands where split_fused_qkv reads it from.
+        let (h, kv, hd, cols) = (8i64, 2i64, 3i64, 2i64);
+        let total = kv * (h / kv + 2) * hd;
+        let fused =
+            Tensor::arange(total * cols, (tch::Kind::Float, tch::Device::Cpu)).view([total, cols]);
+        for part in 0..3 {
+            let whole = split_fused_qkv(&fused, part, h, kv);
+            let n = whole.size()[0];
+            for (start, rows) in [(0, n), (1, n - 2), (5, 7.min(n - 5)), (n - 1, 1)] {
+                for (at, to, len) in fused_qkv_runs(part, start, rows, h, kv, hd) {
+                    assert!(fused.narrow(0, to, len).equal(&whole.narrow(0, at, len)));
+                }
+                let covered: i64 = fused_qkv_runs(part, start, rows, h, kv, hd)
+                    .iter()
+                    .map(|r| r.2)
+                    .sum();
+                assert_eq!(covered, rows);
+            }
+        }
+    }
+
+    #[test]
+    fn fuse_inverts_split() {
+        let fused = Tensor::arange(8 * 3, (tch::Kind::Float, tch::Device::Cpu)).view([8, 3]);
+        let part = |i| split_fused_qkv(&fused, i, 4, 2);
+        assert!(fuse_qkv(&part(0), &part(1), &part(2), 2).equal(&fused));
     }
 
     #[test]

@@ -78,14 +78,6 @@ impl HostTensor {
         }
     }
 
-    pub fn scalar_i32(value: i32) -> Self {
-        Self {
-            dtype: Dtype::I32,
-            shape: Vec::new(),
-            data: value.to_le_bytes().to_vec(),
-        }
-    }
-
     pub fn scalar_i64(value: i64) -> Self {
         Self {
             dtype: Dtype::I64,

@@ -3,11 +3,13 @@
 //!
 //! - model: `<fqn>` at the top level (torchtitan flattens the model state dict into the root);
 //! - optimizer: `optimizer.state.<fqn>.exp_avg` / `exp_avg_sq` / `step` (0-dim f32 tensor) and
-//!   `optimizer.param_groups.<fqn>.<hparam>` (torch's `_flatten_optim_state_dict`);
+//!   `optimizer.param_groups.<fqn>.<hparam>` (torch's `_flatten_optim_state_dict`), the q/k/v
+//!   projections under torchtitan 0.3.0's fused `qkv_linear.wqkv.weight` (see [`names`]);
 //! - lr_scheduler: LambdaLR's `state_dict()` keys (`last_epoch`, `_step_count`, `base_lrs`, ...);
 //! - dataloader: `dataloader.dp_rank_<r>` (this rank's position, JSON bytes) and
 //!   `dataloader.world_size`;
-//! - train_state: `train_state.step` (int32) and `train_state.ntokens_seen` (int64), 0-dim;
+//! - train_state: `train_state.step` and `train_state.ntokens_seen`, pickled ints (torchtitan
+//!   0.3.0's; 0-dim tensors from older writers are read too);
 //! - rng_state: `rng_state.cpu.rank_<r>` (uint8, `torch.get_rng_state()`'s bytes) per rank.
 //!
 //! `<fqn>` is torchtitan 0.3.0's name (`layers.N.attention.qkv_linear.wq.weight`, `lm_head.weight`).
@@ -149,15 +151,16 @@ pub fn stage(
     if opts.owns_replicated {
         stage_optimizer(&mut out, state, counters)?;
         stage_lr_scheduler(&mut out, state.schedule, counters.step);
+        // Plain ints, as torchtitan 0.3.0's TrainState saves them (its loader refuses tensors).
         out.push(
             Some(TRAIN_STATE),
             "step".into(),
-            StagedValue::Tensor(HostTensor::scalar_i32(counters.step as i32)),
+            StagedValue::Object(Value::Int(counters.step as i64)),
         );
         out.push(
             Some(TRAIN_STATE),
             "ntokens_seen".into(),
-            StagedValue::Tensor(HostTensor::scalar_i64(counters.ntokens_seen as i64)),
+            StagedValue::Object(Value::Int(counters.ntokens_seen as i64)),
         );
         out.push(
             Some(DATALOADER),
@@ -197,12 +200,19 @@ fn stage_optimizer(
     // torch's param_groups hold the lr the scheduler set after this step: the next step's.
     let lr = state.schedule.lr_for_step(counters.step + 1);
     for (fqn, _) in state.model.named_parameters() {
+        // The q/k/v projections are one parameter (`wqkv`) to torchtitan's optimizer: their
+        // step and param_group go under its name once, with wq.
+        let name = match names::fused_qkv(fqn) {
+            Some((0, fused)) => fused,
+            Some(_) => continue,
+            None => fqn.clone(),
+        };
         if let Some(s) = state.optimizer.state.get(fqn) {
             // torch.optim.AdamW keeps `step` as a 0-dim float32 tensor.
             let step = HostTensor::scalar_f32(s.step as f32);
             out.push(
                 Some(OPTIMIZER),
-                format!("state.{fqn}.step"),
+                format!("state.{name}.step"),
                 StagedValue::Tensor(step),
             );
         }
@@ -224,10 +234,10 @@ fn stage_optimizer(
             ("decoupled_weight_decay", Value::Bool(true)),
             ("initial_lr", Value::Float(state.schedule.base_lr)),
         ];
-        for (name, value) in group {
+        for (key, value) in group {
             out.push(
                 Some(OPTIMIZER),
-                format!("param_groups.{fqn}.{name}"),
+                format!("param_groups.{name}.{key}"),
                 StagedValue::Object(value),
             );
         }
@@ -242,9 +252,13 @@ fn chunk_of(p: &Placement) -> Option<(Vec<u64>, Vec<u64>)> {
 }
 
 /// This rank's parts of `exp_avg` / `exp_avg_sq` (shaped like its parameter parts): what torch's
-/// DCP saves for the optimizer state of sharded (DTensor) parameters.
+/// DCP saves for the optimizer state of sharded (DTensor) parameters. The q/k/v projections'
+/// state goes where torchtitan 0.3.0 keeps it, in its fused `qkv_linear.wqkv.weight` (rows
+/// grouped per kv head): each part becomes the runs of fused rows it covers, so torchtitan
+/// resumes titan-train's optimizer state.
 fn stage_optimizer_state(out: &mut StagedState, state: &TrainerState<'_>) -> Result<()> {
     let model = state.model;
+    let args = &model.args;
     for ((fqn, p), placement) in model.named_parameters().iter().zip(model.placements()) {
         let Some(s) = state.optimizer.state.get(fqn) else {
             continue;
@@ -253,14 +267,41 @@ fn stage_optimizer_state(out: &mut StagedState, state: &TrainerState<'_>) -> Res
             continue;
         }
         for (name, t) in [("exp_avg", &s.exp_avg), ("exp_avg_sq", &s.exp_avg_sq)] {
-            let host = HostTensor::from_tensor(t, None)
-                .with_context(|| format!("staging {name} of `{fqn}`"))?;
-            out.push(
-                Some(OPTIMIZER),
-                format!("state.{fqn}.{name}"),
-                StagedValue::Tensor(host),
+            let Some((part, fused)) = names::fused_qkv(fqn) else {
+                let host = HostTensor::from_tensor(t, None)
+                    .with_context(|| format!("staging {name} of `{fqn}`"))?;
+                out.push(
+                    Some(OPTIMIZER),
+                    format!("state.{fqn}.{name}"),
+                    StagedValue::Tensor(host),
+                );
+                out.items.last_mut().expect("pushed").chunk_of = chunk_of(placement);
+                continue;
+            };
+            let (hd, kv) = (args.head_dim(), args.kv_heads());
+            let fused_rows = kv * (args.n_heads / kv + 2) * hd;
+            let u = |v: i64| v as u64;
+            let global = vec![u(fused_rows), u(placement.global[1])];
+            let runs = names::fused_qkv_runs(
+                part,
+                placement.offsets[0],
+                placement.local[0],
+                args.n_heads,
+                kv,
+                hd,
             );
-            out.items.last_mut().expect("pushed").chunk_of = chunk_of(placement);
+            for (row, fused_row, len) in runs {
+                let rows = t.narrow(0, row - placement.offsets[0], len);
+                let host = HostTensor::from_tensor(&rows, None)
+                    .with_context(|| format!("staging {name} of `{fqn}`"))?;
+                out.push(
+                    Some(OPTIMIZER),
+                    format!("state.{fused}.{name}"),
+                    StagedValue::Tensor(host),
+                );
+                out.items.last_mut().expect("pushed").chunk_of =
+                    Some((global.clone(), vec![u(fused_row), u(placement.offsets[1])]));
+            }
         }
     }
     Ok(())
