@@ -188,8 +188,9 @@ fn full_bf16_training_keeps_bf16_weights_and_optimizer_state() {
     };
     for (suffix, count) in [
         ("wq.weight", 6),
-        ("wq.weight.exp_avg", 6),
-        ("wq.weight.exp_avg_sq", 6),
+        // q/k/v's AdamW state sits under torchtitan's fused name.
+        ("wqkv.weight.exp_avg", 6),
+        ("wqkv.weight.exp_avg_sq", 6),
         ("lm_head.weight", 1),
     ] {
         let found = of(suffix);
