@@ -488,12 +488,12 @@ enum Qkv {
     Fused(Float8Linear),
     /// Each by itself (float8 or not): when a filter names some of them, as the torchtitan
     /// generation with separate wq/wk/wv linears does.
-    Separate([Option<Float8Linear>; 3]),
+    Separate(Box<[Option<Float8Linear>; 3]>),
 }
 
 impl Default for Qkv {
     fn default() -> Self {
-        Qkv::Separate([None, None, None])
+        Qkv::Separate(Box::new([None, None, None]))
     }
 }
 
@@ -801,11 +801,11 @@ impl Llama {
                     Some(fused) => Qkv::Fused(fused),
                     None => {
                         let [q, k, v] = qkv_names;
-                        Qkv::Separate([
+                        Qkv::Separate(Box::new([
                             take(q, d, d, TpSplit::Columns),
                             take(k, kv, d, TpSplit::Columns),
                             take(v, kv, d, TpSplit::Columns),
-                        ])
+                        ]))
                     }
                 };
                 BlockFloat8 {
@@ -1027,11 +1027,14 @@ impl Matmuls {
                 };
                 (part(0, per_kv), part(per_kv, 1), part(per_kv + 1, 1))
             }
-            Qkv::Separate([q, k, v]) => (
-                self.linear(x, &layer.wq, q.as_ref()),
-                self.linear(x, &layer.wk, k.as_ref()),
-                self.linear(x, &layer.wv, v.as_ref()),
-            ),
+            Qkv::Separate(parts) => {
+                let [q, k, v] = &**parts;
+                (
+                    self.linear(x, &layer.wq, q.as_ref()),
+                    self.linear(x, &layer.wk, k.as_ref()),
+                    self.linear(x, &layer.wv, v.as_ref()),
+                )
+            }
         }
     }
 
