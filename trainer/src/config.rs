@@ -1464,7 +1464,7 @@ mod tests {
             ("--parallelism.context_parallel_degree", "2"),
             ("--metrics.enable_wandb", "true"),
             ("--training.enable_cpu_offload", "true"),
-            ("--model.converters", "float8"),
+            ("--model.converters", "mx"),
             ("--parallelism.pipeline_parallel_degree", "2"),
         ] {
             let err = JobConfig::from_parts(None, &ov(&[key, value])).unwrap_err();
