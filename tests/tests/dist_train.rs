@@ -2,6 +2,8 @@
 //! - 1 rank vs 2 and 4 ranks on the same global batch give the same loss curve (10 steps, within
 //!   1e-5 relative) for FSDP2, tensor parallelism (with and without sequence parallelism),
 //!   FSDP2 x TP2 and HSDP; their grad norms agree within [`GRAD_NORM_RTOL`];
+//! - pipeline parallelism (each schedule at PP=2, PP2 x DP2, PP2 x TP2) gives the same curve,
+//!   and its checkpoint resumes on one process;
 //! - torchrun-style launch by hand (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) works;
 //! - killing one rank mid-run ends the job non-zero, quickly, with the dead rank named.
 //!
@@ -228,6 +230,137 @@ fn tensor_parallel_loss_curves_match_one_rank() {
         run_ok(&mut c);
         assert_same_curve(&reference, &f.losses(name), name);
         assert_close_grad_norms(&reference_norms, &f.logged(name, "grad_norm"), name);
+    }
+}
+
+/// Pipeline parallelism: PP=2 with each schedule (4 microbatches of one sample; Interleaved1F1B
+/// with 2 stages per rank), PP2 x DP2 and PP2 x TP2 on 4 ranks: the single process's losses,
+/// steps 1 to 10. Then a PP=2 checkpoint resumes on one process (the same microbatches as
+/// gradient accumulation) with the pipeline run's next losses.
+#[test]
+fn pipeline_parallel_loss_curves_match_one_rank() {
+    let f = Fixture::new();
+    run_ok(&mut titan_train(&f.args("single", GLOBAL_BATCH)));
+    let reference = f.losses("single");
+    let reference_norms = f.logged("single", "grad_norm");
+    let pp2 = [
+        "--nproc-per-node",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+    ];
+    let layouts: [(&str, usize, &[&str]); 5] = [
+        ("pp2_1f1b", GLOBAL_BATCH, &[]),
+        (
+            "pp2_gpipe",
+            GLOBAL_BATCH,
+            &["--parallelism.pipeline_parallel_schedule", "GPipe"],
+        ),
+        (
+            "pp2_interleaved",
+            GLOBAL_BATCH,
+            &[
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+            ],
+        ),
+        ("pp2_dp2", GLOBAL_BATCH / 2, &["--nproc-per-node", "4"]),
+        (
+            "pp2_tp2",
+            GLOBAL_BATCH,
+            &[
+                "--nproc-per-node",
+                "4",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ],
+        ),
+    ];
+    for (name, local_batch, extra) in layouts {
+        let mut c = titan_train(&f.args(name, local_batch));
+        c.args(pp2).args(extra);
+        let out = run_ok(&mut c);
+        assert!(
+            text(&out).contains("pipeline parallelism"),
+            "{name}: the run says it pipelines\n{}",
+            text(&out)
+        );
+        assert_same_curve(&reference, &f.losses(name), name);
+        assert_close_grad_norms(&reference_norms, &f.logged(name, "grad_norm"), name);
+    }
+
+    // A PP=2 checkpoint (each stage writes its own parameters under their global names)
+    // resumes on one process, whose 4 microbatches of one sample accumulate as the stages did.
+    let ckpt = [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "5",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ];
+    let mut c = titan_train(&f.args("pp2_ckpt", GLOBAL_BATCH));
+    c.args(pp2).args(ckpt);
+    run_ok(&mut c);
+    let straight = f.losses("pp2_ckpt");
+    let resumed_dir = f.root.join("pp1_resumed/checkpoint");
+    std::fs::create_dir_all(&resumed_dir).unwrap();
+    let copy = Command::new("cp")
+        .arg("-r")
+        .arg(f.root.join("pp2_ckpt/checkpoint/step-5"))
+        .arg(&resumed_dir)
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let mut c = titan_train(&f.args("pp1_resumed", 1));
+    // One process reads the documents in order (the file `args` picks for 4 dp ranks is not).
+    let in_order = f.root.join("docs_w1.txt").display().to_string();
+    c.args(ckpt).args(["--training.dataset_path", &in_order]);
+    run_ok(&mut c);
+    let resumed = f.losses("pp1_resumed");
+    assert_eq!(resumed.len(), 5, "steps 6..10: {resumed:?}");
+    for (step, (a, b)) in straight[5..].iter().zip(&resumed).enumerate() {
+        assert!(
+            (a - b).abs() / a <= 1e-6,
+            "step {}: {b} after resuming PP=2's checkpoint on one process vs {a}",
+            step + 6
+        );
+    }
+}
+
+/// Pipeline settings torchtitan refuses, or titan-train does not run, exit 2 naming the key.
+#[test]
+fn bad_pipeline_settings_exit_2_naming_the_key() {
+    let f = Fixture::new();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--parallelism.pipeline_parallel_schedule", "2F2B"],
+            "unknown pipeline schedule",
+        ),
+        (
+            &["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+            "not implemented",
+        ),
+        (
+            &["--parallelism.pipeline_parallel_microbatch_size", "3"],
+            "must be divisible by microbatch_size",
+        ),
+        (
+            &["--parallelism.pipeline_parallel_layers_per_stage", "2"],
+            "exactly 1 stage per rank",
+        ),
+    ];
+    for (extra, message) in cases {
+        let mut c = titan_train(&f.args("bad", GLOBAL_BATCH));
+        c.args([
+            "--nproc-per-node",
+            "2",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ])
+        .args(extra);
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{extra:?}\n{}", text(&out));
+        assert!(text(&out).contains(message), "{extra:?}: {}", text(&out));
     }
 }
 

@@ -3,6 +3,7 @@
 // the next backward hands its fresh gradient buffer to the parameter instead of memsetting the
 // old one and adding into it.
 #include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
 
 extern "C" {
 
@@ -10,6 +11,25 @@ extern "C" {
 int titan_clear_grad(void* tensor) {
   try {
     reinterpret_cast<at::Tensor*>(tensor)->mutable_grad().reset();
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+// `tensor.grad += grad` outside autograd, or `tensor.grad = grad` when it has none: how FSDP's
+// reduce-scattered gradients reach their shards once the background collective is done.
+int titan_accumulate_grad(void* tensor, void* grad) {
+  try {
+    auto& t = *reinterpret_cast<at::Tensor*>(tensor);
+    const auto& g = *reinterpret_cast<at::Tensor*>(grad);
+    c10::AutoGradMode no_grad(false);
+    auto& slot = t.mutable_grad();
+    if (slot.defined()) {
+      slot.add_(g);
+    } else {
+      slot = g;
+    }
     return 0;
   } catch (...) {
     return 1;

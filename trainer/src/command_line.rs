@@ -118,16 +118,6 @@ const NO_EFFECT: &[(&str, Accepts, &str)] = &[
         "titan-train captures no CUDA graphs",
     ),
     (
-        "parallelism.pipeline_parallel_schedule",
-        Accepts::Any,
-        "only used with pipeline parallelism",
-    ),
-    (
-        "parallelism.pipeline_parallel_microbatch_size",
-        Accepts::Any,
-        "only used with pipeline parallelism",
-    ),
-    (
         "parallelism.context_parallel_load_balancer",
         Accepts::Any,
         "only used with context parallelism",

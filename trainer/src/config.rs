@@ -390,6 +390,20 @@ pub struct Parallelism {
     pub enable_sequence_parallel: bool,
     pub context_parallel_degree: i64,
     pub pipeline_parallel_degree: i64,
+    /// torch's schedule name (`GPipe`, `1F1B`, `Interleaved1F1B`).
+    pub pipeline_parallel_schedule: String,
+    /// A schedule read from a CSV file (not implemented: refused when set).
+    pub pipeline_parallel_schedule_csv: String,
+    /// Samples per pipeline microbatch: `local_batch_size / this` microbatches per step.
+    pub pipeline_parallel_microbatch_size: i64,
+    /// Blocks per (virtual) stage; unset: one stage per rank (two for looped schedules).
+    pub pipeline_parallel_layers_per_stage: Option<u64>,
+    /// How many blocks `tok_embeddings` counts as in the even split of the first stage.
+    pub pipeline_parallel_first_stage_less_layers: u64,
+    /// How many blocks `norm` + `lm_head` count as in the last stage.
+    pub pipeline_parallel_last_stage_less_layers: u64,
+    /// The modules of each stage by name (`tok_embeddings`, `layers.N`, `norm`, `lm_head`).
+    pub module_fqns_per_model_part: Option<Vec<Vec<String>>>,
     pub expert_parallel_degree: i64,
     pub enable_compiled_autograd: bool,
     pub disable_loss_parallel: bool,
@@ -405,6 +419,13 @@ impl Default for Parallelism {
             enable_sequence_parallel: true,
             context_parallel_degree: 1,
             pipeline_parallel_degree: 1,
+            pipeline_parallel_schedule: "1F1B".into(),
+            pipeline_parallel_schedule_csv: String::new(),
+            pipeline_parallel_microbatch_size: 1,
+            pipeline_parallel_layers_per_stage: None,
+            pipeline_parallel_first_stage_less_layers: 1,
+            pipeline_parallel_last_stage_less_layers: 1,
+            module_fqns_per_model_part: None,
             expert_parallel_degree: 1,
             enable_compiled_autograd: false,
             disable_loss_parallel: false,
@@ -1003,6 +1024,18 @@ impl JobConfig {
                 self.float8.enable_fsdp_float8_all_gather,
             ),
             (
+                "parallelism.pipeline_parallel_",
+                "parallelism.pipeline_parallel_degree",
+                "> 1",
+                self.parallelism.pipeline_parallel_degree > 1,
+            ),
+            (
+                "parallelism.module_fqns_per_model_part",
+                "parallelism.pipeline_parallel_degree",
+                "> 1",
+                self.parallelism.pipeline_parallel_degree > 1,
+            ),
+            (
                 "training.mixed_precision_param",
                 "training.dtype",
                 "float32 (bfloat16 weights are not autocast)",
@@ -1088,10 +1121,10 @@ impl JobConfig {
                 " (titan-train has FSDP and tensor parallelism)",
             ),
             (
-                "parallelism.pipeline_parallel_degree",
-                w(&self.parallelism.pipeline_parallel_degree),
-                w(&d.parallelism.pipeline_parallel_degree),
-                " (titan-train has FSDP and tensor parallelism)",
+                "parallelism.pipeline_parallel_schedule_csv",
+                w(&self.parallelism.pipeline_parallel_schedule_csv),
+                w(&d.parallelism.pipeline_parallel_schedule_csv),
+                " (titan-train runs schedules by name: parallelism.pipeline_parallel_schedule)",
             ),
             (
                 "parallelism.expert_parallel_degree",
@@ -1465,7 +1498,7 @@ mod tests {
             ("--metrics.enable_wandb", "true"),
             ("--training.enable_cpu_offload", "true"),
             ("--model.converters", "mx"),
-            ("--parallelism.pipeline_parallel_degree", "2"),
+            ("--parallelism.pipeline_parallel_schedule_csv", "s.csv"),
         ] {
             let err = JobConfig::from_parts(None, &ov(&[key, value])).unwrap_err();
             assert!(

@@ -450,15 +450,18 @@ impl Float8Training {
 
     /// Whether the linear `fqn` (torchtitan 0.3.0's module name, e.g. `layers.0.feed_forward.w1`)
     /// with a weight of global shape (out, in) trains in float8: both dims multiples of 16 (the
-    /// float8 kernels' rule, applied by torchtitan to every backend) and no `filter_fqns` entry in
-    /// its name, in either name generation (`lm_head` is `output` before 0.3.0).
+    /// float8 kernels' rule, applied by torchtitan to every backend) and not [`Self::filtered`].
     pub fn converts(&self, fqn: &str, out_features: i64, in_features: i64) -> bool {
-        if out_features % 16 != 0 || in_features % 16 != 0 {
-            return false;
-        }
+        out_features % 16 == 0 && in_features % 16 == 0 && !self.filtered(fqn)
+    }
+
+    /// Whether a `filter_fqns` entry is part of the linear's name, in either name generation
+    /// (`lm_head` is `output` before torchtitan 0.3.0, `attention.qkv_linear.wq` is
+    /// `attention.wq`).
+    pub fn filtered(&self, fqn: &str) -> bool {
         let legacy = crate::names::legacy(&format!("{fqn}.weight"))
             .map(|n| n.trim_end_matches(".weight").to_string());
-        !self.filter_fqns.iter().any(|f| {
+        self.filter_fqns.iter().any(|f| {
             fqn.contains(f.as_str()) || legacy.as_deref().is_some_and(|l| l.contains(f.as_str()))
         })
     }

@@ -15,6 +15,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::float8::{Float8Linear, Float8Training, TpSplit};
 use crate::parallelize::fsdp::FsdpUnit;
+use crate::parallelize::pipeline::StageModules;
 use crate::parallelize::tp::TensorParallel;
 use crate::parallelize::{ParallelPlan, Placement, TpStyle};
 use crate::recompute::{checkpoint, kept_linear};
@@ -447,10 +448,17 @@ pub struct Llama {
     pub args: ModelArgs,
     params: Vec<(String, Tensor)>,
     placements: Vec<Placement>,
-    embeddings: FsdpUnit,
-    layers: Vec<FsdpUnit>,
+    /// The pipeline stages this rank holds, by stage index (one stage, the whole model,
+    /// without pipeline parallelism).
+    stages: Vec<(usize, StageModules)>,
+    embeddings: Option<FsdpUnit>,
+    /// This rank's transformer blocks by global layer index, ascending.
+    layers: Vec<(usize, FsdpUnit)>,
     /// The final norm and the output projection.
-    head: FsdpUnit,
+    head: Option<FsdpUnit>,
+    /// The dtype parameters are gathered and computed in (FSDP's `mixed_precision_param`), and
+    /// so the dtype of the hidden states.
+    compute_kind: Kind,
     tp: TensorParallel,
     freqs_cis: Tensor,
     checkpointing: ActivationCheckpointing,
@@ -554,7 +562,23 @@ impl Llama {
     /// whole, in registration order, and only this rank's part is kept: every layout gets the
     /// values one process gets, and no rank ever holds more than one whole parameter.
     pub fn new(args: ModelArgs, device: Device, plan: &ParallelPlan) -> Result<Self> {
+        let whole = StageModules::whole(args.n_layers as usize);
+        Self::new_stages(args, device, plan, vec![(0, whole)])
+    }
+
+    /// Builds the pipeline stages `stages` (index, modules) of the model, as [`Llama::new`]
+    /// builds the whole: every parameter is drawn in registration order, so each stage gets the
+    /// values one process gets, and the parameters of other stages are dropped.
+    pub fn new_stages(
+        args: ModelArgs,
+        device: Device,
+        plan: &ParallelPlan,
+        stages: Vec<(usize, StageModules)>,
+    ) -> Result<Self> {
         args.validate()?;
+        let has_embeddings = stages.iter().any(|(_, s)| s.embeddings);
+        let has_head = stages.iter().any(|(_, s)| s.head);
+        let has_layer = |i: usize| stages.iter().any(|(_, s)| s.layers.contains(&i));
         let tp = plan.tp.size() as i64;
         for (what, n) in [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads())] {
             if n % tp != 0 {
@@ -574,13 +598,18 @@ impl Llama {
         let mut add = |name: String,
                        shape: &[i64],
                        style: TpStyle,
-                       init: &dyn Fn(&mut Tensor)|
+                       init: &dyn Fn(&mut Tensor),
+                       keep: bool|
          -> Result<()> {
             let placement = plan
                 .placement(shape, style)
                 .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
             let mut full = Tensor::empty(shape, opts);
             tch::no_grad(|| init(&mut full));
+            if !keep {
+                // Another stage's parameter: drawn only to advance the RNG as one process does.
+                return Ok(());
+            }
             let local = if placement.is_whole() {
                 full
             } else {
@@ -597,8 +626,10 @@ impl Llama {
             &|t| {
                 let _ = t.normal_(0.0, 1.0);
             },
+            has_embeddings,
         )?;
         for i in 0..args.n_layers {
+            let keep = has_layer(i as usize);
             // Depth-scaled init for the output projections, as torchtitan's depth_init.
             let depth_std = 0.02 / (2.0 * (i + 1) as f64).sqrt();
             let std02 = |t: &mut Tensor| trunc_normal_(t, 0.02, -2.0, 2.0);
@@ -608,25 +639,51 @@ impl Llama {
             };
             let p = |n: &str| format!("layers.{i}.{n}");
             use TpStyle::{Cols, Replicated, Rows};
-            add(p("attention.qkv_linear.wq.weight"), &[d, d], Rows, &std02)?;
-            add(p("attention.qkv_linear.wk.weight"), &[kv, d], Rows, &std02)?;
-            add(p("attention.qkv_linear.wv.weight"), &[kv, d], Rows, &std02)?;
-            add(p("attention.wo.weight"), &[d, d], Cols, &depth)?;
-            add(p("feed_forward.w1.weight"), &[hd, d], Rows, &std02)?;
-            add(p("feed_forward.w2.weight"), &[d, hd], Cols, &depth)?;
-            add(p("feed_forward.w3.weight"), &[hd, d], Rows, &depth)?;
-            add(p("attention_norm.weight"), &[d], Replicated, &ones)?;
-            add(p("ffn_norm.weight"), &[d], Replicated, &ones)?;
+            add(
+                p("attention.qkv_linear.wq.weight"),
+                &[d, d],
+                Rows,
+                &std02,
+                keep,
+            )?;
+            add(
+                p("attention.qkv_linear.wk.weight"),
+                &[kv, d],
+                Rows,
+                &std02,
+                keep,
+            )?;
+            add(
+                p("attention.qkv_linear.wv.weight"),
+                &[kv, d],
+                Rows,
+                &std02,
+                keep,
+            )?;
+            add(p("attention.wo.weight"), &[d, d], Cols, &depth, keep)?;
+            add(p("feed_forward.w1.weight"), &[hd, d], Rows, &std02, keep)?;
+            add(p("feed_forward.w2.weight"), &[d, hd], Cols, &depth, keep)?;
+            add(p("feed_forward.w3.weight"), &[hd, d], Rows, &depth, keep)?;
+            add(p("attention_norm.weight"), &[d], Replicated, &ones, keep)?;
+            add(p("ffn_norm.weight"), &[d], Replicated, &ones, keep)?;
         }
-        add("norm.weight".into(), &[d], TpStyle::Replicated, &|t| {
+        let ones = |t: &mut Tensor| {
             let _ = t.fill_(1.0);
-        })?;
+        };
+        add(
+            "norm.weight".into(),
+            &[d],
+            TpStyle::Replicated,
+            &ones,
+            has_head,
+        )?;
         let final_std = (d as f64).powf(-0.5);
         add(
             "lm_head.weight".into(),
             &[args.vocab_size, d],
             TpStyle::Rows,
             &|t| trunc_normal_(t, final_std, -3.0 * final_std, 3.0 * final_std),
+            has_head,
         )?;
         // FSDP units as torchtitan wraps them: the embeddings, each block, norm + output.
         let unit = |range: std::ops::Range<usize>, last: bool| {
@@ -641,19 +698,24 @@ impl Llama {
             )
         };
         let n = params.len();
-        let embeddings = unit(0..1, false);
+        let first = usize::from(has_embeddings);
+        let embeddings = has_embeddings.then(|| unit(0..1, false));
         let layers = (0..args.n_layers as usize)
-            .map(|i| unit(1 + 9 * i..10 + 9 * i, false))
+            .filter(|&i| has_layer(i))
+            .enumerate()
+            .map(|(k, i)| (i, unit(first + 9 * k..first + 9 * (k + 1), false)))
             .collect();
-        let head = unit(n - 2..n, true);
+        let head = has_head.then(|| unit(n - 2..n, true));
         let freqs_cis = precompute_freqs_cis(&args, device);
         Ok(Self {
             args,
             params,
             placements,
+            stages,
             embeddings,
             layers,
             head,
+            compute_kind: plan.fsdp.param_kind,
             tp: plan.tp.clone(),
             freqs_cis,
             checkpointing: ActivationCheckpointing::None,
@@ -717,12 +779,9 @@ impl Llama {
     /// The whole parameters whose names `keep` accepts, in their own dtype, gathered one FSDP
     /// unit at a time. A collective: every rank calls it with the same model.
     pub fn full_parameters(&self, keep: impl Fn(&str) -> bool) -> Vec<(String, Tensor)> {
-        let units = std::iter::once(&self.embeddings)
-            .chain(&self.layers)
-            .chain(std::iter::once(&self.head));
         let mut out = Vec::new();
         let mut index = 0;
-        for unit in units {
+        for unit in self.units() {
             for full in unit.full_masters() {
                 let (name, _) = &self.params[index];
                 let full = match self.placements[index].tp_dim {
@@ -736,6 +795,27 @@ impl Llama {
             }
         }
         out
+    }
+
+    /// Waits for the FSDP gradient reductions the backward passes started and puts their results
+    /// in the parameters' gradients: call once after the step's last backward.
+    pub fn finish_gradients(&self) {
+        for unit in self.units() {
+            unit.finish_gradients();
+        }
+    }
+
+    /// This rank's FSDP units in model order: the embeddings, its blocks, norm + output.
+    fn units(&self) -> impl Iterator<Item = &FsdpUnit> {
+        self.embeddings
+            .iter()
+            .chain(self.layers.iter().map(|(_, u)| u))
+            .chain(self.head.iter())
+    }
+
+    /// The pipeline stages this rank holds (index, modules).
+    pub fn stages(&self) -> &[(usize, StageModules)] {
+        &self.stages
     }
 
     /// Whether activations between blocks are sequence-sharded over tp.
@@ -790,8 +870,8 @@ impl Llama {
                 let qkv_names = ["wq", "wk", "wv"].map(|n| p(&format!("attention.qkv_linear.{n}")));
                 // Fused unless a filter names q, k or v alone (the 16 rule is the fused one's).
                 let fused = p("attention.qkv_linear.wqkv");
-                let fuse = f8.converts(&fused, d + 2 * kv, d)
-                    && qkv_names.iter().all(|n| f8.converts(n, 16, 16));
+                let fuse =
+                    f8.converts(&fused, d + 2 * kv, d) && !qkv_names.iter().any(|n| f8.filtered(n));
                 let fused = if fuse {
                     take(fused, d + 2 * kv, d, TpSplit::Columns)
                 } else {
@@ -845,8 +925,36 @@ impl Llama {
     /// document starting at position 0. Under tensor parallelism the logits are this rank's
     /// vocab columns (B, S, vocab / tp): take the loss with [`Llama::summed_cross_entropy`].
     pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
+        let stage = self.stages[0].0;
+        assert!(
+            self.stages.len() == 1 && self.embeddings.is_some() && self.head.is_some(),
+            "forward runs the whole model; under pipeline parallelism use forward_stage"
+        );
+        self.forward_stage(stage, tokens, positions)
+    }
+
+    /// Runs pipeline stage `stage` of this rank: from token ids (B, S) on the stage holding
+    /// the embeddings, else from the hidden states the previous stage produced
+    /// ([`Llama::hidden_shape`]); returns hidden states, or the logits (as
+    /// [`Llama::forward`]) on the stage holding the output.
+    pub fn forward_stage(
+        &self,
+        stage: usize,
+        input: &Tensor,
+        positions: Option<&Tensor>,
+    ) -> Tensor {
+        let modules = &self
+            .stages
+            .iter()
+            .find(|(s, _)| *s == stage)
+            .unwrap_or_else(|| panic!("this rank holds no pipeline stage {stage}"))
+            .1;
         let shape = BlockShape::of(&self.args, self.tp.size() as i64);
-        let seq_len = tokens.size()[1];
+        let seq_len = match (modules.embeddings, self.tp.sequence_parallel()) {
+            // Sequence-parallel hidden states hold this rank's block of the sequence.
+            (false, true) => input.size()[1] * self.tp.size() as i64,
+            _ => input.size()[1],
+        };
         let attend = match positions.filter(|_| self.attn_backend.document_causal()) {
             None => Attend::Causal,
             Some(p) if self.varlen_kernel => {
@@ -859,19 +967,36 @@ impl Llama {
             rope: rope_for(&self.freqs_cis, seq_len, positions),
             attend,
         };
-        // The units in forward order; a prefetch left from an earlier pass is stale.
-        let units: Vec<&FsdpUnit> = std::iter::once(&self.embeddings)
-            .chain(&self.layers)
-            .chain(std::iter::once(&self.head))
+        // The stage's units in forward order; a prefetch left from an earlier pass is stale.
+        let layers: Vec<&(usize, FsdpUnit)> = self
+            .layers
+            .iter()
+            .filter(|(i, _)| modules.layers.contains(i))
+            .collect();
+        let embeddings = self.embeddings.as_ref().filter(|_| modules.embeddings);
+        let head = self.head.as_ref().filter(|_| modules.head);
+        let units: Vec<&FsdpUnit> = embeddings
+            .into_iter()
+            .chain(layers.iter().map(|(_, u)| u))
+            .chain(head)
             .collect();
         for unit in &units {
             unit.drop_prefetch();
         }
-        let [embeddings]: [Tensor; 1] = self.embeddings.gather().try_into().expect("one weight");
-        units[1].prefetch();
-        let h = self.tp.embedding(&embeddings, tokens);
-        let mut h = self.embeddings.after_forward(h, None);
-        for (index, unit) in self.layers.iter().enumerate() {
+        let mut h = match embeddings {
+            Some(unit) => {
+                let [weight]: [Tensor; 1] = unit.gather().try_into().expect("one weight");
+                if let Some(next) = units.get(1) {
+                    next.prefetch();
+                }
+                let h = self.tp.embedding(&weight, input);
+                unit.after_forward(h, None)
+            }
+            None => input.shallow_clone(),
+        };
+        let first_layer = usize::from(embeddings.is_some());
+        for (k, (index, unit)) in layers.iter().enumerate() {
+            let (index, at) = (*index, first_layer + k);
             let f8 = self
                 .float8
                 .as_ref()
@@ -879,14 +1004,19 @@ impl Llama {
                 .unwrap_or_default();
             // Gather the next unit while this block computes (not in backward's recompute: the
             // closure below runs again there).
-            let (next, previous) = (units[index + 2].clone(), units[index]);
+            let (next, previous) = (
+                units.get(at + 1).map(|u| (*u).clone()),
+                at.checked_sub(1).map(|p| units[p]),
+            );
             let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
             let forward_pass = Arc::new(AtomicBool::new(true));
             let in_forward = forward_pass.clone();
             let gather = move || {
                 let layer = Layer::from_params(unit_.gather());
                 if in_forward.swap(false, Ordering::Relaxed) {
-                    next.prefetch();
+                    if let Some(next) = &next {
+                        next.prefetch();
+                    }
                 }
                 layer
             };
@@ -919,10 +1049,13 @@ impl Llama {
                 let layer = gather();
                 let out = block(&layer, shape, &ctx, &self.tp, &h, &Matmuls::plain(f8));
                 drop(layer);
-                unit.after_forward(out, Some(previous))
+                unit.after_forward(out, previous)
             };
         }
-        let [norm, lm_head]: [Tensor; 2] = self.head.gather().try_into().expect("two weights");
+        let Some(head) = head else {
+            return h;
+        };
+        let [norm, lm_head]: [Tensor; 2] = head.gather().try_into().expect("two weights");
         let h = self
             .tp
             .enter(&h.rms_norm([shape.dim], Some(&norm), shape.norm_eps));
@@ -944,6 +1077,19 @@ impl Llama {
             None => h.linear::<&Tensor>(&lm_head, None),
         };
         logits.to_kind(Kind::Float)
+    }
+
+    /// Shape and dtype of the hidden states between blocks for `batch` rows of `seq_len`
+    /// tokens: what one pipeline stage sends the next (this rank's sequence block under
+    /// sequence parallelism).
+    pub fn hidden_shape(&self, batch: i64, seq_len: i64) -> (Vec<i64>, Kind) {
+        let tp = self.tp.size() as i64;
+        let seq = if self.tp.sequence_parallel() {
+            seq_len / tp
+        } else {
+            seq_len
+        };
+        (vec![batch, seq, self.args.dim], self.compute_kind)
     }
 }
 

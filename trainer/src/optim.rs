@@ -109,6 +109,19 @@ impl AdamW {
 
 unsafe extern "C" {
     fn titan_clear_grad(tensor: *mut std::ffi::c_void) -> i32;
+    fn titan_accumulate_grad(tensor: *mut std::ffi::c_void, grad: *mut std::ffi::c_void) -> i32;
+}
+
+/// Adds `grad` into `param`'s gradient (or makes it the gradient), outside autograd.
+pub fn accumulate_grad(param: &Tensor, grad: &Tensor) {
+    // SAFETY: tch's C_tensor is an `at::Tensor*`; both are alive for the call.
+    let rc = unsafe {
+        titan_accumulate_grad(
+            param.as_ptr() as *mut std::ffi::c_void,
+            grad.as_ptr() as *mut std::ffi::c_void,
+        )
+    };
+    assert_eq!(rc, 0, "accumulating a gradient of shape {:?}", grad.size());
 }
 
 /// Drops the gradients of `params`: `optimizer.zero_grad()` with torch's default

@@ -25,7 +25,11 @@ use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
 use crate::model::{Llama, ModelArgs};
 use crate::optim::{self, AdamW};
+use crate::parallel::Dim;
 use crate::parallelize::ParallelPlan;
+use crate::parallelize::pipeline::{
+    self, Microbatch, Pipeline, PipelineConfig, Schedule, StageModules,
+};
 use crate::precision;
 use crate::tensorboard::EventWriter;
 
@@ -296,6 +300,20 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
         })
     };
 
+    // Pipeline parallelism: each step's local batch runs as microbatches through the stages
+    // (torchtitan's loader then yields `pipeline_parallel_microbatch_size` samples a batch).
+    let pipeline_cfg = (world.pp > 1)
+        .then(|| pipeline_config(&cfg.parallelism, world.pp, &cfg.training))
+        .transpose()?;
+    let loader_batch = pipeline_cfg
+        .as_ref()
+        .map_or(cfg.training.local_batch_size, |p| p.microbatch_size);
+    if pipeline_cfg.is_some() && cfg.validation.enable {
+        bail!(config_error(
+            "validation.enable",
+            anyhow::anyhow!("validation is not implemented with pipeline parallelism yet")
+        ));
+    }
     let (dp_rank, dp_degree) = (world.dp_rank() as u64, world.dp_degree() as u64);
     let (mut train_loader, mut val_loader) = {
         let _s = titan_obs::span("dataloader");
@@ -306,7 +324,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
             train_set,
             tokenizer.clone(),
             t.seq_len as usize,
-            t.local_batch_size as usize,
+            loader_batch as usize,
             dp_rank,
             dp_degree,
             true,
@@ -351,7 +369,19 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
             precision::param_kind(&cfg.training),
             cfg.training.mixed_precision_reduce.kind(),
         );
-        let model = Llama::new(args, device, &plan)
+        let stages = match &pipeline_cfg {
+            None => vec![(0, StageModules::whole(args.n_layers as usize))],
+            Some(p) => {
+                let all = pipeline::split_stages(p, args.n_layers as usize)
+                    .map_err(|e| config_error("parallelism.pipeline_parallel_degree", e))?;
+                let pp_rank = world.coord(Dim::Pp);
+                all.into_iter()
+                    .enumerate()
+                    .filter(|(s, _)| pipeline::rank_of_stage(*s, world.pp) == pp_rank)
+                    .collect()
+            }
+        };
+        let model = Llama::new_stages(args, device, &plan, stages)
             .map_err(|e| config_error("parallelism.tensor_parallel_degree", e))?
             .with_checkpointing(cfg.activation_checkpoint.policy())
             .with_attn_backend(cfg.model.attn_backend, precision::param_kind(&cfg.training));
@@ -423,6 +453,24 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
         "model built"
     );
 
+    let pipeline = match &pipeline_cfg {
+        None => None,
+        Some(p) => {
+            let stages = pipeline::split_stages(p, model.args.n_layers as usize)?;
+            let microbatches = (cfg.training.local_batch_size / p.microbatch_size) as usize;
+            let pipeline = Pipeline::new(mesh, p, stages, microbatches)
+                .map_err(|e| config_error("parallelism.pipeline_parallel_schedule", e))?;
+            tracing::info!(
+                schedule = pipeline.schedule.name(),
+                stages = pipeline.stages.len(),
+                stages_on_this_rank = ?pipeline.local_stages,
+                microbatches,
+                "pipeline parallelism"
+            );
+            Some(pipeline)
+        }
+    };
+
     let params: Vec<(String, Tensor)> = model
         .named_parameters()
         .iter()
@@ -484,9 +532,11 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
         let step_span = titan_obs::span(vocab::STEP);
         let lr = optimizer.next_lr(schedule.lr_for_step(step));
 
+        // Under pipeline parallelism each accumulation step is the pipeline's microbatches.
+        let per_pass = pipeline.as_ref().map_or(1, |p| p.microbatches);
         let batches: Vec<Batch> = {
             let _s = titan_obs::span(titan::DATA_LOADING);
-            (0..n_micro)
+            (0..n_micro * per_pass)
                 .map(|_| {
                     train_loader
                         .next_batch(device)?
@@ -500,7 +550,24 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
         window.add_tokens(step_input_tokens);
 
         let mut local_loss = 0.0f64;
-        {
+        if let Some(pipeline) = &pipeline {
+            let _s = titan_obs::span(titan::FORWARD_BACKWARD);
+            for pass in batches.chunks(per_pass) {
+                let microbatches: Vec<Microbatch<'_>> = pass
+                    .iter()
+                    .map(|b| Microbatch {
+                        inputs: &b.inputs,
+                        labels: &b.labels,
+                        positions: &b.positions,
+                    })
+                    .collect();
+                local_loss += pipeline
+                    .run(&model, &microbatches, global_tokens)
+                    .with_context(|| format!("step {step}"))?;
+            }
+            // The last stage computed the loss: every stage reports it (and stops on it).
+            local_loss = mesh.reduce_scalars(&mesh.pp, &[local_loss], ReduceOp::Sum)?[0];
+        } else {
             let _s = titan_obs::span(titan::FORWARD_BACKWARD);
             for batch in &batches {
                 let _m = titan_obs::span(titan::MICROBATCH);
@@ -523,6 +590,13 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
                 local_loss += loss.double_value(&[]);
             }
         }
+        // FSDP's gradient reductions ran behind backward: collect them (a failed collective
+        // fails the step, naming it).
+        let _ = forward_pass(step, || {
+            model.finish_gradients();
+            Tensor::new()
+        })
+        .context("reducing gradients")?;
         // Sequence-parallel norms saw part of the sequence: sum their gradients over tp.
         reduce_partial_grads(mesh, &model)?;
 
@@ -696,6 +770,42 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
 /// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
 /// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
 /// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
+/// The pipeline settings of `[parallelism]`, checked as torchtitan checks them.
+fn pipeline_config(
+    p: &config::Parallelism,
+    degree: usize,
+    training: &config::Training,
+) -> Result<PipelineConfig> {
+    let schedule = Schedule::parse(&p.pipeline_parallel_schedule)
+        .map_err(|e| config_error("parallelism.pipeline_parallel_schedule", anyhow::anyhow!(e)))?;
+    let microbatch_size = p.pipeline_parallel_microbatch_size;
+    if microbatch_size <= 0 {
+        bail!(config_error(
+            "parallelism.pipeline_parallel_microbatch_size",
+            anyhow::anyhow!("must be at least 1, got {microbatch_size}")
+        ));
+    }
+    if training.local_batch_size % microbatch_size != 0 {
+        bail!(config_error(
+            "parallelism.pipeline_parallel_microbatch_size",
+            anyhow::anyhow!(
+                "Batch size {} must be divisible by microbatch_size {microbatch_size}. Update \
+                 the config arguments for either batch_size or pipeline_parallel_microbatch_size.",
+                training.local_batch_size
+            )
+        ));
+    }
+    Ok(PipelineConfig {
+        degree,
+        schedule,
+        microbatch_size,
+        layers_per_stage: p.pipeline_parallel_layers_per_stage.map(|n| n as usize),
+        first_stage_less_layers: p.pipeline_parallel_first_stage_less_layers as usize,
+        last_stage_less_layers: p.pipeline_parallel_last_stage_less_layers as usize,
+        module_fqns_per_model_part: p.module_fqns_per_model_part.clone(),
+    })
+}
+
 fn grad_norm(mesh: &DeviceMesh, model: &Llama) -> Result<f64> {
     let local = |split: bool| -> f64 {
         let tensors: Vec<&Tensor> = model
@@ -713,7 +823,9 @@ fn grad_norm(mesh: &DeviceMesh, model: &Llama) -> Result<f64> {
     }
     let sums = mesh.reduce_scalars(&mesh.dp_shard, &[local(true), local(false)], ReduceOp::Sum)?;
     let split = mesh.reduce_scalars(&mesh.tp, &[sums[0]], ReduceOp::Sum)?;
-    Ok((split[0] + sums[1]).sqrt())
+    // Each pipeline stage's squared norm, summed over the stages (torchtitan's pp_mesh sum).
+    let stages = mesh.reduce_scalars(&mesh.pp, &[split[0] + sums[1]], ReduceOp::Sum)?;
+    Ok(stages[0].sqrt())
 }
 
 #[cfg(test)]

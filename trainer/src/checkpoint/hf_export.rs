@@ -85,12 +85,13 @@ pub fn export(
     }
 }
 
-/// This rank's share of the weights (rank r takes every world_size-th tensor in name order) as
+/// This rank's share of the weights (rank r of the ranks holding its pipeline stages takes every
+/// n-th of their tensors in name order) as
 /// one DCP sharded safetensors file. Sharded parameters are gathered whole one unit at a time
 /// (every rank takes part), and each rank keeps only its share.
 fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    // Rank r takes every world_size-th tensor in HF name order; only that share is permuted,
+    // Rank r takes every n-th tensor in HF name order; only that share is permuted,
     // copied to host memory and cast. (A name without an HF counterpart sorts first and makes
     // `to_hf` fail on the rank that takes it.)
     let mut titan: Vec<(Option<String>, &String)> = model
@@ -99,10 +100,19 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
         .map(|(n, _)| (hf::hf_name(n), n))
         .collect();
     titan.sort();
+    // The ranks holding the same pipeline stages share out their names (every rank, without
+    // pipeline parallelism); each stage's names are its own.
+    let peers = world.group_members(&[
+        crate::parallel::Dim::DpReplicate,
+        crate::parallel::Dim::DpShard,
+        crate::parallel::Dim::Cp,
+        crate::parallel::Dim::Tp,
+    ]);
+    let me = peers.iter().position(|&r| r == world.rank).unwrap_or(0);
     let mine: std::collections::BTreeSet<&str> = titan
         .iter()
         .enumerate()
-        .filter(|(i, _)| i % world.world_size == world.rank)
+        .filter(|(i, _)| i % peers.len() == me)
         .map(|(_, (_, n))| n.as_str())
         .collect();
     let share = tch::no_grad(|| model.full_parameters(|name| mine.contains(name)));

@@ -317,10 +317,15 @@ impl Checkpointer {
                     model_only,
                     model_kind: model_only.then_some(self.export_kind),
                     owns_replicated: self.world.rank == 0,
+                    owns_param_groups: crate::parallel::Dim::ALL
+                        .iter()
+                        .all(|&d| d == crate::parallel::Dim::Pp || self.world.coord(d) == 0),
                     dp_rank: self.world.dp_rank() as u64,
                     rank: self.world.rank as u64,
                     dp_degree: self.world.dp_degree() as u64,
-                    writes_dataloader: self.world.coord(crate::parallel::Dim::Tp) == 0,
+                    // One copy per data-parallel rank: not again from its tp or pp peers.
+                    writes_dataloader: self.world.coord(crate::parallel::Dim::Tp) == 0
+                        && self.world.coord(crate::parallel::Dim::Pp) == 0,
                 },
             )?
         };

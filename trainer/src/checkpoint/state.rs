@@ -112,8 +112,11 @@ pub struct StageOptions {
     pub model_only: bool,
     /// Cast the model weights (model-only saves: `export_dtype`).
     pub model_kind: Option<Kind>,
-    /// This rank writes the replicated state (model, optimizer, lr_scheduler, train_state).
+    /// This rank writes the replicated state (lr_scheduler, train_state, the loader's world).
     pub owns_replicated: bool,
+    /// This rank writes the optimizer's `step`s and param_groups of its parameters (the first
+    /// rank of each pipeline stage: every other rank holding the stage has the same ones).
+    pub owns_param_groups: bool,
     /// Global rank (names this rank's RNG state).
     pub rank: u64,
     pub dp_rank: u64,
@@ -148,8 +151,10 @@ pub fn stage(
         return Ok(out);
     }
     stage_optimizer_state(&mut out, state)?;
-    if opts.owns_replicated {
+    if opts.owns_param_groups {
         stage_optimizer(&mut out, state, counters)?;
+    }
+    if opts.owns_replicated {
         stage_lr_scheduler(&mut out, state.schedule, counters.step);
         // Plain ints, as torchtitan 0.3.0's TrainState saves them (its loader refuses tensors).
         out.push(

@@ -152,6 +152,54 @@ impl Group {
         Some(inner.run(inner.ticket(), f))
     }
 
+    /// Runs `job` on the group's background thread once the collectives issued before it on
+    /// this rank have run (`job` gets this group's ticket-ordered runner).
+    fn in_background(
+        inner: &Arc<Shared>,
+        job: impl FnOnce(&Shared, u64) -> Result<(), CommError> + Send + 'static,
+    ) -> Pending {
+        let ticket = inner.ticket();
+        let (tx, rx) = channel();
+        let shared = inner.clone();
+        inner.in_background(Box::new(move || {
+            let _ = tx.send(job(&shared, ticket));
+        }));
+        Pending(Some(rx))
+    }
+
+    /// [`Group::reduce_scatter`] (sum) of `input` into `output` on a background thread, then,
+    /// when `then` is given, a sum all-reduce of `output` over that group, each after the
+    /// collectives issued before it on its group. The tensors must stay untouched until
+    /// [`Pending::wait`] returns.
+    pub fn reduce_scatter_async(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        then: Option<&Group>,
+    ) -> Pending {
+        let second = then
+            .and_then(|g| g.inner.clone())
+            .map(|inner| (inner.ticket(), inner));
+        let replicas = move |output: &Tensor| match &second {
+            Some((ticket, g)) => g.run(*ticket, |c| c.all_reduce(output, ReduceOp::Sum)),
+            None => Ok(()),
+        };
+        let Some(inner) = &self.inner else {
+            let result = self
+                .reduce_scatter(output, input)
+                .and_then(|()| replicas(output));
+            let (tx, rx) = channel();
+            let _ = tx.send(result);
+            return Pending(Some(rx));
+        };
+        let (output, input) = (output.shallow_clone(), input.shallow_clone());
+        Self::in_background(inner, move |shared, ticket| {
+            shared
+                .run(ticket, |g| g.reduce_scatter(&output, &input, ReduceOp::Sum))
+                .and_then(|()| replicas(&output))
+        })
+    }
+
     /// [`Group::all_gather`] on a background thread, after the collectives issued before it.
     /// The tensors must stay untouched until [`Pending::wait`] returns.
     pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Pending {
@@ -159,17 +207,23 @@ impl Group {
             output.shallow_clone().copy_(&input.reshape_as(output));
             return Pending(None);
         };
-        let ticket = inner.ticket();
-        let (tx, rx) = channel();
-        let job = {
-            let (shared, output, input) =
-                (inner.clone(), output.shallow_clone(), input.shallow_clone());
-            move || {
-                let _ = tx.send(shared.run(ticket, |g| g.all_gather(&output, &input)));
-            }
+        let (output, input) = (output.shallow_clone(), input.shallow_clone());
+        Self::in_background(inner, move |shared, ticket| {
+            shared.run(ticket, |g| g.all_gather(&output, &input))
+        })
+    }
+
+    /// [`Group::broadcast`] on a background thread, after the collectives issued before it: a
+    /// pipeline stage's send (the group of two ranks at a stage boundary). The tensor must stay
+    /// untouched until [`Pending::wait`] returns.
+    pub fn broadcast_async(&self, t: &Tensor, root: usize) -> Pending {
+        let Some(inner) = &self.inner else {
+            return Pending(None);
         };
-        inner.in_background(Box::new(job));
-        Pending(Some(rx))
+        let t = t.shallow_clone();
+        Self::in_background(inner, move |shared, ticket| {
+            shared.run(ticket, |g| g.broadcast(&t, root))
+        })
     }
 
     /// In place on every rank.
@@ -220,6 +274,8 @@ impl Group {
 pub struct DeviceMesh {
     pub mesh: Mesh,
     pub tp: Group,
+    /// The ranks holding the pipeline stages of the same data and tensor slices.
+    pub pp: Group,
     pub dp_shard: Group,
     pub dp_replicate: Group,
     /// dp_replicate x dp_shard flattened: the ranks that read different data.
@@ -234,6 +290,7 @@ impl DeviceMesh {
         DeviceMesh {
             mesh: Mesh::single(),
             tp: Group::solo(),
+            pp: Group::solo(),
             dp_shard: Group::solo(),
             dp_replicate: Group::solo(),
             dp: Group::solo(),
@@ -243,8 +300,9 @@ impl DeviceMesh {
     }
 
     /// Creates the groups of `mesh` over the joined job `dist` (every rank calls this with the
-    /// same mesh degrees). Pipeline and context parallelism have no groups: they are refused
-    /// before the job starts.
+    /// same mesh degrees). Context parallelism has no groups: it is refused before the job
+    /// starts. The pipeline's point-to-point groups are made by the pipeline
+    /// ([`DeviceMesh::new_group`]).
     pub fn connect(dist: Dist, mesh: Mesh) -> Result<Self, CommError> {
         let group = |dims: &[Dim], tag: &str| -> Result<Group, CommError> {
             let members = mesh.group_members(dims);
@@ -255,10 +313,11 @@ impl DeviceMesh {
             Ok(Group::new(dist.new_group(&name, members)?))
         };
         let tp = group(&[Dim::Tp], "tp")?;
+        let pp = group(&[Dim::Pp], "pp")?;
         let dp_shard = group(&[Dim::DpShard], "dp_shard")?;
         let dp_replicate = group(&[Dim::DpReplicate], "dp_replicate")?;
         let dp = group(&[Dim::DpReplicate, Dim::DpShard], "dp")?;
-        let scalar_device = [&tp, &dp]
+        let scalar_device = [&tp, &dp, &pp]
             .iter()
             .map(|g| g.scalar_device(dist.device_index))
             .find(|d| d.is_cuda())
@@ -266,12 +325,31 @@ impl DeviceMesh {
         Ok(DeviceMesh {
             mesh,
             tp,
+            pp,
             dp_shard,
             dp_replicate,
             dp,
             scalar_device,
             dist: Some(dist),
         })
+    }
+
+    /// A process group of `members` (global ranks, ascending) named `tag`: every member calls
+    /// this, in the same order as the other groups it shares with them.
+    pub fn new_group(&self, tag: &str, members: Vec<usize>) -> Result<Group, CommError> {
+        let dist = match &self.dist {
+            Some(dist) if members.len() > 1 => dist,
+            _ => return Ok(Group::solo()),
+        };
+        let name = format!(
+            "{tag}/{}",
+            members
+                .iter()
+                .map(|m| m.to_string())
+                .collect::<Vec<_>>()
+                .join("-")
+        );
+        Ok(Group::new(dist.new_group(&name, members)?))
     }
 
     pub fn dist(&self) -> Option<&Dist> {
@@ -304,7 +382,7 @@ impl DeviceMesh {
     /// model is initialised from the same stream everywhere and each rank keeps its part).
     pub fn agree_seed(&self, seed: u64) -> Result<u64, CommError> {
         let t = Tensor::from_slice(&[seed as i64]).to_device(self.scalar_device);
-        for g in [&self.dp, &self.tp] {
+        for g in [&self.dp, &self.tp, &self.pp] {
             if g.size() > 1 {
                 g.broadcast(&t, 0)?;
             }

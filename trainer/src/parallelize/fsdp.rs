@@ -7,7 +7,9 @@
 //! parameters' memory is freed after the unit's forward ([`FsdpUnit::after_forward`]) and
 //! gathered again, into the same tensors autograd saved, when the backward pass reaches the unit.
 //!
-//! Overlap: [`FsdpUnit::prefetch`] starts a unit's all-gather in the background (in issue order
+//! Overlap: the gradient reduction of a unit runs in the background while backward goes on
+//! through the units before it; [`FsdpUnit::finish_gradients`] waits for it at the end of the
+//! step's backward passes. [`FsdpUnit::prefetch`] starts a unit's all-gather in the background (in issue order
 //! with the group's other collectives, see [`crate::dist::Group`]): the model prefetches the next
 //! unit while the current one computes in forward, and the backward pass prefetches the previous
 //! unit's re-gather while the current unit's backward runs. A prefetch is only ever consumed in
@@ -22,7 +24,7 @@ use tch::{Kind, Tensor};
 
 use super::Placement;
 use crate::autograd::{self, Function};
-use crate::dist::{Group, Pending, ReduceOp};
+use crate::dist::{Group, Pending};
 
 /// The groups and dtypes FSDP works with.
 #[derive(Clone)]
@@ -62,6 +64,16 @@ struct UnitTensors {
     gathered: Vec<Tensor>,
     /// An all-gather of the shards running in the background.
     prefetched: Option<Prefetch>,
+    /// Gradient reductions running in the background, one per backward through the unit.
+    reducing: Vec<Reduction>,
+}
+
+struct Reduction {
+    pending: Pending,
+    /// This rank's reduced shards, packed as the gather packs them.
+    recv: Tensor,
+    /// Read by the background collective until it completes.
+    _send: Tensor,
 }
 
 struct Prefetch {
@@ -168,52 +180,58 @@ impl UnitState {
         });
     }
 
-    /// The shards' gradients from the unsharded ones: cast to the reduce dtype, summed over the
-    /// shard group (each rank keeps its rows) and then over the replicas.
-    fn reduce_grads(&self, grads: &[Tensor], shard_kinds: &[Kind]) -> Vec<Tensor> {
+    /// Starts reducing the unsharded gradients in the background: cast to the reduce dtype,
+    /// summed over the shard group (each rank keeps its rows), then over the replicas. The
+    /// shards get them in [`FsdpUnit::finish_gradients`].
+    fn start_reduction(&self, grads: &[Tensor]) {
         let kind = self.mesh.reduce_kind;
-        let shard = &self.mesh.shard;
-        let out: Vec<Tensor> = if shard.size() == 1 {
-            grads.iter().map(|g| g.to_kind(kind).contiguous()).collect()
-        } else {
-            let size = shard.size() as i64;
-            let device = grads[0].device();
-            let send = Tensor::zeros([size, self.per_rank], (kind, device));
-            for (slot, g) in self.slots.iter().zip(grads) {
-                let n = slot.rows_per_shard * slot.row_elems;
-                let padded = Tensor::zeros([size * n], (kind, device));
-                padded
-                    .narrow(0, 0, g.numel() as i64)
-                    .copy_(&g.reshape([-1]));
-                send.narrow(1, slot.offset, n)
-                    .copy_(&padded.view([size, n]));
-            }
-            let recv = Tensor::empty([self.per_rank], (kind, device));
-            panic_on(shard.reduce_scatter(&recv, &send.view([-1])));
-            self.slots
-                .iter()
-                .map(|slot| {
+        let size = self.mesh.shard.size() as i64;
+        let device = grads[0].device();
+        let send = Tensor::zeros([size, self.per_rank], (kind, device));
+        for (slot, g) in self.slots.iter().zip(grads) {
+            let n = slot.rows_per_shard * slot.row_elems;
+            let padded = Tensor::zeros([size * n], (kind, device));
+            padded
+                .narrow(0, 0, g.numel() as i64)
+                .copy_(&g.reshape([-1]));
+            send.narrow(1, slot.offset, n)
+                .copy_(&padded.view([size, n]));
+        }
+        let recv = Tensor::empty([self.per_rank], (kind, device));
+        let replicas = (self.mesh.replicate.size() > 1).then_some(&self.mesh.replicate);
+        let pending = self
+            .mesh
+            .shard
+            .reduce_scatter_async(&recv, &send.view([-1]), replicas);
+        self.tensors().reducing.push(Reduction {
+            pending,
+            recv,
+            _send: send,
+        });
+    }
+
+    /// Waits for the background reductions and adds their results to the shards' gradients.
+    fn finish_reductions(&self) {
+        let (reducing, shards) = {
+            let mut t = self.tensors();
+            let shards: Vec<Tensor> = t.shards.iter().map(|s| s.shallow_clone()).collect();
+            (std::mem::take(&mut t.reducing), shards)
+        };
+        for r in reducing {
+            panic_on(r.pending.wait());
+            tch::no_grad(|| {
+                for (slot, shard) in self.slots.iter().zip(&shards) {
                     let mut shape = slot.full.clone();
                     shape[0] = slot.local_rows;
-                    recv.narrow(0, slot.offset, slot.local_rows * slot.row_elems)
+                    let g = r
+                        .recv
+                        .narrow(0, slot.offset, slot.local_rows * slot.row_elems)
                         .view(shape.as_slice())
-                })
-                .collect()
-        };
-        if self.mesh.replicate.size() > 1 {
-            let flat = Tensor::cat(&out.iter().map(|g| g.reshape([-1])).collect::<Vec<_>>(), 0);
-            panic_on(self.mesh.replicate.all_reduce(&flat, ReduceOp::Sum));
-            let mut at = 0;
-            for g in &out {
-                let n = g.numel() as i64;
-                g.shallow_clone().copy_(&flat.narrow(0, at, n).view_as(g));
-                at += n;
-            }
+                        .to_kind(shard.kind());
+                    crate::optim::accumulate_grad(shard, &g);
+                }
+            });
         }
-        out.into_iter()
-            .zip(shard_kinds)
-            .map(|(g, &k)| g.to_kind(k))
-            .collect()
     }
 }
 
@@ -227,13 +245,16 @@ impl Function for AllGather {
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
-        let kinds: Vec<Kind> = {
+        // The unit's backward is done: its gathered parameters may go.
+        let n = {
             let mut t = self.0.tensors();
-            // The unit's backward is done: its gathered parameters may go.
             t.gathered.clear();
-            t.shards.iter().map(|s| s.kind()).collect()
+            t.shards.len()
         };
-        self.0.reduce_grads(grads, &kinds)
+        // The reduction runs while backward goes on; the shards' gradients arrive in
+        // `finish_gradients`, so autograd gets none here.
+        self.0.start_reduction(grads);
+        (0..n).map(|_| Tensor::new()).collect()
     }
 }
 
@@ -308,6 +329,7 @@ impl FsdpUnit {
                     shards,
                     gathered: Vec::new(),
                     prefetched: None,
+                    reducing: Vec::new(),
                 }),
             }),
             reshard_after_forward: reshard_after_forward && communicates,
@@ -362,6 +384,12 @@ impl FsdpUnit {
     /// [`FsdpUnit::gather`] in the same pass.
     pub fn prefetch(&self) {
         self.state.prefetch();
+    }
+
+    /// Waits for the gradient reductions the backward passes started and adds them to the
+    /// shards' gradients. Call after the last backward of a step, before reading gradients.
+    pub fn finish_gradients(&self) {
+        self.state.finish_reductions();
     }
 
     /// Waits for and drops a prefetch no gather took (the shards may have changed since).

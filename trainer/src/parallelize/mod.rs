@@ -13,6 +13,7 @@
 //!   block of the global tensor at `offsets`.
 
 pub mod fsdp;
+pub mod pipeline;
 pub mod tp;
 
 use anyhow::{Result, bail};
@@ -73,6 +74,9 @@ pub struct ParallelPlan {
     pub tp: tp::TensorParallel,
     pub fsdp: fsdp::FsdpMesh,
     pub reshard_after_forward: ReshardAfterForward,
+    /// Pipeline parallelism is on (FSDP's default then keeps gathered parameters between a
+    /// stage's microbatches, as torchtitan).
+    pub pipelined: bool,
     tp_rank: usize,
     shard_rank: usize,
     replicate_rank: usize,
@@ -91,6 +95,7 @@ impl ParallelPlan {
                 reduce_kind,
             },
             reshard_after_forward: cfg.fsdp_reshard_after_forward,
+            pipelined: cfg.pipeline_parallel_degree > 1,
             tp_rank: mesh.mesh.coord(Dim::Tp),
             shard_rank: mesh.mesh.coord(Dim::DpShard),
             replicate_rank: mesh.mesh.coord(Dim::DpReplicate),
@@ -150,12 +155,13 @@ impl ParallelPlan {
 
     /// FSDP2's `reshard_after_forward` for a unit: the policy, except that by default (and with
     /// `never`) the final norm and output are kept (torchtitan: FSDP would prefetch them at
-    /// once for backward).
+    /// once for backward), and by default nothing is resharded under pipeline parallelism
+    /// (torchtitan: it would all-gather again for every microbatch).
     pub fn reshards(&self, last_unit: bool) -> bool {
         match self.reshard_after_forward {
             ReshardAfterForward::Always => true,
             ReshardAfterForward::Never => false,
-            ReshardAfterForward::Default => !last_unit,
+            ReshardAfterForward::Default => !last_unit && !self.pipelined,
         }
     }
 }

@@ -1,0 +1,889 @@
+//! Pipeline parallelism as torchtitan's `pipeline_llm` applies it: the model is cut into stages
+//! ([`split_stages`], torchtitan's `_generate_llm_fqn_per_model_part` or the user's
+//! `module_fqns_per_model_part`), stage `s` lives on pp rank `s % pp` (looped placement: one
+//! stage per rank for single-stage schedules, several for interleaved ones), and a [`Schedule`]
+//! orders each rank's forward and backward passes over the step's microbatches
+//! ([`rank_actions`]). [`Pipeline::run`] executes that order: activations go to the next stage
+//! and gradients to the previous one point to point, each direction of each stage boundary on a
+//! process group of its own, sends in the background (in issue order) and receives into buffers
+//! whose shapes are known ahead (no metadata round trip).
+//!
+//! The numerics are the one-process ones: every microbatch's loss is its summed cross entropy
+//! over the step's global valid-token count, and each stage's gradients accumulate over the
+//! microbatches in microbatch order (every schedule runs a stage's backward passes in that
+//! order), as torchtitan's schedules with `scale_grads=False`.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use anyhow::{Context, Result, bail};
+use tch::{Kind, Tensor};
+
+use crate::dist::{CommError, DeviceMesh, Group, Pending};
+use crate::parallel::Dim;
+
+/// torchtitan's `parallelism.pipeline_parallel_schedule` names titan-train runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    /// Every microbatch forward, then every backward.
+    GPipe,
+    /// `p - s` forwards to fill the pipeline, then one backward and one forward in turn.
+    OneFOneB,
+    /// Several stages per rank (looped), 1F1B over rounds of `pp` microbatches (Megatron's
+    /// interleaved schedule, as torch's `ScheduleInterleaved1F1B` orders it).
+    Interleaved1F1B,
+}
+
+impl Schedule {
+    pub const NAMES: [&'static str; 3] = ["GPipe", "1F1B", "Interleaved1F1B"];
+
+    pub fn parse(name: &str) -> Result<Self, String> {
+        // torch's get_schedule_class matches case-insensitively.
+        match name.to_ascii_lowercase().as_str() {
+            "gpipe" => Ok(Schedule::GPipe),
+            "1f1b" => Ok(Schedule::OneFOneB),
+            "interleaved1f1b" => Ok(Schedule::Interleaved1F1B),
+            "loopedbfs" | "interleavedzerobubble" | "zbvzerobubble" | "dualpipev" => Err(format!(
+                "schedule `{name}` is not implemented in titan-train; use one of {}",
+                Self::NAMES.join(", ")
+            )),
+            _ => Err(format!(
+                "unknown pipeline schedule `{name}`; titan-train runs {}",
+                Self::NAMES.join(", ")
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::GPipe => "GPipe",
+            Schedule::OneFOneB => "1F1B",
+            Schedule::Interleaved1F1B => "Interleaved1F1B",
+        }
+    }
+
+    /// Single-stage schedules hold one stage per rank; looped ones several.
+    pub fn single_stage(self) -> bool {
+        !matches!(self, Schedule::Interleaved1F1B)
+    }
+
+    /// The bubble fraction of this schedule with equal stage times: (p-1)/(m+p-1) for one
+    /// stage per rank, (p-1)/(v*m+p-1) with `v` stages per rank.
+    pub fn ideal_bubble(self, pp: usize, microbatches: usize, stages_per_rank: usize) -> f64 {
+        let (p, m, v) = (pp as f64, microbatches as f64, stages_per_rank as f64);
+        (p - 1.0) / (v * m + p - 1.0)
+    }
+}
+
+/// One contiguous piece of the model: a pipeline stage (torchtitan's model part).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageModules {
+    /// `tok_embeddings`.
+    pub embeddings: bool,
+    /// Transformer blocks by global index.
+    pub layers: Range<usize>,
+    /// `norm` and `lm_head` (and the loss).
+    pub head: bool,
+}
+
+impl StageModules {
+    /// The whole model as one stage.
+    pub fn whole(n_layers: usize) -> Self {
+        StageModules {
+            embeddings: true,
+            layers: 0..n_layers,
+            head: true,
+        }
+    }
+}
+
+/// The pipeline settings torchtitan's `[parallelism]` holds.
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    pub degree: usize,
+    pub schedule: Schedule,
+    pub microbatch_size: i64,
+    pub layers_per_stage: Option<usize>,
+    pub first_stage_less_layers: usize,
+    pub last_stage_less_layers: usize,
+    pub module_fqns_per_model_part: Option<Vec<Vec<String>>>,
+}
+
+/// How many stages the model is cut into: torchtitan's `_get_pipeline_metadata`.
+pub fn num_stages(cfg: &PipelineConfig, n_layers: usize) -> Result<usize> {
+    if let Some(parts) = &cfg.module_fqns_per_model_part {
+        return Ok(parts.len());
+    }
+    let pp = cfg.degree;
+    let Some(per_stage) = cfg.layers_per_stage else {
+        return Ok(if cfg.schedule.single_stage() {
+            pp
+        } else {
+            2 * pp
+        });
+    };
+    if per_stage == 0 {
+        bail!("parallelism.pipeline_parallel_layers_per_stage must be at least 1");
+    }
+    let total = n_layers + cfg.first_stage_less_layers + cfg.last_stage_less_layers;
+    let stages = total.div_ceil(per_stage);
+    let info = format!(
+        "Model has {n_layers} layers with pipeline_parallel_layers_per_stage={per_stage}, \
+         resulting in num_virtual_stages={stages} across {pp} PP ranks"
+    );
+    if stages % pp != 0 {
+        bail!(
+            "Number of virtual stages ({stages}) must be divisible by pipeline parallel size \
+             ({pp}). {info}."
+        );
+    }
+    let per_rank = stages / pp;
+    if cfg.schedule.single_stage() && per_rank != 1 {
+        bail!(
+            "Single stage schedule requires exactly 1 stage per rank, but got {per_rank} stages \
+             per rank. {info}."
+        );
+    }
+    if !cfg.schedule.single_stage() && per_rank < 2 {
+        bail!(
+            "Multi-stage schedule requires at least 2 stages per rank, but got {per_rank} stages \
+             per rank. {info}."
+        );
+    }
+    Ok(stages)
+}
+
+/// The model's stages: `module_fqns_per_model_part` when given, else torchtitan's weighted even
+/// split (`tok_embeddings` counts as `first_stage_less_layers` blocks, `norm` + `lm_head` as
+/// `last_stage_less_layers`).
+pub fn split_stages(cfg: &PipelineConfig, n_layers: usize) -> Result<Vec<StageModules>> {
+    let stages = num_stages(cfg, n_layers)?;
+    match &cfg.module_fqns_per_model_part {
+        Some(parts) => parse_model_parts(parts, n_layers),
+        None => generate_split(
+            stages,
+            n_layers,
+            cfg.first_stage_less_layers,
+            cfg.last_stage_less_layers,
+        ),
+    }
+}
+
+fn generate_split(
+    stages: usize,
+    n_layers: usize,
+    input_weight: usize,
+    output_weight: usize,
+) -> Result<Vec<StageModules>> {
+    if stages == 0 {
+        bail!("Number of stages must be at least 1");
+    }
+    if stages == 1 {
+        return Ok(vec![StageModules::whole(n_layers)]);
+    }
+    let effective = n_layers + input_weight + output_weight;
+    if stages > effective {
+        bail!("Number of stages ({stages}) cannot be greater than effective layers ({effective})");
+    }
+    let per_stage = effective / stages;
+    let extra = effective % stages;
+    if input_weight > per_stage {
+        bail!(
+            "parallelism.pipeline_parallel_first_stage_less_layers ({input_weight}) exceeds the \
+             minimum layers per stage ({per_stage})"
+        );
+    }
+    if output_weight > per_stage {
+        bail!(
+            "parallelism.pipeline_parallel_last_stage_less_layers ({output_weight}) exceeds the \
+             minimum layers per stage ({per_stage})"
+        );
+    }
+    let mut next = 0;
+    let mut out = Vec::with_capacity(stages);
+    for s in 0..stages {
+        let mut count = per_stage + usize::from(s < extra);
+        let (first, last) = (s == 0, s == stages - 1);
+        if first {
+            count -= input_weight;
+        } else if last {
+            count -= output_weight;
+        }
+        let end = (next + count).min(n_layers);
+        out.push(StageModules {
+            embeddings: first,
+            layers: next..end,
+            head: last,
+        });
+        next = end;
+    }
+    if next != n_layers {
+        bail!("the stage split leaves layers {next}..{n_layers} in no stage");
+    }
+    Ok(out)
+}
+
+/// `module_fqns_per_model_part`: each part a list of `tok_embeddings`, `layers.N`, `norm`,
+/// `lm_head` (or `output`), in model order, together covering the model once.
+fn parse_model_parts(parts: &[Vec<String>], n_layers: usize) -> Result<Vec<StageModules>> {
+    let key = "parallelism.module_fqns_per_model_part";
+    let mut out = Vec::with_capacity(parts.len());
+    let mut next_layer = 0usize;
+    for (i, names) in parts.iter().enumerate() {
+        let mut stage = StageModules {
+            embeddings: false,
+            layers: next_layer..next_layer,
+            head: false,
+        };
+        let (mut norm, mut lm_head) = (false, false);
+        for name in names {
+            if stage.head {
+                bail!("{key}: part {i}: `{name}` comes after the output layer");
+            }
+            match name.as_str() {
+                "tok_embeddings" if i == 0 && stage.layers.is_empty() && !stage.embeddings => {
+                    stage.embeddings = true
+                }
+                "tok_embeddings" => {
+                    bail!("{key}: `tok_embeddings` must open the first part (found in part {i})")
+                }
+                "norm" if next_layer == n_layers => norm = true,
+                "lm_head" | "output" if norm => lm_head = true,
+                "norm" | "lm_head" | "output" => bail!(
+                    "{key}: part {i}: `norm` and `lm_head` go together, after every layer, in \
+                     the last part"
+                ),
+                other => {
+                    let layer = other
+                        .strip_prefix("layers.")
+                        .and_then(|n| n.parse::<usize>().ok())
+                        .with_context(|| {
+                            format!(
+                                "{key}: part {i}: unknown module `{other}` (expected \
+                                 tok_embeddings, layers.N, norm, lm_head)"
+                            )
+                        })?;
+                    if layer != next_layer || norm {
+                        bail!(
+                            "{key}: part {i}: `{other}` is out of order (expected layers.{next_layer})"
+                        );
+                    }
+                    next_layer += 1;
+                    stage.layers.end = next_layer;
+                }
+            }
+            stage.head = norm && lm_head;
+        }
+        if norm && !lm_head {
+            bail!("{key}: part {i}: `norm` without `lm_head`");
+        }
+        if !stage.embeddings && stage.layers.is_empty() && !stage.head {
+            bail!("{key}: part {i} is empty");
+        }
+        out.push(stage);
+    }
+    if out.first().is_none_or(|s| !s.embeddings) || out.last().is_none_or(|s| !s.head) {
+        bail!("{key}: the first part must hold tok_embeddings and the last norm and lm_head");
+    }
+    if next_layer != n_layers {
+        bail!("{key}: layers {next_layer}..{n_layers} are in no part");
+    }
+    Ok(out)
+}
+
+/// A pass of one microbatch through one stage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pass {
+    Forward,
+    Backward,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Action {
+    pub pass: Pass,
+    pub stage: usize,
+    pub microbatch: usize,
+}
+
+/// The pp rank that holds `stage` (looped placement).
+pub fn rank_of_stage(stage: usize, pp: usize) -> usize {
+    stage % pp
+}
+
+/// The order in which pp rank `rank` runs its passes for `microbatches` microbatches over
+/// `stages` stages, as torch's schedule of that name orders them.
+pub fn rank_actions(
+    schedule: Schedule,
+    pp: usize,
+    rank: usize,
+    stages: usize,
+    microbatches: usize,
+) -> Vec<Action> {
+    let m = microbatches;
+    let act = |pass, stage, microbatch| Action {
+        pass,
+        stage,
+        microbatch,
+    };
+    match schedule {
+        Schedule::GPipe => {
+            let s = rank;
+            (0..m)
+                .map(|mb| act(Pass::Forward, s, mb))
+                .chain((0..m).map(|mb| act(Pass::Backward, s, mb)))
+                .collect()
+        }
+        Schedule::OneFOneB => {
+            let s = rank;
+            let warmup = m.min(stages - s);
+            let mut out: Vec<Action> = (0..warmup).map(|mb| act(Pass::Forward, s, mb)).collect();
+            let (mut fwd, mut bwd) = (warmup, 0);
+            while bwd < m {
+                out.push(act(Pass::Backward, s, bwd));
+                bwd += 1;
+                if fwd < m {
+                    out.push(act(Pass::Forward, s, fwd));
+                    fwd += 1;
+                }
+            }
+            out
+        }
+        Schedule::Interleaved1F1B => {
+            let local = stages / pp;
+            let rounds = (m / pp).max(1);
+            let per_round = m / rounds;
+            let warmup = ((local - 1) * per_round + 2 * (pp - 1 - rank)).min(m * local);
+            let total = m * local;
+            let fwd_stage = |op: usize| ((op / per_round) % local) * pp + rank;
+            let bwd_stage =
+                |op: usize| (local - 1 - ((op - warmup) / per_round) % local) * pp + rank;
+            let mut next_mb: HashMap<(Pass, usize), usize> = HashMap::new();
+            let mut take = |pass: Pass, stage: usize| {
+                let mb = next_mb.entry((pass, stage)).or_insert(0);
+                *mb += 1;
+                act(pass, stage, *mb - 1)
+            };
+            let mut out = Vec::with_capacity(2 * total);
+            // Warmup forwards, then a forward and a backward per op, then the backwards left.
+            for op in 0..total {
+                out.push(take(Pass::Forward, fwd_stage(op)));
+                if op >= warmup {
+                    out.push(take(Pass::Backward, bwd_stage(op)));
+                }
+            }
+            for op in total..total + warmup {
+                out.push(take(Pass::Backward, bwd_stage(op)));
+            }
+            out
+        }
+    }
+}
+
+/// Checks that a schedule's per-rank orders can run: whether every rank can finish when each
+/// receive blocks until the sending pass ran and sends never block. Returns the makespan and
+/// each rank's busy time with forward cost 1 and backward cost 2 (the classic bubble model).
+pub fn simulate(
+    schedule: Schedule,
+    pp: usize,
+    stages: usize,
+    microbatches: usize,
+) -> Result<(u64, Vec<u64>), String> {
+    let orders: Vec<Vec<Action>> = (0..pp)
+        .map(|r| rank_actions(schedule, pp, r, stages, microbatches))
+        .collect();
+    let mut done: HashMap<Action, u64> = HashMap::new();
+    let mut next = vec![0usize; pp];
+    let mut clock = vec![0u64; pp];
+    let mut busy = vec![0u64; pp];
+    loop {
+        let mut progressed = false;
+        for r in 0..pp {
+            while let Some(&a) = orders[r].get(next[r]) {
+                let dep_f = (a.stage > 0).then(|| Action {
+                    pass: Pass::Forward,
+                    stage: a.stage - 1,
+                    microbatch: a.microbatch,
+                });
+                let deps: Vec<Action> = match a.pass {
+                    Pass::Forward => dep_f.into_iter().collect(),
+                    Pass::Backward => {
+                        let own = Action {
+                            pass: Pass::Forward,
+                            ..a
+                        };
+                        let later = (a.stage + 1 < stages).then_some(Action {
+                            pass: Pass::Backward,
+                            stage: a.stage + 1,
+                            microbatch: a.microbatch,
+                        });
+                        std::iter::once(own).chain(later).collect()
+                    }
+                };
+                let Some(ready) = deps
+                    .iter()
+                    .map(|d| done.get(d).copied())
+                    .try_fold(0u64, |t, d| d.map(|d| t.max(d)))
+                else {
+                    break;
+                };
+                let cost = match a.pass {
+                    Pass::Forward => 1,
+                    Pass::Backward => 2,
+                };
+                let start = clock[r].max(ready);
+                clock[r] = start + cost;
+                busy[r] += cost;
+                done.insert(a, clock[r]);
+                next[r] += 1;
+                progressed = true;
+            }
+        }
+        if next.iter().zip(&orders).all(|(n, o)| *n == o.len()) {
+            return Ok((clock.into_iter().max().unwrap_or(0), busy));
+        }
+        if !progressed {
+            let stuck: Vec<String> = (0..pp)
+                .filter_map(|r| orders[r].get(next[r]).map(|a| format!("rank {r} at {a:?}")))
+                .collect();
+            return Err(format!("the schedule deadlocks: {}", stuck.join(", ")));
+        }
+    }
+}
+
+/// One direction of one stage boundary: the ranks at both ends and the group between them.
+struct Link {
+    group: Group,
+    /// Group rank of the sending end.
+    root: usize,
+}
+
+/// The pipeline of this rank: its stages, its passes in order, and its links.
+pub struct Pipeline {
+    pub schedule: Schedule,
+    pub stages: Vec<StageModules>,
+    /// The stages this rank holds (ascending).
+    pub local_stages: Vec<usize>,
+    pub microbatches: usize,
+    actions: Vec<Action>,
+    /// Activations from stage `s` to `s + 1`, keyed by `s`.
+    forward_links: HashMap<usize, Link>,
+    /// Gradients from stage `s + 1` back to `s`, keyed by `s`.
+    backward_links: HashMap<usize, Link>,
+}
+
+/// What [`Pipeline::run`] needs of the model: forward through one stage and the loss.
+pub trait StagedModel {
+    /// Runs stage `stage` on `input` (token ids on the first stage, else the hidden states the
+    /// previous stage sent) and returns the hidden states or, on the last stage, the logits.
+    fn forward_stage(&self, stage: usize, input: &Tensor, positions: &Tensor) -> Tensor;
+    fn summed_cross_entropy(&self, logits: &Tensor, labels: &Tensor) -> Tensor;
+    /// Shape and dtype of the hidden states between stages for a microbatch of `batch` rows
+    /// of `seq_len` tokens.
+    fn hidden_shape(&self, batch: i64, seq_len: i64) -> (Vec<i64>, Kind);
+}
+
+impl StagedModel for crate::model::Llama {
+    fn forward_stage(&self, stage: usize, input: &Tensor, positions: &Tensor) -> Tensor {
+        crate::model::Llama::forward_stage(self, stage, input, Some(positions))
+    }
+
+    fn summed_cross_entropy(&self, logits: &Tensor, labels: &Tensor) -> Tensor {
+        crate::model::Llama::summed_cross_entropy(self, logits, labels)
+    }
+
+    fn hidden_shape(&self, batch: i64, seq_len: i64) -> (Vec<i64>, Kind) {
+        crate::model::Llama::hidden_shape(self, batch, seq_len)
+    }
+}
+
+/// One microbatch's data, as every stage of the pipeline reads it.
+pub struct Microbatch<'a> {
+    pub inputs: &'a Tensor,
+    pub labels: &'a Tensor,
+    pub positions: &'a Tensor,
+}
+
+/// A forward whose backward has not run yet.
+struct InFlight {
+    /// The received hidden states (an autograd leaf), or None on the first stage.
+    input: Option<Tensor>,
+    /// Hidden states sent on, or the loss on the last stage.
+    output: Tensor,
+}
+
+impl Pipeline {
+    /// The pipeline for this rank of `mesh`: connects the point-to-point groups of the stage
+    /// boundaries it sits on (every rank of a pp group calls this with the same arguments).
+    pub fn new(
+        mesh: &DeviceMesh,
+        cfg: &PipelineConfig,
+        stages: Vec<StageModules>,
+        microbatches: usize,
+    ) -> Result<Self> {
+        let pp = cfg.degree;
+        let pp_members = mesh.mesh.group_members(&[Dim::Pp]);
+        let my_pp = mesh.mesh.coord(Dim::Pp);
+        if stages.len() % pp != 0 {
+            bail!(
+                "parallelism.module_fqns_per_model_part: {} parts cannot be spread evenly over \
+                 parallelism.pipeline_parallel_degree = {pp}",
+                stages.len()
+            );
+        }
+        let per_rank = stages.len() / pp;
+        if cfg.schedule.single_stage() && per_rank != 1 {
+            bail!(
+                "schedule {} runs one stage per rank, but the model has {} stages for {pp} pp \
+                 ranks",
+                cfg.schedule.name(),
+                stages.len()
+            );
+        }
+        if !cfg.schedule.single_stage() && per_rank < 2 {
+            bail!(
+                "schedule {} needs at least 2 stages per rank; the model has {} stages for {pp} \
+                 pp ranks",
+                cfg.schedule.name(),
+                stages.len()
+            );
+        }
+        if cfg.schedule == Schedule::Interleaved1F1B
+            && microbatches % (microbatches / pp).max(1) != 0
+        {
+            bail!(
+                "Interleaved1F1B needs the number of microbatches ({microbatches}) to be a \
+                 multiple of parallelism.pipeline_parallel_degree ({pp}) when it is larger"
+            );
+        }
+        let local_stages: Vec<usize> = (0..stages.len())
+            .filter(|&s| rank_of_stage(s, pp) == my_pp)
+            .collect();
+        let mut forward_links = HashMap::new();
+        let mut backward_links = HashMap::new();
+        // Every rank walks the boundaries in the same order, so the groups two ranks share are
+        // created in the same order on both.
+        for s in 0..stages.len() - 1 {
+            let (from, to) = (rank_of_stage(s, pp), rank_of_stage(s + 1, pp));
+            if from != my_pp && to != my_pp {
+                continue;
+            }
+            let (a, b) = (pp_members[from], pp_members[to]);
+            let members = if a < b { vec![a, b] } else { vec![b, a] };
+            let pos = |r: usize| members.iter().position(|&m| m == r).unwrap_or(0);
+            let group = mesh
+                .new_group(&format!("pp_fwd{s}"), members.clone())
+                .with_context(|| format!("connecting pipeline stages {s} -> {}", s + 1))?;
+            forward_links.insert(
+                s,
+                Link {
+                    group,
+                    root: pos(a),
+                },
+            );
+            let group = mesh
+                .new_group(&format!("pp_bwd{s}"), members.clone())
+                .with_context(|| format!("connecting pipeline stages {} -> {s}", s + 1))?;
+            backward_links.insert(
+                s,
+                Link {
+                    group,
+                    root: pos(b),
+                },
+            );
+        }
+        let actions = rank_actions(cfg.schedule, pp, my_pp, stages.len(), microbatches);
+        Ok(Pipeline {
+            schedule: cfg.schedule,
+            stages,
+            local_stages,
+            microbatches,
+            actions,
+            forward_links,
+            backward_links,
+        })
+    }
+
+    /// Whether this rank holds the last stage (it computes the loss).
+    pub fn has_last_stage(&self) -> bool {
+        self.local_stages.contains(&(self.stages.len() - 1))
+    }
+
+    /// Runs one step's forward and backward passes over `microbatches` in the schedule's order
+    /// and returns the sum of this rank's microbatch losses (each `summed CE / global_tokens`;
+    /// 0 where this rank holds no last stage). Gradients accumulate into the parameters
+    /// (FSDP's reductions are collected by the caller).
+    pub fn run(
+        &self,
+        model: &dyn StagedModel,
+        microbatches: &[Microbatch<'_>],
+        global_tokens: i64,
+    ) -> Result<f64> {
+        if microbatches.len() != self.microbatches {
+            bail!(
+                "the pipeline runs {} microbatches per step, got {}",
+                self.microbatches,
+                microbatches.len()
+            );
+        }
+        let last = self.stages.len() - 1;
+        let mut in_flight: HashMap<(usize, usize), InFlight> = HashMap::new();
+        // Sends run in the background; their tensors stay alive until they are done.
+        let mut sends: Vec<(Pending, Tensor)> = Vec::new();
+        let mut loss_sum = 0.0f64;
+        for a in &self.actions {
+            let mb = &microbatches[a.microbatch];
+            let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
+            match a.pass {
+                Pass::Forward => {
+                    let _span = titan_obs::span(titan_obs::vocab::titan::FORWARD);
+                    let input = if a.stage == 0 {
+                        None
+                    } else {
+                        let (shape, kind) = model.hidden_shape(rows, seq_len);
+                        let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
+                        self.receive(&self.forward_links, a.stage - 1, &buf)
+                            .with_context(|| {
+                                format!(
+                                    "receiving microbatch {}'s activations for stage {}",
+                                    a.microbatch, a.stage
+                                )
+                            })?;
+                        Some(buf.set_requires_grad(true))
+                    };
+                    let output = catch(|| {
+                        let x = input.as_ref().unwrap_or(mb.inputs);
+                        let out = model.forward_stage(a.stage, x, mb.positions);
+                        if a.stage == last {
+                            model.summed_cross_entropy(&out, mb.labels)
+                                / global_tokens.max(1) as f64
+                        } else {
+                            out
+                        }
+                    })
+                    .with_context(|| format!("stage {} forward", a.stage))?;
+                    if a.stage == last {
+                        loss_sum += output.double_value(&[]);
+                    } else {
+                        let sent = output.detach();
+                        sends.push((self.send(&self.forward_links, a.stage, &sent), sent));
+                    }
+                    in_flight.insert((a.stage, a.microbatch), InFlight { input, output });
+                }
+                Pass::Backward => {
+                    let _span = titan_obs::span(titan_obs::vocab::titan::BACKWARD);
+                    let f = in_flight
+                        .remove(&(a.stage, a.microbatch))
+                        .context("the schedule runs a backward before its forward")?;
+                    let root = if a.stage == last {
+                        f.output
+                    } else {
+                        let grad = f.output.zeros_like();
+                        self.receive(&self.backward_links, a.stage, &grad)
+                            .with_context(|| {
+                                format!(
+                                    "receiving microbatch {}'s gradients for stage {}",
+                                    a.microbatch, a.stage
+                                )
+                            })?;
+                        // d/d(out) of sum(out * grad) is exactly `grad`: backward from the
+                        // stage's output with the next stage's input gradient.
+                        (&f.output * &grad).sum(f.output.kind())
+                    };
+                    root.f_backward()
+                        .map_err(|e| anyhow::anyhow!("stage {} backward: {e}", a.stage))?;
+                    if let Some(input) = f.input {
+                        let grad = input.grad();
+                        sends.push((self.send(&self.backward_links, a.stage - 1, &grad), grad));
+                    }
+                }
+            }
+        }
+        for (pending, _) in sends {
+            pending
+                .wait()
+                .context("sending to the next pipeline stage")?;
+        }
+        Ok(loss_sum)
+    }
+
+    fn send(&self, links: &HashMap<usize, Link>, boundary: usize, t: &Tensor) -> Pending {
+        let link = &links[&boundary];
+        link.group.broadcast_async(t, link.root)
+    }
+
+    fn receive(
+        &self,
+        links: &HashMap<usize, Link>,
+        boundary: usize,
+        t: &Tensor,
+    ) -> Result<(), CommError> {
+        let link = &links[&boundary];
+        link.group.broadcast(t, link.root)
+    }
+}
+
+fn catch(f: impl FnOnce() -> Tensor) -> Result<Tensor> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .map_err(|panic| anyhow::anyhow!("{}", crate::autograd::panic_text(panic)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(pp: usize, schedule: Schedule) -> PipelineConfig {
+        PipelineConfig {
+            degree: pp,
+            schedule,
+            microbatch_size: 1,
+            layers_per_stage: None,
+            first_stage_less_layers: 1,
+            last_stage_less_layers: 1,
+            module_fqns_per_model_part: None,
+        }
+    }
+
+    fn layers(stages: &[StageModules]) -> Vec<Range<usize>> {
+        stages.iter().map(|s| s.layers.clone()).collect()
+    }
+
+    #[test]
+    fn split_follows_torchtitans_weighted_even_split() {
+        // torchtitan 0.3.0 `_generate_llm_fqn_per_model_part(2, 6)`: [emb, 0, 1, 2], [3, 4, 5, norm, lm_head].
+        let s = split_stages(&cfg(2, Schedule::OneFOneB), 6).unwrap();
+        assert_eq!(layers(&s), vec![0..3, 3..6]);
+        assert!(s[0].embeddings && !s[0].head && s[1].head && !s[1].embeddings);
+        // 4 stages over 6 layers + 2 weights = 8 effective: 2 each.
+        let s = split_stages(&cfg(4, Schedule::OneFOneB), 6).unwrap();
+        assert_eq!(layers(&s), vec![0..1, 1..3, 3..5, 5..6]);
+        // Interleaved on 2 ranks: 4 virtual stages.
+        let s = split_stages(&cfg(2, Schedule::Interleaved1F1B), 6).unwrap();
+        assert_eq!(s.len(), 4);
+        // Uneven: 3 stages over 8 effective -> 3, 3, 2.
+        let s = split_stages(&cfg(3, Schedule::GPipe), 6).unwrap();
+        assert_eq!(layers(&s), vec![0..2, 2..5, 5..6]);
+        let mut c = cfg(2, Schedule::OneFOneB);
+        c.first_stage_less_layers = 0;
+        c.last_stage_less_layers = 0;
+        assert_eq!(layers(&split_stages(&c, 6).unwrap()), vec![0..3, 3..6]);
+    }
+
+    #[test]
+    fn layers_per_stage_is_checked_as_torchtitan() {
+        let mut c = cfg(2, Schedule::OneFOneB);
+        c.layers_per_stage = Some(2);
+        let e = num_stages(&c, 6).unwrap_err().to_string();
+        assert!(e.contains("exactly 1 stage per rank"), "{e}");
+        c.layers_per_stage = Some(4);
+        assert_eq!(num_stages(&c, 6).unwrap(), 2);
+        c.schedule = Schedule::Interleaved1F1B;
+        c.layers_per_stage = Some(2);
+        assert_eq!(num_stages(&c, 6).unwrap(), 4);
+        c.layers_per_stage = Some(3);
+        let e = num_stages(&c, 7).unwrap_err().to_string();
+        assert!(e.contains("divisible by pipeline parallel size"), "{e}");
+    }
+
+    #[test]
+    fn module_fqns_per_model_part_is_parsed_and_checked() {
+        let parts = |v: &[&[&str]]| -> Option<Vec<Vec<String>>> {
+            Some(
+                v.iter()
+                    .map(|p| p.iter().map(|s| s.to_string()).collect())
+                    .collect(),
+            )
+        };
+        let mut c = cfg(2, Schedule::OneFOneB);
+        c.module_fqns_per_model_part = parts(&[
+            &["tok_embeddings", "layers.0"],
+            &["layers.1", "layers.2", "norm", "lm_head"],
+        ]);
+        let s = split_stages(&c, 3).unwrap();
+        assert_eq!(layers(&s), vec![0..1, 1..3]);
+        c.module_fqns_per_model_part = parts(&[&["tok_embeddings", "layers.1"], &["layers.0"]]);
+        assert!(split_stages(&c, 2).is_err());
+        c.module_fqns_per_model_part = parts(&[&["tok_embeddings", "layers.0"], &["attn"]]);
+        let e = split_stages(&c, 1).unwrap_err().to_string();
+        assert!(e.contains("unknown module `attn`"), "{e}");
+        c.module_fqns_per_model_part = parts(&[&["tok_embeddings"], &["layers.0"]]);
+        assert!(split_stages(&c, 1).is_err(), "no head");
+    }
+
+    #[test]
+    fn schedules_run_every_pass_once_in_microbatch_order() {
+        for (schedule, per_rank) in [
+            (Schedule::GPipe, 1),
+            (Schedule::OneFOneB, 1),
+            (Schedule::Interleaved1F1B, 2),
+            (Schedule::Interleaved1F1B, 3),
+        ] {
+            for pp in 1..=4 {
+                for m in [1, 2, 4, 8] {
+                    if schedule == Schedule::Interleaved1F1B && m > pp && m % pp != 0 {
+                        continue;
+                    }
+                    let stages = pp * per_rank;
+                    let mut seen = std::collections::HashSet::new();
+                    for r in 0..pp {
+                        let acts = rank_actions(schedule, pp, r, stages, m);
+                        assert_eq!(acts.len(), 2 * m * per_rank, "{schedule:?} pp{pp} m{m}");
+                        for a in &acts {
+                            assert_eq!(rank_of_stage(a.stage, pp), r);
+                            assert!(seen.insert(*a), "{a:?} twice");
+                        }
+                        // Each stage's backwards run in microbatch order (gradients then
+                        // accumulate as one process accumulates them).
+                        for s in (0..stages).filter(|s| rank_of_stage(*s, pp) == r) {
+                            for pass in [Pass::Forward, Pass::Backward] {
+                                let mbs: Vec<usize> = acts
+                                    .iter()
+                                    .filter(|a| a.stage == s && a.pass == pass)
+                                    .map(|a| a.microbatch)
+                                    .collect();
+                                assert_eq!(mbs, (0..m).collect::<Vec<_>>());
+                            }
+                        }
+                    }
+                    simulate(schedule, pp, stages, m)
+                        .unwrap_or_else(|e| panic!("{schedule:?} pp{pp} m{m}: {e}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simulated_bubbles_are_the_textbook_ones() {
+        // Equal stages, F = 1 and B = 2: GPipe and 1F1B idle (p-1)/(m+p-1) of the makespan.
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            for (pp, m) in [(2, 4), (4, 8), (4, 4)] {
+                let (span, busy) = simulate(schedule, pp, pp, m).unwrap();
+                let bubble = 1.0 - busy[0] as f64 / span as f64;
+                let ideal = schedule.ideal_bubble(pp, m, 1);
+                assert!(
+                    (bubble - ideal).abs() < 1e-9,
+                    "{schedule:?} {pp} {m}: {bubble} vs {ideal}"
+                );
+            }
+        }
+        // Interleaving shrinks it.
+        let (span, busy) = simulate(Schedule::Interleaved1F1B, 4, 8, 8).unwrap();
+        let interleaved = 1.0 - busy[0] as f64 / span as f64;
+        assert!(interleaved < Schedule::OneFOneB.ideal_bubble(4, 8, 1));
+    }
+
+    #[test]
+    fn schedule_names_are_torchs() {
+        assert_eq!(Schedule::parse("1F1B").unwrap(), Schedule::OneFOneB);
+        assert_eq!(Schedule::parse("gpipe").unwrap(), Schedule::GPipe);
+        assert_eq!(
+            Schedule::parse("Interleaved1F1B").unwrap(),
+            Schedule::Interleaved1F1B
+        );
+        assert!(
+            Schedule::parse("ZBVZeroBubble")
+                .unwrap_err()
+                .contains("not implemented")
+        );
+        assert!(Schedule::parse("2F2B").unwrap_err().contains("unknown"));
+    }
+}
