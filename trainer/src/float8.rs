@@ -15,7 +15,9 @@
 //! out-of-range values become the largest float8 value, never inf/NaN) and cast. The product is
 //! `(a_fp8 / s_a) · (b_fp8 / s_b)`: either through `torch._scaled_mm` with the inverse scales
 //! ([`Backend::ScaledMm`]; CPU kernel in torch ≥ 2.8, CUDA SM 8.9+), or as an f32 `mm` of the
-//! dequantised operands ([`Backend::Emulated`], torchao's `emulate=True`).
+//! dequantised operands ([`Backend::Emulated`], torchao's `emulate=True`). A rowwise `_scaled_mm`
+//! returns bf16 where the layer computes in f32 (the rowwise kernels have no f32 output; torchao
+//! does the same).
 //!
 //! The recipes (torchao's `Float8LinearConfig.from_recipe_name`):
 //! - **tensorwise**: one amax per operand; x and W in e4m3fn, grad_out in e5m2 (its range).
@@ -27,7 +29,8 @@
 //!
 //! Under tensor parallelism an operand split over the tp ranks takes its amax over the whole
 //! tensor (an all-reduce of the local amaxes, as a reduction over a sharded DTensor gives), so a
-//! TP run quantises exactly as one process does.
+//! TP run casts to the same float8 values as one process (a rowwise `_scaled_mm` then rounds each
+//! rank's partial product of a row-wise linear to bf16 before the ranks add them).
 //!
 //! Only the matmuls see float8: parameters, gradients, optimizer state and checkpoints keep their
 //! dtype.

@@ -1013,10 +1013,10 @@ impl Llama {
             let in_forward = forward_pass.clone();
             let gather = move || {
                 let layer = Layer::from_params(unit_.gather());
-                if in_forward.swap(false, Ordering::Relaxed) {
-                    if let Some(next) = &next {
-                        next.prefetch();
-                    }
+                if in_forward.swap(false, Ordering::Relaxed)
+                    && let Some(next) = &next
+                {
+                    next.prefetch();
                 }
                 layer
             };

@@ -523,7 +523,7 @@ impl Pipeline {
         let pp = cfg.degree;
         let pp_members = mesh.mesh.group_members(&[Dim::Pp]);
         let my_pp = mesh.mesh.coord(Dim::Pp);
-        if stages.len() % pp != 0 {
+        if !stages.len().is_multiple_of(pp) {
             bail!(
                 "parallelism.module_fqns_per_model_part: {} parts cannot be spread evenly over \
                  parallelism.pipeline_parallel_degree = {pp}",
@@ -548,7 +548,7 @@ impl Pipeline {
             );
         }
         if cfg.schedule == Schedule::Interleaved1F1B
-            && microbatches % (microbatches / pp).max(1) != 0
+            && !microbatches.is_multiple_of((microbatches / pp).max(1))
         {
             bail!(
                 "Interleaved1F1B needs the number of microbatches ({microbatches}) to be a \
