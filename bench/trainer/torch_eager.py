@@ -112,20 +112,21 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--autocast", action="store_true", help="bf16 autocast forward (fp32 weights)")
     p.add_argument("--full_ac", action="store_true", help="recompute every block in backward")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU baseline)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = Llama(seq_len=a.seq_len)
+    model = Llama(seq_len=a.seq_len).to(a.device)
     model.full_ac = a.full_ac
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     start = None
     for step in range(1, a.steps + 1):
         if step == a.warmup + 1:
             start = time.perf_counter()
-        window = torch.randint(0, 2048, (a.batch, a.seq_len + 1))
+        window = torch.randint(0, 2048, (a.batch, a.seq_len + 1), device=a.device)
         inputs, labels = window[:, :-1], window[:, 1:]
         ntokens = (labels != -100).sum()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast):
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast):
             logits = model(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=-100) / ntokens
         loss.backward()
@@ -133,6 +134,8 @@ def main():
         opt.step()
         opt.zero_grad()
         loss.item()
+    if a.device == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens = (a.steps - a.warmup) * a.batch * a.seq_len
     print(json.dumps({
@@ -140,6 +143,7 @@ def main():
         "tps": tokens / elapsed,
         "threads": torch.get_num_threads(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "device": a.device,
     }))
 
 
