@@ -51,7 +51,7 @@ TT_TORCH_VERSION=2.15.0
 TT_VERSION=0.3.0
 tt_stamp=.venv-tt/.titan-tt-versions
 # tensorboard (a torchtitan dependency) and tbparse read titan-train's TensorBoard event files in the tests.
-tt_want="torch==$TT_TORCH_VERSION torchtitan==$TT_VERSION $(grep -E '^transformers==' requirements-dev.txt) tensorboard==2.21.0 tbparse==0.0.9"
+tt_want="torch==$TT_TORCH_VERSION torchtitan==$TT_VERSION $(grep -E '^transformers==' requirements-dev.txt) tensorboard==2.21.0 tbparse==0.0.9 torchao==0.18.0"
 if [ "$(cat "$tt_stamp" 2>/dev/null)" != "$tt_want" ]; then
   [ -x .venv-tt/bin/python ] || { log "creating .venv-tt (torch $TT_TORCH_VERSION + torchtitan $TT_VERSION)"; "$PY" -m venv .venv-tt; }
   log "installing $tt_want into .venv-tt (about 5 GB; a few minutes)"

@@ -13,11 +13,16 @@ unbroken run's.
 Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
 
   tt_parity.py compare WORKDIR TITAN_TRAIN LAYOUT [LAYOUT ...] [--steps N] [--resume-at K] [--rtol R]
-      [--cross] [--cross-back]
+      [--cross] [--cross-back] [--config NAME] [--titan-args ARGS] [--tt-float8 emulate|scaled]
       LAYOUT is `name:torchtitan_nproc:titan_nproc:extra args`, e.g. `dp2:2:2:` (FSDP on 2 ranks
       against titan's 2 data-parallel ranks) or `tp2:2:2:--parallelism.tensor_parallel_degree 2`.
       Prints one line per step and a JSON summary as the last line; exits 1 when a loss or grad
       norm differs by more than RTOL (relative), 2 on usage errors.
+      --config picks the registry function both trainers start from (the seed checkpoint is always
+      llama3_debugmodel's); --titan-args go to titan-train only. --tt-float8 makes torchtitan's
+      float8 converter run on a CPU: `emulate` sets its emulate=True (which torchtitan 0.3.0 turns
+      into the tensorwise recipe), `scaled` keeps its recipe (rowwise) and lets torchao call
+      torch._scaled_mm, which has a CPU kernel (torchtitan only checks for a CUDA capability).
 
   tt_parity.py rank ARGS...      one torchtitan rank (used through torch.distributed.run)
 """
@@ -38,12 +43,31 @@ sys.path.insert(0, HERE)
 from tt_ckpt_trainer import free_port, patch_for_cpu, write_assets  # noqa: E402
 
 LOSSES_ENV = "TITAN_PARITY_LOSSES"
+FLOAT8_ENV = "TITAN_PARITY_FLOAT8"
+
+
+def patch_float8(mode):
+    """torchtitan 0.3.0's float8 converter on a CPU (see --tt-float8)."""
+    import torchtitan.components.quantization.float8 as f8
+
+    if mode == "scaled":
+        f8.has_cuda_capability = lambda *a, **k: True
+    elif mode == "emulate":
+        init = f8.Float8LinearConverter.__init__
+
+        def emulated(self, config):
+            config.emulate = True
+            init(self, config)
+
+        f8.Float8LinearConverter.__init__ = emulated
 
 
 def rank_main(args):
     """One torchtitan rank: the CPU patches, plus rank 0 appends each logged step's loss and grad
     norm (full precision) to $TITAN_PARITY_LOSSES."""
     patch_for_cpu()
+    if os.environ.get(FLOAT8_ENV):
+        patch_float8(os.environ[FLOAT8_ENV])
     from torchtitan.components import metrics
 
     out = os.environ.get(LOSSES_ENV)
@@ -68,12 +92,12 @@ def rank_main(args):
     train.main()
 
 
-def common_args(assets, steps, total_steps=None):
+def common_args(assets, steps, total_steps=None, config="llama3_debugmodel"):
     """The command line both trainers get (torchtitan 0.3.0's keys). `total_steps` fixes the lr
     schedule's length, so a run stopped early and resumed follows the unbroken run's schedule."""
     tok, data = assets
     return [
-        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--module", "llama3", "--config", config,
         "--hf_assets_path", tok, "--dataloader.dataset_path", data,
         "--training.seq_len", "128", "--training.local_batch_size", "2",
         "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
@@ -98,10 +122,13 @@ def torchtitan(nproc, args, losses):
     run(cmd, env, "torchtitan's Trainer")
 
 
+TITAN_ARGS = []
+
+
 def titan(binary, nproc, args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launch = ["--nproc-per-node", str(nproc)] if nproc > 1 else []
-    run([binary] + launch + args, env, "titan-train")
+    run([binary] + launch + args + TITAN_ARGS, env, "titan-train")
 
 
 def read_jsonl(path, kind=None):
@@ -148,9 +175,17 @@ def main():
     ap.add_argument("--cross-back", action="store_true",
                     help="also resume torchtitan from titan-train's checkpoint at RESUME_AT (model, "
                          "optimizer, lr, data position) and compare its steps with torchtitan's")
+    ap.add_argument("--config", default="llama3_debugmodel",
+                    help="the registry function both trainers start from")
+    ap.add_argument("--titan-args", default="", help="arguments for titan-train only")
+    ap.add_argument("--tt-float8", choices=["emulate", "scaled"], default=None,
+                    help="how torchtitan's float8 converter runs on a CPU")
     ap.add_argument("--docs", type=int, default=None,
                     help="keep only the first N documents (a small N makes the runs re-loop the data)")
     a = ap.parse_args(sys.argv[2:])
+    if a.tt_float8:
+        os.environ[FLOAT8_ENV] = a.tt_float8
+    TITAN_ARGS.extend(shlex.split(a.titan_args))
     os.makedirs(a.workdir, exist_ok=True)
     assets = write_assets(a.workdir)
     if a.docs is not None:
@@ -180,7 +215,7 @@ def main():
                 stops = [a.resume_at, a.steps] if mode == "resumed" else [a.steps]
                 losses = os.path.join(dump, "parity_losses.jsonl")
                 for steps in stops:
-                    args = common_args(assets, steps, a.steps) + ["--dump_folder", dump] + ckpt + extra
+                    args = common_args(assets, steps, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra
                     if who == "torchtitan":
                         torchtitan(tt_n, args, losses)
                     else:
@@ -194,8 +229,8 @@ def main():
             ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
                     "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
             losses = os.path.join(dump, "parity_losses.jsonl")
-            torchtitan(tt_n, common_args(assets, a.resume_at, a.steps) + ["--dump_folder", dump] + ckpt + extra, losses)
-            titan(a.titan_train, titan_n, common_args(assets, a.steps, a.steps) + ["--dump_folder", dump] + ckpt + extra)
+            torchtitan(tt_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra, losses)
+            titan(a.titan_train, titan_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra)
             first = [r for r in read_jsonl(losses) if r["step"] <= a.resume_at]
             rest = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] > a.resume_at]
             result["torchtitan_then_titan"] = first + rest
@@ -206,8 +241,8 @@ def main():
             ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
                     "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
             losses = os.path.join(dump, "parity_losses.jsonl")
-            titan(a.titan_train, titan_n, common_args(assets, a.resume_at, a.steps) + ["--dump_folder", dump] + ckpt + extra)
-            torchtitan(tt_n, common_args(assets, a.steps, a.steps) + ["--dump_folder", dump] + ckpt + extra, losses)
+            titan(a.titan_train, titan_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra)
+            torchtitan(tt_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra, losses)
             first = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] <= a.resume_at]
             rest = [r for r in read_jsonl(losses) if r["step"] > a.resume_at]
             result["titan_then_torchtitan"] = first + rest

@@ -24,8 +24,7 @@ pub struct Registered {
 }
 
 /// torchtitan 0.3.0's llama3 config registry (`torchtitan/models/llama3/config_registry.py`).
-/// The 70B and 405B entries ask for tensor parallelism (and 405B for float8 and compile), which
-/// titan-train refuses until it implements them, naming the key.
+/// The 405B entry asks for torch.compile, which titan-train refuses, naming the key.
 pub const REGISTRY: &[Registered] = &[
     Registered {
         module: "llama3",
@@ -41,6 +40,11 @@ pub const REGISTRY: &[Registered] = &[
         module: "llama3",
         name: "llama3_debugmodel_ce_loss",
         toml: include_str!("../../configs/registry/llama3_debugmodel_ce_loss.toml"),
+    },
+    Registered {
+        module: "llama3",
+        name: "llama3_debugmodel_float8",
+        toml: include_str!("../../configs/registry/llama3_debugmodel_float8.toml"),
     },
     Registered {
         module: "llama3",
@@ -261,7 +265,8 @@ pub fn parse(args: Vec<String>) -> Result<CommandLine, ConfigError> {
             Some((k, v)) => (k, Some(v.to_string())),
             None => (body, None),
         };
-        let key = raw_key.replace('-', "_");
+        // `--quantize.linear.float8.KEY` is `[float8]`'s KEY (config::NESTED_SECTIONS).
+        let key = crate::config::unnest_key(&raw_key.replace('-', "_"));
         let take_value = |args: &mut Args, what: &str| -> Result<String, ConfigError> {
             if let Some(v) = inline.clone() {
                 return Ok(v);

@@ -648,6 +648,69 @@ pub struct MemoryEstimation {
     pub disable_fake_mode: bool,
 }
 
+/// `[float8]`: float8 training of the linear layers ([`crate::float8`]), torchtitan's keys of
+/// every generation: its first `[float8]` section (`enable_float8_linear`), the later one turned
+/// on by `model.converters = ["float8"]`, and `[quantize.linear.float8]` (read as this section).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Float8 {
+    /// The oldest switch; later torchtitan lists `float8` in `model.converters` instead.
+    pub enable_float8_linear: bool,
+    /// `tensorwise`, `rowwise` or `rowwise_with_gw_hp`; unset is tensorwise (torchtitan before
+    /// 0.3.0 without a recipe).
+    pub recipe_name: Option<crate::float8::Recipe>,
+    /// Linears whose fqn contains one of these strings stay in high precision (matched against
+    /// both name generations: `lm_head`/`output`, `attention.qkv_linear.wq`/`attention.wq`).
+    pub filter_fqns: Vec<String>,
+    /// Multiply the dequantised float8 operands in f32 instead of `torch._scaled_mm` (the same
+    /// float8 values; for hardware without float8 matmuls).
+    pub emulate: bool,
+    /// Not implemented: refused unless false.
+    pub enable_fsdp_float8_all_gather: bool,
+    /// Only used with the float8 all-gather (as in torchtitan).
+    pub precompute_float8_dynamic_scale_for_fsdp: bool,
+    /// Accepted at any value: titan-train always casts the weight again in backward (torchao
+    /// 0.18 ignores the key too).
+    pub force_recompute_fp8_weight_in_bwd: bool,
+    /// titan-train's key: a float8 `lm_head` multiplies the sequence in this many chunks, each
+    /// with its own scales, as torchtitan 0.3.0's chunked loss (`loss.num_chunks` 8) calls it;
+    /// its `llama3_debugmodel_float8` sets 8.
+    pub lm_head_chunks: u64,
+}
+
+impl Default for Float8 {
+    fn default() -> Self {
+        Self {
+            enable_float8_linear: false,
+            recipe_name: None,
+            filter_fqns: Vec::new(),
+            emulate: false,
+            enable_fsdp_float8_all_gather: false,
+            precompute_float8_dynamic_scale_for_fsdp: false,
+            force_recompute_fp8_weight_in_bwd: false,
+            lm_head_chunks: 1,
+        }
+    }
+}
+
+/// `model.converters` entries that turn float8 linears on (torchtitan's two spellings).
+const FLOAT8_CONVERTERS: [&str; 2] = ["float8", "quantize.linear.float8"];
+
+/// Sections torchtitan later nested under other tables: (its dotted name, titan's section).
+/// `[quantize.linear.float8]` in a file and `--quantize.linear.float8.KEY` on the command line
+/// set `[float8]`'s keys.
+pub const NESTED_SECTIONS: &[(&str, &str)] = &[("quantize.linear.float8", "float8")];
+
+/// `key` (`section.key`, or a nested section's dotted name and a key) in titan's sections.
+pub fn unnest_key(key: &str) -> String {
+    for (nested, section) in NESTED_SECTIONS {
+        if let Some(rest) = key.strip_prefix(nested).and_then(|r| r.strip_prefix('.')) {
+            return format!("{section}.{rest}");
+        }
+    }
+    key.to_string()
+}
+
 /// Older torchtitan spellings a config file may use: (section, key, today's key).
 const FILE_ALIASES: &[(&str, &str, &str)] = &[("memory_estimation", "enabled", "enable")];
 
@@ -695,6 +758,7 @@ pub struct JobConfig {
     pub comm: Comm,
     pub compile: Compile,
     pub activation_checkpoint: ActivationCheckpoint,
+    pub float8: Float8,
     pub memory_estimation: MemoryEstimation,
 }
 
@@ -753,7 +817,7 @@ impl JobConfig {
                 message: e.to_string(),
             })?;
             let origin = path.display().to_string();
-            for (section, body) in table {
+            for (section, body) in unnest_sections(table, &schema, &origin)? {
                 let toml::Value::Table(body) = body else {
                     return Err(ConfigError::BadValue {
                         key: section,
@@ -853,6 +917,9 @@ impl JobConfig {
                 return bad(key, format!("{v} must be at least 1"));
             }
         }
+        if self.float8.lm_head_chunks == 0 {
+            return bad("float8.lm_head_chunks", "must be at least 1".into());
+        }
         if self.metrics.log_freq == 0 {
             return bad("metrics.log_freq", "must be at least 1".into());
         }
@@ -945,6 +1012,18 @@ impl JobConfig {
                 self.activation_checkpoint.mode == AcMode::Selective,
             ),
             (
+                "float8.",
+                "float8.enable_float8_linear",
+                "true (or `float8` in model.converters)",
+                self.float8_enabled(),
+            ),
+            (
+                "float8.precompute_float8_dynamic_scale_for_fsdp",
+                "float8.enable_fsdp_float8_all_gather",
+                "true",
+                self.float8.enable_fsdp_float8_all_gather,
+            ),
+            (
                 "parallelism.pipeline_parallel_",
                 "parallelism.pipeline_parallel_degree",
                 "> 1",
@@ -977,6 +1056,17 @@ impl JobConfig {
         warnings
     }
 
+    /// Whether the linears train in float8 (`[float8] enable_float8_linear`, or `float8` in
+    /// `model.converters`).
+    pub fn float8_enabled(&self) -> bool {
+        self.float8.enable_float8_linear
+            || self
+                .model
+                .converters
+                .iter()
+                .any(|c| FLOAT8_CONVERTERS.contains(&c.as_str()))
+    }
+
     /// torchtitan keys titan-train does not implement: accepted at their defaults only, so a
     /// config that asks for them fails instead of training without them.
     fn refuse_unimplemented(&self) -> Result<(), ConfigError> {
@@ -985,15 +1075,26 @@ impl JobConfig {
         let checks: Vec<(&str, String, String, &str)> = vec![
             (
                 "model.converters",
-                w(&self.model.converters),
-                w(&d.model.converters),
-                " (float8/mx converters need torchao kernels)",
+                w(&self
+                    .model
+                    .converters
+                    .iter()
+                    .filter(|c| !FLOAT8_CONVERTERS.contains(&c.as_str()))
+                    .collect::<Vec<_>>()),
+                w(&d.model.converters.iter().collect::<Vec<_>>()),
+                " (of the converters it has float8 only: `float8` or `quantize.linear.float8`)",
             ),
             (
                 "model.print_after_conversion",
                 w(&self.model.print_after_conversion),
                 w(&d.model.print_after_conversion),
-                " (there are no model converters)",
+                " (the float8 linears are listed in the log instead)",
+            ),
+            (
+                "float8.enable_fsdp_float8_all_gather",
+                w(&self.float8.enable_fsdp_float8_all_gather),
+                w(&d.float8.enable_fsdp_float8_all_gather),
+                " (FSDP gathers the weights in their own dtype; float8 is cast after the gather)",
             ),
             (
                 "optimizer.early_step_in_backward",
@@ -1096,6 +1197,63 @@ impl JobConfig {
         }
         Ok(())
     }
+}
+
+/// The file's sections with [`NESTED_SECTIONS`] read as titan's (`[quantize.linear.float8]` as
+/// `[float8]`); a nested table titan has no section for is an unknown section named in full.
+fn unnest_sections(
+    table: toml::Table,
+    schema: &Map<String, Value>,
+    origin: &str,
+) -> Result<Vec<(String, toml::Value)>, ConfigError> {
+    let mut out = Vec::new();
+    for (section, body) in table {
+        let nested = NESTED_SECTIONS
+            .iter()
+            .any(|(n, _)| n.split('.').next() == Some(section.as_str()));
+        if schema.contains_key(&section) || !nested {
+            out.push((section, body));
+            continue;
+        }
+        // Walk down to the tables that hold values; each must be a nested section titan has.
+        let mut stack = vec![(section, body)];
+        while let Some((path, value)) = stack.pop() {
+            let toml::Value::Table(t) = value else {
+                return Err(ConfigError::UnknownKey {
+                    key: path,
+                    origin: origin.into(),
+                    section: "quantize".into(),
+                    known: NESTED_SECTIONS
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            };
+            if let Some((_, to)) = NESTED_SECTIONS.iter().find(|(n, _)| *n == path) {
+                out.push((to.to_string(), toml::Value::Table(t)));
+                continue;
+            }
+            if !NESTED_SECTIONS
+                .iter()
+                .any(|(n, _)| n.starts_with(&format!("{path}.")))
+            {
+                return Err(ConfigError::UnknownSection {
+                    section: path,
+                    origin: origin.into(),
+                    known: NESTED_SECTIONS
+                        .iter()
+                        .map(|(n, _)| *n)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
+            for (k, v) in t {
+                stack.push((format!("{path}.{k}"), v));
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn check_known(
@@ -1339,7 +1497,7 @@ mod tests {
             ("--parallelism.context_parallel_degree", "2"),
             ("--metrics.enable_wandb", "true"),
             ("--training.enable_cpu_offload", "true"),
-            ("--model.converters", "float8"),
+            ("--model.converters", "mx"),
             ("--parallelism.pipeline_parallel_schedule_csv", "s.csv"),
         ] {
             let err = JobConfig::from_parts(None, &ov(&[key, value])).unwrap_err();

@@ -15,6 +15,7 @@
 //! - [`checkpoint`]: DCP saves/resume (torchtitan's layout), async saves, HF export.
 //! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and the
 //!   mesh's process groups ([`dist::DeviceMesh`]).
+//! - [`float8`]: float8 linears with dynamic scaling (torchao's recipes), `[float8]`.
 //! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it; [`recompute`]:
 //!   activation checkpointing (regions recomputed in backward), which [`model`] applies per
 //!   `[activation_checkpoint]`.
@@ -28,6 +29,7 @@ pub mod command_line;
 pub mod config;
 pub mod data;
 pub mod dist;
+pub mod float8;
 pub mod hf;
 pub mod lr_scheduler;
 pub mod memory_estimate;

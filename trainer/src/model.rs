@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
+use crate::float8::{Float8Linear, Float8Training, TpSplit};
 use crate::parallelize::fsdp::FsdpUnit;
 use crate::parallelize::pipeline::StageModules;
 use crate::parallelize::tp::TensorParallel;
@@ -465,6 +466,43 @@ pub struct Llama {
     /// Document-causal attention runs FlashAttention's varlen kernel: CUDA, bf16/fp16
     /// activations, and the kernel answered a probe.
     varlen_kernel: bool,
+    /// The linears that multiply in float8 (`[float8]`); `None`: none.
+    float8: Option<Arc<ModelFloat8>>,
+}
+
+/// Which linears of the model multiply in float8.
+struct ModelFloat8 {
+    blocks: Vec<BlockFloat8>,
+    lm_head: Option<Float8Linear>,
+    /// lm_head multiplies the sequence in this many chunks (each with its own scales).
+    lm_head_chunks: i64,
+}
+
+/// The float8 linears of one transformer block (`None`: high precision).
+#[derive(Clone, Default)]
+struct BlockFloat8 {
+    qkv: Qkv,
+    wo: Option<Float8Linear>,
+    w1: Option<Float8Linear>,
+    w2: Option<Float8Linear>,
+    w3: Option<Float8Linear>,
+}
+
+/// How q, k and v are projected.
+#[derive(Clone)]
+enum Qkv {
+    /// One float8 linear over the three weights fused as torchtitan 0.3.0's `wqkv` (rows grouped
+    /// per kv head): one scale (tensorwise) or one per token (rowwise) spans q, k and v, as there.
+    Fused(Float8Linear),
+    /// Each by itself (float8 or not): when a filter names some of them, as the torchtitan
+    /// generation with separate wq/wk/wv linears does.
+    Separate(Box<[Option<Float8Linear>; 3]>),
+}
+
+impl Default for Qkv {
+    fn default() -> Self {
+        Qkv::Separate(Box::new([None, None, None]))
+    }
 }
 
 /// Whether FlashAttention's varlen kernel runs on `device`: a two-document probe, once.
@@ -683,6 +721,7 @@ impl Llama {
             checkpointing: ActivationCheckpointing::None,
             attn_backend: AttnBackend::default(),
             varlen_kernel: false,
+            float8: None,
         })
     }
 
@@ -808,6 +847,65 @@ impl Llama {
         self.checkpointing
     }
 
+    /// Makes the linears `float8` converts (torchtitan's rule: [`Float8Training::converts`])
+    /// multiply in float8; the others, and every parameter, stay as they are. Returns the
+    /// converted linears' names too (for the log).
+    pub fn with_float8(mut self, float8: Option<&Float8Training>) -> (Self, Vec<String>) {
+        let Some(f8) = float8 else {
+            self.float8 = None;
+            return (self, Vec::new());
+        };
+        let a = &self.args;
+        let (d, hd, kv) = (a.dim, a.ffn_hidden_dim(), a.kv_heads() * a.head_dim());
+        let mut converted = Vec::new();
+        let mut take = |fqn: String, out: i64, inp: i64, split: TpSplit| {
+            f8.converts(&fqn, out, inp).then(|| {
+                converted.push(fqn);
+                f8.linear(&self.tp, split)
+            })
+        };
+        let blocks = (0..a.n_layers)
+            .map(|i| {
+                let p = |n: &str| format!("layers.{i}.{n}");
+                let qkv_names = ["wq", "wk", "wv"].map(|n| p(&format!("attention.qkv_linear.{n}")));
+                // Fused unless a filter names q, k or v alone (the 16 rule is the fused one's).
+                let fused = p("attention.qkv_linear.wqkv");
+                let fuse =
+                    f8.converts(&fused, d + 2 * kv, d) && !qkv_names.iter().any(|n| f8.filtered(n));
+                let fused = if fuse {
+                    take(fused, d + 2 * kv, d, TpSplit::Columns)
+                } else {
+                    None
+                };
+                let qkv = match fused {
+                    Some(fused) => Qkv::Fused(fused),
+                    None => {
+                        let [q, k, v] = qkv_names;
+                        Qkv::Separate(Box::new([
+                            take(q, d, d, TpSplit::Columns),
+                            take(k, kv, d, TpSplit::Columns),
+                            take(v, kv, d, TpSplit::Columns),
+                        ]))
+                    }
+                };
+                BlockFloat8 {
+                    qkv,
+                    wo: take(p("attention.wo"), d, d, TpSplit::Rows),
+                    w1: take(p("feed_forward.w1"), hd, d, TpSplit::Columns),
+                    w2: take(p("feed_forward.w2"), d, hd, TpSplit::Rows),
+                    w3: take(p("feed_forward.w3"), hd, d, TpSplit::Columns),
+                }
+            })
+            .collect();
+        let lm_head = take("lm_head".into(), a.vocab_size, d, TpSplit::Columns);
+        self.float8 = Some(Arc::new(ModelFloat8 {
+            blocks,
+            lm_head,
+            lm_head_chunks: f8.lm_head_chunks,
+        }));
+        (self, converted)
+    }
+
     /// Sets which tokens attend to which; `activations` is the dtype attention will compute in
     /// (FlashAttention's varlen kernel takes bf16/fp16 only).
     pub fn with_attn_backend(mut self, backend: AttnBackend, activations: Kind) -> Self {
@@ -899,6 +997,11 @@ impl Llama {
         let first_layer = usize::from(embeddings.is_some());
         for (k, (index, unit)) in layers.iter().enumerate() {
             let (index, at) = (*index, first_layer + k);
+            let f8 = self
+                .float8
+                .as_ref()
+                .map(|f| f.blocks[index].clone())
+                .unwrap_or_default();
             // Gather the next unit while this block computes (not in backward's recompute: the
             // closure below runs again there).
             let (next, previous) = (
@@ -923,7 +1026,7 @@ impl Llama {
                 let kept = Mutex::new(None);
                 let [out] = checkpoint(&[&h], move |i| {
                     let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
-                    let matmuls = Matmuls::new(kept.take());
+                    let matmuls = Matmuls::new(kept.take(), f8.clone());
                     let layer = gather();
                     let out = block(&layer, shape, &ctx_, &tp_, &i[0], &matmuls);
                     *kept = matmuls.into_recorded();
@@ -938,13 +1041,13 @@ impl Llama {
                         &ctx_,
                         &tp_,
                         &i[0],
-                        &Matmuls::plain(),
+                        &Matmuls::plain(f8.clone()),
                     )]
                 });
                 out
             } else {
                 let layer = gather();
-                let out = block(&layer, shape, &ctx, &self.tp, &h, &Matmuls::plain());
+                let out = block(&layer, shape, &ctx, &self.tp, &h, &Matmuls::plain(f8));
                 drop(layer);
                 unit.after_forward(out, previous)
             };
@@ -953,11 +1056,27 @@ impl Llama {
             return h;
         };
         let [norm, lm_head]: [Tensor; 2] = head.gather().try_into().expect("two weights");
-        let h = h.rms_norm([shape.dim], Some(&norm), shape.norm_eps);
-        self.tp
-            .enter(&h)
-            .linear::<&Tensor>(&lm_head, None)
-            .to_kind(Kind::Float)
+        let h = self
+            .tp
+            .enter(&h.rms_norm([shape.dim], Some(&norm), shape.norm_eps));
+        let logits = match self
+            .float8
+            .as_ref()
+            .and_then(|f| Some((f.lm_head.as_ref()?, f.lm_head_chunks)))
+        {
+            // Chunks along the sequence, as torchtitan 0.3.0's chunked loss feeds lm_head.
+            Some((f8, chunks)) if chunks > 1 => {
+                let parts: Vec<Tensor> = h
+                    .chunk(chunks, 1)
+                    .iter()
+                    .map(|c| f8.apply(c, &lm_head))
+                    .collect();
+                Tensor::cat(&parts, 1)
+            }
+            Some((f8, _)) => f8.apply(&h, &lm_head),
+            None => h.linear::<&Tensor>(&lm_head, None),
+        };
+        logits.to_kind(Kind::Float)
     }
 
     /// Shape and dtype of the hidden states between blocks for `batch` rows of `seq_len`
@@ -979,6 +1098,7 @@ impl Llama {
 struct Matmuls {
     memo: RefCell<Memo>,
     count: Cell<usize>,
+    float8: BlockFloat8,
 }
 
 enum Memo {
@@ -988,41 +1108,79 @@ enum Memo {
 }
 
 impl Matmuls {
-    fn plain() -> Self {
-        Self::with(Memo::Plain)
+    fn plain(float8: BlockFloat8) -> Self {
+        Self::with(Memo::Plain, float8)
     }
 
     /// Records when `replay` is `None`, else replays it.
-    fn new(replay: Option<VecDeque<Tensor>>) -> Self {
-        Self::with(match replay {
+    fn new(replay: Option<VecDeque<Tensor>>, float8: BlockFloat8) -> Self {
+        let memo = match replay {
             None => Memo::Record(Vec::new()),
             Some(kept) => Memo::Replay(kept),
-        })
+        };
+        Self::with(memo, float8)
     }
 
-    fn with(memo: Memo) -> Self {
+    fn with(memo: Memo, float8: BlockFloat8) -> Self {
         Matmuls {
             memo: RefCell::new(memo),
             count: Cell::new(0),
+            float8,
         }
     }
 
-    fn linear(&self, x: &Tensor, w: &Tensor) -> Tensor {
+    /// `x.linear(w)`, in float8 when `f8` is set.
+    fn linear(&self, x: &Tensor, w: &Tensor, f8: Option<&Float8Linear>) -> Tensor {
         self.count.set(self.count.get() + 1);
         let kept = self.count.get() % 2 == 1;
+        let multiply = || match f8 {
+            Some(f8) => f8.apply(x, w),
+            None => x.linear::<&Tensor>(w, None),
+        };
         match &mut *self.memo.borrow_mut() {
             Memo::Replay(record) if kept => {
                 let value = record
                     .pop_front()
                     .expect("the recompute runs the matmuls the forward recorded");
-                kept_linear(x, w, &value)
+                match f8 {
+                    Some(f8) => f8.apply_kept(x, w, &value),
+                    None => kept_linear(x, w, &value),
+                }
             }
             Memo::Record(record) if kept => {
-                let y = x.linear::<&Tensor>(w, None);
+                let y = multiply();
                 record.push(y.shallow_clone());
                 y
             }
-            _ => x.linear::<&Tensor>(w, None),
+            _ => multiply(),
+        }
+    }
+
+    /// q, k and v of `x` (each (B, S, heads * head_dim)): three linears, or with float8 on all
+    /// three one linear over torchtitan 0.3.0's fused `wqkv` (counted as one matmul).
+    fn qkv(&self, x: &Tensor, layer: &Layer, shape: BlockShape) -> (Tensor, Tensor, Tensor) {
+        match &self.float8.qkv {
+            Qkv::Fused(f8) => {
+                let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
+                let (kvh, hd) = (shape.kv_heads, shape.head_dim);
+                let per_kv = shape.n_heads / kvh;
+                let w = crate::names::fuse_qkv(&layer.wq, &layer.wk, &layer.wv, kvh);
+                let qkv = self
+                    .linear(x, &w, Some(f8))
+                    .view([b, s, kvh, per_kv + 2, hd]);
+                let part = |start: i64, len: i64| {
+                    qkv.narrow(3, start, len).reshape([b, s, kvh * len * hd])
+                };
+                (part(0, per_kv), part(per_kv, 1), part(per_kv + 1, 1))
+            }
+            Qkv::Separate(parts) => {
+                let [q, k, v] = &**parts;
+                (
+                    self.linear(x, &layer.wq, q.as_ref()),
+                    self.linear(x, &layer.wk, k.as_ref()),
+                    self.linear(x, &layer.wv, v.as_ref()),
+                )
+            }
         }
     }
 
@@ -1053,9 +1211,10 @@ fn block(
     // rms_norm backward, so an in-place add breaks the backward pass.
     let h = h + tp.exit(&attention(layer, shape, ctx, &x, mm));
     let x = tp.enter(&h.rms_norm([d], Some(&layer.ffn_norm), eps));
-    let gate = mm.linear(&x, &layer.w1).silu();
-    let up = mm.linear(&x, &layer.w3);
-    h + tp.exit(&mm.linear(&(gate * up), &layer.w2))
+    let f8 = &mm.float8;
+    let gate = mm.linear(&x, &layer.w1, f8.w1.as_ref()).silu();
+    let up = mm.linear(&x, &layer.w3, f8.w3.as_ref());
+    h + tp.exit(&mm.linear(&(gate * up), &layer.w2, f8.w2.as_ref()))
 }
 
 fn attention(
@@ -1067,9 +1226,10 @@ fn attention(
 ) -> Tensor {
     let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
     let (h, kvh, hd) = (shape.n_heads, shape.kv_heads, shape.head_dim);
-    let q = mm.linear(x, &layer.wq).view([b, s, h, hd]);
-    let k = mm.linear(x, &layer.wk).view([b, s, kvh, hd]);
-    let v = mm.linear(x, &layer.wv).view([b, s, kvh, hd]);
+    let (q, k, v) = mm.qkv(x, layer, shape);
+    let q = q.view([b, s, h, hd]);
+    let k = k.view([b, s, kvh, hd]);
+    let v = v.view([b, s, kvh, hd]);
     let q = apply_rotary_emb(&q, &ctx.rope);
     let k = apply_rotary_emb(&k, &ctx.rope);
     if let Attend::Varlen(offsets, longest) = &ctx.attend {
@@ -1084,7 +1244,11 @@ fn attention(
             *longest,
         )
         .expect("the varlen kernel ran in the probe");
-        return mm.linear(&out.reshape([b, s, h * hd]), &layer.wo);
+        return mm.linear(
+            &out.reshape([b, s, h * hd]),
+            &layer.wo,
+            mm.float8.wo.as_ref(),
+        );
     }
     let mask = match &ctx.attend {
         Attend::Masked(m) => Some(m),
@@ -1112,7 +1276,11 @@ fn attention(
         None,
         false,
     );
-    mm.linear(&out.transpose(1, 2).reshape([b, s, h * hd]), &layer.wo)
+    mm.linear(
+        &out.transpose(1, 2).reshape([b, s, h * hd]),
+        &layer.wo,
+        mm.float8.wo.as_ref(),
+    )
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
 use crate::dist::{DeviceMesh, ReduceOp};
+use crate::float8::{self, Float8Training};
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
 use crate::model::{Llama, ModelArgs};
@@ -386,6 +387,31 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
             .with_attn_backend(cfg.model.attn_backend, precision::param_kind(&cfg.training));
         if cfg.training.dtype != DtypeName::Float32 {
             model.cast_parameters(cfg.training.dtype.kind());
+        }
+        let float8 = Float8Training::from_config(cfg);
+        if let Some(f8) = &float8
+            && let Err(e) = float8::probe(f8.backend, device)
+        {
+            bail!(config_error(
+                "float8.emulate",
+                anyhow::anyhow!(
+                    "float8 matmuls need torch._scaled_mm, which does not run on {device:?} \
+                     ({e}); set float8.emulate true to multiply the float8 values in float32"
+                )
+            ));
+        }
+        let (model, converted) = model.with_float8(float8.as_ref());
+        if let Some(f8) = &float8 {
+            tracing::info!(
+                "float8 training ({}, {}) of {} linears (the others in high precision): {}",
+                f8.recipe.name(),
+                match f8.backend {
+                    float8::Backend::ScaledMm => "torch._scaled_mm",
+                    float8::Backend::Emulated => "emulated",
+                },
+                converted.len(),
+                converted.join(", ")
+            );
         }
         model
     };

@@ -152,6 +152,14 @@ impl TensorParallel {
         Tensor::cat(&parts, dim as i64)
     }
 
+    /// Replaces `t` (contiguous) by its elementwise maximum over the tp ranks, outside autograd:
+    /// float8 scales of a tensor split over tp come from the whole tensor's amax. A collective.
+    pub fn all_reduce_max(&self, t: &Tensor) {
+        if self.size() > 1 {
+            ok(self.group.all_reduce(t, ReduceOp::Max));
+        }
+    }
+
     fn run(&self, x: &Tensor, pair: Pair) -> Tensor {
         if self.size() == 1 {
             return x.shallow_clone();

@@ -1,0 +1,626 @@
+//! Float8 training of linear layers with dynamic scaling, computed as torchao 0.18's
+//! `Float8Linear` computes it (what torchtitan's float8 converter swaps in).
+//!
+//! A linear `y = x Wᵀ` runs three matmuls, and each casts its two operands to float8 just before
+//! multiplying, with scales taken from the operands' current values ("dynamic" scaling):
+//!
+//! | matmul | product | operand a | operand b |
+//! |---|---|---|---|
+//! | output | `y = x · Wᵀ` (M×K · K×N) | x | Wᵀ |
+//! | grad_input | `gx = go · W` (M×N · N×K) | grad_out | W |
+//! | grad_weight | `gW = goᵀ · x` (N×M · M×K) | grad_outᵀ | x |
+//!
+//! An operand's scale is `max_fp8 / max(amax, 1e-12)`, divided in f64 and kept as f32 (torchao's
+//! `amax_to_scale`); the operand is multiplied by it in f32, clamped to ±max_fp8 (saturation:
+//! out-of-range values become the largest float8 value, never inf/NaN) and cast. The product is
+//! `(a_fp8 / s_a) · (b_fp8 / s_b)`: either through `torch._scaled_mm` with the inverse scales
+//! ([`Backend::ScaledMm`]; CPU kernel in torch ≥ 2.8, CUDA SM 8.9+), or as an f32 `mm` of the
+//! dequantised operands ([`Backend::Emulated`], torchao's `emulate=True`). A rowwise `_scaled_mm`
+//! returns bf16 where the layer computes in f32 (the rowwise kernels have no f32 output; torchao
+//! does the same).
+//!
+//! The recipes (torchao's `Float8LinearConfig.from_recipe_name`):
+//! - **tensorwise**: one amax per operand; x and W in e4m3fn, grad_out in e5m2 (its range).
+//! - **rowwise**: one scale per row of a and per column of b, i.e. along the contraction
+//!   dimension of each matmul (x per token for the output, per input feature for the weight
+//!   gradient, ...); e4m3fn everywhere; scales rounded down to a power of two.
+//! - **rowwise_with_gw_hp**: the output as rowwise; grad_input with grad_out rowwise and W
+//!   tensorwise (e4m3fn, power-of-two scales); the weight gradient in high precision.
+//!
+//! Under tensor parallelism an operand split over the tp ranks takes its amax over the whole
+//! tensor (an all-reduce of the local amaxes, as a reduction over a sharded DTensor gives), so a
+//! TP run casts to the same float8 values as one process (a rowwise `_scaled_mm` then rounds each
+//! rank's partial product of a row-wise linear to bf16 before the ranks add them).
+//!
+//! Only the matmuls see float8: parameters, gradients, optimizer state and checkpoints keep their
+//! dtype.
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use crate::autograd::{self, Function};
+use crate::parallelize::tp::TensorParallel;
+
+/// The smallest amax a scale is computed from (torchao's `EPS`): an all-zero tensor gets a
+/// finite scale.
+pub const EPS: f64 = 1e-12;
+
+/// A float8 training recipe (`recipe_name`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Recipe {
+    Tensorwise,
+    Rowwise,
+    RowwiseWithGwHp,
+}
+
+impl Recipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Recipe::Tensorwise => "tensorwise",
+            Recipe::Rowwise => "rowwise",
+            Recipe::RowwiseWithGwHp => "rowwise_with_gw_hp",
+        }
+    }
+
+    /// How each of the three matmuls casts its operands.
+    fn plan(self) -> Plan {
+        use Kind::{Float8e4m3fn as E4, Float8e5m2 as E5};
+        let tensorwise = |kind| {
+            Some(Cast {
+                kind,
+                rowwise: false,
+            })
+        };
+        let rowwise = |kind| {
+            Some(Cast {
+                kind,
+                rowwise: true,
+            })
+        };
+        // torchao's default gemm configs: fast accumulation for the output only.
+        let gemm = |a, b, fast_accum| Gemm { a, b, fast_accum };
+        match self {
+            Recipe::Tensorwise => Plan {
+                output: gemm(tensorwise(E4), tensorwise(E4), true),
+                grad_input: gemm(tensorwise(E5), tensorwise(E4), false),
+                grad_weight: gemm(tensorwise(E5), tensorwise(E4), false),
+                pow2: false,
+            },
+            Recipe::Rowwise => Plan {
+                output: gemm(rowwise(E4), rowwise(E4), true),
+                grad_input: gemm(rowwise(E4), rowwise(E4), false),
+                grad_weight: gemm(rowwise(E4), rowwise(E4), false),
+                pow2: true,
+            },
+            Recipe::RowwiseWithGwHp => Plan {
+                output: gemm(rowwise(E4), rowwise(E4), true),
+                grad_input: gemm(rowwise(E4), tensorwise(E4), false),
+                grad_weight: gemm(None, None, false),
+                pow2: true,
+            },
+        }
+    }
+}
+
+/// How a float8 product is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// `torch._scaled_mm` on the float8 operands.
+    ScaledMm,
+    /// f32 `mm` of the dequantised operands (torchao's `emulate=True`): the same float8 values,
+    /// no float8 kernel needed.
+    Emulated,
+}
+
+/// How one operand is cast: its float8 dtype, and whether it has a scale per row (along the
+/// matmul's contraction dimension) or one for the whole tensor.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cast {
+    pub kind: Kind,
+    pub rowwise: bool,
+}
+
+/// One matmul: its operands' casts (`None`: high precision; both or neither).
+#[derive(Debug, Clone, Copy)]
+struct Gemm {
+    a: Option<Cast>,
+    b: Option<Cast>,
+    fast_accum: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    output: Gemm,
+    grad_input: Gemm,
+    grad_weight: Gemm,
+    /// Scales rounded down to a power of two (torchao's `round_scales_to_power_of_2`).
+    pow2: bool,
+}
+
+/// The largest finite value of a float8 dtype (`torch.finfo(kind).max`).
+pub fn max_value(kind: Kind) -> f64 {
+    match kind {
+        Kind::Float8e4m3fn => 448.0,
+        Kind::Float8e5m2 => 57344.0,
+        Kind::Float8e4m3fnuz => 240.0,
+        Kind::Float8e5m2fnuz => 57344.0,
+        other => panic!("{other:?} is not a float8 dtype"),
+    }
+}
+
+/// The amax an operand's scale comes from: of the whole tensor, or per row of `t` along
+/// `inner_dim` (kept as a (R, 1) or (1, C) tensor).
+pub fn amax(t: &Tensor, cast: Cast, inner_dim: i64) -> Tensor {
+    let abs = t.abs();
+    if cast.rowwise {
+        abs.amax([inner_dim], true)
+    } else {
+        abs.max()
+    }
+}
+
+/// The scale for `amax`: `max_fp8 / max(amax, EPS)` in f64, stored as f32, optionally rounded
+/// down to a power of two.
+pub fn amax_to_scale(amax: &Tensor, kind: Kind, pow2: bool) -> Tensor {
+    let amax = amax.to_kind(Kind::Double).clamp_min(EPS);
+    let scale = amax.full_like(max_value(kind)).divide(&amax);
+    let scale = scale.to_kind(Kind::Float);
+    if pow2 {
+        scale.log2().floor().exp2()
+    } else {
+        scale
+    }
+}
+
+/// `t` scaled and cast to float8 `kind`, saturating at the dtype's largest value.
+pub fn to_float8(t: &Tensor, scale: &Tensor, kind: Kind) -> Tensor {
+    let max = max_value(kind);
+    (t.to_kind(Kind::Float) * scale)
+        .clamp(-max, max)
+        .to_kind(kind)
+}
+
+/// `(a / scale_a) · (b / scale_b)` for float8 `a` (R×I) and `b` (I×C) and their scales
+/// (0-dim, or (R, 1) and (1, C)), returned in `out`.
+fn product(
+    (a, scale_a): (&Tensor, &Tensor),
+    (b, scale_b): (&Tensor, &Tensor),
+    out: Kind,
+    fast_accum: bool,
+    backend: Backend,
+) -> Tensor {
+    match backend {
+        Backend::Emulated => {
+            let a = a.to_kind(Kind::Float) / scale_a;
+            let b = b.to_kind(Kind::Float) / scale_b;
+            a.mm(&b).to_kind(out)
+        }
+        Backend::ScaledMm => {
+            let (rows, cols) = (a.size()[0], b.size()[1]);
+            let rowwise = scale_a.dim() == 2 || scale_b.dim() == 2;
+            let inverse = |s: &Tensor, shape: [i64; 2]| {
+                let inv = s.reciprocal();
+                // _scaled_mm takes both scales in one granularity: a tensorwise scale next to
+                // a rowwise one is repeated along the rows (as torchao's preprocess_addmm).
+                if rowwise {
+                    inv.expand(shape, false).contiguous()
+                } else {
+                    inv
+                }
+            };
+            let (inv_a, inv_b) = (inverse(scale_a, [rows, 1]), inverse(scale_b, [1, cols]));
+            // The rowwise kernels have no f32/f16 output: torchao takes bf16 and casts.
+            let mm_out = if rowwise && matches!(out, Kind::Float | Kind::Half) {
+                Kind::BFloat16
+            } else {
+                out
+            };
+            // a row-major, b column-major: the layout the kernels take.
+            let a = a.contiguous();
+            let b = b.transpose(0, 1).contiguous().transpose(0, 1);
+            a.internal_scaled_mm(
+                &b,
+                &inv_a,
+                &inv_b,
+                None::<Tensor>,
+                None::<Tensor>,
+                mm_out,
+                fast_accum,
+            )
+            .to_kind(out)
+        }
+    }
+}
+
+/// Whether `backend` computes float8 products on `device`: a 16×16 product of each pair of
+/// float8 dtypes the recipes use, tensorwise and rowwise. `Err` says what failed.
+pub fn probe(backend: Backend, device: tch::Device) -> Result<(), String> {
+    if backend == Backend::Emulated {
+        return Ok(());
+    }
+    let result = std::panic::catch_unwind(|| {
+        let x = Tensor::ones([16, 16], (Kind::Float, device));
+        for (ka, kb) in [
+            (Kind::Float8e4m3fn, Kind::Float8e4m3fn),
+            (Kind::Float8e5m2, Kind::Float8e4m3fn),
+        ] {
+            let one = Tensor::ones([], (Kind::Float, device));
+            let rows = Tensor::ones([16, 1], (Kind::Float, device));
+            let cols = Tensor::ones([1, 16], (Kind::Float, device));
+            for (sa, sb) in [(&one, &one), (&rows, &cols)] {
+                let a = x.to_kind(ka);
+                let b = x.to_kind(kb).transpose(0, 1);
+                let _product = a
+                    .f_internal_scaled_mm(
+                        &b,
+                        sa,
+                        sb,
+                        None::<Tensor>,
+                        None::<Tensor>,
+                        Kind::BFloat16,
+                        false,
+                    )
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    });
+    result.unwrap_or_else(|p| Err(autograd::panic_text(p)))
+}
+
+/// Which of a linear's weight dimensions tensor parallelism splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpSplit {
+    /// Not split (one tp rank, or a replicated weight).
+    Whole,
+    /// Column-wise parallel: W's rows (output features) are split; the input is whole, the
+    /// output and its gradient hold this rank's features.
+    Columns,
+    /// Row-wise parallel: W's columns (input features) are split, and the input with them.
+    Rows,
+}
+
+/// Which dimension of each matmul operand (in the matmul's orientation) is split over tp:
+/// `[output (a, b), grad_input (a, b), grad_weight (a, b)]`.
+type Splits = [(Option<i64>, Option<i64>); 3];
+
+impl TpSplit {
+    fn operand_splits(self) -> Splits {
+        match self {
+            TpSplit::Whole => [(None, None); 3],
+            // x (M,K) whole, Wᵀ (K,N/tp); go (M,N/tp), W (N/tp,K); goᵀ (N/tp,M), x whole.
+            TpSplit::Columns => [(None, Some(1)), (Some(1), Some(0)), (Some(0), None)],
+            // x (M,K/tp), Wᵀ (K/tp,N); go whole, W (N,K/tp); goᵀ whole, x (M,K/tp).
+            TpSplit::Rows => [(Some(1), Some(0)), (None, Some(1)), (None, Some(1))],
+        }
+    }
+}
+
+/// One float8 linear layer's settings: recipe, how products are computed, and its place under
+/// tensor parallelism. [`Float8Linear::apply`] is the differentiable `x.linear(w)`.
+#[derive(Clone)]
+pub struct Float8Linear {
+    plan: Plan,
+    backend: Backend,
+    tp: TensorParallel,
+    splits: Splits,
+}
+
+impl Float8Linear {
+    pub fn new(recipe: Recipe, backend: Backend, tp: TensorParallel, split: TpSplit) -> Self {
+        let split = if tp.size() > 1 { split } else { TpSplit::Whole };
+        Float8Linear {
+            plan: recipe.plan(),
+            backend,
+            tp,
+            splits: split.operand_splits(),
+        }
+    }
+
+    /// `x.linear(w)` (x: (..., K), w: (N, K)) with float8 matmuls forward and backward.
+    pub fn apply(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        self.run(x, w, None)
+    }
+
+    /// For a recompute that already has the forward's output `kept`: returns it without
+    /// multiplying and back-propagates as [`Float8Linear::apply`] does (selective activation
+    /// checkpointing's replay).
+    pub fn apply_kept(&self, x: &Tensor, w: &Tensor, kept: &Tensor) -> Tensor {
+        self.run(x, w, Some(kept.shallow_clone()))
+    }
+
+    fn run(&self, x: &Tensor, w: &Tensor, kept: Option<Tensor>) -> Tensor {
+        let f = Float8Matmul {
+            linear: self.clone(),
+            kept,
+            saved: None,
+        };
+        autograd::apply(f, &[x, w], 1).remove(0)
+    }
+
+    /// The scales this layer gives x and W in the forward matmul and grad_out in the grad_input
+    /// matmul, for x (..., K), w (N, K) and go (..., N): shapes (M, 1) / (1, N) / (M, 1) when
+    /// rowwise, 0-dim when tensorwise. For tests and inspection (computed again, as backward does).
+    pub fn scales(&self, x: &Tensor, w: &Tensor, go: &Tensor) -> [Tensor; 3] {
+        let cast = |c: Option<Cast>, t: &Tensor, inner: i64, split: Option<i64>| match c {
+            Some(c) => self.cast(t, c, inner, split).1,
+            None => Tensor::ones([], (Kind::Float, t.device())),
+        };
+        let (k, n) = (w.size()[1], w.size()[0]);
+        let [out, grad_input, _] = self.splits;
+        [
+            cast(self.plan.output.a, &x.reshape([-1, k]), 1, out.0),
+            cast(self.plan.output.b, &w.transpose(0, 1), 0, out.1),
+            cast(
+                self.plan.grad_input.a,
+                &go.reshape([-1, n]),
+                1,
+                grad_input.0,
+            ),
+        ]
+    }
+
+    /// `t` cast for one operand: its float8 values and scale. `inner_dim` is the contraction
+    /// dimension of `t` in the matmul, `split` the dimension tp splits (if any).
+    fn cast(&self, t: &Tensor, cast: Cast, inner_dim: i64, split: Option<i64>) -> (Tensor, Tensor) {
+        let mut amax = amax(t, cast, inner_dim);
+        // A tensorwise amax spans every dimension; a rowwise one only the contraction dim.
+        if split.is_some_and(|d| !cast.rowwise || d == inner_dim) {
+            amax = amax.contiguous();
+            self.tp.all_reduce_max(&amax);
+        }
+        let scale = amax_to_scale(&amax, cast.kind, self.plan.pow2);
+        (to_float8(t, &scale, cast.kind), scale)
+    }
+
+    /// One matmul `a · b` (a: R×I, b: I×C) as `gemm` casts it, in `out`.
+    fn gemm(
+        &self,
+        gemm: Gemm,
+        (a, b): (&Tensor, &Tensor),
+        splits: (Option<i64>, Option<i64>),
+        out: Kind,
+    ) -> Tensor {
+        match (gemm.a, gemm.b) {
+            (Some(ca), Some(cb)) => {
+                let (qa, sa) = self.cast(a, ca, 1, splits.0);
+                let (qb, sb) = self.cast(b, cb, 0, splits.1);
+                product((&qa, &sa), (&qb, &sb), out, gemm.fast_accum, self.backend)
+            }
+            _ => a.mm(b).to_kind(out),
+        }
+    }
+
+    /// The forward output of `x` (..., K) and `w` (N, K): (..., N) in x's dtype.
+    fn output(&self, x: &Tensor, w: &Tensor) -> Tensor {
+        let mut shape = x.size();
+        let k = *shape
+            .last()
+            .expect("a linear's input has a feature dimension");
+        let y = self.gemm(
+            self.plan.output,
+            (&x.reshape([-1, k]), &w.transpose(0, 1)),
+            self.splits[0],
+            x.kind(),
+        );
+        *shape.last_mut().expect("checked above") = w.size()[0];
+        y.reshape(shape.as_slice())
+    }
+
+    /// The gradients of x and w for the output gradient `go` (..., N), in go's dtype.
+    fn grads(&self, x: &Tensor, w: &Tensor, go: &Tensor) -> (Tensor, Tensor) {
+        let (n, k) = (w.size()[0], w.size()[1]);
+        let go2 = go.reshape([-1, n]);
+        let gx = self
+            .gemm(self.plan.grad_input, (&go2, w), self.splits[1], go.kind())
+            .reshape(x.size().as_slice());
+        let gw = self.gemm(
+            self.plan.grad_weight,
+            (&go2.transpose(0, 1), &x.reshape([-1, k])),
+            self.splits[2],
+            go.kind(),
+        );
+        (gx, gw)
+    }
+}
+
+/// Float8 training of a model as the config asks: recipe, how products are computed, and which
+/// linears (torchtitan's converter rule).
+#[derive(Debug, Clone)]
+pub struct Float8Training {
+    pub recipe: Recipe,
+    pub backend: Backend,
+    pub filter_fqns: Vec<String>,
+    /// The sequence chunks a float8 `lm_head` multiplies separately.
+    pub lm_head_chunks: i64,
+}
+
+impl Float8Training {
+    /// The config's float8 training, or `None` when it is off. An unset recipe is tensorwise.
+    pub fn from_config(cfg: &crate::config::JobConfig) -> Option<Self> {
+        cfg.float8_enabled().then(|| Float8Training {
+            recipe: cfg.float8.recipe_name.unwrap_or(Recipe::Tensorwise),
+            backend: if cfg.float8.emulate {
+                Backend::Emulated
+            } else {
+                Backend::ScaledMm
+            },
+            filter_fqns: cfg.float8.filter_fqns.clone(),
+            lm_head_chunks: cfg.float8.lm_head_chunks as i64,
+        })
+    }
+
+    /// Whether the linear `fqn` (torchtitan 0.3.0's module name, e.g. `layers.0.feed_forward.w1`)
+    /// with a weight of global shape (out, in) trains in float8: both dims multiples of 16 (the
+    /// float8 kernels' rule, applied by torchtitan to every backend) and not [`Self::filtered`].
+    pub fn converts(&self, fqn: &str, out_features: i64, in_features: i64) -> bool {
+        out_features % 16 == 0 && in_features % 16 == 0 && !self.filtered(fqn)
+    }
+
+    /// Whether a `filter_fqns` entry is part of the linear's name, in either name generation
+    /// (`lm_head` is `output` before torchtitan 0.3.0, `attention.qkv_linear.wq` is
+    /// `attention.wq`).
+    pub fn filtered(&self, fqn: &str) -> bool {
+        let legacy = crate::names::legacy(&format!("{fqn}.weight"))
+            .map(|n| n.trim_end_matches(".weight").to_string());
+        self.filter_fqns.iter().any(|f| {
+            fqn.contains(f.as_str()) || legacy.as_deref().is_some_and(|l| l.contains(f.as_str()))
+        })
+    }
+
+    /// The float8 layer for a linear split over `tp` as `split`.
+    pub fn linear(&self, tp: &TensorParallel, split: TpSplit) -> Float8Linear {
+        Float8Linear::new(self.recipe, self.backend, tp.clone(), split)
+    }
+}
+
+/// The autograd function of one float8 linear call. It keeps the high-precision input and weight
+/// for backward (as torchao does) and casts them again there along the backward's axes.
+struct Float8Matmul {
+    linear: Float8Linear,
+    /// The output to return instead of multiplying (a selective-AC replay).
+    kept: Option<Tensor>,
+    saved: Option<(Tensor, Tensor)>,
+}
+
+impl Function for Float8Matmul {
+    fn forward(&mut self, inputs: &[Tensor]) -> Vec<Tensor> {
+        let (x, w) = (&inputs[0], &inputs[1]);
+        let y = match self.kept.take() {
+            Some(kept) => kept,
+            None => self.linear.output(x, w),
+        };
+        self.saved = Some((x.shallow_clone(), w.shallow_clone()));
+        vec![y]
+    }
+
+    fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
+        let (x, w) = self.saved.as_ref().expect("forward ran before backward");
+        let (gx, gw) = self.linear.grads(x, w, &grads[0]);
+        vec![gx, gw]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(&t.to_kind(Kind::Float).reshape([-1])).unwrap()
+    }
+
+    #[test]
+    fn scale_is_max_over_amax_with_eps_and_power_of_two() {
+        let amax = Tensor::from_slice(&[2.0f32, 0.0, 3.0, 448.0]);
+        let e4 = amax_to_scale(&amax, Kind::Float8e4m3fn, false);
+        let want = [224.0, (448.0 / EPS) as f32, (448.0f64 / 3.0) as f32, 1.0];
+        assert_eq!(values(&e4), want);
+        // 448 / 3 = 149.33 rounds down to 128; 224 to 128; 1 stays.
+        let p2 = amax_to_scale(&amax, Kind::Float8e4m3fn, true);
+        assert_eq!(values(&p2)[0], 128.0);
+        assert_eq!(values(&p2)[2], 128.0);
+        assert_eq!(values(&p2)[3], 1.0);
+        let e5 = amax_to_scale(&Tensor::from_slice(&[57344.0f32]), Kind::Float8e5m2, false);
+        assert_eq!(values(&e5), [1.0]);
+    }
+
+    #[test]
+    fn casting_saturates_instead_of_overflowing() {
+        let t = Tensor::from_slice(&[1.0f32, -1000.0, 500.0, 1e9]);
+        let one = Tensor::from(1.0f32);
+        let q = to_float8(&t, &one, Kind::Float8e4m3fn);
+        assert_eq!(q.kind(), Kind::Float8e4m3fn);
+        assert_eq!(values(&q), [1.0, -448.0, 448.0, 448.0]);
+        let q = to_float8(&t, &one, Kind::Float8e5m2);
+        assert_eq!(values(&q), [1.0, -1024.0, 512.0, 57344.0]);
+        // With the dynamic scale the largest magnitude lands on the dtype's max exactly.
+        let s = amax_to_scale(
+            &amax(
+                &t,
+                Cast {
+                    kind: Kind::Float8e4m3fn,
+                    rowwise: false,
+                },
+                0,
+            ),
+            Kind::Float8e4m3fn,
+            false,
+        );
+        assert_eq!(values(&to_float8(&t, &s, Kind::Float8e4m3fn))[3], 448.0);
+    }
+
+    #[test]
+    fn rowwise_amax_is_along_the_contraction_dim() {
+        let a = Tensor::from_slice(&[1.0f32, -4.0, 2.0, 3.0]).view([2, 2]);
+        let row = Cast {
+            kind: Kind::Float8e4m3fn,
+            rowwise: true,
+        };
+        assert_eq!(amax(&a, row, 1).size(), [2, 1]);
+        assert_eq!(values(&amax(&a, row, 1)), [4.0, 3.0]);
+        assert_eq!(values(&amax(&a, row, 0)), [2.0, 4.0]);
+        let whole = Cast {
+            rowwise: false,
+            ..row
+        };
+        assert_eq!(values(&amax(&a, whole, 0)), [4.0]);
+    }
+
+    /// Every recipe's forward and gradients stay near the f32 linear, and the scaled-mm and
+    /// emulated products agree (the same float8 operands; they differ only by the kernels'
+    /// summation order, and rowwise by the bf16 output of the scaled kernel).
+    #[test]
+    fn recipes_track_the_f32_linear_and_backends_agree() {
+        tch::manual_seed(3);
+        let x = Tensor::randn([4, 8, 32], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([48, 32], (Kind::Float, Device::Cpu)) * 0.1;
+        let go = Tensor::randn([4, 8, 48], (Kind::Float, Device::Cpu));
+        let reference = {
+            let x = x.copy().set_requires_grad(true);
+            let w = w.copy().set_requires_grad(true);
+            let y = x.linear::<&Tensor>(&w, None);
+            (&y * &go).sum(Kind::Float).backward();
+            (y.detach(), x.grad(), w.grad())
+        };
+        let tp = crate::parallelize::ParallelPlan::single().tp;
+        for recipe in [Recipe::Tensorwise, Recipe::Rowwise, Recipe::RowwiseWithGwHp] {
+            let mut results = Vec::new();
+            for backend in [Backend::Emulated, Backend::ScaledMm] {
+                let f8 = Float8Linear::new(recipe, backend, tp.clone(), TpSplit::Whole);
+                let x = x.copy().set_requires_grad(true);
+                let w = w.copy().set_requires_grad(true);
+                let y = f8.apply(&x, &w);
+                (&y * &go).sum(Kind::Float).backward();
+                results.push((y.detach(), x.grad(), w.grad()));
+            }
+            for (got, want) in [
+                (&results[0].0, &reference.0),
+                (&results[0].1, &reference.1),
+                (&results[0].2, &reference.2),
+            ] {
+                let rel = (got - want).norm().double_value(&[]) / want.norm().double_value(&[]);
+                // e4m3 keeps 3 mantissa bits (relative error <= 2^-4 per element), e5m2 2.
+                assert!(rel < 0.1, "{recipe:?}: relative error {rel}");
+            }
+            for i in 0..3 {
+                let (e, s) = [
+                    (&results[0].0, &results[1].0),
+                    (&results[0].1, &results[1].1),
+                    (&results[0].2, &results[1].2),
+                ][i];
+                let rel = (e - s).abs().max().double_value(&[]) / e.abs().max().double_value(&[]);
+                assert!(
+                    rel < 1e-2,
+                    "{recipe:?} tensor {i}: scaled vs emulated {rel}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_scaled_mm_kernel_answers_on_cpu() {
+        probe(Backend::ScaledMm, Device::Cpu).unwrap();
+    }
+}
