@@ -137,6 +137,7 @@ fn decode_part_unguarded(
     let reader = builder.build().context("opening the Parquet reader")?;
     let mut out = PartData {
         info: rank_info(&footer),
+        damage: footer.damage.clone(),
         ..Default::default()
     };
     let mut dicts = Dicts::default();

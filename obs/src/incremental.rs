@@ -396,6 +396,21 @@ impl PartsReader {
                         self.last.part_rows_skipped += skip_rows;
                         self.last.bytes += bytes;
                         self.last.rows += data.rows as u64;
+                        // Damage its journal had when compacted; already reported when this
+                        // reader read that journal.
+                        let journal = crate::location::journal_file_name(file.index);
+                        let damage = std::mem::take(&mut data.damage);
+                        let damage = if had_journal { Vec::new() } else { damage };
+                        self.run
+                            .report
+                            .damage
+                            .extend(damage.into_iter().map(|d| Damage {
+                                file: format!("{} (compacted from {journal})", file.display),
+                                offset: d.offset,
+                                bytes: d.bytes,
+                                lost: d.lost,
+                                error: d.error,
+                            }));
                         if had_journal {
                             // Counted when its journal was first read.
                             data.info.parts = 0;

@@ -25,7 +25,7 @@ use arrow::record_batch::RecordBatch;
 
 use crate::ipc_check::{Message, MessageKind, next_message};
 use crate::location::journal_file_name;
-use crate::part::{Footer, PartHeader, encode_batches};
+use crate::part::{CompactedDamage, Footer, PartHeader, encode_batches_noting};
 use crate::schema::{arrow_schema, col};
 
 /// First bytes of a journal's checks file (`journal-<N>.checks`).
@@ -366,6 +366,10 @@ impl JournalCursor {
                 queue.pop_front();
             }
             for c in ranges {
+                if c.end <= self.complete {
+                    // Bytes already read unchecked by `finish`.
+                    continue;
+                }
                 let len = (c.end - self.complete) as usize;
                 let range: Vec<u8> = self.staged.drain(..len).collect();
                 let start = self.complete;
@@ -708,13 +712,24 @@ pub fn read_journal(path: &Path) -> Result<JournalContents> {
 }
 
 /// Compacts a journal's batches into one Parquet part (same schema and footer as parts
-/// written directly); thread names come from the records themselves.
+/// written directly); thread names come from the records themselves. Damaged ranges that
+/// were skipped are recorded in the part's footer.
 pub fn compact(contents: &JournalContents, index: u64) -> Result<Vec<u8>> {
     let mut header = contents.footer.header.clone();
     for batch in &contents.batches {
         thread_names(batch, &mut header.threads);
     }
-    encode_batches(&contents.batches, &header, index)
+    let damage: Vec<CompactedDamage> = contents
+        .damage
+        .iter()
+        .map(|d| CompactedDamage {
+            offset: d.offset,
+            bytes: d.bytes,
+            lost: d.lost.clone(),
+            error: d.reason.clone(),
+        })
+        .collect();
+    encode_batches_noting(&contents.batches, &header, index, &damage)
 }
 
 /// Adds the (thread id -> name) pairs a batch's `thread_name` dictionary uses.

@@ -392,6 +392,8 @@ pub(crate) struct PartData {
     pub(crate) errors: Errors,
     /// Step -> bit mask over `tags`.
     pub(crate) step_tags: HashMap<u64, u64>,
+    /// Damage the file records about itself (a part's journal ranges dropped at compaction).
+    pub(crate) damage: Vec<crate::part::CompactedDamage>,
 }
 
 /// Run-wide interning of names and tags while parts are appended.

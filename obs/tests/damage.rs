@@ -390,3 +390,31 @@ fn damaged_chrome_traces_are_named_never_fatal() {
     let gz = "rank0.pt.trace.json.gz";
     mutate_file(&out, &out.join(gz), gz, 1, 200, 0x5EED_0007);
 }
+
+#[test]
+fn damage_dropped_at_compaction_is_named_by_the_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, journal) = run_with_journal(dir.path());
+    let checks = std::fs::read(titan_obs::journal::checks_path(&journal)).unwrap();
+    // Damage the second batch (the third range: schema, batch 1, batch 2).
+    let end = |i: usize| u64::from_le_bytes(checks[8 + 16 * i..16 + 16 * i].try_into().unwrap());
+    let mut bytes = std::fs::read(&journal).unwrap();
+    bytes[(end(1) + end(2)) as usize / 2] ^= 4;
+    std::fs::write(&journal, &bytes).unwrap();
+    // What the next process of the rank does with a journal left behind.
+    let contents = titan_obs::journal::read_journal(&journal).unwrap();
+    assert_eq!(contents.damage.len(), 1);
+    let part = titan_obs::journal::compact(&contents, 1).unwrap();
+    std::fs::write(run.join("obs/rank-0/part-000001.parquet"), part).unwrap();
+    titan_obs::journal::remove(&journal).unwrap();
+    let loaded = load(&run).unwrap();
+    let d = &loaded.report.damage;
+    assert_eq!(d.len(), 1, "{d:?}");
+    assert!(
+        d[0].file
+            .ends_with("part-000001.parquet (compacted from journal-000001.arrows)"),
+        "{d:?}"
+    );
+    assert_eq!((d[0].offset, d[0].bytes), (end(1), end(2) - end(1)));
+    assert!(!loaded.report.is_complete());
+}
