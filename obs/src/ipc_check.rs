@@ -35,7 +35,10 @@ pub(crate) enum Message {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum MessageKind {
     Schema,
-    Dictionary,
+    /// A dictionary batch for dictionary id `id`.
+    Dictionary {
+        id: i64,
+    },
     /// A record batch of `rows` rows.
     Batch {
         rows: i64,
@@ -95,7 +98,7 @@ pub(crate) fn next_message(buf: &[u8]) -> Message {
         }
         MessageHeader::DictionaryBatch => match message.header_as_dictionary_batch() {
             Some(d) => match d.data() {
-                Some(b) => (MessageKind::Dictionary, Some(b)),
+                Some(b) => (MessageKind::Dictionary { id: d.id() }, Some(b)),
                 None => return Message::Invalid("a dictionary batch without data".into()),
             },
             None => return Message::Invalid("a dictionary message without its header".into()),

@@ -30,6 +30,13 @@ use crate::schema::{arrow_schema, col};
 
 /// First bytes of a journal's checks file (`journal-<N>.checks`).
 pub const CHECKS_MAGIC: &[u8; 8] = b"TOBSCRC1";
+/// Every this many flushes the journal sends all dictionaries again (a *keyframe*); in
+/// between, only the dictionaries that changed, as a plain Arrow stream does. A damaged
+/// range costs the batches up to the next keyframe (16 s at the default 2 s flush) — a
+/// batch after it may use a dictionary the damaged range replaced — instead of every
+/// flush carrying ~2.6 KB of dictionaries.
+pub const KEYFRAME_EVERY: u64 = 8;
+
 /// One check: the journal offset just past the range it covers (u64 LE), the CRC-32C of the
 /// range's bytes (u32 LE), and the CRC-32C of those 12 bytes (u32 LE), so a damaged check
 /// is told from a damaged range.
@@ -60,10 +67,10 @@ pub fn remove(journal: &Path) -> std::io::Result<()> {
 
 /// The journal being appended to.
 ///
-/// Every flush is one *range* of the stream — the batch's dictionaries and the batch, all
-/// dictionaries sent again so a range decodes on its own — whose CRC-32C is appended to the
-/// checks file before the range is appended to the journal: a reader that sees a range's
-/// bytes also sees its check, and a damaged range is skipped without losing the others.
+/// Every flush is one *range* of the stream — the dictionaries that changed (all of them
+/// every [`KEYFRAME_EVERY`] flushes) and the batch — whose CRC-32C is appended to the checks
+/// file before the range is appended to the journal: a reader that sees a range's bytes also
+/// sees its check, and a damaged range costs the batches up to the next keyframe.
 pub struct JournalWriter {
     path: PathBuf,
     index: u64,
@@ -74,6 +81,8 @@ pub struct JournalWriter {
     options: IpcWriteOptions,
     /// The zstd compressor, kept between batches.
     context: IpcWriteContext,
+    /// The dictionaries sent since the last keyframe.
+    tracker: DictionaryTracker,
     /// Bytes written to the journal.
     len: u64,
     rows: u64,
@@ -119,14 +128,14 @@ impl JournalWriter {
             schema,
             options,
             context: IpcWriteContext::default(),
+            tracker: DictionaryTracker::new(false),
             len: 0,
             rows: 0,
             batches: 0,
         };
-        let mut tracker = DictionaryTracker::new(false);
         let encoded = IpcDataGenerator::default().schema_to_bytes_with_dictionary_tracker(
             &w.schema,
-            &mut tracker,
+            &mut w.tracker,
             &w.options,
         );
         let mut bytes = Vec::new();
@@ -139,16 +148,18 @@ impl JournalWriter {
     /// Appends one batch and hands it to the OS (a kill -9 after this loses nothing of it).
     pub fn append(&mut self, batch: &RecordBatch) -> Result<()> {
         let generator = IpcDataGenerator::default();
-        // A fresh tracker (its dictionary ids assigned by encoding the schema, as the
-        // stream's were) sends every dictionary again: this range needs no earlier one.
-        let mut tracker = DictionaryTracker::new(false);
-        generator.schema_to_bytes_with_dictionary_tracker(
-            &self.schema,
-            &mut tracker,
-            &self.options,
-        );
+        if self.batches.is_multiple_of(KEYFRAME_EVERY) && self.batches > 0 {
+            // A fresh tracker (its dictionary ids assigned by encoding the schema, as the
+            // stream's were) sends every dictionary again: this range needs no earlier one.
+            self.tracker = DictionaryTracker::new(false);
+            generator.schema_to_bytes_with_dictionary_tracker(
+                &self.schema,
+                &mut self.tracker,
+                &self.options,
+            );
+        }
         let (dictionaries, encoded) = generator
-            .encode(batch, &mut tracker, &self.options, &mut self.context)
+            .encode(batch, &mut self.tracker, &self.options, &mut self.context)
             .with_context(|| format!("encoding a batch for {}", self.path.display()))?;
         let mut bytes = Vec::new();
         for message in dictionaries.into_iter().chain(std::iter::once(encoded)) {
@@ -200,6 +211,8 @@ pub struct SkippedRange {
     pub bytes: u64,
     /// What those bytes held, as far as can be told.
     pub lost: String,
+    /// The same, counted.
+    pub tally: Lost,
     /// Why they were skipped.
     pub reason: String,
 }
@@ -250,6 +263,12 @@ pub struct JournalCursor {
     checks: Checks,
     /// An unchecked journal met a message it cannot decode: the rest is not read.
     stopped: bool,
+    /// Every dictionary id the stream has sent.
+    dictionary_ids: std::collections::BTreeSet<i64>,
+    /// A range was skipped (at this offset): the ranges after it are decoded only from one
+    /// that sends every dictionary again (a keyframe), since the skipped one may have
+    /// replaced a dictionary that later ones use.
+    resync_after: Option<u64>,
     damage: Vec<SkippedRange>,
 }
 
@@ -287,6 +306,7 @@ impl JournalCursor {
                     offset: 0,
                     bytes: 0,
                     lost: "nothing: the journal is read without its checks".into(),
+                    tally: Lost::default(),
                     reason: "its checks file does not start with the checks magic".into(),
                 });
                 self.checks = Checks::Absent;
@@ -401,7 +421,9 @@ impl JournalCursor {
             return Ok(());
         }
         queue.clear();
-        if self.staged.is_empty() || self.stopped {
+        // After a skipped range the dictionaries are not known to be current: unchecked bytes
+        // stay a torn tail.
+        if self.staged.is_empty() || self.stopped || self.resync_after.is_some() {
             return Ok(());
         }
         let (start, unchecked) = (self.complete, self.staged.len() as u64);
@@ -417,6 +439,7 @@ impl JournalCursor {
                      and were read unchecked",
                     self.rows - rows_before
                 ),
+                tally: Lost::default(),
                 reason: "its checks file ends before the journal (cut short or damaged)".into(),
             });
         }
@@ -469,6 +492,21 @@ impl JournalCursor {
         range: &[u8],
         on_batch: &mut impl FnMut(RecordBatch),
     ) -> Result<()> {
+        let ids = dictionary_ids(range);
+        if let Some(skipped) = self.resync_after {
+            if !ids.is_superset(&self.dictionary_ids) {
+                return self.skip(
+                    start,
+                    range,
+                    format!(
+                        "it may use dictionaries of the damaged range at byte {skipped} (read \
+                         again from the next batch that resends them all)"
+                    ),
+                );
+            }
+            self.resync_after = None;
+        }
+        self.dictionary_ids.extend(ids);
         let mut at = 0;
         let mut decoded = Vec::new();
         while at < range.len() {
@@ -602,12 +640,25 @@ impl JournalCursor {
                 range.len()
             );
         }
-        self.damage.push(SkippedRange {
-            offset: start,
-            bytes: range.len() as u64,
-            lost: describe(range),
-            reason,
-        });
+        let lost = Lost::of(range);
+        match (self.resync_after, self.damage.last_mut()) {
+            // A range skipped for the damage before it: one entry for the whole stretch.
+            (Some(_), Some(last)) if last.offset + last.bytes == start => {
+                last.bytes += range.len() as u64;
+                last.tally.add(lost);
+                last.lost = last.tally.to_string();
+            }
+            _ => self.damage.push(SkippedRange {
+                offset: start,
+                bytes: range.len() as u64,
+                lost: lost.to_string(),
+                tally: lost,
+                reason,
+            }),
+        }
+        if self.resync_after.is_none() {
+            self.resync_after = Some(start);
+        }
         Ok(())
     }
 
@@ -618,14 +669,15 @@ impl JournalCursor {
         if self.footer.is_none() {
             bail!("its schema is damaged: {reason}");
         }
+        let tally = Lost::of(rest);
         self.damage.push(SkippedRange {
             offset: start,
             bytes: rest.len() as u64,
             lost: format!(
-                "everything from this offset on ({}; the journal has no checks to find the \
-                 next good batch by)",
-                describe(rest)
+                "everything from this offset on ({tally}; the journal has no checks to find \
+                 the next good batch by)"
             ),
+            tally,
             reason,
         });
         self.complete = self.offset;
@@ -649,15 +701,15 @@ impl JournalCursor {
     }
 }
 
-/// What a damaged range held, from the message headers that can still be read in it.
-fn describe(range: &[u8]) -> String {
-    let mut rows = None;
+/// The dictionary ids a range sends (as far as its message headers can be read).
+fn dictionary_ids(range: &[u8]) -> std::collections::BTreeSet<i64> {
+    let mut ids = std::collections::BTreeSet::new();
     let mut at = 0;
     while at < range.len() {
         match next_message(&range[at..]) {
             Message::Complete { len, kind } => {
-                if let MessageKind::Batch { rows: n } = kind {
-                    rows = Some(n);
+                if let MessageKind::Dictionary { id } = kind {
+                    ids.insert(id);
                 }
                 at += len;
             }
@@ -665,9 +717,62 @@ fn describe(range: &[u8]) -> String {
             Message::Incomplete | Message::Invalid(_) => break,
         }
     }
-    match rows {
-        Some(n) => format!("a batch of {n} records ({} bytes)", range.len()),
-        None => format!("{} bytes of records (how many cannot be read)", range.len()),
+    ids
+}
+
+/// What skipped bytes held, from the message headers that can still be read in them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Lost {
+    /// Record batches whose header could be read, and their records.
+    pub batches: u64,
+    pub records: u64,
+    /// Stretches whose messages could not be read (how many records cannot be told).
+    pub unreadable: u64,
+}
+
+impl Lost {
+    fn of(range: &[u8]) -> Lost {
+        let mut lost = Lost::default();
+        let mut at = 0;
+        while at < range.len() {
+            match next_message(&range[at..]) {
+                Message::Complete { len, kind } => {
+                    if let MessageKind::Batch { rows } = kind {
+                        lost.batches += 1;
+                        lost.records += rows.max(0) as u64;
+                    }
+                    at += len;
+                }
+                Message::End { len } => at += len,
+                Message::Incomplete | Message::Invalid(_) => {
+                    lost.unreadable += 1;
+                    break;
+                }
+            }
+        }
+        lost
+    }
+
+    fn add(&mut self, o: Lost) {
+        self.batches += o.batches;
+        self.records += o.records;
+        self.unreadable += o.unreadable;
+    }
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let plural = |n: u64| if n == 1 { "" } else { "es" };
+        match (self.batches, self.unreadable) {
+            (0, _) => write!(f, "records (how many cannot be read)"),
+            (b, 0) => write!(f, "{b} batch{} of {} records", plural(b), self.records),
+            (b, _) => write!(
+                f,
+                "{b} batch{} of {} records and more whose count cannot be read",
+                plural(b),
+                self.records
+            ),
+        }
     }
 }
 
@@ -926,6 +1031,7 @@ mod tests {
         let mut builder = PartBuilder::new();
         let after_schema = std::fs::metadata(w.path()).unwrap().len();
         for from in [1, 21, 41] {
+            // Each batch's names in a new order: its dictionaries are sent with it.
             w.append(&batch(&mut builder, &h, from, 20)).unwrap();
         }
         let path = w.path().to_path_buf();
@@ -943,17 +1049,21 @@ mod tests {
         }
         assert_eq!((n, c.rows, c.pending()), (3, 60, 0));
         assert!(c.take_damage().is_empty());
-        // One flipped bit in the second batch: it alone is skipped, at its offset.
+        // One flipped bit in the second batch: it is skipped, and so is the third, which may
+        // use a dictionary the second sent (the next keyframe is batch KEYFRAME_EVERY).
         let second = u64::from_le_bytes(checks[8 + 16..8 + 24].try_into().unwrap());
         let mut damaged = bytes.clone();
         damaged[second as usize + 100] ^= 0x10;
         std::fs::write(&path, &damaged).unwrap();
         let j = read_journal(&path).unwrap();
-        assert_eq!(j.batches.iter().map(|b| b.num_rows()).sum::<usize>(), 40);
+        assert_eq!(j.batches.iter().map(|b| b.num_rows()).sum::<usize>(), 20);
         assert_eq!(j.damage.len(), 1);
-        assert_eq!(j.damage[0].offset, second);
+        assert_eq!(
+            (j.damage[0].offset, j.damage[0].bytes),
+            (second, bytes.len() as u64 - second)
+        );
         assert_eq!(j.damage[0].reason, "its checksum does not match");
-        assert!(j.damage[0].lost.contains("bytes"), "{:?}", j.damage[0]);
+        assert_eq!(j.damage[0].tally.records, 40, "{:?}", j.damage[0]);
         // A damaged check (not a damaged batch): nothing is lost, the batch is decoded
         // unchecked.
         std::fs::write(&path, &bytes).unwrap();
@@ -975,5 +1085,51 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let j = read_journal(&path).unwrap();
         assert_eq!((j.batches.len(), j.damage.len()), (3, 0));
+    }
+
+    #[test]
+    fn after_a_damaged_batch_reading_resumes_at_the_next_keyframe() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = header();
+        let mut w = JournalWriter::create(dir.path(), 0, &h).unwrap();
+        let mut builder = PartBuilder::new();
+        let n = 2 * KEYFRAME_EVERY + 2;
+        for i in 0..n {
+            w.append(&batch(&mut builder, &h, 1 + 10 * i, 10)).unwrap();
+        }
+        let path = w.path().to_path_buf();
+        drop(w);
+        let checks = std::fs::read(checks_path(&path)).unwrap();
+        let end = |i: u64| {
+            let at = 8 + 16 * i as usize;
+            u64::from_le_bytes(checks[at..at + 8].try_into().unwrap())
+        };
+        // Range 0 is the schema; batch i is range i + 1. Damage batch 1 (not a keyframe).
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[(end(1) + end(2)) as usize / 2] ^= 0x80;
+        std::fs::write(&path, &bytes).unwrap();
+        let j = read_journal(&path).unwrap();
+        // Batches 1..KEYFRAME_EVERY are lost, one entry naming the stretch; batch 0 and the
+        // batches from the keyframe on are read.
+        assert_eq!(j.batches.len() as u64, n - (KEYFRAME_EVERY - 1));
+        assert_eq!(j.damage.len(), 1, "{:?}", j.damage);
+        let d = &j.damage[0];
+        assert_eq!((d.offset, d.bytes), (end(1), end(KEYFRAME_EVERY) - end(1)));
+        assert_eq!(d.reason, "its checksum does not match");
+        // The damaged batch's own header may be unreadable; the ones after it are counted.
+        assert!(d.tally.records >= 10 * (KEYFRAME_EVERY - 2), "{d:?}");
+        let seqs: Vec<u64> = j
+            .batches
+            .iter()
+            .flat_map(|b| {
+                b.column_by_name(col::SEQ)
+                    .unwrap()
+                    .as_primitive::<arrow::datatypes::UInt64Type>()
+                    .values()
+                    .to_vec()
+            })
+            .collect();
+        assert_eq!(seqs[..10], (1..=10).collect::<Vec<_>>());
+        assert_eq!(seqs[10], 1 + 10 * KEYFRAME_EVERY);
     }
 }

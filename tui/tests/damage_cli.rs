@@ -1,5 +1,6 @@
 //! A damaged journal through the CLI: `summary` names the damaged batch (file, offset, what
-//! was lost) on stderr, in its text and in `--json`, reads the rest, and `--strict` exits 3.
+//! was lost) on stderr, in its text and in `--json`, reads the batches before it, and
+//! `--strict` exits 3.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -85,11 +86,14 @@ fn a_damaged_journal_batch_is_named_skipped_and_strict_exits_3() {
             .ends_with("journal-000000.arrows")
     );
     assert_eq!(damage[0]["offset"].as_u64(), Some(from));
-    assert_eq!(damage[0]["bytes"].as_u64(), Some(to - from));
+    // The batches after it may use its dictionaries: lost up to the next keyframe (after
+    // the end of this short journal), in the same entry.
+    assert!(to < bytes.len() as u64);
+    assert_eq!(damage[0]["bytes"].as_u64(), Some(bytes.len() as u64 - from));
     assert_eq!(
         json["spans"].as_u64(),
-        Some(40),
-        "the other four batches load"
+        Some(20),
+        "the batches before it load"
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
