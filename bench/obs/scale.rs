@@ -274,7 +274,7 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
         for e in std::fs::read_dir(dir.join(format!("obs/rank-{rank}")))? {
             let p = e?.path();
             if p.extension().is_some_and(|x| x == "arrows") {
-                std::fs::remove_file(p)?;
+                titan_obs::journal::remove(&p)?;
             }
         }
     }

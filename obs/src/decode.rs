@@ -16,7 +16,7 @@ use bytes::Bytes;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ParquetRecordBatchReaderBuilder, RowSelection, RowSelector};
 
-use crate::journal::{JournalCursor, thread_names};
+use crate::journal::{JournalCursor, SkippedRange, thread_names};
 use crate::part::Footer;
 use crate::record::NO_STEP;
 use crate::run::{Columns, PartData, RankInfo};
@@ -89,6 +89,20 @@ pub(crate) fn decode_part(
     columns: Columns,
     skip_rows: u64,
 ) -> Result<PartData> {
+    // The parquet reader validates what it reads, but a damaged file must never take the
+    // whole analysis down: should it panic on one anyway, that part is reported corrupt.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        decode_part_unguarded(bytes, dir_rank, columns, skip_rows)
+    }))
+    .unwrap_or_else(|_| bail!("the Parquet reader failed on it (the file is damaged)"))
+}
+
+fn decode_part_unguarded(
+    bytes: Bytes,
+    dir_rank: u32,
+    columns: Columns,
+    skip_rows: u64,
+) -> Result<PartData> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(bytes).context("invalid Parquet")?;
     let file_meta = builder.metadata().file_metadata();
     let kv: HashMap<String, String> = file_meta
@@ -123,6 +137,7 @@ pub(crate) fn decode_part(
     let reader = builder.build().context("opening the Parquet reader")?;
     let mut out = PartData {
         info: rank_info(&footer),
+        damage: footer.damage.clone(),
         ..Default::default()
     };
     let mut dicts = Dicts::default();
@@ -137,23 +152,34 @@ pub(crate) fn decode_part(
 pub(crate) struct JournalRead {
     pub(crate) data: PartData,
     pub(crate) batches: u64,
+    /// Damaged ranges skipped by this read.
+    pub(crate) damage: Vec<SkippedRange>,
 }
 
-/// Feeds the journal bytes that follow `cursor.offset` and decodes every batch they
-/// complete. The footer comes from the stream's schema.
+/// Feeds the journal bytes that follow `cursor.offset` (and its checks file's new bytes) and
+/// decodes every batch they complete. The footer comes from the stream's schema. `at_end`:
+/// the writer is gone, so bytes without a check are decoded unchecked.
 pub(crate) fn decode_journal(
     cursor: &mut JournalCursor,
     bytes: Bytes,
+    checks: Option<Bytes>,
     dir_rank: u32,
     columns: Columns,
+    at_end: bool,
 ) -> Result<JournalRead> {
     let mut batches = Vec::new();
+    cursor.feed_checks(checks.as_deref());
     cursor.feed(bytes, |b| batches.push(b))?;
+    if at_end {
+        cursor.finish(|b| batches.push(b))?;
+    }
+    let damage = cursor.take_damage();
     let Some(footer) = cursor.footer() else {
         // Not even the schema yet: nothing to decode.
         return Ok(JournalRead {
             data: PartData::default(),
             batches: 0,
+            damage,
         });
     };
     check_rank(footer, dir_rank)?;
@@ -169,6 +195,7 @@ pub(crate) fn decode_journal(
     Ok(JournalRead {
         data: out,
         batches: batches.len() as u64,
+        damage,
     })
 }
 

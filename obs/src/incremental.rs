@@ -14,10 +14,11 @@ use rayon::prelude::*;
 
 use crate::decode::{decode_journal, decode_part};
 use crate::journal::JournalCursor;
+use crate::journal::checks_path;
 use crate::location::{
     Location, parse_journal_file_name, parse_part_file_name, parse_rank_dir_name,
 };
-use crate::run::{CorruptPart, Merger, PartData, ReadOptions, Run, RunFormat};
+use crate::run::{CorruptPart, Damage, Merger, PartData, ReadOptions, Run, RunFormat};
 
 /// What was read: by one refresh ([`PartsReader::last`]) or in total ([`PartsReader::total`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -160,8 +161,23 @@ enum Done {
     Journal {
         file: Listed,
         cursor: Box<JournalCursor>,
-        result: Result<(PartData, u64, u64)>,
+        result: Result<JournalDone>,
     },
+}
+
+/// A journal read: what it decoded, its bytes, its batches and the damage it skipped.
+struct JournalDone {
+    data: PartData,
+    bytes: u64,
+    batches: u64,
+    damage: Vec<crate::journal::SkippedRange>,
+}
+
+/// A file's new bytes, and for a journal the new bytes of its checks file (`None` when it
+/// has none).
+struct Fetched {
+    data: Bytes,
+    checks: Option<Bytes>,
 }
 
 impl PartsReader {
@@ -252,7 +268,7 @@ impl PartsReader {
             let decoded: Vec<Done> = fetched
                 .into_par_iter()
                 .map(|(w, bytes)| {
-                    let done = decode(w, bytes, opts);
+                    let done = decode(w, bytes, opts, at_end);
                     if let Some(cb) = &opts.progress {
                         cb(1);
                     }
@@ -282,18 +298,32 @@ impl PartsReader {
     }
 
     /// Reads each work item's new bytes (whole parts; journals from their cursor).
-    fn fetch(&self, work: Vec<Work>) -> Result<Vec<(Work, Result<Bytes>)>> {
+    ///
+    /// A journal's checks file is read after the journal was listed (its size known): the
+    /// writer appends a check before its range, so every listed byte has its check.
+    fn fetch(&self, work: Vec<Work>) -> Result<Vec<(Work, Result<Fetched>)>> {
         let range = |w: &Work| match w {
             Work::Part { file, .. } => 0..file.size,
             Work::Journal { file, cursor } => cursor.offset..file.size,
+        };
+        let checks_from = |w: &Work| match w {
+            Work::Part { .. } => None,
+            Work::Journal { cursor, .. } => cursor.checks_offset(),
         };
         match &self.location {
             Location::Local(_) => Ok(work
                 .into_par_iter()
                 .map(|w| {
                     let r = range(&w);
-                    let bytes = read_local(&w.file().display, r);
-                    (w, bytes)
+                    let fetched = (|| {
+                        let checks = match checks_from(&w) {
+                            Some(from) => read_local_checks(&w.file().display, from)?,
+                            None => None,
+                        };
+                        let data = read_local(&w.file().display, r)?;
+                        Ok(Fetched { data, checks })
+                    })();
+                    (w, fetched)
                 })
                 .collect()),
             Location::Object { store, .. } => {
@@ -304,14 +334,42 @@ impl PartsReader {
                         .map(|w| {
                             let store = store.clone();
                             let r = range(&w);
+                            let from = checks_from(&w);
                             async move {
                                 let f = w.file();
                                 let path = f.object_path.clone().expect("object files have paths");
-                                let bytes = store
-                                    .get_range(&path, r)
-                                    .await
-                                    .with_context(|| format!("downloading {}", f.display));
-                                (w, bytes)
+                                let fetched = async {
+                                    let checks = match from {
+                                        Some(from) => {
+                                            let name =
+                                                checks_path(std::path::Path::new(path.as_ref()));
+                                            let cpath = object_store::path::Path::from(
+                                                name.to_string_lossy().as_ref(),
+                                            );
+                                            match store.get(&cpath).await {
+                                                Ok(g) => {
+                                                    let b = g.bytes().await.with_context(|| {
+                                                        format!("downloading {cpath}")
+                                                    })?;
+                                                    Some(b.slice((from as usize).min(b.len())..))
+                                                }
+                                                Err(object_store::Error::NotFound { .. }) => None,
+                                                Err(e) => {
+                                                    return Err(anyhow::Error::new(e)
+                                                        .context(format!("downloading {cpath}")));
+                                                }
+                                            }
+                                        }
+                                        None => None,
+                                    };
+                                    let data = store
+                                        .get_range(&path, r)
+                                        .await
+                                        .with_context(|| format!("downloading {}", f.display))?;
+                                    Ok(Fetched { data, checks })
+                                }
+                                .await;
+                                (w, fetched)
                             }
                         })
                         .buffer_unordered(16)
@@ -338,6 +396,21 @@ impl PartsReader {
                         self.last.part_rows_skipped += skip_rows;
                         self.last.bytes += bytes;
                         self.last.rows += data.rows as u64;
+                        // Damage its journal had when compacted; already reported when this
+                        // reader read that journal.
+                        let journal = crate::location::journal_file_name(file.index);
+                        let damage = std::mem::take(&mut data.damage);
+                        let damage = if had_journal { Vec::new() } else { damage };
+                        self.run
+                            .report
+                            .damage
+                            .extend(damage.into_iter().map(|d| Damage {
+                                file: format!("{} (compacted from {journal})", file.display),
+                                offset: d.offset,
+                                bytes: d.bytes,
+                                lost: d.lost,
+                                error: d.error,
+                            }));
                         if had_journal {
                             // Counted when its journal was first read.
                             data.info.parts = 0;
@@ -359,7 +432,22 @@ impl PartsReader {
             } => {
                 let key = (file.rank, file.index);
                 match result {
-                    Ok((mut data, bytes, batches)) => {
+                    Ok(JournalDone {
+                        mut data,
+                        bytes,
+                        batches,
+                        damage,
+                    }) => {
+                        self.run
+                            .report
+                            .damage
+                            .extend(damage.into_iter().map(|d| Damage {
+                                file: file.display.clone(),
+                                offset: d.offset,
+                                bytes: d.bytes,
+                                lost: d.lost,
+                                error: d.reason,
+                            }));
                         let first = cursor.batches == batches && batches > 0;
                         self.last.journal_batches += batches;
                         self.last.bytes += bytes;
@@ -457,10 +545,11 @@ impl PartsReader {
     }
 }
 
-fn decode(work: Work, bytes: Result<Bytes>, opts: &ReadOptions) -> Done {
+fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool) -> Done {
     match work {
         Work::Part { file, skip_rows } => {
-            let result = bytes.and_then(|b| {
+            let result = fetched.and_then(|f| {
+                let b = f.data;
                 let n = b.len() as u64;
                 decode_part(b, file.rank, opts.columns, skip_rows).map(|d| (d, n))
             });
@@ -471,11 +560,23 @@ fn decode(work: Work, bytes: Result<Bytes>, opts: &ReadOptions) -> Done {
             }
         }
         Work::Journal { file, mut cursor } => {
-            let result = bytes.and_then(|b| {
-                let n = b.len() as u64;
-                decode_journal(&mut cursor, b, file.rank, opts.columns)
-                    .map(|r| (r.data, n, r.batches))
-                    .with_context(|| format!("reading {}", file.display))
+            let result = fetched.and_then(|f| {
+                let n = f.data.len() as u64;
+                decode_journal(
+                    &mut cursor,
+                    f.data,
+                    f.checks,
+                    file.rank,
+                    opts.columns,
+                    at_end,
+                )
+                .map(|r| JournalDone {
+                    data: r.data,
+                    bytes: n,
+                    batches: r.batches,
+                    damage: r.damage,
+                })
+                .with_context(|| format!("reading {}", file.display))
             });
             Done::Journal {
                 file,
@@ -484,6 +585,22 @@ fn decode(work: Work, bytes: Result<Bytes>, opts: &ReadOptions) -> Done {
             }
         }
     }
+}
+
+/// A local journal's checks file from `from` to its end; `None` when there is none.
+fn read_local_checks(journal: &str, from: u64) -> Result<Option<Bytes>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let path = checks_path(std::path::Path::new(journal));
+    let mut f = match std::fs::File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let mut buf = Vec::new();
+    f.seek(SeekFrom::Start(from))
+        .and_then(|_| f.read_to_end(&mut buf))
+        .with_context(|| format!("reading {}", path.display()))?;
+    Ok(Some(Bytes::from(buf)))
 }
 
 fn read_local(path: &str, range: std::ops::Range<u64>) -> Result<Bytes> {

@@ -53,6 +53,7 @@ pub mod convert;
 mod decode;
 mod incremental;
 pub mod ingest;
+mod ipc_check;
 pub mod journal;
 pub mod location;
 pub mod part;

@@ -79,12 +79,24 @@ impl PartHeader {
     }
 }
 
+/// A damaged range of the journal a part was compacted from, recorded in the part's footer
+/// (`titan.damage`): its records are not in the part.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CompactedDamage {
+    pub offset: u64,
+    pub bytes: u64,
+    pub lost: String,
+    pub error: String,
+}
+
 /// A footer parsed from key-value metadata: who wrote the records and which part they are.
 #[derive(Debug, Clone)]
 pub struct Footer {
     pub header: PartHeader,
     /// `titan.part`, when present.
     pub part: Option<u64>,
+    /// Journal damage dropped at compaction (`titan.damage`; empty when absent).
+    pub damage: Vec<CompactedDamage>,
 }
 
 impl Footer {
@@ -132,9 +144,22 @@ impl Footer {
                 .and_then(|v| serde_json::from_str(v).ok())
                 .unwrap_or_default(),
         };
+        let damage = match kv.get(meta::DAMAGE) {
+            None => Vec::new(),
+            Some(v) => serde_json::from_str(v).unwrap_or_else(|e| {
+                // The record of the damage is itself unreadable: still name it.
+                vec![CompactedDamage {
+                    offset: 0,
+                    bytes: 0,
+                    lost: "unknown (the footer's record of it is unreadable)".into(),
+                    error: format!("`{}` does not parse: {e}", meta::DAMAGE),
+                }]
+            }),
+        };
         Ok(Footer {
             header,
             part: kv.get(meta::PART).and_then(|v| v.parse().ok()),
+            damage,
         })
     }
 }
@@ -336,11 +361,29 @@ pub fn encode(batch: &RecordBatch, header: &PartHeader, part: u64) -> Result<Vec
 /// Encodes batches (in order, as one part) as one zstd Parquet file with the header in the
 /// footer. The batches' own schema metadata is dropped: the footer is the part's metadata.
 pub fn encode_batches(batches: &[RecordBatch], header: &PartHeader, part: u64) -> Result<Vec<u8>> {
+    encode_batches_noting(batches, header, part, &[])
+}
+
+/// [`encode_batches`] for a part compacted from a damaged journal: the ranges that were
+/// dropped go into the footer (`titan.damage`), so every later reader names them.
+pub fn encode_batches_noting(
+    batches: &[RecordBatch],
+    header: &PartHeader,
+    part: u64,
+    damage: &[CompactedDamage],
+) -> Result<Vec<u8>> {
+    let mut kv = header.key_values(part);
+    if !damage.is_empty() {
+        kv.push(KeyValue::new(
+            meta::DAMAGE.to_string(),
+            serde_json::to_string(damage).context("recording the journal's damage")?,
+        ));
+    }
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
         .set_dictionary_enabled(true)
         .set_max_row_group_row_count(Some(1 << 20))
-        .set_key_value_metadata(Some(header.key_values(part)))
+        .set_key_value_metadata(Some(kv))
         .build();
     let size: usize = batches.iter().map(|b| b.get_array_memory_size()).sum();
     let mut out = Vec::with_capacity(size / 4 + 4096);

@@ -334,6 +334,16 @@ fn recover_journals(sink: &PartSink) -> Vec<String> {
             if contents.batches.is_empty() {
                 return Ok(None);
             }
+            for d in &contents.damage {
+                tracing::warn!(
+                    "{}: {} bytes at offset {} are damaged ({}) and were dropped: {}",
+                    path.display(),
+                    d.bytes,
+                    d.offset,
+                    d.reason,
+                    d.lost
+                );
+            }
             if contents.torn_bytes > 0 {
                 tracing::warn!(
                     "{}: {} bytes after the last complete batch (torn by a crash) dropped",
@@ -345,7 +355,7 @@ fn recover_journals(sink: &PartSink) -> Vec<String> {
         })();
         match result {
             Ok(part) => {
-                if let Err(e) = std::fs::remove_file(&path) {
+                if let Err(e) = crate::journal::remove(&path) {
                     tracing::warn!("removing {}: {e}", path.display());
                 }
                 done.extend(part);
@@ -822,7 +832,7 @@ impl Writer {
             .and_then(|bytes| self.sink.put(index, bytes));
         match result {
             Ok(part) => {
-                if let Err(e) = std::fs::remove_file(&path) {
+                if let Err(e) = crate::journal::remove(&path) {
                     tracing::warn!("removing the compacted journal {}: {e}", path.display());
                 }
                 self.stats.parts += 1;

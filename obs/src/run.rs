@@ -203,6 +203,20 @@ pub struct CorruptPart {
     pub error: String,
 }
 
+/// Bytes of a file that could not be decoded and were skipped (the rest of the file was
+/// read): which file, where, and what was lost.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Damage {
+    pub file: String,
+    /// Offset of the skipped bytes in the file.
+    pub offset: u64,
+    pub bytes: u64,
+    /// What the skipped bytes held, as far as can be told (e.g. `a batch of 812 records`).
+    pub lost: String,
+    /// Why they were skipped (e.g. `its checksum does not match`).
+    pub error: String,
+}
+
 /// What kind of files a run was read from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -280,6 +294,8 @@ pub struct LoadReport {
     /// Ranks below `world_size` with no readable part.
     pub missing_ranks: Vec<u32>,
     pub corrupt_parts: Vec<CorruptPart>,
+    /// Damaged stretches of files that were skipped while the rest of each file was read.
+    pub damage: Vec<Damage>,
     /// Parts (or JSONL / trace files) read.
     pub parts_read: usize,
     /// Records (rows, JSONL lines or trace events) read.
@@ -298,7 +314,10 @@ pub struct LoadReport {
 
 impl LoadReport {
     pub fn is_complete(&self) -> bool {
-        self.missing_ranks.is_empty() && self.corrupt_parts.is_empty() && self.malformed_lines == 0
+        self.missing_ranks.is_empty()
+            && self.corrupt_parts.is_empty()
+            && self.damage.is_empty()
+            && self.malformed_lines == 0
     }
 
     /// Counts a malformed line, naming it while fewer than [`MAX_NAMED_BAD_LINES`] are named.
@@ -373,6 +392,8 @@ pub(crate) struct PartData {
     pub(crate) errors: Errors,
     /// Step -> bit mask over `tags`.
     pub(crate) step_tags: HashMap<u64, u64>,
+    /// Damage the file records about itself (a part's journal ranges dropped at compaction).
+    pub(crate) damage: Vec<crate::part::CompactedDamage>,
 }
 
 /// Run-wide interning of names and tags while parts are appended.

@@ -180,6 +180,9 @@ pub mod meta {
     pub const THREADS: &str = "titan.threads";
     /// JSON object of free-form run metadata (config hash, command line, ...).
     pub const RUN_METADATA: &str = "titan.run_metadata";
+    /// JSON array of the damaged journal ranges dropped when the part was compacted from its
+    /// journal (`[{offset, bytes, lost, error}]`), so readers of the part still name them.
+    pub const DAMAGE: &str = "titan.damage";
 }
 
 fn dict_utf8() -> DataType {

@@ -195,7 +195,11 @@ fn kill_9_keeps_every_flushed_batch_and_the_next_process_compacts_it() {
         .as_nanos() as i64;
     kid.kill().unwrap();
     assert!(!kid.wait().unwrap().success());
-    assert_eq!(files(&rank_dir), ["journal-000000.arrows"]);
+    // The journal and its checks (a CRC-32C per flush, obs/SCHEMA.md).
+    assert_eq!(
+        files(&rank_dir),
+        ["journal-000000.arrows", "journal-000000.checks"]
+    );
 
     // Every record up to the last flush: ticks 1..=n without a gap, the loss within one interval.
     let check = |loaded: &Run| {

@@ -10,7 +10,7 @@ use super::stats::{DurationStats, median_f64};
 use super::table::{RunShape, SpanTable};
 use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
 use crate::record::NO_STEP;
-use crate::run::{BadLine, ClockAlignment, NameId, OpenSpan, Run, RunFormat};
+use crate::run::{BadLine, ClockAlignment, Damage, NameId, OpenSpan, Run, RunFormat};
 
 /// Straggler detection thresholds.
 #[derive(Debug, Clone, Copy)]
@@ -101,6 +101,8 @@ pub struct Summary {
     pub waits: Vec<Wait>,
     pub missing_ranks: Vec<u32>,
     pub corrupt_parts: Vec<(String, String)>,
+    /// Damaged stretches of files skipped while the rest of each file was read.
+    pub damage: Vec<Damage>,
     /// What the run was read from (`titan`, `torchtitan`, `chrome_trace`).
     pub format: RunFormat,
     /// Malformed lines of text logs (all counted; the first ones named in `bad_lines`).
@@ -176,6 +178,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
             .iter()
             .map(|c| (c.path.clone(), c.error.clone()))
             .collect(),
+        damage: run.report.damage.clone(),
         format: run.report.format,
         malformed_lines: run.report.malformed_lines,
         bad_lines: run.report.bad_lines.clone(),

@@ -53,7 +53,7 @@ pub fn is_not_a_run(e: &anyhow::Error) -> bool {
 /// What every "not a run" message ends with: the three inputs titan-obs reads.
 const WHAT_TO_PASS: &str = "pass a titan run (the folder holding obs/rank-<R>/part-<N>.parquet), \
      a torchtitan run (the folder holding structured_logs/<source>.global_rank_<R>.<stamp>.jsonl, \
-     that folder, or one such file) or a Chrome trace (a .json file or a folder of them)";
+     that folder, or one such file) or a Chrome trace (a .json or .json.gz file or a folder of them)";
 
 /// A local path or an object store path under a [`Location`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,7 +67,41 @@ fn is_jsonl(name: &str) -> bool {
 }
 
 fn is_trace(name: &str) -> bool {
-    name.ends_with(".json")
+    name.ends_with(".json") || is_gzip_trace(name)
+}
+
+/// torch.profiler's `tensorboard_trace_handler` writes `*.pt.trace.json.gz`.
+fn is_gzip_trace(name: &str) -> bool {
+    name.ends_with(".json.gz")
+}
+
+/// A trace decompresses to at most this many times its compressed size (plus 64 MiB): JSON
+/// traces compress 10-30x; a damaged length or a crafted file must not exhaust memory.
+const MAX_GZIP_RATIO: u64 = 1000;
+
+/// A `.json.gz` trace's JSON. Damage (a bad header, deflate stream or CRC, a cut) is an
+/// error naming the file.
+fn gunzip(bytes: &[u8], display: &str) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let limit = bytes.len() as u64 * MAX_GZIP_RATIO + (64 << 20);
+    let mut out = Vec::new();
+    flate2::read::MultiGzDecoder::new(bytes)
+        .take(limit + 1)
+        .read_to_end(&mut out)
+        .with_context(|| format!("{display}: damaged gzip"))?;
+    if out.len() as u64 > limit {
+        bail!("{display}: decompresses to more than {limit} bytes (a damaged or crafted gzip)");
+    }
+    Ok(out)
+}
+
+/// Parses one Chrome trace file, gunzipping a `.json.gz`.
+fn parse_trace(bytes: &[u8], display: &str) -> Result<chrome::Parsed> {
+    if is_gzip_trace(display) {
+        chrome::parse(&gunzip(bytes, display)?, display)
+    } else {
+        chrome::parse(bytes, display)
+    }
 }
 
 /// Decides what `location` holds.
@@ -120,7 +154,7 @@ pub fn detect(location: &Location) -> Result<Detected> {
                 let _ = store.list(Some(base)).try_next().await;
                 bail!(
                     "{url} holds no titan run (obs/), torchtitan structured logs (structured_logs/*.jsonl) \
-                     or Chrome trace (*.json) (or wrong credentials/endpoint)"
+                     or Chrome trace (*.json, *.json.gz) (or wrong credentials/endpoint)"
                 )
             })
         }
@@ -142,7 +176,7 @@ fn detect_local(path: &Path) -> Result<Detected> {
             return Ok(Detected::ChromeTrace(Source::Local(path.to_path_buf())));
         }
         return Err(NotARun(format!(
-            "{} is not a run titan-obs can read (a file that is neither .jsonl nor .json); \
+            "{} is not a run titan-obs can read (a file that is neither .jsonl nor .json / .json.gz); \
              {WHAT_TO_PASS}",
             path.display()
         ))
@@ -534,13 +568,13 @@ impl TorchtitanReader {
 fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions) -> Result<Run> {
     let files = list_files(location, src, is_trace)?;
     if files.is_empty() {
-        bail!("{run}: no Chrome trace files (*.json) found");
+        bail!("{run}: no Chrome trace files (*.json, *.json.gz) found");
     }
     let multi = files.len() > 1;
     let parsed: Vec<(Listed, Result<chrome::Parsed>)> = files
         .into_par_iter()
         .map(|f| {
-            let r = read_range(location, &f, 0..f.size).and_then(|b| chrome::parse(&b, &f.display));
+            let r = read_range(location, &f, 0..f.size).and_then(|b| parse_trace(&b, &f.display));
             if let Some(cb) = &opts.progress {
                 cb(1);
             }

@@ -33,6 +33,12 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
     for c in &run.report.corrupt_parts {
         b.add_warning(format!("corrupt part {}: {}", c.path, c.error));
     }
+    for d in &run.report.damage {
+        b.add_warning(format!(
+            "damaged {} at byte {}: lost {}",
+            d.file, d.offset, d.lost
+        ));
+    }
     let r = &run.report;
     if r.malformed_lines > 0 {
         let first = r

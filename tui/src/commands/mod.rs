@@ -90,6 +90,12 @@ pub fn report_problems(run: &Run) {
             c.path, c.error
         ));
     }
+    for d in &r.damage {
+        TITAN_OBS.warning(format_args!(
+            "{} is damaged at byte {} ({} bytes: {}): lost {}; the rest of it was read",
+            d.file, d.offset, d.bytes, d.error, d.lost
+        ));
+    }
     if !r.missing_ranks.is_empty() {
         let loc = titan_obs::location::Location::parse(&run.location).ok();
         for &rank in &r.missing_ranks {

@@ -69,6 +69,13 @@ pub fn render(s: &Summary, top: usize) -> String {
     for (p, e) in &s.corrupt_parts {
         let _ = writeln!(o, "corrupt part (skipped): {p}: {e}");
     }
+    for d in &s.damage {
+        let _ = writeln!(
+            o,
+            "damaged (skipped): {} at byte {}, {} bytes: {}; lost {}",
+            d.file, d.offset, d.bytes, d.error, d.lost
+        );
+    }
     if s.malformed_lines > 0 {
         let named: Vec<String> = s
             .bad_lines
