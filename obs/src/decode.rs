@@ -91,10 +91,8 @@ pub(crate) fn decode_part(
 ) -> Result<PartData> {
     // The parquet reader validates what it reads, but a damaged file must never take the
     // whole analysis down: should it panic on one anyway, that part is reported corrupt.
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        decode_part_unguarded(bytes, dir_rank, columns, skip_rows)
-    }))
-    .unwrap_or_else(|_| bail!("the Parquet reader failed on it (the file is damaged)"))
+    crate::guard::guarded(|| decode_part_unguarded(bytes, dir_rank, columns, skip_rows))
+        .unwrap_or_else(|panic| bail!("the Parquet reader failed on it ({panic}): it is damaged"))
 }
 
 fn decode_part_unguarded(

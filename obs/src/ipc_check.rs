@@ -147,6 +147,10 @@ fn check_batch(batch: &arrow::ipc::RecordBatch<'_>, body: &[u8]) -> Result<(), S
     for b in batch.buffers().iter().flatten() {
         let (offset, length) = (b.offset(), b.length());
         let end = offset.checked_add(length);
+        // The format puts every buffer at a multiple of 8 (arrow-rs writes 64).
+        if offset % 8 != 0 {
+            return Err(format!("a buffer at the unaligned offset {offset}"));
+        }
         if offset < 0 || length < 0 || end.is_none_or(|e| e as u64 > body.len() as u64) {
             return Err(format!(
                 "a buffer at {offset}+{length} outside the {}-byte body",

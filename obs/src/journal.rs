@@ -10,7 +10,6 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::io::Write;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -23,6 +22,7 @@ use arrow::ipc::writer::{
 };
 use arrow::record_batch::RecordBatch;
 
+use crate::guard::guarded;
 use crate::ipc_check::{Message, MessageKind, next_message};
 use crate::location::journal_file_name;
 use crate::part::{CompactedDamage, Footer, PartHeader, encode_batches_noting};
@@ -556,7 +556,7 @@ impl JournalCursor {
         }
         let mut buffer = Buffer::from(message.to_vec());
         let decoder = &mut self.decoder;
-        let result = catch_unwind(AssertUnwindSafe(|| {
+        let result = guarded(|| {
             let mut out = Vec::new();
             while !buffer.is_empty() {
                 if let Some(b) = decoder.decode(&mut buffer)? {
@@ -564,7 +564,7 @@ impl JournalCursor {
                 }
             }
             Ok::<_, arrow::error::ArrowError>(out)
-        }));
+        });
         let error = match result {
             Ok(Ok(batches)) => {
                 if kind == MessageKind::Schema {
@@ -577,7 +577,7 @@ impl JournalCursor {
                 return Ok(());
             }
             Ok(Err(e)) => e.to_string(),
-            Err(_) => "arrow's decoder panicked on it".to_string(),
+            Err(panic) => format!("arrow's decoder failed on it ({panic})"),
         };
         self.restart_decoder();
         Err(error)
@@ -623,13 +623,13 @@ impl JournalCursor {
         }
         let mut buffer = Buffer::from(self.schema_message.clone());
         let decoder = &mut self.decoder;
-        let _ = catch_unwind(AssertUnwindSafe(|| {
+        let _ = guarded(|| {
             while !buffer.is_empty() {
                 if decoder.decode(&mut buffer).is_err() {
                     break;
                 }
             }
-        }));
+        });
     }
 
     /// Records a skipped checked range; a damaged schema range makes the journal unreadable.

@@ -51,6 +51,7 @@ pub mod analysis;
 pub mod clock;
 pub mod convert;
 mod decode;
+mod guard;
 mod incremental;
 pub mod ingest;
 mod ipc_check;
