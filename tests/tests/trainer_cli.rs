@@ -101,7 +101,10 @@ fn unimplemented_torchtitan_keys_are_refused_naming_them() {
         ("--parallelism.context_parallel_degree", "2"),
         ("--metrics.enable_wandb", "true"),
         ("--training.enable_cpu_offload", "true"),
-        ("--parallelism.pipeline_parallel_schedule_csv", "schedule.csv"),
+        (
+            "--parallelism.pipeline_parallel_schedule_csv",
+            "schedule.csv",
+        ),
     ] {
         let o = titan_train(&[key, value, "--training.steps", "1"]);
         assert_eq!(o.status.code(), Some(2), "{key}: {}", text(&o));
