@@ -17,9 +17,10 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use anyhow::{Context, Result, bail};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::dist::{CommError, DeviceMesh, Group, Pending};
+use crate::model::Llama;
 use crate::parallel::Dim;
 
 /// torchtitan's `parallelism.pipeline_parallel_schedule` names titan-train runs.
@@ -471,31 +472,6 @@ pub struct Pipeline {
     backward_links: HashMap<usize, Link>,
 }
 
-/// What [`Pipeline::run`] needs of the model: forward through one stage and the loss.
-pub trait StagedModel {
-    /// Runs stage `stage` on `input` (token ids on the first stage, else the hidden states the
-    /// previous stage sent) and returns the hidden states or, on the last stage, the logits.
-    fn forward_stage(&self, stage: usize, input: &Tensor, positions: &Tensor) -> Tensor;
-    fn summed_cross_entropy(&self, logits: &Tensor, labels: &Tensor) -> Tensor;
-    /// Shape and dtype of the hidden states between stages for a microbatch of `batch` rows
-    /// of `seq_len` tokens.
-    fn hidden_shape(&self, batch: i64, seq_len: i64) -> (Vec<i64>, Kind);
-}
-
-impl StagedModel for crate::model::Llama {
-    fn forward_stage(&self, stage: usize, input: &Tensor, positions: &Tensor) -> Tensor {
-        crate::model::Llama::forward_stage(self, stage, input, Some(positions))
-    }
-
-    fn summed_cross_entropy(&self, logits: &Tensor, labels: &Tensor) -> Tensor {
-        crate::model::Llama::summed_cross_entropy(self, logits, labels)
-    }
-
-    fn hidden_shape(&self, batch: i64, seq_len: i64) -> (Vec<i64>, Kind) {
-        crate::model::Llama::hidden_shape(self, batch, seq_len)
-    }
-}
-
 /// One microbatch's data, as every stage of the pipeline reads it.
 pub struct Microbatch<'a> {
     pub inputs: &'a Tensor,
@@ -614,7 +590,7 @@ impl Pipeline {
     /// (FSDP's reductions are collected by the caller).
     pub fn run(
         &self,
-        model: &dyn StagedModel,
+        model: &Llama,
         microbatches: &[Microbatch<'_>],
         global_tokens: i64,
     ) -> Result<f64> {
@@ -652,7 +628,7 @@ impl Pipeline {
                     };
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
-                        let out = model.forward_stage(a.stage, x, mb.positions);
+                        let out = model.forward_stage(a.stage, x, Some(mb.positions));
                         if a.stage == last {
                             model.summed_cross_entropy(&out, mb.labels)
                                 / global_tokens.max(1) as f64
@@ -677,7 +653,7 @@ impl Pipeline {
                     let root = if a.stage == last {
                         f.output
                     } else {
-                        let grad = f.output.zeros_like();
+                        let grad = f.output.empty_like();
                         self.receive(&self.backward_links, a.stage, &grad)
                             .with_context(|| {
                                 format!(
