@@ -97,6 +97,23 @@ impl Shared {
 pub struct Pending(Option<Receiver<Result<(), CommError>>>);
 
 impl Pending {
+    /// The result if the collective has finished (`Some`), without waiting.
+    pub fn try_result(&mut self) -> Option<Result<(), CommError>> {
+        match &self.0 {
+            None => Some(Ok(())),
+            Some(rx) => match rx.try_recv() {
+                Ok(result) => Some(result),
+                Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    Some(Err(CommError::BadArgument {
+                        op: "prefetch",
+                        message: "the background collective's thread ended without a result".into(),
+                    }))
+                }
+            },
+        }
+    }
+
     pub fn wait(self) -> Result<(), CommError> {
         match self.0 {
             None => Ok(()),

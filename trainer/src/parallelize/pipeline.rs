@@ -667,6 +667,15 @@ impl Pipeline {
                     };
                     root.f_backward()
                         .map_err(|e| anyhow::anyhow!("stage {} backward: {e}", a.stage))?;
+                    // Sends that have finished free their tensors now, not at the step's end.
+                    let mut kept = Vec::with_capacity(sends.len());
+                    for (mut pending, t) in sends.drain(..) {
+                        match pending.try_result() {
+                            Some(result) => result.context("sending to another pipeline stage")?,
+                            None => kept.push((pending, t)),
+                        }
+                    }
+                    sends = kept;
                     if let Some(input) = f.input {
                         let grad = input.grad();
                         sends.push((self.send(&self.backward_links, a.stage - 1, &grad), grad));
