@@ -4,6 +4,7 @@
 
 pub mod chrome;
 pub mod metrics;
+pub mod pipeline;
 pub mod spread;
 pub mod stats;
 pub mod summary;
@@ -12,6 +13,7 @@ pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
 pub use metrics::{MetricsLine, format_line, format_value, metrics, to_csv};
+pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary};
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
 pub use stats::DurationStats;
 pub use summary::{
