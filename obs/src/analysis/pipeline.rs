@@ -4,8 +4,10 @@
 //! titan-train records every pass of a pipeline schedule as a `forward` or `backward` span
 //! tagged with its microbatch and (virtual) stage, inside the step's `forward_backward` span
 //! (the rank's pipeline window); the time it waits for a neighbour's activations or gradients
-//! is a `pipeline_recv` span of its own. A rank's **bubble** in a step is the share of its
-//! window spent in no pass: `1 - (forward + backward time) / window`. The ideal is the
+//! is a `pipeline_recv` span of its own. A stage's **bubble** in a step is the share of the
+//! step's pipeline time (the longest window of the step over the pipeline's ranks: they all
+//! start the schedule together, after the step's token count is reduced) that it spent in no
+//! pass: `1 - (forward + backward time) / pipeline time`. The ideal is the
 //! schedule's with equal stages and free communication: `(p-1)/(v*m+p-1)` for `p` pipeline
 //! ranks, `v` stages per rank and `m` microbatches (GPipe and 1F1B: `v = 1`).
 
@@ -51,7 +53,8 @@ pub struct StageBubble {
     pub backward_ns: f64,
     /// Median per rank-step: time in passes.
     pub busy_ns: f64,
-    /// Median per rank-step: the pipeline window (`forward_backward`).
+    /// Median per rank-step: the step's pipeline time (the longest `forward_backward` of the
+    /// step over the ranks that ran passes).
     pub window_ns: f64,
     /// Median per rank-step: time waiting to receive from a neighbouring stage.
     pub recv_wait_ns: f64,
@@ -106,6 +109,14 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
     if stages_of_rank.is_empty() {
         return None;
     }
+    // The pipeline's time in each step: the longest window over the ranks that ran passes.
+    let mut pipeline_time: BTreeMap<u64, i64> = BTreeMap::new();
+    for (&(_, step), rs) in &per_rank_step {
+        if rs.busy > 0 {
+            let t = pipeline_time.entry(step).or_default();
+            *t = (*t).max(rs.window);
+        }
+    }
     // Ranks holding the same stages are one pipeline position (its dp/tp replicas).
     let mut positions: BTreeMap<Vec<u16>, Vec<u32>> = BTreeMap::new();
     for (rank, stages) in &stages_of_rank {
@@ -137,14 +148,15 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
             let mut bubbles = Vec::new();
             let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
             for &rank in &ranks {
-                for (_, rs) in per_rank_step.range((rank, 0)..=(rank, u64::MAX)) {
-                    if rs.window <= 0 || rs.busy <= 0 {
+                for (&(_, step), rs) in per_rank_step.range((rank, 0)..=(rank, u64::MAX)) {
+                    let window = pipeline_time.get(&step).copied().unwrap_or(0);
+                    if window <= 0 || rs.busy <= 0 {
                         continue;
                     }
                     busy.push(rs.busy as f64);
-                    windows.push(rs.window as f64);
+                    windows.push(window as f64);
                     recvs.push(rs.recv as f64);
-                    bubbles.push((1.0 - rs.busy as f64 / rs.window as f64).max(0.0));
+                    bubbles.push((1.0 - rs.busy as f64 / window as f64).max(0.0));
                 }
                 if let Some((f, b)) = passes.get(&rank) {
                     fwd.extend(f);

@@ -706,6 +706,61 @@ impl Pipeline {
         Ok(loss_sum)
     }
 
+    /// Forward passes only (validation; the caller disables autograd): every microbatch
+    /// through this rank's stages in order, depth first. Returns the summed cross-entropy of
+    /// this rank's last-stage outputs (0 where it holds no last stage). Any number of
+    /// microbatches of any size works: every rank sees the same batch, so receive shapes are
+    /// known, and each boundary's sends and receives run in the same (microbatch) order.
+    pub fn evaluate(&self, model: &Llama, microbatches: &[Microbatch<'_>]) -> Result<f64> {
+        let last = self.stages.len() - 1;
+        let mut sends: Vec<(Pending, Tensor)> = Vec::new();
+        let mut ce_sum = 0.0f64;
+        for (i, mb) in microbatches.iter().enumerate() {
+            let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
+            for &stage in &self.local_stages {
+                let slot = PipelineSlot {
+                    microbatch: i.min(u16::MAX as usize) as u16,
+                    stage: stage.min(u16::MAX as usize) as u16,
+                };
+                let input = if stage == 0 {
+                    None
+                } else {
+                    let _wait = titan_obs::pipeline_span(titan::PIPELINE_RECV, slot);
+                    let (shape, kind) = model.hidden_shape(rows, seq_len);
+                    let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
+                    self.receive(&self.forward_links, stage - 1, &buf)
+                        .with_context(|| {
+                            format!("receiving microbatch {i}'s activations for stage {stage}")
+                        })?;
+                    Some(buf)
+                };
+                let _span = titan_obs::pipeline_span(titan::EVAL_FORWARD, slot);
+                let out = catch(|| {
+                    let x = input.as_ref().unwrap_or(mb.inputs);
+                    let out = model.forward_stage(stage, x, Some(mb.positions));
+                    if stage == last {
+                        model.summed_cross_entropy(&out, mb.labels)
+                    } else {
+                        out
+                    }
+                })
+                .with_context(|| format!("stage {stage} forward"))?;
+                if stage == last {
+                    ce_sum += out.double_value(&[]);
+                } else {
+                    sends.push((self.send(&self.forward_links, stage, &out), out));
+                }
+            }
+        }
+        let _wait = titan_obs::span(titan::PIPELINE_SEND);
+        for (pending, _) in sends {
+            pending
+                .wait()
+                .context("sending to the next pipeline stage")?;
+        }
+        Ok(ce_sum)
+    }
+
     fn send(&self, links: &HashMap<usize, Link>, boundary: usize, t: &Tensor) -> Pending {
         let link = &links[&boundary];
         link.group.broadcast_async(t, link.root)

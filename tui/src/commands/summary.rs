@@ -295,7 +295,7 @@ fn render_pipeline(o: &mut String, p: &PipelineSummary) {
         "forward/mb",
         "backward/mb",
         "busy/step",
-        "window/step",
+        "pipeline/step",
         "recv wait",
         "bubble",
         "",
