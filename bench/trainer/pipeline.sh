@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pipeline parallelism on this CPU: tokens/s and the bubble each schedule leaves, measured from
 # titan-obs's records (`titan-obs summary --json`: per stage, 1 - time in passes / the step's
-# pipeline time), next to the schedule's ideal (p-1)/(v*m+p-1), for GPipe, 1F1B and
+# pipeline time), next to the schedule's ideal (p-1)/(v*m+p-1), for GPipe, 1F1B, InterleavedZeroBubble and
 # Interleaved1F1B at p = 2 and 4 pipeline ranks and m = 4 and 8 microbatches (microbatch size 1,
 # so the local batch is m), plus one process without PP on the same batch for scale.
 #
@@ -39,7 +39,7 @@ run() { # name, nproc, then titan-train arguments
     for m in 4 8; do
         run "none m=$m" 1 --training.local_batch_size "$m"
         for p in 2 4; do
-            for schedule in GPipe 1F1B Interleaved1F1B; do
+            for schedule in GPipe 1F1B Interleaved1F1B InterleavedZeroBubble; do
                 run "$schedule p=$p m=$m" "$p" --training.local_batch_size "$m" \
                     --parallelism.pipeline_parallel_degree "$p" \
                     --parallelism.pipeline_parallel_schedule "$schedule"

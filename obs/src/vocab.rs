@@ -34,9 +34,13 @@ pub mod titan {
     /// Pipeline parallelism: a validation forward pass of one microbatch on one stage (not
     /// part of the training schedule's window).
     pub const EVAL_FORWARD: &str = "eval_forward";
+    /// Zero-bubble pipeline schedules: a backward split into the input-gradient pass...
+    pub const BACKWARD_INPUT: &str = "backward_input";
+    /// ...and the weight-gradient pass that fills the bubbles.
+    pub const BACKWARD_WEIGHT: &str = "backward_weight";
     /// The compute passes of a pipeline schedule; the rest of a rank's pipeline window
     /// (its `forward_backward` span) is the bubble.
-    pub const PIPELINE_PASSES: [&str; 2] = [FORWARD, BACKWARD];
+    pub const PIPELINE_PASSES: [&str; 4] = [FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT];
 }
 
 /// The collectives titan-train records as spans (trainer/src/dist), one per call on every rank

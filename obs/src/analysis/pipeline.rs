@@ -93,7 +93,9 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
         return None;
     }
     let id = |name: &str| run.names.iter().position(|n| n == name);
-    let (forward, backward) = (id(titan::FORWARD), id(titan::BACKWARD));
+    let forward = id(titan::FORWARD);
+    // Backward passes: whole, or a zero-bubble schedule's input and weight halves.
+    let backwards: Vec<Option<usize>> = titan::PIPELINE_PASSES[1..].iter().map(|n| id(n)).collect();
     let (window, recv) = (id(titan::FORWARD_BACKWARD), id(titan::PIPELINE_RECV));
     // A PyTorch profiler trace of torch.distributed.pipelining has no `forward_backward`:
     // its pipeline time is the profiler step, and its passes are the `PP:` compute actions.
@@ -137,7 +139,7 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
         let n = s.name[i] as usize;
         if name == recv || torch_recv[n] {
             per_rank_step.entry((rank, step)).or_default().recv += dur;
-        } else if name == forward || name == backward || torch_pass[n].is_some() {
+        } else if name == forward || backwards.contains(&name) || torch_pass[n].is_some() {
             stages_of_rank.entry(rank).or_default().insert(slot.stage);
             microbatches = microbatches.max(u32::from(slot.microbatch) + 1);
             per_rank_step.entry((rank, step)).or_default().busy += dur;
