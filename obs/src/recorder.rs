@@ -54,7 +54,8 @@ pub struct Tuning {
     pub spool_dir: Option<PathBuf>,
     /// Records each thread's ring holds before the thread waits for the writer.
     pub ring_capacity: usize,
-    /// The run id written into every record; default: the last component of the run location.
+    /// The run id written into every record. Default: a fresh one ([`crate::runs::new_run_id`]),
+    /// so each start is a run of its own; pass the earlier id to continue a run (a resume).
     pub run_id: Option<String>,
     /// Free-form run metadata stored in every part's footer.
     pub run_metadata: serde_json::Map<String, serde_json::Value>,
@@ -249,14 +250,10 @@ pub fn init_with(opts: InitOptions, tuning: Tuning) -> Result<()> {
     }
     let recovered_parts = recover_journals(&sink);
     let first_part = sink.next_part_index()?;
-    let run_id = tuning.run_id.clone().unwrap_or_else(|| {
-        opts.run
-            .trim_end_matches('/')
-            .rsplit('/')
-            .next()
-            .unwrap_or("run")
-            .to_string()
-    });
+    let run_id = tuning
+        .run_id
+        .clone()
+        .unwrap_or_else(crate::runs::new_run_id);
     let header = PartHeader {
         run_id,
         source: opts.source.as_str().to_string(),

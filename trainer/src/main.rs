@@ -343,8 +343,8 @@ fn print_outputs(cfg: &JobConfig, summary: &TrainSummary) {
         |p| p.display().to_string(),
     );
     println!(
-        "titan-train: {} steps done; outputs in {shown}",
-        summary.steps
+        "titan-train: {} steps done (run {}); outputs in {shown}",
+        summary.steps, summary.run_id
     );
     println!("  {shown}/config.toml    resolved config");
     println!("  {shown}/metrics.jsonl  logged steps and validations");

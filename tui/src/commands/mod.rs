@@ -33,6 +33,10 @@ pub struct RunArgs {
     /// do not add the recorded offsets).
     #[arg(long)]
     pub no_clock_align: bool,
+    /// Which run of the location to read, by run id, when it holds several (each launch of
+    /// titan-train in one dump folder is a run of its own). Default: the newest.
+    #[arg(long = "run", value_name = "ID")]
+    pub run_id: Option<String>,
     /// The global `-q`/`--quiet` (no progress bar), copied here by `main`.
     #[arg(skip)]
     pub quiet: bool,
@@ -63,7 +67,10 @@ pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
     let started = std::time::Instant::now();
     let run = titan_obs::read::load(&args.run, &opts);
     bar.finish_and_clear();
-    let run = run?;
+    let mut run = run?;
+    if let Some(id) = &args.run_id {
+        run.select_run(id)?;
+    }
     tracing::debug!(
         "read {}: {} parts, {} ranks, {} spans in {:.3} s",
         run.location,
@@ -73,7 +80,28 @@ pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
         started.elapsed().as_secs_f64()
     );
     report_problems(&run);
+    if let Some(note) = other_runs_note(&run, args.run_id.is_some()) {
+        TITAN_OBS.note(note);
+    }
     Ok(run)
+}
+
+/// When the location holds several runs: which one is shown, the others, and how to pick one.
+pub fn other_runs_note(run: &Run, selected: bool) -> Option<String> {
+    if !run.runs.several() {
+        return None;
+    }
+    let shown = run.shown_run()?;
+    let others: Vec<String> = run.runs.others().iter().map(|r| r.describe()).collect();
+    Some(format!(
+        "{} holds {} runs; showing {}{}; the other{}: {}; pick one with --run ID",
+        run.location,
+        run.runs.ids().len(),
+        shown.describe(),
+        if selected { "" } else { ", the newest" },
+        if others.len() == 1 { "" } else { "s" },
+        others.join(", ")
+    ))
 }
 
 fn console_is_tty() -> bool {
