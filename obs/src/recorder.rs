@@ -54,8 +54,10 @@ pub struct Tuning {
     pub spool_dir: Option<PathBuf>,
     /// Records each thread's ring holds before the thread waits for the writer.
     pub ring_capacity: usize,
-    /// The run id written into every record. Default: a fresh one ([`crate::runs::new_run_id`]),
-    /// so each start is a run of its own; pass the earlier id to continue a run (a resume).
+    /// The run id written into every record; default: the last component of the run location,
+    /// so the processes of one job that name no run are one run. A caller that starts a new
+    /// run in a location holding older ones passes a fresh id ([`crate::runs::new_run_id`]),
+    /// as titan-train does for each launch.
     pub run_id: Option<String>,
     /// Free-form run metadata stored in every part's footer.
     pub run_metadata: serde_json::Map<String, serde_json::Value>,
@@ -250,10 +252,14 @@ pub fn init_with(opts: InitOptions, tuning: Tuning) -> Result<()> {
     }
     let recovered_parts = recover_journals(&sink);
     let first_part = sink.next_part_index()?;
-    let run_id = tuning
-        .run_id
-        .clone()
-        .unwrap_or_else(crate::runs::new_run_id);
+    let run_id = tuning.run_id.clone().unwrap_or_else(|| {
+        opts.run
+            .trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .unwrap_or("run")
+            .to_string()
+    });
     let header = PartHeader {
         run_id,
         source: opts.source.as_str().to_string(),
