@@ -263,14 +263,16 @@ fn print_memory_estimate(cfg: &JobConfig, launch: Option<&LaunchArgs>) -> ExitCo
     ExitCode::SUCCESS
 }
 
-/// Logs on stdout (with the metrics lines, as torchtitan does) at info, or as -v/-q/RUST_LOG say.
+/// Logs on stdout (with the metrics lines, as torchtitan does) at info, or as -v/-q/RUST_LOG say,
+/// in lines of at most 100 columns, coloured only on a terminal.
 fn init_logging(cfg: &JobConfig, verbosity: &Verbosity) {
+    let ansi =
+        !cfg.metrics.disable_color_printing && std::io::IsTerminal::is_terminal(&std::io::stdout());
     tracing_subscriber::fmt()
         .with_env_filter(verbosity.filter(Level::Info))
-        .with_ansi(
-            !cfg.metrics.disable_color_printing
-                && std::io::IsTerminal::is_terminal(&std::io::stdout()),
-        )
+        .with_ansi(ansi)
+        .with_writer(titan_train::console::ConsoleWriter)
+        .event_format(titan_train::console::LineFormat { ansi })
         .init();
 }
 
@@ -346,15 +348,16 @@ fn print_outputs(cfg: &JobConfig, summary: &TrainSummary) {
         "titan-train: {} steps done (run {}); outputs in {shown}",
         summary.steps, summary.run_id
     );
-    println!("  {shown}/config.toml    resolved config");
-    println!("  {shown}/metrics.jsonl  logged steps and validations");
+    // Names relative to the folder above keep the lines short (100 columns) and the path once.
+    println!("  config.toml    resolved config");
+    println!("  metrics.jsonl  logged steps and validations (each line names its run)");
     if cfg.checkpoint.enable {
         println!(
-            "  {shown}/{}/    checkpoints (titan-ckpt inspect)",
+            "  {}/    checkpoints (titan-ckpt inspect)",
             cfg.checkpoint.folder
         );
     }
     if cfg.observability.enable {
-        println!("  {shown}/obs/           timing records (titan-obs summary {shown})");
+        println!("  obs/           timing records: titan-obs summary {shown}");
     }
 }

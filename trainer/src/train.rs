@@ -18,6 +18,7 @@ use titan_obs::vocab::{self, titan};
 
 use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
+use crate::console;
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
 use crate::dist::{DeviceMesh, ReduceOp};
 use crate::float8::{self, Float8Training};
@@ -553,6 +554,8 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         last_validation_loss: None,
     };
     let mut window = metrics::ThroughputWindow::new(Instant::now());
+    // A live step counter on rank 0's terminal; log lines print above it.
+    let progress = console::Steps::start(resumed_step, cfg.training.steps, world.rank == 0);
 
     for step in resumed_step + 1..=cfg.training.steps {
         titan_obs::set_step(step);
@@ -698,6 +701,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
             if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", m.console_line());
                 file.push("train", &m)?;
+                progress.loss(m.loss);
             }
             if let Some(tb) = tensorboard.as_mut() {
                 tb.scalars(step, &m.console_scalars())?;
@@ -744,6 +748,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
             },
         )?;
         summary.steps = step;
+        progress.step(step);
         drop(step_span);
     }
     checkpointer.finish()?;
