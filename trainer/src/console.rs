@@ -24,10 +24,21 @@ fn bar() -> Option<ProgressBar> {
     BAR.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// The log line format: local time, level, the message and its fields, wrapped to [`WIDTH`].
+/// The columns a log line may use: [`WIDTH`], less the `[rankN]:` that a launcher (ours,
+/// torchrun) puts before each line of a rank's output.
+pub fn line_width() -> usize {
+    match std::env::var("RANK") {
+        Ok(rank) if !rank.is_empty() => WIDTH.saturating_sub(format!("[rank{rank}]:").len()),
+        _ => WIDTH,
+    }
+}
+
+/// The log line format: local time, level, the message and its fields, wrapped to `width`.
 pub struct LineFormat {
     /// Colour the level (only when the logs go to a terminal).
     pub ansi: bool,
+    /// Columns per line ([`line_width`]).
+    pub width: usize,
 }
 
 impl<S, N> FormatEvent<S, N> for LineFormat
@@ -64,7 +75,10 @@ where
         } else {
             write!(writer, "{time} {level:>5} ")?;
         }
-        for (i, line) in wrap(&body, WIDTH - indent).iter().enumerate() {
+        for (i, line) in wrap(&body, self.width.saturating_sub(indent).max(20))
+            .iter()
+            .enumerate()
+        {
             if i > 0 {
                 write!(writer, "{:indent$}", "")?;
             }

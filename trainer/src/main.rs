@@ -272,7 +272,10 @@ fn init_logging(cfg: &JobConfig, verbosity: &Verbosity) {
         .with_env_filter(verbosity.filter(Level::Info))
         .with_ansi(ansi)
         .with_writer(titan_train::console::ConsoleWriter)
-        .event_format(titan_train::console::LineFormat { ansi })
+        .event_format(titan_train::console::LineFormat {
+            ansi,
+            width: titan_train::console::line_width(),
+        })
         .init();
 }
 
