@@ -215,7 +215,11 @@ fn show(run: &mut Run, id: &str) {
     swap_tables(run, &mut t);
     run.runs.others.insert(current, t);
     run.runs.current = Some(id.to_string());
-    // Ranks, missing ranks and world size are the shown run's.
+}
+
+/// Makes the report's world size and missing ranks the shown run's (a reader counts every
+/// run's ranks).
+fn fit_report(run: &mut Run) {
     let present: BTreeSet<u32> = run.ranks.keys().copied().collect();
     let world = run
         .ranks
@@ -241,6 +245,7 @@ pub(crate) fn settle(run: &mut Run) {
     if let Some(id) = wanted {
         show(run, &id);
     }
+    fit_report(run);
 }
 
 impl Run {
@@ -262,6 +267,9 @@ impl Run {
         }
         self.runs.pinned = Some(id.to_string());
         show(self, id);
+        if self.runs.several() {
+            fit_report(self);
+        }
         Ok(())
     }
 
@@ -292,5 +300,46 @@ mod tests {
         assert_eq!(civil_from_days(59), (1970, 3, 1));
         assert_eq!(civil_from_days(11_016), (2000, 2, 29));
         assert_ne!(new_run_id(), "");
+    }
+
+    /// Run `a` (2 ranks, 4 steps), then run `b` (1 rank, 2 steps) in the same folder: `b` is
+    /// shown, with its own world size, until `a` is selected.
+    #[test]
+    fn the_newest_run_is_shown_and_another_can_be_selected() {
+        use crate::synth::{SynthConfig, write_run};
+        let dir = tempfile::tempdir().unwrap();
+        let (run, later) = (dir.path().join("run"), dir.path().join("later"));
+        let cfg = |run_id: &str, ranks, steps| SynthConfig {
+            run_id: run_id.into(),
+            ranks,
+            steps,
+            ..Default::default()
+        };
+        write_run(run.to_str().unwrap(), &cfg("a", 2, 4)).unwrap();
+        write_run(later.to_str().unwrap(), &cfg("b", 1, 2)).unwrap();
+        // The second launch's part follows the first's in the rank's folder.
+        std::fs::rename(
+            later.join("obs/rank-0/part-000000.parquet"),
+            run.join("obs/rank-0/part-000001.parquet"),
+        )
+        .unwrap();
+        let mut loaded = crate::load(run.to_str().unwrap(), &Default::default()).unwrap();
+        assert_eq!(loaded.runs.ids(), ["a", "b"]);
+        assert_eq!(loaded.runs.current(), Some("b"));
+        assert_eq!(loaded.ranks.len(), 1);
+        assert_eq!(loaded.report.world_size, 1);
+        assert!(loaded.report.missing_ranks.is_empty());
+        assert_eq!(loaded.shown_run().unwrap().steps, Some((1, 2)));
+        let others = loaded.runs.others();
+        assert_eq!(others.len(), 1);
+        assert_eq!(others[0].describe(), "a (steps 1-4)");
+
+        loaded.select_run("a").unwrap();
+        assert_eq!(loaded.ranks.len(), 2);
+        assert_eq!(loaded.report.world_size, 2);
+        assert_eq!(loaded.shown_run().unwrap().steps, Some((1, 4)));
+        let err = loaded.select_run("c").unwrap_err();
+        assert!(crate::ingest::is_not_a_run(&err), "{err:#}");
+        assert!(format!("{err}").contains("a, b"), "{err}");
     }
 }
