@@ -273,6 +273,29 @@ impl Run {
         Ok(())
     }
 
+    /// When the location holds several runs, which one is shown and which others there are:
+    /// `RUN holds 2 runs; showing B (steps 1-3), the newest; the other: A (steps 1-5)`.
+    pub fn runs_note(&self) -> Option<String> {
+        if !self.runs.several() {
+            return None;
+        }
+        let shown = self.shown_run()?;
+        let others: Vec<String> = self.runs.others().iter().map(RunBrief::describe).collect();
+        Some(format!(
+            "{} holds {} runs; showing {}{}; the other{}: {}",
+            self.location,
+            self.runs.ids.len(),
+            shown.describe(),
+            if self.runs.pinned.is_some() {
+                ""
+            } else {
+                ", the newest"
+            },
+            if others.len() == 1 { "" } else { "s" },
+            others.join(", ")
+        ))
+    }
+
     /// The run the tables hold, for messages.
     pub fn shown_run(&self) -> Option<RunBrief> {
         let id = self.runs.current()?;

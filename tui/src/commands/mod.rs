@@ -80,28 +80,10 @@ pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
         started.elapsed().as_secs_f64()
     );
     report_problems(&run);
-    if let Some(note) = other_runs_note(&run, args.run_id.is_some()) {
-        TITAN_OBS.note(note);
+    if let Some(note) = run.runs_note() {
+        TITAN_OBS.note(format_args!("{note}; pick one with --run ID"));
     }
     Ok(run)
-}
-
-/// When the location holds several runs: which one is shown, the others, and how to pick one.
-pub fn other_runs_note(run: &Run, selected: bool) -> Option<String> {
-    if !run.runs.several() {
-        return None;
-    }
-    let shown = run.shown_run()?;
-    let others: Vec<String> = run.runs.others().iter().map(|r| r.describe()).collect();
-    Some(format!(
-        "{} holds {} runs; showing {}{}; the other{}: {}; pick one with --run ID",
-        run.location,
-        run.runs.ids().len(),
-        shown.describe(),
-        if selected { "" } else { ", the newest" },
-        if others.len() == 1 { "" } else { "s" },
-        others.join(", ")
-    ))
 }
 
 fn console_is_tty() -> bool {
