@@ -92,8 +92,10 @@ fn help() -> String {
          tokenizer is used unless model.hf_assets_path names a folder with tokenizer.json.\n\
          \n\
          OUTPUTS (under job.dump_folder): config.toml (resolved config), metrics.jsonl (every logged\n\
-         step and validation, full precision, appended), obs/ (titan-obs timing records when\n\
-         observability.enable), tb/<date>/events.out.tfevents.* (metrics.enable_tensorboard).\n\
+         step and validation, full precision, appended; each line names its run), obs/ (titan-obs\n\
+         timing records when observability.enable), tb/<date>/events.out.tfevents.*\n\
+         (metrics.enable_tensorboard). Each launch is a run with its own run id; a resume from a\n\
+         checkpoint continues that checkpoint's run. On a terminal, rank 0 shows a step counter.\n\
          \n\
          {exit_codes}\n\
          \n\
