@@ -54,14 +54,24 @@ fn a_terminal_shows_a_step_counter_between_intact_log_lines() {
         .chain(&["--job.dump_folder", dump.to_str().unwrap()])
         .map(|a| quote(a))
         .collect();
-    let o = Command::new("script")
-        .args(["-qec", &command.join(" "), "/dev/null"])
-        .current_dir(titan_tests::workspace_root())
-        .env("TERM", "xterm")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", text(&o));
-    let tty = String::from_utf8_lossy(&o.stdout);
+    let on_a_terminal = |extra: &str| {
+        let o = Command::new("script")
+            .args([
+                "-qec",
+                &format!("{} {extra}", command.join(" ")),
+                "/dev/null",
+            ])
+            .current_dir(titan_tests::workspace_root())
+            .env("TERM", "xterm")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    // -q: no progress bars, as in every titan tool.
+    let quiet = on_a_terminal("-q");
+    assert!(!quiet.contains("/3 ["), "{quiet}");
+    let tty = on_a_terminal("");
     assert!(
         tty.contains("/3 [") && tty.contains(" step "),
         "no step counter on the terminal:\n{tty}"

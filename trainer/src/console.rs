@@ -5,6 +5,7 @@
 
 use std::io::{IsTerminal as _, Write as _};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -19,6 +20,14 @@ pub const WIDTH: usize = 100;
 
 /// The step counter being drawn, if any: log lines are written while it is hidden.
 static BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);
+
+/// Set by `-q` (no progress bars, as in every titan tool).
+static NO_STEP_COUNTER: AtomicBool = AtomicBool::new(false);
+
+/// `-q`: [`Steps`] draws nothing.
+pub fn hide_step_counter() {
+    NO_STEP_COUNTER.store(true, Ordering::Relaxed);
+}
 
 fn bar() -> Option<ProgressBar> {
     BAR.lock().unwrap_or_else(|e| e.into_inner()).clone()
@@ -175,10 +184,10 @@ pub struct Steps {
 }
 
 impl Steps {
-    /// Starts counting at `done` steps of `total`; draws only when `draw` (rank 0) and stderr
-    /// is a terminal.
+    /// Starts counting at `done` steps of `total`; draws only when `draw` (rank 0), stderr
+    /// is a terminal and `-q` was not given.
     pub fn start(done: u64, total: u64, draw: bool) -> Self {
-        if !draw || !std::io::stderr().is_terminal() {
+        if !draw || NO_STEP_COUNTER.load(Ordering::Relaxed) || !std::io::stderr().is_terminal() {
             return Steps { shown: false };
         }
         let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
@@ -190,6 +199,8 @@ impl Steps {
             .progress_chars("=> "),
         );
         bar.set_position(done);
+        // Steps resumed from a checkpoint are not this process's rate.
+        bar.reset_eta();
         bar.enable_steady_tick(Duration::from_millis(200));
         *BAR.lock().unwrap_or_else(|e| e.into_inner()) = Some(bar);
         Steps { shown: true }

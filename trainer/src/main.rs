@@ -266,10 +266,13 @@ fn print_memory_estimate(cfg: &JobConfig, launch: Option<&LaunchArgs>) -> ExitCo
 }
 
 /// Logs on stdout (with the metrics lines, as torchtitan does) at info, or as -v/-q/RUST_LOG say,
-/// in lines of at most 100 columns, coloured only on a terminal.
+/// in lines of at most 100 columns, coloured only on a terminal; -q also hides the step counter.
 fn init_logging(cfg: &JobConfig, verbosity: &Verbosity) {
     let ansi =
         !cfg.metrics.disable_color_printing && std::io::IsTerminal::is_terminal(&std::io::stdout());
+    if verbosity.quiet {
+        titan_train::console::hide_step_counter();
+    }
     tracing_subscriber::fmt()
         .with_env_filter(verbosity.filter(Level::Info))
         .with_ansi(ansi)
