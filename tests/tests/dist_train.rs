@@ -711,7 +711,7 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         report["files"],
-        serde_json::json!([".metadata", "__0_0.distcp", "__1_0.distcp"])
+        serde_json::json!([".metadata", "__0_0.distcp", "__1_0.distcp", "titan_run_id"])
     );
     assert_eq!(report["step"], 10);
     assert_eq!(report["exp_avg_chunks"]["tok_embeddings.weight"], 2);
@@ -733,6 +733,14 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
         "steps 6..10 after resuming from step 5"
     );
     assert!(ckpt.join("step-10/.metadata").is_file());
+    // The resume continues the run its checkpoint was saved by.
+    let runs: std::collections::BTreeSet<String> =
+        std::fs::read_to_string(f.root.join("ckpt/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["run_id"].to_string())
+            .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
 }
 
 /// A checkpoint of FSDP2 x TP2 (4 ranks: each writes its 2-D blocks) is read by torch's

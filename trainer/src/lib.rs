@@ -27,6 +27,7 @@ pub mod autograd;
 pub mod checkpoint;
 pub mod command_line;
 pub mod config;
+pub mod console;
 pub mod data;
 pub mod dist;
 pub mod float8;

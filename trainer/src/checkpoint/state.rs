@@ -68,6 +68,8 @@ pub struct StagedItem {
 pub struct StagedState {
     pub step: u64,
     pub items: Vec<StagedItem>,
+    /// The run saving it, written next to the data (see [`super::layout::RUN_ID_FILE`]).
+    pub run_id: Option<String>,
 }
 
 impl StagedState {
@@ -135,6 +137,7 @@ pub fn stage(
     let mut out = StagedState {
         step: counters.step,
         items: Vec::new(),
+        run_id: None,
     };
     // Every rank writes its own parts of the parameters (whole tensors on one process).
     let model = state.model;
