@@ -906,23 +906,7 @@ fn write_config(
 
 /// A dcp-hf checkpoint from one writer: every tensor whole, offsets all zero.
 fn dcp_hf_single_file(tensors: Vec<OutTensor>) -> OutFilePlan {
-    let info: serde_json::Map<String, serde_json::Value> = tensors
-        .iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                serde_json::json!({ "saved_offsets": vec![0u64; t.shape.len()] }),
-            )
-        })
-        .collect();
-    let md = [
-        (
-            formats::DCP_SHARDING_INFO.to_string(),
-            serde_json::to_string(&info).expect("json"),
-        ),
-        ("DCP_VERSION".to_string(), "1.0".to_string()),
-        ("format".to_string(), "pt".to_string()),
-    ]
-    .into();
+    let md =
+        dcp_hf::whole_tensors_metadata(tensors.iter().map(|t| (t.name.as_str(), &t.shape[..])));
     OutFilePlan::safetensors(dcp_hf::shard_name(1, 1, 1), tensors, &md)
 }

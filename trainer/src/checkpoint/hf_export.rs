@@ -6,7 +6,6 @@
 //! exists, else files of at most 5 GB. A `config.json` for transformers' LlamaForCausalLM is
 //! written next to the weights.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tch::Kind;
 use titan_ckpt::consolidate::{self, FileLayout, RankShare};
-use titan_ckpt::formats::{self, DCP_SHARDING_INFO, dcp_hf};
+use titan_ckpt::formats::{self, dcp_hf};
 use titan_ckpt::safetensors::{OutEntry, build_header};
 use titan_ckpt::write::EngineOptions;
 use titan_storage::Root;
@@ -132,24 +131,8 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
             shape: t.shape.clone(),
         })
         .collect();
-    let info: serde_json::Map<String, serde_json::Value> = staged
-        .iter()
-        .map(|(n, t)| {
-            (
-                n.clone(),
-                serde_json::json!({"saved_offsets": vec![0u64; t.shape.len()]}),
-            )
-        })
-        .collect();
-    let metadata: BTreeMap<String, String> = [
-        (
-            DCP_SHARDING_INFO.to_string(),
-            serde_json::Value::Object(info).to_string(),
-        ),
-        ("DCP_VERSION".to_string(), "1.0".to_string()),
-        ("format".to_string(), "pt".to_string()),
-    ]
-    .into();
+    let metadata =
+        dcp_hf::whole_tensors_metadata(staged.iter().map(|(n, t)| (n.as_str(), &t.shape[..])));
     let (header, _offsets) = build_header(&entries, &metadata);
     let path = dir.join(dcp_hf::shard_name(world.rank as u32 + 1, 1, 1));
     let tmp = path.with_extension("tmp");
