@@ -6,12 +6,11 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_json::json;
-use titan_tests::{MotoServer, run_ok as ok, titan_ckpt};
+use titan_tests::{MotoServer, run_ok as ok};
 
 /// titan-ckpt (no progress bars) talking to `moto`.
 fn ckpt(moto: &MotoServer) -> Command {
-    let mut c = titan_ckpt();
-    c.arg("--quiet");
+    let mut c = titan_tests::ckpt();
     moto.aws_env(&mut c);
     c
 }
