@@ -72,7 +72,7 @@ fn logits_match_transformers_llama() {
     // Without the q/k permutation the logits must NOT match: the test sees the RoPE layout.
     let raw = Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
     for (name, t) in raw {
-        if let Some(titan) = hf::titan_name(&name) {
+        if let Some(titan) = titan_ckpt::adapter::from_hf_name(&name) {
             model.set_parameter(&titan, &t).unwrap();
         }
     }

@@ -184,13 +184,7 @@ impl Shapes<'_> {
                     return Some(tt.to_string());
                 }
                 // The older generation's name for the same HF tensor.
-                let (rule, caps) = find_tt(self.table, tt)?;
-                self.table
-                    .legacy
-                    .iter()
-                    .filter(|r| r.hf == rule.hf)
-                    .map(|r| super::fill(r.tt, caps))
-                    .find(|n| self.plan.tensors.contains_key(n))
+                super::legacy_name(self.table, tt).filter(|n| self.plan.tensors.contains_key(n))
             }
             Naming::Hf => {
                 let (rule, caps) = find_tt(self.table, tt)?;

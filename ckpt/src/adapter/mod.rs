@@ -82,8 +82,26 @@ pub enum TtNames {
 
 /// The HF name of a torchtitan Llama-3 parameter (either name generation).
 pub fn to_hf_name(name: &str) -> Option<String> {
+    to_hf_rule(name).map(|(hf, _)| hf)
+}
+
+/// The HF name of a torchtitan Llama-3 parameter (either name generation) with what its tensor
+/// goes through on the way ([`Transform::RopeQ`] / [`Transform::RopeK`] for the RoPE-permuted
+/// q and k weights).
+pub fn to_hf_rule(name: &str) -> Option<(String, Transform)> {
     let (rule, caps) = find_tt(&tables::LLAMA3, name)?;
-    Some(fill(rule.hf, caps))
+    Some((fill(rule.hf, caps), rule.transform))
+}
+
+/// The older torchtitan name (the table's `legacy` rules) of a current torchtitan name of
+/// `table`'s family; `None` when both generations agree or the name is not in the table.
+pub fn legacy_name(table: &Table, name: &str) -> Option<String> {
+    let (rule, caps) = find_tt(table, name)?;
+    table
+        .legacy
+        .iter()
+        .find(|r| r.hf == rule.hf && r.tt != rule.tt)
+        .map(|r| fill(r.tt, caps))
 }
 
 /// The torchtitan 0.3.0 name of an HF Llama parameter.
@@ -509,5 +527,38 @@ mod tests {
         assert_eq!(to_hf_name("optimizer.state"), None);
         let (r, c) = find_hf(&tables::LLAMA3, "lm_head.weight", TtNames::Legacy).unwrap();
         assert_eq!(fill(r.tt, c), "output.weight");
+    }
+
+    #[test]
+    fn llama3_legacy_names_and_rope_roles() {
+        let t = &tables::LLAMA3;
+        for (new, old) in [
+            (
+                "layers.3.attention.qkv_linear.wk.weight",
+                "layers.3.attention.wk.weight",
+            ),
+            ("lm_head.weight", "output.weight"),
+        ] {
+            assert_eq!(legacy_name(t, new).as_deref(), Some(old));
+            assert_eq!(legacy_name(t, old), None);
+        }
+        for same in [
+            "layers.0.attention.wo.weight",
+            "tok_embeddings.weight",
+            "layers.0.attention.qkv_linear.wqkv.weight",
+        ] {
+            assert_eq!(legacy_name(t, same), None, "{same}");
+        }
+        let role = |n: &str| to_hf_rule(n).map(|(_, tr)| tr);
+        for (name, want) in [
+            ("layers.2.attention.qkv_linear.wq.weight", Transform::RopeQ),
+            ("layers.2.attention.wq.weight", Transform::RopeQ),
+            ("layers.2.attention.qkv_linear.wk.weight", Transform::RopeK),
+            ("layers.2.attention.wk.weight", Transform::RopeK),
+            ("layers.2.attention.qkv_linear.wv.weight", Transform::Copy),
+            ("layers.2.attention.wo.weight", Transform::Copy),
+        ] {
+            assert_eq!(role(name), Some(want), "{name}");
+        }
     }
 }

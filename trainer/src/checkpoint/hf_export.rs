@@ -96,7 +96,7 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
     let mut titan: Vec<(Option<String>, &String)> = model
         .named_parameters()
         .iter()
-        .map(|(n, _)| (hf::hf_name(n), n))
+        .map(|(n, _)| (titan_ckpt::adapter::to_hf_name(n), n))
         .collect();
     titan.sort();
     // The ranks holding the same pipeline stages share out their names (every rank, without
