@@ -78,7 +78,7 @@ fn train_step(run: &mut Run, step: u64) {
     loss.backward();
     let lr = run.schedule.lr_for_step(step);
     for (name, p) in run.model.named_parameters() {
-        run.optimizer.step_param(name, p, lr);
+        run.optimizer.step_param(name, p, lr).unwrap();
         let _ = p.grad().zero_();
     }
 }
