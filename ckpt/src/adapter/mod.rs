@@ -32,9 +32,8 @@ pub enum Naming {
     Hf,
 }
 
-/// A model family with a torchtitan 0.3.0 state-dict adapter (the doc comments are
-/// `--adapter`'s per-value help).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// A model family with a torchtitan 0.3.0 state-dict adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     /// Llama-3 (torchtitan 0.3.0 or older names): q/k rows permuted between RoPE layouts.
     Llama3,
@@ -42,26 +41,37 @@ pub enum Family {
     Qwen3,
     /// DeepSeek-V3: MLA with or without q-LoRA, routed and shared experts, expert bias, MTP
     /// layers after the main ones.
-    #[value(name = "deepseek_v3")]
     DeepseekV3,
     /// gpt-oss: biased attention with sinks, router bias, stacked experts transposed per expert
     /// (unquantized; MXFP4 checkpoints need dequantizing first).
-    #[value(name = "gpt_oss")]
     GptOss,
 }
 
 impl fmt::Display for Family {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Family::Llama3 => "llama3",
-            Family::Qwen3 => "qwen3",
-            Family::DeepseekV3 => "deepseek_v3",
-            Family::GptOss => "gpt_oss",
-        })
+        f.write_str(self.name())
     }
 }
 
 impl Family {
+    /// Every family, in `--adapter`'s order.
+    pub const ALL: [Family; 4] = [
+        Family::Llama3,
+        Family::Qwen3,
+        Family::DeepseekV3,
+        Family::GptOss,
+    ];
+
+    /// The family's name (`--adapter`'s value, torchtitan's model name).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama3 => "llama3",
+            Family::Qwen3 => "qwen3",
+            Family::DeepseekV3 => "deepseek_v3",
+            Family::GptOss => "gpt_oss",
+        }
+    }
+
     pub fn table(self) -> &'static Table {
         TABLES
             .iter()
@@ -71,13 +81,25 @@ impl Family {
 }
 
 /// Which torchtitan name generation to write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TtNames {
     /// torchtitan 0.3.0 (`attention.qkv_linear.wq`, `lm_head`).
     #[default]
     Current,
     /// Older torchtitan releases (`attention.wq`, `output`).
     Legacy,
+}
+
+impl TtNames {
+    pub const ALL: [TtNames; 2] = [TtNames::Current, TtNames::Legacy];
+
+    /// `--tt-names`' value.
+    pub fn name(self) -> &'static str {
+        match self {
+            TtNames::Current => "current",
+            TtNames::Legacy => "legacy",
+        }
+    }
 }
 
 /// The HF name of a torchtitan Llama-3 parameter (either name generation).

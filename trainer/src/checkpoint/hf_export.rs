@@ -177,7 +177,7 @@ fn consolidate_shards(out_dir: &Path, world: Mesh, hf_assets: Option<&Path>) -> 
     let opts = EngineOptions {
         workers: 2,
         window_bytes: 64 << 20,
-        progress: indicatif::ProgressBar::hidden(),
+        progress: std::sync::Arc::new(titan_ckpt::write::NoProgress),
     };
     consolidate::run(
         &plan,
