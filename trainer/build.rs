@@ -7,7 +7,8 @@
 //! small `rng_shim.cpp` (CPU generator state), `grad_shim.cpp` (set a grad to None),
 //! `autocast_shim.cpp` (torch.autocast for CPU and CUDA), `varlen_shim.cpp` (FlashAttention's
 //! varlen kernel for document-causal attention on CUDA) and `recompute_shim.cpp` (activation
-//! checkpointing: a custom autograd Function that recomputes a region in backward).
+//! checkpointing: a custom autograd Function that recomputes a region in backward), all with one
+//! error convention (`cpp/shim_error.h`).
 use std::path::Path;
 
 fn main() {
@@ -19,6 +20,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/recompute_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/varlen_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/function_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/shim_error.h");
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         return;
     };

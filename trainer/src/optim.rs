@@ -118,20 +118,26 @@ impl AdamW {
 }
 
 unsafe extern "C" {
-    fn titan_clear_grad(tensor: *mut std::ffi::c_void) -> i32;
-    fn titan_accumulate_grad(tensor: *mut std::ffi::c_void, grad: *mut std::ffi::c_void) -> i32;
+    fn titan_clear_grad(tensor: *mut std::ffi::c_void, err: *mut *mut std::ffi::c_char) -> i32;
+    fn titan_accumulate_grad(
+        tensor: *mut std::ffi::c_void,
+        grad: *mut std::ffi::c_void,
+        err: *mut *mut std::ffi::c_char,
+    ) -> i32;
 }
 
 /// Adds `grad` into `param`'s gradient (or makes it the gradient), outside autograd.
 pub fn accumulate_grad(param: &Tensor, grad: &Tensor) {
-    // SAFETY: tch's C_tensor is an `at::Tensor*`; both are alive for the call.
-    let rc = unsafe {
-        titan_accumulate_grad(
-            param.as_ptr() as *mut std::ffi::c_void,
-            grad.as_ptr() as *mut std::ffi::c_void,
-        )
-    };
-    assert_eq!(rc, 0, "accumulating a gradient of shape {:?}", grad.size());
+    crate::autograd::check("accumulating a gradient", |err| {
+        // SAFETY: tch's C_tensor is an `at::Tensor*`; both are alive for the call.
+        unsafe {
+            titan_accumulate_grad(
+                param.as_ptr() as *mut std::ffi::c_void,
+                grad.as_ptr() as *mut std::ffi::c_void,
+                err,
+            )
+        }
+    });
 }
 
 /// Drops the gradients of `params`: `optimizer.zero_grad()` with torch's default
@@ -141,8 +147,9 @@ pub fn clear_grads(params: &[&Tensor]) {
     for p in params {
         // SAFETY: tch's C_tensor is an `at::Tensor*`, alive for this call; the shim only resets
         // the autograd grad slot of the tensor it points to.
-        let rc = unsafe { titan_clear_grad(p.as_ptr() as *mut std::ffi::c_void) };
-        if rc != 0 {
+        let cleared =
+            crate::shim::call(|err| unsafe { titan_clear_grad(p.as_ptr() as *mut _, err) });
+        if cleared.is_err() {
             // Not reachable for leaf tensors; zeroing in place is the same for the next step.
             p.shallow_clone().zero_grad();
         }
