@@ -124,6 +124,40 @@ pub fn metrics(dump: &Path, kind: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// A DCP sharded safetensors file (as torch's HuggingFaceStorageWriter writes one rank's) from
+/// `(name, dtype, local shape, saved_offsets)` entries, written by hand (not by titan-ckpt's
+/// writer) so the tests read what they meant; byte `i` of the data is `fill(i)`.
+pub fn dcp_hf_shard(entries: &[(&str, &str, &[u64], &[u64])], fill: impl Fn(u64) -> u8) -> Vec<u8> {
+    use serde_json::json;
+    let size = |d: &str| match d {
+        "U8" | "I8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+        "F16" | "BF16" | "I16" | "U16" => 2,
+        "F32" | "I32" | "U32" => 4,
+        _ => 8,
+    };
+    let mut header = serde_json::Map::new();
+    let mut info = serde_json::Map::new();
+    let mut pos = 0u64;
+    for (name, dtype, shape, offsets) in entries {
+        let n = shape.iter().product::<u64>() * size(dtype);
+        header.insert(
+            name.to_string(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}),
+        );
+        info.insert(name.to_string(), json!({ "saved_offsets": offsets }));
+        pos += n;
+    }
+    header.insert(
+        "__metadata__".into(),
+        json!({"DCP_SHARDING_INFO": serde_json::to_string(&info).unwrap(), "DCP_VERSION": "1.0", "format": "pt"}),
+    );
+    let json = serde_json::to_vec(&header).unwrap();
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    out.extend((0..pos).map(fill));
+    out
+}
+
 /// stdout and stderr of a finished command, for assertion messages.
 pub fn output_text(o: &Output) -> String {
     format!(
