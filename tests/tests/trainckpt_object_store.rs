@@ -5,13 +5,10 @@
 use std::path::Path;
 use std::process::Output;
 
-use titan_tests::{MotoServer, SMALL_DETERMINISTIC_RUN, run_ok};
+use titan_tests::{MotoServer, run_ok, small_run};
 
 fn titan_train(dump: &Path, moto: Option<&MotoServer>, extra: &[&str]) -> Output {
-    let mut c = titan_tests::titan_train();
-    c.args(SMALL_DETERMINISTIC_RUN)
-        .args(["--job.dump_folder", dump.to_str().unwrap()])
-        .args(extra);
+    let mut c = small_run(dump, extra);
     if let Some(m) = moto {
         m.aws_env(&mut c);
     }

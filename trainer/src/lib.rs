@@ -43,5 +43,6 @@ pub mod parallelize;
 pub mod precision;
 pub mod recompute;
 pub mod rng;
+mod shim;
 pub mod tensorboard;
 pub mod train;

@@ -316,8 +316,7 @@ unsafe extern "C" {
         max_len: i64,
         scale: f64,
         out: *mut *mut std::ffi::c_void,
-        err: *mut std::ffi::c_char,
-        err_cap: i64,
+        err: *mut *mut std::ffi::c_char,
     ) -> i32;
 }
 
@@ -334,10 +333,9 @@ pub fn varlen_attention(
     let raw = |t: &Tensor| t.as_ptr().cast_mut().cast();
     let scale = 1.0 / (q.size()[2] as f64).sqrt();
     let mut out = std::ptr::null_mut();
-    let mut err = [0 as std::ffi::c_char; 1024];
     // SAFETY: live tch tensors (`at::Tensor*`) borrowed for the call; on success `out` is a new
     // at::Tensor* that we own.
-    let rc = unsafe {
+    crate::shim::call(|err| unsafe {
         titan_varlen_attention(
             raw(q),
             raw(k),
@@ -346,15 +344,10 @@ pub fn varlen_attention(
             longest,
             scale,
             &mut out,
-            err.as_mut_ptr(),
-            err.len() as i64,
+            err,
         )
-    };
-    if rc != 0 {
-        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
-        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
-        bail!("varlen attention: {}", message.to_string_lossy());
-    }
+    })
+    .map_err(|m| anyhow::anyhow!("varlen attention: {m}"))?;
     // SAFETY: see above.
     Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }

@@ -659,13 +659,13 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
             let grad_norm = {
                 let _c = titan_obs::span(titan::CLIP);
                 let norm = grad_norm(mesh, &model)?;
-                optim::clip_grads(&tensors, cfg.training.max_norm, norm);
+                optim::clip_grads(&tensors, cfg.training.max_norm, norm)?;
                 norm
             };
             {
                 let _o = titan_obs::span(titan::OPTIMIZER_STEP);
                 for (name, p) in &params {
-                    optimizer.step_param(name, p, lr);
+                    optimizer.step_param(name, p, lr)?;
                 }
                 optim::clear_grads(&tensors);
             }
@@ -835,9 +835,6 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
     })
 }
 
-/// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
-/// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
-/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
 /// The pipeline settings of `[parallelism]`, checked as torchtitan checks them.
 fn pipeline_config(
     p: &config::Parallelism,
@@ -909,6 +906,9 @@ fn refuse_with_split_backward(cfg: &JobConfig, dp_degree: usize, schedule: Sched
     Ok(())
 }
 
+/// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
+/// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
+/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
 fn grad_norm(mesh: &DeviceMesh, model: &Llama) -> Result<f64> {
     let local = |split: bool| -> f64 {
         let tensors: Vec<&Tensor> = model
