@@ -530,8 +530,9 @@ fn assert_float8_curve(want: &[(f64, f64)], got: &[(f64, f64)], what: &str) {
 /// each product to bf16 (the rowwise kernels have no f32 output, as in torchao), and under TP each
 /// rank's partial sum of a row-wise linear is rounded before the ranks add them: there TP2 also
 /// differs from one process by bf16 rounding, so the emulated rowwise path is the one compared.
+/// PP2 (tensorwise) is compared with one process accumulating the same one-sample microbatches.
 #[test]
-fn float8_trains_the_same_on_fsdp2_and_tp2_as_on_one_process() {
+fn float8_trains_the_same_on_fsdp2_tp2_and_pp2_as_on_one_process() {
     let f = Fixture::new();
     for (recipe, emulate) in [("rowwise", "true"), ("tensorwise", "false")] {
         let float8 = [
@@ -575,6 +576,27 @@ fn float8_trains_the_same_on_fsdp2_and_tp2_as_on_one_process() {
             &["--nproc-per-node", "2"],
         );
         assert_float8_curve(&micro, &fsdp2, &format!("float8 {recipe} FSDP2"));
+
+        // Pipeline parallelism runs microbatches of one sample (each with its own activation
+        // scales): one process accumulating the same one-sample microbatches in order.
+        if recipe == "tensorwise" {
+            let singles = run(
+                &format!("{recipe}_micro1"),
+                1,
+                &["--training.dataset_path", &halves],
+            );
+            let pp2 = run(
+                &format!("{recipe}_pp2"),
+                GLOBAL_BATCH,
+                &[
+                    "--nproc-per-node",
+                    "2",
+                    "--parallelism.pipeline_parallel_degree",
+                    "2",
+                ],
+            );
+            assert_float8_curve(&singles, &pp2, &format!("float8 {recipe} PP2"));
+        }
     }
 }
 
