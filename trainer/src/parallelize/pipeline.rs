@@ -19,7 +19,7 @@ use std::ops::Range;
 use anyhow::{Context, Result, bail};
 use tch::Tensor;
 
-use crate::dist::{CommError, DeviceMesh, Group, Pending};
+use crate::distributed::{CommError, DeviceMesh, Group, Pending};
 use crate::model::Llama;
 use crate::parallel::Dim;
 
