@@ -49,12 +49,15 @@ fn main() {
 /// Stops the build with `why` and how to get a libtorch.
 fn fail(why: &str) -> ! {
     panic!(
-        "\n\ntitan-train: {why}.\n\
-         titan-train builds against the libtorch of a PyTorch install:\n\
-         - run scripts/setup.sh (it makes .venv with torch and writes .cargo/config.toml with\n\
-           LIBTORCH pointing at it), or\n\
-         - set LIBTORCH to a libtorch directory (with include/ and lib/, e.g. the `torch` package\n\
-           folder of a Python environment) and build again.\n"
+        "\n\ntitan-train: {why}.\n{}",
+        [
+            "titan-train builds against the libtorch of a PyTorch install:",
+            "- run scripts/setup.sh (it makes .venv with torch and writes .cargo/config.toml with",
+            "  LIBTORCH pointing at it), or",
+            "- set LIBTORCH to a libtorch directory (with include/ and lib/, e.g. the `torch`",
+            "  package folder of a Python environment) and build again.",
+        ]
+        .join("\n")
     );
 }
 

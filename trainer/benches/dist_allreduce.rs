@@ -11,8 +11,8 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
-use titan_train::dist::launch::{LaunchArgs, LogRanks, run};
-use titan_train::dist::{CommOptions, Dist, LaunchEnv, ReduceOp};
+use titan_train::distributed::launch::{LaunchArgs, LogRanks, run};
+use titan_train::distributed::{CommOptions, Dist, LaunchEnv, ReduceOp};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -73,7 +73,7 @@ fn worker(args: &[String]) {
     }
 }
 
-fn dist_max(g: &mut dyn titan_train::dist::Collectives, v: f64) -> f64 {
+fn dist_max(g: &mut dyn titan_train::distributed::Collectives, v: f64) -> f64 {
     let t = Tensor::from_slice(&[v]);
     g.all_reduce(&t, ReduceOp::Max).unwrap();
     t.double_value(&[0])

@@ -13,8 +13,8 @@
 //!   [`parallelize`]: how the model is split over it (FSDP2, tensor parallelism), with
 //!   [`autograd`] functions that run the collectives inside forward and backward.
 //! - [`checkpoint`]: DCP saves/resume (torchtitan's layout), async saves, HF export.
-//! - [`dist`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and the
-//!   mesh's process groups ([`dist::DeviceMesh`]).
+//! - [`distributed`]: multi-process launcher, rendezvous store, collectives (cpu ring, nccl) and
+//!   the mesh's process groups ([`distributed::DeviceMesh`]).
 //! - [`float8`]: float8 linears with dynamic scaling (torchao's recipes), `[float8]`.
 //! - [`precision`]: bf16 mixed precision (autocast) as torchtitan applies it; [`recompute`]:
 //!   activation checkpointing (regions recomputed in backward), which [`model`] applies per
@@ -29,7 +29,7 @@ pub mod command_line;
 pub mod config;
 pub mod console;
 pub mod data;
-pub mod dist;
+pub mod distributed;
 pub mod float8;
 pub mod hf;
 pub mod lr_scheduler;

@@ -1,7 +1,7 @@
 //! Where this process sits in the job: the device mesh `[pp, dp_replicate, dp_shard, cp, tp]`
 //! resolved with torchtitan's `ParallelDims` rule ([`Mesh`]), and the meeting points of work done
 //! outside collectives ([`RankSync`]). The process groups of each mesh dimension are built from it
-//! in [`crate::dist::DeviceMesh`]; how the model is split over them is [`crate::parallelize`].
+//! in [`crate::distributed::DeviceMesh`]; how the model is split over them is [`crate::parallelize`].
 
 use anyhow::{Result, bail};
 

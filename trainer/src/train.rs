@@ -20,7 +20,7 @@ use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
 use crate::console;
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
-use crate::dist::{DeviceMesh, ReduceOp};
+use crate::distributed::{DeviceMesh, ReduceOp};
 use crate::float8::{self, Float8Training};
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
@@ -952,9 +952,10 @@ mod tests {
     fn cross_entropy_ignores_masked_labels() {
         let logits = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 0.5, 0.5, 0.5]).view([1, 2, 3]);
         let labels = Tensor::from_slice(&[2i64, IGNORE_INDEX]).view([1, 2]);
-        let got = crate::parallelize::tp::TensorParallel::new(crate::dist::Group::solo(), false)
-            .cross_entropy_sum(&logits, &labels)
-            .double_value(&[]);
+        let got =
+            crate::parallelize::tp::TensorParallel::new(crate::distributed::Group::solo(), false)
+                .cross_entropy_sum(&logits, &labels)
+                .double_value(&[]);
         let want = -(2.0f64.exp() / (1.0 + 1f64.exp() + 2f64.exp())).ln();
         assert!((got - want).abs() < 1e-6);
         assert_eq!(count_valid(&labels), 1);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use dist_common::*;
 use tch::{Kind, Tensor};
-use titan_train::dist::ReduceOp;
+use titan_train::distributed::ReduceOp;
 
 /// A value every rank can recompute: small integers, so float sums are exact.
 fn val(rank: usize, i: i64) -> f64 {

@@ -49,7 +49,9 @@ fn dying_worker() {
             // SAFETY: signalling ourselves.
             unsafe { libc::raise(libc::SIGKILL) };
         }
-        if g.all_reduce(&t, titan_train::dist::ReduceOp::Sum).is_err() {
+        if g.all_reduce(&t, titan_train::distributed::ReduceOp::Sum)
+            .is_err()
+        {
             // Keep running as a stubborn rank would: the launcher must stop us.
             std::thread::sleep(Duration::from_secs(60));
         }

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use titan_tests::{python, workspace_root};
-use titan_train::dist::store::{StoreOptions, TcpStore};
+use titan_train::distributed::store::{StoreOptions, TcpStore};
 
 fn script() -> PathBuf {
     workspace_root().join("tests/python/dist_store_peer.py")

@@ -10,7 +10,7 @@
 //! Overlap: the gradient reduction of a unit runs in the background while backward goes on
 //! through the units before it; [`FsdpUnit::finish_gradients`] waits for it at the end of the
 //! step's backward passes. [`FsdpUnit::prefetch`] starts a unit's all-gather in the background (in issue order
-//! with the group's other collectives, see [`crate::dist::Group`]): the model prefetches the next
+//! with the group's other collectives, see [`crate::distributed::Group`]): the model prefetches the next
 //! unit while the current one computes in forward, and the backward pass prefetches the previous
 //! unit's re-gather while the current unit's backward runs. A prefetch is only ever consumed in
 //! the pass that issued it (each forward drops leftovers first: the shards change in between).
@@ -24,7 +24,7 @@ use tch::{Kind, Tensor};
 
 use super::Placement;
 use crate::autograd::{self, Function};
-use crate::dist::{Group, Pending};
+use crate::distributed::{Group, Pending};
 
 /// The groups and dtypes FSDP works with.
 #[derive(Clone)]

@@ -21,7 +21,7 @@ use anyhow::{Result, bail};
 use tch::{Kind, Tensor};
 
 use crate::config::{Parallelism, ReshardAfterForward};
-use crate::dist::DeviceMesh;
+use crate::distributed::DeviceMesh;
 use crate::parallel::Dim;
 
 /// Where one parameter's local part sits in the global tensor.

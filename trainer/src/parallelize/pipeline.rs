@@ -22,7 +22,7 @@ use tch::Tensor;
 use titan_obs::PipelineSlot;
 use titan_obs::vocab::titan;
 
-use crate::dist::{CommError, DeviceMesh, Group, Pending};
+use crate::distributed::{CommError, DeviceMesh, Group, Pending};
 use crate::model::Llama;
 use crate::parallel::Dim;
 use crate::parallelize::weight_grad::WeightGradStash;

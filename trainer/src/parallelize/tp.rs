@@ -15,7 +15,7 @@
 use tch::{Kind, Reduction, Tensor};
 
 use crate::autograd::{self, Function};
-use crate::dist::{Group, ReduceOp};
+use crate::distributed::{Group, ReduceOp};
 
 /// Labels with this value are not predicted (PyTorch's cross-entropy default).
 pub const IGNORE_INDEX: i64 = -100;

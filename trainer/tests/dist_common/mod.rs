@@ -8,8 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 pub use titan_tests::free_port;
-use titan_train::dist::launch::{LaunchArgs, LaunchOutcome, LogRanks, run};
-use titan_train::dist::{CommOptions, Dist, LaunchEnv};
+use titan_train::distributed::launch::{LaunchArgs, LaunchOutcome, LogRanks, run};
+use titan_train::distributed::{CommOptions, Dist, LaunchEnv};
 
 /// Whether this process is a rank started by a test (not the test runner itself).
 pub fn is_worker() -> bool {
