@@ -12,7 +12,7 @@ use anyhow::{Context, bail};
 use font8x8::UnicodeFonts;
 
 use super::cells::{self, Spread, Window};
-use super::model::Timeline;
+use super::model::{Timeline, pass_label};
 use super::palette::{STRAGGLER_INDEX, phase_index, rgb};
 use super::units::{dur, nice_step, tick_label};
 
@@ -350,6 +350,29 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
                 color,
                 alpha,
             });
+        }
+        // Pipeline passes wide enough for it carry their stage, pass and microbatch.
+        if let ImageRow::Span { row, .. } = r {
+            for &(i, slot) in &row.pipeline {
+                let i = i as usize;
+                let (start, end) = (row.start[i].max(window.t0), row.end[i].min(window.t1));
+                if end <= start {
+                    continue;
+                }
+                let Some(text) = pass_label(t.phase_name(row.phase[i]), slot) else {
+                    continue;
+                };
+                let (a, b) = (window.col_of(start, cols), window.col_of(end, cols));
+                if ((b - a) as f32) < text.chars().count() as f32 * CHAR_W + 2.0 {
+                    continue;
+                }
+                prims.push(Prim::Text {
+                    x: plot_x + a as f32 + 1.0,
+                    y: ry + 2.0,
+                    text,
+                    color: INK,
+                });
+            }
         }
     }
 

@@ -14,6 +14,8 @@ use titan_obs::analysis::{
     Analysis, RunShape, SpanTable, Straggler, StragglerOptions, analyse, phase_step_spread,
     rank_times,
 };
+use titan_obs::PipelineSlot;
+use titan_obs::vocab::{titan, torch_pipelining};
 pub use titan_obs::{NO_STEP, Reduce};
 
 /// One phase at one step across ranks: min / median / max and who.
@@ -69,9 +71,38 @@ pub struct SpanRow {
     pub step: Vec<u64>,
     pub tagset: Vec<u16>,
     pub flags: Vec<u8>,
+    /// The pipeline slots of the row's pipeline passes, by span index (sparse: most spans
+    /// have none), in index order.
+    pub pipeline: Vec<(u32, PipelineSlot)>,
+}
+
+/// A pipeline pass's label in torch's action notation, `<stage><pass><microbatch>` (`0F3`:
+/// stage 0's forward of microbatch 3; `B` backward, `I` / `W` a split backward's input and
+/// weight passes, `E` a validation forward); `None` for spans that are not passes.
+pub fn pass_label(phase: &str, slot: PipelineSlot) -> Option<String> {
+    let pass = match phase {
+        titan::FORWARD => "F",
+        titan::BACKWARD => "B",
+        titan::BACKWARD_INPUT => "I",
+        titan::BACKWARD_WEIGHT => "W",
+        titan::EVAL_FORWARD => "E",
+        other => torch_pipelining::parse_action(other)
+            .map(|(_, c)| c)
+            .filter(|c| torch_pipelining::is_pass(c))?,
+    };
+    Some(format!("{}{pass}{}", slot.stage, slot.microbatch))
 }
 
 impl SpanRow {
+    /// The pipeline slot of span `i`, if it is a pipeline pass.
+    pub fn slot(&self, i: usize) -> Option<PipelineSlot> {
+        let k = self
+            .pipeline
+            .binary_search_by_key(&(i as u32), |&(j, _)| j)
+            .ok()?;
+        Some(self.pipeline[k].1)
+    }
+
     pub fn len(&self) -> usize {
         self.start.len()
     }
@@ -273,6 +304,7 @@ struct RawSpan {
     error: bool,
     step: u64,
     tagset: u16,
+    slot: Option<PipelineSlot>,
 }
 
 /// Collects spans, step tags and scalars, then precomputes a [`Timeline`].
@@ -362,6 +394,7 @@ impl TimelineBuilder {
                 error: s.error,
                 step,
                 tagset,
+                slot: None,
             });
     }
 
@@ -378,6 +411,7 @@ impl TimelineBuilder {
         dur_ns: i64,
         depth: u8,
         error: bool,
+        slot: Option<PipelineSlot>,
     ) {
         let step = step.unwrap_or(NO_STEP);
         self.ranks.insert(rank);
@@ -389,6 +423,7 @@ impl TimelineBuilder {
             error,
             step,
             tagset,
+            slot,
         });
     }
 
@@ -630,6 +665,9 @@ fn build_rows(mut raw: Vec<RawSpan>, origin: i64) -> Vec<SpanRow> {
         row.step.push(s.step);
         row.tagset.push(s.tagset);
         row.flags.push(if s.error { FLAG_ERROR } else { 0 });
+        if let Some(slot) = s.slot {
+            row.pipeline.push((row.start.len() as u32 - 1, slot));
+        }
     }
     rows
 }

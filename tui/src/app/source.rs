@@ -125,6 +125,7 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
                 0
             },
             error,
+            s.pipeline.get(i).copied().flatten(),
         );
     }
     for (&(_, step), tags) in &run.step_tags {
