@@ -134,6 +134,7 @@ fn push(builder: &mut PartBuilder, r: &Rec) {
         parent: None,
         tags: &[],
         message: None,
+        pipeline: None,
     });
 }
 

@@ -134,6 +134,7 @@ fn write_rank(
             },
             tags: &tags,
             message: None,
+            pipeline: sp.pipeline.get(i).copied().flatten(),
         });
     }
     let ins = &run.instants;
@@ -154,6 +155,7 @@ fn write_rank(
             parent: ins.parent.get(i).copied().filter(|&p| p != 0),
             tags: &tags,
             message: None,
+            pipeline: None,
         });
     }
     let sc = &run.scalars;
@@ -174,6 +176,7 @@ fn write_rank(
             parent: None,
             tags: &tags,
             message: None,
+            pipeline: None,
         });
     }
     let er = &run.errors;
@@ -194,6 +197,7 @@ fn write_rank(
             parent: er.parent.get(i).copied().filter(|&p| p != 0),
             tags: &tags,
             message: er.message.get(i).map(String::as_str),
+            pipeline: None,
         });
     }
     let records = b.len() as u64;

@@ -20,7 +20,7 @@ use crate::journal::{JournalCursor, SkippedRange, thread_names};
 use crate::part::Footer;
 use crate::record::NO_STEP;
 use crate::run::{Columns, PartData, RankInfo};
-use crate::schema::{Kind, Reduce, col};
+use crate::schema::{Kind, PipelineSlot, Reduce, col};
 
 /// The reader's view of a footer.
 pub(crate) fn rank_info(footer: &Footer) -> RankInfo {
@@ -81,6 +81,15 @@ fn wanted_columns(c: Columns) -> Vec<&'static str> {
     wanted
 }
 
+/// Columns added after schema version 1: read when asked for and present, null otherwise.
+fn wanted_if_present(c: Columns) -> Vec<&'static str> {
+    if c.pipeline {
+        vec![col::MICROBATCH, col::STAGE]
+    } else {
+        Vec::new()
+    }
+}
+
 /// Decodes a Parquet part of `dir_rank`, skipping its first `skip_rows` rows (already read
 /// from the journal it was compacted from).
 pub(crate) fn decode_part(
@@ -123,6 +132,11 @@ fn decode_part_unguarded(
                 .map_err(|_| anyhow::anyhow!("column `{w}` is missing"))?,
         );
     }
+    roots.extend(
+        wanted_if_present(columns)
+            .into_iter()
+            .filter_map(|w| schema.index_of(w).ok()),
+    );
     let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
     let mut builder = builder.with_projection(mask).with_batch_size(64 * 1024);
     let skip = (skip_rows as usize).min(total_rows);
@@ -241,6 +255,8 @@ struct BatchColumns<'a> {
     parent: Option<&'a UInt64Array>,
     tags: Option<&'a ListArray>,
     message: Option<&'a StringArray>,
+    /// Asked for; `None` inside when the file predates the columns.
+    pipeline: Option<Option<(&'a UInt16Array, &'a UInt16Array)>>,
 }
 
 impl<'a> BatchColumns<'a> {
@@ -302,6 +318,21 @@ impl<'a> BatchColumns<'a> {
             message: optional(c.messages, col::MESSAGE)?
                 .map(|a| a.as_string_opt::<i32>().context("`message` is not utf8"))
                 .transpose()?,
+            pipeline: if c.pipeline {
+                let present = |name| batch.column_by_name(name).is_some();
+                Some(if present(col::MICROBATCH) && present(col::STAGE) {
+                    Some((
+                        primitive::<UInt16Type>(batch, true, col::MICROBATCH, "uint16")?
+                            .context("microbatch")?,
+                        primitive::<UInt16Type>(batch, true, col::STAGE, "uint16")?
+                            .context("stage")?,
+                    ))
+                } else {
+                    None
+                })
+            } else {
+                None
+            },
         })
     }
 
@@ -410,6 +441,14 @@ fn push_span(cols: &BatchColumns, i: usize, rank: u32, step: u64, out: &mut Part
     if let (Some(q), Some(p)) = (cols.seq, cols.parent(i)) {
         t.seq.push(q.value(i));
         t.parent.push(p);
+    }
+    if let Some(columns) = cols.pipeline {
+        t.pipeline.push(columns.and_then(|(mb, stage)| {
+            (mb.is_valid(i) && stage.is_valid(i)).then(|| PipelineSlot {
+                microbatch: mb.value(i),
+                stage: stage.value(i),
+            })
+        }));
     }
 }
 

@@ -147,6 +147,9 @@ pub struct PartDigest {
     pub rows: u64,
     pub spans: u64,
     pub errors: u64,
+    /// Spans that carry a pipeline slot (`microbatch`, `stage`): the pipeline analysis is
+    /// not in the summary, so a run with any is analysed from its spans for it.
+    pub pipeline_spans: u64,
     /// (name, its durations).
     pub phases: Vec<(NameId, PhaseDigest)>,
     /// (step, name, summed duration) of the spans of each step.
@@ -260,6 +263,7 @@ impl PartDigest {
             rows: d.rows as u64,
             spans: n as u64,
             errors: d.errors.rank.len() as u64,
+            pipeline_spans: s.pipeline.iter().filter(|p| p.is_some()).count() as u64,
             phases: phases.into_iter().collect(),
             cells: cells.into_iter().map(|((s, n), v)| (s, n, v)).collect(),
             walls: walls.into_iter().collect(),
@@ -302,6 +306,7 @@ pub(crate) const COLUMNS: crate::run::Columns = crate::run::Columns {
     links: false,
     tags: true,
     messages: false,
+    pipeline: true,
 };
 
 /// File name of part `index`'s summary.
@@ -330,6 +335,7 @@ pub fn encode(d: &PartDigest, part_len: u64) -> Result<Vec<u8>> {
     put_u64(&mut b, d.rows);
     put_u64(&mut b, d.spans);
     put_u64(&mut b, d.errors);
+    put_u64(&mut b, d.pipeline_spans);
     put_u64(&mut b, d.phases.len() as u64);
     for (name, p) in &d.phases {
         put_u32(&mut b, *name);
@@ -456,6 +462,7 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDigest> {
         rows: r.u64()?,
         spans: r.u64()?,
         errors: r.u64()?,
+        pipeline_spans: r.u64()?,
         ..Default::default()
     };
     let names = d.names.len() as u64;
@@ -656,6 +663,7 @@ pub struct RunDigest {
     pub parts: u64,
     pub spans: u64,
     pub errors: u64,
+    pub pipeline_spans: u64,
     /// By run-wide name id.
     pub phases: Vec<Option<PhaseDigest>>,
     /// (name, step) -> summed duration per rank (indexed by rank; -1 = not run).
@@ -692,6 +700,7 @@ impl RunDigest {
         self.parts += 1;
         self.spans += d.spans;
         self.errors += d.errors;
+        self.pipeline_spans += d.pipeline_spans;
         for (name, p) in &d.phases {
             let id = g(*name) as usize;
             if self.phases.len() <= id {

@@ -902,6 +902,7 @@ mod tests {
                 parent: (seq % 3 != 0).then_some(seq - 1),
                 tags: if seq % 7 == 0 { &["checkpoint"] } else { &[] },
                 message: None,
+                pipeline: None,
             });
         }
         let mut h = h.clone();

@@ -26,7 +26,7 @@ use object_store::ObjectStoreExt as _;
 use crate::location::{
     Location, parse_journal_file_name, part_file_name, rank_dir, spool_rank_dir,
 };
-use crate::schema::{Kind, Reduce, SCHEMA_VERSION, arrow_schema, meta};
+use crate::schema::{Kind, PipelineSlot, Reduce, SCHEMA_VERSION, arrow_schema, meta};
 
 /// Who wrote a part: constant columns plus footer metadata.
 #[derive(Debug, Clone)]
@@ -180,6 +180,8 @@ pub struct Row<'a> {
     pub parent: Option<u64>,
     pub tags: &'a [&'a str],
     pub message: Option<&'a str>,
+    /// The pipeline schedule slot of a pipeline pass's span.
+    pub pipeline: Option<PipelineSlot>,
 }
 
 /// Accumulates rows of one part as Arrow columns.
@@ -199,6 +201,8 @@ pub struct PartBuilder {
     parent: UInt64Builder,
     tags: ListBuilder<StringBuilder>,
     message: StringBuilder,
+    microbatch: UInt16Builder,
+    stage: UInt16Builder,
 }
 
 const KINDS: [&str; 4] = ["span", "instant", "scalar", "error"];
@@ -250,6 +254,8 @@ impl PartBuilder {
                 false,
             )),
             message: StringBuilder::new(),
+            microbatch: UInt16Builder::new(),
+            stage: UInt16Builder::new(),
         }
     }
 
@@ -281,6 +287,9 @@ impl PartBuilder {
         }
         self.tags.append(true);
         self.message.append_option(row.message);
+        self.microbatch
+            .append_option(row.pipeline.map(|p| p.microbatch));
+        self.stage.append_option(row.pipeline.map(|p| p.stage));
     }
 
     /// Turns the accumulated rows into a record batch and resets the builder.
@@ -346,6 +355,8 @@ impl PartBuilder {
             Arc::new(self.parent.finish()),
             Arc::new(self.tags.finish()),
             Arc::new(self.message.finish()),
+            Arc::new(self.microbatch.finish()),
+            Arc::new(self.stage.finish()),
         ];
         // A fresh dictionary builder per part: dictionaries must not grow across parts.
         self.name = StringDictionaryBuilder::new();

@@ -1,6 +1,6 @@
 //! The in-memory record a recording thread hands to the writer thread.
 
-use crate::schema::{Kind, Reduce};
+use crate::schema::{Kind, PipelineSlot, Reduce};
 
 /// Marker for "no step set yet" (init phases before the first `set_step`).
 pub const NO_STEP: u64 = u64::MAX;
@@ -25,4 +25,5 @@ pub struct RawRecord {
     pub dur_ns: u64,
     pub value: f64,
     pub message: Option<Box<str>>,
+    pub pipeline: Option<PipelineSlot>,
 }

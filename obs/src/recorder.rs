@@ -24,7 +24,7 @@ use crate::location::Location;
 use crate::part::{PartBuilder, PartHeader, PartSink, Row};
 use crate::record::{NO_STEP, RawRecord};
 use crate::ring::Ring;
-use crate::schema::{Kind, Reduce, Source};
+use crate::schema::{Kind, PipelineSlot, Reduce, Source};
 
 /// Where and as whom this process records.
 #[derive(Debug, Clone)]
@@ -409,6 +409,7 @@ pub struct SpanGuard {
     parent: u64,
     depth: u16,
     generation: u64,
+    pipeline: Option<PipelineSlot>,
     // Spans belong to the thread that opened them (nesting is per thread).
     _not_send: PhantomData<*const ()>,
 }
@@ -451,6 +452,7 @@ impl Drop for SpanGuard {
                 dur_ns: end.saturating_sub(self.start),
                 value: 0.0,
                 message: None,
+                pipeline: self.pipeline,
             });
         });
     }
@@ -459,6 +461,18 @@ impl Drop for SpanGuard {
 /// Opens a span named `name` (a phase name such as `forward_backward`).
 #[inline]
 pub fn span(name: &'static str) -> SpanGuard {
+    open_span(name, None)
+}
+
+/// Opens the span of one pass of a pipeline schedule (`forward`, `backward`, ...), tagged with
+/// the microbatch it runs and the (virtual) stage that runs it.
+#[inline]
+pub fn pipeline_span(name: &'static str, slot: PipelineSlot) -> SpanGuard {
+    open_span(name, Some(slot))
+}
+
+#[inline]
+fn open_span(name: &'static str, pipeline: Option<PipelineSlot>) -> SpanGuard {
     let mut guard = SpanGuard {
         name,
         start: 0,
@@ -466,6 +480,7 @@ pub fn span(name: &'static str) -> SpanGuard {
         parent: 0,
         depth: 0,
         generation: 0,
+        pipeline,
         _not_send: PhantomData,
     };
     if !ACTIVE.load(Ordering::Relaxed) {
@@ -531,6 +546,7 @@ fn point(kind: Kind, name: &'static str, value: f64, reduce: Reduce, message: Op
             dur_ns: 0,
             value,
             message: message.map(Into::into),
+            pipeline: None,
         });
     });
 }
@@ -562,6 +578,7 @@ fn record_error(name: &'static str, message: &str, parent: u64, depth: u16) {
             dur_ns: 0,
             value: 0.0,
             message: Some(message.into()),
+            pipeline: None,
         });
     });
 }
@@ -776,6 +793,7 @@ impl Writer {
                 parent: (r.parent != 0).then_some(r.parent),
                 tags: &tag_buf,
                 message: r.message.as_deref(),
+                pipeline: r.pipeline,
             });
         }
         // Old steps cannot gain tags any more; keep the map small.

@@ -114,6 +114,7 @@ mod tests {
             dur_ns: 0,
             value: 0.0,
             message: None,
+            pipeline: None,
         }
     }
 

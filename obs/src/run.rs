@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::schema::Reduce;
+use crate::schema::{PipelineSlot, Reduce};
 
 /// Index into [`Run::names`].
 pub type NameId = u32;
@@ -42,6 +42,8 @@ pub struct Columns {
     pub tags: bool,
     /// `message` of error records.
     pub messages: bool,
+    /// `microbatch`, `stage` of pipeline passes (null in files written before they existed).
+    pub pipeline: bool,
 }
 
 impl Columns {
@@ -52,6 +54,7 @@ impl Columns {
         links: true,
         tags: true,
         messages: true,
+        pipeline: true,
     };
     /// What `summary` needs: durations per rank/phase/step, depth and step tags.
     pub const SUMMARY: Columns = Columns {
@@ -61,6 +64,7 @@ impl Columns {
         links: false,
         tags: true,
         messages: false,
+        pipeline: true,
     };
     /// What `metrics` needs: scalars and step tags.
     pub const METRICS: Columns = Columns {
@@ -70,6 +74,7 @@ impl Columns {
         links: false,
         tags: false,
         messages: false,
+        pipeline: false,
     };
 }
 
@@ -122,6 +127,8 @@ pub struct Spans {
     pub seq: Vec<u64>,
     /// Seq of the enclosing span in the same thread; 0 for top-level spans.
     pub parent: Vec<u64>,
+    /// The pipeline schedule slot of a pipeline pass; `None` for every other span.
+    pub pipeline: Vec<Option<PipelineSlot>>,
 }
 
 impl Spans {
@@ -141,6 +148,7 @@ impl Spans {
         r(&mut self.depth, n);
         r(&mut self.seq, n);
         r(&mut self.parent, n);
+        r(&mut self.pipeline, n);
     }
 
     pub fn len(&self) -> usize {
@@ -472,6 +480,7 @@ impl Merger {
         t.depth.extend(s.depth);
         t.seq.extend(s.seq);
         t.parent.extend(s.parent);
+        t.pipeline.extend(s.pipeline);
 
         let s = part.instants;
         let t = &mut run.instants;

@@ -10,7 +10,9 @@ use std::sync::{Arc, LazyLock};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 
 /// Version of the column layout written into every footer (`titan.schema_version`).
-pub const SCHEMA_VERSION: u32 = 1;
+/// Version 2 added the nullable `microbatch` and `stage` span columns; version-1 files read as
+/// if both were null.
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// Which program produced the records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -102,6 +104,14 @@ impl FromStr for Reduce {
     }
 }
 
+/// Where a span sits in a pipeline-parallel schedule: the microbatch it ran and the (virtual)
+/// pipeline stage that ran it. Only the passes of a pipeline schedule carry one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PipelineSlot {
+    pub microbatch: u16,
+    pub stage: u16,
+}
+
 /// What a record is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
@@ -161,6 +171,8 @@ pub mod col {
     pub const PARENT: &str = "parent";
     pub const TAGS: &str = "tags";
     pub const MESSAGE: &str = "message";
+    pub const MICROBATCH: &str = "microbatch";
+    pub const STAGE: &str = "stage";
 }
 
 /// Footer key-value metadata keys.
@@ -215,6 +227,8 @@ static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| {
             false,
         ),
         Field::new(col::MESSAGE, DataType::Utf8, true),
+        Field::new(col::MICROBATCH, DataType::UInt16, true),
+        Field::new(col::STAGE, DataType::UInt16, true),
     ]))
 });
 

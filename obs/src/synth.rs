@@ -442,6 +442,7 @@ fn write_rank(
                 parent: (s.parent != 0).then_some(s.parent),
                 tags: &tags,
                 message: None,
+                pipeline: None,
             });
         }
         stats.spans += em.out.len() as u64;
@@ -463,6 +464,7 @@ fn write_rank(
                 parent: Some(s.seq),
                 tags: &tags,
                 message: None,
+                pipeline: None,
             });
         }
         let mut point = |kind: Kind, name: &str, value: Option<f64>, reduce: Option<Reduce>| {
@@ -481,6 +483,7 @@ fn write_rank(
                 parent: None,
                 tags: &tags,
                 message: None,
+                pipeline: None,
             });
         };
         for tag in &tags {

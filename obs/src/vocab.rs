@@ -26,6 +26,17 @@ pub mod titan {
     pub const CHECKPOINT: &str = "checkpoint";
     /// Span and step tag of a validation pass.
     pub const VALIDATION: &str = "validation";
+    /// Pipeline parallelism: a pass (`forward`/`backward`, with its microbatch and stage)
+    /// waiting to receive its input from the neighbouring stage.
+    pub const PIPELINE_RECV: &str = "pipeline_recv";
+    /// Pipeline parallelism: the end of a step's schedule, waiting for the last sends.
+    pub const PIPELINE_SEND: &str = "pipeline_send";
+    /// Pipeline parallelism: a validation forward pass of one microbatch on one stage (not
+    /// part of the training schedule's window).
+    pub const EVAL_FORWARD: &str = "eval_forward";
+    /// The compute passes of a pipeline schedule; the rest of a rank's pipeline window
+    /// (its `forward_backward` span) is the bubble.
+    pub const PIPELINE_PASSES: [&str; 2] = [FORWARD, BACKWARD];
 }
 
 /// The collectives titan-train records as spans (trainer/src/dist), one per call on every rank

@@ -128,12 +128,16 @@ impl Fixture {
     }
 
     fn logged(&self, name: &str, field: &str) -> Vec<f64> {
+        self.logged_kind(name, "train", field)
+    }
+
+    fn logged_kind(&self, name: &str, kind: &str, field: &str) -> Vec<f64> {
         let path = self.root.join(name).join("metrics.jsonl");
         let body =
             std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         body.lines()
             .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter(|v| v["kind"] == "train")
+            .filter(|v| v["kind"] == kind)
             .map(|v| v[field].as_f64().expect("a number"))
             .collect()
     }
@@ -240,9 +244,20 @@ fn tensor_parallel_loss_curves_match_one_rank() {
 #[test]
 fn pipeline_parallel_loss_curves_match_one_rank() {
     let f = Fixture::new();
-    run_ok(&mut titan_train(&f.args("single", GLOBAL_BATCH)));
+    // Validation runs forward through the stages; its loss is compared where the layout reads
+    // the same validation samples (one dp rank).
+    let validate = [
+        "--validation.enable",
+        "--validation.freq",
+        "5",
+        "--validation.steps",
+        "2",
+    ];
+    run_ok(titan_train(&f.args("single", GLOBAL_BATCH)).args(validate));
     let reference = f.losses("single");
     let reference_norms = f.logged("single", "grad_norm");
+    let reference_validation = f.logged_kind("single", "validation", "loss");
+    assert_eq!(reference_validation.len(), 2, "{reference_validation:?}");
     let pp2 = [
         "--nproc-per-node",
         "2",
@@ -278,7 +293,7 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
     ];
     for (name, local_batch, extra) in layouts {
         let mut c = titan_train(&f.args(name, local_batch));
-        c.args(pp2).args(extra);
+        c.args(pp2).args(extra).args(validate);
         let out = run_ok(&mut c);
         assert!(
             text(&out).contains("pipeline parallelism"),
@@ -287,6 +302,16 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
         );
         assert_same_curve(&reference, &f.losses(name), name);
         assert_close_grad_norms(&reference_norms, &f.logged(name, "grad_norm"), name);
+        if local_batch == GLOBAL_BATCH {
+            let validation = f.logged_kind(name, "validation", "loss");
+            assert_eq!(validation.len(), 2, "{name}: {validation:?}");
+            for (a, b) in reference_validation.iter().zip(&validation) {
+                assert!(
+                    (a - b).abs() / a.abs() <= 1e-5,
+                    "{name} validation: {validation:?} vs one process {reference_validation:?}"
+                );
+            }
+        }
     }
 
     // A PP=2 checkpoint (each stage writes its own parameters under their global names)

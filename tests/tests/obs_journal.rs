@@ -409,6 +409,7 @@ fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted()
                     &[]
                 },
                 message: None,
+                pipeline: None,
             });
         }
         builder.finish(&header).unwrap()

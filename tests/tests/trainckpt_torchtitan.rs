@@ -36,6 +36,22 @@ const SAVE_AT_3: &[&str] = &[
     "--checkpoint.last_save_model_only=false",
 ];
 
+/// torchtitan's model loads `dcp_run`'s step-3 checkpoint bit for bit, and its `to_hf` of it
+/// equals `hf_run`'s step-3 HF export (57 weights each).
+fn assert_torchtitan_loads(dcp_run: &Path, hf_run: &Path) {
+    let step = |run: &Path| run.join("checkpoint/step-3").to_str().unwrap().to_string();
+    let out = run_ok(tt_python_script("tests/python/tt_train_load.py").args([
+        step(dcp_run),
+        "debugmodel".into(),
+        step(hf_run),
+    ]));
+    let report: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
+    assert_eq!(report["torchtitan"], "0.3.0", "{report}");
+    assert_eq!(report["weights"], 57, "{report}");
+    assert_eq!(report["hf_checked"], 57, "{report}");
+}
+
 #[test]
 fn torchtitan_0_3_loads_a_titan_checkpoint_bit_for_bit() {
     let dcp_run = tempfile::tempdir().unwrap();
@@ -46,15 +62,26 @@ fn torchtitan_0_3_loads_a_titan_checkpoint_bit_for_bit() {
         hf_run.path(),
         &[SAVE_AT_3, &["--checkpoint.last_save_in_hf"]].concat(),
     );
-    let step = |run: &Path| run.join("checkpoint/step-3").to_str().unwrap().to_string();
-    let out = run_ok(tt_python_script("tests/python/tt_train_load.py").args([
-        step(dcp_run.path()),
-        "debugmodel".into(),
-        step(hf_run.path()),
-    ]));
-    let report: serde_json::Value =
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
-    assert_eq!(report["torchtitan"], "0.3.0", "{report}");
-    assert_eq!(report["weights"], 57, "{report}");
-    assert_eq!(report["hf_checked"], 57, "{report}");
+    assert_torchtitan_loads(dcp_run.path(), hf_run.path());
+}
+
+/// A pipeline-parallel checkpoint: each of the two stages writes its own parameters under
+/// their global names, and torchtitan's one-process model loads the whole of it bit for bit;
+/// the HF export the two stages write together is torchtitan's `to_hf` of it.
+#[test]
+fn torchtitan_0_3_loads_a_pp2_checkpoint_bit_for_bit() {
+    const PP2: &[&str] = &[
+        "--nproc-per-node",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+    ];
+    let dcp_run = tempfile::tempdir().unwrap();
+    train(dcp_run.path(), &[SAVE_AT_3, PP2].concat());
+    let hf_run = tempfile::tempdir().unwrap();
+    train(
+        hf_run.path(),
+        &[SAVE_AT_3, PP2, &["--checkpoint.last_save_in_hf"]].concat(),
+    );
+    assert_torchtitan_loads(dcp_run.path(), hf_run.path());
 }

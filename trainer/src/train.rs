@@ -174,8 +174,11 @@ fn keep_freed_tensor_memory() {
 }
 
 /// Mean loss over the validation split: summed CE over all batches and dp ranks / valid tokens.
+/// Under pipeline parallelism each batch runs forward through the stages in microbatches of
+/// the training's microbatch size; the last stage's CE is summed over the pp group.
 fn validate(
     model: &Llama,
+    pipeline: Option<(&Pipeline, i64)>,
     loader: &mut TextLoader,
     max_steps: Option<u64>,
     mesh: &DeviceMesh,
@@ -196,15 +199,36 @@ fn validate(
             else {
                 break;
             };
-            let loss = forward_pass(step, || {
-                model.summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels)
-            })?;
-            loss_sum += loss.double_value(&[]);
+            loss_sum += match pipeline {
+                Some((pipeline, microbatch_size)) => {
+                    let chunk = |t: &Tensor| t.split(microbatch_size, 0);
+                    let (inputs, labels, positions) =
+                        (chunk(&inputs), chunk(&labels), chunk(&positions));
+                    let microbatches: Vec<Microbatch<'_>> = (0..inputs.len())
+                        .map(|i| Microbatch {
+                            inputs: &inputs[i],
+                            labels: &labels[i],
+                            positions: &positions[i],
+                        })
+                        .collect();
+                    pipeline
+                        .evaluate(model, &microbatches)
+                        .with_context(|| format!("validation at step {step}"))?
+                }
+                None => forward_pass(step, || {
+                    model.summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels)
+                })?
+                .double_value(&[]),
+            };
             tokens += count_valid(&labels);
             batches += 1;
         }
         Ok(())
     })?;
+    if pipeline.is_some() {
+        // The last stage computed the CE: every stage reports it.
+        loss_sum = mesh.reduce_scalars(&mesh.pp, &[loss_sum], ReduceOp::Sum)?[0];
+    }
     let mut reduced = [(loss_sum, Reduce::Sum), (tokens as f64, Reduce::Sum)];
     mesh.reduce_metrics(&mut reduced)?;
     let (loss_sum, tokens) = (reduced[0].0, reduced[1].0 as i64);
@@ -308,12 +332,6 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     let loader_batch = pipeline_cfg
         .as_ref()
         .map_or(cfg.training.local_batch_size, |p| p.microbatch_size);
-    if pipeline_cfg.is_some() && cfg.validation.enable {
-        bail!(config_error(
-            "validation.enable",
-            anyhow::anyhow!("validation is not implemented with pipeline parallelism yet")
-        ));
-    }
     let (dp_rank, dp_degree) = (world.dp_rank() as u64, world.dp_degree() as u64);
     let (mut train_loader, mut val_loader) = {
         let _s = titan_obs::span("dataloader");
@@ -685,7 +703,19 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
         {
             let _s = titan_obs::span(titan::VALIDATION);
             titan_obs::add_step_tag(titan::VALIDATION);
-            let v = validate(&model, loader, cfg.validation.steps, mesh, step, device)?;
+            let staged = pipeline
+                .as_ref()
+                .zip(pipeline_cfg.as_ref())
+                .map(|(p, c)| (p, c.microbatch_size));
+            let v = validate(
+                &model,
+                staged,
+                loader,
+                cfg.validation.steps,
+                mesh,
+                step,
+                device,
+            )?;
             titan_obs::scalar("validation/loss", v.loss, Reduce::Mean);
             if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", v.console_line());

@@ -51,6 +51,7 @@ fn journal_run(run: &Path, batches: u64) -> PathBuf {
                 parent: None,
                 tags: &[],
                 message: None,
+                pipeline: None,
             });
         }
         w.append(&b.finish(&header).unwrap()).unwrap();

@@ -131,6 +131,13 @@ pub fn write_chrome(run: &Run, out: &mut dyn Write) -> Result<ChromeStats> {
                 write!(out, "\"tags\":{},", serde_json::to_string(&tags)?)?;
             }
         }
+        if let Some(Some(slot)) = sp.pipeline.get(i) {
+            write!(
+                out,
+                "\"microbatch\":{},\"stage\":{},",
+                slot.microbatch, slot.stage
+            )?;
+        }
         if let Ok(k) = span_wait.binary_search_by_key(&(i as u32), |w| w.0) {
             write!(out, "\"waited_ns\":{},", span_wait[k].1)?;
         }

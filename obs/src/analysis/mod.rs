@@ -5,6 +5,7 @@
 pub mod chrome;
 pub mod digested;
 pub mod metrics;
+pub mod pipeline;
 pub mod spread;
 pub mod stats;
 pub mod summary;
@@ -13,6 +14,7 @@ pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
 pub use metrics::{MetricsLine, format_line, format_value, metrics, to_csv};
+pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary};
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
 pub use stats::DurationStats;
 pub use summary::{

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use rayon::prelude::*;
 use serde::Serialize;
 
+use super::pipeline::{PipelineSummary, pipeline_summary};
 use super::stats::{DurationStats, median_f64};
 use super::table::{RunShape, SpanTable};
 use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
@@ -116,6 +117,8 @@ pub struct Summary {
     /// How ranks on different hosts were put on one clock (None: one host, or titan's
     /// measured offsets).
     pub clock_alignment: Option<ClockAlignment>,
+    /// Pipeline-parallel runs: per stage, the measured bubble against the schedule's ideal.
+    pub pipeline: Option<PipelineSummary>,
 }
 
 /// What the analysis finds in a span table: everything `titan-obs summary`, the TUI and
@@ -201,6 +204,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         truncated_tails: run.report.truncated_tails.clone(),
         open_spans: run.report.open_spans.clone(),
         clock_alignment: run.report.clock_alignment.clone(),
+        pipeline: pipeline_summary(run),
     }
 }
 

@@ -19,6 +19,9 @@ use std::ops::Range;
 use anyhow::{Context, Result, bail};
 use tch::Tensor;
 
+use titan_obs::PipelineSlot;
+use titan_obs::vocab::titan;
+
 use crate::dist::{CommError, DeviceMesh, Group, Pending};
 use crate::model::Llama;
 use crate::parallel::Dim;
@@ -608,13 +611,18 @@ impl Pipeline {
         let mut loss_sum = 0.0f64;
         for a in &self.actions {
             let mb = &microbatches[a.microbatch];
+            // Schedules this long do not exist; saturate rather than wrap if one did.
+            let slot = PipelineSlot {
+                microbatch: a.microbatch.min(u16::MAX as usize) as u16,
+                stage: a.stage.min(u16::MAX as usize) as u16,
+            };
             let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
             match a.pass {
                 Pass::Forward => {
-                    let _span = titan_obs::span(titan_obs::vocab::titan::FORWARD);
                     let input = if a.stage == 0 {
                         None
                     } else {
+                        let _wait = titan_obs::pipeline_span(titan::PIPELINE_RECV, slot);
                         let (shape, kind) = model.hidden_shape(rows, seq_len);
                         let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
                         self.receive(&self.forward_links, a.stage - 1, &buf)
@@ -626,6 +634,7 @@ impl Pipeline {
                             })?;
                         Some(buf.set_requires_grad(true))
                     };
+                    let _span = titan_obs::pipeline_span(titan::FORWARD, slot);
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
                         let out = model.forward_stage(a.stage, x, Some(mb.positions));
@@ -646,13 +655,13 @@ impl Pipeline {
                     in_flight.insert((a.stage, a.microbatch), InFlight { input, output });
                 }
                 Pass::Backward => {
-                    let _span = titan_obs::span(titan_obs::vocab::titan::BACKWARD);
                     let f = in_flight
                         .remove(&(a.stage, a.microbatch))
                         .context("the schedule runs a backward before its forward")?;
-                    let root = if a.stage == last {
-                        f.output
+                    let output_grad = if a.stage == last {
+                        None
                     } else {
+                        let _wait = titan_obs::pipeline_span(titan::PIPELINE_RECV, slot);
                         let grad = f.output.empty_like();
                         self.receive(&self.backward_links, a.stage, &grad)
                             .with_context(|| {
@@ -661,9 +670,14 @@ impl Pipeline {
                                     a.microbatch, a.stage
                                 )
                             })?;
+                        Some(grad)
+                    };
+                    let _span = titan_obs::pipeline_span(titan::BACKWARD, slot);
+                    let root = match output_grad {
+                        None => f.output,
                         // d/d(out) of sum(out * grad) is exactly `grad`: backward from the
                         // stage's output with the next stage's input gradient.
-                        (&f.output * &grad).sum(f.output.kind())
+                        Some(grad) => (&f.output * &grad).sum(f.output.kind()),
                     };
                     root.f_backward()
                         .map_err(|e| anyhow::anyhow!("stage {} backward: {e}", a.stage))?;
@@ -683,12 +697,68 @@ impl Pipeline {
                 }
             }
         }
+        let _wait = titan_obs::span(titan::PIPELINE_SEND);
         for (pending, _) in sends {
             pending
                 .wait()
                 .context("sending to the next pipeline stage")?;
         }
         Ok(loss_sum)
+    }
+
+    /// Forward passes only (validation; the caller disables autograd): every microbatch
+    /// through this rank's stages in order, depth first. Returns the summed cross-entropy of
+    /// this rank's last-stage outputs (0 where it holds no last stage). Any number of
+    /// microbatches of any size works: every rank sees the same batch, so receive shapes are
+    /// known, and each boundary's sends and receives run in the same (microbatch) order.
+    pub fn evaluate(&self, model: &Llama, microbatches: &[Microbatch<'_>]) -> Result<f64> {
+        let last = self.stages.len() - 1;
+        let mut sends: Vec<(Pending, Tensor)> = Vec::new();
+        let mut ce_sum = 0.0f64;
+        for (i, mb) in microbatches.iter().enumerate() {
+            let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
+            for &stage in &self.local_stages {
+                let slot = PipelineSlot {
+                    microbatch: i.min(u16::MAX as usize) as u16,
+                    stage: stage.min(u16::MAX as usize) as u16,
+                };
+                let input = if stage == 0 {
+                    None
+                } else {
+                    let _wait = titan_obs::pipeline_span(titan::PIPELINE_RECV, slot);
+                    let (shape, kind) = model.hidden_shape(rows, seq_len);
+                    let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
+                    self.receive(&self.forward_links, stage - 1, &buf)
+                        .with_context(|| {
+                            format!("receiving microbatch {i}'s activations for stage {stage}")
+                        })?;
+                    Some(buf)
+                };
+                let _span = titan_obs::pipeline_span(titan::EVAL_FORWARD, slot);
+                let out = catch(|| {
+                    let x = input.as_ref().unwrap_or(mb.inputs);
+                    let out = model.forward_stage(stage, x, Some(mb.positions));
+                    if stage == last {
+                        model.summed_cross_entropy(&out, mb.labels)
+                    } else {
+                        out
+                    }
+                })
+                .with_context(|| format!("stage {stage} forward"))?;
+                if stage == last {
+                    ce_sum += out.double_value(&[]);
+                } else {
+                    sends.push((self.send(&self.forward_links, stage, &out), out));
+                }
+            }
+        }
+        let _wait = titan_obs::span(titan::PIPELINE_SEND);
+        for (pending, _) in sends {
+            pending
+                .wait()
+                .context("sending to the next pipeline stage")?;
+        }
+        Ok(ce_sum)
     }
 
     fn send(&self, links: &HashMap<usize, Link>, boundary: usize, t: &Tensor) -> Pending {

@@ -3,7 +3,7 @@
 use std::fmt::Write;
 
 use anyhow::Result;
-use titan_obs::analysis::{StragglerOptions, Summary, summary};
+use titan_obs::analysis::{PipelineSummary, StragglerOptions, Summary, pipeline_summary, summary};
 use titan_obs::read::Columns;
 
 use super::{RunArgs, exit_code, human_ns, load_run_with};
@@ -43,7 +43,12 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
         min_excess_ratio: args.straggler_excess,
         ..StragglerOptions::default()
     };
-    let s = summary(&loaded, &opts);
+    let mut s = summary(&loaded, &opts);
+    if loaded.digest.as_ref().is_some_and(|d| d.pipeline_spans > 0) {
+        // The per-part summaries leave the pipeline analysis out: it reads the spans.
+        let spans = load_run_with(&args.run, columns, false)?;
+        s.pipeline = pipeline_summary(&spans);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -275,7 +280,74 @@ pub fn render(s: &Summary, top: usize) -> String {
             );
         }
     }
+    if let Some(p) = &s.pipeline {
+        render_pipeline(&mut o, p);
+    }
     o
+}
+
+/// Per stage: pass times, the measured bubble and the schedule's ideal; the slowest stage.
+fn render_pipeline(o: &mut String, p: &PipelineSummary) {
+    let _ = writeln!(
+        o,
+        "\npipeline: {} stages on {} pipeline ranks ({} per rank), {} microbatches; ideal bubble \
+         {:.1}% = (p-1)/(v*m+p-1)",
+        p.stages,
+        p.pipeline_ranks,
+        p.stages_per_rank,
+        p.microbatches,
+        p.ideal_bubble * 100.0
+    );
+    let header = [
+        "stages",
+        "ranks",
+        "forward/mb",
+        "backward/mb",
+        "busy/step",
+        "pipeline/step",
+        "recv wait",
+        "bubble",
+        "",
+    ];
+    let list = |v: Vec<String>| v.join(",");
+    let rows: Vec<[String; 9]> = p
+        .per_stage
+        .iter()
+        .enumerate()
+        .map(|(i, st)| {
+            [
+                list(st.stages.iter().map(u16::to_string).collect()),
+                list(st.ranks.iter().map(u32::to_string).collect()),
+                human_ns(st.forward_ns),
+                human_ns(st.backward_ns),
+                human_ns(st.busy_ns),
+                human_ns(st.window_ns),
+                human_ns(st.recv_wait_ns),
+                format!("{:.1}%", st.bubble * 100.0),
+                if i == p.slowest {
+                    "slowest".into()
+                } else {
+                    String::new()
+                },
+            ]
+        })
+        .collect();
+    table(
+        o,
+        &header,
+        &rows,
+        &[false, false, true, true, true, true, true, true, false],
+    );
+    if let Some(st) = p.per_stage.get(p.slowest) {
+        let stages: Vec<String> = st.stages.iter().map(u16::to_string).collect();
+        let _ = writeln!(
+            o,
+            "slowest stage: {} (ranks {:?}): {} of passes per step",
+            stages.join(","),
+            st.ranks,
+            human_ns(st.busy_ns)
+        );
+    }
 }
 
 /// A plain aligned table; `right[i]` right-aligns column i.
