@@ -20,6 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
+use rustc_hash::FxHashMap;
 use sketches_ddsketch::{Config, DDSketch};
 
 use crate::part::CompactedDamage;
@@ -666,10 +667,14 @@ pub struct RunDigest {
     pub pipeline_spans: u64,
     /// By run-wide name id.
     pub phases: Vec<Option<PhaseDigest>>,
-    /// (name, step) -> summed duration per rank (indexed by rank; -1 = not run).
-    pub cells: HashMap<(NameId, u64), Vec<i64>>,
-    /// step -> time in top-level spans per rank (indexed by rank).
-    pub walls: HashMap<u64, Vec<i64>>,
+    /// The ranks merged, in the order first seen: rows of `cells` and `walls` are indexed
+    /// by position here (not by rank number: a damaged rank number must not size a row).
+    pub ranks: Vec<u32>,
+    rank_pos: FxHashMap<u32, u32>,
+    /// (name, step) -> summed duration per rank position (-1 = not run).
+    pub cells: FxHashMap<(NameId, u64), Vec<i64>>,
+    /// step -> time in top-level spans per rank position.
+    pub walls: FxHashMap<u64, Vec<i64>>,
     /// (step, rank, name, start, end) on rank 0's clock.
     pub tag_spans: Vec<(u64, u32, NameId, i64, i64)>,
     pub collectives: Vec<RunCollective>,
@@ -683,8 +688,8 @@ pub struct RunDigest {
 /// Per step: (end, depth, name) of the non-collective span that ended last.
 type LastEnded = HashMap<u64, (i64, u16, NameId)>;
 
-fn put_rank(v: &mut Vec<i64>, rank: u32, fill: i64) -> &mut i64 {
-    let r = rank as usize;
+fn put_rank(v: &mut Vec<i64>, pos: u32, fill: i64) -> &mut i64 {
+    let r = pos as usize;
     if v.len() <= r {
         v.resize(r + 1, fill);
     }
@@ -710,13 +715,18 @@ impl RunDigest {
                 .get_or_insert_with(Default::default)
                 .merge(p);
         }
+        let next = self.ranks.len() as u32;
+        let pos = *self.rank_pos.entry(rank).or_insert(next);
+        if pos == next {
+            self.ranks.push(rank);
+        }
         for &(step, name, dur) in &d.cells {
             let row = self.cells.entry((g(name), step)).or_default();
-            let c = put_rank(row, rank, -1);
+            let c = put_rank(row, pos, -1);
             *c = if *c < 0 { dur } else { c.saturating_add(dur) };
         }
         for &(step, dur) in &d.walls {
-            let c = put_rank(self.walls.entry(step).or_default(), rank, 0);
+            let c = put_rank(self.walls.entry(step).or_default(), pos, 0);
             *c = c.saturating_add(dur);
         }
         for &(step, name, a, e) in &d.tag_spans {

@@ -27,7 +27,13 @@ pub fn analyse_digest(
 ) -> Analysis {
     let ranks: Vec<u32> = shape.ranks.clone();
     let n_ranks = ranks.len();
-    let rank_pos: HashMap<u32, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    // Row position (ranks in merge order) -> column of the steps x ranks matrices.
+    let rank_column: HashMap<u32, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    let column: Vec<Option<usize>> = d
+        .ranks
+        .iter()
+        .map(|r| rank_column.get(r).copied())
+        .collect();
     let mut steps: Vec<u64> = d.cells.keys().map(|&(_, s)| s).collect();
     steps.sort_unstable();
     steps.dedup();
@@ -41,8 +47,8 @@ pub fn analyse_digest(
         let Some(&si) = step_pos.get(step) else {
             continue;
         };
-        for (r, &v) in row.iter().enumerate() {
-            if let Some(&ri) = rank_pos.get(&(r as u32)) {
+        for (&v, ri) in row.iter().zip(&column) {
+            if let Some(ri) = ri {
                 wall[si * n_ranks + ri] = v;
             }
         }
@@ -67,12 +73,13 @@ pub fn analyse_digest(
         })
         .collect();
     let (calls, span_wait) = match_arrivals(arrivals);
-    let mut waited: HashMap<(NameId, u64, u32), i64> = HashMap::new();
+    // (name, step) -> (rank, its wait inside spans of that name in that step).
+    let mut waited: HashMap<(NameId, u64), Vec<(u32, i64)>> = HashMap::new();
     for &(idx, w) in &span_wait {
         let c = &d.collectives[idx as usize];
         let range = c.containers.start as usize..c.containers.end as usize;
         for &(name, step) in d.containers.get(range).unwrap_or_default() {
-            *waited.entry((name, step, c.rank)).or_default() += w;
+            waited.entry((name, step)).or_default().push((c.rank, w));
         }
     }
     let waits = if calls.is_empty() {
@@ -114,15 +121,18 @@ pub fn analyse_digest(
                 let Some(row) = d.cells.get(&(id, step)) else {
                     continue;
                 };
-                for (r, &v) in row.iter().enumerate() {
-                    if v < 0 {
-                        continue;
+                let out = &mut cell[si * n_ranks..(si + 1) * n_ranks];
+                for (&v, ri) in row.iter().zip(&column) {
+                    if let (Some(ri), true) = (ri, v >= 0) {
+                        out[*ri] = v;
                     }
-                    let Some(&ri) = rank_pos.get(&(r as u32)) else {
-                        continue;
-                    };
-                    let w = waited.get(&(id, step, r as u32)).copied().unwrap_or(0);
-                    cell[si * n_ranks + ri] = v.saturating_sub(w).max(0);
+                }
+                for &(rank, w) in waited.get(&(id, step)).map_or(&[][..], Vec::as_slice) {
+                    if let Some(&ri) = rank_column.get(&rank)
+                        && out[ri] >= 0
+                    {
+                        out[ri] = out[ri].saturating_sub(w).max(0);
+                    }
                 }
             }
             let stragglers = phase_stragglers(&cell, &ranks, &name, opts);
