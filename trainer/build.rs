@@ -7,7 +7,11 @@
 //! small `rng_shim.cpp` (CPU generator state), `grad_shim.cpp` (set a grad to None),
 //! `autocast_shim.cpp` (torch.autocast for CPU and CUDA), `varlen_shim.cpp` (FlashAttention's
 //! varlen kernel for document-causal attention on CUDA) and `recompute_shim.cpp` (activation
-//! checkpointing: a custom autograd Function that recomputes a region in backward).
+//! checkpointing: a custom autograd Function that recomputes a region in backward), all with one
+//! error convention (`cpp/shim_error.h`).
+//!
+//! Without a libtorch (torch-sys reports none, or it has no headers) the build stops here saying
+//! how to get one (scripts/setup.sh, or LIBTORCH), instead of failing later at link time.
 use std::path::Path;
 
 fn main() {
@@ -19,8 +23,14 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/recompute_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/varlen_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/function_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/shim_error.h");
+    // torch-sys reports the libtorch it links; without one the shims cannot be compiled and the
+    // link would fail later with a wall of undefined symbols, so stop here saying what to do.
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
-        return;
+        fail(
+            "torch-sys reported no libtorch (DEP_TCH_LIBTORCH_LIB is unset), so the C++ shims \
+             cannot be built",
+        );
     };
     // The canonical path: libtorch's own $ORIGIN-relative rpaths to the NVIDIA wheels only
     // resolve from the torch package's real location, not through a symlink.
@@ -36,8 +46,27 @@ fn main() {
     build_torch_shims(lib);
 }
 
+/// Stops the build with `why` and how to get a libtorch.
+fn fail(why: &str) -> ! {
+    panic!(
+        "\n\ntitan-train: {why}.\n\
+         titan-train builds against the libtorch of a PyTorch install:\n\
+         - run scripts/setup.sh (it makes .venv with torch and writes .cargo/config.toml with\n\
+           LIBTORCH pointing at it), or\n\
+         - set LIBTORCH to a libtorch directory (with include/ and lib/, e.g. the `torch` package\n\
+           folder of a Python environment) and build again.\n"
+    );
+}
+
 fn build_torch_shims(lib: &Path) {
     let include = lib.join("../include");
+    if !include.join("torch/csrc/api/include").is_dir() {
+        fail(&format!(
+            "libtorch at {} has no C++ headers at {}",
+            lib.display(),
+            include.display()
+        ));
+    }
     cc::Build::new()
         .cpp(true)
         .file("cpp/tcpstore_shim.cpp")

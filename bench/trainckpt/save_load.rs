@@ -82,7 +82,7 @@ fn main() {
         let logits = model.forward(&tokens.narrow(1, 0, 32), None);
         (model.summed_cross_entropy(&logits, &tokens.narrow(1, 1, 32)) / 32.0).backward();
         for (n, p) in model.named_parameters() {
-            optimizer.step_param(n, p, 1e-3);
+            optimizer.step_param(n, p, 1e-3).unwrap();
             p.shallow_clone().zero_grad();
         }
         let mut cfg = Checkpoint {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pipeline parallelism on this CPU: tokens/s and the bubble each schedule leaves, measured from
 # titan-obs's records (`titan-obs summary --json`: per stage, 1 - time in passes / the step's
-# pipeline time), next to the schedule's ideal (p-1)/(v*m+p-1), for GPipe, 1F1B and
+# pipeline time), next to the schedule's ideal (p-1)/(v*m+p-1), for GPipe, 1F1B, InterleavedZeroBubble and
 # Interleaved1F1B at p = 2 and 4 pipeline ranks and m = 4 and 8 microbatches (microbatch size 1,
 # so the local batch is m), plus one process without PP on the same batch for scale.
 #
@@ -39,7 +39,7 @@ run() { # name, nproc, then titan-train arguments
     for m in 4 8; do
         run "none m=$m" 1 --training.local_batch_size "$m"
         for p in 2 4; do
-            for schedule in GPipe 1F1B Interleaved1F1B; do
+            for schedule in GPipe 1F1B Interleaved1F1B InterleavedZeroBubble; do
                 run "$schedule p=$p m=$m" "$p" --training.local_batch_size "$m" \
                     --parallelism.pipeline_parallel_degree "$p" \
                     --parallelism.pipeline_parallel_schedule "$schedule"
@@ -52,15 +52,17 @@ print("| schedule | p | v | m | tokens/s (median) | bubble: ideal | measured, me
 print("|---|---|---|---|---|---|---|---|---|")
 for line in sys.stdin:
     name, run = line.rstrip("\n").split("\t", 1)
-    tps = [json.loads(l)["tps"] for l in open(run + "/metrics.jsonl") if json.loads(l).get("kind") == "train"]
+    schedule, m = name.split()[0], name.split("=")[-1]
+    train = [json.loads(l) for l in open(run + "/metrics.jsonl")]
+    tps = [r["tps"] for r in train if r.get("kind") == "train"]
     tps = statistics.median(tps[2:] or tps)
-    s = json.load(open(run + "/summary.json"))
-    p = s.get("pipeline")
+    p = json.load(open(run + "/summary.json")).get("pipeline")
     if p is None:
-        print(f"| {name.split()[0]} (no PP) | 1 | - | {name.split(\"=\")[1]} | {tps:.0f} | - | - | - | - |")
+        print(f"| {schedule} (no PP) | 1 | - | {m} | {tps:.0f} | - | - | - | - |")
         continue
     bubbles = [st["bubble"] for st in p["per_stage"]]
-    slow = p["per_stage"][p["slowest"]]["stages"]
-    print(f"| {name.split()[0]} | {p[\"pipeline_ranks\"]} | {p[\"stages_per_rank\"]} | {p[\"microbatches\"]} | {tps:.0f} | "
-          f"{p[\"ideal_bubble\"]*100:.1f}% | {statistics.mean(bubbles)*100:.1f}% | {max(bubbles)*100:.1f}% | {slow} |")
+    slow = ",".join(str(s) for s in p["per_stage"][p["slowest"]]["stages"])
+    pr, v, mb, ideal = p["pipeline_ranks"], p["stages_per_rank"], p["microbatches"], p["ideal_bubble"]
+    mean, worst = statistics.mean(bubbles), max(bubbles)
+    print(f"| {schedule} | {pr} | {v} | {mb} | {tps:.0f} | {ideal:.1%} | {mean:.1%} | {worst:.1%} | {slow} |")
 '

@@ -1,7 +1,6 @@
 //! Reports on checkpoints: `inspect` (what is in it), `verify` (is it whole and consistent) and
 //! `diff` (per-tensor max abs difference between two checkpoints of any formats).
 
-use indicatif::ProgressBar;
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -10,6 +9,7 @@ use crate::cast;
 use crate::error::Result;
 use crate::plan::{CheckpointPlan, Format, TensorPlan};
 use crate::storage::InFile;
+use crate::write::Progress;
 
 #[derive(Debug, Serialize)]
 pub struct TensorInfo {
@@ -235,7 +235,7 @@ pub fn diff(
     b: &CheckpointPlan,
     atol: f64,
     workers: usize,
-    progress: &ProgressBar,
+    progress: &dyn Progress,
 ) -> Result<DiffReport> {
     let fa: Vec<InFile> = a
         .files
@@ -319,7 +319,7 @@ fn max_abs_diff(
     rb: &mut TensorReader,
     ta: &TensorPlan,
     tb: &TensorPlan,
-    progress: &ProgressBar,
+    progress: &dyn Progress,
 ) -> Result<f64> {
     let numel = ta.numel();
     // Windows must be whole rows for both layouts; one row length divides the other.

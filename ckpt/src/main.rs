@@ -1,4 +1,5 @@
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -11,7 +12,7 @@ use titan_ckpt::error::{Error, Result};
 use titan_ckpt::formats::{self, dcp_hf};
 use titan_ckpt::inspect::{self, VerifyReport};
 use titan_ckpt::plan::{Format, is_model_tensor};
-use titan_ckpt::write::{EngineOptions, OutFilePlan, OutTensor};
+use titan_ckpt::write::{EngineOptions, OutFilePlan, OutTensor, Progress};
 use titan_ckpt::{Dtype, storage};
 
 /// Checkpoint tools for PyTorch Distributed Checkpoint (DCP) and Hugging Face safetensors.
@@ -161,14 +162,14 @@ struct ConvertArgs {
     /// Output directory or URL.
     output: String,
     /// Output format.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = cli_value::<Format>())]
     to: Format,
     /// Rename tensors for a model family between torchtitan 0.3.0 (or older llama3) names and
     /// HF names, transforming what differs; --to hf also writes config.json (from the shapes,
     /// torchtitan's flavor defaults for what a checkpoint does not hold, or --hf-config).
     /// Without it, --to hf picks the family as `auto` does when the names are torchtitan's,
     /// and every other case keeps the names (saying so); `none` always keeps them.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = cli_value::<AdapterChoice>())]
     adapter: Option<AdapterChoice>,
     /// Write into an output folder that already holds files (files of the same name are
     /// replaced, others stay).
@@ -176,7 +177,7 @@ struct ConvertArgs {
     force: bool,
     /// Which torchtitan names to write (--to dcp/dcp-hf with --adapter): torchtitan 0.3.0's
     /// (`attention.qkv_linear.wq`, `lm_head`) or older releases' (`attention.wq`, `output`).
-    #[arg(long, value_enum, default_value = "current")]
+    #[arg(long, value_parser = cli_value::<TtNames>(), default_value = "current")]
     tt_names: TtNames,
     /// Convert floating point tensors to this dtype.
     #[arg(long)]
@@ -239,29 +240,98 @@ enum AdapterChoice {
     None,
 }
 
-impl clap::ValueEnum for AdapterChoice {
-    fn value_variants<'a>() -> &'a [Self] {
-        static ALL: std::sync::LazyLock<Vec<AdapterChoice>> = std::sync::LazyLock::new(|| {
-            let families = Family::value_variants().iter().copied();
-            families
-                .map(AdapterChoice::Family)
-                .chain([AdapterChoice::Auto, AdapterChoice::None])
-                .collect()
-        });
-        &ALL
-    }
+/// A value of one of the library's enums on the command line: its name and `--help` text. The
+/// library knows the values and names; their help is the binary's.
+trait CliValue: Copy + Send + Sync + 'static {
+    fn all() -> Vec<Self>;
+    fn name(self) -> &'static str;
+    fn help(self) -> &'static str;
+}
 
-    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+/// clap's parser of a [`CliValue`]: the possible values, each with its help.
+fn cli_value<T: CliValue>() -> impl clap::builder::TypedValueParser<Value = T> {
+    use clap::builder::TypedValueParser;
+    let values = T::all()
+        .into_iter()
+        .map(|v| clap::builder::PossibleValue::new(v.name()).help(v.help()));
+    clap::builder::PossibleValuesParser::new(values).map(|s| {
+        T::all()
+            .into_iter()
+            .find(|v| v.name() == s)
+            .expect("clap accepts only the possible values")
+    })
+}
+
+impl CliValue for Format {
+    fn all() -> Vec<Self> {
+        Format::ALL.to_vec()
+    }
+    fn name(self) -> &'static str {
+        Format::name(self)
+    }
+    fn help(self) -> &'static str {
         match self {
-            AdapterChoice::Family(f) => f.to_possible_value(),
-            AdapterChoice::Auto => Some(
-                clap::builder::PossibleValue::new("auto")
-                    .help("Pick the family from the tensor names, and say which."),
-            ),
-            AdapterChoice::None => Some(
-                clap::builder::PossibleValue::new("none")
-                    .help("Keep the tensor names as they are (no config.json)."),
-            ),
+            Format::Hf => {
+                "Hugging Face safetensors: one file, or shards plus model.safetensors.index.json"
+            }
+            Format::DcpHf => {
+                "DCP sharded safetensors (torch HuggingFaceStorageWriter, save_distributed=True)"
+            }
+            Format::Dcp => {
+                "DCP native: pickled `.metadata` plus `__R_K.distcp` files of torch.save items"
+            }
+        }
+    }
+}
+
+impl CliValue for TtNames {
+    fn all() -> Vec<Self> {
+        TtNames::ALL.to_vec()
+    }
+    fn name(self) -> &'static str {
+        TtNames::name(self)
+    }
+    fn help(self) -> &'static str {
+        match self {
+            TtNames::Current => "torchtitan 0.3.0 (`attention.qkv_linear.wq`, `lm_head`)",
+            TtNames::Legacy => "Older torchtitan releases (`attention.wq`, `output`)",
+        }
+    }
+}
+
+impl CliValue for AdapterChoice {
+    fn all() -> Vec<Self> {
+        Family::ALL
+            .into_iter()
+            .map(AdapterChoice::Family)
+            .chain([AdapterChoice::Auto, AdapterChoice::None])
+            .collect()
+    }
+    fn name(self) -> &'static str {
+        match self {
+            AdapterChoice::Family(f) => f.name(),
+            AdapterChoice::Auto => "auto",
+            AdapterChoice::None => "none",
+        }
+    }
+    fn help(self) -> &'static str {
+        match self {
+            AdapterChoice::Family(Family::Llama3) => {
+                "Llama-3 (torchtitan 0.3.0 or older names): q/k rows permuted between RoPE layouts"
+            }
+            AdapterChoice::Family(Family::Qwen3) => {
+                "Qwen3 dense and MoE: q_norm/k_norm, experts split/stacked, tied embeddings"
+            }
+            AdapterChoice::Family(Family::DeepseekV3) => {
+                "DeepSeek-V3: MLA with or without q-LoRA, routed and shared experts, expert bias, \
+                 MTP layers after the main ones"
+            }
+            AdapterChoice::Family(Family::GptOss) => {
+                "gpt-oss: biased attention with sinks, router bias, stacked experts transposed per \
+                 expert (unquantized; MXFP4 checkpoints need dequantizing first)"
+            }
+            AdapterChoice::Auto => "Pick the family from the tensor names, and say which.",
+            AdapterChoice::None => "Keep the tensor names as they are (no config.json).",
         }
     }
 }
@@ -285,7 +355,7 @@ struct DiffArgs {
     /// Compare a torchtitan checkpoint with an HF one: the torchtitan side's model weights
     /// are renamed (and q/k permuted) by this family's adapter first, through a temporary HF
     /// copy in $TMPDIR (as large as its model weights); its training state is left out.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = cli_value::<AdapterChoice>())]
     adapter: Option<AdapterChoice>,
     /// Attention heads, for --adapter llama3 when the model is not a known torchtitan flavor.
     #[arg(long)]
@@ -323,9 +393,21 @@ fn main() -> ExitCode {
     }
 }
 
-fn progress(quiet: bool, what: &str) -> ProgressBar {
+/// The library's [`Progress`] drawn as an indicatif bar on stderr.
+struct Bar(ProgressBar);
+
+impl Progress for Bar {
+    fn set_length(&self, bytes: u64) {
+        self.0.set_length(bytes);
+    }
+    fn inc(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+}
+
+fn progress(quiet: bool, what: &str) -> Arc<Bar> {
     if quiet {
-        return ProgressBar::hidden();
+        return Arc::new(Bar(ProgressBar::hidden()));
     }
     let pb = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
     pb.set_style(
@@ -336,7 +418,7 @@ fn progress(quiet: bool, what: &str) -> ProgressBar {
         .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
-    pb
+    Arc::new(Bar(pb))
 }
 
 fn run(cmd: Command, quiet: bool) -> Result<Code> {
@@ -378,8 +460,8 @@ fn run(cmd: Command, quiet: bool) -> Result<Code> {
                 }
             };
             let bar = progress(quiet || a.json, "diff");
-            let report = inspect::diff(&pa, &pb, a.atol, a.workers.count(), &bar)?;
-            bar.finish_and_clear();
+            let report = inspect::diff(&pa, &pb, a.atol, a.workers.count(), bar.as_ref())?;
+            bar.0.finish_and_clear();
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&report).expect("json"));
             } else {
@@ -494,7 +576,7 @@ fn consolidate_cmd(a: &ConsolidateArgs, quiet: bool) -> Result<Code> {
         wait_timeout: Duration::from_secs(a.wait_timeout),
     };
     let summary = consolidate::run(&plan, &out, &files, write_index, share, &opts)?;
-    bar.finish_and_clear();
+    bar.0.finish_and_clear();
     eprintln!(
         "rank {}/{}: wrote {} file(s), {}{}; {included}",
         rank,
@@ -646,7 +728,7 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
             formats::dcp_native::write(&plan, &out, &tensors, output, &opts)?;
         }
     }
-    bar.finish_and_clear();
+    bar.0.finish_and_clear();
     eprintln!("converted {} -> {} ({})", a.input, a.output, a.to);
     Ok(OK)
 }
@@ -792,7 +874,7 @@ fn diff_in_hf_names(
         wait_timeout: Duration::from_secs(0),
     };
     consolidate::run(plan, &out, &files, files.len() > 1, share, &opts)?;
-    bar.finish_and_clear();
+    bar.0.finish_and_clear();
     *plan = formats::open(&storage::Location {
         root: out,
         file: None,
@@ -906,23 +988,7 @@ fn write_config(
 
 /// A dcp-hf checkpoint from one writer: every tensor whole, offsets all zero.
 fn dcp_hf_single_file(tensors: Vec<OutTensor>) -> OutFilePlan {
-    let info: serde_json::Map<String, serde_json::Value> = tensors
-        .iter()
-        .map(|t| {
-            (
-                t.name.clone(),
-                serde_json::json!({ "saved_offsets": vec![0u64; t.shape.len()] }),
-            )
-        })
-        .collect();
-    let md = [
-        (
-            formats::DCP_SHARDING_INFO.to_string(),
-            serde_json::to_string(&info).expect("json"),
-        ),
-        ("DCP_VERSION".to_string(), "1.0".to_string()),
-        ("format".to_string(), "pt".to_string()),
-    ]
-    .into();
+    let md =
+        dcp_hf::whole_tensors_metadata(tensors.iter().map(|t| (t.name.as_str(), &t.shape[..])));
     OutFilePlan::safetensors(dcp_hf::shard_name(1, 1, 1), tensors, &md)
 }

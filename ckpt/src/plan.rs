@@ -16,7 +16,7 @@ use crate::storage::Root;
 use titan_dcp::Dtype;
 
 /// A checkpoint format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Format {
     /// Hugging Face safetensors: one file, or shards plus model.safetensors.index.json.
@@ -27,25 +27,32 @@ pub enum Format {
     Dcp,
 }
 
-impl fmt::Display for Format {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl Format {
+    pub const ALL: [Format; 3] = [Format::Hf, Format::DcpHf, Format::Dcp];
+
+    /// The format's name (`--to`'s value).
+    pub fn name(self) -> &'static str {
+        match self {
             Format::Hf => "hf",
             Format::DcpHf => "dcp-hf",
             Format::Dcp => "dcp",
-        })
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
 impl FromStr for Format {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "hf" => Ok(Format::Hf),
-            "dcp-hf" => Ok(Format::DcpHf),
-            "dcp" => Ok(Format::Dcp),
-            _ => Err(format!("unknown format `{s}` (expected hf, dcp-hf or dcp)")),
-        }
+        Format::ALL
+            .into_iter()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| format!("unknown format `{s}` (expected hf, dcp-hf or dcp)"))
     }
 }
 

@@ -7,8 +7,8 @@
 //! tensors are assembled window by window. Output files appear only when all of them are complete.
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use indicatif::ProgressBar;
 use rayon::prelude::*;
 
 use crate::assemble::{self, Layout, TensorReader};
@@ -369,12 +369,29 @@ impl TensorSink for FileSink<'_> {
     }
 }
 
+/// Progress of a long copy or comparison, in input bytes. The library only reports it; the
+/// `titan-ckpt` binary draws a bar, a library caller such as titan-train passes [`NoProgress`].
+pub trait Progress: Send + Sync {
+    /// The total expected, once known.
+    fn set_length(&self, bytes: u64);
+    /// `bytes` more are done (called from the worker threads).
+    fn inc(&self, bytes: u64);
+}
+
+/// Reports nothing.
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn set_length(&self, _: u64) {}
+    fn inc(&self, _: u64) {}
+}
+
 /// How to run the copy.
 #[derive(Clone)]
 pub struct EngineOptions {
     pub workers: usize,
     pub window_bytes: u64,
-    pub progress: ProgressBar,
+    pub progress: Arc<dyn Progress>,
 }
 
 /// Writes `files` under `out` from `plan`; on error nothing of this call is left behind.
@@ -471,7 +488,7 @@ pub struct TensorCopier<'a> {
     buf: Vec<u8>,
     converted: Vec<u8>,
     window: u64,
-    progress: ProgressBar,
+    progress: Arc<dyn Progress>,
 }
 
 impl<'a> TensorCopier<'a> {

@@ -8,7 +8,7 @@ use super::metadata::{
     ChunkStorageMetadata, ItemMetadata, Metadata, StorageInfo, TensorStorageMetadata,
 };
 use super::pickle::{self, Limits, Value};
-use super::store::{CheckpointStore, LocalDir, PrefetchedSlice, StoreSlice, check_relative_path};
+use super::store::{CheckpointStore, LocalDir, PrefetchedSlice, StoreSlice};
 use super::tensor_item::{self, ItemError, TensorItemLayout};
 use super::transform::{self, Transform};
 use crate::Dtype;
@@ -125,10 +125,15 @@ impl<S: CheckpointStore> DcpReader<S> {
         let file = store.describe(METADATA_FILE);
         let mut storage = HashMap::with_capacity(metadata.storage_data.len());
         for (i, (idx, info)) in metadata.storage_data.iter().enumerate() {
-            check_relative_path(&info.relative_path).map_err(|msg| DcpError::Metadata {
-                file: file.clone(),
-                msg: format!("item `{}`: {msg}", idx.fqn),
-            })?;
+            if let Some(why) = titan_storage::relative_path_problem(&info.relative_path) {
+                return Err(DcpError::Metadata {
+                    file,
+                    msg: format!(
+                        "item `{}`: relative path `{}` {why}; refusing to read outside the checkpoint",
+                        idx.fqn, info.relative_path
+                    ),
+                });
+            }
             storage.insert((idx.fqn.clone(), idx.offset.clone()), i);
         }
         for (fqn, item) in &metadata.state_dict_metadata {

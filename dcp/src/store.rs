@@ -2,7 +2,7 @@
 
 use std::fs::File;
 use std::io;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use super::source::ReadAt;
 
@@ -10,7 +10,7 @@ use super::source::ReadAt;
 ///
 /// [`LocalDir`] reads a local folder; an object-store implementation maps `relative_path` to a
 /// key under the checkpoint prefix and `read_range` to a ranged GET. Paths given to these
-/// methods have already passed [`check_relative_path`].
+/// methods have already passed [`titan_storage::relative_path_problem`].
 pub trait CheckpointStore {
     /// How `relative_path` is named in messages (a path or URL).
     fn describe(&self, relative_path: &str) -> String;
@@ -164,55 +164,5 @@ impl<S: CheckpointStore + ?Sized> ReadAt for PrefetchedSlice<'_, S> {
             self.inner.read_exact_at(offset, buf)?;
         }
         Ok(())
-    }
-}
-
-/// Refuses relative paths from metadata that could leave the checkpoint directory: absolute
-/// paths, `..`, `.`, backslashes, drive prefixes, NUL, empty components.
-pub fn check_relative_path(p: &str) -> Result<(), String> {
-    let bad = |why: &str| {
-        Err(format!(
-            "relative path `{p}` {why}; refusing to read outside the checkpoint"
-        ))
-    };
-    if p.is_empty() {
-        return bad("is empty");
-    }
-    if p.contains('\\') || p.contains('\0') || p.contains(':') {
-        return bad("contains `\\`, `:` or NUL");
-    }
-    if p.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
-        return bad("has an empty, `.` or `..` component or is absolute");
-    }
-    if Path::new(p)
-        .components()
-        .any(|c| !matches!(c, Component::Normal(_)))
-    {
-        return bad("is not a plain relative path");
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn relative_paths_stay_inside() {
-        assert!(check_relative_path("__0_0.distcp").is_ok());
-        assert!(check_relative_path("sub/__1_0.distcp").is_ok());
-        for bad in [
-            "",
-            "/etc/passwd",
-            "../x",
-            "a/../../x",
-            "./x",
-            "a//b",
-            "C:\\x",
-            "a\\..\\b",
-            "x/",
-        ] {
-            assert!(check_relative_path(bad).is_err(), "{bad}");
-        }
     }
 }

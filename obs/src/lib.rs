@@ -29,7 +29,9 @@
 //! depth/seq/parent, [`read::Instants`], [`read::Scalars`], [`read::Errors`]), run-wide name and
 //! tag dictionaries, per-(rank, step) tags, per-rank footer info, and a [`read::LoadReport`] of
 //! missing ranks and corrupt parts (by path) — one bad part never fails the load.
-//! [`read::Columns`] selects which optional columns to decode.
+//! [`read::Columns`] selects which optional columns to decode. A folder written by several
+//! launches holds several runs (told apart by the footer's run id, see [`runs`]): the tables
+//! hold the newest, or the one [`read::Run::select_run`] picks.
 //!
 //! # Other formats
 //! [`ingest`] reads torchtitan 0.3.0's structured-logger JSONL (`RUN/structured_logs/`) and
@@ -64,6 +66,7 @@ mod record;
 mod recorder;
 mod ring;
 mod run;
+pub mod runs;
 pub mod schema;
 pub mod synth;
 pub mod vocab;

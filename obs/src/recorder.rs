@@ -54,7 +54,10 @@ pub struct Tuning {
     pub spool_dir: Option<PathBuf>,
     /// Records each thread's ring holds before the thread waits for the writer.
     pub ring_capacity: usize,
-    /// The run id written into every record; default: the last component of the run location.
+    /// The run id written into every record; default: the last component of the run location,
+    /// so the processes of one job that name no run are one run. A caller that starts a new
+    /// run in a location holding older ones passes a fresh id ([`crate::runs::new_run_id`]),
+    /// as titan-train does for each launch.
     pub run_id: Option<String>,
     /// Free-form run metadata stored in every part's footer.
     pub run_metadata: serde_json::Map<String, serde_json::Value>,

@@ -359,6 +359,8 @@ pub struct Run {
     pub report: LoadReport,
     /// The parts' summaries merged, when read with [`ReadOptions::digests`].
     pub digest: Option<crate::digest::RunDigest>,
+    /// The runs the location holds: the tables above hold one of them (see [`crate::runs`]).
+    pub runs: crate::runs::Runs,
 }
 
 impl Run {
@@ -439,9 +441,18 @@ impl Merger {
     pub(crate) fn publish(&self, run: &mut Run) {
         run.names.clone_from(&self.names);
         run.tags.clone_from(&self.tags);
+        crate::runs::settle(run);
     }
 
+    /// Appends `part` to the tables of its run (a location may hold several).
     pub(crate) fn merge(&mut self, run: &mut Run, part: PartData, align: bool) {
+        let (rank, run_id) = (part.info.rank, part.info.run_id.clone());
+        crate::runs::merge_into_its_run(run, rank, &run_id, |run| {
+            self.merge_tables(run, part, align)
+        });
+    }
+
+    fn merge_tables(&mut self, run: &mut Run, part: PartData, align: bool) {
         let name_map: Vec<u32> = part
             .names
             .iter()

@@ -34,9 +34,13 @@ pub mod titan {
     /// Pipeline parallelism: a validation forward pass of one microbatch on one stage (not
     /// part of the training schedule's window).
     pub const EVAL_FORWARD: &str = "eval_forward";
+    /// Zero-bubble pipeline schedules: a backward split into the input-gradient pass...
+    pub const BACKWARD_INPUT: &str = "backward_input";
+    /// ...and the weight-gradient pass that fills the bubbles.
+    pub const BACKWARD_WEIGHT: &str = "backward_weight";
     /// The compute passes of a pipeline schedule; the rest of a rank's pipeline window
     /// (its `forward_backward` span) is the bubble.
-    pub const PIPELINE_PASSES: [&str; 2] = [FORWARD, BACKWARD];
+    pub const PIPELINE_PASSES: [&str; 4] = [FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT];
 }
 
 /// The collectives titan-train records as spans (trainer/src/dist), one per call on every rank
@@ -137,6 +141,35 @@ pub mod torchtitan {
     }
 }
 
+/// `torch.distributed.pipelining`'s names in PyTorch profiler traces: its schedule runtime
+/// (`Interleaved1F1B`, the zero-bubble schedules, ... as torchtitan runs them) wraps every action
+/// in `record_function("PP:<action>")`, an action being `<stage><type><microbatch>`: `0F3` is
+/// stage 0's forward of microbatch 3; `B` a full backward, `I` / `W` the input- and
+/// weight-gradient halves of a split one; `RECV_F`, `SEND_B`, ... the communication.
+pub mod torch_pipelining {
+    use crate::schema::PipelineSlot;
+
+    pub const ACTION_PREFIX: &str = "PP:";
+
+    /// An action span's slot and computation type (`F`, `B`, `I`, `W`, `RECV_F`, ...).
+    pub fn parse_action(name: &str) -> Option<(PipelineSlot, &str)> {
+        let action = name.strip_prefix(ACTION_PREFIX)?;
+        let stage_end = action.find(|c: char| !c.is_ascii_digit())?;
+        let rest = &action[stage_end..];
+        let type_end = rest.find(|c: char| c.is_ascii_digit())?;
+        let slot = PipelineSlot {
+            stage: action[..stage_end].parse().ok()?,
+            microbatch: rest[type_end..].parse().ok()?,
+        };
+        Some((slot, &rest[..type_end]))
+    }
+
+    /// Whether an action's computation type is a compute pass (not communication).
+    pub fn is_pass(computation: &str) -> bool {
+        matches!(computation, "F" | "B" | "I" | "W")
+    }
+}
+
 /// PyTorch profiler traces: the span `torch.profiler` records around each `prof.step()`,
 /// named `ProfilerStep#<step>`; read as the phase [`PROFILER_STEP`] at that step.
 pub const PROFILER_STEP_PREFIX: &str = "ProfilerStep#";
@@ -144,6 +177,20 @@ pub const PROFILER_STEP: &str = "ProfilerStep";
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn torch_pipelining_actions() {
+        use super::torch_pipelining::{is_pass, parse_action};
+        use crate::schema::PipelineSlot;
+        let slot = |stage, microbatch| PipelineSlot { stage, microbatch };
+        assert_eq!(parse_action("PP:0F3"), Some((slot(0, 3), "F")));
+        assert_eq!(parse_action("PP:12W107"), Some((slot(12, 107), "W")));
+        assert_eq!(parse_action("PP:1RECV_B5"), Some((slot(1, 5), "RECV_B")));
+        assert!(is_pass("I") && !is_pass("RECV_B"));
+        for not_one in ["PP:0RESHARD", "PP:F3", "forward", "PP:0F", "PP:99999999F1"] {
+            assert_eq!(parse_action(not_one), None, "{not_one}");
+        }
+    }
+
     use super::torchtitan::*;
 
     #[test]

@@ -6,7 +6,8 @@
 //! [`InFile`] (ranged reads: `pread` locally, ranged GETs remotely), [`OutFile`] (writes that
 //! appear under their name only when complete: temporary name + rename locally, a multipart
 //! upload completed at the end remotely; dropped unfinished, nothing is left behind),
-//! [`check_relative`] (names read from untrusted files stay inside their root) and
+//! [`check_relative`] / [`relative_path_problem`] (the one rule that keeps names read from
+//! untrusted files inside their root, titan-dcp's too) and
 //! [`StorageError`] (every error names the file or URL). One tokio runtime, [`runtime`], drives
 //! every object store request of the process.
 
@@ -19,7 +20,7 @@ use std::sync::OnceLock;
 
 pub use error::{Result, StorageError};
 pub use file::{InFile, OutFile};
-pub use path::check_relative;
+pub use path::{check_relative, relative_path_problem};
 pub use root::{Root, is_url};
 
 /// The tokio runtime that drives object store requests (created on first use, shared by every

@@ -53,6 +53,13 @@ pub fn titan_train() -> Command {
     c
 }
 
+/// [`titan_ckpt`] with `--quiet` (no progress bars on stderr), as the ckpt tests run it.
+pub fn ckpt() -> Command {
+    let mut c = titan_ckpt();
+    c.arg("--quiet");
+    c
+}
+
 /// `titan-ckpt` without the launch variables of whoever runs the tests (RANK/WORLD_SIZE and SLURM's
 /// split `consolidate`/`convert` across processes), so it works alone unless a test says otherwise.
 pub fn titan_ckpt() -> Command {
@@ -81,6 +88,75 @@ pub const SMALL_DETERMINISTIC_RUN: &[&str] = &[
     "--lr_scheduler.decay_ratio",
     "0",
 ];
+
+/// [`titan_train`] for a [`SMALL_DETERMINISTIC_RUN`] writing into `dump` (`--job.dump_folder`),
+/// with `extra` flags after those.
+pub fn small_run(dump: &Path, extra: &[&str]) -> Command {
+    let mut c = titan_train();
+    c.args(SMALL_DETERMINISTIC_RUN)
+        .arg("--job.dump_folder")
+        .arg(dump)
+        .args(extra);
+    c
+}
+
+/// Runs titan-train with `args` for one step; asserts it exits 2 with `key` in its stderr (how a
+/// setting titan refuses is reported).
+pub fn exit_2_naming(args: &[&str], key: &str) {
+    let o = titan_train()
+        .args(args)
+        .args(["--training.steps", "1"])
+        .output()
+        .expect("run titan-train");
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {}", output_text(&o));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains(key), "{args:?} must name {key}: {stderr}");
+}
+
+/// The `kind` lines (`train`, `validation`, ...) of `dump/metrics.jsonl`, parsed.
+pub fn metrics(dump: &Path, kind: &str) -> Vec<serde_json::Value> {
+    let path = dump.join("metrics.jsonl");
+    std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+/// A DCP sharded safetensors file (as torch's HuggingFaceStorageWriter writes one rank's) from
+/// `(name, dtype, local shape, saved_offsets)` entries, written by hand (not by titan-ckpt's
+/// writer) so the tests read what they meant; byte `i` of the data is `fill(i)`.
+pub fn dcp_hf_shard(entries: &[(&str, &str, &[u64], &[u64])], fill: impl Fn(u64) -> u8) -> Vec<u8> {
+    use serde_json::json;
+    let size = |d: &str| match d {
+        "U8" | "I8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+        "F16" | "BF16" | "I16" | "U16" => 2,
+        "F32" | "I32" | "U32" => 4,
+        _ => 8,
+    };
+    let mut header = serde_json::Map::new();
+    let mut info = serde_json::Map::new();
+    let mut pos = 0u64;
+    for (name, dtype, shape, offsets) in entries {
+        let n = shape.iter().product::<u64>() * size(dtype);
+        header.insert(
+            name.to_string(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}),
+        );
+        info.insert(name.to_string(), json!({ "saved_offsets": offsets }));
+        pos += n;
+    }
+    header.insert(
+        "__metadata__".into(),
+        json!({"DCP_SHARDING_INFO": serde_json::to_string(&info).unwrap(), "DCP_VERSION": "1.0", "format": "pt"}),
+    );
+    let json = serde_json::to_vec(&header).unwrap();
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    out.extend((0..pos).map(fill));
+    out
+}
 
 /// stdout and stderr of a finished command, for assertion messages.
 pub fn output_text(o: &Output) -> String {
@@ -136,24 +212,32 @@ pub fn tt_python_script(script: &str) -> Command {
 /// A `Command` for the `.venv` Python (torch 2.13) with transformers 4.57 in front of the 5.x one
 /// (`pip install --target .venv/tf4`, made by scripts/setup.sh), running `script`.
 pub fn tf4_python_script(script: &str) -> Command {
-    let tf4 = std::env::var("TITAN_TF4_PATH")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| workspace_root().join(".venv/tf4"));
+    let mut cmd = python_script(script);
+    cmd.env("PYTHONPATH", tf4_path());
+    cmd
+}
+
+/// transformers 4.57 for `PYTHONPATH` (`TITAN_TF4_PATH`, else `.venv/tf4`).
+pub fn tf4_path() -> PathBuf {
+    let tf4 = match std::env::var_os("TITAN_TF4_PATH") {
+        Some(p) => workspace_root().join(p),
+        None => workspace_root().join(".venv/tf4"),
+    };
     assert!(
         tf4.exists(),
         "{} is missing; run scripts/setup.sh first",
         tf4.display()
     );
-    let mut cmd = python_script(script);
-    cmd.env("PYTHONPATH", tf4);
-    cmd
+    tf4
 }
 
+/// The interpreter `var` names (a relative path is taken from the workspace root, as
+/// `.cargo/config.toml` writes it), else `default` under the workspace root.
 fn venv_python(var: &str, default: &str) -> PathBuf {
-    if let Ok(p) = std::env::var(var) {
-        return PathBuf::from(p);
-    }
-    let p = workspace_root().join(default);
+    let p = match std::env::var_os(var) {
+        Some(p) => workspace_root().join(p),
+        None => workspace_root().join(default),
+    };
     assert!(
         p.exists(),
         "{} is missing; run scripts/setup.sh first",

@@ -4,32 +4,11 @@
 use std::path::Path;
 
 use serde_json::json;
-use titan_tests::titan_ckpt;
+use titan_tests::{dcp_hf_shard, titan_ckpt};
 
-/// A safetensors file from (name, dtype, shape, saved_offsets) entries with patterned data.
+/// A dcp-hf shard from (name, dtype, shape, saved_offsets) entries with patterned data.
 fn shard(entries: &[(&str, &str, &[u64], &[u64])]) -> Vec<u8> {
-    let size = |d: &str| match d {
-        "F16" | "BF16" => 2,
-        "F32" => 4,
-        _ => 8,
-    };
-    let mut header = serde_json::Map::new();
-    let mut info = serde_json::Map::new();
-    let mut pos = 0u64;
-    for (name, dtype, shape, offsets) in entries {
-        let n = shape.iter().product::<u64>() * size(dtype);
-        header.insert(
-            name.to_string(),
-            json!({"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}),
-        );
-        info.insert(name.to_string(), json!({ "saved_offsets": offsets }));
-        pos += n;
-    }
-    header.insert(
-        "__metadata__".into(),
-        json!({"DCP_SHARDING_INFO": serde_json::to_string(&info).unwrap(), "DCP_VERSION": "1.0", "format": "pt"}),
-    );
-    with_header(&serde_json::to_vec(&header).unwrap(), pos)
+    dcp_hf_shard(entries, |i| (i % 251) as u8)
 }
 
 fn with_header(json: &[u8], data_len: u64) -> Vec<u8> {

@@ -15,17 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use titan_tests::{
-    output_text, python_script, run_ok, tf4_python_script, titan_ckpt, tt_python_script,
-};
+use titan_tests::{ckpt, output_text, python_script, run_ok, tf4_python_script, tt_python_script};
 
 const SCRIPT: &str = "tests/python/tt_ckpt_families.py";
-
-fn ckpt() -> Command {
-    let mut c = titan_ckpt();
-    c.arg("--quiet");
-    c
-}
 
 /// The fixture folder of `flavor` (`make`'s outputs), made on first use.
 fn fixture(flavor: &str) -> PathBuf {

@@ -4,15 +4,8 @@
 //! must load in safetensors and transformers.
 
 use std::path::Path;
-use std::process::Command;
 
-use titan_tests::{python_script, run_ok, titan_ckpt};
-
-fn ckpt() -> Command {
-    let mut c = titan_ckpt();
-    c.arg("--quiet");
-    c
-}
+use titan_tests::{ckpt, python_script, run_ok};
 
 fn write_dcp_hf(dir: &Path, world: u32, extra: &[&str]) {
     run_ok(

@@ -5,43 +5,18 @@
 use std::path::Path;
 use std::process::Command;
 
-use serde_json::json;
-use titan_tests::{MotoServer, run_ok as ok, titan_ckpt};
+use titan_tests::{MotoServer, dcp_hf_shard, run_ok as ok};
 
 /// titan-ckpt (no progress bars) talking to `moto`.
 fn ckpt(moto: &MotoServer) -> Command {
-    let mut c = titan_ckpt();
-    c.arg("--quiet");
+    let mut c = titan_tests::ckpt();
     moto.aws_env(&mut c);
     c
 }
 
-/// One tensor of a fixture shard: (name, dtype, local shape, global offsets, element size).
-type ShardEntry<'a> = (&'a str, &'a str, Vec<u64>, Vec<u64>, u64);
-
-/// A safetensors file with DCP_SHARDING_INFO from its entries.
-fn shard(entries: &[ShardEntry], seed: u64) -> Vec<u8> {
-    let mut header = serde_json::Map::new();
-    let mut info = serde_json::Map::new();
-    let mut pos = 0u64;
-    for (name, dtype, shape, offsets, es) in entries {
-        let n = shape.iter().product::<u64>() * es;
-        header.insert(
-            name.to_string(),
-            json!({"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + n]}),
-        );
-        info.insert(name.to_string(), json!({ "saved_offsets": offsets }));
-        pos += n;
-    }
-    header.insert(
-        "__metadata__".into(),
-        json!({"DCP_SHARDING_INFO": serde_json::to_string(&info).unwrap(), "DCP_VERSION": "1.0", "format": "pt"}),
-    );
-    let json = serde_json::to_vec(&header).unwrap();
-    let mut out = (json.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&json);
-    out.extend((0..pos).map(|i| ((i * 31 + seed * 7) % 253) as u8));
-    out
+/// A dcp-hf shard of `entries` whose data bytes depend on `seed`.
+fn shard(entries: &[(&str, &str, &[u64], &[u64])], seed: u64) -> Vec<u8> {
+    dcp_hf_shard(entries, |i| ((i * 31 + seed * 7) % 253) as u8)
 }
 
 /// Two ranks: `big` (F32 [2048, 4096], 32 MiB, row-sharded: multipart-sized), `col` column-sharded, `n` int64.
@@ -51,9 +26,9 @@ fn fixture(dir: &Path) {
         dir.join("shard-00001-model-00001-of-00001.safetensors"),
         shard(
             &[
-                ("big", "F32", vec![1024, 4096], vec![0, 0], 4),
-                ("col", "BF16", vec![64, 50], vec![0, 0], 2),
-                ("n", "I64", vec![5], vec![0], 8),
+                ("big", "F32", &[1024, 4096], &[0, 0]),
+                ("col", "BF16", &[64, 50], &[0, 0]),
+                ("n", "I64", &[5], &[0]),
             ],
             1,
         ),
@@ -63,8 +38,8 @@ fn fixture(dir: &Path) {
         dir.join("shard-00002-model-00001-of-00001.safetensors"),
         shard(
             &[
-                ("big", "F32", vec![1024, 4096], vec![1024, 0], 4),
-                ("col", "BF16", vec![64, 50], vec![0, 50], 2),
+                ("big", "F32", &[1024, 4096], &[1024, 0]),
+                ("col", "BF16", &[64, 50], &[0, 50]),
             ],
             2,
         ),

@@ -4,19 +4,11 @@
 //! torchtitan's `to_hf` bytes and torch 2.15's `dcp.load`; committed torch 2.15 DCP fixtures.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use titan_tests::{
-    output_text, python_script, run_ok, tf4_python_script, titan_ckpt, tt_python_script,
-    workspace_root,
+    ckpt, output_text, python_script, run_ok, tf4_python_script, tt_python_script, workspace_root,
 };
-
-fn ckpt() -> Command {
-    let mut c = titan_ckpt();
-    c.arg("--quiet");
-    c
-}
 
 const SCRIPT: &str = "tests/python/tt_ckpt_llama3.py";
 

@@ -60,7 +60,7 @@ fn err_string<T>(r: Result<T, titan_dcp::DcpError>) -> String {
 fn ckpt_with_item(dir: &Path, relative_path: &str, item: &[u8], descriptors: Option<Vec<String>>) {
     std::fs::create_dir_all(dir).unwrap();
     // Only plain names are created; hostile paths must never be written to.
-    if titan_dcp::store::check_relative_path(relative_path).is_ok() {
+    if titan_ckpt::storage::check_relative(relative_path, "test").is_ok() {
         std::fs::write(dir.join(relative_path), item).unwrap();
     }
     let md = Metadata {

@@ -264,7 +264,7 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
         "--parallelism.pipeline_parallel_degree",
         "2",
     ];
-    let layouts: [(&str, usize, &[&str]); 5] = [
+    let layouts: [(&str, usize, &[&str]); 7] = [
         ("pp2_1f1b", GLOBAL_BATCH, &[]),
         (
             "pp2_gpipe",
@@ -277,6 +277,26 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
             &[
                 "--parallelism.pipeline_parallel_schedule",
                 "Interleaved1F1B",
+            ],
+        ),
+        (
+            "pp2_zero_bubble",
+            GLOBAL_BATCH,
+            &[
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedZeroBubble",
+            ],
+        ),
+        (
+            "pp2_tp2_zero_bubble",
+            GLOBAL_BATCH,
+            &[
+                "--nproc-per-node",
+                "4",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedZeroBubble",
             ],
         ),
         ("pp2_dp2", GLOBAL_BATCH / 2, &["--nproc-per-node", "4"]),
@@ -356,7 +376,7 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
 #[test]
 fn bad_pipeline_settings_exit_2_naming_the_key() {
     let f = Fixture::new();
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
         (
             &["--parallelism.pipeline_parallel_schedule", "2F2B"],
             "unknown pipeline schedule",
@@ -372,6 +392,23 @@ fn bad_pipeline_settings_exit_2_naming_the_key() {
         (
             &["--parallelism.pipeline_parallel_layers_per_stage", "2"],
             "exactly 1 stage per rank",
+        ),
+        (
+            &[
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedZeroBubble",
+                "--activation_checkpoint.mode",
+                "full",
+            ],
+            "activation_checkpoint.mode",
+        ),
+        (
+            &[
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedZeroBubble",
+                "--float8.enable_float8_linear",
+            ],
+            "float8.enable_float8_linear",
         ),
     ];
     for (extra, message) in cases {
@@ -674,7 +711,7 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
         report["files"],
-        serde_json::json!([".metadata", "__0_0.distcp", "__1_0.distcp"])
+        serde_json::json!([".metadata", "__0_0.distcp", "__1_0.distcp", "titan_run_id"])
     );
     assert_eq!(report["step"], 10);
     assert_eq!(report["exp_avg_chunks"]["tok_embeddings.weight"], 2);
@@ -696,6 +733,14 @@ fn multi_rank_checkpoint_resumes_identically_and_torch_reads_it() {
         "steps 6..10 after resuming from step 5"
     );
     assert!(ckpt.join("step-10/.metadata").is_file());
+    // The resume continues the run its checkpoint was saved by.
+    let runs: std::collections::BTreeSet<String> =
+        std::fs::read_to_string(f.root.join("ckpt/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["run_id"].to_string())
+            .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
 }
 
 /// A checkpoint of FSDP2 x TP2 (4 ranks: each writes its 2-D blocks) is read by torch's

@@ -527,6 +527,9 @@ fn old_layout_parts_and_a_journal_load_together() {
         steps: 30,
         spans_per_step: 5,
         steps_per_part: 3,
+        // The same run as the journal's process, which names none (its id is the folder's):
+        // records of different runs are never read together.
+        run_id: "run".into(),
         ..Default::default()
     };
     let stats = titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();

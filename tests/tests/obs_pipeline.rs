@@ -139,3 +139,49 @@ fn summary_names_the_slow_stage_and_its_neighbours_bubble_grows_as_predicted() {
         .collect();
     assert_eq!(forwards, expected);
 }
+
+/// torchtitan's PP is torch.distributed.pipelining: with its profiler on, the schedule runtime
+/// names every action `PP:<stage><type><microbatch>` in the traces, and `summary` reads the
+/// pipeline from them — a real 2-rank run of each looped schedule (4 stages, 8 microbatches), the
+/// zero-bubble one with its split backward (`I` and `W` actions).
+#[test]
+fn summary_reads_the_pipeline_of_torch_pipelining_profiler_traces() {
+    for schedule in ["Interleaved1F1B", "InterleavedZeroBubble"] {
+        let dir = tempfile::tempdir().unwrap();
+        let port = titan_tests::free_port().to_string();
+        run_ok(
+            Command::new(titan_tests::tt_python())
+                .args(["-m", "torch.distributed.run", "--nproc-per-node", "2"])
+                .args(["--master-port", &port])
+                .arg(titan_tests::workspace_root().join("tests/python/torch_pp_trace.py"))
+                .args([schedule, dir.path().to_str().unwrap()]),
+        );
+        let out = run_ok(Command::new(bin("titan-obs")).args([
+            "summary",
+            dir.path().to_str().unwrap(),
+            "--json",
+        ]));
+        let s: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let p = &s["pipeline"];
+        assert_eq!(p["stages"], 4, "{schedule}: {p:#}");
+        assert_eq!(p["stages_per_rank"], 2, "{schedule}: {p:#}");
+        assert_eq!(p["pipeline_ranks"], 2, "{schedule}: {p:#}");
+        assert_eq!(p["microbatches"], 8, "{schedule}: {p:#}");
+        assert!((f(&p["ideal_bubble"]) - 1.0 / 17.0).abs() < 1e-12, "{p:#}");
+        let rows = p["per_stage"].as_array().unwrap();
+        for (r, row) in rows.iter().enumerate() {
+            assert_eq!(
+                row["stages"],
+                serde_json::json!([r, r + 2]),
+                "{schedule}: {p:#}"
+            );
+            // The profiler kept 2 steps.
+            assert_eq!(row["rank_steps"], 2, "{schedule}: {p:#}");
+            assert!(
+                f(&row["forward_ns"]) > 0.0 && f(&row["backward_ns"]) > 0.0,
+                "{p:#}"
+            );
+            assert!((0.0..1.0).contains(&f(&row["bubble"])), "{schedule}: {p:#}");
+        }
+    }
+}

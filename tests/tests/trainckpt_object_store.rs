@@ -5,13 +5,10 @@
 use std::path::Path;
 use std::process::Output;
 
-use titan_tests::{MotoServer, SMALL_DETERMINISTIC_RUN, run_ok};
+use titan_tests::{MotoServer, run_ok, small_run};
 
 fn titan_train(dump: &Path, moto: Option<&MotoServer>, extra: &[&str]) -> Output {
-    let mut c = titan_tests::titan_train();
-    c.args(SMALL_DETERMINISTIC_RUN)
-        .args(["--job.dump_folder", dump.to_str().unwrap()])
-        .args(extra);
+    let mut c = small_run(dump, extra);
     if let Some(m) = moto {
         m.aws_env(&mut c);
     }
@@ -59,7 +56,8 @@ fn saves_to_s3_purge_there_and_resume_from_there() {
         vec![
             "step-6.committed",
             "step-6/.metadata",
-            "step-6/__0_0.distcp"
+            "step-6/__0_0.distcp",
+            "step-6/titan_run_id"
         ],
         "{listing}"
     );
@@ -74,8 +72,16 @@ fn saves_to_s3_purge_there_and_resume_from_there() {
         log.contains("resumed from checkpoint s3://trainckpt/run/ckpt/step-6"),
         "{log}"
     );
-    // metrics.jsonl is appended: the resumed run's lines follow the first run's 6.
+    // metrics.jsonl is appended: the resumed run's lines follow the first run's 6, under the
+    // run id saved with the checkpoint.
     assert_eq!(losses(dump.path()), reference);
+    let runs: std::collections::BTreeSet<String> =
+        std::fs::read_to_string(dump.path().join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["run_id"].to_string())
+            .collect();
+    assert_eq!(runs.len(), 1, "{runs:?}");
     let listing = moto.s3(&["ls", "run/ckpt"]);
     assert!(
         listing.contains("step-9.committed") && !listing.contains("step-6"),

@@ -10,15 +10,10 @@ use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use titan_tests::{SMALL_DETERMINISTIC_RUN, output_text as text};
+use titan_tests::{output_text as text, small_run};
 
 fn titan_train(dump: &Path, extra: &[&str]) -> Output {
-    titan_tests::titan_train()
-        .args(SMALL_DETERMINISTIC_RUN)
-        .args(["--job.dump_folder", dump.to_str().unwrap()])
-        .args(extra)
-        .output()
-        .expect("run titan-train")
+    small_run(dump, extra).output().expect("run titan-train")
 }
 
 fn ok(o: Output) -> Output {
@@ -153,14 +148,7 @@ fn kill_during_a_save_resumes_from_the_previous_checkpoint() {
     assert_eq!(complete_steps(dump.path()), vec![5, 10]);
 
     // The save of step 15 pauses after writing its data files; kill -9 it right there.
-    let mut child = titan_tests::titan_train()
-        .args(SMALL_DETERMINISTIC_RUN)
-        .args([
-            "--job.dump_folder",
-            dump.path().to_str().unwrap(),
-            "--training.steps",
-            "20",
-        ])
+    let mut child = small_run(dump.path(), &["--training.steps", "20"])
         .args(CKPT)
         .env("TITAN_CKPT_PAUSE_BEFORE_COMMIT_MS", "60000")
         .stdout(Stdio::null())

@@ -3,28 +3,12 @@
 //! `to_hf` of those weights equals titan-train's HF export bit for bit. (Resuming from the older
 //! names is in trainckpt_resume.rs.)
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
-use titan_tests::{SMALL_DETERMINISTIC_RUN, output_text, run_ok, workspace_root};
-
-/// torch 2.15 + torchtitan 0.3.0 (`scripts/setup.sh` makes `.venv-tt`).
-fn tt_python_script(script: &str) -> Command {
-    let python = std::env::var_os("TITAN_TT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv-tt/bin/python"));
-    let mut cmd = Command::new(python);
-    cmd.arg(workspace_root().join(script));
-    cmd
-}
+use titan_tests::{output_text, run_ok, small_run, tt_python_script};
 
 fn train(dump: &Path, extra: &[&str]) {
-    run_ok(
-        titan_tests::titan_train()
-            .args(SMALL_DETERMINISTIC_RUN)
-            .args(["--job.dump_folder", dump.to_str().unwrap()])
-            .args(extra),
-    );
+    run_ok(&mut small_run(dump, extra));
 }
 
 const SAVE_AT_3: &[&str] = &[

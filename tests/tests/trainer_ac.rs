@@ -3,33 +3,22 @@
 //! precision and in fp32, one process and 2-rank DDP), and bad values exit 2 naming the key.
 
 use std::path::Path;
-use std::process::Output;
 
-use titan_tests::{SMALL_DETERMINISTIC_RUN, output_text, run_ok};
+use titan_tests::{exit_2_naming, metrics, run_ok, small_run};
 
 /// The `field` values of `metrics.jsonl` train lines, as written (shortest round-trip decimal,
 /// so equal strings mean equal f64 bits).
 fn train_metric(dump: &Path, field: &str) -> Vec<String> {
-    let body = std::fs::read_to_string(dump.join("metrics.jsonl")).expect("metrics.jsonl");
-    body.lines()
-        .filter(|l| l.contains("\"kind\":\"train\""))
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-            v[field].to_string()
-        })
+    metrics(dump, "train")
+        .iter()
+        .map(|v| v[field].to_string())
         .collect()
 }
 
 /// Losses and gradient norms of a 4-step seeded run with `extra` flags.
 fn run(dir: &Path, name: &str, extra: &[&str]) -> (Vec<String>, Vec<String>) {
     let dump = dir.join(name);
-    run_ok(
-        titan_tests::titan_train()
-            .args(SMALL_DETERMINISTIC_RUN)
-            .args(["--training.steps", "4", "--job.dump_folder"])
-            .arg(&dump)
-            .args(extra),
-    );
+    run_ok(small_run(&dump, &["--training.steps", "4"]).args(extra));
     let losses = train_metric(&dump, "loss");
     assert_eq!(losses.len(), 4, "{name}: {losses:?}");
     (losses, train_metric(&dump, "grad_norm"))
@@ -102,17 +91,6 @@ fn two_rank_ddp_with_full_ac_equals_none() {
     assert_eq!(full, none, "2-rank DDP: full AC differs from none");
 }
 
-fn exit_2_naming(args: &[&str], key: &str) {
-    let o: Output = titan_tests::titan_train()
-        .args(args)
-        .args(["--training.steps", "1"])
-        .output()
-        .expect("run titan-train");
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {}", output_text(&o));
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(stderr.contains(key), "{args:?} must name {key}: {stderr}");
-}
-
 #[test]
 fn bad_values_exit_2_naming_the_key() {
     exit_2_naming(
@@ -149,22 +127,19 @@ fn bad_values_exit_2_naming_the_key() {
 fn full_bf16_training_keeps_bf16_weights_and_optimizer_state() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("bf16");
-    run_ok(
-        titan_tests::titan_train()
-            .args(SMALL_DETERMINISTIC_RUN)
-            .args([
-                "--training.steps",
-                "8",
-                "--training.dtype",
-                "bfloat16",
-                "--checkpoint.enable",
-                "--checkpoint.interval",
-                "8",
-                "--checkpoint.last_save_model_only=false",
-                "--job.dump_folder",
-            ])
-            .arg(&dump),
-    );
+    run_ok(&mut small_run(
+        &dump,
+        &[
+            "--training.steps",
+            "8",
+            "--training.dtype",
+            "bfloat16",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "8",
+            "--checkpoint.last_save_model_only=false",
+        ],
+    ));
     let losses: Vec<f64> = train_metric(&dump, "loss")
         .iter()
         .map(|l| l.parse().unwrap())

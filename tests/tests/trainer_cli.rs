@@ -297,12 +297,8 @@ fn tensorboard_events_read_back_in_tensorboard_and_tbparse() {
         .map(|e| e.path())
         .collect();
     assert_eq!(runs.len(), 1, "{runs:?}");
-    let python = std::env::var_os("TITAN_TT_PYTHON")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| titan_tests::workspace_root().join(".venv-tt/bin/python"));
     let out = titan_tests::run_ok(
-        std::process::Command::new(python)
-            .arg(titan_tests::workspace_root().join("tests/python/trainer_tensorboard.py"))
+        titan_tests::tt_python_script("tests/python/trainer_tensorboard.py")
             .arg(dump.path())
             .arg(&runs[0]),
     );

@@ -5,44 +5,20 @@
 //! trainer/tests/float8_torchao.rs and tests/tests/tt_parity.rs.)
 
 use std::path::Path;
-use std::process::Output;
 
-use titan_tests::{SMALL_DETERMINISTIC_RUN, output_text, run_ok};
+use titan_tests::{exit_2_naming, metrics, run_ok, small_run};
 
 /// A seeded run of `steps` steps into `dir/name` with `extra` flags: its losses (as written,
 /// shortest round-trip decimals) and stdout.
 fn run(dir: &Path, name: &str, steps: u32, extra: &[&str]) -> (Vec<f64>, String) {
     let dump = dir.join(name);
-    let o = run_ok(
-        titan_tests::titan_train()
-            .args(SMALL_DETERMINISTIC_RUN)
-            .args(["--training.steps", &steps.to_string(), "--job.dump_folder"])
-            .arg(&dump)
-            .args(extra),
-    );
-    let body = std::fs::read_to_string(dump.join("metrics.jsonl")).expect("metrics.jsonl");
-    let losses: Vec<f64> = body
-        .lines()
-        .filter(|l| l.contains("\"kind\":\"train\""))
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
+    let o = run_ok(small_run(&dump, &["--training.steps", &steps.to_string()]).args(extra));
+    let losses: Vec<f64> = metrics(&dump, "train")
+        .iter()
+        .map(|v| v["loss"].as_f64().unwrap())
         .collect();
     assert_eq!(losses.len(), steps as usize, "{name}: {losses:?}");
     (losses, String::from_utf8_lossy(&o.stdout).into_owned())
-}
-
-fn exit_2_naming(args: &[&str], key: &str) {
-    let o: Output = titan_tests::titan_train()
-        .args(args)
-        .args(["--training.steps", "1"])
-        .output()
-        .expect("run titan-train");
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {}", output_text(&o));
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(stderr.contains(key), "{args:?} must name {key}: {stderr}");
 }
 
 #[test]
@@ -207,17 +183,18 @@ fn float8_with_activation_checkpointing_trains_bit_identically() {
 fn float8_checkpoints_stay_high_precision() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("ckpt");
-    run_ok(
-        titan_tests::titan_train()
-            .args(SMALL_DETERMINISTIC_RUN)
-            .args(["--float8.enable_float8_linear", "--training.steps", "2"])
-            .args(["--checkpoint.enable", "--checkpoint.interval", "2"])
-            .args([
-                "--checkpoint.last_save_model_only=false",
-                "--job.dump_folder",
-            ])
-            .arg(&dump),
-    );
+    run_ok(&mut small_run(
+        &dump,
+        &[
+            "--float8.enable_float8_linear",
+            "--training.steps",
+            "2",
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.last_save_model_only=false",
+        ],
+    ));
     let o = run_ok(
         titan_tests::python_script("tests/python/trainer_dcp_dtypes.py")
             .arg(dump.join("checkpoint/step-2")),

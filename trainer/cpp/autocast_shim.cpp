@@ -5,37 +5,33 @@
 // cast-weight cache when the outermost region ends.
 #include <ATen/autocast_mode.h>
 
+#include "shim_error.h"
+
 extern "C" {
 
 // `cuda` selects the device type (else CPU); `dtype` is a c10::ScalarType code. The previous
-// state goes to `prev_enabled` / `prev_dtype` for titan_autocast_exit. Returns 0, or 1 on a C++
-// exception.
-int titan_autocast_enter(int cuda, int dtype, int* prev_enabled, int* prev_dtype) {
-  try {
+// state goes to `prev_enabled` / `prev_dtype` for titan_autocast_exit. Returns 0, or 1 with
+// `*err` (shim_error.h).
+int titan_autocast_enter(int cuda, int dtype, int* prev_enabled, int* prev_dtype, char** err) {
+  return titan_shim::guarded(err, [&] {
     const auto device = cuda ? at::kCUDA : at::kCPU;
     *prev_enabled = at::autocast::is_autocast_enabled(device) ? 1 : 0;
     *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(device));
     at::autocast::set_autocast_enabled(device, true);
     at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(dtype));
     at::autocast::increment_nesting();
-    return 0;
-  } catch (...) {
-    return 1;
-  }
+  });
 }
 
-int titan_autocast_exit(int cuda, int prev_enabled, int prev_dtype) {
-  try {
+int titan_autocast_exit(int cuda, int prev_enabled, int prev_dtype, char** err) {
+  return titan_shim::guarded(err, [&] {
     const auto device = cuda ? at::kCUDA : at::kCPU;
     if (at::autocast::decrement_nesting() == 0) {
       at::autocast::clear_cache();
     }
     at::autocast::set_autocast_enabled(device, prev_enabled != 0);
     at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(prev_dtype));
-    return 0;
-  } catch (...) {
-    return 1;
-  }
+  });
 }
 
 }  // extern "C"

@@ -11,15 +11,16 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "shim_error.h"
+
 extern "C" {
 // Maps `n_in` tensors (borrowed: owned by the caller) to `n_out` new tensors (ownership passes to
-// the caller). Returns 0, or non-zero with a message in `err`.
+// the caller). Returns 0, or non-zero with `*err` (shim_error.h).
 typedef int (*titan_fn_call)(void* ctx, at::Tensor** in, int64_t n_in, at::Tensor** out,
-                             int64_t n_out, char* err, int64_t err_cap);
+                             int64_t n_out, char** err);
 // Frees `ctx` once neither forward nor backward can run any more.
 typedef void (*titan_fn_drop)(void* ctx);
 }
@@ -45,9 +46,8 @@ struct Callbacks : torch::CustomClassHolder {
     ins.reserve(in.size());
     for (const auto& t : in) ins.push_back(const_cast<at::Tensor*>(&t));
     std::vector<at::Tensor*> outs(n_out, nullptr);
-    char err[2048] = {0};
-    const int rc = fn(ctx, ins.data(), static_cast<int64_t>(ins.size()), outs.data(), n_out, err,
-                      sizeof(err));
+    char* err = nullptr;
+    const int rc = fn(ctx, ins.data(), static_cast<int64_t>(ins.size()), outs.data(), n_out, &err);
     torch::autograd::variable_list result;
     result.reserve(n_out);
     for (auto* t : outs) {
@@ -58,7 +58,10 @@ struct Callbacks : torch::CustomClassHolder {
         result.emplace_back();
       }
     }
-    if (rc != 0) throw std::runtime_error(std::string(what) + ": " + err);
+    if (rc != 0) {
+      throw std::runtime_error(std::string(what) + ": " +
+                               titan_shim::take_message(err, "failed without a message"));
+    }
     return result;
   }
 };
@@ -80,21 +83,16 @@ struct RustFunction : public torch::autograd::Function<RustFunction> {
   }
 };
 
-void write_err(const char* what, char* err, int64_t err_cap) {
-  std::strncpy(err, what, err_cap - 1);
-  err[err_cap - 1] = 0;
-}
-
 }  // namespace
 
 extern "C" {
 
 // Applies a Rust-defined autograd Function to `n_in` tch tensors, writing `n_out` new tensors.
-// `ctx` is owned from here on (`drop` frees it, also on error). Returns 0, or 1 with `err`.
+// `ctx` is owned from here on (`drop` frees it, also on error). Returns 0, or 1 with `*err`.
 int titan_function_apply(void* ctx, titan_fn_call forward, titan_fn_call backward,
                          titan_fn_drop drop, void** inputs, int64_t n_in, void** outputs,
-                         int64_t n_out, char* err, int64_t err_cap) {
-  try {
+                         int64_t n_out, char** err) {
+  return titan_shim::guarded(err, [&] {
     auto cb = c10::make_intrusive<Callbacks>(ctx, forward, backward, drop, n_in, n_out);
     std::vector<at::Tensor> in;
     in.reserve(n_in);
@@ -105,21 +103,14 @@ int titan_function_apply(void* ctx, titan_fn_call forward, titan_fn_call backwar
                                " tensors, expected " + std::to_string(n_out));
     }
     for (int64_t i = 0; i < n_out; ++i) outputs[i] = new at::Tensor(std::move(out[i]));
-    return 0;
-  } catch (const std::exception& e) {
-    write_err(e.what(), err, err_cap);
-    return 1;
-  } catch (...) {
-    write_err("unknown C++ exception", err, err_cap);
-    return 1;
-  }
+  });
 }
 
 // Gives `tensor`'s storage `nbytes` bytes of fresh (uninitialised) memory from its own allocator,
 // or frees it with 0, in place: every tensor sharing the storage (autograd's saved copies
 // included) sees the change. FSDP2's free / alloc of unsharded parameters.
-int titan_storage_resize(void* tensor, int64_t nbytes, char* err, int64_t err_cap) {
-  try {
+int titan_storage_resize(void* tensor, int64_t nbytes, char** err) {
+  return titan_shim::guarded(err, [&] {
     auto& t = *reinterpret_cast<at::Tensor*>(tensor);
     c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
     c10::DeviceGuard guard(t.device());
@@ -132,17 +123,13 @@ int titan_storage_resize(void* tensor, int64_t nbytes, char* err, int64_t err_ca
       s->set_data_ptr_noswap(alloc->allocate(static_cast<size_t>(nbytes)));
       s->set_nbytes(static_cast<size_t>(nbytes));
     }
-    return 0;
-  } catch (const std::exception& e) {
-    write_err(e.what(), err, err_cap);
-    return 1;
-  }
+  });
 }
 
 // `dst.copy_(src)` without grad and without bumping `dst`'s version counter, so autograd's saved
 // references to `dst` stay valid (torch.autograd._unsafe_preserve_version_counter).
-int titan_copy_keep_version(void* dst, void* src, char* err, int64_t err_cap) {
-  try {
+int titan_copy_keep_version(void* dst, void* src, char** err) {
+  return titan_shim::guarded(err, [&] {
     auto& d = *reinterpret_cast<at::Tensor*>(dst);
     const auto& s = *reinterpret_cast<at::Tensor*>(src);
     const auto version = d._version();
@@ -153,11 +140,7 @@ int titan_copy_keep_version(void* dst, void* src, char* err, int64_t err_cap) {
     // A copy of the handle shares the tensor's counter.
     c10::VariableVersion counter = torch::autograd::impl::version_counter(d);
     counter.set_version(version);
-    return 0;
-  } catch (const std::exception& e) {
-    write_err(e.what(), err, err_cap);
-    return 1;
-  }
+  });
 }
 
 }  // extern "C"

@@ -5,22 +5,20 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 
+#include "shim_error.h"
+
 extern "C" {
 
-// `tensor` is a tch C_tensor, i.e. an `at::Tensor*`. Returns 0, or 1 on a C++ exception.
-int titan_clear_grad(void* tensor) {
-  try {
-    reinterpret_cast<at::Tensor*>(tensor)->mutable_grad().reset();
-    return 0;
-  } catch (...) {
-    return 1;
-  }
+// `tensor` is a tch C_tensor, i.e. an `at::Tensor*`. Returns 0, or 1 with `*err` (shim_error.h).
+int titan_clear_grad(void* tensor, char** err) {
+  return titan_shim::guarded(
+      err, [&] { reinterpret_cast<at::Tensor*>(tensor)->mutable_grad().reset(); });
 }
 
 // `tensor.grad += grad` outside autograd, or `tensor.grad = grad` when it has none: how FSDP's
 // reduce-scattered gradients reach their shards once the background collective is done.
-int titan_accumulate_grad(void* tensor, void* grad) {
-  try {
+int titan_accumulate_grad(void* tensor, void* grad, char** err) {
+  return titan_shim::guarded(err, [&] {
     auto& t = *reinterpret_cast<at::Tensor*>(tensor);
     const auto& g = *reinterpret_cast<at::Tensor*>(grad);
     c10::AutoGradMode no_grad(false);
@@ -30,10 +28,7 @@ int titan_accumulate_grad(void* tensor, void* grad) {
     } else {
       slot = g;
     }
-    return 0;
-  } catch (...) {
-    return 1;
-  }
+  });
 }
 
 }  // extern "C"

@@ -13,15 +13,17 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "shim_error.h"
+
 extern "C" {
 // Runs the region: reads `n_in` tensors (owned by the callee: it must free them), writes `n_out`
-// new tensors (ownership passes to the caller). Returns 0, or non-zero with a message in `err`.
+// new tensors (ownership passes to the caller). Returns 0, or non-zero with `*err`
+// (shim_error.h).
 typedef int (*titan_region_run)(void* ctx, at::Tensor** inputs, int64_t n_in, at::Tensor** outputs,
-                                int64_t n_out, char* err, int64_t err_cap);
+                                int64_t n_out, char** err);
 // Frees `ctx` (the Rust closure) once no forward or backward can use it any more.
 typedef void (*titan_region_drop)(void* ctx);
 }
@@ -59,9 +61,8 @@ struct Region : torch::CustomClassHolder {
     in.reserve(inputs.size());
     for (const auto& t : inputs) in.push_back(new at::Tensor(t));
     std::vector<at::Tensor*> out(n_out, nullptr);
-    char err[1024] = {0};
-    const int rc = run(ctx, in.data(), static_cast<int64_t>(in.size()), out.data(), n_out, err,
-                       sizeof(err));
+    char* err = nullptr;
+    const int rc = run(ctx, in.data(), static_cast<int64_t>(in.size()), out.data(), n_out, &err);
     torch::autograd::variable_list result;
     result.reserve(n_out);
     for (auto* t : out) {
@@ -70,7 +71,10 @@ struct Region : torch::CustomClassHolder {
         delete t;
       }
     }
-    if (rc != 0) throw std::runtime_error(std::string("activation checkpoint region: ") + err);
+    if (rc != 0) {
+      throw std::runtime_error(std::string("activation checkpoint region: ") +
+                               titan_shim::take_message(err, "failed without a message"));
+    }
     return result;
   }
 };
@@ -159,25 +163,21 @@ struct KeptLinear : public torch::autograd::Function<KeptLinear> {
 
 extern "C" {
 
-// `*out` = KeptLinear(x, w, kept) for tch tensors. Returns 0, or 1 with a message in `err`.
-int titan_kept_linear(void* x, void* w, void* kept, void** out, char* err, int64_t err_cap) {
-  try {
+// `*out` = KeptLinear(x, w, kept) for tch tensors. Returns 0, or 1 with `*err`.
+int titan_kept_linear(void* x, void* w, void* kept, void** out, char** err) {
+  return titan_shim::guarded(err, [&] {
     auto y = KeptLinear::apply(*reinterpret_cast<at::Tensor*>(x), *reinterpret_cast<at::Tensor*>(w),
                                std::vector<at::Tensor>{*reinterpret_cast<at::Tensor*>(kept)});
     *out = new at::Tensor(std::move(y.at(0)));
-    return 0;
-  } catch (const std::exception& e) {
-    std::strncpy(err, e.what(), err_cap - 1);
-    return 1;
-  }
+  });
 }
 
 // Applies a checkpointed region to `n_in` tch tensors (`at::Tensor*`), writing `n_out` new tensors
 // to `outputs`. `ctx` is owned from here on: `drop` frees it, also on error. Returns 0, or 1 with
-// a message in `err`.
+// `*err`.
 int titan_recompute_apply(void* ctx, titan_region_run run, titan_region_drop drop, void** inputs,
-                          int64_t n_in, void** outputs, int64_t n_out, char* err, int64_t err_cap) {
-  try {
+                          int64_t n_in, void** outputs, int64_t n_out, char** err) {
+  return titan_shim::guarded(err, [&] {
     auto region = c10::make_intrusive<Region>(ctx, run, drop, n_out);
     std::vector<at::Tensor> in;
     in.reserve(n_in);
@@ -188,14 +188,7 @@ int titan_recompute_apply(void* ctx, titan_region_run run, titan_region_drop dro
                                " tensors, expected " + std::to_string(n_out));
     }
     for (int64_t i = 0; i < n_out; ++i) outputs[i] = new at::Tensor(std::move(out[i]));
-    return 0;
-  } catch (const std::exception& e) {
-    std::strncpy(err, e.what(), err_cap - 1);
-    return 1;
-  } catch (...) {
-    std::strncpy(err, "unknown C++ exception", err_cap - 1);
-    return 1;
-  }
+  });
 }
 
 }  // extern "C"

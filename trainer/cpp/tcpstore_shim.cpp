@@ -1,7 +1,7 @@
 // A C ABI over libtorch's c10d::TCPStore, the key-value store torchrun's agent, torch.distributed
 // and titan-train's ranks rendezvous through. Every entry point catches every C++ exception and
-// returns an error code plus a heap-allocated message (freed with titan_store_free_buf); nothing
-// unwinds into Rust.
+// returns an error code plus a malloc'd message in `*err` (shim_error.h's convention, with codes
+// for timeouts and network errors); nothing unwinds into Rust.
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
@@ -12,6 +12,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "shim_error.h"
 
 namespace {
 
@@ -25,14 +27,7 @@ struct Store {
   c10::intrusive_ptr<c10d::TCPStore> store;
 };
 
-char* copy_str(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, s.data(), s.size());
-    out[s.size()] = '\0';
-  }
-  return out;
-}
+using titan_shim::copy_message;
 
 bool mentions_timeout(const std::string& msg) {
   return msg.find("imeout") != std::string::npos || msg.find("timed out") != std::string::npos;
@@ -45,22 +40,22 @@ int guarded(char** err, F&& body) {
     body();
     return kOk;
   } catch (const c10d::TimeoutError& e) {
-    *err = copy_str(e.what_without_backtrace());
+    *err = copy_message(e.what_without_backtrace());
     return kTimeout;
   } catch (const c10::DistNetworkError& e) {
     std::string msg = e.what_without_backtrace();
-    *err = copy_str(msg);
+    *err = copy_message(msg);
     return mentions_timeout(msg) ? kTimeout : kNetwork;
   } catch (const c10::Error& e) {
     std::string msg = e.what_without_backtrace();
-    *err = copy_str(msg);
+    *err = copy_message(msg);
     return mentions_timeout(msg) ? kTimeout : kError;
   } catch (const std::exception& e) {
     std::string msg = e.what();
-    *err = copy_str(msg);
+    *err = copy_message(msg);
     return mentions_timeout(msg) ? kTimeout : kError;
   } catch (...) {
-    *err = copy_str("unknown C++ exception in TCPStore");
+    *err = copy_message("unknown C++ exception in TCPStore");
     return kError;
   }
 }

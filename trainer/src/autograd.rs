@@ -12,6 +12,8 @@ use std::sync::Mutex;
 
 use tch::Tensor;
 
+use crate::shim;
+
 /// A differentiable operation. `forward` runs with grad mode off (as in torch); `backward` gets
 /// one gradient per output (zeros for an unused output) and returns one per input (an undefined
 /// tensor where the input needs none).
@@ -26,8 +28,7 @@ type FnCall = unsafe extern "C" fn(
     n_in: i64,
     outputs: *mut *mut c_void,
     n_out: i64,
-    err: *mut c_char,
-    err_cap: i64,
+    err: *mut *mut c_char,
 ) -> i32;
 type FnDrop = unsafe extern "C" fn(ctx: *mut c_void);
 
@@ -41,28 +42,21 @@ unsafe extern "C" {
         n_in: i64,
         outputs: *mut *mut c_void,
         n_out: i64,
-        err: *mut c_char,
-        err_cap: i64,
+        err: *mut *mut c_char,
     ) -> i32;
-    fn titan_storage_resize(t: *mut c_void, nbytes: i64, err: *mut c_char, err_cap: i64) -> i32;
-    fn titan_copy_keep_version(
-        dst: *mut c_void,
-        src: *mut c_void,
-        err: *mut c_char,
-        err_cap: i64,
-    ) -> i32;
+    fn titan_storage_resize(t: *mut c_void, nbytes: i64, err: *mut *mut c_char) -> i32;
+    fn titan_copy_keep_version(dst: *mut c_void, src: *mut c_void, err: *mut *mut c_char) -> i32;
 }
 
 pub(crate) fn raw(t: &Tensor) -> *mut c_void {
     t.as_ptr().cast_mut().cast()
 }
 
-/// Turns a shim's failure into a panic with its message (as tch's own ops fail).
-pub(crate) fn check(rc: i32, err: &[c_char], what: &str) {
-    if rc != 0 {
-        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
-        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
-        panic!("{what}: {}", message.to_string_lossy());
+/// Calls a shim entry point ([`shim::call`]), panicking with its message on failure (as tch's
+/// own ops fail).
+pub(crate) fn check(what: &str, f: impl FnOnce(*mut *mut c_char) -> i32) {
+    if let Err(message) = shim::call(f) {
+        panic!("{what}: {message}");
     }
 }
 
@@ -73,10 +67,9 @@ pub fn apply<F: Function>(f: F, inputs: &[&Tensor], n_out: usize) -> Vec<Tensor>
     let ctx = Box::into_raw(Box::new(Mutex::new(f))).cast::<c_void>();
     let mut in_ptrs: Vec<*mut c_void> = inputs.iter().map(|t| raw(t)).collect();
     let mut out_ptrs = vec![std::ptr::null_mut::<c_void>(); n_out];
-    let mut err = [0 as c_char; 2048];
     // SAFETY: the input pointers are live at::Tensor* borrowed for the call; the shim takes
     // ownership of `ctx` (freed through drop_fn::<F>) and writes n_out owned tensors on success.
-    let rc = unsafe {
+    check("autograd function", |err| unsafe {
         titan_function_apply(
             ctx,
             call_fn::<F, false>,
@@ -86,11 +79,9 @@ pub fn apply<F: Function>(f: F, inputs: &[&Tensor], n_out: usize) -> Vec<Tensor>
             in_ptrs.len() as i64,
             out_ptrs.as_mut_ptr(),
             n_out as i64,
-            err.as_mut_ptr(),
-            err.len() as i64,
+            err,
         )
-    };
-    check(rc, &err, "autograd function");
+    });
     // SAFETY: on success each slot holds a new at::Tensor* that we now own.
     out_ptrs
         .into_iter()
@@ -112,16 +103,15 @@ unsafe fn borrowed(ptrs: *mut *mut c_void, n: i64) -> Vec<Tensor> {
         .collect()
 }
 
-/// The shim's output slots and error buffer for one callback.
+/// The shim's output slots and error slot for one callback.
 struct Reply {
     outputs: *mut *mut c_void,
     n_out: i64,
-    err: *mut c_char,
-    err_cap: i64,
+    err: *mut *mut c_char,
 }
 
-/// Runs `body` on the function behind `ctx`, handing `n_out` tensors to the shim or writing the
-/// panic message to `err`.
+/// Runs `body` on the function behind `ctx`, handing `n_out` tensors to the shim or the panic
+/// message to `err`.
 unsafe fn run<F: Function>(
     ctx: *mut c_void,
     inputs: *mut *mut c_void,
@@ -133,7 +123,6 @@ unsafe fn run<F: Function>(
         outputs,
         n_out,
         err,
-        err_cap,
     } = reply;
     // SAFETY: see `borrowed`.
     let inputs = unsafe { borrowed(inputs, n_in) };
@@ -152,8 +141,8 @@ unsafe fn run<F: Function>(
         Ok(out) => format!("returned {} tensors, expected {n_out}", out.len()),
         Err(panic) => panic_text(panic),
     };
-    // SAFETY: err has err_cap bytes (the shim's contract).
-    unsafe { write_error(&message, err, err_cap) };
+    // SAFETY: the shim passes a writable error slot.
+    unsafe { shim::set_message(err, &message) };
     1
 }
 
@@ -181,20 +170,6 @@ pub(crate) fn panic_text(panic: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "panicked".into())
 }
 
-/// Writes `message`, cut to fit and NUL-terminated, into a C++ caller's error buffer.
-///
-/// # Safety
-/// `err` points at `err_cap` writable bytes.
-pub(crate) unsafe fn write_error(message: &str, err: *mut c_char, err_cap: i64) {
-    let bytes = message.as_bytes();
-    let n = bytes.len().min(err_cap.max(1) as usize - 1);
-    // SAFETY: n < err_cap bytes and a NUL fit.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr().cast::<c_char>(), err, n);
-        *err.add(n) = 0;
-    }
-}
-
 /// The shim's forward (`BACKWARD = false`: inputs to outputs) or backward (output gradients to
 /// input gradients) callback.
 unsafe extern "C" fn call_fn<F: Function, const BACKWARD: bool>(
@@ -203,14 +178,12 @@ unsafe extern "C" fn call_fn<F: Function, const BACKWARD: bool>(
     n_in: i64,
     outputs: *mut *mut c_void,
     n_out: i64,
-    err: *mut c_char,
-    err_cap: i64,
+    err: *mut *mut c_char,
 ) -> i32 {
     let reply = Reply {
         outputs,
         n_out,
         err,
-        err_cap,
     };
     // SAFETY: forwarded from the shim's contract.
     unsafe {
@@ -232,19 +205,19 @@ unsafe extern "C" fn drop_fn<F>(ctx: *mut c_void) {
 /// Gives `t`'s storage `nbytes` of fresh memory (0: frees it) in place; every tensor sharing the
 /// storage, autograd's saved ones included, sees it.
 pub fn resize_storage(t: &Tensor, nbytes: usize) {
-    let mut err = [0 as c_char; 1024];
     // SAFETY: a live tch tensor borrowed for the call.
-    let rc = unsafe { titan_storage_resize(raw(t), nbytes as i64, err.as_mut_ptr(), 1024) };
-    check(rc, &err, "resizing a parameter's storage");
+    check("resizing a parameter's storage", |err| unsafe {
+        titan_storage_resize(raw(t), nbytes as i64, err)
+    });
 }
 
 /// `dst.copy_(src)` that leaves `dst`'s version counter as it was, so the autograd graph that
 /// saved `dst` still accepts it.
 pub fn copy_keep_version(dst: &Tensor, src: &Tensor) {
-    let mut err = [0 as c_char; 1024];
     // SAFETY: live tch tensors borrowed for the call.
-    let rc = unsafe { titan_copy_keep_version(raw(dst), raw(src), err.as_mut_ptr(), 1024) };
-    check(rc, &err, "restoring a parameter");
+    check("restoring a parameter", |err| unsafe {
+        titan_copy_keep_version(raw(dst), raw(src), err)
+    });
 }
 
 #[cfg(test)]

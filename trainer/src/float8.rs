@@ -38,6 +38,8 @@
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
+use titan_ckpt::adapter::{legacy_name, tables::LLAMA3};
+
 use crate::autograd::{self, Function};
 use crate::parallelize::tp::TensorParallel;
 
@@ -462,7 +464,7 @@ impl Float8Training {
     /// (`lm_head` is `output` before torchtitan 0.3.0, `attention.qkv_linear.wq` is
     /// `attention.wq`).
     pub fn filtered(&self, fqn: &str) -> bool {
-        let legacy = crate::names::legacy(&format!("{fqn}.weight"))
+        let legacy = legacy_name(&LLAMA3, &format!("{fqn}.weight"))
             .map(|n| n.trim_end_matches(".weight").to_string());
         self.filter_fqns.iter().any(|f| {
             fqn.contains(f.as_str()) || legacy.as_deref().is_some_and(|l| l.contains(f.as_str()))

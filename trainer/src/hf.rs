@@ -1,34 +1,22 @@
 //! Hugging Face Llama checkpoints <-> torchtitan names, with the q/k row permutation between
 //! HF's rotate-half RoPE and torchtitan's interleaved (complex) RoPE, on tch tensors (the name
-//! table is titan-ckpt's, shared with `titan-ckpt convert`; [`names`] brings either torchtitan
-//! name generation to the model's).
+//! table is titan-ckpt's, shared with `titan-ckpt convert`: its names, both torchtitan
+//! generations, and its `RopeQ`/`RopeK` roles pick the permuted weights).
 
 use anyhow::{Result, bail};
 use tch::Tensor;
 
+use titan_ckpt::adapter::{Transform, from_hf_name, to_hf_rule};
+
 use crate::model::ModelArgs;
-use crate::names;
 
-/// The model's fqn of an HF Llama tensor name, or `None` for names with no counterpart
-/// (such as `model.layers.0.self_attn.rotary_emb.inv_freq`).
-pub fn titan_name(hf: &str) -> Option<String> {
-    titan_ckpt::adapter::from_hf_name(hf).map(|n| names::current(&n))
-}
-
-/// The HF name of a model fqn (inverse of [`titan_name`]).
-pub fn hf_name(fqn: &str) -> Option<String> {
-    titan_ckpt::adapter::to_hf_name(fqn)
-        .or_else(|| titan_ckpt::adapter::to_hf_name(&names::legacy(fqn)?))
-}
-
-/// Heads of a q (`wq`) or k (`wk`) weight, which need the RoPE permutation; `None` otherwise.
-fn rope_heads(titan: &str, args: &ModelArgs) -> Option<i64> {
-    if titan.ends_with("attention.qkv_linear.wq.weight") {
-        Some(args.n_heads)
-    } else if titan.ends_with("attention.qkv_linear.wk.weight") {
-        Some(args.kv_heads())
-    } else {
-        None
+/// Heads of a weight the table marks RoPE-permuted (`RopeQ`: the q heads, `RopeK`: the key/value
+/// heads); `None` for every other tensor.
+fn rope_heads(transform: Transform, args: &ModelArgs) -> Option<i64> {
+    match transform {
+        Transform::RopeQ => Some(args.n_heads),
+        Transform::RopeK => Some(args.kv_heads()),
+        _ => None,
     }
 }
 
@@ -52,13 +40,14 @@ pub fn permute_to_hf(w: &Tensor, heads: i64) -> Tensor {
 pub fn from_hf(tensors: Vec<(String, Tensor)>, args: &ModelArgs) -> Result<Vec<(String, Tensor)>> {
     let mut out = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let Some(titan) = titan_name(&name) else {
+        let Some(titan) = from_hf_name(&name) else {
             if name.ends_with("rotary_emb.inv_freq") {
                 continue;
             }
             bail!("HF tensor `{name}` has no torchtitan llama3 counterpart");
         };
-        let t = match rope_heads(&titan, args) {
+        let transform = to_hf_rule(&titan).map(|(_, t)| t);
+        let t = match transform.and_then(|tr| rope_heads(tr, args)) {
             Some(h) => permute_from_hf(&t, h),
             None => t,
         };
@@ -72,10 +61,10 @@ pub fn to_hf(tensors: &[(String, Tensor)], args: &ModelArgs) -> Result<Vec<(Stri
     tensors
         .iter()
         .map(|(name, t)| {
-            let Some(hf) = hf_name(name) else {
+            let Some((hf, transform)) = to_hf_rule(name) else {
                 bail!("torchtitan tensor `{name}` has no HF Llama counterpart");
             };
-            let t = match rope_heads(name, args) {
+            let t = match rope_heads(transform, args) {
                 Some(h) => permute_to_hf(t, h),
                 None => t.shallow_clone(),
             };
@@ -87,6 +76,7 @@ pub fn to_hf(tensors: &[(String, Tensor)], args: &ModelArgs) -> Result<Vec<(Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+    use titan_ckpt::adapter::to_hf_name;
 
     #[test]
     fn names_round_trip() {
@@ -97,10 +87,10 @@ mod tests {
             "layers.0.ffn_norm.weight",
             "lm_head.weight",
         ] {
-            assert_eq!(titan_name(&hf_name(n).unwrap()).unwrap(), n);
+            assert_eq!(from_hf_name(&to_hf_name(n).unwrap()).unwrap(), n);
         }
         assert_eq!(
-            hf_name("layers.2.feed_forward.w1.weight").unwrap(),
+            to_hf_name("layers.2.feed_forward.w1.weight").unwrap(),
             "model.layers.2.mlp.gate_proj.weight"
         );
     }

@@ -92,8 +92,10 @@ fn help() -> String {
          tokenizer is used unless model.hf_assets_path names a folder with tokenizer.json.\n\
          \n\
          OUTPUTS (under job.dump_folder): config.toml (resolved config), metrics.jsonl (every logged\n\
-         step and validation, full precision, appended), obs/ (titan-obs timing records when\n\
-         observability.enable), tb/<date>/events.out.tfevents.* (metrics.enable_tensorboard).\n\
+         step and validation, full precision, appended; each line names its run), obs/ (titan-obs\n\
+         timing records when observability.enable), tb/<date>/events.out.tfevents.*\n\
+         (metrics.enable_tensorboard). Each launch is a run with its own run id; a resume from a\n\
+         checkpoint continues that checkpoint's run. On a terminal, rank 0 shows a step counter.\n\
          \n\
          {exit_codes}\n\
          \n\
@@ -263,14 +265,22 @@ fn print_memory_estimate(cfg: &JobConfig, launch: Option<&LaunchArgs>) -> ExitCo
     ExitCode::SUCCESS
 }
 
-/// Logs on stdout (with the metrics lines, as torchtitan does) at info, or as -v/-q/RUST_LOG say.
+/// Logs on stdout (with the metrics lines, as torchtitan does) at info, or as -v/-q/RUST_LOG say,
+/// in lines of at most 100 columns, coloured only on a terminal; -q also hides the step counter.
 fn init_logging(cfg: &JobConfig, verbosity: &Verbosity) {
+    let ansi =
+        !cfg.metrics.disable_color_printing && std::io::IsTerminal::is_terminal(&std::io::stdout());
+    if verbosity.quiet {
+        titan_train::console::hide_step_counter();
+    }
     tracing_subscriber::fmt()
         .with_env_filter(verbosity.filter(Level::Info))
-        .with_ansi(
-            !cfg.metrics.disable_color_printing
-                && std::io::IsTerminal::is_terminal(&std::io::stdout()),
-        )
+        .with_ansi(ansi)
+        .with_writer(titan_train::console::ConsoleWriter)
+        .event_format(titan_train::console::LineFormat {
+            ansi,
+            width: titan_train::console::line_width(),
+        })
         .init();
 }
 
@@ -343,18 +353,19 @@ fn print_outputs(cfg: &JobConfig, summary: &TrainSummary) {
         |p| p.display().to_string(),
     );
     println!(
-        "titan-train: {} steps done; outputs in {shown}",
-        summary.steps
+        "titan-train: {} steps done (run {}); outputs in {shown}",
+        summary.steps, summary.run_id
     );
-    println!("  {shown}/config.toml    resolved config");
-    println!("  {shown}/metrics.jsonl  logged steps and validations");
+    // Names relative to the folder above keep the lines short (100 columns) and the path once.
+    println!("  config.toml    resolved config");
+    println!("  metrics.jsonl  logged steps and validations (each line names its run)");
     if cfg.checkpoint.enable {
         println!(
-            "  {shown}/{}/    checkpoints (titan-ckpt inspect)",
+            "  {}/    checkpoints (titan-ckpt inspect)",
             cfg.checkpoint.folder
         );
     }
     if cfg.observability.enable {
-        println!("  {shown}/obs/           timing records (titan-obs summary {shown})");
+        println!("  obs/           timing records: titan-obs summary {shown}");
     }
 }

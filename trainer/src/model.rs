@@ -17,6 +17,7 @@ use crate::float8::{Float8Linear, Float8Training, TpSplit};
 use crate::parallelize::fsdp::FsdpUnit;
 use crate::parallelize::pipeline::StageModules;
 use crate::parallelize::tp::TensorParallel;
+use crate::parallelize::weight_grad::{WeightGradStash, deferred_linear};
 use crate::parallelize::{ParallelPlan, Placement, TpStyle};
 use crate::recompute::{checkpoint, kept_linear};
 
@@ -315,8 +316,7 @@ unsafe extern "C" {
         max_len: i64,
         scale: f64,
         out: *mut *mut std::ffi::c_void,
-        err: *mut std::ffi::c_char,
-        err_cap: i64,
+        err: *mut *mut std::ffi::c_char,
     ) -> i32;
 }
 
@@ -333,10 +333,9 @@ pub fn varlen_attention(
     let raw = |t: &Tensor| t.as_ptr().cast_mut().cast();
     let scale = 1.0 / (q.size()[2] as f64).sqrt();
     let mut out = std::ptr::null_mut();
-    let mut err = [0 as std::ffi::c_char; 1024];
     // SAFETY: live tch tensors (`at::Tensor*`) borrowed for the call; on success `out` is a new
     // at::Tensor* that we own.
-    let rc = unsafe {
+    crate::shim::call(|err| unsafe {
         titan_varlen_attention(
             raw(q),
             raw(k),
@@ -345,15 +344,10 @@ pub fn varlen_attention(
             longest,
             scale,
             &mut out,
-            err.as_mut_ptr(),
-            err.len() as i64,
+            err,
         )
-    };
-    if rc != 0 {
-        // SAFETY: the shim wrote a NUL-terminated message into the zeroed buffer.
-        let message = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
-        bail!("varlen attention: {}", message.to_string_lossy());
-    }
+    })
+    .map_err(|m| anyhow::anyhow!("varlen attention: {m}"))?;
     // SAFETY: see above.
     Ok(unsafe { Tensor::from_ptr(out.cast()) })
 }
@@ -930,18 +924,21 @@ impl Llama {
             self.stages.len() == 1 && self.embeddings.is_some() && self.head.is_some(),
             "forward runs the whole model; under pipeline parallelism use forward_stage"
         );
-        self.forward_stage(stage, tokens, positions)
+        self.forward_stage(stage, tokens, positions, None)
     }
 
     /// Runs pipeline stage `stage` of this rank: from token ids (B, S) on the stage holding
     /// the embeddings, else from the hidden states the previous stage produced
     /// ([`Llama::hidden_shape`]); returns hidden states, or the logits (as
-    /// [`Llama::forward`]) on the stage holding the output.
+    /// [`Llama::forward`]) on the stage holding the output. With `defer_weight_grads`, the
+    /// linears' backward computes only input gradients and parks their weight gradients there
+    /// (a zero-bubble schedule runs them later).
     pub fn forward_stage(
         &self,
         stage: usize,
         input: &Tensor,
         positions: Option<&Tensor>,
+        defer_weight_grads: Option<&WeightGradStash>,
     ) -> Tensor {
         let modules = &self
             .stages
@@ -1047,7 +1044,8 @@ impl Llama {
                 out
             } else {
                 let layer = gather();
-                let out = block(&layer, shape, &ctx, &self.tp, &h, &Matmuls::plain(f8));
+                let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
+                let out = block(&layer, shape, &ctx, &self.tp, &h, &matmuls);
                 drop(layer);
                 unit.after_forward(out, previous)
             };
@@ -1074,7 +1072,10 @@ impl Llama {
                 Tensor::cat(&parts, 1)
             }
             Some((f8, _)) => f8.apply(&h, &lm_head),
-            None => h.linear::<&Tensor>(&lm_head, None),
+            None => match defer_weight_grads {
+                Some(stash) => deferred_linear(&h, &lm_head, stash),
+                None => h.linear::<&Tensor>(&lm_head, None),
+            },
         };
         logits.to_kind(Kind::Float)
     }
@@ -1099,6 +1100,9 @@ struct Matmuls {
     memo: RefCell<Memo>,
     count: Cell<usize>,
     float8: BlockFloat8,
+    /// Zero-bubble pipelines: the plain (not float8, not recorded) linears' weight gradients
+    /// are parked here instead of computed in backward.
+    deferred: Option<WeightGradStash>,
 }
 
 enum Memo {
@@ -1126,16 +1130,23 @@ impl Matmuls {
             memo: RefCell::new(memo),
             count: Cell::new(0),
             float8,
+            deferred: None,
         }
+    }
+
+    fn deferring(mut self, stash: Option<&WeightGradStash>) -> Self {
+        self.deferred = stash.cloned();
+        self
     }
 
     /// `x.linear(w)`, in float8 when `f8` is set.
     fn linear(&self, x: &Tensor, w: &Tensor, f8: Option<&Float8Linear>) -> Tensor {
         self.count.set(self.count.get() + 1);
         let kept = self.count.get() % 2 == 1;
-        let multiply = || match f8 {
-            Some(f8) => f8.apply(x, w),
-            None => x.linear::<&Tensor>(w, None),
+        let multiply = || match (f8, &self.deferred) {
+            (Some(f8), _) => f8.apply(x, w),
+            (None, Some(stash)) => deferred_linear(x, w, stash),
+            (None, None) => x.linear::<&Tensor>(w, None),
         };
         match &mut *self.memo.borrow_mut() {
             Memo::Replay(record) if kept => {

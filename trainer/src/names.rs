@@ -3,45 +3,14 @@
 //! titan-train's model uses torchtitan 0.3.0's names (`layers.N.attention.qkv_linear.wq.weight`,
 //! `lm_head.weight`), so torchtitan 0.3.0 loads its checkpoints. Checkpoints written by earlier
 //! titan-train versions (and torchtitan before 0.3.0) use `layers.N.attention.wq.weight` and
-//! `output.weight`; [`legacy`] gives that name so those checkpoints still resume.
+//! `output.weight`; titan-ckpt's Llama-3 table owns both generations
+//! ([`titan_ckpt::adapter::legacy_name`] gives the older name), so those checkpoints still resume.
 //!
 //! torchtitan 0.3.0 trains a fused `qkv_linear.wqkv` parameter and splits it into `wq`/`wk`/`wv`
 //! only in the model state dict, so its optimizer state is keyed by [`fused_qkv`];
 //! [`split_fused_qkv`] recovers the per-projection rows.
 
 use tch::Tensor;
-
-/// (0.3.0 infix, older infix) inside a layer's attention, and the top-level renames.
-const LAYER_RENAMES: [(&str, &str); 3] = [
-    (".attention.qkv_linear.wq.", ".attention.wq."),
-    (".attention.qkv_linear.wk.", ".attention.wk."),
-    (".attention.qkv_linear.wv.", ".attention.wv."),
-];
-const TOP_RENAMES: [(&str, &str); 1] = [("lm_head.weight", "output.weight")];
-
-/// The pre-0.3.0 name of a 0.3.0 fqn, or `None` when both generations agree.
-pub fn legacy(fqn: &str) -> Option<String> {
-    if let Some((_, old)) = TOP_RENAMES.iter().find(|(new, _)| *new == fqn) {
-        return Some(old.to_string());
-    }
-    LAYER_RENAMES
-        .iter()
-        .find(|(new, _)| fqn.contains(new))
-        .map(|(new, old)| fqn.replacen(new, old, 1))
-}
-
-/// The 0.3.0 name of a fqn of either generation.
-pub fn current(fqn: &str) -> String {
-    if let Some((new, _)) = TOP_RENAMES.iter().find(|(_, old)| *old == fqn) {
-        return new.to_string();
-    }
-    for (new, old) in LAYER_RENAMES {
-        if fqn.contains(old) {
-            return fqn.replacen(old, new, 1);
-        }
-    }
-    fqn.to_string()
-}
 
 /// Which q/k/v projection a 0.3.0 fqn is, with the fqn of its fused `wqkv` parameter.
 pub fn fused_qkv(fqn: &str) -> Option<(usize, String)> {
@@ -122,20 +91,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn generations_map_both_ways() {
-        for (new, old) in [
-            (
-                "layers.3.attention.qkv_linear.wk.weight",
-                "layers.3.attention.wk.weight",
-            ),
-            ("lm_head.weight", "output.weight"),
-        ] {
-            assert_eq!(legacy(new).as_deref(), Some(old));
-            assert_eq!(current(old), new);
-            assert_eq!(current(new), new);
-        }
-        assert_eq!(legacy("layers.0.attention.wo.weight"), None);
-        assert_eq!(legacy("tok_embeddings.weight"), None);
+    fn fused_qkv_names() {
         assert_eq!(
             fused_qkv("layers.2.attention.qkv_linear.wv.weight"),
             Some((2, "layers.2.attention.qkv_linear.wqkv.weight".into()))

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use anyhow::{Context, Result};
 use tch::{Kind, Tensor};
 
 use crate::config::Optimizer as OptimizerConfig;
@@ -65,11 +66,12 @@ impl AdamW {
     }
 
     /// One AdamW update of `param` (named `name`) with its current gradient, at learning rate `lr`.
-    /// Parameters without a gradient are skipped, as PyTorch does.
-    pub fn step_param(&mut self, name: &str, param: &Tensor, lr: f64) {
+    /// Parameters without a gradient are skipped, as PyTorch does. A failed tensor operation
+    /// (a device or dtype mismatch, an out-of-memory) is an error naming the parameter.
+    pub fn step_param(&mut self, name: &str, param: &Tensor, lr: f64) -> Result<()> {
         let grad = param.grad();
         if !grad.defined() {
-            return;
+            return Ok(());
         }
         let AdamWParams {
             beta1,
@@ -85,43 +87,57 @@ impl AdamW {
                 exp_avg: param.zeros_like(),
                 exp_avg_sq: param.zeros_like(),
             });
-        tch::no_grad(|| {
+        // Each in-place op returns another handle to the tensor it changed: dropped; its error is
+        // not.
+        tch::no_grad(|| -> std::result::Result<(), tch::TchError> {
             state.step += 1;
             let mut p = param.shallow_clone();
             // Decoupled weight decay first, as torch.optim.AdamW.
             if weight_decay != 0.0 {
-                let _ = p.g_mul_scalar_(1.0 - lr * weight_decay);
+                p.f_mul_scalar_(1.0 - lr * weight_decay).map(drop)?;
             }
-            let _ = state.exp_avg.lerp_(&grad, 1.0 - beta1);
-            let _ = state.exp_avg_sq.g_mul_scalar_(beta2);
-            let _ = state.exp_avg_sq.addcmul_(&(&grad * (1.0 - beta2)), &grad);
+            state.exp_avg.f_lerp_(&grad, 1.0 - beta1).map(drop)?;
+            state.exp_avg_sq.f_mul_scalar_(beta2).map(drop)?;
+            state
+                .exp_avg_sq
+                .f_addcmul_(&grad.f_mul_scalar(1.0 - beta2)?, &grad)
+                .map(drop)?;
             let step = state.step as i32;
             let bias_correction1 = 1.0 - beta1.powi(step);
             let bias_correction2 = 1.0 - beta2.powi(step);
             let step_size = lr / bias_correction1;
-            let mut denom = state.exp_avg_sq.sqrt();
-            let _ = denom.g_div_scalar_(bias_correction2.sqrt());
-            let _ = denom.g_add_scalar_(eps);
-            let _ = p.addcdiv_(&(&state.exp_avg * (-step_size)), &denom);
-        });
+            let mut denom = state.exp_avg_sq.f_sqrt()?;
+            denom.f_div_scalar_(bias_correction2.sqrt()).map(drop)?;
+            denom.f_add_scalar_(eps).map(drop)?;
+            p.f_addcdiv_(&state.exp_avg.f_mul_scalar(-step_size)?, &denom)
+                .map(drop)?;
+            Ok(())
+        })
+        .with_context(|| format!("AdamW step of `{name}`"))
     }
 }
 
 unsafe extern "C" {
-    fn titan_clear_grad(tensor: *mut std::ffi::c_void) -> i32;
-    fn titan_accumulate_grad(tensor: *mut std::ffi::c_void, grad: *mut std::ffi::c_void) -> i32;
+    fn titan_clear_grad(tensor: *mut std::ffi::c_void, err: *mut *mut std::ffi::c_char) -> i32;
+    fn titan_accumulate_grad(
+        tensor: *mut std::ffi::c_void,
+        grad: *mut std::ffi::c_void,
+        err: *mut *mut std::ffi::c_char,
+    ) -> i32;
 }
 
 /// Adds `grad` into `param`'s gradient (or makes it the gradient), outside autograd.
 pub fn accumulate_grad(param: &Tensor, grad: &Tensor) {
-    // SAFETY: tch's C_tensor is an `at::Tensor*`; both are alive for the call.
-    let rc = unsafe {
-        titan_accumulate_grad(
-            param.as_ptr() as *mut std::ffi::c_void,
-            grad.as_ptr() as *mut std::ffi::c_void,
-        )
-    };
-    assert_eq!(rc, 0, "accumulating a gradient of shape {:?}", grad.size());
+    crate::autograd::check("accumulating a gradient", |err| {
+        // SAFETY: tch's C_tensor is an `at::Tensor*`; both are alive for the call.
+        unsafe {
+            titan_accumulate_grad(
+                param.as_ptr() as *mut std::ffi::c_void,
+                grad.as_ptr() as *mut std::ffi::c_void,
+                err,
+            )
+        }
+    });
 }
 
 /// Drops the gradients of `params`: `optimizer.zero_grad()` with torch's default
@@ -131,8 +147,9 @@ pub fn clear_grads(params: &[&Tensor]) {
     for p in params {
         // SAFETY: tch's C_tensor is an `at::Tensor*`, alive for this call; the shim only resets
         // the autograd grad slot of the tensor it points to.
-        let rc = unsafe { titan_clear_grad(p.as_ptr() as *mut std::ffi::c_void) };
-        if rc != 0 {
+        let cleared =
+            crate::shim::call(|err| unsafe { titan_clear_grad(p.as_ptr() as *mut _, err) });
+        if cleared.is_err() {
             // Not reachable for leaf tensors; zeroing in place is the same for the next step.
             p.shallow_clone().zero_grad();
         }
@@ -157,20 +174,24 @@ pub fn total_grad_norm(params: &[&Tensor]) -> f64 {
 }
 
 /// Scales every gradient by `max_norm / (total_norm + 1e-6)` when that is below 1, as
-/// `clip_grad_norm_` does.
-pub fn clip_grads(params: &[&Tensor], max_norm: f64, total_norm: f64) {
+/// `clip_grad_norm_` does. The one clipping function; `total_norm` comes from
+/// [`total_grad_norm`] (summed over the ranks by the caller for sharded parameters).
+pub fn clip_grads(params: &[&Tensor], max_norm: f64, total_norm: f64) -> Result<()> {
     let coef = max_norm / (total_norm + 1e-6);
     if coef >= 1.0 || !total_norm.is_finite() {
-        return;
+        return Ok(());
     }
     tch::no_grad(|| {
         for p in params {
             let mut g = p.grad();
             if g.defined() {
-                let _ = g.g_mul_scalar_(coef);
+                g.f_mul_scalar_(coef)
+                    .map(drop)
+                    .with_context(|| format!("clipping a gradient of shape {:?}", g.size()))?;
             }
         }
-    });
+        Ok(())
+    })
 }
 
 #[cfg(test)]
@@ -195,7 +216,7 @@ mod tests {
             let loss = (&p * Tensor::from_slice(g)).sum(Kind::Double);
             p.shallow_clone().zero_grad();
             loss.backward();
-            opt.step_param("w", &p, lr);
+            opt.step_param("w", &p, lr).unwrap();
             let t = (t + 1) as i32;
             for i in 0..2 {
                 w[i] *= 1.0 - lr * 0.1;
@@ -232,7 +253,7 @@ mod tests {
         loss.backward(); // grads 3a = 9 and 4b = 16
         let norm = total_grad_norm(&[&a, &b]);
         assert!((norm - (81.0f64 + 256.0).sqrt()).abs() < 1e-4);
-        clip_grads(&[&a, &b], 1.0, norm);
+        clip_grads(&[&a, &b], 1.0, norm).unwrap();
         assert!((total_grad_norm(&[&a, &b]) - 1.0).abs() < 1e-5);
     }
 }

@@ -12,7 +12,7 @@
 //! fp32 parameters on every rank, so autocast is the cast that applies). Gradients are reduced
 //! in `mixed_precision_reduce` (float32, the only value torchtitan 0.3.0 accepts).
 
-use anyhow::{Result, bail};
+use anyhow::{Result, anyhow};
 use tch::{Device, Kind};
 
 use crate::config::{DtypeName, Training};
@@ -81,8 +81,14 @@ unsafe extern "C" {
         dtype: i32,
         prev_enabled: *mut i32,
         prev_dtype: *mut i32,
+        err: *mut *mut std::ffi::c_char,
     ) -> i32;
-    fn titan_autocast_exit(cuda: i32, prev_enabled: i32, prev_dtype: i32) -> i32;
+    fn titan_autocast_exit(
+        cuda: i32,
+        prev_enabled: i32,
+        prev_dtype: i32,
+        err: *mut *mut std::ffi::c_char,
+    ) -> i32;
 }
 
 /// An autocast region on one device type; [`AutocastGuard::exit`] (or drop) restores the state.
@@ -98,12 +104,16 @@ impl AutocastGuard {
         let cuda = i32::from(device.is_cuda());
         let (mut prev_enabled, mut prev_dtype) = (0, 0);
         // SAFETY: the shim writes the two out-pointers, which point at live locals.
-        let rc = unsafe {
-            titan_autocast_enter(cuda, scalar_type(kind), &mut prev_enabled, &mut prev_dtype)
-        };
-        if rc != 0 {
-            bail!("libtorch refused to enable autocast({kind:?}) on {device:?}");
-        }
+        crate::shim::call(|err| unsafe {
+            titan_autocast_enter(
+                cuda,
+                scalar_type(kind),
+                &mut prev_enabled,
+                &mut prev_dtype,
+                err,
+            )
+        })
+        .map_err(|m| anyhow!("libtorch refused to enable autocast({kind:?}) on {device:?}: {m}"))?;
         Ok(Self {
             cuda,
             prev_enabled,
@@ -115,19 +125,21 @@ impl AutocastGuard {
     fn exit(mut self) -> Result<()> {
         self.open = false;
         // SAFETY: plain values; restores what enter saved.
-        let rc = unsafe { titan_autocast_exit(self.cuda, self.prev_enabled, self.prev_dtype) };
-        if rc != 0 {
-            bail!("libtorch failed to leave an autocast region");
-        }
-        Ok(())
+        crate::shim::call(|err| unsafe {
+            titan_autocast_exit(self.cuda, self.prev_enabled, self.prev_dtype, err)
+        })
+        .map_err(|m| anyhow!("libtorch failed to leave an autocast region: {m}"))
     }
 }
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
         if self.open {
-            // SAFETY: as in exit; a panic unwinding through the region still restores it.
-            unsafe { titan_autocast_exit(self.cuda, self.prev_enabled, self.prev_dtype) };
+            // SAFETY: as in exit; a panic unwinding through the region still restores it (a
+            // failure here has nobody to report to: the region's own error is on its way).
+            let _restored = crate::shim::call(|err| unsafe {
+                titan_autocast_exit(self.cuda, self.prev_enabled, self.prev_dtype, err)
+            });
         }
     }
 }

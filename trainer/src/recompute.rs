@@ -13,7 +13,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use tch::Tensor;
 
-use crate::autograd::{check, hand_over, panic_text, raw, write_error};
+use crate::autograd::{check, hand_over, panic_text, raw};
+use crate::shim;
 
 type RegionRun = unsafe extern "C" fn(
     ctx: *mut c_void,
@@ -21,8 +22,7 @@ type RegionRun = unsafe extern "C" fn(
     n_in: i64,
     outputs: *mut *mut c_void,
     n_out: i64,
-    err: *mut c_char,
-    err_cap: i64,
+    err: *mut *mut c_char,
 ) -> i32;
 type RegionDrop = unsafe extern "C" fn(ctx: *mut c_void);
 
@@ -35,16 +35,14 @@ unsafe extern "C" {
         n_in: i64,
         outputs: *mut *mut c_void,
         n_out: i64,
-        err: *mut c_char,
-        err_cap: i64,
+        err: *mut *mut c_char,
     ) -> i32;
     fn titan_kept_linear(
         x: *mut c_void,
         w: *mut c_void,
         kept: *mut c_void,
         out: *mut *mut c_void,
-        err: *mut c_char,
-        err_cap: i64,
+        err: *mut *mut c_char,
     ) -> i32;
 }
 
@@ -62,19 +60,10 @@ pub fn kept_linear(x: &Tensor, w: &Tensor, kept: &Tensor) -> Tensor {
     };
     let (x, w) = (as_kept(x), as_kept(w));
     let mut out = std::ptr::null_mut();
-    let mut err = [0 as c_char; 1024];
     // SAFETY: live tch tensors borrowed for the call; on success `out` is a new at::Tensor* we own.
-    let rc = unsafe {
-        titan_kept_linear(
-            raw(&x),
-            raw(&w),
-            raw(kept),
-            &mut out,
-            err.as_mut_ptr(),
-            err.len() as i64,
-        )
-    };
-    check(rc, &err, "kept linear");
+    check("kept linear", |err| unsafe {
+        titan_kept_linear(raw(&x), raw(&w), raw(kept), &mut out, err)
+    });
     // SAFETY: see above.
     unsafe { Tensor::from_ptr(out.cast()) }
 }
@@ -91,10 +80,9 @@ where
     let ctx = Box::into_raw(Box::new(region)).cast::<c_void>();
     let mut in_ptrs: Vec<*mut c_void> = inputs.iter().map(|t| raw(t)).collect();
     let mut out_ptrs = [std::ptr::null_mut::<c_void>(); N];
-    let mut err = [0 as c_char; 1024];
     // SAFETY: the input pointers are live tch tensors (at::Tensor*) borrowed for the call; the
     // shim takes ownership of `ctx` (freed through drop_region::<F>) and writes N owned tensors.
-    let rc = unsafe {
+    check("activation checkpoint", |err| unsafe {
         titan_recompute_apply(
             ctx,
             run_region::<N, F>,
@@ -103,11 +91,9 @@ where
             in_ptrs.len() as i64,
             out_ptrs.as_mut_ptr(),
             N as i64,
-            err.as_mut_ptr(),
-            err.len() as i64,
+            err,
         )
-    };
-    check(rc, &err, "activation checkpoint");
+    });
     // SAFETY: on success each slot holds a new at::Tensor* that we now own.
     out_ptrs.map(|p| unsafe { Tensor::from_ptr(p.cast()) })
 }
@@ -119,8 +105,7 @@ unsafe extern "C" fn run_region<const N: usize, F>(
     n_in: i64,
     outputs: *mut *mut c_void,
     n_out: i64,
-    err: *mut c_char,
-    err_cap: i64,
+    err: *mut *mut c_char,
 ) -> i32
 where
     F: Fn(&[Tensor]) -> [Tensor; N],
@@ -140,8 +125,8 @@ where
         Ok(_) => format!("the region returns {N} tensors, the shim expected {n_out}"),
         Err(panic) => panic_text(panic),
     };
-    // SAFETY: err has err_cap bytes (the shim's contract).
-    unsafe { write_error(&message, err, err_cap) };
+    // SAFETY: the shim passes a writable error slot.
+    unsafe { shim::set_message(err, &message) };
     1
 }
 

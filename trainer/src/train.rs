@@ -18,6 +18,7 @@ use titan_obs::vocab::{self, titan};
 
 use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
+use crate::console;
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
 use crate::dist::{DeviceMesh, ReduceOp};
 use crate::float8::{self, Float8Training};
@@ -39,6 +40,8 @@ pub use crate::parallelize::tp::IGNORE_INDEX;
 #[derive(Debug, Clone)]
 pub struct TrainSummary {
     pub dump_folder: PathBuf,
+    /// This launch's run id (a resume continues the checkpoint's).
+    pub run_id: String,
     pub steps: u64,
     pub first_loss: Option<f64>,
     pub last_loss: Option<f64>,
@@ -117,26 +120,33 @@ fn write_atomic(path: &Path, text: &str) -> Result<()> {
 }
 
 /// `metrics.jsonl`: one JSON line per logged step or validation (full-precision values for
-/// scripts and tests), appended as it happens; a resumed run continues the same file.
+/// scripts and tests), appended as it happens. Every line names its run (`run_id`): launches
+/// in one dump folder append to the same file, and a resumed run continues its own id.
 struct MetricsFile {
     file: std::fs::File,
     path: PathBuf,
+    run_id: String,
 }
 
 impl MetricsFile {
-    fn open(path: PathBuf) -> Result<Self> {
+    fn open(path: PathBuf, run_id: &str) -> Result<Self> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
-        Ok(Self { file, path })
+        Ok(Self {
+            file,
+            path,
+            run_id: run_id.to_string(),
+        })
     }
 
     fn push<T: serde::Serialize>(&mut self, kind: &str, value: &T) -> Result<()> {
         use std::io::Write as _;
         let mut v = serde_json::to_value(value)?;
         v["kind"] = kind.into();
+        v["run_id"] = self.run_id.as_str().into();
         let mut line = serde_json::to_string(&v)?;
         line.push('\n');
         // One write per line: a reader never sees half a line from a crash mid-buffer.
@@ -247,6 +257,7 @@ fn validate(
 /// `observability.enable`), trains, and flushes the records, also when training fails.
 pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     let world = mesh.mesh;
+    let run_id = run_id(cfg, mesh)?;
     if cfg.observability.enable {
         titan_obs::init_with(
             titan_obs::InitOptions {
@@ -263,12 +274,13 @@ pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
                 rotate_interval: std::time::Duration::from_secs_f64(
                     cfg.observability.rotate_interval_s,
                 ),
+                run_id: Some(run_id.clone()),
                 ..Default::default()
             },
         )
         .context("starting titan-obs recording (observability.enable)")?;
     }
-    let result = train(cfg, mesh);
+    let result = train(cfg, mesh, &run_id);
     if cfg.observability.enable {
         let _s = titan_obs::span("teardown");
         drop(_s);
@@ -282,9 +294,19 @@ pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     result
 }
 
+/// This launch's run id: the one saved with the checkpoint it resumes from (a resume continues
+/// its run), else a fresh one that rank 0 draws for every rank.
+fn run_id(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<String> {
+    // Every rank joins the broadcast, resuming or not, so none waits on a collective alone.
+    let seed = mesh.agree_seed(titan_obs::runs::draw_run_seed())?;
+    let resumed = Checkpointer::new(&cfg.checkpoint, Path::new(&cfg.job.dump_folder), mesh.mesh)?
+        .resume_run_id()?;
+    Ok(resumed.unwrap_or_else(|| titan_obs::runs::run_id_from_seed(seed)))
+}
+
 /// Trains per `cfg` with the ranks behind `dp`. Init phases and per-step phases are recorded as
 /// titan-obs spans; metrics go to the console, `metrics.jsonl` and titan-obs scalars.
-pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
+pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSummary> {
     let world = mesh.mesh;
     let device = select_device(&cfg.training, world.local_rank)
         .map_err(|e| config_error("training.device", e))?;
@@ -312,6 +334,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
         rank = world.rank,
         world_size = world.world_size,
         threads = tch::get_num_threads(),
+        run_id,
         "starting titan-train"
     );
 
@@ -329,6 +352,12 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     let pipeline_cfg = (world.pp > 1)
         .then(|| pipeline_config(&cfg.parallelism, world.pp, &cfg.training))
         .transpose()?;
+    if let Some(p) = pipeline_cfg
+        .as_ref()
+        .filter(|p| p.schedule.splits_backward())
+    {
+        refuse_with_split_backward(cfg, world.dp_degree(), p.schedule)?;
+    }
     let loader_batch = pipeline_cfg
         .as_ref()
         .map_or(cfg.training.local_batch_size, |p| p.microbatch_size);
@@ -505,7 +534,8 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     };
     let mut checkpointer = Checkpointer::new(&cfg.checkpoint, &dump_folder, world)?
         .with_hf_assets(&cfg.model.hf_assets_path)
-        .with_rank_sync(mesh.rank_sync());
+        .with_rank_sync(mesh.rank_sync())
+        .with_run_id(run_id);
     let resumed_step = {
         let _s = titan_obs::span(titan::CHECKPOINT);
         checkpointer.load(&mut TrainerState {
@@ -518,7 +548,10 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
 
     let peak_flops = metrics::peak_flops(device, cfg.metrics.peak_tflops);
     let mut metrics_file = if world.rank == 0 {
-        Some(MetricsFile::open(dump_folder.join("metrics.jsonl"))?)
+        Some(MetricsFile::open(
+            dump_folder.join("metrics.jsonl"),
+            run_id,
+        )?)
     } else {
         None
     };
@@ -538,12 +571,15 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
     let mut summary = TrainSummary {
         dump_folder: dump_folder.clone(),
+        run_id: run_id.to_string(),
         steps: 0,
         first_loss: None,
         last_loss: None,
         last_validation_loss: None,
     };
     let mut window = metrics::ThroughputWindow::new(Instant::now());
+    // A live step counter on rank 0's terminal; log lines print above it.
+    let progress = console::Steps::start(resumed_step, cfg.training.steps, world.rank == 0);
 
     for step in resumed_step + 1..=cfg.training.steps {
         titan_obs::set_step(step);
@@ -623,13 +659,13 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
             let grad_norm = {
                 let _c = titan_obs::span(titan::CLIP);
                 let norm = grad_norm(mesh, &model)?;
-                optim::clip_grads(&tensors, cfg.training.max_norm, norm);
+                optim::clip_grads(&tensors, cfg.training.max_norm, norm)?;
                 norm
             };
             {
                 let _o = titan_obs::span(titan::OPTIMIZER_STEP);
                 for (name, p) in &params {
-                    optimizer.step_param(name, p, lr);
+                    optimizer.step_param(name, p, lr)?;
                 }
                 optim::clear_grads(&tensors);
             }
@@ -689,6 +725,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
             if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", m.console_line());
                 file.push("train", &m)?;
+                progress.loss(m.loss);
             }
             if let Some(tb) = tensorboard.as_mut() {
                 tb.scalars(step, &m.console_scalars())?;
@@ -747,6 +784,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
             },
         )?;
         summary.steps = step;
+        progress.step(step);
         drop(step_span);
     }
     checkpointer.finish()?;
@@ -797,9 +835,6 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
     })
 }
 
-/// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
-/// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
-/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
 /// The pipeline settings of `[parallelism]`, checked as torchtitan checks them.
 fn pipeline_config(
     p: &config::Parallelism,
@@ -836,6 +871,44 @@ fn pipeline_config(
     })
 }
 
+/// What a split backward (zero-bubble) does not run with yet, refused naming the key: its
+/// weight pass hands each linear's gradient to the parameter itself, which FSDP's and DDP's
+/// per-unit reductions, the activation-checkpoint recompute and float8's own backward would not
+/// see.
+fn refuse_with_split_backward(cfg: &JobConfig, dp_degree: usize, schedule: Schedule) -> Result<()> {
+    let name = schedule.name();
+    let refuse = |key: &str, why: String| -> Result<()> {
+        bail!(config_error(
+            key,
+            anyhow::anyhow!(
+                "{why}; schedule {name} runs with pipeline and tensor parallelism only"
+            )
+        ))
+    };
+    if dp_degree > 1 {
+        refuse(
+            "parallelism.data_parallel_shard_degree",
+            format!("data parallelism ({dp_degree} replicas) is not implemented with {name}"),
+        )?;
+    }
+    if cfg.activation_checkpoint.mode != config::AcMode::None {
+        refuse(
+            "activation_checkpoint.mode",
+            format!("activation checkpointing is not implemented with {name}"),
+        )?;
+    }
+    if Float8Training::from_config(cfg).is_some() {
+        refuse(
+            "float8.enable_float8_linear",
+            format!("float8 linears are not implemented with {name}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
+/// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
+/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
 fn grad_norm(mesh: &DeviceMesh, model: &Llama) -> Result<f64> {
     let local = |split: bool| -> f64 {
         let tensors: Vec<&Tensor> = model

@@ -5,11 +5,12 @@
 //! - the HF export (`last_save_in_hf`) loads in transformers' LlamaForCausalLM and gives
 //!   titan's loss on a fixed batch.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
 use tch::{Device, Kind, Tensor};
+use titan_tests::{python_script, run_ok, tf4_python_script};
 use titan_train::checkpoint::{Checkpointer, TrainerState};
 use titan_train::config::{Checkpoint, LrScheduler};
 use titan_train::data::{Dataset, TextLoader, TextTokenizer};
@@ -20,39 +21,9 @@ use titan_train::optim::{AdamW, AdamWParams, ParamState};
 use titan_train::parallel::Mesh;
 use titan_train::parallelize::ParallelPlan;
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn python(script: &str, args: &[&Path]) -> String {
-    python_in(script, args, None)
-}
-
-/// `python` with `pythonpath` in front of the venv's packages (e.g. transformers 4 at
-/// TITAN_TF4_PATH).
-fn python_in(script: &str, args: &[&Path], pythonpath: Option<&Path>) -> String {
-    let py = std::env::var_os("TITAN_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
-    let mut cmd = Command::new(py);
-    if let Some(p) = pythonpath {
-        cmd.env("PYTHONPATH", p);
-    }
-    let out = cmd
-        .arg(workspace_root().join(script))
-        .args(args)
-        .output()
-        .expect("run the .venv python (scripts/setup.sh creates it)");
-    assert!(
-        out.status.success(),
-        "{script} failed:\nstdout:\n{}\nstderr:\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+/// Runs `cmd` (a `.venv` Python script) with `args`; its stdout.
+fn python(mut cmd: Command, args: &[&Path]) -> String {
+    String::from_utf8_lossy(&run_ok(cmd.args(args)).stdout).into_owned()
 }
 
 struct Run {
@@ -107,7 +78,7 @@ fn train_step(run: &mut Run, step: u64) {
     loss.backward();
     let lr = run.schedule.lr_for_step(step);
     for (name, p) in run.model.named_parameters() {
-        run.optimizer.step_param(name, p, lr);
+        run.optimizer.step_param(name, p, lr).unwrap();
         let _ = p.grad().zero_();
     }
 }
@@ -174,7 +145,7 @@ fn dcp_save_loads_in_torch_with_the_same_values() {
     let expected_file = dump.path().join("expected.safetensors");
     Tensor::write_safetensors(&expected, &expected_file).unwrap();
     let out = python(
-        "tests/python/trainckpt_torch_load.py",
+        python_script("tests/python/trainckpt_torch_load.py"),
         &[&dir, &expected_file],
     );
     assert!(out.contains("OK"), "{out}");
@@ -244,16 +215,20 @@ fn hf_export_loads_in_transformers_with_the_same_loss() {
     .unwrap();
     // transformers 5 reads RoPE from `rope_parameters`, transformers 4 from `rope_theta` /
     // `rope_scaling`: the exported config.json must carry both.
-    let tf4 = std::env::var_os("TITAN_TF4_PATH")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/tf4"));
-    for pythonpath in [None, Some(tf4.as_path())] {
-        let out = python_in(
-            "tests/python/trainckpt_hf_loss.py",
-            &[&dir, &batch],
-            pythonpath,
+    const SCRIPT: &str = "tests/python/trainckpt_hf_loss.py";
+    for (version, mut cmd) in [
+        ("5", python_script(SCRIPT)),
+        ("4", tf4_python_script(SCRIPT)),
+    ] {
+        let o = run_ok(cmd.args([&dir, &batch]));
+        // The config.json is titan-ckpt's: `rope_theta` at the top, not inside `rope_scaling`,
+        // where transformers 4 reports it as an unrecognized key.
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !stderr.contains("Unrecognized keys"),
+            "transformers {version}: {stderr}"
         );
-        let theirs: f64 = out
+        let theirs: f64 = String::from_utf8_lossy(&o.stdout)
             .lines()
             .find_map(|l| l.strip_prefix("loss "))
             .expect("the script prints `loss X`")
@@ -262,7 +237,7 @@ fn hf_export_loads_in_transformers_with_the_same_loss() {
             .unwrap();
         assert!(
             (theirs - loss).abs() < 1e-4,
-            "transformers (PYTHONPATH {pythonpath:?}) loss {theirs} vs titan {loss}"
+            "transformers {version} loss {theirs} vs titan {loss}"
         );
     }
 }

@@ -5,19 +5,11 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use titan_tests::{python, workspace_root};
 use titan_train::dist::store::{StoreOptions, TcpStore};
 
-fn python() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    match std::env::var("TITAN_PYTHON") {
-        Ok(p) if PathBuf::from(&p).is_absolute() => PathBuf::from(p),
-        Ok(p) => root.join(p),
-        Err(_) => root.join(".venv/bin/python"),
-    }
-}
-
 fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/python/dist_store_peer.py")
+    workspace_root().join("tests/python/dist_store_peer.py")
 }
 
 fn exchange(store: &TcpStore) {

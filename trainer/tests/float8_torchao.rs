@@ -14,25 +14,12 @@
 //!   operands). An output rounded to bf16 (bf16 inputs; rowwise `_scaled_mm`, whose kernel has
 //!   no f32 output) may land one bf16 step (2⁻⁸ relative) apart on top.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tch::{Kind, Tensor};
+use titan_tests::{tt_python, workspace_root};
 use titan_train::float8::{Backend, Float8Linear, Recipe, TpSplit};
 use titan_train::parallelize::ParallelPlan;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn tt_python() -> PathBuf {
-    std::env::var_os("TITAN_TT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv-tt/bin/python"))
-}
 
 /// |got - want| <= 2·n·2⁻²⁴·1.3·(|a|·|b|) + (one bf16 step of |want| when `bf16_rounded`),
 /// elementwise; returns the largest difference and its worst ratio to the bound.

@@ -3,27 +3,14 @@
 //! and under bf16 mixed precision (autocast, as torchtitan) its loss and gradients stay as close
 //! to transformers' under `torch.autocast(bfloat16)` as bf16 itself is to fp32.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tch::{Device, Kind, Tensor};
+use titan_tests::{python, workspace_root};
 use titan_train::hf;
 use titan_train::model::{Llama, ModelArgs};
 use titan_train::parallelize::ParallelPlan;
 use titan_train::precision::Precision;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("TITAN_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".venv/bin/python"))
-}
 
 /// Runs the reference script into a temp dir and loads its weights into a titan model.
 fn reference() -> (tempfile::TempDir, Llama) {
@@ -85,7 +72,7 @@ fn logits_match_transformers_llama() {
     // Without the q/k permutation the logits must NOT match: the test sees the RoPE layout.
     let raw = Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
     for (name, t) in raw {
-        if let Some(titan) = hf::titan_name(&name) {
+        if let Some(titan) = titan_ckpt::adapter::from_hf_name(&name) {
             model.set_parameter(&titan, &t).unwrap();
         }
     }

@@ -32,12 +32,31 @@ pub struct MoeArgs {
     pub experts_per_token: Option<u64>,
 }
 
+/// Llama-3's RoPE frequency scaling (HF `rope_type` llama3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Llama3Rope {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: u64,
+}
+
+impl Llama3Rope {
+    /// Llama-3.1's (and torchtitan's): factor 8, low/high frequency factors 1 and 4, 8192
+    /// original positions.
+    pub const LLAMA_3_1: Llama3Rope = Llama3Rope {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+}
+
 /// RoPE frequency scaling written to config.json.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum RopeScaling {
     None,
-    /// Llama-3.1's (factor 8, low/high frequency factors 1 and 4, 8192 original positions).
-    Llama3,
+    Llama3(Llama3Rope),
     /// YaRN as in torchtitan 0.3.0's gpt-oss and DeepSeek-V3 flavors.
     Yarn {
         factor: f64,
@@ -165,13 +184,7 @@ impl Shapes<'_> {
                     return Some(tt.to_string());
                 }
                 // The older generation's name for the same HF tensor.
-                let (rule, caps) = find_tt(self.table, tt)?;
-                self.table
-                    .legacy
-                    .iter()
-                    .filter(|r| r.hf == rule.hf)
-                    .map(|r| super::fill(r.tt, caps))
-                    .find(|n| self.plan.tensors.contains_key(n))
+                super::legacy_name(self.table, tt).filter(|n| self.plan.tensors.contains_key(n))
             }
             Naming::Hf => {
                 let (rule, caps) = find_tt(self.table, tt)?;
@@ -341,7 +354,7 @@ pub fn infer(
     let llama3 = if hints.no_rope_scaling {
         RopeScaling::None
     } else {
-        RopeScaling::Llama3
+        RopeScaling::Llama3(Llama3Rope::LLAMA_3_1)
     };
     let (theta, eps, scaling) = match family {
         Family::Llama3 => (500000.0, 1e-5, llama3),
@@ -558,13 +571,13 @@ fn infer_mla(
 /// the new one's: writing both is what makes one file right for both).
 fn rope_keys(args: &ModelArgs) -> [(&'static str, Value); 3] {
     let params = match args.rope_scaling {
-        RopeScaling::Llama3 => json!({
+        RopeScaling::Llama3(r) => json!({
             "rope_type": "llama3",
             "rope_theta": args.rope_theta,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
+            "factor": r.factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
         }),
         RopeScaling::Yarn {
             factor,
@@ -610,7 +623,8 @@ fn rope_keys(args: &ModelArgs) -> [(&'static str, Value); 3] {
 }
 
 /// HF `config.json` for the family's transformers class; None for families whose arguments
-/// cannot be inferred from shapes (pass `--hf-config`).
+/// cannot be inferred from shapes (pass `--hf-config`). The one writer of config.json:
+/// titan-ckpt's conversions and titan-train's HF export both use it.
 pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
     let mut v = json!({
         "hidden_size": args.dim,
@@ -725,4 +739,70 @@ pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
         }
     }
     Ok(Some(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama3(rope_scaling: RopeScaling) -> ModelArgs {
+        ModelArgs {
+            family: Family::Llama3,
+            dim: 256,
+            n_layers: 2,
+            n_heads: 16,
+            n_kv_heads: 4,
+            head_dim: 16,
+            vocab_size: 2048,
+            ffn_hidden: 768,
+            norm_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_scaling,
+            max_position_embeddings: 8192,
+            tie_word_embeddings: false,
+            moe: None,
+            sliding_window: None,
+            mla: None,
+            assumed: Vec::new(),
+        }
+    }
+
+    /// transformers 4 reads `rope_theta` at the top and the scaling from `rope_scaling` (it
+    /// warns about a `rope_theta` inside it); transformers 5 reads `rope_parameters`, theta
+    /// included. Both load the same file (tests/tests/ckpt_torchtitan.rs and
+    /// trainer/tests/ckpt_torch_interop.rs check with each version).
+    #[test]
+    fn llama3_rope_keys_for_transformers_4_and_5() {
+        let rope = Llama3Rope {
+            factor: 16.0,
+            ..Llama3Rope::LLAMA_3_1
+        };
+        let cfg = hf_config(&llama3(RopeScaling::Llama3(rope)), Dtype::BF16)
+            .unwrap()
+            .unwrap();
+        assert_eq!(cfg["rope_theta"], 500000.0);
+        assert_eq!(
+            cfg["rope_scaling"],
+            json!({
+                "rope_type": "llama3",
+                "factor": 16.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            })
+        );
+        assert_eq!(cfg["rope_parameters"]["rope_theta"], 500000.0);
+        assert_eq!(cfg["rope_parameters"]["factor"], 16.0);
+        assert_eq!(cfg["torch_dtype"], "bfloat16");
+        assert_eq!(cfg["architectures"], json!(["LlamaForCausalLM"]));
+
+        let plain = hf_config(&llama3(RopeScaling::None), Dtype::F32)
+            .unwrap()
+            .unwrap();
+        assert_eq!(plain["rope_scaling"], Value::Null);
+        assert_eq!(
+            plain["rope_parameters"],
+            json!({"rope_type": "default", "rope_theta": 500000.0})
+        );
+    }
 }

@@ -32,9 +32,8 @@ pub enum Naming {
     Hf,
 }
 
-/// A model family with a torchtitan 0.3.0 state-dict adapter (the doc comments are
-/// `--adapter`'s per-value help).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// A model family with a torchtitan 0.3.0 state-dict adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     /// Llama-3 (torchtitan 0.3.0 or older names): q/k rows permuted between RoPE layouts.
     Llama3,
@@ -42,26 +41,37 @@ pub enum Family {
     Qwen3,
     /// DeepSeek-V3: MLA with or without q-LoRA, routed and shared experts, expert bias, MTP
     /// layers after the main ones.
-    #[value(name = "deepseek_v3")]
     DeepseekV3,
     /// gpt-oss: biased attention with sinks, router bias, stacked experts transposed per expert
     /// (unquantized; MXFP4 checkpoints need dequantizing first).
-    #[value(name = "gpt_oss")]
     GptOss,
 }
 
 impl fmt::Display for Family {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Family::Llama3 => "llama3",
-            Family::Qwen3 => "qwen3",
-            Family::DeepseekV3 => "deepseek_v3",
-            Family::GptOss => "gpt_oss",
-        })
+        f.write_str(self.name())
     }
 }
 
 impl Family {
+    /// Every family, in `--adapter`'s order.
+    pub const ALL: [Family; 4] = [
+        Family::Llama3,
+        Family::Qwen3,
+        Family::DeepseekV3,
+        Family::GptOss,
+    ];
+
+    /// The family's name (`--adapter`'s value, torchtitan's model name).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama3 => "llama3",
+            Family::Qwen3 => "qwen3",
+            Family::DeepseekV3 => "deepseek_v3",
+            Family::GptOss => "gpt_oss",
+        }
+    }
+
     pub fn table(self) -> &'static Table {
         TABLES
             .iter()
@@ -71,7 +81,7 @@ impl Family {
 }
 
 /// Which torchtitan name generation to write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TtNames {
     /// torchtitan 0.3.0 (`attention.qkv_linear.wq`, `lm_head`).
     #[default]
@@ -80,10 +90,40 @@ pub enum TtNames {
     Legacy,
 }
 
+impl TtNames {
+    pub const ALL: [TtNames; 2] = [TtNames::Current, TtNames::Legacy];
+
+    /// `--tt-names`' value.
+    pub fn name(self) -> &'static str {
+        match self {
+            TtNames::Current => "current",
+            TtNames::Legacy => "legacy",
+        }
+    }
+}
+
 /// The HF name of a torchtitan Llama-3 parameter (either name generation).
 pub fn to_hf_name(name: &str) -> Option<String> {
+    to_hf_rule(name).map(|(hf, _)| hf)
+}
+
+/// The HF name of a torchtitan Llama-3 parameter (either name generation) with what its tensor
+/// goes through on the way ([`Transform::RopeQ`] / [`Transform::RopeK`] for the RoPE-permuted
+/// q and k weights).
+pub fn to_hf_rule(name: &str) -> Option<(String, Transform)> {
     let (rule, caps) = find_tt(&tables::LLAMA3, name)?;
-    Some(fill(rule.hf, caps))
+    Some((fill(rule.hf, caps), rule.transform))
+}
+
+/// The older torchtitan name (the table's `legacy` rules) of a current torchtitan name of
+/// `table`'s family; `None` when both generations agree or the name is not in the table.
+pub fn legacy_name(table: &Table, name: &str) -> Option<String> {
+    let (rule, caps) = find_tt(table, name)?;
+    table
+        .legacy
+        .iter()
+        .find(|r| r.hf == rule.hf && r.tt != rule.tt)
+        .map(|r| fill(r.tt, caps))
 }
 
 /// The torchtitan 0.3.0 name of an HF Llama parameter.
@@ -509,5 +549,38 @@ mod tests {
         assert_eq!(to_hf_name("optimizer.state"), None);
         let (r, c) = find_hf(&tables::LLAMA3, "lm_head.weight", TtNames::Legacy).unwrap();
         assert_eq!(fill(r.tt, c), "output.weight");
+    }
+
+    #[test]
+    fn llama3_legacy_names_and_rope_roles() {
+        let t = &tables::LLAMA3;
+        for (new, old) in [
+            (
+                "layers.3.attention.qkv_linear.wk.weight",
+                "layers.3.attention.wk.weight",
+            ),
+            ("lm_head.weight", "output.weight"),
+        ] {
+            assert_eq!(legacy_name(t, new).as_deref(), Some(old));
+            assert_eq!(legacy_name(t, old), None);
+        }
+        for same in [
+            "layers.0.attention.wo.weight",
+            "tok_embeddings.weight",
+            "layers.0.attention.qkv_linear.wqkv.weight",
+        ] {
+            assert_eq!(legacy_name(t, same), None, "{same}");
+        }
+        let role = |n: &str| to_hf_rule(n).map(|(_, tr)| tr);
+        for (name, want) in [
+            ("layers.2.attention.qkv_linear.wq.weight", Transform::RopeQ),
+            ("layers.2.attention.wq.weight", Transform::RopeQ),
+            ("layers.2.attention.qkv_linear.wk.weight", Transform::RopeK),
+            ("layers.2.attention.wk.weight", Transform::RopeK),
+            ("layers.2.attention.qkv_linear.wv.weight", Transform::Copy),
+            ("layers.2.attention.wo.weight", Transform::Copy),
+        ] {
+            assert_eq!(role(name), Some(want), "{name}");
+        }
     }
 }

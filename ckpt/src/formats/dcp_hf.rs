@@ -26,6 +26,85 @@ pub fn shard_name(rank: u32, idx: u32, n: u32) -> String {
     format!("shard-{rank:05}-model-{idx:05}-of-{n:05}.safetensors")
 }
 
+/// The `__metadata__` of a DCP sharded safetensors file holding `chunks` (name and
+/// `saved_offsets` in the global tensor), as torch's HuggingFaceStorageWriter writes it: the
+/// offsets as JSON under [`DCP_SHARDING_INFO`], `DCP_VERSION` 1.0 and `format` pt. The one
+/// builder of this header; [`read`] parses it.
+pub fn sharding_metadata<'a>(
+    chunks: impl IntoIterator<Item = (&'a str, Vec<u64>)>,
+) -> BTreeMap<String, String> {
+    let info: serde_json::Map<String, Value> = chunks
+        .into_iter()
+        .map(|(name, offsets)| {
+            (
+                name.to_string(),
+                serde_json::json!({ "saved_offsets": offsets }),
+            )
+        })
+        .collect();
+    [
+        (
+            DCP_SHARDING_INFO.to_string(),
+            Value::Object(info).to_string(),
+        ),
+        ("DCP_VERSION".to_string(), "1.0".to_string()),
+        ("format".to_string(), "pt".to_string()),
+    ]
+    .into()
+}
+
+/// [`sharding_metadata`] of a file whose tensors are whole (every offset 0), given their shapes.
+pub fn whole_tensors_metadata<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a [u64])>,
+) -> BTreeMap<String, String> {
+    sharding_metadata(
+        tensors
+            .into_iter()
+            .map(|(name, shape)| (name, vec![0u64; shape.len()])),
+    )
+}
+
+/// Parses the [`DCP_SHARDING_INFO`] of `file`'s `__metadata__`; returns the lookup of an
+/// entry's `saved_offsets` (checked against the entry's shape).
+fn sharding_info(
+    file: &str,
+    metadata: &BTreeMap<String, String>,
+) -> Result<impl Fn(&str, &[u64]) -> Result<Vec<u64>>> {
+    let info = metadata.get(DCP_SHARDING_INFO).ok_or_else(|| {
+        Error::invalid(
+            file,
+            format!(
+                "no `{DCP_SHARDING_INFO}` in `__metadata__`: not a DCP sharded safetensors file"
+            ),
+        )
+    })?;
+    let info: Value = serde_json::from_str(info)
+        .map_err(|e| Error::invalid(file, format!("malformed {DCP_SHARDING_INFO} JSON: {e}")))?;
+    let file = file.to_string();
+    Ok(move |name: &str, shape: &[u64]| {
+        let offsets: Vec<u64> = info
+            .get(name)
+            .and_then(|v| v.get("saved_offsets"))
+            .and_then(Value::as_array)
+            .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
+            .ok_or_else(|| {
+                Error::tensor(
+                    &file,
+                    name,
+                    format!("no integer `saved_offsets` in {DCP_SHARDING_INFO}"),
+                )
+            })?;
+        if offsets.len() != shape.len() {
+            return Err(Error::tensor(
+                &file,
+                name,
+                format!("saved_offsets {offsets:?} do not match the chunk shape {shape:?}"),
+            ));
+        }
+        Ok(offsets)
+    })
+}
+
 pub fn read(root: &Root, only: Option<&str>) -> Result<CheckpointPlan> {
     let files: Vec<String> = match only {
         Some(f) => vec![f.to_string()],
@@ -45,43 +124,9 @@ pub fn read(root: &Root, only: Option<&str>) -> Result<CheckpointPlan> {
     for (i, rel) in files.iter().enumerate() {
         let file = root.open(rel)?;
         let header = safetensors::read_header(&file)?;
-        let info = header.metadata.get(DCP_SHARDING_INFO).ok_or_else(|| {
-            Error::invalid(
-                &file.name,
-                format!(
-                    "no `{DCP_SHARDING_INFO}` in `__metadata__`: not a DCP sharded safetensors file"
-                ),
-            )
-        })?;
-        let info: Value = serde_json::from_str(info).map_err(|e| {
-            Error::invalid(
-                &file.name,
-                format!("malformed {DCP_SHARDING_INFO} JSON: {e}"),
-            )
-        })?;
+        let offsets_of = sharding_info(&file.name, &header.metadata)?;
         for e in header.entries {
-            let offsets: Vec<u64> = info
-                .get(&e.name)
-                .and_then(|v| v.get("saved_offsets"))
-                .and_then(Value::as_array)
-                .and_then(|a| a.iter().map(Value::as_u64).collect::<Option<Vec<u64>>>())
-                .ok_or_else(|| {
-                    Error::tensor(
-                        &file.name,
-                        &e.name,
-                        format!("no integer `saved_offsets` in {DCP_SHARDING_INFO}"),
-                    )
-                })?;
-            if offsets.len() != e.shape.len() {
-                return Err(Error::tensor(
-                    &file.name,
-                    &e.name,
-                    format!(
-                        "saved_offsets {offsets:?} do not match the chunk shape {:?}",
-                        e.shape
-                    ),
-                ));
-            }
+            let offsets = offsets_of(&e.name, &e.shape)?;
             let chunk = Chunk {
                 offsets,
                 sizes: e.shape.clone(),
@@ -221,5 +266,23 @@ mod tests {
             "shard-00002-model-00001-of-00003.safetensors"
         );
         assert_eq!(parse_shard_name("model-00001-of-00003.safetensors"), None);
+    }
+
+    #[test]
+    fn sharding_info_round_trips() {
+        let md = sharding_metadata([("w", vec![4, 0]), ("b", vec![2])]);
+        assert_eq!(md["DCP_VERSION"], "1.0");
+        assert_eq!(md["format"], "pt");
+        let offsets = sharding_info("f", &md).unwrap();
+        assert_eq!(offsets("w", &[4, 8]).unwrap(), [4, 0]);
+        assert_eq!(offsets("b", &[2]).unwrap(), [2]);
+        assert!(offsets("w", &[4]).is_err());
+        assert!(offsets("x", &[1]).is_err());
+        let whole = whole_tensors_metadata([("w", &[3u64, 5][..])]);
+        assert_eq!(
+            sharding_info("f", &whole).unwrap()("w", &[3, 5]).unwrap(),
+            [0, 0]
+        );
+        assert!(sharding_info("f", &BTreeMap::new()).is_err());
     }
 }

@@ -10,6 +10,10 @@
 //! pass: `1 - (forward + backward time) / pipeline time`. The ideal is the
 //! schedule's with equal stages and free communication: `(p-1)/(v*m+p-1)` for `p` pipeline
 //! ranks, `v` stages per rank and `m` microbatches (GPipe and 1F1B: `v = 1`).
+//!
+//! PyTorch profiler traces of `torch.distributed.pipelining` (torchtitan's PP with its profiler
+//! on) are read the same way: the passes are its `PP:<stage>F<mb>` / `B` / `I` / `W` actions,
+//! the receives its `RECV_F` / `RECV_B` actions, and the window the profiler step.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -18,7 +22,7 @@ use serde::Serialize;
 use super::stats::median_f64;
 use crate::record::NO_STEP;
 use crate::run::Run;
-use crate::vocab::titan;
+use crate::vocab::{PROFILER_STEP, titan, torch_pipelining};
 
 /// The pipeline of a run, as its records show it.
 #[derive(Debug, Clone, Serialize)]
@@ -65,8 +69,20 @@ pub struct StageBubble {
 #[derive(Default)]
 struct RankStep {
     window: i64,
+    profiler_step: i64,
     busy: i64,
     recv: i64,
+}
+
+impl RankStep {
+    /// The rank's pipeline window: `forward_backward`, else the profiler step.
+    fn window(&self) -> i64 {
+        if self.window > 0 {
+            self.window
+        } else {
+            self.profiler_step
+        }
+    }
 }
 
 /// The pipeline analysis of a run loaded with the `pipeline` columns; `None` when no span
@@ -77,8 +93,28 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
         return None;
     }
     let id = |name: &str| run.names.iter().position(|n| n == name);
-    let (forward, backward) = (id(titan::FORWARD), id(titan::BACKWARD));
+    let forward = id(titan::FORWARD);
+    // Backward passes: whole, or a zero-bubble schedule's input and weight halves.
+    let backwards: Vec<Option<usize>> = titan::PIPELINE_PASSES[1..].iter().map(|n| id(n)).collect();
     let (window, recv) = (id(titan::FORWARD_BACKWARD), id(titan::PIPELINE_RECV));
+    // A PyTorch profiler trace of torch.distributed.pipelining has no `forward_backward`:
+    // its pipeline time is the profiler step, and its passes are the `PP:` compute actions.
+    let profiler_step = id(PROFILER_STEP);
+    // Per name: a torch compute action, and whether it is a forward.
+    let torch_pass: Vec<Option<bool>> = run
+        .names
+        .iter()
+        .map(|n| {
+            torch_pipelining::parse_action(n)
+                .filter(|(_, c)| torch_pipelining::is_pass(c))
+                .map(|(_, c)| c == "F")
+        })
+        .collect();
+    let torch_recv: Vec<bool> = run
+        .names
+        .iter()
+        .map(|n| torch_pipelining::parse_action(n).is_some_and(|(_, c)| c.starts_with("RECV")))
+        .collect();
 
     let mut stages_of_rank: BTreeMap<u32, BTreeSet<u16>> = BTreeMap::new();
     let mut microbatches = 0u32;
@@ -95,15 +131,21 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
             per_rank_step.entry((rank, step)).or_default().window += dur;
             continue;
         }
+        if name == profiler_step {
+            per_rank_step.entry((rank, step)).or_default().profiler_step += dur;
+            continue;
+        }
         let Some(slot) = s.pipeline[i] else { continue };
-        if name == recv {
+        let n = s.name[i] as usize;
+        if name == recv || torch_recv[n] {
             per_rank_step.entry((rank, step)).or_default().recv += dur;
-        } else if name == forward || name == backward {
+        } else if name == forward || backwards.contains(&name) || torch_pass[n].is_some() {
             stages_of_rank.entry(rank).or_default().insert(slot.stage);
             microbatches = microbatches.max(u32::from(slot.microbatch) + 1);
             per_rank_step.entry((rank, step)).or_default().busy += dur;
             let (f, b) = passes.entry(rank).or_default();
-            if name == forward { f } else { b }.push(dur as f64);
+            let is_forward = name == forward || torch_pass[n] == Some(true);
+            if is_forward { f } else { b }.push(dur as f64);
         }
     }
     if stages_of_rank.is_empty() {
@@ -114,7 +156,7 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
     for (&(_, step), rs) in &per_rank_step {
         if rs.busy > 0 {
             let t = pipeline_time.entry(step).or_default();
-            *t = (*t).max(rs.window);
+            *t = (*t).max(rs.window());
         }
     }
     // Ranks holding the same stages are one pipeline position (its dp/tp replicas).

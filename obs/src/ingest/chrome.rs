@@ -22,7 +22,7 @@ use serde::de::{self, Deserializer, Visitor};
 use crate::record::NO_STEP;
 use crate::run::{OpenSpan, PartData, RankInfo};
 use crate::schema::Reduce;
-use crate::vocab::{PROFILER_STEP, PROFILER_STEP_PREFIX, torchtitan as tt};
+use crate::vocab::{PROFILER_STEP, PROFILER_STEP_PREFIX, torch_pipelining, torchtitan as tt};
 
 /// A pid or tid: a number, or a string in profiler traces (`"Spans"`, `"Traces"`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -439,6 +439,8 @@ fn nest(spans: &mut [RawSpan], d: &mut PartData, names: &[String], rank: u32) {
         t.depth.push(stack.len().min(u16::MAX as usize) as u16);
         t.seq.push(seq);
         t.parent.push(stack.last().map_or(0, |e| e.1));
+        t.pipeline
+            .push(torch_pipelining::parse_action(&names[s.name as usize]).map(|(slot, _)| slot));
         stack.push((s.start_ns + s.dur_ns, seq, step));
     }
     // Profiler traces: spans on other threads of a step's time range get its step too.

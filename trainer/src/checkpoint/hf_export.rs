@@ -6,7 +6,6 @@
 //! exists, else files of at most 5 GB. A `config.json` for transformers' LlamaForCausalLM is
 //! written next to the weights.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use tch::Kind;
 use titan_ckpt::consolidate::{self, FileLayout, RankShare};
-use titan_ckpt::formats::{self, DCP_SHARDING_INFO, dcp_hf};
+use titan_ckpt::formats::{self, dcp_hf};
 use titan_ckpt::safetensors::{OutEntry, build_header};
 use titan_ckpt::write::EngineOptions;
 use titan_storage::Root;
@@ -63,7 +62,7 @@ pub fn export(
         if world.rank == 0 {
             std::fs::remove_dir_all(partial.join(SHARDED))
                 .context("removing the sharded HF files")?;
-            let config = hf_config(&model.args, kind);
+            let config = hf_config(&model.args, kind)?;
             std::fs::write(
                 partial.join("config.json"),
                 serde_json::to_vec_pretty(&config)?,
@@ -97,7 +96,7 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
     let mut titan: Vec<(Option<String>, &String)> = model
         .named_parameters()
         .iter()
-        .map(|(n, _)| (hf::hf_name(n), n))
+        .map(|(n, _)| (titan_ckpt::adapter::to_hf_name(n), n))
         .collect();
     titan.sort();
     // The ranks holding the same pipeline stages share out their names (every rank, without
@@ -132,24 +131,8 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
             shape: t.shape.clone(),
         })
         .collect();
-    let info: serde_json::Map<String, serde_json::Value> = staged
-        .iter()
-        .map(|(n, t)| {
-            (
-                n.clone(),
-                serde_json::json!({"saved_offsets": vec![0u64; t.shape.len()]}),
-            )
-        })
-        .collect();
-    let metadata: BTreeMap<String, String> = [
-        (
-            DCP_SHARDING_INFO.to_string(),
-            serde_json::Value::Object(info).to_string(),
-        ),
-        ("DCP_VERSION".to_string(), "1.0".to_string()),
-        ("format".to_string(), "pt".to_string()),
-    ]
-    .into();
+    let metadata =
+        dcp_hf::whole_tensors_metadata(staged.iter().map(|(n, t)| (n.as_str(), &t.shape[..])));
     let (header, _offsets) = build_header(&entries, &metadata);
     let path = dir.join(dcp_hf::shard_name(world.rank as u32 + 1, 1, 1));
     let tmp = path.with_extension("tmp");
@@ -194,7 +177,7 @@ fn consolidate_shards(out_dir: &Path, world: Mesh, hf_assets: Option<&Path>) -> 
     let opts = EngineOptions {
         workers: 2,
         window_bytes: 64 << 20,
-        progress: indicatif::ProgressBar::hidden(),
+        progress: std::sync::Arc::new(titan_ckpt::write::NoProgress),
     };
     consolidate::run(
         &plan,
@@ -208,44 +191,38 @@ fn consolidate_shards(out_dir: &Path, world: Mesh, hf_assets: Option<&Path>) -> 
     Ok(())
 }
 
-/// transformers' `config.json` for this model (LlamaForCausalLM, llama3 RoPE scaling).
-pub fn hf_config(args: &ModelArgs, kind: Kind) -> serde_json::Value {
-    let mut rope = serde_json::json!({"rope_type": "default", "rope_theta": args.rope_theta});
-    if let Some(s) = args.rope_scaling {
-        rope = serde_json::json!({
-            "rope_type": "llama3",
-            "rope_theta": args.rope_theta,
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings as i64,
-        });
-    }
-    let dtype = match kind {
-        Kind::BFloat16 => "bfloat16",
-        Kind::Half => "float16",
-        _ => "float32",
+/// transformers' `config.json` for this model (LlamaForCausalLM, llama3 RoPE scaling), written
+/// by titan-ckpt's [`titan_ckpt::adapter::hf_config`], as `titan-ckpt convert` writes it.
+pub fn hf_config(args: &ModelArgs, kind: Kind) -> Result<serde_json::Value> {
+    use titan_ckpt::adapter::args::{Llama3Rope, RopeScaling};
+    let rope_scaling = match args.rope_scaling {
+        Some(s) => RopeScaling::Llama3(Llama3Rope {
+            factor: s.factor,
+            low_freq_factor: s.low_freq_factor,
+            high_freq_factor: s.high_freq_factor,
+            original_max_position_embeddings: s.original_max_position_embeddings as u64,
+        }),
+        None => RopeScaling::None,
     };
-    serde_json::json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim(),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads(),
-        "head_dim": args.head_dim(),
-        "max_position_embeddings": args.max_seq_len.max(8192),
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": if args.rope_scaling.is_some() { rope.clone() } else { serde_json::Value::Null },
-        "rope_parameters": rope,
-        "tie_word_embeddings": false,
-        "attention_bias": false,
-        "mlp_bias": false,
-        "hidden_act": "silu",
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    })
+    let hf = titan_ckpt::adapter::ModelArgs {
+        family: titan_ckpt::adapter::Family::Llama3,
+        dim: args.dim as u64,
+        n_layers: args.n_layers as u64,
+        n_heads: args.n_heads as u64,
+        n_kv_heads: args.kv_heads() as u64,
+        head_dim: args.head_dim() as u64,
+        vocab_size: args.vocab_size as u64,
+        ffn_hidden: args.ffn_hidden_dim() as u64,
+        norm_eps: args.norm_eps,
+        rope_theta: args.rope_theta,
+        rope_scaling,
+        max_position_embeddings: args.max_seq_len.max(8192) as u64,
+        tie_word_embeddings: false,
+        moe: None,
+        sliding_window: None,
+        mla: None,
+        assumed: Vec::new(),
+    };
+    titan_ckpt::adapter::hf_config(&hf, super::host::dtype_of(kind)?)?
+        .context("titan-ckpt writes a Llama-3 config.json")
 }

@@ -15,6 +15,16 @@ fn parse_step_dir(name: &str) -> Option<u64> {
     name.strip_prefix("step-")?.parse().ok()
 }
 
+/// The file in a step's folder naming the titan run that saved it: a resume from that step
+/// continues the run (its titan-obs records and metrics lines carry the same run id).
+pub const RUN_ID_FILE: &str = "titan_run_id";
+
+/// The run id a step folder's [`RUN_ID_FILE`] holds (`None`: saved before run ids were kept).
+pub fn parse_run_id(bytes: &[u8]) -> Option<String> {
+    let id = String::from_utf8_lossy(bytes).trim().to_string();
+    (!id.is_empty()).then_some(id)
+}
+
 /// Where a save of `step` is written before it is committed.
 pub fn partial_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!(".step-{step}.partial"))

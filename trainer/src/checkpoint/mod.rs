@@ -84,6 +84,8 @@ pub struct Checkpointer {
     remote: Option<remote::Remote>,
     /// How the ranks meet to commit a save (None for one process).
     group: Option<SaveGroup>,
+    /// The run saving: kept with every save, so a resume continues the run.
+    run_id: Option<String>,
 }
 
 impl Checkpointer {
@@ -117,7 +119,66 @@ impl Checkpointer {
             totals: SaveTotals::default(),
             hf_assets: None,
             group: None,
+            run_id: None,
         })
+    }
+
+    /// Keeps `run_id` with every save ([`layout::RUN_ID_FILE`]).
+    pub fn with_run_id(mut self, run_id: &str) -> Self {
+        self.run_id = Some(run_id.to_string());
+        self
+    }
+
+    /// The step [`Checkpointer::load`] resumes from: `checkpoint.load_step`, else the newest
+    /// complete one; `None` for a fresh start.
+    fn resume_step(&self) -> Result<Option<u64>> {
+        if !self.cfg.enable {
+            return Ok(None);
+        }
+        let steps = match &self.remote {
+            Some(r) => r.complete_steps()?,
+            None => layout::complete_steps(&self.root)?,
+        };
+        let Some(want) = self.cfg.load_step else {
+            return Ok(steps.last().copied());
+        };
+        if !steps.contains(&want) {
+            bail!(
+                "checkpoint.load_step {want}: no complete checkpoint {}/{} (found steps {steps:?})",
+                self.shown_root(),
+                layout::step_dir_name(want)
+            );
+        }
+        Ok(Some(want))
+    }
+
+    fn shown_root(&self) -> String {
+        match &self.remote {
+            Some(r) => r.display(),
+            None => self.root.display().to_string(),
+        }
+    }
+
+    /// The run id saved with the checkpoint a resume loads: a resume continues that run.
+    /// `None` for a fresh start, or a checkpoint saved without one.
+    pub fn resume_run_id(&self) -> Result<Option<String>> {
+        let Some(step) = self.resume_step()? else {
+            return Ok(None);
+        };
+        match &self.remote {
+            Some(r) => r.run_id(step),
+            None => {
+                let path = self
+                    .root
+                    .join(layout::step_dir_name(step))
+                    .join(layout::RUN_ID_FILE);
+                match std::fs::read(&path) {
+                    Ok(bytes) => Ok(layout::parse_run_id(&bytes)),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+                }
+            }
+        }
     }
 
     /// How the ranks of a multi-rank job meet to commit saves (needed when world_size > 1;
@@ -173,26 +234,8 @@ impl Checkpointer {
             }
             self.sync("checkpoint/start")?;
         }
-        let steps = match &self.remote {
-            Some(r) => r.complete_steps()?,
-            None => layout::complete_steps(&self.root)?,
-        };
-        let shown_root = match &self.remote {
-            Some(r) => r.display(),
-            None => self.root.display().to_string(),
-        };
-        let chosen = if let Some(want) = self.cfg.load_step {
-            if !steps.contains(&want) {
-                bail!(
-                    "checkpoint.load_step {want}: no complete checkpoint {}/{} (found steps {steps:?})",
-                    shown_root,
-                    layout::step_dir_name(want)
-                );
-            }
-            Some(want)
-        } else {
-            steps.last().copied()
-        };
+        let shown_root = self.shown_root();
+        let chosen = self.resume_step()?;
         let dp_rank = self.world.dp_rank() as u64;
         let opts = LoadOptions {
             model_only: false,
@@ -308,7 +351,7 @@ impl Checkpointer {
         if self.group.is_none() {
             layout::clear_partials(&self.root)?;
         }
-        let staged = {
+        let mut staged = {
             let _s = titan_obs::span("checkpoint_stage");
             state::stage(
                 state,
@@ -329,6 +372,7 @@ impl Checkpointer {
                 },
             )?
         };
+        staged.run_id.clone_from(&self.run_id);
         let root = self.root.clone();
         let rank = self.world.rank as u32;
         let remote = self.remote.clone();

@@ -62,6 +62,16 @@ impl Remote {
         Ok(steps)
     }
 
+    /// The run id saved with `step` (see [`layout::RUN_ID_FILE`]).
+    pub fn run_id(&self, step: u64) -> Result<Option<String>> {
+        let dir = self.root.join(&layout::step_dir_name(step))?;
+        match dir.read_small(layout::RUN_ID_FILE, 1024) {
+            Ok(bytes) => Ok(layout::parse_run_id(&bytes)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading the run id of {}", dir.display())),
+        }
+    }
+
     /// Uploads the committed local checkpoint `dir` as `step-N`, `.metadata` last, then the marker.
     pub fn upload(&self, dir: &Path, step: u64) -> Result<u64> {
         let _s = titan_obs::span("checkpoint_upload");

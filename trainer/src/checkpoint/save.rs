@@ -125,6 +125,12 @@ pub fn write_and_commit(
             return Err(e);
         }
     };
+    if rank == 0
+        && let Some(id) = &state.run_id
+    {
+        let path = partial.join(layout::RUN_ID_FILE);
+        std::fs::write(&path, id).with_context(|| format!("writing {}", path.display()))?;
+    }
     let dir = match (group, part) {
         (Some(group), Some(part)) => {
             commit_group(root, &partial, state.step, rank, group, part, after_commit)?

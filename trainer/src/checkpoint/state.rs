@@ -29,6 +29,7 @@ use crate::model::Llama;
 use crate::names;
 use crate::optim::{AdamW, ParamState};
 use crate::parallelize::Placement;
+use titan_ckpt::adapter::{legacy_name, tables::LLAMA3};
 
 pub const OPTIMIZER: &str = "optimizer";
 pub const LR_SCHEDULER: &str = "lr_scheduler";
@@ -68,6 +69,8 @@ pub struct StagedItem {
 pub struct StagedState {
     pub step: u64,
     pub items: Vec<StagedItem>,
+    /// The run saving it, written next to the data (see [`super::layout::RUN_ID_FILE`]).
+    pub run_id: Option<String>,
 }
 
 impl StagedState {
@@ -135,6 +138,7 @@ pub fn stage(
     let mut out = StagedState {
         step: counters.step,
         items: Vec::new(),
+        run_id: None,
     };
     // Every rank writes its own parts of the parameters (whole tensors on one process).
     let model = state.model;
@@ -375,7 +379,7 @@ pub fn apply(
         let Some(key) = stored_name(src, fqn, |name| name.to_string()) else {
             bail!(
                 "the checkpoint has no model weight `{fqn}`{} (is it a checkpoint of this model flavor?)",
-                names::legacy(fqn).map_or(String::new(), |old| format!(" (nor `{old}`)"))
+                legacy_name(&LLAMA3, fqn).map_or(String::new(), |old| format!(" (nor `{old}`)"))
             );
         };
         let t = src
@@ -492,7 +496,7 @@ fn saved_count(src: &dyn StateSource, key: &str) -> Result<u64> {
 /// The name `fqn` has in `src` as `key(name)`: torchtitan 0.3.0's or the older one.
 fn stored_name(src: &dyn StateSource, fqn: &str, key: impl Fn(&str) -> String) -> Option<String> {
     std::iter::once(fqn.to_string())
-        .chain(names::legacy(fqn))
+        .chain(legacy_name(&LLAMA3, fqn))
         .find(|name| src.has(&key(name)))
 }
 
@@ -557,7 +561,7 @@ fn load_optimizer(
         .iter()
         .flat_map(|(fqn, _)| {
             std::iter::once(fqn.to_string())
-                .chain(names::legacy(fqn))
+                .chain(legacy_name(&LLAMA3, fqn))
                 .chain(names::fused_qkv(fqn).map(|(_, fused)| fused))
         })
         .map(|name| format!("{OPTIMIZER}.param_groups.{name}.lr"))

@@ -4,7 +4,7 @@
 //! agent store (`TORCHELASTIC_USE_AGENT_STORE=True`), a store hosted by our own launcher, or one
 //! hosted by rank 0, and Python tools can read the same keys.
 
-use std::ffi::{CStr, CString, c_char};
+use std::ffi::{CString, c_char};
 use std::ptr;
 use std::time::Duration;
 
@@ -188,17 +188,9 @@ impl TcpStore {
     }
 
     fn error(code: i32, err: *mut c_char, op: &'static str, addr: &str) -> StoreError {
-        let message = if err.is_null() {
-            "no message".to_string()
-        } else {
-            // SAFETY: the shim wrote a NUL-terminated malloc'd string.
-            let m = unsafe { CStr::from_ptr(err) }
-                .to_string_lossy()
-                .trim()
-                .to_string();
-            unsafe { titan_store_free_buf(err.cast()) };
-            m
-        };
+        // SAFETY: the shim left null or a malloc'd message (cpp/shim_error.h), ours from here.
+        let message = unsafe { crate::shim::take_message(err) }
+            .map_or_else(|| "no message".to_string(), |m| m.trim().to_string());
         // c10d messages can carry a multi-line context; the first line says what happened.
         match code {
             2 => StoreError::Timeout { op, message },

@@ -15,6 +15,7 @@
 pub mod fsdp;
 pub mod pipeline;
 pub mod tp;
+pub mod weight_grad;
 
 use anyhow::{Result, bail};
 use tch::{Kind, Tensor};

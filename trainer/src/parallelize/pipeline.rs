@@ -25,6 +25,7 @@ use titan_obs::vocab::titan;
 use crate::dist::{CommError, DeviceMesh, Group, Pending};
 use crate::model::Llama;
 use crate::parallel::Dim;
+use crate::parallelize::weight_grad::WeightGradStash;
 
 /// torchtitan's `parallelism.pipeline_parallel_schedule` names titan-train runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,10 +37,15 @@ pub enum Schedule {
     /// Several stages per rank (looped), 1F1B over rounds of `pp` microbatches (Megatron's
     /// interleaved schedule, as torch's `ScheduleInterleaved1F1B` orders it).
     Interleaved1F1B,
+    /// Interleaved1F1B with each backward split into an input-gradient pass, on the critical
+    /// path, and a weight-gradient pass that fills the bubbles (the ZB1P schedule of the
+    /// zero-bubble paper, as torch's `ScheduleInterleavedZeroBubble` orders it).
+    InterleavedZeroBubble,
 }
 
 impl Schedule {
-    pub const NAMES: [&'static str; 3] = ["GPipe", "1F1B", "Interleaved1F1B"];
+    pub const NAMES: [&'static str; 4] =
+        ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"];
 
     pub fn parse(name: &str) -> Result<Self, String> {
         // torch's get_schedule_class matches case-insensitively.
@@ -47,7 +53,8 @@ impl Schedule {
             "gpipe" => Ok(Schedule::GPipe),
             "1f1b" => Ok(Schedule::OneFOneB),
             "interleaved1f1b" => Ok(Schedule::Interleaved1F1B),
-            "loopedbfs" | "interleavedzerobubble" | "zbvzerobubble" | "dualpipev" => Err(format!(
+            "interleavedzerobubble" => Ok(Schedule::InterleavedZeroBubble),
+            "loopedbfs" | "zbvzerobubble" | "dualpipev" => Err(format!(
                 "schedule `{name}` is not implemented in titan-train; use one of {}",
                 Self::NAMES.join(", ")
             )),
@@ -63,12 +70,21 @@ impl Schedule {
             Schedule::GPipe => "GPipe",
             Schedule::OneFOneB => "1F1B",
             Schedule::Interleaved1F1B => "Interleaved1F1B",
+            Schedule::InterleavedZeroBubble => "InterleavedZeroBubble",
         }
+    }
+
+    /// Whether backward runs as separate input- and weight-gradient passes.
+    pub fn splits_backward(self) -> bool {
+        self == Schedule::InterleavedZeroBubble
     }
 
     /// Single-stage schedules hold one stage per rank; looped ones several.
     pub fn single_stage(self) -> bool {
-        !matches!(self, Schedule::Interleaved1F1B)
+        !matches!(
+            self,
+            Schedule::Interleaved1F1B | Schedule::InterleavedZeroBubble
+        )
     }
 
     /// The bubble fraction of this schedule with equal stage times: (p-1)/(m+p-1) for one
@@ -299,7 +315,12 @@ fn parse_model_parts(parts: &[Vec<String>], n_layers: usize) -> Result<Vec<Stage
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Pass {
     Forward,
+    /// The whole backward.
     Backward,
+    /// Zero-bubble: the input gradients (what the previous stage waits for).
+    BackwardInput,
+    /// Zero-bubble: the linears' weight gradients, after the same microbatch's input pass.
+    BackwardWeight,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -352,11 +373,18 @@ pub fn rank_actions(
             }
             out
         }
-        Schedule::Interleaved1F1B => {
+        Schedule::Interleaved1F1B | Schedule::InterleavedZeroBubble => {
+            // torch's `_get_1f1b_rank_ops`: warmup forwards, then a forward and a backward per
+            // op, then the backwards left. Zero bubble (`enable_zero_bubble`): one warmup
+            // forward less per hop from the last rank, each backward an input pass, and from
+            // the rank-th op on the weight pass of the oldest input pass; the remaining weight
+            // passes last.
+            let split = schedule.splits_backward();
             let local = stages / pp;
             let rounds = (m / pp).max(1);
             let per_round = m / rounds;
-            let warmup = ((local - 1) * per_round + 2 * (pp - 1 - rank)).min(m * local);
+            let per_hop = if split { 1 } else { 2 };
+            let warmup = ((local - 1) * per_round + per_hop * (pp - 1 - rank)).min(m * local);
             let total = m * local;
             let fwd_stage = |op: usize| ((op / per_round) % local) * pp + rank;
             let bwd_stage =
@@ -367,16 +395,32 @@ pub fn rank_actions(
                 *mb += 1;
                 act(pass, stage, *mb - 1)
             };
-            let mut out = Vec::with_capacity(2 * total);
-            // Warmup forwards, then a forward and a backward per op, then the backwards left.
-            for op in 0..total {
-                out.push(take(Pass::Forward, fwd_stage(op)));
-                if op >= warmup {
+            let mut out = Vec::with_capacity(3 * total);
+            let mut input_ops = Vec::with_capacity(total);
+            let mut weights_done = 0;
+            for op in 0..total + warmup {
+                if op < total {
+                    out.push(take(Pass::Forward, fwd_stage(op)));
+                }
+                if op < warmup {
+                    continue;
+                }
+                if !split {
                     out.push(take(Pass::Backward, bwd_stage(op)));
+                    continue;
+                }
+                out.push(take(Pass::BackwardInput, bwd_stage(op)));
+                input_ops.push(op);
+                if op - warmup >= rank {
+                    out.push(take(
+                        Pass::BackwardWeight,
+                        bwd_stage(input_ops[weights_done]),
+                    ));
+                    weights_done += 1;
                 }
             }
-            for op in total..total + warmup {
-                out.push(take(Pass::Backward, bwd_stage(op)));
+            for &op in &input_ops[weights_done..] {
+                out.push(take(Pass::BackwardWeight, bwd_stage(op)));
             }
             out
         }
@@ -385,7 +429,8 @@ pub fn rank_actions(
 
 /// Checks that a schedule's per-rank orders can run: whether every rank can finish when each
 /// receive blocks until the sending pass ran and sends never block. Returns the makespan and
-/// each rank's busy time with forward cost 1 and backward cost 2 (the classic bubble model).
+/// each rank's busy time with forward cost 1 and backward cost 2 (the classic bubble model; a
+/// split backward's input and weight passes 1 each).
 pub fn simulate(
     schedule: Schedule,
     pp: usize,
@@ -408,30 +453,42 @@ pub fn simulate(
                     stage: a.stage - 1,
                     microbatch: a.microbatch,
                 });
-                let deps: Vec<Action> = match a.pass {
-                    Pass::Forward => dep_f.into_iter().collect(),
-                    Pass::Backward => {
-                        let own = Action {
-                            pass: Pass::Forward,
-                            ..a
-                        };
-                        let later = (a.stage + 1 < stages).then_some(Action {
-                            pass: Pass::Backward,
-                            stage: a.stage + 1,
-                            microbatch: a.microbatch,
-                        });
-                        std::iter::once(own).chain(later).collect()
-                    }
+                // The next stage's gradient comes from its whole or its input backward.
+                let later = |pass| {
+                    (a.stage + 1 < stages).then_some(Action {
+                        pass,
+                        stage: a.stage + 1,
+                        microbatch: a.microbatch,
+                    })
                 };
+                let own = |pass| Action { pass, ..a };
+                let deps: Vec<Vec<Action>> = match a.pass {
+                    Pass::Forward => dep_f.into_iter().map(|d| vec![d]).collect(),
+                    Pass::Backward | Pass::BackwardInput => {
+                        std::iter::once(vec![own(Pass::Forward)])
+                            .chain(later(Pass::Backward).map(|b| {
+                                vec![
+                                    b,
+                                    Action {
+                                        pass: Pass::BackwardInput,
+                                        ..b
+                                    },
+                                ]
+                            }))
+                            .collect()
+                    }
+                    Pass::BackwardWeight => vec![vec![own(Pass::BackwardInput)]],
+                };
+                // Each dependency is met by any one of its alternatives.
                 let Some(ready) = deps
                     .iter()
-                    .map(|d| done.get(d).copied())
+                    .map(|alts| alts.iter().find_map(|d| done.get(d).copied()))
                     .try_fold(0u64, |t, d| d.map(|d| t.max(d)))
                 else {
                     break;
                 };
                 let cost = match a.pass {
-                    Pass::Forward => 1,
+                    Pass::Forward | Pass::BackwardInput | Pass::BackwardWeight => 1,
                     Pass::Backward => 2,
                 };
                 let start = clock[r].max(ready);
@@ -488,6 +545,8 @@ struct InFlight {
     input: Option<Tensor>,
     /// Hidden states sent on, or the loss on the last stage.
     output: Tensor,
+    /// Zero-bubble schedules: where the input pass parks the linears' weight gradients.
+    weight_grads: Option<WeightGradStash>,
 }
 
 impl Pipeline {
@@ -526,12 +585,12 @@ impl Pipeline {
                 stages.len()
             );
         }
-        if cfg.schedule == Schedule::Interleaved1F1B
-            && !microbatches.is_multiple_of((microbatches / pp).max(1))
+        if !cfg.schedule.single_stage() && !microbatches.is_multiple_of((microbatches / pp).max(1))
         {
             bail!(
-                "Interleaved1F1B needs the number of microbatches ({microbatches}) to be a \
-                 multiple of parallelism.pipeline_parallel_degree ({pp}) when it is larger"
+                "{} needs the number of microbatches ({microbatches}) to be a multiple of \
+                 parallelism.pipeline_parallel_degree ({pp}) when it is larger",
+                cfg.schedule.name()
             );
         }
         let local_stages: Vec<usize> = (0..stages.len())
@@ -606,6 +665,8 @@ impl Pipeline {
         }
         let last = self.stages.len() - 1;
         let mut in_flight: HashMap<(usize, usize), InFlight> = HashMap::new();
+        // Zero-bubble: weight gradients an input pass left for the weight pass.
+        let mut parked: HashMap<(usize, usize), WeightGradStash> = HashMap::new();
         // Sends run in the background; their tensors stay alive until they are done.
         let mut sends: Vec<(Pending, Tensor)> = Vec::new();
         let mut loss_sum = 0.0f64;
@@ -635,9 +696,15 @@ impl Pipeline {
                         Some(buf.set_requires_grad(true))
                     };
                     let _span = titan_obs::pipeline_span(titan::FORWARD, slot);
+                    let weight_grads = self.schedule.splits_backward().then(WeightGradStash::new);
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
-                        let out = model.forward_stage(a.stage, x, Some(mb.positions));
+                        let out = model.forward_stage(
+                            a.stage,
+                            x,
+                            Some(mb.positions),
+                            weight_grads.as_ref(),
+                        );
                         if a.stage == last {
                             model.summed_cross_entropy(&out, mb.labels)
                                 / global_tokens.max(1) as f64
@@ -652,9 +719,24 @@ impl Pipeline {
                         let sent = output.detach();
                         sends.push((self.send(&self.forward_links, a.stage, &sent), sent));
                     }
-                    in_flight.insert((a.stage, a.microbatch), InFlight { input, output });
+                    in_flight.insert(
+                        (a.stage, a.microbatch),
+                        InFlight {
+                            input,
+                            output,
+                            weight_grads,
+                        },
+                    );
                 }
-                Pass::Backward => {
+                Pass::BackwardWeight => {
+                    let _span = titan_obs::pipeline_span(titan::BACKWARD_WEIGHT, slot);
+                    parked
+                        .remove(&(a.stage, a.microbatch))
+                        .context("the schedule runs a weight pass before its input pass")?
+                        .apply()
+                        .with_context(|| format!("stage {} weight gradients", a.stage))?;
+                }
+                Pass::Backward | Pass::BackwardInput => {
                     let f = in_flight
                         .remove(&(a.stage, a.microbatch))
                         .context("the schedule runs a backward before its forward")?;
@@ -672,7 +754,11 @@ impl Pipeline {
                             })?;
                         Some(grad)
                     };
-                    let _span = titan_obs::pipeline_span(titan::BACKWARD, slot);
+                    let name = match a.pass {
+                        Pass::BackwardInput => titan::BACKWARD_INPUT,
+                        _ => titan::BACKWARD,
+                    };
+                    let _span = titan_obs::pipeline_span(name, slot);
                     let root = match output_grad {
                         None => f.output,
                         // d/d(out) of sum(out * grad) is exactly `grad`: backward from the
@@ -693,6 +779,9 @@ impl Pipeline {
                     if let Some(input) = f.input {
                         let grad = input.grad();
                         sends.push((self.send(&self.backward_links, a.stage - 1, &grad), grad));
+                    }
+                    if let Some(stash) = f.weight_grads {
+                        parked.insert((a.stage, a.microbatch), stash);
                     }
                 }
             }
@@ -737,7 +826,7 @@ impl Pipeline {
                 let _span = titan_obs::pipeline_span(titan::EVAL_FORWARD, slot);
                 let out = catch(|| {
                     let x = input.as_ref().unwrap_or(mb.inputs);
-                    let out = model.forward_stage(stage, x, Some(mb.positions));
+                    let out = model.forward_stage(stage, x, Some(mb.positions), None);
                     if stage == last {
                         model.summed_cross_entropy(&out, mb.labels)
                     } else {
@@ -871,17 +960,25 @@ mod tests {
             (Schedule::OneFOneB, 1),
             (Schedule::Interleaved1F1B, 2),
             (Schedule::Interleaved1F1B, 3),
+            (Schedule::InterleavedZeroBubble, 2),
+            (Schedule::InterleavedZeroBubble, 3),
         ] {
+            let passes: &[Pass] = if schedule.splits_backward() {
+                &[Pass::Forward, Pass::BackwardInput, Pass::BackwardWeight]
+            } else {
+                &[Pass::Forward, Pass::Backward]
+            };
             for pp in 1..=4 {
                 for m in [1, 2, 4, 8] {
-                    if schedule == Schedule::Interleaved1F1B && m > pp && m % pp != 0 {
+                    if !schedule.single_stage() && m > pp && m % pp != 0 {
                         continue;
                     }
                     let stages = pp * per_rank;
                     let mut seen = std::collections::HashSet::new();
                     for r in 0..pp {
                         let acts = rank_actions(schedule, pp, r, stages, m);
-                        assert_eq!(acts.len(), 2 * m * per_rank, "{schedule:?} pp{pp} m{m}");
+                        let n = passes.len() * m * per_rank;
+                        assert_eq!(acts.len(), n, "{schedule:?} pp{pp} m{m}");
                         for a in &acts {
                             assert_eq!(rank_of_stage(a.stage, pp), r);
                             assert!(seen.insert(*a), "{a:?} twice");
@@ -889,7 +986,7 @@ mod tests {
                         // Each stage's backwards run in microbatch order (gradients then
                         // accumulate as one process accumulates them).
                         for s in (0..stages).filter(|s| rank_of_stage(*s, pp) == r) {
-                            for pass in [Pass::Forward, Pass::Backward] {
+                            for &pass in passes {
                                 let mbs: Vec<usize> = acts
                                     .iter()
                                     .filter(|a| a.stage == s && a.pass == pass)
@@ -920,10 +1017,42 @@ mod tests {
                 );
             }
         }
-        // Interleaving shrinks it.
-        let (span, busy) = simulate(Schedule::Interleaved1F1B, 4, 8, 8).unwrap();
-        let interleaved = 1.0 - busy[0] as f64 / span as f64;
+        // Interleaving shrinks it, and splitting the backward shrinks it further.
+        let bubble = |schedule| {
+            let (span, busy) = simulate(schedule, 4, 8, 8).unwrap();
+            1.0 - busy[0] as f64 / span as f64
+        };
+        let interleaved = bubble(Schedule::Interleaved1F1B);
         assert!(interleaved < Schedule::OneFOneB.ideal_bubble(4, 8, 1));
+        let zero_bubble = bubble(Schedule::InterleavedZeroBubble);
+        assert!(zero_bubble < interleaved, "{zero_bubble} vs {interleaved}");
+    }
+
+    #[test]
+    fn zero_bubble_orders_are_torchs() {
+        // torch 2.15's ScheduleInterleavedZeroBubble._calculate_single_rank_operations for 2
+        // ranks, 4 stages, 4 microbatches (its None bubbles left out): `<stage><pass><mb>`.
+        let torch = [
+            "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 2W3 \
+             0I2 0W2 0I3 0W3",
+            "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 \
+             3W3 1I3 1W2 1W3",
+        ];
+        for (rank, want) in torch.iter().enumerate() {
+            let ours: Vec<String> = rank_actions(Schedule::InterleavedZeroBubble, 2, rank, 4, 4)
+                .iter()
+                .map(|a| {
+                    let pass = match a.pass {
+                        Pass::Forward => "F",
+                        Pass::Backward => "B",
+                        Pass::BackwardInput => "I",
+                        Pass::BackwardWeight => "W",
+                    };
+                    format!("{}{pass}{}", a.stage, a.microbatch)
+                })
+                .collect();
+            assert_eq!(ours.join(" "), *want, "rank {rank}");
+        }
     }
 
     #[test]
@@ -933,6 +1062,10 @@ mod tests {
         assert_eq!(
             Schedule::parse("Interleaved1F1B").unwrap(),
             Schedule::Interleaved1F1B
+        );
+        assert_eq!(
+            Schedule::parse("InterleavedZeroBubble").unwrap(),
+            Schedule::InterleavedZeroBubble
         );
         assert!(
             Schedule::parse("ZBVZeroBubble")

@@ -7,20 +7,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+pub use titan_tests::free_port;
 use titan_train::dist::launch::{LaunchArgs, LaunchOutcome, LogRanks, run};
 use titan_train::dist::{CommOptions, Dist, LaunchEnv};
 
 /// Whether this process is a rank started by a test (not the test runner itself).
 pub fn is_worker() -> bool {
     std::env::var_os("RANK").is_some()
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Where the ranks of the job using `port` write their results.

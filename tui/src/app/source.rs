@@ -65,6 +65,11 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
             a.reference_host
         ));
     }
+    if let Some(note) = run.runs_note() {
+        b.add_warning(format!(
+            "{note} (`titan-obs summary RUN --run ID` reads another)"
+        ));
+    }
 
     let e = &run.errors;
     let failed: HashSet<(u32, u32, u64)> = (0..e.rank.len())

@@ -33,6 +33,10 @@ pub struct RunArgs {
     /// do not add the recorded offsets).
     #[arg(long)]
     pub no_clock_align: bool,
+    /// Which run of the location to read, by run id, when it holds several (each launch of
+    /// titan-train in one dump folder is a run of its own). Default: the newest.
+    #[arg(long = "run", value_name = "ID")]
+    pub run_id: Option<String>,
     /// The global `-q`/`--quiet` (no progress bar), copied here by `main`.
     #[arg(skip)]
     pub quiet: bool,
@@ -70,7 +74,10 @@ pub fn load_run_with(args: &RunArgs, columns: Columns, digests: bool) -> Result<
     let started = std::time::Instant::now();
     let run = titan_obs::read::load(&args.run, &opts);
     bar.finish_and_clear();
-    let run = run?;
+    let mut run = run?;
+    if let Some(id) = &args.run_id {
+        run.select_run(id)?;
+    }
     tracing::debug!(
         "read {}: {} parts, {} ranks, {} spans in {:.3} s",
         run.location,
@@ -80,6 +87,9 @@ pub fn load_run_with(args: &RunArgs, columns: Columns, digests: bool) -> Result<
         started.elapsed().as_secs_f64()
     );
     report_problems(&run);
+    if let Some(note) = run.runs_note() {
+        TITAN_OBS.note(format_args!("{note}; pick one with --run ID"));
+    }
     Ok(run)
 }
 

@@ -1,0 +1,371 @@
+//! Runs: every start of a recorder is a run of its own, named by a run id that every part's
+//! footer carries (`titan.run_id`) and titan-train also writes into every `metrics.jsonl` line.
+//! A folder can hold several runs (a second launch in the same dump folder, without a
+//! checkpoint to resume from). The one rule, for every reader and writer: records of different
+//! run ids are never mixed. A loaded [`Run`]'s tables hold one run, the newest unless
+//! [`Run::select_run`] picks another, and [`Run::runs`] names them all.
+//!
+//! Newest means the run whose records the lowest rank wrote last: a rank numbers its parts in
+//! the order it writes them, and every run has a rank 0.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use crate::ingest::NotARun;
+use crate::record::NO_STEP;
+use crate::run::{Errors, Instants, RankInfo, Run, Scalars, Spans, TagSet};
+
+/// A fresh run id: the start time in UTC and 16 bits of entropy (`20261125-154958-3fa2`), so
+/// ids sort by start and two launches in the same second still differ.
+pub fn new_run_id() -> String {
+    run_id_from_seed(draw_run_seed())
+}
+
+/// What a run id is made from: the start time in seconds (high bits) and 16 bits of entropy.
+/// Processes that start one run together draw it once and share it (titan-train's rank 0
+/// broadcasts it), then each formats it with [`run_id_from_seed`].
+pub fn draw_run_seed() -> u64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let entropy = (now.subsec_nanos() as u64 ^ (std::process::id() as u64).rotate_left(7)) & 0xffff;
+    (now.as_secs() << 16) | entropy
+}
+
+/// The run id of a seed from [`draw_run_seed`].
+pub fn run_id_from_seed(seed: u64) -> String {
+    let secs = seed >> 16;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}-{:04x}",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        seed & 0xffff
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar
+/// (Howard Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// The record tables of one run (the fields of [`Run`] that hold records).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Tables {
+    spans: Spans,
+    instants: Instants,
+    scalars: Scalars,
+    errors: Errors,
+    ranks: BTreeMap<u32, RankInfo>,
+    step_tags: BTreeMap<(u32, u64), TagSet>,
+    /// The run's part summaries, when read as summaries.
+    digest: Option<crate::digest::RunDigest>,
+}
+
+/// Exchanges the record tables of `run` with `t`.
+fn swap_tables(run: &mut Run, t: &mut Tables) {
+    std::mem::swap(&mut run.spans, &mut t.spans);
+    std::mem::swap(&mut run.instants, &mut t.instants);
+    std::mem::swap(&mut run.scalars, &mut t.scalars);
+    std::mem::swap(&mut run.errors, &mut t.errors);
+    std::mem::swap(&mut run.ranks, &mut t.ranks);
+    std::mem::swap(&mut run.step_tags, &mut t.step_tags);
+    std::mem::swap(&mut run.digest, &mut t.digest);
+}
+
+/// One run of a location, for messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunBrief {
+    pub id: String,
+    pub ranks: usize,
+    /// First and last step any of its records has (`None`: no step was recorded).
+    pub steps: Option<(u64, u64)>,
+}
+
+impl RunBrief {
+    /// `20261125-154958-3fa2 (steps 1-5)`.
+    pub fn describe(&self) -> String {
+        let id = if self.id.is_empty() {
+            "(no run id)"
+        } else {
+            &self.id
+        };
+        match self.steps {
+            Some((a, b)) if a == b => format!("{id} (step {a})"),
+            Some((a, b)) => format!("{id} (steps {a}-{b})"),
+            None => format!("{id} (no steps)"),
+        }
+    }
+}
+
+/// The runs a location holds and which one a [`Run`]'s tables show.
+#[derive(Debug, Default, Clone)]
+pub struct Runs {
+    /// Every run id found, in the order the lowest rank wrote them (oldest first).
+    ids: Vec<String>,
+    /// The run the tables hold (`None` before the first record).
+    current: Option<String>,
+    /// The run asked for with [`Run::select_run`]; otherwise the newest is shown.
+    pinned: Option<String>,
+    /// The tables of the runs not shown.
+    others: HashMap<String, Tables>,
+    /// The lowest rank seen and the run of its last merged part: the newest run.
+    latest: Option<(u32, String)>,
+}
+
+impl Runs {
+    /// Every run id found, oldest first.
+    pub fn ids(&self) -> &[String] {
+        &self.ids
+    }
+
+    /// The run the tables hold.
+    pub fn current(&self) -> Option<&str> {
+        self.current.as_deref()
+    }
+
+    /// The newest run (what is shown unless another was selected).
+    pub fn newest(&self) -> Option<&str> {
+        self.latest.as_ref().map(|(_, id)| id.as_str())
+    }
+
+    /// Whether the location holds more than one run.
+    pub fn several(&self) -> bool {
+        self.ids.len() > 1
+    }
+
+    /// The runs not shown, oldest first.
+    pub fn others(&self) -> Vec<RunBrief> {
+        self.ids
+            .iter()
+            .filter(|id| Some(id.as_str()) != self.current())
+            .filter_map(|id| Some(brief(id, self.others.get(id)?)))
+            .collect()
+    }
+}
+
+fn brief(id: &str, t: &Tables) -> RunBrief {
+    RunBrief {
+        id: id.to_string(),
+        ranks: t.ranks.len(),
+        steps: step_range(&t.spans.step, &t.scalars.step),
+    }
+}
+
+/// First and last step of the span and scalar records.
+fn step_range(spans: &[u64], scalars: &[u64]) -> Option<(u64, u64)> {
+    spans
+        .iter()
+        .chain(scalars)
+        .copied()
+        .filter(|&s| s != NO_STEP)
+        .fold(None, |acc, s| match acc {
+            None => Some((s, s)),
+            Some((a, b)) => Some((a.min(s), b.max(s))),
+        })
+}
+
+/// Merges one part's records through `merge` into the tables of the part's run: the shown
+/// tables when it is the shown run, else that run's set-aside tables (swapped in and out).
+pub(crate) fn merge_into_its_run(
+    run: &mut Run,
+    rank: u32,
+    run_id: &str,
+    merge: impl FnOnce(&mut Run),
+) {
+    let runs = &mut run.runs;
+    if !runs.ids.iter().any(|id| id == run_id) {
+        runs.ids.push(run_id.to_string());
+    }
+    match &runs.latest {
+        Some((lowest, _)) if rank > *lowest => {}
+        _ => runs.latest = Some((rank, run_id.to_string())),
+    }
+    let current = runs.current.get_or_insert_with(|| run_id.to_string());
+    if current == run_id {
+        merge(run);
+        return;
+    }
+    let mut t = runs.others.remove(run_id).unwrap_or_default();
+    swap_tables(run, &mut t);
+    merge(run);
+    swap_tables(run, &mut t);
+    run.runs.others.insert(run_id.to_string(), t);
+}
+
+/// Shows `id` in the tables of `run` (the others are set aside).
+fn show(run: &mut Run, id: &str) {
+    let Some(current) = run.runs.current.clone() else {
+        return;
+    };
+    if current == id {
+        return;
+    }
+    let Some(mut t) = run.runs.others.remove(id) else {
+        return;
+    };
+    swap_tables(run, &mut t);
+    run.runs.others.insert(current, t);
+    run.runs.current = Some(id.to_string());
+}
+
+/// Makes the report's world size and missing ranks the shown run's (a reader counts every
+/// run's ranks).
+fn fit_report(run: &mut Run) {
+    let present: BTreeSet<u32> = run.ranks.keys().copied().collect();
+    let world = run
+        .ranks
+        .values()
+        .map(|i| i.world_size)
+        .chain(present.last().map(|r| r + 1))
+        .max()
+        .unwrap_or(0);
+    run.report.world_size = world;
+    run.report.missing_ranks = (0..world).filter(|r| !present.contains(r)).collect();
+}
+
+/// After a read: shows the selected run, else the newest.
+pub(crate) fn settle(run: &mut Run) {
+    if !run.runs.several() {
+        return;
+    }
+    let wanted = run
+        .runs
+        .pinned
+        .clone()
+        .or_else(|| run.runs.newest().map(str::to_string));
+    if let Some(id) = wanted {
+        show(run, &id);
+    }
+    fit_report(run);
+}
+
+impl Run {
+    /// Shows the run `id` of this location (and keeps showing it after refreshes). Fails,
+    /// naming the runs there are, when the location holds no run `id`.
+    pub fn select_run(&mut self, id: &str) -> anyhow::Result<()> {
+        if !self.runs.ids.iter().any(|r| r == id) {
+            let known: Vec<&str> = self.runs.ids.iter().map(String::as_str).collect();
+            return Err(NotARun(format!(
+                "{} holds no run `{id}`; its runs (oldest first): {}",
+                self.location,
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ))
+            .into());
+        }
+        self.runs.pinned = Some(id.to_string());
+        show(self, id);
+        if self.runs.several() {
+            fit_report(self);
+        }
+        Ok(())
+    }
+
+    /// When the location holds several runs, which one is shown and which others there are:
+    /// `RUN holds 2 runs; showing B (steps 1-3), the newest; the other: A (steps 1-5)`.
+    pub fn runs_note(&self) -> Option<String> {
+        if !self.runs.several() {
+            return None;
+        }
+        let shown = self.shown_run()?;
+        let others: Vec<String> = self.runs.others().iter().map(RunBrief::describe).collect();
+        Some(format!(
+            "{} holds {} runs; showing {}{}; the other{}: {}",
+            self.location,
+            self.runs.ids.len(),
+            shown.describe(),
+            if self.runs.pinned.is_some() {
+                ""
+            } else {
+                ", the newest"
+            },
+            if others.len() == 1 { "" } else { "s" },
+            others.join(", ")
+        ))
+    }
+
+    /// The run the tables hold, for messages.
+    pub fn shown_run(&self) -> Option<RunBrief> {
+        let id = self.runs.current()?;
+        Some(RunBrief {
+            id: id.to_string(),
+            ranks: self.ranks.len(),
+            steps: step_range(&self.spans.step, &self.scalars.step),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_ids_read_as_utc_start_times() {
+        // 2026-11-25 15:49:58 UTC.
+        let secs = 1_795_621_798u64;
+        assert_eq!(
+            run_id_from_seed((secs << 16) | 0x3fa2),
+            "20261125-154958-3fa2"
+        );
+        assert_eq!(run_id_from_seed(0), "19700101-000000-0000");
+        assert_eq!(civil_from_days(59), (1970, 3, 1));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        assert_ne!(new_run_id(), "");
+    }
+
+    /// Run `a` (2 ranks, 4 steps), then run `b` (1 rank, 2 steps) in the same folder: `b` is
+    /// shown, with its own world size, until `a` is selected.
+    #[test]
+    fn the_newest_run_is_shown_and_another_can_be_selected() {
+        use crate::synth::{SynthConfig, write_run};
+        let dir = tempfile::tempdir().unwrap();
+        let (run, later) = (dir.path().join("run"), dir.path().join("later"));
+        let cfg = |run_id: &str, ranks, steps| SynthConfig {
+            run_id: run_id.into(),
+            ranks,
+            steps,
+            ..Default::default()
+        };
+        write_run(run.to_str().unwrap(), &cfg("a", 2, 4)).unwrap();
+        write_run(later.to_str().unwrap(), &cfg("b", 1, 2)).unwrap();
+        // The second launch's part follows the first's in the rank's folder.
+        std::fs::rename(
+            later.join("obs/rank-0/part-000000.parquet"),
+            run.join("obs/rank-0/part-000001.parquet"),
+        )
+        .unwrap();
+        let mut loaded = crate::load(run.to_str().unwrap(), &Default::default()).unwrap();
+        assert_eq!(loaded.runs.ids(), ["a", "b"]);
+        assert_eq!(loaded.runs.current(), Some("b"));
+        assert_eq!(loaded.ranks.len(), 1);
+        assert_eq!(loaded.report.world_size, 1);
+        assert!(loaded.report.missing_ranks.is_empty());
+        assert_eq!(loaded.shown_run().unwrap().steps, Some((1, 2)));
+        let others = loaded.runs.others();
+        assert_eq!(others.len(), 1);
+        assert_eq!(others[0].describe(), "a (steps 1-4)");
+
+        loaded.select_run("a").unwrap();
+        assert_eq!(loaded.ranks.len(), 2);
+        assert_eq!(loaded.report.world_size, 2);
+        assert_eq!(loaded.shown_run().unwrap().steps, Some((1, 4)));
+        let err = loaded.select_run("c").unwrap_err();
+        assert!(crate::ingest::is_not_a_run(&err), "{err:#}");
+        assert!(format!("{err}").contains("a, b"), "{err}");
+    }
+}
