@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use anyhow::Result;
 use titan_obs::analysis::{PipelineSummary, StragglerOptions, Summary, pipeline_summary, summary};
-use titan_obs::read::Columns;
+use titan_obs::read::{Columns, ReadOptions};
 
 use super::{RunArgs, exit_code, human_ns, load_run_with};
 
@@ -45,8 +45,17 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
     };
     let mut s = summary(&loaded, &opts);
     if loaded.digest.as_ref().is_some_and(|d| d.pipeline_spans > 0) {
-        // The per-part summaries leave the pipeline analysis out: it reads the spans.
-        let spans = load_run_with(&args.run, columns, false)?;
+        // The per-part summaries leave the pipeline analysis out: it reads the spans (quietly:
+        // what is missing or damaged was reported by the first read).
+        let opts = ReadOptions {
+            columns,
+            align_clocks: !args.run.no_clock_align,
+            ..ReadOptions::default()
+        };
+        let mut spans = titan_obs::read::load(&args.run.run, &opts)?;
+        if let Some(id) = &args.run.run_id {
+            spans.select_run(id)?;
+        }
         s.pipeline = pipeline_summary(&spans);
     }
     if args.json {
