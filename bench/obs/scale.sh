@@ -10,7 +10,12 @@
 #
 #   bash bench/obs/scale.sh [RUNS]     (median of RUNS timed runs, default 3)
 #
+# `summary` is measured three ways on each run: from the per-part summaries the generator wrote
+# next to every part (the default), with `--exact` (every span decoded, as before them), and once
+# after deleting them (a run written before summaries: built, cached, then summarised).
+#
 # Environment: OBS_SCALE_DIR (default /tmp/titan-obs-scale), RANKS (1024), HOURS ("1 6 24"),
+# PROFILE (release; dev: see below), SUMMARY_ONLY (0; 1: only the files and the three summaries, no load/TUI/follow),
 # FOLLOW_RUNS (5: follow refreshes timed; the first re-lists every rank directory),
 # OLD_RANKS (16) and OLD_HOURS (2): the previous layout is generated at OLD_RANKS x OLD_HOURS
 # only (1024 x 24 h of it would be 35 M files), next to the journal layout of the same size.
@@ -23,11 +28,22 @@ HOURS=${HOURS:-"1 6 24"}
 OLD_RANKS=${OLD_RANKS:-16}
 OLD_HOURS=${OLD_HOURS:-2}
 FOLLOW_RUNS=${FOLLOW_RUNS:-5}
+SUMMARY_ONLY=${SUMMARY_ONLY:-0}
 TARGET=${CARGO_TARGET_DIR:-target}
-cargo build --release -p titan-obs-tui --bin titan-obs >&2
-cargo bench -p titan-obs --bench obs_scale --no-run >&2
-SCALE=$(ls -t "$TARGET"/release/deps/obs_scale-* | grep -v '\.d$' | head -1)
-BIN=$TARGET/release/titan-obs
+# PROFILE=dev: the dev profile's build (dependencies at opt-level 2, titan's crates at 1), for
+# a machine where a release build of the dependencies does not fit the time at hand.
+PROFILE=${PROFILE:-release}
+if [ "$PROFILE" = dev ]; then
+  cargo build -p titan-obs-tui --bin titan-obs >&2
+  cargo build -p titan-obs --bench obs_scale >&2
+  OUT_DIR=$TARGET/debug
+else
+  cargo build --release -p titan-obs-tui --bin titan-obs >&2
+  cargo bench -p titan-obs --bench obs_scale --no-run >&2
+  OUT_DIR=$TARGET/release
+fi
+SCALE=$(ls -t "$OUT_DIR"/deps/obs_scale-* | grep -v '\.d$' | head -1)
+BIN=$OUT_DIR/titan-obs
 mkdir -p "$DIR"
 
 # shellcheck source=bench/obs/measure.sh
@@ -69,13 +85,22 @@ one() {  # one LAYOUT RANKS HOURS
   local run=$DIR/$1-$2x$3h
   [ -d "$run/obs" ] || "$SCALE" gen "$run" "$1" "$2" "$3"
   describe "$run"
+  # The summary from the per-part summaries (the default), from every span (--exact: what
+  # `summary` did before), and the first open of a run written without them (they are
+  # built and cached next to the parts, then the summary is the first line's).
   measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
+  measure_json "summary --exact $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet --exact
+  find "$run/obs" -name 'part-*.summary' -delete
+  measure_json "summary, first open without summaries $1 $2x$3h" 1 "$BIN" summary "$run" --quiet
+  if [ "$SUMMARY_ONLY" = 1 ]; then return; fi
   "$SCALE" load "$run" "$RUNS"
   tui_open "tui open $1 $2x$3h" "$run"
   if [ "$1" = journal ]; then "$SCALE" follow "$run" "$2" "$FOLLOW_RUNS"; fi
 }
 
 echo "# machine: $(nproc) cores; other processes: $(ps -eo pcpu= | awk '{s+=$1} END{print s}')% CPU in use at start"
-one old "$OLD_RANKS" "$OLD_HOURS"
-one journal "$OLD_RANKS" "$OLD_HOURS"
+if [ "$OLD_HOURS" != 0 ]; then
+  one old "$OLD_RANKS" "$OLD_HOURS"
+  one journal "$OLD_RANKS" "$OLD_HOURS"
+fi
 for h in $HOURS; do one journal "$RANKS" "$h"; done

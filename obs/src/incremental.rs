@@ -157,6 +157,8 @@ enum Done {
         file: Listed,
         skip_rows: u64,
         result: Result<(PartData, u64)>,
+        /// A damaged summary file of the part, ignored: (file, error).
+        digest_damage: Option<(String, String)>,
     },
     Journal {
         file: Listed,
@@ -178,6 +180,11 @@ struct JournalDone {
 struct Fetched {
     data: Bytes,
     checks: Option<Bytes>,
+    /// With [`ReadOptions::digests`]: the part's summary file, when it checked out (then
+    /// `data` is empty: the part itself was not read).
+    digest: Option<crate::digest::PartDigest>,
+    /// The part's summary file was there but damaged: why (its part is decoded instead).
+    digest_damage: Option<String>,
 }
 
 impl PartsReader {
@@ -264,7 +271,7 @@ impl PartsReader {
         let mut work = work.into_iter().peekable();
         while work.peek().is_some() {
             let batch: Vec<Work> = work.by_ref().take(chunk).collect();
-            let fetched = self.fetch(batch)?;
+            let fetched = self.fetch(batch, opts.digests)?;
             let decoded: Vec<Done> = fetched
                 .into_par_iter()
                 .map(|(w, bytes)| {
@@ -301,7 +308,7 @@ impl PartsReader {
     ///
     /// A journal's checks file is read after the journal was listed (its size known): the
     /// writer appends a check before its range, so every listed byte has its check.
-    fn fetch(&self, work: Vec<Work>) -> Result<Vec<(Work, Result<Fetched>)>> {
+    fn fetch(&self, work: Vec<Work>, digests: bool) -> Result<Vec<(Work, Result<Fetched>)>> {
         let range = |w: &Work| match w {
             Work::Part { file, .. } => 0..file.size,
             Work::Journal { file, cursor } => cursor.offset..file.size,
@@ -316,12 +323,33 @@ impl PartsReader {
                 .map(|w| {
                     let r = range(&w);
                     let fetched = (|| {
+                        let mut digest_damage = None;
+                        if let (true, Work::Part { file, skip_rows: 0 }) = (digests, &w) {
+                            let part = std::path::Path::new(&file.display);
+                            match crate::digest::read_local(part, file.size) {
+                                Ok(Some(d)) => {
+                                    return Ok(Fetched {
+                                        data: Bytes::new(),
+                                        checks: None,
+                                        digest: Some(d),
+                                        digest_damage: None,
+                                    });
+                                }
+                                Ok(None) => {}
+                                Err(e) => digest_damage = Some(format!("{e:#}")),
+                            }
+                        }
                         let checks = match checks_from(&w) {
                             Some(from) => read_local_checks(&w.file().display, from)?,
                             None => None,
                         };
                         let data = read_local(&w.file().display, r)?;
-                        Ok(Fetched { data, checks })
+                        Ok(Fetched {
+                            data,
+                            checks,
+                            digest: None,
+                            digest_damage,
+                        })
                     })();
                     (w, fetched)
                 })
@@ -366,7 +394,12 @@ impl PartsReader {
                                         .get_range(&path, r)
                                         .await
                                         .with_context(|| format!("downloading {}", f.display))?;
-                                    Ok(Fetched { data, checks })
+                                    Ok(Fetched {
+                                        data,
+                                        checks,
+                                        digest: None,
+                                        digest_damage: None,
+                                    })
                                 }
                                 .await;
                                 (w, fetched)
@@ -386,8 +419,18 @@ impl PartsReader {
                 file,
                 skip_rows,
                 result,
+                digest_damage,
             } => {
                 let key = (file.rank, file.index);
+                if let Some((summary, error)) = digest_damage {
+                    self.run.report.damage.push(Damage {
+                        bytes: std::fs::metadata(&summary).map_or(0, |m| m.len()),
+                        file: summary,
+                        offset: 0,
+                        lost: "nothing: its part was decoded instead".into(),
+                        error,
+                    });
+                }
                 let had_journal = matches!(self.seen.get(&key), Some(Seen::Journal { .. }));
                 self.seen.insert(key, Seen::Part);
                 match result {
@@ -546,37 +589,67 @@ impl PartsReader {
 }
 
 fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool) -> Done {
+    // A summary is made of start times, depths and tags whatever the caller asked for.
+    let columns = if opts.digests {
+        crate::digest::COLUMNS
+    } else {
+        opts.columns
+    };
+    let summarise = |data: PartData| -> PartData {
+        if opts.digests {
+            crate::digest::PartDigest::of_data(&data).into_part_data()
+        } else {
+            data
+        }
+    };
     match work {
         Work::Part { file, skip_rows } => {
+            let mut digest_damage = None;
             let result = fetched.and_then(|f| {
+                if let Some(d) = f.digest {
+                    return Ok((d.into_part_data(), 0));
+                }
+                if let Some(e) = f.digest_damage {
+                    let part = std::path::Path::new(&file.display);
+                    let summary = crate::digest::summary_path(part);
+                    digest_damage = Some((summary.display().to_string(), e));
+                }
                 let b = f.data;
                 let n = b.len() as u64;
-                decode_part(b, file.rank, opts.columns, skip_rows).map(|d| (d, n))
+                let data = decode_part(b, file.rank, columns, skip_rows)?;
+                if !opts.digests {
+                    return Ok((data, n));
+                }
+                let digest = crate::digest::PartDigest::of_data(&data);
+                // Cache it next to a local part read whole (a run written before summaries
+                // existed); a read-only location, or a damaged summary kept as evidence,
+                // just goes without.
+                if skip_rows == 0 && file.object_path.is_none() && digest_damage.is_none() {
+                    let part = std::path::Path::new(&file.display);
+                    if let Err(e) = crate::digest::write_local(part, n, &digest) {
+                        tracing::debug!("not caching the summary of {}: {e:#}", file.display);
+                    }
+                }
+                Ok((digest.into_part_data(), n))
             });
             Done::Part {
                 file,
                 skip_rows,
                 result,
+                digest_damage,
             }
         }
         Work::Journal { file, mut cursor } => {
             let result = fetched.and_then(|f| {
                 let n = f.data.len() as u64;
-                decode_journal(
-                    &mut cursor,
-                    f.data,
-                    f.checks,
-                    file.rank,
-                    opts.columns,
-                    at_end,
-                )
-                .map(|r| JournalDone {
-                    data: r.data,
-                    bytes: n,
-                    batches: r.batches,
-                    damage: r.damage,
-                })
-                .with_context(|| format!("reading {}", file.display))
+                decode_journal(&mut cursor, f.data, f.checks, file.rank, columns, at_end)
+                    .map(|r| JournalDone {
+                        data: summarise(r.data),
+                        bytes: n,
+                        batches: r.batches,
+                        damage: r.damage,
+                    })
+                    .with_context(|| format!("reading {}", file.display))
             });
             Done::Journal {
                 file,

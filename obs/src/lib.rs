@@ -53,6 +53,7 @@ pub mod analysis;
 pub mod clock;
 pub mod convert;
 mod decode;
+pub mod digest;
 mod guard;
 mod incremental;
 pub mod ingest;

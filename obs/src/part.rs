@@ -530,8 +530,44 @@ impl PartSink {
         Ok(existing.max(journals).map_or(0, |n| n + 1))
     }
 
-    /// Writes part `index` atomically; returns where it went.
+    /// Writes part `index` atomically, then its summary (`part-<N>.summary`, see
+    /// [`crate::digest`]); returns where the part went. A summary that cannot be made or
+    /// written is only logged: readers summarise a part without one themselves.
     pub fn put(&self, index: u64, bytes: Vec<u8>) -> Result<String> {
+        let bytes = bytes::Bytes::from(bytes);
+        let at = self.put_part(index, bytes.clone())?;
+        if let Err(e) = self.put_summary(index, bytes) {
+            tracing::warn!("no summary written for {at}: {e:#}");
+        }
+        Ok(at)
+    }
+
+    fn put_summary(&self, index: u64, part: bytes::Bytes) -> Result<()> {
+        let len = part.len() as u64;
+        let data = crate::decode::decode_part(part, self.rank, crate::digest::COLUMNS, 0)?;
+        let digest = crate::digest::PartDigest::of_data(&data);
+        match &self.location {
+            Location::Local(run) => {
+                let part = rank_dir(run, self.rank).join(part_file_name(index));
+                crate::digest::write_local(&part, len, &digest)
+            }
+            Location::Object { store, base, .. } => {
+                let name = crate::digest::summary_file_name(index);
+                let path = base
+                    .clone()
+                    .join("obs")
+                    .join(format!("rank-{}", self.rank))
+                    .join(name.as_str());
+                let body = crate::digest::encode(&digest, len)?;
+                titan_storage::runtime()
+                    .block_on(store.put(&path, body.into()))
+                    .with_context(|| format!("uploading {path}"))?;
+                Ok(())
+            }
+        }
+    }
+
+    fn put_part(&self, index: u64, bytes: bytes::Bytes) -> Result<String> {
         let name = part_file_name(index);
         match &self.location {
             Location::Local(run) => {

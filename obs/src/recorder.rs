@@ -958,15 +958,26 @@ mod tests {
             if n.is_multiple_of(50) {
                 saw_journal |= journals() > 0;
                 let o = objects();
-                assert!(o.iter().all(|o| o.ends_with(".parquet")), "{o:?}");
+                assert!(
+                    o.iter()
+                        .all(|o| o.ends_with(".parquet") || o.ends_with(".summary")),
+                    "{o:?}"
+                );
             }
         }
         let stats = finish_with_stats().unwrap();
         assert!(saw_journal, "the journal lives in the spool folder");
         assert_eq!(journals(), 0, "compacted journals are removed");
-        let objects = objects();
+        let (objects, summaries): (Vec<String>, Vec<String>) =
+            objects().into_iter().partition(|o| o.ends_with(".parquet"));
         assert!(objects.len() >= 2, "{objects:?}");
         assert_eq!(objects.len() as u64, stats.parts);
+        // Every part is uploaded with its summary.
+        let want: Vec<String> = objects
+            .iter()
+            .map(|o| o.replace(".parquet", ".summary"))
+            .collect();
+        assert_eq!(summaries, want);
         assert!(
             objects
                 .iter()

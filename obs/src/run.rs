@@ -86,6 +86,11 @@ pub struct ReadOptions {
     pub align_clocks: bool,
     /// Called with the number of parts finished, as they finish (for progress bars).
     pub progress: Option<Arc<dyn Fn(u64) + Send + Sync>>,
+    /// Titan runs: read each part's summary (`part-<N>.summary`, see [`crate::digest`])
+    /// into [`Run::digest`] instead of its records, which stay empty; a part without a
+    /// readable summary is decoded and summarised (and its summary written next to it when
+    /// the location is writable). Other formats ignore it.
+    pub digests: bool,
 }
 
 impl Default for ReadOptions {
@@ -94,6 +99,7 @@ impl Default for ReadOptions {
             columns: Columns::ALL,
             align_clocks: true,
             progress: None,
+            digests: false,
         }
     }
 }
@@ -351,6 +357,8 @@ pub struct Run {
     /// Union of the tags seen on any record of (rank, step).
     pub step_tags: BTreeMap<(u32, u64), TagSet>,
     pub report: LoadReport,
+    /// The parts' summaries merged, when read with [`ReadOptions::digests`].
+    pub digest: Option<crate::digest::RunDigest>,
     /// The runs the location holds: the tables above hold one of them (see [`crate::runs`]).
     pub runs: crate::runs::Runs,
 }
@@ -404,6 +412,8 @@ pub(crate) struct PartData {
     pub(crate) step_tags: HashMap<u64, u64>,
     /// Damage the file records about itself (a part's journal ranges dropped at compaction).
     pub(crate) damage: Vec<crate::part::CompactedDamage>,
+    /// Read with [`ReadOptions::digests`]: the part's summary (the tables stay empty).
+    pub(crate) digest: Option<Box<crate::digest::PartDigest>>,
 }
 
 /// Run-wide interning of names and tags while parts are appended.
@@ -455,6 +465,11 @@ impl Merger {
             .collect();
         let offset = if align { part.info.clock_offset_ns } else { 0 };
         let rank = part.info.rank;
+        if let Some(d) = &part.digest {
+            run.digest
+                .get_or_insert_with(Default::default)
+                .merge(d, &name_map, offset);
+        }
         let shift = |v: Vec<i64>| -> Vec<i64> {
             if offset == 0 {
                 v

@@ -69,6 +69,8 @@ pub(crate) struct Tables {
     errors: Errors,
     ranks: BTreeMap<u32, RankInfo>,
     step_tags: BTreeMap<(u32, u64), TagSet>,
+    /// The run's part summaries, when read as summaries.
+    digest: Option<crate::digest::RunDigest>,
 }
 
 /// Exchanges the record tables of `run` with `t`.
@@ -79,6 +81,7 @@ fn swap_tables(run: &mut Run, t: &mut Tables) {
     std::mem::swap(&mut run.errors, &mut t.errors);
     std::mem::swap(&mut run.ranks, &mut t.ranks);
     std::mem::swap(&mut run.step_tags, &mut t.step_tags);
+    std::mem::swap(&mut run.digest, &mut t.digest);
 }
 
 /// One run of a location, for messages.

@@ -2,14 +2,13 @@
 //! torchtitan JSONL and Chrome traces. Whatever the damage, loading never panics or hangs,
 //! the other files' records all load, and a file whose records did not all load is named.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use arrow::record_batch::RecordBatch;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReader;
-use titan_obs::journal::JournalWriter;
-use titan_obs::part::Footer;
+use common::run_with_journal;
 use titan_obs::synth::{SynthConfig, write_run};
 use titan_obs::{ReadOptions, Run};
 
@@ -105,54 +104,6 @@ fn named(run: &Run, file: &str) -> bool {
         || r.truncated_tails.iter().any(|t| t.contains(file))
         || r.bad_lines.iter().any(|b| b.file.contains(file))
         || r.open_spans.iter().any(|o| o.file.contains(file))
-}
-
-/// A two-rank synthetic run whose rank 0 holds `part-000000.parquet` and, instead of its
-/// second part, an open journal of the same records in several batches.
-fn run_with_journal(dir: &Path) -> (PathBuf, PathBuf) {
-    let run = dir.join("run");
-    let cfg = SynthConfig {
-        ranks: 2,
-        steps: 12,
-        spans_per_step: 12,
-        steps_per_part: 6,
-        ..Default::default()
-    };
-    write_run(run.to_str().unwrap(), &cfg).unwrap();
-    let rank0 = run.join("obs/rank-0");
-    let part = rank0.join("part-000001.parquet");
-    let bytes = bytes::Bytes::from(std::fs::read(&part).unwrap());
-    let footer = {
-        use parquet::file::reader::FileReader;
-        let r = parquet::file::serialized_reader::SerializedFileReader::new(bytes.clone()).unwrap();
-        let kv = r
-            .metadata()
-            .file_metadata()
-            .key_value_metadata()
-            .unwrap()
-            .iter()
-            .filter_map(|k| Some((k.key.clone(), k.value.clone()?)))
-            .collect();
-        Footer::parse(&kv).unwrap()
-    };
-    let batches: Vec<RecordBatch> = ParquetRecordBatchReader::try_new(bytes, 1 << 20)
-        .unwrap()
-        .map(|b| b.unwrap())
-        .collect();
-    std::fs::remove_file(&part).unwrap();
-    let mut w = JournalWriter::create(&rank0, 1, &footer.header).unwrap();
-    for b in &batches {
-        let n = b.num_rows();
-        let step = n.div_ceil(40);
-        let mut at = 0;
-        while at < n {
-            let len = step.min(n - at);
-            w.append(&b.slice(at, len)).unwrap();
-            at += len;
-        }
-    }
-    let path = w.path().to_path_buf();
-    (run, path)
 }
 
 /// The damage test of one file: `cases` mutations of `file` inside `run`; after each, the
@@ -421,4 +372,51 @@ fn damage_dropped_at_compaction_is_named_by_the_part() {
     let keyframe = titan_obs::journal::KEYFRAME_EVERY as usize;
     assert_eq!((d[0].offset, d[0].bytes), (end(1), end(keyframe) - end(1)));
     assert!(!loaded.report.is_complete());
+}
+
+#[test]
+fn damaged_summaries_are_named_and_their_parts_decoded() {
+    use titan_obs::analysis::{StragglerOptions, summary};
+    let dir = tempfile::tempdir().unwrap();
+    let (run, _) = run_with_journal(dir.path());
+    let opts = ReadOptions {
+        digests: true,
+        ..Default::default()
+    };
+    let load_digests = |run: &Path| titan_obs::load(run.to_str().unwrap(), &opts);
+    let clean = load_digests(&run).unwrap();
+    assert!(clean.report.is_complete(), "{:?}", clean.report);
+    let want = summary(&clean, &StragglerOptions::default());
+    let file = run.join("obs/rank-0/part-000000.summary");
+    let original = std::fs::read(&file).unwrap();
+    let mut rng = Rng(0x5EED_0008);
+    for case in 0..200 {
+        let m = MUTATIONS[case % MUTATIONS.len()];
+        let damaged = mutate(&original, m, &mut rng);
+        std::fs::write(&file, &damaged).unwrap();
+        let what = format!("part-000000.summary case {case} ({m:?})");
+        let (run_path, opts) = (run.clone(), opts.clone());
+        let loaded = guarded(what.clone(), move || {
+            titan_obs::load(run_path.to_str().unwrap(), &opts)
+        })
+        .unwrap_or_else(|e| panic!("{what}: load failed: {e:#}"));
+        let got = summary(&loaded, &StragglerOptions::default());
+        // Its part was decoded instead: nothing is lost.
+        assert_eq!(got.spans, want.spans, "{what}");
+        for (g, w) in got.phases.iter().zip(&want.phases) {
+            assert_eq!(
+                (&g.name, g.count, g.total_ns, g.min_ns, g.max_ns),
+                (&w.name, w.count, w.total_ns, w.min_ns, w.max_ns),
+                "{what}"
+            );
+        }
+        if damaged != original {
+            assert!(
+                named(&loaded, "part-000000.summary"),
+                "{what}: not named: {:?}",
+                loaded.report
+            );
+            assert!(!loaded.report.is_complete(), "{what}");
+        }
+    }
 }

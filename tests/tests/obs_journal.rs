@@ -168,7 +168,7 @@ fn a_short_run_leaves_one_part_per_rank() {
     for r in 0..2 {
         assert_eq!(
             files(&run.join(format!("obs/rank-{r}"))),
-            ["part-000000.parquet"]
+            ["part-000000.parquet", "part-000000.summary"]
         );
     }
     let loaded = load(&run);
@@ -287,7 +287,12 @@ fn kill_9_keeps_every_flushed_batch_and_the_next_process_compacts_it() {
     );
     assert_eq!(
         files(&rank_dir),
-        ["part-000000.parquet", "part-000001.parquet"]
+        [
+            "part-000000.parquet",
+            "part-000000.summary",
+            "part-000001.parquet",
+            "part-000001.summary"
+        ]
     );
     let after = load(&run);
     assert!(after.report.is_complete(), "{:?}", after.report);
@@ -327,7 +332,7 @@ fn rotation_makes_parts_equal_to_the_journal_and_follow_reads_only_new_data() {
     let total = reader.total();
     let parts: Vec<String> = files(&rank_dir)
         .into_iter()
-        .filter(|f| f.starts_with("part-"))
+        .filter(|f| f.starts_with("part-") && f.ends_with(".parquet"))
         .collect();
     assert!(parts.len() >= 3, "rotation every 700 ms made {parts:?}");
     // Each part decoded once; its rows read from the journal before were skipped, not re-read.
@@ -528,7 +533,8 @@ fn old_layout_parts_and_a_journal_load_together() {
         ..Default::default()
     };
     let stats = titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
-    assert_eq!(files(&run.join("obs/rank-0")).len(), 10);
+    // 10 parts, each with its summary.
+    assert_eq!(files(&run.join("obs/rank-0")).len(), 20);
     let old = load(&run);
     assert!(old.report.is_complete());
     assert_eq!(old.spans.len() as u64, stats.spans);

@@ -110,3 +110,37 @@ fn a_damaged_journal_batch_is_named_skipped_and_strict_exits_3() {
         "{stdout}"
     );
 }
+
+#[test]
+fn a_damaged_part_summary_is_named_its_part_decoded_and_strict_exits_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let synth = titan_obs(&["synth", run_s, "--ranks", "2", "--steps", "20", "-q"]);
+    assert!(synth.status.success(), "{synth:?}");
+    let clean = titan_obs(&["summary", run_s, "--json", "--strict"]);
+    assert_eq!(clean.status.code(), Some(0), "{clean:?}");
+    let summary = run.join("obs/rank-1/part-000000.summary");
+    let mut bytes = std::fs::read(&summary).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x10;
+    std::fs::write(&summary, &bytes).unwrap();
+
+    let out = titan_obs(&["summary", run_s, "--json", "--strict"]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("part-000000.summary"), "{stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let damage = json["damage"].as_array().unwrap();
+    assert!(
+        damage[0]["file"]
+            .as_str()
+            .unwrap()
+            .ends_with("part-000000.summary"),
+        "{damage:?}"
+    );
+    // Nothing was lost: its part was decoded instead.
+    let want: serde_json::Value = serde_json::from_slice(&clean.stdout).unwrap();
+    assert_eq!(json["spans"], want["spans"]);
+    assert_eq!(json["phases"], want["phases"]);
+}

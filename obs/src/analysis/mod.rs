@@ -3,6 +3,7 @@
 //! shows the same statistics, stragglers and waits.
 
 pub mod chrome;
+pub mod digested;
 pub mod metrics;
 pub mod pipeline;
 pub mod spread;

@@ -10,6 +10,7 @@ pub struct DurationStats {
     pub mean_ns: f64,
     pub p50_ns: i64,
     pub p95_ns: i64,
+    pub min_ns: i64,
     pub max_ns: i64,
 }
 
@@ -22,6 +23,7 @@ impl DurationStats {
         let count = values.len() as u64;
         let total: i64 = values.iter().sum();
         let max = *values.iter().max().expect("non-empty");
+        let min = *values.iter().min().expect("non-empty");
         // Select the 95th first: everything left of it is then the i95 smallest values, so
         // the 50th (a smaller rank) can be selected within that prefix.
         let i95 = nearest_rank_index(values.len(), 0.95);
@@ -34,6 +36,7 @@ impl DurationStats {
             mean_ns: total as f64 / count as f64,
             p50_ns: p50,
             p95_ns: p95,
+            min_ns: min,
             max_ns: max,
         }
     }

@@ -46,6 +46,7 @@ pub struct PhaseStats {
     pub mean_ns: f64,
     pub p50_ns: i64,
     pub p95_ns: i64,
+    pub min_ns: i64,
     pub max_ns: i64,
     /// Share of the step time spent in this phase (spans inside steps only); None for
     /// phases outside steps (init, teardown) or when the run has no step time.
@@ -160,15 +161,30 @@ impl Analysis {
 
 /// Computes the summary of a loaded run (loaded with at least [`crate::Columns::SUMMARY`];
 /// without start times there are no waits).
+///
+/// A run read with [`crate::ReadOptions::digests`] is summarised from its parts' summaries
+/// ([`super::digested`]); any other from its spans.
 pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
-    let a = analyse(&SpanTable::of_run(run), &RunShape::of_run(run), opts);
+    let shape = RunShape::of_run(run);
+    let (a, spans, errors) = match &run.digest {
+        Some(d) => (
+            super::digested::analyse_digest(d, &run.names, &shape, opts),
+            d.spans,
+            d.errors,
+        ),
+        None => (
+            analyse(&SpanTable::of_run(run), &shape, opts),
+            run.spans.len() as u64,
+            run.errors.rank.len() as u64,
+        ),
+    };
     Summary {
         run: run.location.clone(),
         ranks: a.ranks,
         world_size: run.report.world_size,
         steps: a.steps,
-        spans: run.spans.len() as u64,
-        errors: run.errors.rank.len() as u64,
+        spans,
+        errors,
         median_step_ns: a.median_step_ns,
         phases: a.phases,
         stragglers: a.stragglers,
@@ -304,35 +320,60 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
             )
         })
         .collect();
-    let mut phases = Vec::with_capacity(per_phase.len());
+    let tagged_phase = tagged_phase_times(t, shape);
+    assemble(
+        Gathered {
+            ranks: &ranks,
+            steps: &steps,
+            wall: &wall,
+            per_phase,
+            tagged_phase,
+            waits,
+        },
+        shape,
+        opts,
+    )
+}
+
+/// What an analysis gathered from spans (or from per-part summaries); [`assemble`] makes
+/// the [`Analysis`] of it, the same way for both.
+pub(crate) struct Gathered<'a> {
+    /// Sorted, distinct.
+    pub(crate) ranks: &'a [u32],
+    /// Sorted, distinct: the steps that have spans.
+    pub(crate) steps: &'a [u64],
+    /// Steps x ranks (row-major): each rank's time in top-level spans of each step.
+    pub(crate) wall: &'a [i64],
+    /// Per phase: its statistics and its stragglers (before the step-share rule).
+    pub(crate) per_phase: Vec<(PhaseStats, Vec<Straggler>)>,
+    /// (tagged step, rank) -> that rank's time in the step's tag phases.
+    pub(crate) tagged_phase: HashMap<(u64, u32), i64>,
+    pub(crate) waits: Waits,
+}
+
+/// Orders phases and stragglers, applies the step-share rule to stragglers and costs the
+/// tagged steps against the median untagged step.
+pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOptions) -> Analysis {
+    let n_ranks = g.ranks.len();
+    let mut phases = Vec::with_capacity(g.per_phase.len());
     let mut stragglers = Vec::new();
-    for (p, s) in per_phase {
+    for (p, s) in g.per_phase {
         phases.push(p);
         stragglers.extend(s);
     }
-    phases.sort_by(|a, b| {
-        (
-            a.share_of_step.is_none(),
-            std::cmp::Reverse(a.total_ns),
-            &a.name,
-        )
-            .cmp(&(
-                b.share_of_step.is_none(),
-                std::cmp::Reverse(b.total_ns),
-                &b.name,
-            ))
-    });
+    sort_phases(&mut phases);
     stragglers.sort_by(|a, b| b.median_excess_ns.total_cmp(&a.median_excess_ns));
 
     // Tagged steps and their cost relative to untagged steps.
     let wall_of = |si: usize| -> i64 {
-        wall[si * n_ranks..(si + 1) * n_ranks]
+        g.wall[si * n_ranks..(si + 1) * n_ranks]
             .iter()
             .copied()
             .max()
             .unwrap_or(0)
     };
-    let mut untagged: Vec<f64> = steps
+    let mut untagged: Vec<f64> = g
+        .steps
         .iter()
         .enumerate()
         .filter(|(_, s)| !shape.step_tags.contains_key(s))
@@ -344,17 +385,17 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
         median_f64(&mut untagged)
     };
     stragglers.retain(|s| s.median_excess_ns >= opts.min_step_share * median_step);
-    let tagged_phase = tagged_phase_times(t, shape);
     let tagged_steps = shape
         .step_tags
         .iter()
         .filter(|(_, tags)| !tags.is_empty())
         .filter_map(|(&step, tags)| {
-            let si = step_index.get(step)?;
+            let si = g.steps.binary_search(&step).ok()?;
             let w = wall_of(si);
-            let phase_ns = ranks
+            let phase_ns = g
+                .ranks
                 .iter()
-                .map(|&r| tagged_phase.get(&(step, r)).copied().unwrap_or(0))
+                .map(|&r| g.tagged_phase.get(&(step, r)).copied().unwrap_or(0))
                 .max()
                 .unwrap_or(0);
             Some(TaggedStep {
@@ -368,20 +409,42 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
         .collect();
 
     Analysis {
-        ranks: ranks.len() as u32,
-        steps: steps.len() as u64,
+        ranks: n_ranks as u32,
+        steps: g.steps.len() as u64,
         median_step_ns: median_step as i64,
         phases,
         stragglers,
         tagged_steps,
-        waits,
+        waits: g.waits,
     }
+}
+
+/// The stragglers of phase `name` in its steps x ranks matrix of times (see
+/// [`find_stragglers`]).
+pub(crate) fn phase_stragglers(
+    cell: &[i64],
+    ranks: &[u32],
+    name: &str,
+    opts: &StragglerOptions,
+) -> Vec<Straggler> {
+    find_stragglers(cell, ranks.len(), opts)
+        .into_iter()
+        .map(|s| Straggler {
+            phase: name.to_string(),
+            rank: ranks[s.rank_index],
+            slowest_steps: s.slowest_steps,
+            above_median_steps: s.above_median_steps,
+            steps: s.steps,
+            median_excess_ns: s.median_excess_ns,
+            median_ratio: s.median_ratio,
+        })
+        .collect()
 }
 
 /// Whether span name `name` is the work of step tag `tag`: the span named like the tag, or
 /// one of its sub-phases `<tag>_...`. titan-train tags a step `checkpoint` and records
 /// `checkpoint_stage`/`checkpoint_save`; torchtitan tags and names both `checkpoint_save`.
-fn is_tag_phase(name: &str, tag: &str) -> bool {
+pub(crate) fn is_tag_phase(name: &str, tag: &str) -> bool {
     name.strip_prefix(tag)
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
 }
@@ -437,16 +500,7 @@ fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i6
                 // Saturating: a damaged part's huge times must not overflow.
                 .map(|&i| (t.start_ns[i], t.start_ns[i].saturating_add(t.dur_ns[i])))
                 .collect();
-            iv.sort_unstable();
-            let (mut total, mut end) = (0i64, i64::MIN);
-            for (s, e) in iv {
-                let s = s.max(end);
-                if e > s {
-                    total = total.saturating_add(e.saturating_sub(s));
-                    end = e;
-                }
-            }
-            total
+            union_len(&mut iv)
         } else {
             let top = if t.has_depth() {
                 idx.iter().map(|&i| t.depth[i]).min().unwrap_or(0)
@@ -461,6 +515,36 @@ fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i6
         out.insert(key, ns);
     }
     out
+}
+
+/// The length of the union of `[start, end)` intervals (reorders them).
+pub(crate) fn union_len(iv: &mut [(i64, i64)]) -> i64 {
+    iv.sort_unstable();
+    let (mut total, mut end) = (0i64, i64::MIN);
+    for &(s, e) in iv.iter() {
+        let s = s.max(end);
+        if e > s {
+            total = total.saturating_add(e.saturating_sub(s));
+            end = e;
+        }
+    }
+    total
+}
+
+/// Phases in the order the summary lists them: inside steps first, then by total time.
+pub(crate) fn sort_phases(phases: &mut [PhaseStats]) {
+    phases.sort_by(|a, b| {
+        (
+            a.share_of_step.is_none(),
+            std::cmp::Reverse(a.total_ns),
+            &a.name,
+        )
+            .cmp(&(
+                b.share_of_step.is_none(),
+                std::cmp::Reverse(b.total_ns),
+                &b.name,
+            ))
+    });
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -504,6 +588,7 @@ fn phase(
         mean_ns: st.mean_ns,
         p50_ns: st.p50_ns,
         p95_ns: st.p95_ns,
+        min_ns: st.min_ns,
         max_ns: st.max_ns,
         share_of_step: share,
     };
@@ -521,18 +606,7 @@ fn phase(
         let c = &mut cell[cell_of[i] as usize];
         *c = if *c < 0 { own_dur[i] } else { *c + own_dur[i] };
     }
-    let stragglers = find_stragglers(&cell, n_ranks, opts)
-        .into_iter()
-        .map(|s| Straggler {
-            phase: name.clone(),
-            rank: ranks[s.rank_index],
-            slowest_steps: s.slowest_steps,
-            above_median_steps: s.above_median_steps,
-            steps: s.steps,
-            median_excess_ns: s.median_excess_ns,
-            median_ratio: s.median_ratio,
-        })
-        .collect();
+    let stragglers = phase_stragglers(&cell, ranks, &name, opts);
     (stats, stragglers)
 }
 

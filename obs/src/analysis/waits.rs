@@ -55,13 +55,25 @@ pub struct Waits {
 
 /// One collective span: (step, name, ordinal) identifies the call across ranks.
 #[derive(Debug, Clone, Copy)]
-struct Arrival {
-    step: u64,
-    name: NameId,
-    ordinal: u32,
-    rank: u32,
-    start: i64,
-    idx: u32,
+pub(crate) struct Arrival {
+    pub(crate) step: u64,
+    pub(crate) name: NameId,
+    pub(crate) rank: u32,
+    /// On rank 0's clock.
+    pub(crate) start: i64,
+    /// The caller's id of the span (its row in a span table, or in the per-part summaries).
+    pub(crate) idx: u32,
+}
+
+/// One collective call matched across ranks: who arrived last and the wait it caused.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call {
+    pub(crate) step: u64,
+    pub(crate) late_rank: u32,
+    pub(crate) late_idx: u32,
+    /// The last arrival's start (rank 0's clock).
+    pub(crate) at: i64,
+    pub(crate) caused: i64,
 }
 
 /// Matches collectives across ranks and accounts who waited for whom (empty when the run
@@ -75,62 +87,17 @@ pub fn collective_waits(t: &SpanTable) -> Waits {
     if !t.has_start() || !is_coll.iter().any(|&c| c) {
         return Waits::default();
     }
-    let mut arrivals: Vec<Arrival> = (0..t.len())
+    let arrivals: Vec<Arrival> = (0..t.len())
         .filter(|&i| t.step[i] != NO_STEP && is_coll[t.name[i] as usize])
         .map(|i| Arrival {
             step: t.step[i],
             name: t.name[i],
-            ordinal: 0,
             rank: t.rank[i],
             start: t.start_ns[i],
             idx: i as u32,
         })
         .collect();
-    // Ordinal of each call within its (step, name, rank).
-    arrivals.sort_unstable_by_key(|a| (a.step, a.name, a.rank, a.start, a.idx));
-    for i in 0..arrivals.len() {
-        let (s, n, r) = (arrivals[i].step, arrivals[i].name, arrivals[i].rank);
-        if i > 0 && {
-            let p = &arrivals[i - 1];
-            (p.step, p.name, p.rank) == (s, n, r)
-        } {
-            arrivals[i].ordinal = arrivals[i - 1].ordinal + 1;
-        }
-    }
-    arrivals.sort_unstable_by_key(|a| (a.step, a.name, a.ordinal, a.start, a.rank));
-
-    // Each call: its last arrival, the waits, and the late span.
-    struct Call {
-        step: u64,
-        late_rank: u32,
-        late_idx: u32,
-        caused: i64,
-    }
-    let mut calls: Vec<Call> = Vec::new();
-    let mut span_wait = Vec::new();
-    for group in
-        arrivals.chunk_by(|a, b| (a.step, a.name, a.ordinal) == (b.step, b.name, b.ordinal))
-    {
-        if group.len() < 2 {
-            continue;
-        }
-        // Sorted by start: the last element arrived last (ties: the highest rank).
-        let last = group[group.len() - 1];
-        let mut caused = 0i64;
-        for a in &group[..group.len() - 1] {
-            let w = last.start - a.start;
-            if w > 0 {
-                span_wait.push((a.idx, w));
-                caused += w;
-            }
-        }
-        calls.push(Call {
-            step: last.step,
-            late_rank: last.rank,
-            late_idx: last.idx,
-            caused,
-        });
-    }
+    let (calls, span_wait) = match_arrivals(arrivals);
     if calls.is_empty() {
         return Waits::default();
     }
@@ -149,11 +116,10 @@ pub fn collective_waits(t: &SpanTable) -> Waits {
         }
     }
     let phase_before = |c: &Call| -> String {
-        let at = t.start_ns[c.late_idx as usize];
         let best = wanted[&(c.late_rank, c.step)]
             .iter()
             .map(|&i| i as usize)
-            .filter(|&i| t.start_ns[i] + t.dur_ns[i] <= at)
+            .filter(|&i| t.start_ns[i] + t.dur_ns[i] <= c.at)
             .max_by_key(|&i| {
                 let depth = if t.has_depth() { t.depth[i] } else { 0 };
                 (t.start_ns[i] + t.dur_ns[i], std::cmp::Reverse(depth))
@@ -163,7 +129,60 @@ pub fn collective_waits(t: &SpanTable) -> Waits {
             None => "-".to_string(),
         }
     };
+    account(&calls, span_wait, phase_before)
+}
 
+/// Groups arrivals into calls — the n-th call of a name that each rank started in a step is
+/// one call — and returns the calls of two or more ranks, in step order, and (arrival idx,
+/// time it waited for the last rank) for every arrival that waited.
+pub(crate) fn match_arrivals(mut arrivals: Vec<Arrival>) -> (Vec<Call>, Vec<(u32, i64)>) {
+    // Ordinal of each call within its (step, name, rank).
+    arrivals.sort_unstable_by_key(|a| (a.step, a.name, a.rank, a.start, a.idx));
+    let mut ordinal = vec![0u32; arrivals.len()];
+    for i in 1..arrivals.len() {
+        let (p, a) = (&arrivals[i - 1], &arrivals[i]);
+        if (p.step, p.name, p.rank) == (a.step, a.name, a.rank) {
+            ordinal[i] = ordinal[i - 1] + 1;
+        }
+    }
+    let mut keyed: Vec<(u32, Arrival)> = ordinal.into_iter().zip(arrivals).collect();
+    keyed.sort_unstable_by_key(|(o, a)| (a.step, a.name, *o, a.start, a.rank));
+
+    let mut calls: Vec<Call> = Vec::new();
+    let mut span_wait = Vec::new();
+    for group in keyed.chunk_by(|(oa, a), (ob, b)| (a.step, a.name, oa) == (b.step, b.name, ob)) {
+        if group.len() < 2 {
+            continue;
+        }
+        // Sorted by start: the last element arrived last (ties: the highest rank).
+        let last = group[group.len() - 1].1;
+        let mut caused = 0i64;
+        for (_, a) in &group[..group.len() - 1] {
+            let w = last.start.saturating_sub(a.start);
+            if w > 0 {
+                span_wait.push((a.idx, w));
+                caused = caused.saturating_add(w);
+            }
+        }
+        calls.push(Call {
+            step: last.step,
+            late_rank: last.rank,
+            late_idx: last.idx,
+            at: last.start,
+            caused,
+        });
+    }
+    span_wait.sort_unstable();
+    (calls, span_wait)
+}
+
+/// The "waiting on" table and the per-step worst rank from matched calls (in step order);
+/// `phase_before` names the phase a late rank came from.
+pub(crate) fn account(
+    calls: &[Call],
+    span_wait: Vec<(u32, i64)>,
+    mut phase_before: impl FnMut(&Call) -> String,
+) -> Waits {
     // Per (rank, phase) totals, and per step the rank that caused the most wait.
     let mut rows: BTreeMap<(u32, String), Wait> = BTreeMap::new();
     let mut per_step: Vec<StepWait> = Vec::new();
@@ -180,9 +199,9 @@ pub fn collective_waits(t: &SpanTable) -> Waits {
                     steps_last: 0,
                     wait_caused_ns: 0,
                 });
-            row.wait_caused_ns += c.caused;
+            row.wait_caused_ns = row.wait_caused_ns.saturating_add(c.caused);
             let e = by_rank.entry(c.late_rank).or_insert((0, phase.clone(), -1));
-            e.0 += c.caused;
+            e.0 = e.0.saturating_add(c.caused);
             if c.caused > e.2 {
                 e.1 = phase;
                 e.2 = c.caused;
@@ -210,7 +229,6 @@ pub fn collective_waits(t: &SpanTable) -> Waits {
             &b.phase,
         ))
     });
-    span_wait.sort_unstable();
     Waits {
         table,
         per_step,

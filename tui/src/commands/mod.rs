@@ -44,6 +44,12 @@ pub struct RunArgs {
 
 /// Loads the run with a progress bar on stderr and prints what is missing or corrupt.
 pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
+    load_run_with(args, columns, false)
+}
+
+/// [`load_run`]; `digests`: read titan parts' summaries instead of their records (see
+/// `titan_obs::ReadOptions::digests`).
+pub fn load_run_with(args: &RunArgs, columns: Columns, digests: bool) -> Result<Run> {
     let bar = if args.quiet || !console_is_tty() {
         ProgressBar::hidden()
     } else {
@@ -63,6 +69,7 @@ pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
         columns,
         align_clocks: !args.no_clock_align,
         progress: Some(progress),
+        digests,
     };
     let started = std::time::Instant::now();
     let run = titan_obs::read::load(&args.run, &opts);

@@ -3,10 +3,10 @@
 use std::fmt::Write;
 
 use anyhow::Result;
-use titan_obs::analysis::{PipelineSummary, StragglerOptions, Summary, summary};
-use titan_obs::read::Columns;
+use titan_obs::analysis::{PipelineSummary, StragglerOptions, Summary, pipeline_summary, summary};
+use titan_obs::read::{Columns, ReadOptions};
 
-use super::{RunArgs, exit_code, human_ns, load_run};
+use super::{RunArgs, exit_code, human_ns, load_run_with};
 
 /// Where the time went, per phase across ranks and steps.
 #[derive(clap::Args, Debug)]
@@ -22,6 +22,10 @@ pub struct SummaryArgs {
     /// ...and its median time is at least this much above the cross-rank median (0.05 = 5%).
     #[arg(long, default_value_t = 0.05, value_name = "RATIO")]
     pub straggler_excess: f64,
+    /// Decode every span instead of reading the per-part summaries (`part-<N>.summary`):
+    /// p50/p95 exact rather than within 1%, at the cost of reading all the data.
+    #[arg(long)]
+    pub exact: bool,
     /// Show at most this many stragglers and tagged steps in the tables (JSON has all).
     #[arg(long, default_value_t = 20)]
     pub top: usize,
@@ -33,13 +37,27 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
         start: true,
         ..Columns::SUMMARY
     };
-    let loaded = load_run(&args.run, columns)?;
+    let loaded = load_run_with(&args.run, columns, !args.exact)?;
     let opts = StragglerOptions {
         min_share_of_steps: args.straggler_steps,
         min_excess_ratio: args.straggler_excess,
         ..StragglerOptions::default()
     };
-    let s = summary(&loaded, &opts);
+    let mut s = summary(&loaded, &opts);
+    if loaded.digest.as_ref().is_some_and(|d| d.pipeline_spans > 0) {
+        // The per-part summaries leave the pipeline analysis out: it reads the spans (quietly:
+        // what is missing or damaged was reported by the first read).
+        let opts = ReadOptions {
+            columns,
+            align_clocks: !args.run.no_clock_align,
+            ..ReadOptions::default()
+        };
+        let mut spans = titan_obs::read::load(&args.run.run, &opts)?;
+        if let Some(id) = &args.run.run_id {
+            spans.select_run(id)?;
+        }
+        s.pipeline = pipeline_summary(&spans);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {

@@ -1,0 +1,188 @@
+//! `titan-obs summary` from the per-part summaries (`part-<N>.summary`) against the summary
+//! of every decoded span (`--exact`): counts, sums, minima, maxima, stragglers, tagged steps
+//! and waits the same; p50/p95 within the sketches' relative error.
+
+mod common;
+
+use std::path::Path;
+
+use titan_obs::analysis::{StragglerOptions, Summary, summary};
+use titan_obs::digest::SKETCH_ALPHA;
+use titan_obs::synth::{Straggler, SynthConfig, write_run};
+use titan_obs::{ReadOptions, Run};
+
+fn load(run: &Path, digests: bool) -> Run {
+    let opts = ReadOptions {
+        digests,
+        ..Default::default()
+    };
+    titan_obs::load(run.to_str().unwrap(), &opts).unwrap()
+}
+
+/// The summary of `run` both ways, checked to agree; returns the one from the summaries.
+fn agree(run: &Path) -> Summary {
+    let opts = StragglerOptions::default();
+    let fast = load(run, true);
+    assert!(fast.spans.is_empty(), "no span is decoded");
+    assert!(fast.digest.is_some());
+    let fast = summary(&fast, &opts);
+    let exact = summary(&load(run, false), &opts);
+    assert_eq!(
+        (fast.ranks, fast.steps, fast.spans, fast.errors),
+        (exact.ranks, exact.steps, exact.spans, exact.errors)
+    );
+    assert_eq!(fast.median_step_ns, exact.median_step_ns);
+    assert_eq!(fast.phases.len(), exact.phases.len());
+    for (f, e) in fast.phases.iter().zip(&exact.phases) {
+        assert_eq!(
+            (&f.name, f.depth, f.count, f.total_ns, f.min_ns, f.max_ns),
+            (&e.name, e.depth, e.count, e.total_ns, e.min_ns, e.max_ns)
+        );
+        assert_eq!(f.mean_ns, e.mean_ns);
+        assert_eq!(f.share_of_step, e.share_of_step, "{}", f.name);
+        for (q, a, b) in [("p50", f.p50_ns, e.p50_ns), ("p95", f.p95_ns, e.p95_ns)] {
+            // The sketch's bound, plus rounding to whole ns.
+            let bound = SKETCH_ALPHA * b.abs() as f64 + 1.0;
+            assert!(
+                ((a - b) as f64).abs() <= bound,
+                "{} {q}: {a} from the summaries, {b} exact",
+                f.name
+            );
+        }
+    }
+    let key = |s: &Summary| -> Vec<(String, u32, u64, u64, u64)> {
+        s.stragglers
+            .iter()
+            .map(|x| {
+                (
+                    x.phase.clone(),
+                    x.rank,
+                    x.slowest_steps,
+                    x.above_median_steps,
+                    x.steps,
+                )
+            })
+            .collect()
+    };
+    assert_eq!(key(&fast), key(&exact));
+    for (f, e) in fast.stragglers.iter().zip(&exact.stragglers) {
+        assert_eq!(f.median_excess_ns, e.median_excess_ns);
+        assert_eq!(f.median_ratio, e.median_ratio);
+    }
+    let tagged = |s: &Summary| {
+        s.tagged_steps
+            .iter()
+            .map(|t| {
+                (
+                    t.step,
+                    t.tags.clone(),
+                    t.wall_ns,
+                    t.extra_ns,
+                    t.tagged_phase_ns,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(tagged(&fast), tagged(&exact));
+    assert_eq!(fast.waits, exact.waits);
+    fast
+}
+
+fn synth(dir: &Path) -> std::path::PathBuf {
+    let run = dir.join("run");
+    let cfg = SynthConfig {
+        ranks: 8,
+        steps: 60,
+        spans_per_step: 30,
+        steps_per_part: 7,
+        stragglers: vec![
+            Straggler {
+                rank: 3,
+                phase: "forward_backward".into(),
+                factor: 1.3,
+            },
+            Straggler {
+                rank: 6,
+                phase: "optimizer".into(),
+                factor: 1.6,
+            },
+        ],
+        checkpoint_every: Some(10),
+        validation_every: Some(4),
+        ..Default::default()
+    };
+    write_run(run.to_str().unwrap(), &cfg).unwrap();
+    run
+}
+
+#[test]
+fn summaries_agree_with_every_span() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth(dir.path());
+    let s = agree(&run);
+    // The run is what the test means it to be: stragglers, tagged steps, waits.
+    assert!(
+        s.stragglers.iter().any(|x| x.rank == 3),
+        "{:?}",
+        s.stragglers
+    );
+    assert!(
+        s.stragglers.iter().any(|x| x.rank == 6),
+        "{:?}",
+        s.stragglers
+    );
+    assert!(s.tagged_steps.len() >= 10, "{:?}", s.tagged_steps);
+    assert!(!s.waits.is_empty());
+}
+
+#[test]
+fn runs_written_before_summaries_get_them_on_first_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth(dir.path());
+    let summaries = |run: &Path| -> Vec<std::path::PathBuf> {
+        let mut v = Vec::new();
+        for r in std::fs::read_dir(run.join("obs")).unwrap() {
+            for f in std::fs::read_dir(r.unwrap().path()).unwrap() {
+                let p = f.unwrap().path();
+                if p.extension().is_some_and(|e| e == "summary") {
+                    v.push(p);
+                }
+            }
+        }
+        v.sort();
+        v
+    };
+    let written = summaries(&run);
+    assert_eq!(written.len(), 8 * 60usize.div_ceil(7), "one per part");
+    let bytes: Vec<Vec<u8>> = written.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    for p in &written {
+        std::fs::remove_file(p).unwrap();
+    }
+    // The old layout opens, and its summaries are built and cached, the same as written.
+    agree(&run);
+    assert_eq!(summaries(&run), written);
+    let rebuilt: Vec<Vec<u8>> = written.iter().map(|p| std::fs::read(p).unwrap()).collect();
+    assert!(
+        rebuilt == bytes,
+        "cached summaries differ from the written ones"
+    );
+    agree(&run);
+}
+
+#[test]
+fn open_journals_are_summarised_as_they_are_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run, journal) = common::run_with_journal(dir.path());
+    assert!(journal.exists());
+    let fast = summary(&load(&run, true), &StragglerOptions::default());
+    let exact = summary(&load(&run, false), &StragglerOptions::default());
+    assert_eq!(fast.spans, exact.spans);
+    for (f, e) in fast.phases.iter().zip(&exact.phases) {
+        assert_eq!(
+            (&f.name, f.count, f.total_ns, f.max_ns),
+            (&e.name, e.count, e.total_ns, e.max_ns)
+        );
+    }
+    // A journal is never cached: it is still growing.
+    assert!(!journal.with_extension("summary").exists());
+}
