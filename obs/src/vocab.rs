@@ -43,7 +43,7 @@ pub mod titan {
     pub const PIPELINE_PASSES: [&str; 4] = [FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT];
 }
 
-/// The collectives titan-train records as spans (trainer/src/dist), one per call on every rank
+/// The collectives titan-train records as spans (trainer/src/distributed), one per call on every rank
 /// of the group, named like torch.distributed's functions. Each span holds one scalar named
 /// [`collective::bytes_scalar`] of it: the bytes this rank passed in (obs/SCHEMA.md).
 pub mod collective {

@@ -35,6 +35,8 @@ EXPECTED = [
     ("parent", pa.uint64(), True),
     ("tags", pa.list_(pa.field("item", pa.string(), nullable=False)), False),
     ("message", pa.string(), True),
+    ("microbatch", pa.uint16(), True),
+    ("stage", pa.uint16(), True),
 ]
 
 
@@ -61,7 +63,7 @@ for path in parts:
     meta = {k.decode(): v.decode() for k, v in f.metadata.metadata.items()}
     rank = int(os.path.basename(os.path.dirname(path)).split("-")[1])
     for key, want in [
-        ("titan.schema_version", "1"),
+        ("titan.schema_version", "2"),
         ("titan.rank", str(rank)),
         ("titan.world_size", "2"),
         ("titan.source", "trainer"),
@@ -98,6 +100,9 @@ for rank, recs in by_rank.items():
             fail(f"reduce null-ness wrong: {r}")
         if (r["message"] is None) != (r["kind"] != "error"):
             fail(f"message null-ness wrong: {r}")
+        # This recording runs no pipeline: no record has a pipeline slot.
+        if r["microbatch"] is not None or r["stage"] is not None:
+            fail(f"pipeline slot on a record outside a pipeline: {r}")
     spans = [r for r in recs if r["kind"] == "span"]
     by_key = {(r["thread"], r["seq"]): r for r in recs}
     if len(by_key) != len(recs):

@@ -10,11 +10,11 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
+use titan_obs::PipelineSlot;
 use titan_obs::analysis::{
     Analysis, RunShape, SpanTable, Straggler, StragglerOptions, analyse, phase_step_spread,
     rank_times,
 };
-use titan_obs::PipelineSlot;
 use titan_obs::vocab::{titan, torch_pipelining};
 pub use titan_obs::{NO_STEP, Reduce};
 
