@@ -41,6 +41,18 @@ pub mod titan {
     /// The compute passes of a pipeline schedule; the rest of a rank's pipeline window
     /// (its `forward_backward` span) is the bubble.
     pub const PIPELINE_PASSES: [&str; 4] = [FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT];
+    /// Every phase a pipeline schedule records per stage: under pipeline parallelism ranks run
+    /// different stages by design, so these are compared per stage (the summary's pipeline
+    /// section), not across ranks (stragglers).
+    pub const PIPELINE_PHASES: [&str; 7] = [
+        FORWARD,
+        BACKWARD,
+        BACKWARD_INPUT,
+        BACKWARD_WEIGHT,
+        PIPELINE_RECV,
+        PIPELINE_SEND,
+        EVAL_FORWARD,
+    ];
 }
 
 /// The collectives titan-train records as spans (trainer/src/distributed), one per call on every rank

@@ -62,9 +62,18 @@ def patch_float8(mode):
         f8.Float8LinearConverter.__init__ = emulated
 
 
+def metrics_rank(args):
+    """The rank whose MetricsProcessor has the loss: 0, or under pipeline parallelism the first
+    rank of the last stage (torchtitan's `_get_metrics_rank`; its other ranks log -1)."""
+    pp = int(args[args.index("--parallelism.pipeline_parallel_degree") + 1]) \
+        if "--parallelism.pipeline_parallel_degree" in args else 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return 0 if pp <= 1 else world - world // pp
+
+
 def rank_main(args):
-    """One torchtitan rank: the CPU patches, plus rank 0 appends each logged step's loss and grad
-    norm (full precision) to $TITAN_PARITY_LOSSES."""
+    """One torchtitan rank: the CPU patches, plus the rank that has the loss appends each logged
+    step's loss and grad norm (full precision) to $TITAN_PARITY_LOSSES."""
     patch_for_cpu()
     if os.environ.get(FLOAT8_ENV):
         patch_float8(os.environ[FLOAT8_ENV])
@@ -74,7 +83,7 @@ def rank_main(args):
     log = metrics.MetricsProcessor.log
 
     def recording_log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        if out and int(os.environ.get("RANK", "0")) == 0:
+        if out and int(os.environ.get("RANK", "0")) == metrics_rank(args):
             with open(out, "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(global_avg_loss), "grad_norm": float(grad_norm),
                                     "time": time.time()}) + "\n")

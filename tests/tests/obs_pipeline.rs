@@ -138,6 +138,65 @@ fn summary_names_the_slow_stage_and_its_neighbours_bubble_grows_as_predicted() {
         .flat_map(|s| (0..8).map(move |m| (s, s, m)))
         .collect();
     assert_eq!(forwards, expected);
+
+    // The TUI, on a step: each pass's bar says `<stage><pass><microbatch>`.
+    let screen = tui_screen_at_step(&dir.path().join("balanced"), 3);
+    for label in ["0F0", "0F7", "0B0", "0B7", "1F0", "1B7"] {
+        assert!(screen.contains(label), "{label} missing:\n{screen}");
+    }
+}
+
+/// The TUI's screen (200 x 30, in a private tmux server) after jumping to `step`.
+fn tui_screen_at_step(run: &Path, step: u64) -> String {
+    let socket = format!("titan-obs-pipeline-{}", std::process::id());
+    let tmux = |args: &[&str]| {
+        Command::new("tmux")
+            .args(["-L", &socket, "-f", "/dev/null"])
+            .args(args)
+            .env_remove("TMUX")
+            .output()
+            .expect("tmux is required (scripts/setup.sh installs it)")
+    };
+    let cmd = format!(
+        "TERM=xterm-256color '{}' '{}'; sleep 60",
+        bin("titan-obs").display(),
+        run.display()
+    );
+    let started = tmux(&[
+        "new-session",
+        "-d",
+        "-s",
+        "tui",
+        "-x",
+        "200",
+        "-y",
+        "30",
+        &cmd,
+    ]);
+    assert!(started.status.success(), "{}", text(&started));
+    let capture =
+        || String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", "tui"]).stdout).into_owned();
+    let wait = |what: &str, ok: &dyn Fn(&str) -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let s = capture();
+            if ok(&s) {
+                return s;
+            }
+            assert!(std::time::Instant::now() < deadline, "no {what}:\n{s}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    wait("gantt", &|s| s.contains("forward_backward"));
+    for key in ["g", &step.to_string(), "Enter"] {
+        tmux(&["send-keys", "-t", "tui", key]);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let screen = wait("jump", &|s| {
+        s.contains(&format!("step {step}")) && s.contains("1B")
+    });
+    tmux(&["kill-server"]);
+    screen
 }
 
 /// torchtitan's PP is torch.distributed.pipelining: with its profiler on, the schedule runtime

@@ -12,6 +12,7 @@ use super::table::{RunShape, SpanTable};
 use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
 use crate::record::NO_STEP;
 use crate::run::{BadLine, ClockAlignment, Damage, NameId, OpenSpan, Run, RunFormat};
+use crate::vocab::titan;
 
 /// Straggler detection thresholds.
 #[derive(Debug, Clone, Copy)]
@@ -363,6 +364,18 @@ pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOption
     }
     sort_phases(&mut phases);
     stragglers.sort_by(|a, b| b.median_excess_ns.total_cmp(&a.median_excess_ns));
+    // A pipeline run's ranks run different stages: a stage with more layers is not a
+    // straggler in its passes, nor in the step and pipeline window its place in the schedule
+    // shapes (the pipeline section compares the stages; "waiting on" names late ranks).
+    if phases.iter().any(|p| p.name == titan::PIPELINE_RECV) {
+        stragglers.retain(|s| {
+            let phase = s.phase.as_str();
+            !titan::PIPELINE_PHASES.contains(&phase)
+                && phase != titan::FORWARD_BACKWARD
+                && phase != crate::vocab::STEP
+                && !crate::vocab::collective::is_collective(phase)
+        });
+    }
 
     // Tagged steps and their cost relative to untagged steps.
     let wall_of = |si: usize| -> i64 {

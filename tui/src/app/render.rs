@@ -13,7 +13,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Axis, Block, Chart, Clear, Dataset, GraphType, Paragraph, Row, Table};
 
 use super::cells::{self, Cell, CollapsedCell, Spread, Window};
-use super::model::{FLAG_ERROR, FLAG_STRAGGLER, Ns, Timeline, step_label};
+use super::model::{FLAG_ERROR, FLAG_STRAGGLER, Ns, Timeline, pass_label, step_label};
 use super::palette::{STRAGGLER, phase_color};
 use super::units::{dur, nice_step, tick_label};
 use super::view::{Mode, RowRef, Selection, View};
@@ -451,7 +451,14 @@ fn paint_span_cells(
             if flags & FLAG_ERROR != 0 {
                 name.push('✗');
             }
-            name.push_str(t.phase_name(row.phase[i]));
+            // A pipeline pass says which stage and microbatch it ran (`0F3`), not just `forward`.
+            match row
+                .slot(i)
+                .and_then(|slot| pass_label(t.phase_name(row.phase[i]), slot))
+            {
+                Some(label) => name.push_str(&label),
+                None => name.push_str(t.phase_name(row.phase[i])),
+            }
             let run = end - c;
             let straggler = flags & FLAG_STRAGGLER != 0;
             if run >= 3 {
