@@ -84,12 +84,13 @@ fn swap_tables(run: &mut Run, t: &mut Tables) {
     std::mem::swap(&mut run.digest, &mut t.digest);
 }
 
-/// One run of a location, for messages.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One run of a location, for messages (and `summary --json`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct RunBrief {
     pub id: String,
     pub ranks: usize,
-    /// First and last step any of its records has (`None`: no step was recorded).
+    /// First and last step of its records that were read (`None`: none with a step was read:
+    /// a summary read from the per-part summaries reads no other run's records).
     pub steps: Option<(u64, u64)>,
 }
 
@@ -104,7 +105,7 @@ impl RunBrief {
         match self.steps {
             Some((a, b)) if a == b => format!("{id} (step {a})"),
             Some((a, b)) => format!("{id} (steps {a}-{b})"),
-            None => format!("{id} (no steps)"),
+            None => id.to_string(),
         }
     }
 }
@@ -297,6 +298,11 @@ impl Run {
             if others.len() == 1 { "" } else { "s" },
             others.join(", ")
         ))
+    }
+
+    /// The location's other runs (not shown), oldest first.
+    pub fn other_runs(&self) -> Vec<RunBrief> {
+        self.runs.others()
     }
 
     /// The run the tables hold, for messages.

@@ -39,15 +39,20 @@ fn metric_runs(dump: &Path) -> Vec<(u64, String)> {
         .collect()
 }
 
-/// `titan-obs summary --json` of `dump` (with `extra` arguments): steps, and stderr.
-fn summary_steps(dump: &Path, extra: &[&str]) -> (u64, String) {
+/// `titan-obs summary --json` of `dump` (with `extra` arguments): the JSON, and stderr.
+fn summary_json(dump: &Path, extra: &[&str]) -> (serde_json::Value, String) {
     let o = titan_obs(&[&["summary", "--json", dump.to_str().unwrap()], extra].concat());
     assert!(o.status.success(), "{}", text(&o));
-    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     (
-        s["steps"].as_u64().unwrap(),
+        serde_json::from_slice(&o.stdout).unwrap(),
         String::from_utf8_lossy(&o.stderr).into_owned(),
     )
+}
+
+/// `titan-obs summary --json` of `dump` (with `extra` arguments): steps, and stderr.
+fn summary_steps(dump: &Path, extra: &[&str]) -> (u64, String) {
+    let (s, err) = summary_json(dump, extra);
+    (s["steps"].as_u64().unwrap(), err)
 }
 
 #[test]
@@ -81,6 +86,12 @@ fn two_launches_in_one_folder_are_two_runs() {
     );
     let (steps, _) = summary_steps(&dump, &["--run", &first]);
     assert_eq!(steps, 5);
+    // Scripts read the same from the JSON: the run summarised and the others.
+    let (s, _) = summary_json(&dump, &[]);
+    assert_eq!(s["run_id"], second.as_str(), "{s:#}");
+    let others = s["other_runs"].as_array().unwrap();
+    assert_eq!(others.len(), 1, "{s:#}");
+    assert_eq!(others[0]["id"], first.as_str(), "{s:#}");
     let o = titan_obs(&["metrics", "--json", dump.to_str().unwrap(), "--run", &first]);
     let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(m.as_array().unwrap().len(), 5, "{}", text(&o));

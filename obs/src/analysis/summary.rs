@@ -12,6 +12,7 @@ use super::table::{RunShape, SpanTable};
 use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
 use crate::record::NO_STEP;
 use crate::run::{BadLine, ClockAlignment, Damage, NameId, OpenSpan, Run, RunFormat};
+use crate::runs::RunBrief;
 use crate::vocab::titan;
 
 /// Straggler detection thresholds.
@@ -120,6 +121,10 @@ pub struct Summary {
     pub clock_alignment: Option<ClockAlignment>,
     /// Pipeline-parallel runs: per stage, the measured bubble against the schedule's ideal.
     pub pipeline: Option<PipelineSummary>,
+    /// The run id of the records summarised (titan runs; `None` for other formats).
+    pub run_id: Option<String>,
+    /// The location's other runs, not summarised (`--run ID` picks one), oldest first.
+    pub other_runs: Vec<RunBrief>,
 }
 
 /// What the analysis finds in a span table: everything `titan-obs summary`, the TUI and
@@ -206,6 +211,8 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         open_spans: run.report.open_spans.clone(),
         clock_alignment: run.report.clock_alignment.clone(),
         pipeline: pipeline_summary(run),
+        run_id: run.shown_run().map(|r| r.id).filter(|id| !id.is_empty()),
+        other_runs: run.other_runs(),
     }
 }
 
