@@ -566,6 +566,11 @@ impl PartsReader {
         &self.run
     }
 
+    /// Shows run `id` of the location, now and after every refresh ([`Run::select_run`]).
+    pub fn select_run(&mut self, id: &str) -> anyhow::Result<()> {
+        self.run.select_run(id)
+    }
+
     /// The run as read so far, without copying.
     pub fn into_run(self) -> Run {
         self.run

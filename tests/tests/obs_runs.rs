@@ -96,6 +96,35 @@ fn two_launches_in_one_folder_are_two_runs() {
     let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(m.as_array().unwrap().len(), 5, "{}", text(&o));
 
+    // The gantt draws the newest run, or the one --run names.
+    let svg = dir.path().join("g.svg");
+    for (pick, steps) in [(None, 3), (Some(first.as_str()), 5)] {
+        let mut args = vec![
+            "gantt",
+            dump.to_str().unwrap(),
+            "--svg",
+            svg.to_str().unwrap(),
+        ];
+        args.extend(pick.map(|id| ["--run", id]).into_iter().flatten());
+        let o = titan_obs(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        let image = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            image.contains(&format!("{steps} steps")),
+            "{pick:?}: {}",
+            &image[..400]
+        );
+    }
+    let o = titan_obs(&[
+        "gantt",
+        dump.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+        "--run",
+        "nope",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+
     // An id the folder does not hold is a usage error naming the runs it does hold.
     let o = titan_obs(&["summary", dump.to_str().unwrap(), "--run", "nope"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));

@@ -18,6 +18,10 @@ pub struct OpenArgs {
     /// new bytes and new files; titan runs: new parts).
     #[arg(long)]
     pub follow: bool,
+    /// Which run of the location to show, by run id, when it holds several (each launch of
+    /// titan-train in one dump folder is a run of its own). Default: the newest.
+    #[arg(long = "run", value_name = "ID")]
+    pub run_id: Option<String>,
 }
 
 /// `titan-obs gantt RUN --svg OUT.svg [--png OUT.png]`: a static gantt for reports and PRs.
@@ -50,6 +54,10 @@ pub struct GanttArgs {
     /// Exit with code 3 when ranks are missing or parts are corrupt (after writing the image).
     #[arg(long)]
     pub strict: bool,
+    /// Which run of the location to draw, by run id, when it holds several. Default: the
+    /// newest.
+    #[arg(long = "run", value_name = "ID")]
+    pub run_id: Option<String>,
 }
 
 fn parse_steps(s: &str) -> Result<(u64, u64), String> {
@@ -89,12 +97,17 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         eprint!("{}", terminal::no_terminal_message());
         return USAGE.as_i32();
     }
-    let source = RunSource::with_follow(run, args.follow);
+    let source = RunSource::with_follow(run, args.follow).showing_run(args.run_id.clone());
     match terminal::run(Box::new(source), args.follow) {
         Ok(()) => OK.as_i32(),
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));
-            FAILED.as_i32()
+            // `--run` naming no run of the location is a usage error, as in the other commands.
+            if titan_obs::ingest::is_not_a_run(&e) {
+                USAGE.as_i32()
+            } else {
+                FAILED.as_i32()
+            }
         }
     }
 }
@@ -133,7 +146,7 @@ fn gantt_inner(args: &GanttArgs, quiet: bool) -> anyhow::Result<bool> {
             UsageError("nothing to write: give --svg OUT.svg and/or --png OUT.png".into()).into(),
         );
     }
-    let mut source = RunSource::new(&args.run);
+    let mut source = RunSource::new(&args.run).showing_run(args.run_id.clone());
     let t = source.load()?;
     if t.span_count == 0 {
         bail!("{} has no spans to draw", args.run);

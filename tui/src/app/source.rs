@@ -66,9 +66,7 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
         ));
     }
     if let Some(note) = run.runs_note() {
-        b.add_warning(format!(
-            "{note} (`titan-obs summary RUN --run ID` reads another)"
-        ));
+        b.add_warning(format!("{note} (`--run ID` shows another)"));
     }
 
     let e = &run.errors;
@@ -162,6 +160,8 @@ pub struct RunSource {
     /// The writers may still be appending (`--follow`): wait for unfinished last lines.
     follow: bool,
     reader: Option<Reader>,
+    /// `--run ID`: the run of the location to show (default: the newest).
+    run_id: Option<String>,
     /// What the last load saw, to tell whether anything changed (titan runs).
     signature: Option<Signature>,
     parts: usize,
@@ -192,11 +192,18 @@ impl RunSource {
             title,
             follow,
             reader: None,
+            run_id: None,
             signature: None,
             parts: 0,
             last: Refresh::default(),
             read_total: 0,
         }
+    }
+
+    /// Shows run `id` of the location (`--run ID`) instead of the newest.
+    pub fn showing_run(mut self, id: Option<String>) -> Self {
+        self.run_id = id;
+        self
     }
 
     fn local_signature(&self) -> Option<Signature> {
@@ -244,6 +251,10 @@ impl RunSource {
         match reader {
             Reader::Titan(r) => {
                 r.refresh_with(&opts, !self.follow)?;
+                if let Some(id) = self.run_id.take() {
+                    // Selected once: the reader keeps showing it after refreshes.
+                    r.select_run(&id)?;
+                }
                 let last = r.last();
                 self.parts = r.run().report.parts_read;
                 self.last = Refresh {
@@ -256,7 +267,11 @@ impl RunSource {
                 Ok(changed.then(|| timeline_from_run(r.run(), &self.title)))
             }
             Reader::Other(f) => {
-                let (run, stats) = f.refresh(&opts, !self.follow)?;
+                let (mut run, stats) = f.refresh(&opts, !self.follow)?;
+                if let Some(id) = &self.run_id {
+                    // Other formats have no run ids: this names what to pass instead.
+                    run.select_run(id)?;
+                }
                 self.parts = run.report.parts_read;
                 self.last = stats;
                 self.read_total += stats.bytes;
