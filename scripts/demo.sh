@@ -6,7 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
-cargo build --release --locked -p titan-train -p titan-obs-tui -p titan-ckpt
+cargo build --release --locked -p titan-train -p titan-obs -p titan-ckpt
 
 run=outputs/demo
 # titan-train resumes from the newest checkpoint in its dump folder, as torchtitan does: start afresh.

@@ -13,7 +13,7 @@ RUNS=${1:-5}
 DIR=${OBS_BENCH_DIR:-/tmp/titan-obs-bench}
 PY=.venv/bin/python
 TARGET=${CARGO_TARGET_DIR:-target}
-cargo build --release -p titan-obs-tui --bin titan-obs >&2
+cargo build --release -p titan-obs --bin titan-obs >&2
 BIN=$TARGET/release/titan-obs
 RUN=$DIR/run-256x1000x40
 
@@ -38,10 +38,10 @@ cat "$DIR/out.txt" | head -5
 CRITERION_ARGS=(--noplot --warm-up-time 1 --measurement-time 3)
 echo "--- load: $(cut -d' ' -f1-3 /proc/loadavg) ---"
 echo "--- recording hot path (criterion) ---"
-cargo bench -p titan-obs --bench record -- "${CRITERION_ARGS[@]}" 2>&1 | grep -E "^record/|time:" || true
+cargo bench -p titan-obs-core --bench record -- "${CRITERION_ARGS[@]}" 2>&1 | grep -E "^record/|time:" || true
 echo "--- torchtitan-style JSON line per record in Python ---"
 $PY bench/obs/python_jsonl.py
 echo "--- TUI frame render, 10 M spans, 200x60 (criterion) ---"
-cargo bench -p titan-obs-tui --bench frame -- "${CRITERION_ARGS[@]}" 2>&1 \
+cargo bench -p titan-obs --bench frame -- "${CRITERION_ARGS[@]}" 2>&1 \
   | grep -E "^built|^frame_|time:" || true
 echo "--- load: $(cut -d' ' -f1-3 /proc/loadavg) ---"

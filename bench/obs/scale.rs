@@ -18,11 +18,11 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use rayon::prelude::*;
-use titan_obs::journal::JournalWriter;
-use titan_obs::location::Location;
-use titan_obs::part::{PartBuilder, PartHeader, PartSink, Row, encode};
-use titan_obs::read::{PartsReader, ReadOptions};
-use titan_obs::{Kind, Reduce};
+use titan_obs_core::journal::JournalWriter;
+use titan_obs_core::location::Location;
+use titan_obs_core::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use titan_obs_core::read::{PartsReader, ReadOptions};
+use titan_obs_core::{Kind, Reduce};
 
 const STEP_S: f64 = 30.0;
 const FLUSH_S: f64 = 2.0;
@@ -216,7 +216,7 @@ fn load(run: &str, runs: usize) -> Result<()> {
     let mut rows = 0;
     for _ in 0..runs {
         let t = Instant::now();
-        let r = titan_obs::load(run, &ReadOptions::default())?;
+        let r = titan_obs_core::load(run, &ReadOptions::default())?;
         times.push(t.elapsed().as_secs_f64());
         rows = r.report.rows_read;
     }
@@ -275,7 +275,7 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
         for e in std::fs::read_dir(dir.join(format!("obs/rank-{rank}")))? {
             let p = e?.path();
             if p.extension().is_some_and(|x| x == "arrows") {
-                titan_obs::journal::remove(&p)?;
+                titan_obs_core::journal::remove(&p)?;
             }
         }
     }

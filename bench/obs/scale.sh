@@ -34,12 +34,12 @@ TARGET=${CARGO_TARGET_DIR:-target}
 # a machine where a release build of the dependencies does not fit the time at hand.
 PROFILE=${PROFILE:-release}
 if [ "$PROFILE" = dev ]; then
-  cargo build -p titan-obs-tui --bin titan-obs >&2
-  cargo build -p titan-obs --bench obs_scale >&2
+  cargo build -p titan-obs --bin titan-obs >&2
+  cargo build -p titan-obs-core --bench obs_scale >&2
   OUT_DIR=$TARGET/debug
 else
-  cargo build --release -p titan-obs-tui --bin titan-obs >&2
-  cargo bench -p titan-obs --bench obs_scale --no-run >&2
+  cargo build --release -p titan-obs --bin titan-obs >&2
+  cargo bench -p titan-obs-core --bench obs_scale --no-run >&2
   OUT_DIR=$TARGET/release
 fi
 SCALE=$(ls -t "$OUT_DIR"/deps/obs_scale-* | grep -v '\.d$' | head -1)

@@ -12,7 +12,7 @@ GANTT_RUNS=${2:-3}
 DIR=${OBS_BENCH_DIR:-/tmp/titan-obs-bench}
 PY=${TITAN_TT_PYTHON:-.venv-tt/bin/python}
 TARGET=${CARGO_TARGET_DIR:-target}
-cargo build --release -p titan-obs-tui --bin titan-obs >&2
+cargo build --release -p titan-obs --bin titan-obs >&2
 BIN=$TARGET/release/titan-obs
 RUN=$DIR/tt-256x1000
 mkdir -p "$DIR"

@@ -14,8 +14,8 @@ HOURS=${1:-6}
 SECONDS_PROBED=${2:-60}
 DIR=${OBS_SCALE_DIR:-/tmp/titan-obs-scale}
 TARGET=${CARGO_TARGET_DIR:-target}
-cargo build --release -p titan-obs-tui --bin titan-obs >&2
-cargo bench -p titan-obs --bench obs_scale --no-run >&2
+cargo build --release -p titan-obs --bin titan-obs >&2
+cargo bench -p titan-obs-core --bench obs_scale --no-run >&2
 SCALE=$(ls -t "$TARGET"/release/deps/obs_scale-* | grep -v '\.d$' | head -1)
 BIN=$TARGET/release/titan-obs
 RUN=$DIR/journal-1024x${HOURS}h

@@ -16,7 +16,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 steps="${1:-8}"
 target="${CARGO_TARGET_DIR:-$root/target}"
-cargo build --locked -p titan-train -p titan-obs-tui >&2
+cargo build --locked -p titan-train -p titan-obs >&2
 train="$target/debug/titan-train"
 obs="$target/debug/titan-obs"
 py="${PYTHON:-python3}"

@@ -125,7 +125,7 @@ impl Bin {
 
 /// How every binary's logging is controlled (shown in `--help`).
 pub const LOGGING_HELP: &str = "Logging (tracing, on stderr unless said otherwise): -v info, -vv debug, \
--q errors only (and no progress bars). RUST_LOG (e.g. RUST_LOG=debug, RUST_LOG=titan_obs=trace) overrides -v/-q.";
+-q errors only (and no progress bars). RUST_LOG (e.g. RUST_LOG=debug, RUST_LOG=titan_obs_core=trace) overrides -v/-q.";
 
 /// `-v`/`-vv` and `-q`, shared by every binary (flatten into the top-level parser).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::Args)]

@@ -10,7 +10,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use titan_obs::{InitOptions, Reduce, Source};
+use titan_obs_core::{InitOptions, Reduce, Source};
 
 const CHUNK: u64 = 4096;
 
@@ -26,7 +26,7 @@ fn timed_in_chunks(iters: u64, mut body: impl FnMut()) -> Duration {
         total += t.elapsed();
         left -= n;
         assert!(
-            titan_obs::wait_drained(Duration::from_secs(10)),
+            titan_obs_core::wait_drained(Duration::from_secs(10)),
             "writer fell behind"
         );
     }
@@ -35,7 +35,7 @@ fn timed_in_chunks(iters: u64, mut body: impl FnMut()) -> Duration {
 
 fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
-    titan_obs::init(InitOptions {
+    titan_obs_core::init(InitOptions {
         run: dir.path().join("run").display().to_string(),
         source: Source::Trainer,
         rank: 0,
@@ -44,32 +44,32 @@ fn bench(c: &mut Criterion) {
         flush_interval: Duration::from_secs(2),
     })
     .unwrap();
-    titan_obs::set_step(1);
+    titan_obs_core::set_step(1);
     let mut g = c.benchmark_group("record");
     g.bench_function("span_enter_exit", |b| {
         b.iter_custom(|iters| {
             timed_in_chunks(iters, || {
-                let _s = titan_obs::span(black_box("forward_backward"));
+                let _s = titan_obs_core::span(black_box("forward_backward"));
             })
         })
     });
     g.bench_function("nested_span_enter_exit", |b| {
-        let _outer = titan_obs::span("step");
+        let _outer = titan_obs_core::span("step");
         b.iter_custom(|iters| {
             timed_in_chunks(iters, || {
-                let _s = titan_obs::span(black_box("forward"));
+                let _s = titan_obs_core::span(black_box("forward"));
             })
         })
     });
     g.bench_function("scalar", |b| {
         b.iter_custom(|iters| {
             timed_in_chunks(iters, || {
-                titan_obs::scalar(black_box("training/loss"), 1.5, Reduce::Mean)
+                titan_obs_core::scalar(black_box("training/loss"), 1.5, Reduce::Mean)
             })
         })
     });
     g.bench_function("instant", |b| {
-        b.iter_custom(|iters| timed_in_chunks(iters, || titan_obs::instant(black_box("tick"))))
+        b.iter_custom(|iters| timed_in_chunks(iters, || titan_obs_core::instant(black_box("tick"))))
     });
 
     // torchtitan's way, in Rust: time the region, then write one JSON line per record
@@ -105,7 +105,7 @@ fn bench(c: &mut Criterion) {
     });
     g.finish();
     out.flush().unwrap();
-    titan_obs::finish().unwrap();
+    titan_obs_core::finish().unwrap();
 }
 
 criterion_group!(benches, bench);

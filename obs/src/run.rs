@@ -1,7 +1,7 @@
 //! The in-memory model of a loaded run, whatever its format: typed columnar tables ([`Spans`],
 //! [`Instants`], [`Scalars`], [`Errors`]) with names and tags interned into run-wide
 //! dictionaries, per-rank [`RankInfo`], the [`LoadReport`] of what could not be read, and the
-//! [`Merger`] every reader appends decoded [`PartData`] through. Public as `titan_obs::read::*`.
+//! [`Merger`] every reader appends decoded [`PartData`] through. Public as `titan_obs_core::read::*`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;

@@ -9,8 +9,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use common::run_with_journal;
-use titan_obs::synth::{SynthConfig, write_run};
-use titan_obs::{ReadOptions, Run};
+use titan_obs_core::synth::{SynthConfig, write_run};
+use titan_obs_core::{ReadOptions, Run};
 
 /// A small deterministic generator (xorshift64*), so a failure names a reproducible seed.
 struct Rng(u64);
@@ -88,7 +88,7 @@ fn guarded<T: Send + 'static>(what: String, f: impl FnOnce() -> T + Send + 'stat
 }
 
 fn load(run: &Path) -> anyhow::Result<Run> {
-    titan_obs::load(run.to_str().unwrap(), &ReadOptions::default())
+    titan_obs_core::load(run.to_str().unwrap(), &ReadOptions::default())
 }
 
 /// Spans per rank in a loaded run.
@@ -182,7 +182,7 @@ fn journals_without_checks_still_open_and_damage_ends_them_named() {
     let dir = tempfile::tempdir().unwrap();
     let (run, journal) = run_with_journal(dir.path());
     // A journal written before checks existed: no checks file.
-    std::fs::remove_file(titan_obs::journal::checks_path(&journal)).unwrap();
+    std::fs::remove_file(titan_obs_core::journal::checks_path(&journal)).unwrap();
     mutate_file(&run, &journal, "journal-000001.arrows", 1, 300, 0x5EED_0002);
 }
 
@@ -192,7 +192,7 @@ fn a_damaged_checks_file_is_named_or_harmless() {
     let (run, journal) = run_with_journal(dir.path());
     mutate_file(
         &run,
-        &titan_obs::journal::checks_path(&journal),
+        &titan_obs_core::journal::checks_path(&journal),
         "journal-000001.arrows",
         1,
         200,
@@ -299,7 +299,7 @@ fn traces(dir: &Path, gz: bool) -> PathBuf {
         }
         let loaded = load(&one).unwrap();
         let mut json = Vec::new();
-        titan_obs::analysis::chrome::write_chrome(&loaded, &mut json).unwrap();
+        titan_obs_core::analysis::chrome::write_chrome(&loaded, &mut json).unwrap();
         if gz {
             use std::io::Write;
             let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
@@ -324,7 +324,7 @@ fn gzipped_chrome_traces_read_like_plain_ones() {
     assert!(plain.spans.len() > 80, "{}", plain.spans.len());
     assert_eq!(plain.spans.len(), gz.spans.len());
     assert_eq!(plain.spans.dur_ns, gz.spans.dur_ns);
-    assert_eq!(gz.report.format, titan_obs::RunFormat::ChromeTrace);
+    assert_eq!(gz.report.format, titan_obs_core::RunFormat::ChromeTrace);
 }
 
 #[test]
@@ -348,18 +348,18 @@ fn damaged_chrome_traces_are_named_never_fatal() {
 fn damage_dropped_at_compaction_is_named_by_the_part() {
     let dir = tempfile::tempdir().unwrap();
     let (run, journal) = run_with_journal(dir.path());
-    let checks = std::fs::read(titan_obs::journal::checks_path(&journal)).unwrap();
+    let checks = std::fs::read(titan_obs_core::journal::checks_path(&journal)).unwrap();
     // Damage the second batch (the third range: schema, batch 1, batch 2).
     let end = |i: usize| u64::from_le_bytes(checks[8 + 16 * i..16 + 16 * i].try_into().unwrap());
     let mut bytes = std::fs::read(&journal).unwrap();
     bytes[(end(1) + end(2)) as usize / 2] ^= 4;
     std::fs::write(&journal, &bytes).unwrap();
     // What the next process of the rank does with a journal left behind.
-    let contents = titan_obs::journal::read_journal(&journal).unwrap();
+    let contents = titan_obs_core::journal::read_journal(&journal).unwrap();
     assert_eq!(contents.damage.len(), 1);
-    let part = titan_obs::journal::compact(&contents, 1).unwrap();
+    let part = titan_obs_core::journal::compact(&contents, 1).unwrap();
     std::fs::write(run.join("obs/rank-0/part-000001.parquet"), part).unwrap();
-    titan_obs::journal::remove(&journal).unwrap();
+    titan_obs_core::journal::remove(&journal).unwrap();
     let loaded = load(&run).unwrap();
     let d = &loaded.report.damage;
     assert_eq!(d.len(), 1, "{d:?}");
@@ -369,21 +369,21 @@ fn damage_dropped_at_compaction_is_named_by_the_part() {
         "{d:?}"
     );
     // From the damaged batch to the next keyframe (batch KEYFRAME_EVERY, range + 1).
-    let keyframe = titan_obs::journal::KEYFRAME_EVERY as usize;
+    let keyframe = titan_obs_core::journal::KEYFRAME_EVERY as usize;
     assert_eq!((d[0].offset, d[0].bytes), (end(1), end(keyframe) - end(1)));
     assert!(!loaded.report.is_complete());
 }
 
 #[test]
 fn damaged_summaries_are_named_and_their_parts_decoded() {
-    use titan_obs::analysis::{StragglerOptions, summary};
+    use titan_obs_core::analysis::{StragglerOptions, summary};
     let dir = tempfile::tempdir().unwrap();
     let (run, _) = run_with_journal(dir.path());
     let opts = ReadOptions {
         digests: true,
         ..Default::default()
     };
-    let load_digests = |run: &Path| titan_obs::load(run.to_str().unwrap(), &opts);
+    let load_digests = |run: &Path| titan_obs_core::load(run.to_str().unwrap(), &opts);
     let clean = load_digests(&run).unwrap();
     assert!(clean.report.is_complete(), "{:?}", clean.report);
     let want = summary(&clean, &StragglerOptions::default());
@@ -397,7 +397,7 @@ fn damaged_summaries_are_named_and_their_parts_decoded() {
         let what = format!("part-000000.summary case {case} ({m:?})");
         let (run_path, opts) = (run.clone(), opts.clone());
         let loaded = guarded(what.clone(), move || {
-            titan_obs::load(run_path.to_str().unwrap(), &opts)
+            titan_obs_core::load(run_path.to_str().unwrap(), &opts)
         })
         .unwrap_or_else(|e| panic!("{what}: load failed: {e:#}"));
         let got = summary(&loaded, &StragglerOptions::default());

@@ -6,17 +6,17 @@ mod common;
 
 use std::path::Path;
 
-use titan_obs::analysis::{StragglerOptions, Summary, summary};
-use titan_obs::digest::SKETCH_ALPHA;
-use titan_obs::synth::{Straggler, SynthConfig, write_run};
-use titan_obs::{ReadOptions, Run};
+use titan_obs_core::analysis::{StragglerOptions, Summary, summary};
+use titan_obs_core::digest::SKETCH_ALPHA;
+use titan_obs_core::synth::{Straggler, SynthConfig, write_run};
+use titan_obs_core::{ReadOptions, Run};
 
 fn load(run: &Path, digests: bool) -> Run {
     let opts = ReadOptions {
         digests,
         ..Default::default()
     };
-    titan_obs::load(run.to_str().unwrap(), &opts).unwrap()
+    titan_obs_core::load(run.to_str().unwrap(), &opts).unwrap()
 }
 
 /// The summary of `run` both ways, checked to agree; returns the one from the summaries.

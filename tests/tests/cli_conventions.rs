@@ -16,7 +16,7 @@ fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-fn titan_obs() -> Command {
+fn titan_obs_core() -> Command {
     let mut c = Command::new(bin("titan-obs"));
     c.env_remove("RUST_LOG");
     c
@@ -50,7 +50,7 @@ fn codes(help: &str) -> Vec<u8> {
 
 #[test]
 fn every_help_lists_its_exit_codes_and_logging() {
-    let obs = titan_obs().arg("--help").output().unwrap();
+    let obs = titan_obs_core().arg("--help").output().unwrap();
     assert!(obs.status.success());
     let ckpt = titan_ckpt().arg("--help").output().unwrap();
     assert!(ckpt.status.success());
@@ -86,7 +86,10 @@ fn errors_name_the_binary_and_usage_errors_exit_2() {
     let missing = dir.path().join("nope");
     let missing = missing.to_str().unwrap();
 
-    let o = titan_obs().args(["summary", missing]).output().unwrap();
+    let o = titan_obs_core()
+        .args(["summary", missing])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(
         stderr(&o).starts_with("titan-obs: error: "),
@@ -94,7 +97,7 @@ fn errors_name_the_binary_and_usage_errors_exit_2() {
         stderr(&o)
     );
 
-    let o = titan_obs().args(["gantt", missing]).output().unwrap();
+    let o = titan_obs_core().args(["gantt", missing]).output().unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(
         stderr(&o).starts_with("titan-obs: error: gantt: nothing to write"),
@@ -121,7 +124,7 @@ fn errors_name_the_binary_and_usage_errors_exit_2() {
     assert!(err.contains("run `titan-train --help`"), "{err}");
 
     // -v and -q contradict each other, in every binary.
-    let o = titan_obs()
+    let o = titan_obs_core()
         .args(["-v", "-q", "summary", missing])
         .output()
         .unwrap();
@@ -139,14 +142,14 @@ fn errors_name_the_binary_and_usage_errors_exit_2() {
 /// A 4-rank synthetic run with the second part of rank 1 cut in half.
 fn run_with_corrupt_part(dir: &Path) -> (String, String) {
     let run = dir.join("run");
-    let cfg = titan_obs::synth::SynthConfig {
+    let cfg = titan_obs_core::synth::SynthConfig {
         ranks: 4,
         steps: 12,
         spans_per_step: 6,
         steps_per_part: 4,
         ..Default::default()
     };
-    titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
+    titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
     let bad = run.join("obs/rank-1/part-000001.parquet");
     let bytes = std::fs::read(&bad).unwrap();
     std::fs::write(&bad, &bytes[..bytes.len() / 2]).unwrap();
@@ -160,7 +163,7 @@ fn gantt_strict_exits_3_on_a_corrupt_part_after_writing_the_image() {
     let svg = dir.path().join("g.svg");
     let svg_s = svg.to_str().unwrap();
 
-    let o = titan_obs()
+    let o = titan_obs_core()
         .args(["gantt", &run, "--svg", svg_s, "--strict"])
         .output()
         .unwrap();
@@ -179,7 +182,7 @@ fn gantt_strict_exits_3_on_a_corrupt_part_after_writing_the_image() {
 
     // Without --strict the same run is a success; -q drops the `wrote` line, not the warning.
     std::fs::remove_file(&svg).unwrap();
-    let o = titan_obs()
+    let o = titan_obs_core()
         .args(["gantt", &run, "--svg", svg_s, "-q"])
         .output()
         .unwrap();
@@ -190,7 +193,7 @@ fn gantt_strict_exits_3_on_a_corrupt_part_after_writing_the_image() {
     assert!(svg.exists());
 
     // The analysis commands agree: --strict exits 3 after printing.
-    let o = titan_obs()
+    let o = titan_obs_core()
         .args(["summary", &run, "--strict", "--quiet"])
         .output()
         .unwrap();
@@ -202,18 +205,18 @@ fn gantt_strict_exits_3_on_a_corrupt_part_after_writing_the_image() {
 fn rust_log_turns_on_titan_obs_debug_logs() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let cfg = titan_obs::synth::SynthConfig {
+    let cfg = titan_obs_core::synth::SynthConfig {
         ranks: 2,
         steps: 4,
         spans_per_step: 4,
         steps_per_part: 4,
         ..Default::default()
     };
-    titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
+    titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
     let run = run.to_str().unwrap();
 
     let debug_line = "read ";
-    let o = titan_obs()
+    let o = titan_obs_core()
         .env("RUST_LOG", "debug")
         .args(["summary", run])
         .output()
@@ -227,12 +230,15 @@ fn rust_log_turns_on_titan_obs_debug_logs() {
     assert!(line.contains("2 ranks"), "{line}");
 
     // The old variable is gone, and the default level hides debug lines; -vv shows them.
-    let o = titan_obs()
+    let o = titan_obs_core()
         .env("TITAN_LOG", "debug")
         .args(["summary", run])
         .output()
         .unwrap();
     assert!(!stderr(&o).contains("DEBUG"), "{}", stderr(&o));
-    let o = titan_obs().args(["summary", run, "-vv"]).output().unwrap();
+    let o = titan_obs_core()
+        .args(["summary", run, "-vv"])
+        .output()
+        .unwrap();
     assert!(stderr(&o).contains("DEBUG"), "{}", stderr(&o));
 }

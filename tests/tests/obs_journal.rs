@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use titan_obs::read::{Columns, PartsReader, ReadOptions, Run};
-use titan_obs::{InitOptions, Reduce, Source, Tuning};
+use titan_obs_core::read::{Columns, PartsReader, ReadOptions, Run};
+use titan_obs_core::{InitOptions, Reduce, Source, Tuning};
 
 const CHILD_ENV: &str = "JOURNAL_CHILD_RUN";
 
@@ -29,7 +29,7 @@ fn journal_child() {
     let env_ms = |k: &str, d: u64| std::env::var(k).map_or(d, |v| v.parse().unwrap());
     let rank = env_ms("JOURNAL_CHILD_RANK", 0) as u32;
     let world = env_ms("JOURNAL_CHILD_WORLD", 1) as u32;
-    titan_obs::init_with(
+    titan_obs_core::init_with(
         InitOptions {
             run,
             source: Source::Trainer,
@@ -48,8 +48,8 @@ fn journal_child() {
         Ok("rate") => {
             let start = Instant::now();
             for i in 0u64.. {
-                titan_obs::set_step(i / 100);
-                titan_obs::instant("tick");
+                titan_obs_core::set_step(i / 100);
+                titan_obs_core::instant("tick");
                 if let Some(d) =
                     (start + Duration::from_millis(i + 1)).checked_duration_since(Instant::now())
                 {
@@ -59,17 +59,17 @@ fn journal_child() {
         }
         _ => {
             for step in 1..=10u64 {
-                titan_obs::set_step(step);
-                let _s = titan_obs::span("step");
+                titan_obs_core::set_step(step);
+                let _s = titan_obs_core::span("step");
                 {
-                    let _f = titan_obs::span("forward_backward");
+                    let _f = titan_obs_core::span("forward_backward");
                     std::thread::sleep(Duration::from_millis(3));
                 }
-                titan_obs::scalar("training/loss", 10.0 - step as f64, Reduce::Mean);
+                titan_obs_core::scalar("training/loss", 10.0 - step as f64, Reduce::Mean);
             }
         }
     }
-    let stats = titan_obs::finish_with_stats().expect("finish");
+    let stats = titan_obs_core::finish_with_stats().expect("finish");
     println!("parts={}", stats.parts);
 }
 
@@ -102,7 +102,7 @@ fn files(dir: &Path) -> Vec<String> {
 }
 
 fn load(run: &Path) -> Run {
-    titan_obs::load(run.to_str().unwrap(), &ReadOptions::default()).unwrap()
+    titan_obs_core::load(run.to_str().unwrap(), &ReadOptions::default()).unwrap()
 }
 
 /// Every record of a run as comparable tuples (kind, rank, name, step, start, dur, seq/value).
@@ -369,8 +369,8 @@ fn rotation_makes_parts_equal_to_the_journal_and_follow_reads_only_new_data() {
 
 #[test]
 fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted() {
-    use titan_obs::journal::{JournalWriter, compact, read_journal};
-    use titan_obs::part::{PartBuilder, PartHeader, Row};
+    use titan_obs_core::journal::{JournalWriter, compact, read_journal};
+    use titan_obs_core::part::{PartBuilder, PartHeader, Row};
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let rank_dir = run.join("obs/rank-0");
@@ -395,7 +395,7 @@ fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted()
             builder.push(&Row {
                 thread: 0,
                 seq,
-                kind: titan_obs::Kind::Span,
+                kind: titan_obs_core::Kind::Span,
                 name: if seq.is_multiple_of(2) {
                     "forward"
                 } else {
@@ -473,14 +473,14 @@ fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted()
 fn follow_does_not_reread_quiet_rank_directories_and_finds_new_files() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let cfg = titan_obs::synth::SynthConfig {
+    let cfg = titan_obs_core::synth::SynthConfig {
         ranks: 3,
         steps: 12,
         spans_per_step: 4,
         steps_per_part: 4,
         ..Default::default()
     };
-    titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
+    titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
     let rank_dir = run.join("obs/rank-1");
     let mut parts: Vec<_> = std::fs::read_dir(&rank_dir)
         .unwrap()
@@ -522,7 +522,7 @@ fn old_layout_parts_and_a_journal_load_together() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     // The previous layout: a part every few steps (the synthetic writer still writes it).
-    let cfg = titan_obs::synth::SynthConfig {
+    let cfg = titan_obs_core::synth::SynthConfig {
         ranks: 2,
         steps: 30,
         spans_per_step: 5,
@@ -532,7 +532,7 @@ fn old_layout_parts_and_a_journal_load_together() {
         run_id: "run".into(),
         ..Default::default()
     };
-    let stats = titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
+    let stats = titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
     // 10 parts, each with its summary.
     assert_eq!(files(&run.join("obs/rank-0")).len(), 20);
     let old = load(&run);

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use titan_obs::{InitOptions, Reduce, Source};
+use titan_obs_core::{InitOptions, Reduce, Source};
 use titan_tests::{bin, python_script};
 
 const CHILD_ENV: &str = "OBS_CHILD_RUN";
@@ -36,8 +36,8 @@ fn recorder_child() {
     let rank: u32 = std::env::var("OBS_CHILD_RANK").map_or(0, |r| r.parse().unwrap());
     let world: u32 = std::env::var("OBS_CHILD_WORLD").map_or(1, |r| r.parse().unwrap());
     let flush_ms: u64 = std::env::var("OBS_CHILD_FLUSH_MS").map_or(2000, |r| r.parse().unwrap());
-    titan_obs::set_clock_offset_ns(1234);
-    titan_obs::init(InitOptions {
+    titan_obs_core::set_clock_offset_ns(1234);
+    titan_obs_core::init(InitOptions {
         run,
         source: Source::Trainer,
         rank,
@@ -50,8 +50,8 @@ fn recorder_child() {
         let start = Instant::now();
         let mut i = 0u64;
         loop {
-            titan_obs::set_step(i / 100);
-            titan_obs::instant("tick");
+            titan_obs_core::set_step(i / 100);
+            titan_obs_core::instant("tick");
             i += 1;
             let next = start + Duration::from_millis(i);
             if let Some(d) = next.checked_duration_since(Instant::now()) {
@@ -60,7 +60,7 @@ fn recorder_child() {
         }
     }
     train_like(rank);
-    titan_obs::finish().expect("finish");
+    titan_obs_core::finish().expect("finish");
 }
 
 fn train_like(rank: u32) {
@@ -72,7 +72,7 @@ fn train_like(rank: u32) {
         "optimizer",
         "checkpoint",
     ] {
-        let _s = titan_obs::span(phase);
+        let _s = titan_obs_core::span(phase);
         sleep_ms(1);
     }
     // A data loader thread recording in parallel.
@@ -80,70 +80,70 @@ fn train_like(rank: u32) {
         .name("dataloader".into())
         .spawn(|| {
             for _ in 0..3 {
-                let _s = titan_obs::span("prefetch");
+                let _s = titan_obs_core::span("prefetch");
                 sleep_ms(2);
             }
         })
         .unwrap();
     for step in 1..=STEPS {
-        titan_obs::set_step(step);
-        let _step = titan_obs::span("step");
+        titan_obs_core::set_step(step);
+        let _step = titan_obs_core::span("step");
         {
-            let _s = titan_obs::span("data_loading");
+            let _s = titan_obs_core::span("data_loading");
             sleep_ms(1);
         }
         {
-            let _fb = titan_obs::span("forward_backward");
+            let _fb = titan_obs_core::span("forward_backward");
             for _ in 0..2 {
-                let _mb = titan_obs::span("microbatch");
+                let _mb = titan_obs_core::span("microbatch");
                 {
-                    let _f = titan_obs::span("forward");
+                    let _f = titan_obs_core::span("forward");
                     sleep_ms(FORWARD_MS);
                 }
-                let _b = titan_obs::span("backward");
+                let _b = titan_obs_core::span("backward");
                 sleep_ms(BACKWARD_MS + if rank == 1 { 8 } else { 0 });
             }
         }
         {
-            let _o = titan_obs::span("optimizer");
+            let _o = titan_obs_core::span("optimizer");
             for p in ["clip", "optimizer_step", "lr"] {
-                let _s = titan_obs::span(p);
+                let _s = titan_obs_core::span(p);
                 sleep_ms(1);
             }
         }
         if step == 3 {
-            titan_obs::add_step_tag("checkpoint");
-            let _c = titan_obs::span("checkpoint");
+            titan_obs_core::add_step_tag("checkpoint");
+            let _c = titan_obs_core::span("checkpoint");
             sleep_ms(20);
         }
         if step == 4 {
-            titan_obs::add_step_tag("validation");
-            let _v = titan_obs::span("validation");
+            titan_obs_core::add_step_tag("validation");
+            let _v = titan_obs_core::span("validation");
             sleep_ms(5);
-            titan_obs::scalar("validation/loss", 5.0 + rank as f64, Reduce::Mean);
+            titan_obs_core::scalar("validation/loss", 5.0 + rank as f64, Reduce::Mean);
         }
         if step == 5 {
-            let g = titan_obs::span("collectives");
+            let g = titan_obs_core::span("collectives");
             g.error("all_reduce timed out on rank 1");
         }
-        titan_obs::scalar(
+        titan_obs_core::scalar(
             "training/loss",
             10.0 - step as f64 + rank as f64,
             Reduce::Mean,
         );
-        titan_obs::scalar(
+        titan_obs_core::scalar(
             "training/grad_norm",
             step as f64 * (rank as f64 + 1.0),
             Reduce::Max,
         );
-        titan_obs::scalar(
+        titan_obs_core::scalar(
             "trainer_throughput/tps",
             100.0 * (rank as f64 + 1.0),
             Reduce::Sum,
         );
     }
     loader.join().unwrap();
-    let _t = titan_obs::span("teardown");
+    let _t = titan_obs_core::span("teardown");
 }
 
 fn child(run: &Path, mode: &str, rank: u32, world: u32, flush_ms: u64) -> Command {
@@ -173,7 +173,7 @@ fn record_two_ranks(run: &Path) {
     }
 }
 
-fn titan_obs(args: &[&str]) -> std::process::Output {
+fn titan_obs_core(args: &[&str]) -> std::process::Output {
     Command::new(bin("titan-obs")).args(args).output().unwrap()
 }
 
@@ -209,7 +209,7 @@ fn recorded_run_is_readable_by_pyarrow_and_analysed() {
     // summary --json: phases with known counts and lower-bounded durations; rank 1's
     // backward is 8 ms slower and must show up as a straggler; tagged steps 3 and 4.
     let run_s = run.to_str().unwrap();
-    let o = titan_obs(&["summary", run_s, "--json", "--quiet"]);
+    let o = titan_obs_core(&["summary", run_s, "--json", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(s["ranks"], 2);
@@ -263,7 +263,7 @@ fn recorded_run_is_readable_by_pyarrow_and_analysed() {
     assert!(ckpt["extra_ns"].as_i64().unwrap() >= 15_000_000);
 
     // The table form names the same things.
-    let o = titan_obs(&["summary", run_s, "--quiet"]);
+    let o = titan_obs_core(&["summary", run_s, "--quiet"]);
     assert!(o.status.success());
     let text = stdout(&o);
     for needle in [
@@ -278,7 +278,7 @@ fn recorded_run_is_readable_by_pyarrow_and_analysed() {
     }
 
     // metrics: torchtitan's console lines with the recorded reductions.
-    let o = titan_obs(&["metrics", run_s, "--quiet"]);
+    let o = titan_obs_core(&["metrics", run_s, "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let lines: Vec<String> = stdout(&o).lines().map(String::from).collect();
     assert_eq!(lines.len() as u64, STEPS + 1, "{lines:?}");
@@ -291,7 +291,7 @@ fn recorded_run_is_readable_by_pyarrow_and_analysed() {
         lines.contains(&"validate step:  4  validation/loss_mean: 5.5".to_string()),
         "{lines:?}"
     );
-    let o = titan_obs(&["metrics", run_s, "--csv", "--quiet"]);
+    let o = titan_obs_core(&["metrics", run_s, "--csv", "--quiet"]);
     let csv = stdout(&o);
     assert!(
         csv.starts_with(
@@ -300,13 +300,13 @@ fn recorded_run_is_readable_by_pyarrow_and_analysed() {
         "{csv}"
     );
     assert!(csv.contains("\ntraining,6,4.5,12,300"), "{csv}");
-    let o = titan_obs(&["metrics", run_s, "--json", "--quiet"]);
+    let o = titan_obs_core(&["metrics", run_s, "--json", "--quiet"]);
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(j[0]["values"]["training/loss_mean"], 9.5);
 
     // export: Chrome trace JSON with a process per rank, nested X events and instants.
     let trace = dir.path().join("trace.json");
-    let o = titan_obs(&[
+    let o = titan_obs_core(&[
         "export",
         run_s,
         "--chrome",
@@ -376,7 +376,7 @@ fn kill_9_loses_at_most_one_flush_interval() {
     let status = kid.wait().unwrap();
     assert!(!status.success());
 
-    let loaded = titan_obs::load(run.to_str().unwrap(), &Default::default()).unwrap();
+    let loaded = titan_obs_core::load(run.to_str().unwrap(), &Default::default()).unwrap();
     assert!(
         loaded.report.corrupt_parts.is_empty(),
         "{:?}",
@@ -407,14 +407,14 @@ fn kill_9_loses_at_most_one_flush_interval() {
 fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let cfg = titan_obs::synth::SynthConfig {
+    let cfg = titan_obs_core::synth::SynthConfig {
         ranks: 4,
         steps: 20,
         spans_per_step: 12,
         steps_per_part: 5,
         ..Default::default()
     };
-    titan_obs::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
+    titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
     // Truncate one part of rank 1, and remove rank 3 entirely.
     let bad = run.join("obs/rank-1/part-000002.parquet");
     let bytes = std::fs::read(&bad).unwrap();
@@ -422,7 +422,7 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
     std::fs::remove_dir_all(run.join("obs/rank-3")).unwrap();
 
     let run_s = run.to_str().unwrap();
-    let o = titan_obs(&["summary", run_s, "--json", "--quiet"]);
+    let o = titan_obs_core(&["summary", run_s, "--json", "--quiet"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(
@@ -444,12 +444,12 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
         .unwrap();
     assert_eq!(step["count"], 20 + 15 + 20);
 
-    let o = titan_obs(&["metrics", run_s, "--strict", "--quiet"]);
+    let o = titan_obs_core(&["metrics", run_s, "--strict", "--quiet"]);
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stdout(&o).starts_with("step:  1  training/loss_mean:"));
 
     // A directory that is not a run is a usage error with a hint, exit 2.
-    let o = titan_obs(&["summary", dir.path().to_str().unwrap()]);
+    let o = titan_obs_core(&["summary", dir.path().to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2));
     // The hint names every layout titan-obs reads.
     for hint in [
@@ -460,7 +460,7 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
         assert!(stderr(&o).contains(hint), "{}", stderr(&o));
     }
     // Usage errors exit 2.
-    let o = titan_obs(&["export", run_s]);
+    let o = titan_obs_core(&["export", run_s]);
     assert_eq!(o.status.code(), Some(2));
 }
 

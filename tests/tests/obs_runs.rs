@@ -21,7 +21,7 @@ fn titan_train(dump: &Path, extra: &[&str]) -> Output {
     o
 }
 
-fn titan_obs(args: &[&str]) -> Output {
+fn titan_obs_core(args: &[&str]) -> Output {
     Command::new(bin("titan-obs")).args(args).output().unwrap()
 }
 
@@ -41,7 +41,7 @@ fn metric_runs(dump: &Path) -> Vec<(u64, String)> {
 
 /// `titan-obs summary --json` of `dump` (with `extra` arguments): the JSON, and stderr.
 fn summary_json(dump: &Path, extra: &[&str]) -> (serde_json::Value, String) {
-    let o = titan_obs(&[&["summary", "--json", dump.to_str().unwrap()], extra].concat());
+    let o = titan_obs_core(&[&["summary", "--json", dump.to_str().unwrap()], extra].concat());
     assert!(o.status.success(), "{}", text(&o));
     (
         serde_json::from_slice(&o.stdout).unwrap(),
@@ -92,7 +92,7 @@ fn two_launches_in_one_folder_are_two_runs() {
     let others = s["other_runs"].as_array().unwrap();
     assert_eq!(others.len(), 1, "{s:#}");
     assert_eq!(others[0]["id"], first.as_str(), "{s:#}");
-    let o = titan_obs(&["metrics", "--json", dump.to_str().unwrap(), "--run", &first]);
+    let o = titan_obs_core(&["metrics", "--json", dump.to_str().unwrap(), "--run", &first]);
     let m: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(m.as_array().unwrap().len(), 5, "{}", text(&o));
 
@@ -106,7 +106,7 @@ fn two_launches_in_one_folder_are_two_runs() {
             svg.to_str().unwrap(),
         ];
         args.extend(pick.map(|id| ["--run", id]).into_iter().flatten());
-        let o = titan_obs(&args);
+        let o = titan_obs_core(&args);
         assert!(o.status.success(), "{}", text(&o));
         let image = std::fs::read_to_string(&svg).unwrap();
         assert!(
@@ -115,7 +115,7 @@ fn two_launches_in_one_folder_are_two_runs() {
             &image[..400]
         );
     }
-    let o = titan_obs(&[
+    let o = titan_obs_core(&[
         "gantt",
         dump.to_str().unwrap(),
         "--svg",
@@ -126,7 +126,7 @@ fn two_launches_in_one_folder_are_two_runs() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 
     // An id the folder does not hold is a usage error naming the runs it does hold.
-    let o = titan_obs(&["summary", dump.to_str().unwrap(), "--run", "nope"]);
+    let o = titan_obs_core(&["summary", dump.to_str().unwrap(), "--run", "nope"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains(&first) && err.contains(&second), "{err}");

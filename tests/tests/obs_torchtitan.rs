@@ -208,8 +208,8 @@ fn malformed_lines_are_named_and_a_cut_last_line_is_not_an_error() {
 
 #[test]
 fn follow_reader_reads_only_appended_bytes() {
-    use titan_obs::ingest::Follower;
-    use titan_obs::read::ReadOptions;
+    use titan_obs_core::ingest::Follower;
+    use titan_obs_core::read::ReadOptions;
     let (run, _) = fixture();
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("structured_logs");
@@ -259,9 +259,9 @@ fn follow_reader_reads_only_appended_bytes() {
     assert_eq!(s3.new_files, src.len() - 1);
     assert!(r3.report.open_spans.is_empty());
     // Same analysis as reading everything at once.
-    let once = titan_obs::load(dir.path().to_str().unwrap(), &opts).unwrap();
-    let a = titan_obs::analysis::summary(&r3, &Default::default());
-    let b = titan_obs::analysis::summary(&once, &Default::default());
+    let once = titan_obs_core::load(dir.path().to_str().unwrap(), &opts).unwrap();
+    let a = titan_obs_core::analysis::summary(&r3, &Default::default());
+    let b = titan_obs_core::analysis::summary(&once, &Default::default());
     assert_eq!(
         serde_json::to_value(&a.phases).unwrap(),
         serde_json::to_value(&b.phases).unwrap()

@@ -8,7 +8,7 @@ use std::process::Output;
 
 use titan_tests::{bin, output_text};
 
-fn titan_obs(args: &[&str]) -> Output {
+fn titan_obs_core(args: &[&str]) -> Output {
     std::process::Command::new(bin("titan-obs"))
         .args(args)
         .output()
@@ -40,7 +40,7 @@ fn synth(run: &Path, extra: &[String]) {
     .to_vec();
     args.extend(extra.iter().cloned());
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let o = titan_obs(&refs);
+    let o = titan_obs_core(&refs);
     assert!(o.status.success(), "{}", output_text(&o));
 }
 
@@ -53,7 +53,7 @@ fn straggler_ratio_and_excess_are_the_injected_factors() {
         .flat_map(|(r, p, f)| ["--straggler".to_string(), format!("{r}:{p}:{f}")])
         .collect();
     synth(&run, &flags);
-    let o = titan_obs(&["summary", run.to_str().unwrap(), "--json"]);
+    let o = titan_obs_core(&["summary", run.to_str().unwrap(), "--json"]);
     assert!(o.status.success(), "{}", output_text(&o));
     let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let p50 = |phase: &str| {
@@ -89,7 +89,7 @@ fn straggler_ratio_and_excess_are_the_injected_factors() {
         );
     }
     // The text report shows the same ratio.
-    let o = titan_obs(&["summary", run.to_str().unwrap()]);
+    let o = titan_obs_core(&["summary", run.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&o.stdout);
     let line = text
         .lines()
@@ -116,7 +116,7 @@ fn not_a_run_is_a_usage_error_that_says_what_to_pass() {
         ] {
             let mut args = cmd.to_vec();
             args.insert(1, path.to_str().unwrap());
-            let o = titan_obs(&args);
+            let o = titan_obs_core(&args);
             assert_eq!(o.status.code(), Some(2), "{args:?}: {}", output_text(&o));
             let err = stderr(&o);
             assert!(
@@ -136,7 +136,7 @@ fn not_a_run_is_a_usage_error_that_says_what_to_pass() {
     let run = tmp.path().join("demo");
     synth(&run, &[]);
     for inside in [run.join("obs"), run.join("obs/rank-3")] {
-        let o = titan_obs(&["summary", inside.to_str().unwrap()]);
+        let o = titan_obs_core(&["summary", inside.to_str().unwrap()]);
         assert_eq!(o.status.code(), Some(2), "{}", output_text(&o));
         let err = stderr(&o);
         assert!(
@@ -154,7 +154,7 @@ fn a_misspelt_command_is_named_not_taken_for_a_run() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("demo");
     synth(&run, &[]);
-    let o = titan_obs(&["summry", run.to_str().unwrap()]);
+    let o = titan_obs_core(&["summry", run.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(2), "{}", output_text(&o));
     let err = stderr(&o);
     assert!(
@@ -163,7 +163,7 @@ fn a_misspelt_command_is_named_not_taken_for_a_run() {
     );
     assert!(!err.contains("[RUN]"), "{err}");
     // The real command still works.
-    let o = titan_obs(&["summary", run.to_str().unwrap()]);
+    let o = titan_obs_core(&["summary", run.to_str().unwrap()]);
     assert!(o.status.success(), "{}", output_text(&o));
 }
 
@@ -172,7 +172,7 @@ fn phase_table_is_not_indented_like_a_tree_it_is_not() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("demo");
     synth(&run, &[]);
-    let o = titan_obs(&["summary", run.to_str().unwrap()]);
+    let o = titan_obs_core(&["summary", run.to_str().unwrap()]);
     assert!(o.status.success(), "{}", output_text(&o));
     let text = String::from_utf8_lossy(&o.stdout);
     let table: Vec<&str> = text

@@ -335,7 +335,7 @@ fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSum
     let rank = env.rank;
     let dist = Dist::init(env, opts).context("joining the distributed job")?;
     // Rank timelines in titan-obs line up on rank 0's clock.
-    titan_obs::set_clock_offset_ns(dist.clock_offset_ns);
+    titan_obs_core::set_clock_offset_ns(dist.clock_offset_ns);
     let mesh = DeviceMesh::connect(dist, world).context("creating the device mesh's groups")?;
     let result = train::run(cfg, &mesh);
     if let Err(e) = &result

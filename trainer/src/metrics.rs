@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 use tch::Device;
-use titan_obs::Reduce;
+use titan_obs_core::Reduce;
 
 /// Resident and peak resident memory of this process in bytes (Linux `/proc/self/status`).
 pub fn rss_bytes() -> (u64, u64) {

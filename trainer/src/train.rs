@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use tch::{Device, Kind, Tensor};
-use titan_obs::Reduce;
-use titan_obs::vocab::{self, titan};
+use titan_obs_core::Reduce;
+use titan_obs_core::vocab::{self, titan};
 
 use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
@@ -259,10 +259,10 @@ pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     let world = mesh.mesh;
     let run_id = run_id(cfg, mesh)?;
     if cfg.observability.enable {
-        titan_obs::init_with(
-            titan_obs::InitOptions {
+        titan_obs_core::init_with(
+            titan_obs_core::InitOptions {
                 run: cfg.job.dump_folder.clone(),
-                source: titan_obs::Source::Trainer,
+                source: titan_obs_core::Source::Trainer,
                 rank: world.rank as u32,
                 local_rank: world.local_rank as u32,
                 world_size: world.world_size as u32,
@@ -270,7 +270,7 @@ pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
                     cfg.observability.flush_interval_s,
                 ),
             },
-            titan_obs::Tuning {
+            titan_obs_core::Tuning {
                 rotate_interval: std::time::Duration::from_secs_f64(
                     cfg.observability.rotate_interval_s,
                 ),
@@ -282,9 +282,9 @@ pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     }
     let result = train(cfg, mesh, &run_id);
     if cfg.observability.enable {
-        let _s = titan_obs::span("teardown");
+        let _s = titan_obs_core::span("teardown");
         drop(_s);
-        let finished = titan_obs::finish().context("flushing titan-obs records");
+        let finished = titan_obs_core::finish().context("flushing titan-obs records");
         if result.is_ok() {
             finished?;
         } else if let Err(e) = finished {
@@ -298,10 +298,10 @@ pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
 /// its run), else a fresh one that rank 0 draws for every rank.
 fn run_id(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<String> {
     // Every rank joins the broadcast, resuming or not, so none waits on a collective alone.
-    let seed = mesh.agree_seed(titan_obs::runs::draw_run_seed())?;
+    let seed = mesh.agree_seed(titan_obs_core::runs::draw_run_seed())?;
     let resumed = Checkpointer::new(&cfg.checkpoint, Path::new(&cfg.job.dump_folder), mesh.mesh)?
         .resume_run_id()?;
-    Ok(resumed.unwrap_or_else(|| titan_obs::runs::run_id_from_seed(seed)))
+    Ok(resumed.unwrap_or_else(|| titan_obs_core::runs::run_id_from_seed(seed)))
 }
 
 /// Trains per `cfg` with the ranks behind `dp`. Init phases and per-step phases are recorded as
@@ -339,7 +339,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
     );
 
     let tokenizer = {
-        let _s = titan_obs::span("tokenizer");
+        let _s = titan_obs_core::span("tokenizer");
         Arc::new(if cfg.model.hf_assets_path.is_empty() {
             TextTokenizer::embedded()?
         } else {
@@ -363,7 +363,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         .map_or(cfg.training.local_batch_size, |p| p.microbatch_size);
     let (dp_rank, dp_degree) = (world.dp_rank() as u64, world.dp_degree() as u64);
     let (mut train_loader, mut val_loader) = {
-        let _s = titan_obs::span("dataloader");
+        let _s = titan_obs_core::span("dataloader");
         let t = &cfg.training;
         let train_set = Dataset::resolve(&t.dataset, t.dataset_path.as_deref(), "training")
             .map_err(|e| config_error("training.dataset", e))?;
@@ -397,7 +397,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
     };
 
     let model = {
-        let _s = titan_obs::span("model_build");
+        let _s = titan_obs_core::span("model_build");
         let mut args =
             ModelArgs::flavor(&cfg.model.flavor).map_err(|e| config_error("model.flavor", e))?;
         if tokenizer.vocab_size() as i64 > args.vocab_size {
@@ -526,7 +526,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
     let n_micro = microbatches(&cfg.training, world.dp_degree())
         .map_err(|e| config_error("training.global_batch_size", e))?;
     let (mut optimizer, schedule) = {
-        let _s = titan_obs::span(titan::OPTIMIZER);
+        let _s = titan_obs_core::span(titan::OPTIMIZER);
         (
             AdamW::new((&cfg.optimizer).into()),
             LrSchedule::new(&cfg.lr_scheduler, cfg.optimizer.lr, cfg.training.steps),
@@ -537,7 +537,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         .with_rank_sync(mesh.rank_sync())
         .with_run_id(run_id);
     let resumed_step = {
-        let _s = titan_obs::span(titan::CHECKPOINT);
+        let _s = titan_obs_core::span(titan::CHECKPOINT);
         checkpointer.load(&mut TrainerState {
             model: &model,
             optimizer: &mut optimizer,
@@ -582,14 +582,14 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
     let progress = console::Steps::start(resumed_step, cfg.training.steps, world.rank == 0);
 
     for step in resumed_step + 1..=cfg.training.steps {
-        titan_obs::set_step(step);
-        let step_span = titan_obs::span(vocab::STEP);
+        titan_obs_core::set_step(step);
+        let step_span = titan_obs_core::span(vocab::STEP);
         let lr = optimizer.next_lr(schedule.lr_for_step(step));
 
         // Under pipeline parallelism each accumulation step is the pipeline's microbatches.
         let per_pass = pipeline.as_ref().map_or(1, |p| p.microbatches);
         let batches: Vec<Batch> = {
-            let _s = titan_obs::span(titan::DATA_LOADING);
+            let _s = titan_obs_core::span(titan::DATA_LOADING);
             (0..n_micro * per_pass)
                 .map(|_| {
                     train_loader
@@ -605,7 +605,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
 
         let mut local_loss = 0.0f64;
         if let Some(pipeline) = &pipeline {
-            let _s = titan_obs::span(titan::FORWARD_BACKWARD);
+            let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
             for pass in batches.chunks(per_pass) {
                 let microbatches: Vec<Microbatch<'_>> = pass
                     .iter()
@@ -622,11 +622,11 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
             // The last stage computed the loss: every stage reports it (and stops on it).
             local_loss = mesh.reduce_scalars(&mesh.pp, &[local_loss], ReduceOp::Sum)?[0];
         } else {
-            let _s = titan_obs::span(titan::FORWARD_BACKWARD);
+            let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
             for batch in &batches {
-                let _m = titan_obs::span(titan::MICROBATCH);
+                let _m = titan_obs_core::span(titan::MICROBATCH);
                 let loss = {
-                    let _f = titan_obs::span(titan::FORWARD);
+                    let _f = titan_obs_core::span(titan::FORWARD);
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
                     forward_pass(step, || {
@@ -636,7 +636,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
                     })?
                 };
                 {
-                    let _b = titan_obs::span(titan::BACKWARD);
+                    let _b = titan_obs_core::span(titan::BACKWARD);
                     // A collective that fails in backward (a rank died) fails the pass.
                     loss.f_backward()
                         .map_err(|e| anyhow::anyhow!("step {step}: backward: {e}"))?;
@@ -655,22 +655,22 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         reduce_partial_grads(mesh, &model)?;
 
         let grad_norm = {
-            let _s = titan_obs::span(titan::OPTIMIZER);
+            let _s = titan_obs_core::span(titan::OPTIMIZER);
             let grad_norm = {
-                let _c = titan_obs::span(titan::CLIP);
+                let _c = titan_obs_core::span(titan::CLIP);
                 let norm = grad_norm(mesh, &model)?;
                 optim::clip_grads(&tensors, cfg.training.max_norm, norm)?;
                 norm
             };
             {
-                let _o = titan_obs::span(titan::OPTIMIZER_STEP);
+                let _o = titan_obs_core::span(titan::OPTIMIZER_STEP);
                 for (name, p) in &params {
                     optimizer.step_param(name, p, lr)?;
                 }
                 optim::clear_grads(&tensors);
             }
             {
-                let _l = titan_obs::span(titan::LR);
+                let _l = titan_obs_core::span(titan::LR);
                 // The schedule is a pure function of the step; next step's lr is computed at
                 // its start. Kept as a phase for torchtitan parity.
             }
@@ -683,7 +683,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         }
 
         if step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps {
-            let _s = titan_obs::span(titan::COLLECT_DIST_METRICS);
+            let _s = titan_obs_core::span(titan::COLLECT_DIST_METRICS);
             let tps = window.tokens_per_second(Instant::now());
             let (rss, peak_rss) = metrics::rss_bytes();
             let memory = if device.is_cuda() {
@@ -711,7 +711,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
             let own_loss = local_loss * global_tokens as f64 / local_tokens.max(1) as f64;
             let own = per_rank(own_loss, grad_norm, memory as f64, tps, local_tokens);
             for (name, value, reduce) in own.scalars() {
-                titan_obs::scalar(name, value, reduce);
+                titan_obs_core::scalar(name, value, reduce);
             }
             let mut reduced = [
                 (local_loss, Reduce::Sum),
@@ -738,8 +738,8 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         if let Some(loader) = val_loader.as_mut()
             && step % cfg.validation.freq == 0
         {
-            let _s = titan_obs::span(titan::VALIDATION);
-            titan_obs::add_step_tag(titan::VALIDATION);
+            let _s = titan_obs_core::span(titan::VALIDATION);
+            titan_obs_core::add_step_tag(titan::VALIDATION);
             let staged = pipeline
                 .as_ref()
                 .zip(pipeline_cfg.as_ref())
@@ -753,7 +753,7 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
                 step,
                 device,
             )?;
-            titan_obs::scalar("validation/loss", v.loss, Reduce::Mean);
+            titan_obs_core::scalar("validation/loss", v.loss, Reduce::Mean);
             if let Some(file) = metrics_file.as_mut() {
                 tracing::info!("{}", v.console_line());
                 file.push("validation", &v)?;
@@ -768,8 +768,8 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         }
 
         if cfg.training.gc_freq > 0 && step % cfg.training.gc_freq == 0 {
-            let _s = titan_obs::span(titan::GC);
-            titan_obs::add_step_tag(titan::GC);
+            let _s = titan_obs_core::span(titan::GC);
+            titan_obs_core::add_step_tag(titan::GC);
             release_free_memory();
         }
         checkpointer.after_step(

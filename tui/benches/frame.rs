@@ -1,5 +1,5 @@
 //! Frame render time of the terminal gantt on a 10-million-span run (256 ranks x 1002 steps x
-//! 39 spans, written by titan_obs::synth and read back once), at a 200x60 terminal: fit-all, one step, a deep zoom,
+//! 39 spans, written by titan_obs_core::synth and read back once), at a 200x60 terminal: fit-all, one step, a deep zoom,
 //! scrolled to the middle ranks, and the collapsed (per-phase) view. Target: < 16 ms a frame.
 
 use std::hint::black_box;
@@ -8,9 +8,9 @@ use std::time::Instant;
 use criterion::{Criterion, criterion_group, criterion_main};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
-use titan_obs_tui::app::demo::{ten_million, timeline};
-use titan_obs_tui::app::render::{self, Chrome};
-use titan_obs_tui::app::view::View;
+use titan_obs::app::demo::{ten_million, timeline};
+use titan_obs::app::render::{self, Chrome};
+use titan_obs::app::view::View;
 
 fn frames(c: &mut Criterion) {
     let t0 = Instant::now();

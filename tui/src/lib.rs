@@ -1,4 +1,4 @@
-//! titan-obs-tui: the interactive side of the `titan-obs` binary.
+//! titan-obs: the interactive side of the `titan-obs` binary.
 //!
 //! [`app`] holds the terminal gantt of per-rank timelines (model, view state, rendering,
 //! input, `--follow`) and the static SVG/PNG gantt renderer. The non-interactive commands

@@ -1,11 +1,11 @@
 //! titan-obs: look at where the time of a titan run went. Exit codes and message form:
-//! [`titan_obs_tui::conventions`].
+//! [`titan_obs::conventions`].
 
 mod commands;
 
 use clap::{Parser, Subcommand};
 use titan_cli::{Level, Verbosity};
-use titan_obs_tui::conventions::{FAILED, TITAN_OBS, USAGE};
+use titan_obs::conventions::{FAILED, TITAN_OBS, USAGE};
 
 /// Timing analysis of training runs: per-phase summaries with stragglers, torchtitan-style
 /// aggregated metrics, Perfetto export and gantt charts. RUN is a titan run (the Parquet
@@ -29,7 +29,7 @@ struct Cli {
     /// Run to open in the interactive gantt (directory or object store URL).
     run: Option<String>,
     #[command(flatten)]
-    open: titan_obs_tui::app::cli::OpenArgs,
+    open: titan_obs::app::cli::OpenArgs,
 }
 
 #[derive(Subcommand)]
@@ -46,7 +46,7 @@ enum Command {
     /// Write a torchtitan run or Chrome trace in titan's Parquet layout (OUT/obs/rank-<R>/...).
     Import(commands::import::ImportArgs),
     /// Write a static gantt of the run (`--svg OUT.svg`, `--png OUT.png`) for reports and PRs.
-    Gantt(titan_obs_tui::app::cli::GanttArgs),
+    Gantt(titan_obs::app::cli::GanttArgs),
 }
 
 fn main() {
@@ -66,8 +66,8 @@ fn main() {
         Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::Synth(a)) => commands::synth::run(a),
         Some(Command::Import(a)) => commands::import::run(a),
-        Some(Command::Gantt(a)) => Ok(titan_obs_tui::app::cli::gantt(a, quiet)),
-        None if cli.run.is_some() => Ok(titan_obs_tui::app::cli::open(
+        Some(Command::Gantt(a)) => Ok(titan_obs::app::cli::gantt(a, quiet)),
+        None if cli.run.is_some() => Ok(titan_obs::app::cli::open(
             cli.run.as_deref().unwrap_or_default(),
             &cli.open,
         )),
@@ -81,7 +81,7 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));
-            let code = if titan_obs::ingest::is_not_a_run(&e) {
+            let code = if titan_obs_core::ingest::is_not_a_run(&e) {
                 USAGE
             } else {
                 FAILED

@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use titan_obs::journal::{JournalWriter, checks_path};
-use titan_obs::part::{PartBuilder, PartHeader, Row};
-use titan_obs::schema::Kind;
+use titan_obs_core::journal::{JournalWriter, checks_path};
+use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+use titan_obs_core::schema::Kind;
 
-fn titan_obs(args: &[&str]) -> Output {
+fn titan_obs_core(args: &[&str]) -> Output {
     Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
         .args(args)
         .output()
@@ -65,7 +65,7 @@ fn a_damaged_journal_batch_is_named_skipped_and_strict_exits_3() {
     let run = dir.path().join("run");
     let journal = journal_run(&run, 5);
     let run_s = run.to_str().unwrap();
-    let clean = titan_obs(&["summary", run_s, "--json", "--strict"]);
+    let clean = titan_obs_core(&["summary", run_s, "--json", "--strict"]);
     assert_eq!(clean.status.code(), Some(0), "{clean:?}");
     // The third batch's range: from the end of the second check to the end of the third.
     let checks = std::fs::read(checks_path(&journal)).unwrap();
@@ -75,7 +75,7 @@ fn a_damaged_journal_batch_is_named_skipped_and_strict_exits_3() {
     bytes[(from + to) as usize / 2] ^= 0x40;
     std::fs::write(&journal, &bytes).unwrap();
 
-    let out = titan_obs(&["summary", run_s, "--json", "--strict"]);
+    let out = titan_obs_core(&["summary", run_s, "--json", "--strict"]);
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let damage = json["damage"].as_array().unwrap();
@@ -102,7 +102,7 @@ fn a_damaged_journal_batch_is_named_skipped_and_strict_exits_3() {
         "{stderr}"
     );
 
-    let text = titan_obs(&["summary", run_s]);
+    let text = titan_obs_core(&["summary", run_s]);
     assert_eq!(text.status.code(), Some(0));
     let stdout = String::from_utf8_lossy(&text.stdout);
     assert!(
@@ -116,9 +116,9 @@ fn a_damaged_part_summary_is_named_its_part_decoded_and_strict_exits_3() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let run_s = run.to_str().unwrap();
-    let synth = titan_obs(&["synth", run_s, "--ranks", "2", "--steps", "20", "-q"]);
+    let synth = titan_obs_core(&["synth", run_s, "--ranks", "2", "--steps", "20", "-q"]);
     assert!(synth.status.success(), "{synth:?}");
-    let clean = titan_obs(&["summary", run_s, "--json", "--strict"]);
+    let clean = titan_obs_core(&["summary", run_s, "--json", "--strict"]);
     assert_eq!(clean.status.code(), Some(0), "{clean:?}");
     let summary = run.join("obs/rank-1/part-000000.summary");
     let mut bytes = std::fs::read(&summary).unwrap();
@@ -126,7 +126,7 @@ fn a_damaged_part_summary_is_named_its_part_decoded_and_strict_exits_3() {
     bytes[at] ^= 0x10;
     std::fs::write(&summary, &bytes).unwrap();
 
-    let out = titan_obs(&["summary", run_s, "--json", "--strict"]);
+    let out = titan_obs_core(&["summary", run_s, "--json", "--strict"]);
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("part-000000.summary"), "{stderr}");

@@ -1,15 +1,15 @@
 //! Snapshot tests of the rendered gantt for a small fixed run (4 ranks x 4 steps, rank 2 1.5x
 //! slow in forward_backward, the others waiting for it at the all_reduce), written by
-//! titan_obs::synth and read back, driven through the same actions the keys call.
+//! titan_obs_core::synth and read back, driven through the same actions the keys call.
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers, MouseButton, MouseEvent, MouseEventKind};
 use ratatui::Terminal;
 use ratatui::backend::TestBackend;
-use titan_obs_tui::app::demo::{small, timeline};
-use titan_obs_tui::app::input::{self, Control};
-use titan_obs_tui::app::model::Timeline;
-use titan_obs_tui::app::render::{self, Chrome, Geometry};
-use titan_obs_tui::app::view::{Mode, RowRef, Selection, View};
+use titan_obs::app::demo::{small, timeline};
+use titan_obs::app::input::{self, Control};
+use titan_obs::app::model::Timeline;
+use titan_obs::app::render::{self, Chrome, Geometry};
+use titan_obs::app::view::{Mode, RowRef, Selection, View};
 
 struct Screen {
     t: Timeline,

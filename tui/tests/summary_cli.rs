@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 
-use titan_obs::location::Location;
-use titan_obs::part::{PartBuilder, PartHeader, PartSink, Row, encode};
-use titan_obs::schema::{Kind, PipelineSlot};
+use titan_obs_core::location::Location;
+use titan_obs_core::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use titan_obs_core::schema::{Kind, PipelineSlot};
 
 fn summary_json(run: &str, extra: &[&str]) -> serde_json::Value {
     let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))

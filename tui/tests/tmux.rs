@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 /// Runs `titan-obs ARGS` to completion, asserts it succeeded (its stderr otherwise) and returns
 /// its stdout.
-fn titan_obs<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Vec<u8> {
+fn titan_obs_core<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Vec<u8> {
     let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
         .args(args)
         .output()
@@ -36,7 +36,7 @@ fn synth(run: &Path, ranks: u32, steps: u32, extra: &[&str]) {
     ];
     args.extend(["--spans-per-step", "12"]);
     args.extend(extra);
-    titan_obs(&args);
+    titan_obs_core(&args);
 }
 
 /// A 4-rank, 8-step run written by `titan-obs synth` (real part files); rank 2 is 2x slow in
@@ -241,7 +241,7 @@ fn tui_gantt_writes_svg_and_png() {
     let run = synthetic_run(dir.path());
     let svg = dir.path().join("gantt.svg");
     let png = dir.path().join("gantt.png");
-    titan_obs(&[
+    titan_obs_core(&[
         "gantt",
         run.to_str().unwrap(),
         "--svg",
@@ -398,7 +398,7 @@ fn summary_tui_and_gantt_name_the_same_straggler() {
     let run = dir.path().join("run");
     synth(&run, 4, 12, &["--straggler", "3:forward_backward:1.3"]);
 
-    let out = titan_obs(&["summary", run.to_str().unwrap(), "--json"]);
+    let out = titan_obs_core(&["summary", run.to_str().unwrap(), "--json"]);
     let s: serde_json::Value = serde_json::from_slice(&out).unwrap();
     let top = &s["waits"][0];
     assert_eq!(top["rank"], 3, "{s:#}");
@@ -441,7 +441,7 @@ fn summary_tui_and_gantt_name_the_same_straggler() {
 
     // The gantt image: the late rank's lane and the legend's headline.
     let svg = dir.path().join("gantt.svg");
-    titan_obs(&[
+    titan_obs_core(&[
         "gantt",
         run.to_str().unwrap(),
         "--svg",
@@ -467,7 +467,7 @@ fn chrome_export_carries_the_waits() {
     let run = dir.path().join("run");
     synth(&run, 4, 6, &["--straggler", "1:forward_backward:1.3"]);
     let json = dir.path().join("trace.json");
-    titan_obs(&[
+    titan_obs_core(&[
         "export",
         run.to_str().unwrap(),
         "--chrome",

@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 
 use arrow::record_batch::RecordBatch;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReader;
-use titan_obs::journal::JournalWriter;
-use titan_obs::part::Footer;
-use titan_obs::synth::{SynthConfig, write_run};
+use titan_obs_core::journal::JournalWriter;
+use titan_obs_core::part::Footer;
+use titan_obs_core::synth::{SynthConfig, write_run};
 
 /// A two-rank synthetic run whose rank 0 holds `part-000000.parquet` and, instead of its
 /// second part, an open journal of the same records in several batches.

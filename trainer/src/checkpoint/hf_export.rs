@@ -49,12 +49,12 @@ pub fn export(
     sync("hf-start")?;
     let result = (|| -> Result<()> {
         {
-            let _s = titan_obs::span("checkpoint_save");
+            let _s = titan_obs_core::span("checkpoint_save");
             write_sharded(&partial.join(SHARDED), model, kind, world)?;
         }
         sync("hf-written")?;
         {
-            let _s = titan_obs::span("checkpoint_consolidate");
+            let _s = titan_obs_core::span("checkpoint_consolidate");
             consolidate_shards(&partial, world, hf_assets)?;
         }
         // Every rank has read the shards it needed before rank 0 removes them.

@@ -219,7 +219,7 @@ impl Checkpointer {
         if !self.cfg.enable {
             return Ok(0);
         }
-        let _s = titan_obs::span("checkpoint_load");
+        let _s = titan_obs_core::span("checkpoint_load");
         let start = Instant::now();
         if self.world.world_size > 1 {
             if self.group.is_none() {
@@ -310,7 +310,7 @@ impl Checkpointer {
             return Ok(());
         }
         let last = step == total_steps;
-        titan_obs::add_step_tag("checkpoint");
+        titan_obs_core::add_step_tag("checkpoint");
         if last && self.cfg.last_save_in_hf {
             self.wait_pending()?;
             let blocked = Instant::now();
@@ -352,7 +352,7 @@ impl Checkpointer {
             layout::clear_partials(&self.root)?;
         }
         let mut staged = {
-            let _s = titan_obs::span("checkpoint_stage");
+            let _s = titan_obs_core::span("checkpoint_stage");
             state::stage(
                 state,
                 self.counters,

@@ -74,7 +74,7 @@ impl Remote {
 
     /// Uploads the committed local checkpoint `dir` as `step-N`, `.metadata` last, then the marker.
     pub fn upload(&self, dir: &Path, step: u64) -> Result<u64> {
-        let _s = titan_obs::span("checkpoint_upload");
+        let _s = titan_obs_core::span("checkpoint_upload");
         let dest = self.root.join(&layout::step_dir_name(step))?;
         dest.create_dir_all()?;
         let total = dest

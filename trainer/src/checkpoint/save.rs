@@ -58,7 +58,7 @@ pub fn write_and_commit(
     after_commit: &dyn Fn(&Path) -> Result<()>,
 ) -> Result<SaveReport> {
     let start = Instant::now();
-    let _s = titan_obs::span("checkpoint_save");
+    let _s = titan_obs_core::span("checkpoint_save");
     std::fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
     let partial = layout::partial_dir(root, state.step);
     // A multi-rank partial directory is shared: stale ones were cleared at startup.

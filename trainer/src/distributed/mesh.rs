@@ -7,7 +7,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Condvar, Mutex};
 
 use tch::{Device, Kind, Tensor};
-use titan_obs::Reduce;
+use titan_obs_core::Reduce;
 
 use super::comm::{Collectives, CommError, ReduceOp};
 use super::runtime::Dist;

@@ -8,8 +8,8 @@
 //! the call blocks for.
 
 use tch::Tensor;
-use titan_obs::Reduce;
-use titan_obs::vocab::collective as names;
+use titan_obs_core::Reduce;
+use titan_obs_core::vocab::collective as names;
 
 use super::comm::{Collectives, CommError, ReduceOp};
 
@@ -27,8 +27,8 @@ fn recorded<T>(
     payload: f64,
     f: impl FnOnce() -> T,
 ) -> T {
-    let _s = titan_obs::span(name);
-    titan_obs::scalar(bytes_scalar, payload, Reduce::Sum);
+    let _s = titan_obs_core::span(name);
+    titan_obs_core::scalar(bytes_scalar, payload, Reduce::Sum);
     f()
 }
 

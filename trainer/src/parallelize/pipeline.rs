@@ -19,8 +19,8 @@ use std::ops::Range;
 use anyhow::{Context, Result, bail};
 use tch::Tensor;
 
-use titan_obs::PipelineSlot;
-use titan_obs::vocab::titan;
+use titan_obs_core::PipelineSlot;
+use titan_obs_core::vocab::titan;
 
 use crate::distributed::{CommError, DeviceMesh, Group, Pending};
 use crate::model::Llama;
@@ -683,7 +683,7 @@ impl Pipeline {
                     let input = if a.stage == 0 {
                         None
                     } else {
-                        let _wait = titan_obs::pipeline_span(titan::PIPELINE_RECV, slot);
+                        let _wait = titan_obs_core::pipeline_span(titan::PIPELINE_RECV, slot);
                         let (shape, kind) = model.hidden_shape(rows, seq_len);
                         let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
                         self.receive(&self.forward_links, a.stage - 1, &buf)
@@ -695,7 +695,7 @@ impl Pipeline {
                             })?;
                         Some(buf.set_requires_grad(true))
                     };
-                    let _span = titan_obs::pipeline_span(titan::FORWARD, slot);
+                    let _span = titan_obs_core::pipeline_span(titan::FORWARD, slot);
                     let weight_grads = self.schedule.splits_backward().then(WeightGradStash::new);
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
@@ -729,7 +729,7 @@ impl Pipeline {
                     );
                 }
                 Pass::BackwardWeight => {
-                    let _span = titan_obs::pipeline_span(titan::BACKWARD_WEIGHT, slot);
+                    let _span = titan_obs_core::pipeline_span(titan::BACKWARD_WEIGHT, slot);
                     parked
                         .remove(&(a.stage, a.microbatch))
                         .context("the schedule runs a weight pass before its input pass")?
@@ -743,7 +743,7 @@ impl Pipeline {
                     let output_grad = if a.stage == last {
                         None
                     } else {
-                        let _wait = titan_obs::pipeline_span(titan::PIPELINE_RECV, slot);
+                        let _wait = titan_obs_core::pipeline_span(titan::PIPELINE_RECV, slot);
                         let grad = f.output.empty_like();
                         self.receive(&self.backward_links, a.stage, &grad)
                             .with_context(|| {
@@ -758,7 +758,7 @@ impl Pipeline {
                         Pass::BackwardInput => titan::BACKWARD_INPUT,
                         _ => titan::BACKWARD,
                     };
-                    let _span = titan_obs::pipeline_span(name, slot);
+                    let _span = titan_obs_core::pipeline_span(name, slot);
                     let root = match output_grad {
                         None => f.output,
                         // d/d(out) of sum(out * grad) is exactly `grad`: backward from the
@@ -786,7 +786,7 @@ impl Pipeline {
                 }
             }
         }
-        let _wait = titan_obs::span(titan::PIPELINE_SEND);
+        let _wait = titan_obs_core::span(titan::PIPELINE_SEND);
         for (pending, _) in sends {
             pending
                 .wait()
@@ -814,7 +814,7 @@ impl Pipeline {
                 let input = if stage == 0 {
                     None
                 } else {
-                    let _wait = titan_obs::pipeline_span(titan::PIPELINE_RECV, slot);
+                    let _wait = titan_obs_core::pipeline_span(titan::PIPELINE_RECV, slot);
                     let (shape, kind) = model.hidden_shape(rows, seq_len);
                     let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
                     self.receive(&self.forward_links, stage - 1, &buf)
@@ -823,7 +823,7 @@ impl Pipeline {
                         })?;
                     Some(buf)
                 };
-                let _span = titan_obs::pipeline_span(titan::EVAL_FORWARD, slot);
+                let _span = titan_obs_core::pipeline_span(titan::EVAL_FORWARD, slot);
                 let out = catch(|| {
                     let x = input.as_ref().unwrap_or(mb.inputs);
                     let out = model.forward_stage(stage, x, Some(mb.positions), None);
@@ -841,7 +841,7 @@ impl Pipeline {
                 }
             }
         }
-        let _wait = titan_obs::span(titan::PIPELINE_SEND);
+        let _wait = titan_obs_core::span(titan::PIPELINE_SEND);
         for (pending, _) in sends {
             pending
                 .wait()

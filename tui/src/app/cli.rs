@@ -83,11 +83,11 @@ fn parse_steps(s: &str) -> Result<(u64, u64), String> {
 pub fn open(run: &str, args: &OpenArgs) -> i32 {
     // What RUN is comes first: a README or a run's obs/ folder is a usage error whether or
     // not there is a terminal to draw on.
-    let detected =
-        titan_obs::location::Location::parse(run).and_then(|l| titan_obs::ingest::detect(&l));
+    let detected = titan_obs_core::location::Location::parse(run)
+        .and_then(|l| titan_obs_core::ingest::detect(&l));
     if let Err(e) = detected {
         TITAN_OBS.error(format_args!("{e:#}"));
-        return if titan_obs::ingest::is_not_a_run(&e) {
+        return if titan_obs_core::ingest::is_not_a_run(&e) {
             USAGE.as_i32()
         } else {
             FAILED.as_i32()
@@ -103,7 +103,7 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));
             // `--run` naming no run of the location is a usage error, as in the other commands.
-            if titan_obs::ingest::is_not_a_run(&e) {
+            if titan_obs_core::ingest::is_not_a_run(&e) {
                 USAGE.as_i32()
             } else {
                 FAILED.as_i32()
@@ -119,7 +119,8 @@ pub fn gantt(args: &GanttArgs, quiet: bool) -> i32 {
         Ok(_) => OK.as_i32(),
         Err(e) => {
             TITAN_OBS.error(format_args!("gantt: {e:#}"));
-            if e.downcast_ref::<UsageError>().is_some() || titan_obs::ingest::is_not_a_run(&e) {
+            if e.downcast_ref::<UsageError>().is_some() || titan_obs_core::ingest::is_not_a_run(&e)
+            {
                 USAGE.as_i32()
             } else {
                 FAILED.as_i32()

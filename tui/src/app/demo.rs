@@ -1,9 +1,9 @@
 //! Synthetic runs for the snapshot tests, the frame benchmark and the image tests: written by
-//! [`titan_obs::synth`] as real part files into a temporary directory and read back like any
+//! [`titan_obs_core::synth`] as real part files into a temporary directory and read back like any
 //! run, so the TUI is exercised through the same reader and analysis as a real job.
 
 use anyhow::{Context, Result};
-use titan_obs::synth::{Straggler, SynthConfig, write_run};
+use titan_obs_core::synth::{Straggler, SynthConfig, write_run};
 
 use super::model::Timeline;
 use super::source::timeline_from_run;
@@ -18,7 +18,7 @@ pub fn small() -> SynthConfig {
         spans_per_step: 15,
         stragglers: vec![Straggler {
             rank: 2,
-            phase: titan_obs::vocab::titan::FORWARD_BACKWARD.into(),
+            phase: titan_obs_core::vocab::titan::FORWARD_BACKWARD.into(),
             factor: 1.5,
         }],
         checkpoint_every: Some(4),
@@ -38,7 +38,7 @@ pub fn ten_million() -> SynthConfig {
         steps_per_part: 501,
         stragglers: vec![Straggler {
             rank: 77,
-            phase: titan_obs::vocab::titan::FORWARD_BACKWARD.into(),
+            phase: titan_obs_core::vocab::titan::FORWARD_BACKWARD.into(),
             factor: 1.3,
         }],
         seed: 1,
@@ -52,6 +52,6 @@ pub fn timeline(cfg: &SynthConfig) -> Result<Timeline> {
     let run = dir.path().join(&cfg.run_id);
     let run = run.to_str().context("temporary path is not UTF-8")?;
     write_run(run, cfg)?;
-    let loaded = titan_obs::load(run, &titan_obs::ReadOptions::default())?;
+    let loaded = titan_obs_core::load(run, &titan_obs_core::ReadOptions::default())?;
     Ok(timeline_from_run(&loaded, &cfg.run_id))
 }

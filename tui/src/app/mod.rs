@@ -1,7 +1,7 @@
 //! The interactive gantt (`titan-obs RUN`) and the static gantt image (`titan-obs gantt`).
 //!
 //! Data flows one way: a [`terminal::TimelineSource`] (the run directory, read through
-//! `titan_obs`) builds a [`model::Timeline`] with everything precomputed; [`view::View`] holds
+//! `titan_obs_core`) builds a [`model::Timeline`] with everything precomputed; [`view::View`] holds
 //! what the user looks at and the navigation actions; [`render`] draws a frame from both, with
 //! cost bounded by the screen size ([`cells`]); [`input`] maps keys and mouse to actions;
 //! [`export`] lays the same gantt out as SVG/PNG.

@@ -5,21 +5,21 @@
 //! `start` and `end` are sorted and the visible window is two binary searches away), the
 //! per-(phase, step) cross-rank spread for the selection panel, one collapsed row per phase,
 //! and the per-step metric series. The phase table, stragglers and waits are
-//! [`titan_obs::analysis::analyse`] over the same spans, exactly what `titan-obs summary`
+//! [`titan_obs_core::analysis::analyse`] over the same spans, exactly what `titan-obs summary`
 //! computes.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use titan_obs::PipelineSlot;
-use titan_obs::analysis::{
+use titan_obs_core::PipelineSlot;
+use titan_obs_core::analysis::{
     Analysis, RunShape, SpanTable, Straggler, StragglerOptions, analyse, phase_step_spread,
     rank_times,
 };
-use titan_obs::vocab::{titan, torch_pipelining};
-pub use titan_obs::{NO_STEP, Reduce};
+use titan_obs_core::vocab::{titan, torch_pipelining};
+pub use titan_obs_core::{NO_STEP, Reduce};
 
 /// One phase at one step across ranks: min / median / max and who.
-pub type PhaseSpread = titan_obs::analysis::Spread;
+pub type PhaseSpread = titan_obs_core::analysis::Spread;
 
 /// Nanoseconds relative to the run's origin (the earliest span start).
 pub type Ns = i64;
@@ -446,7 +446,7 @@ impl TimelineBuilder {
     }
 
     /// The analysis of the collected spans, and each (phase, step, rank)'s total time.
-    fn analyse(&self) -> (Analysis, titan_obs::analysis::RankTimes) {
+    fn analyse(&self) -> (Analysis, titan_obs_core::analysis::RankTimes) {
         let n: usize = self.lanes.values().map(Vec::len).sum();
         let (mut rank, mut step, mut name) = (
             Vec::with_capacity(n),
@@ -575,7 +575,7 @@ impl TimelineBuilder {
 fn mark_stragglers(
     lanes: &mut [Lane],
     stragglers: &HashSet<(PhaseId, u32)>,
-    times: &titan_obs::analysis::RankTimes,
+    times: &titan_obs_core::analysis::RankTimes,
     spread: &HashMap<(PhaseId, u64), PhaseSpread>,
 ) {
     if stragglers.is_empty() {

@@ -9,7 +9,7 @@ const PALETTE: [u8; 12] = [67, 74, 143, 108, 179, 61, 132, 37, 140, 98, 150, 31]
 
 /// xterm-256 colour index of a phase.
 pub fn phase_index(name: &str) -> u8 {
-    use titan_obs::vocab::{STEP, torchtitan as tt};
+    use titan_obs_core::vocab::{STEP, torchtitan as tt};
     match name {
         STEP => 240,
         // torchtitan's spellings of the same phases get the same colours.

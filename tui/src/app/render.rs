@@ -622,7 +622,7 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
                         .per_step
                         .iter()
                         .find(|w| w.step == row.step[i])
-                        .filter(|_| titan_obs::vocab::collective::is_collective(name))
+                        .filter(|_| titan_obs_core::vocab::collective::is_collective(name))
                     {
                         s.push_str(&format!(
                             "  ⧗ step {}: ranks waited {} for rank {} (late from {})",
@@ -672,7 +672,7 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
 }
 
 /// What the details panel says about a straggler (the analysis's numbers, as in `summary`).
-fn straggler_note(x: &titan_obs::analysis::Straggler) -> String {
+fn straggler_note(x: &titan_obs_core::analysis::Straggler) -> String {
     format!(
         "  ▲ STRAGGLER: rank {} above the median in {}/{} steps, median {:.2}x",
         x.rank, x.above_median_steps, x.steps, x.median_ratio

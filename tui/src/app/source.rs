@@ -1,22 +1,22 @@
-//! Adapter from the `titan_obs` reader ([`titan_obs::read::Run`]) to the TUI's [`Timeline`],
+//! Adapter from the `titan_obs_core` reader ([`titan_obs_core::read::Run`]) to the TUI's [`Timeline`],
 //! and the run-directory source that `--follow` polls.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-use titan_obs::ingest::{Detected, Follower, Refresh, detect};
-use titan_obs::location::Location;
-use titan_obs::read::{PartsReader, ReadOptions, Run};
+use titan_obs_core::ingest::{Detected, Follower, Refresh, detect};
+use titan_obs_core::location::Location;
+use titan_obs_core::read::{PartsReader, ReadOptions, Run};
 
 use super::model::{PhaseId, Reduce, Timeline, TimelineBuilder};
 use super::terminal::TimelineSource;
 
-fn reduce(r: titan_obs::Reduce) -> Reduce {
+fn reduce(r: titan_obs_core::Reduce) -> Reduce {
     match r {
-        titan_obs::Reduce::Mean => Reduce::Mean,
-        titan_obs::Reduce::Max => Reduce::Max,
-        titan_obs::Reduce::Min => Reduce::Min,
-        titan_obs::Reduce::Sum => Reduce::Sum,
+        titan_obs_core::Reduce::Mean => Reduce::Mean,
+        titan_obs_core::Reduce::Max => Reduce::Max,
+        titan_obs_core::Reduce::Min => Reduce::Min,
+        titan_obs_core::Reduce::Sum => Reduce::Sum,
     }
 }
 
@@ -100,7 +100,7 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
             last_key = (rank, step);
             let bits = run.step_tags.get(&(rank, step)).map_or(0, |t| t.0);
             last_tagset = *tagset_of.entry(bits).or_insert_with(|| {
-                let names: Vec<&str> = titan_obs::read::TagSet(bits)
+                let names: Vec<&str> = titan_obs_core::read::TagSet(bits)
                     .iter()
                     .filter_map(|t| run.tags.get(t as usize).map(String::as_str))
                     .collect();
@@ -114,7 +114,7 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
             thread as u64,
             phase_of[s.name[i] as usize],
             last_tagset,
-            (step != titan_obs::NO_STEP).then_some(step),
+            (step != titan_obs_core::NO_STEP).then_some(step),
             if has_start { s.start_ns[i] } else { 0 },
             s.dur_ns[i],
             if has_depth {
@@ -135,7 +135,7 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
     }
     let sc = &run.scalars;
     for i in 0..sc.rank.len() {
-        if sc.step[i] == titan_obs::NO_STEP {
+        if sc.step[i] == titan_obs_core::NO_STEP {
             continue;
         }
         b.add_scalar(

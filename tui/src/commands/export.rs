@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
-use titan_obs::analysis::write_chrome;
-use titan_obs::read::Columns;
+use titan_obs_core::analysis::write_chrome;
+use titan_obs_core::read::Columns;
 
 use super::{RunArgs, exit_code, load_run, write_atomically};
 

@@ -1,7 +1,7 @@
 //! `titan-obs import RUN OUT`: any run titan-obs reads, written in titan's Parquet layout.
 
 use anyhow::Result;
-use titan_obs::read::Columns;
+use titan_obs_core::read::Columns;
 
 use super::{RunArgs, exit_code, load_run};
 
@@ -18,7 +18,7 @@ pub struct ImportArgs {
 pub fn run(args: &ImportArgs) -> Result<i32> {
     let loaded = load_run(&args.run, Columns::ALL)?;
     let t = std::time::Instant::now();
-    let s = titan_obs::convert::write_parts(&loaded, &args.out)?;
+    let s = titan_obs_core::convert::write_parts(&loaded, &args.out)?;
     eprintln!(
         "wrote {}: {} ranks, {} records, {:.1} MB in {:.1} s",
         args.out,

@@ -1,8 +1,8 @@
 //! `titan-obs metrics RUN`: torchtitan's aggregated per-step metric lines from the scalars.
 
 use anyhow::Result;
-use titan_obs::analysis::{format_line, metrics, to_csv};
-use titan_obs::read::Columns;
+use titan_obs_core::analysis::{format_line, metrics, to_csv};
+use titan_obs_core::read::Columns;
 
 use super::{RunArgs, exit_code, load_run};
 
@@ -38,7 +38,7 @@ pub fn run(args: &MetricsArgs) -> Result<i32> {
         println!("{}", serde_json::to_string_pretty(&json)?);
     } else {
         if lines.is_empty() {
-            titan_obs_tui::conventions::TITAN_OBS.warning(format_args!(
+            titan_obs::conventions::TITAN_OBS.warning(format_args!(
                 "no scalars with a step in {}",
                 loaded.location
             ));

@@ -1,6 +1,6 @@
 //! The non-interactive `titan-obs` commands: summary, metrics, export.
 //!
-//! Each loads the run through `titan_obs::read` (only the columns it needs), reports missing
+//! Each loads the run through `titan_obs_core::read` (only the columns it needs), reports missing
 //! ranks and corrupt parts on stderr by name, and carries on with what could be read.
 
 pub mod export;
@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
-use titan_obs::read::{Columns, ReadOptions, Run};
-use titan_obs_tui::conventions::{INCOMPLETE, OK, TITAN_OBS};
+use titan_obs::conventions::{INCOMPLETE, OK, TITAN_OBS};
+use titan_obs_core::read::{Columns, ReadOptions, Run};
 
 /// Options every analysis command shares.
 #[derive(clap::Args, Debug, Clone)]
@@ -48,7 +48,7 @@ pub fn load_run(args: &RunArgs, columns: Columns) -> Result<Run> {
 }
 
 /// [`load_run`]; `digests`: read titan parts' summaries instead of their records (see
-/// `titan_obs::ReadOptions::digests`).
+/// `titan_obs_core::ReadOptions::digests`).
 pub fn load_run_with(args: &RunArgs, columns: Columns, digests: bool) -> Result<Run> {
     let bar = if args.quiet || !console_is_tty() {
         ProgressBar::hidden()
@@ -72,7 +72,7 @@ pub fn load_run_with(args: &RunArgs, columns: Columns, digests: bool) -> Result<
         digests,
     };
     let started = std::time::Instant::now();
-    let run = titan_obs::read::load(&args.run, &opts);
+    let run = titan_obs_core::read::load(&args.run, &opts);
     bar.finish_and_clear();
     let mut run = run?;
     if let Some(id) = &args.run_id {
@@ -114,7 +114,7 @@ pub fn report_problems(run: &Run) {
         ));
     }
     if !r.missing_ranks.is_empty() {
-        let loc = titan_obs::location::Location::parse(&run.location).ok();
+        let loc = titan_obs_core::location::Location::parse(&run.location).ok();
         for &rank in &r.missing_ranks {
             let where_ = loc
                 .as_ref()
@@ -162,7 +162,7 @@ pub fn report_problems(run: &Run) {
 }
 
 /// One line per aligned host: how titan-obs put hosts without a shared clock on one clock.
-pub fn clock_alignment_note(a: &titan_obs::read::ClockAlignment) -> String {
+pub fn clock_alignment_note(a: &titan_obs_core::read::ClockAlignment) -> String {
     let mut s = format!(
         "hosts have no shared clock; aligned to {} on shared step starts:",
         a.reference_host

@@ -3,8 +3,10 @@
 use std::fmt::Write;
 
 use anyhow::Result;
-use titan_obs::analysis::{PipelineSummary, StragglerOptions, Summary, pipeline_summary, summary};
-use titan_obs::read::{Columns, ReadOptions};
+use titan_obs_core::analysis::{
+    PipelineSummary, StragglerOptions, Summary, pipeline_summary, summary,
+};
+use titan_obs_core::read::{Columns, ReadOptions};
 
 use super::{RunArgs, exit_code, human_ns, load_run_with};
 
@@ -52,7 +54,7 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
             align_clocks: !args.run.no_clock_align,
             ..ReadOptions::default()
         };
-        let mut spans = titan_obs::read::load(&args.run.run, &opts)?;
+        let mut spans = titan_obs_core::read::load(&args.run.run, &opts)?;
         if let Some(id) = &args.run.run_id {
             spans.select_run(id)?;
         }

@@ -2,7 +2,7 @@
 //! benchmarks and trying the other commands.
 
 use anyhow::{Result, bail};
-use titan_obs::synth::{Straggler, SynthConfig, write_run};
+use titan_obs_core::synth::{Straggler, SynthConfig, write_run};
 
 /// Write a synthetic run with injected stragglers.
 #[derive(clap::Args, Debug)]
