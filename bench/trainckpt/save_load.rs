@@ -67,6 +67,7 @@ fn main() {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            fused: true,
         });
         let schedule = LrSchedule::new(&LrScheduler::default(), 1e-3, 1000);
         let mut loader = TextLoader::new(

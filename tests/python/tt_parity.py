@@ -21,13 +21,16 @@ Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
       --config picks the registry function both trainers start from (the seed checkpoint is always
       llama3_debugmodel's); --titan-args go to titan-train only. --tt-float8 makes torchtitan's
       float8 converter run on a CPU: `emulate` sets its emulate=True (which torchtitan 0.3.0 turns
-      into the tensorwise recipe), `scaled` keeps its recipe (rowwise) and lets torchao call
-      torch._scaled_mm, which has a CPU kernel (torchtitan only checks for a CUDA capability).
+      into the tensorwise recipe), `emulate-fsdp-all-gather` also turns on torchao's FSDP float8
+      all-gather (a key torchtitan 0.3.0 no longer has), `scaled` keeps its recipe (rowwise) and
+      lets torchao call torch._scaled_mm, which has a CPU kernel (torchtitan only checks for a
+      CUDA capability).
 
   tt_parity.py rank ARGS...      one torchtitan rank (used through torch.distributed.run)
 """
 
 import argparse
+import dataclasses
 import atexit
 import json
 import os
@@ -52,12 +55,16 @@ def patch_float8(mode):
 
     if mode == "scaled":
         f8.has_cuda_capability = lambda *a, **k: True
-    elif mode == "emulate":
+    elif mode in ("emulate", "emulate-fsdp-all-gather"):
         init = f8.Float8LinearConverter.__init__
 
         def emulated(self, config):
             config.emulate = True
             init(self, config)
+            if mode == "emulate-fsdp-all-gather":
+                # torchtitan 0.3.0 dropped the key; torchao 0.18 still gathers in float8.
+                self.torchao_config = dataclasses.replace(
+                    self.torchao_config, enable_fsdp_float8_all_gather=True)
 
         f8.Float8LinearConverter.__init__ = emulated
 
@@ -187,7 +194,8 @@ def main():
     ap.add_argument("--config", default="llama3_debugmodel",
                     help="the registry function both trainers start from")
     ap.add_argument("--titan-args", default="", help="arguments for titan-train only")
-    ap.add_argument("--tt-float8", choices=["emulate", "scaled"], default=None,
+    ap.add_argument("--tt-float8", choices=["emulate", "emulate-fsdp-all-gather", "scaled"],
+                    default=None,
                     help="how torchtitan's float8 converter runs on a CPU")
     ap.add_argument("--docs", type=int, default=None,
                     help="keep only the first N documents (a small N makes the runs re-loop the data)")

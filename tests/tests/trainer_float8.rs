@@ -120,20 +120,28 @@ fn every_config_form_turns_on_the_same_float8_training() {
 
 #[test]
 fn unimplemented_float8_settings_exit_2_naming_the_key() {
+    // torchao gathers tensorwise-scaled weights in float8 only.
     exit_2_naming(
         &[
             "--float8.enable_float8_linear",
+            "--float8.recipe_name",
+            "rowwise",
             "--float8.enable_fsdp_float8_all_gather",
         ],
         "float8.enable_fsdp_float8_all_gather",
     );
     exit_2_naming(
         &[
+            "--model.converters",
+            "quantize.linear.float8",
+            "--quantize.linear.float8.recipe_name",
+            "rowwise_with_gw_hp",
             "--quantize.linear.float8.enable_fsdp_float8_all_gather",
             "true",
         ],
         "float8.enable_fsdp_float8_all_gather",
     );
+
     exit_2_naming(&["--model.converters", "mx"], "model.converters");
     exit_2_naming(
         &["--float8.recipe_name", "columnwise"],

@@ -1,8 +1,10 @@
-// Drops a parameter's gradient (`p.grad = None` in PyTorch), which tch does not expose: its
-// zero_grad only zeroes in place. torchtitan's optimizers zero grads with set_to_none=True, so
-// the next backward hands its fresh gradient buffer to the parameter instead of memsetting the
-// old one and adding into it.
+// What the optimizer needs of gradients and parameters that tch does not expose: dropping a
+// parameter's gradient (`p.grad = None` in PyTorch; tch's zero_grad only zeroes in place, and
+// torchtitan's optimizers zero grads with set_to_none=True, so the next backward hands its fresh
+// gradient buffer to the parameter instead of memsetting the old one and adding into it), adding
+// into it outside autograd, and torch's fused AdamW kernel.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <c10/core/GradMode.h>
 
 #include "shim_error.h"
@@ -28,6 +30,25 @@ int titan_accumulate_grad(void* tensor, void* grad, char** err) {
     } else {
       slot = g;
     }
+  });
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// One parameter's step of torch's fused AdamW kernel (`torch._fused_adamw_`, what torchtitan's
+// default `optimizer.implementation = "fused"` runs, on CPU and CUDA). `step` is the parameter's
+// float step count, already incremented (torch increments it before calling the kernel). All
+// tensors are tch C_tensors. Returns 0, or 1 with `*err` (shim_error.h).
+int titan_fused_adamw(void* param, void* grad, void* exp_avg, void* exp_avg_sq, void* step,
+                      double lr, double beta1, double beta2, double weight_decay, double eps,
+                      char** err) {
+  return titan_shim::guarded(err, [&] {
+    auto t = [](void* p) { return *reinterpret_cast<at::Tensor*>(p); };
+    c10::AutoGradMode no_grad(false);
+    at::_fused_adamw_({t(param)}, {t(grad)}, {t(exp_avg)}, {t(exp_avg_sq)}, {}, {t(step)}, lr,
+                      beta1, beta2, weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false);
   });
 }
 

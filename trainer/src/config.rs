@@ -76,7 +76,9 @@ pub enum AsyncModeName {
     AsyncWithPinnedMem,
 }
 
-/// `optimizer.implementation`: torchtitan's kernels; all run the same per-tensor update here.
+/// `optimizer.implementation`: torchtitan's kernels. `fused` (the default) runs torch's fused
+/// AdamW kernel; `for-loop` and `foreach` run torch's sequence of tensor ops, which rounds the
+/// same for both (and differently from the fused kernel).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum OptimizerImpl {
     #[serde(rename = "for-loop")]
@@ -665,9 +667,11 @@ pub struct Float8 {
     /// Multiply the dequantised float8 operands in f32 instead of `torch._scaled_mm` (the same
     /// float8 values; for hardware without float8 matmuls).
     pub emulate: bool,
-    /// Not implemented: refused unless false.
+    /// FSDP gathers the float8 linears' weights cast to float8 (tensorwise recipe only); without
+    /// FSDP sharding there is nothing to gather and it does nothing (as in torchtitan).
     pub enable_fsdp_float8_all_gather: bool,
-    /// Only used with the float8 all-gather (as in torchtitan).
+    /// The float8 all-gather's scales come from one all-reduce after each optimizer step
+    /// instead of one per unit and gather (the same values). Needs the float8 all-gather.
     pub precompute_float8_dynamic_scale_for_fsdp: bool,
     /// Accepted at any value: titan-train always casts the weight again in backward (torchao
     /// 0.18 ignores the key too).
@@ -895,6 +899,20 @@ impl JobConfig {
                 format!("`{}` is not supported (only AdamW)", self.optimizer.name),
             );
         }
+        if self.float8.enable_fsdp_float8_all_gather
+            && self.float8_enabled()
+            && self
+                .float8
+                .recipe_name
+                .is_some_and(|r| r != crate::float8::Recipe::Tensorwise)
+        {
+            return bad(
+                "float8.enable_fsdp_float8_all_gather",
+                "gathers tensorwise-scaled weights only (as torchao): set \
+                 float8.recipe_name tensorwise, or turn the float8 all-gather off"
+                    .into(),
+            );
+        }
         if self.model.name != "llama3" {
             return bad(
                 "model.name",
@@ -1089,12 +1107,6 @@ impl JobConfig {
                 w(&self.model.print_after_conversion),
                 w(&d.model.print_after_conversion),
                 " (the float8 linears are listed in the log instead)",
-            ),
-            (
-                "float8.enable_fsdp_float8_all_gather",
-                w(&self.float8.enable_fsdp_float8_all_gather),
-                w(&d.float8.enable_fsdp_float8_all_gather),
-                " (FSDP gathers the weights in their own dtype; float8 is cast after the gather)",
             ),
             (
                 "optimizer.early_step_in_backward",

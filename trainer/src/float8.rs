@@ -322,23 +322,74 @@ impl Float8Linear {
 
     /// `x.linear(w)` (x: (..., K), w: (N, K)) with float8 matmuls forward and backward.
     pub fn apply(&self, x: &Tensor, w: &Tensor) -> Tensor {
-        self.run(x, w, None)
+        self.run(x, w, None, None, 1)
+    }
+
+    /// [`Float8Linear::apply`] for a weight FSDP gathered already cast (`w` is then the
+    /// high-precision weight autograd hands the weight gradient to; its values are not read).
+    pub fn apply_gathered(&self, x: &Tensor, w: &Tensor, gathered: &Float8Weight) -> Tensor {
+        self.run(x, w, Some(gathered.clone()), None, 1)
+    }
+
+    /// [`Float8Linear::apply`] (or `apply_gathered`) on `chunks` pieces of x (B, S, K) along
+    /// the sequence, each cast with its own scales, as torchtitan 0.3.0's chunked loss feeds its
+    /// `lm_head`; backward takes the chunks in order too and adds their weight gradients one
+    /// after the other (chunk 0 first, as the chunked loss's per-chunk backward accumulates
+    /// them), so the weight gradient is torchtitan's bit for bit.
+    pub fn apply_in_chunks(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        gathered: Option<&Float8Weight>,
+        chunks: i64,
+    ) -> Tensor {
+        self.run(x, w, gathered.cloned(), None, chunks.max(1))
     }
 
     /// For a recompute that already has the forward's output `kept`: returns it without
-    /// multiplying and back-propagates as [`Float8Linear::apply`] does (selective activation
-    /// checkpointing's replay).
-    pub fn apply_kept(&self, x: &Tensor, w: &Tensor, kept: &Tensor) -> Tensor {
-        self.run(x, w, Some(kept.shallow_clone()))
+    /// multiplying and back-propagates as [`Float8Linear::apply`] (or `apply_gathered` with
+    /// `gathered`) does (selective activation checkpointing's replay).
+    pub fn apply_kept(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        gathered: Option<&Float8Weight>,
+        kept: &Tensor,
+    ) -> Tensor {
+        self.run(x, w, gathered.cloned(), Some(kept.shallow_clone()), 1)
     }
 
-    fn run(&self, x: &Tensor, w: &Tensor, kept: Option<Tensor>) -> Tensor {
+    fn run(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        gathered: Option<Float8Weight>,
+        kept: Option<Tensor>,
+        chunks: i64,
+    ) -> Tensor {
+        assert!(
+            gathered.is_none() || self.takes_gathered_weights(),
+            "only the tensorwise recipe multiplies a weight gathered in float8"
+        );
         let f = Float8Matmul {
             linear: self.clone(),
+            gathered,
             kept,
+            chunks,
             saved: None,
         };
         autograd::apply(f, &[x, w], 1).remove(0)
+    }
+
+    /// Whether this layer casts its weight the way [`Float8Weight::cast`] does in every matmul
+    /// that reads it (tensorwise e4m3fn, no power-of-two rounding): the layers FSDP may gather
+    /// in float8.
+    pub fn takes_gathered_weights(&self) -> bool {
+        let weight = Some(Cast {
+            kind: WEIGHT_KIND,
+            rowwise: false,
+        });
+        self.plan.output.b == weight && self.plan.grad_input.b == weight && !self.plan.pow2
     }
 
     /// The scales this layer gives x and W in the forward matmul and grad_out in the grad_input
@@ -380,29 +431,47 @@ impl Float8Linear {
     fn gemm(
         &self,
         gemm: Gemm,
-        (a, b): (&Tensor, &Tensor),
+        (a, b): (Operand, Operand),
         splits: (Option<i64>, Option<i64>),
         out: Kind,
     ) -> Tensor {
         match (gemm.a, gemm.b) {
             (Some(ca), Some(cb)) => {
-                let (qa, sa) = self.cast(a, ca, 1, splits.0);
-                let (qb, sb) = self.cast(b, cb, 0, splits.1);
+                let (qa, sa) = self.operand(a, ca, 1, splits.0);
+                let (qb, sb) = self.operand(b, cb, 0, splits.1);
                 product((&qa, &sa), (&qb, &sb), out, gemm.fast_accum, self.backend)
             }
-            _ => a.mm(b).to_kind(out),
+            _ => a.high_precision().mm(&b.high_precision()).to_kind(out),
+        }
+    }
+
+    /// An operand's float8 values and scale: cast now, or as gathered.
+    fn operand(
+        &self,
+        t: Operand,
+        cast: Cast,
+        inner_dim: i64,
+        split: Option<i64>,
+    ) -> (Tensor, Tensor) {
+        match t {
+            Operand::High(t) => self.cast(&t, cast, inner_dim, split),
+            Operand::Float8(w) => (w.data, w.scale),
         }
     }
 
     /// The forward output of `x` (..., K) and `w` (N, K): (..., N) in x's dtype.
-    fn output(&self, x: &Tensor, w: &Tensor) -> Tensor {
+    fn output(&self, x: &Tensor, w: &Tensor, gathered: Option<&Float8Weight>) -> Tensor {
         let mut shape = x.size();
         let k = *shape
             .last()
             .expect("a linear's input has a feature dimension");
+        let wt = match gathered {
+            Some(g) => Operand::Float8(g.transposed()),
+            None => Operand::High(w.transpose(0, 1)),
+        };
         let y = self.gemm(
             self.plan.output,
-            (&x.reshape([-1, k]), &w.transpose(0, 1)),
+            (Operand::High(x.reshape([-1, k])), wt),
             self.splits[0],
             x.kind(),
         );
@@ -411,19 +480,93 @@ impl Float8Linear {
     }
 
     /// The gradients of x and w for the output gradient `go` (..., N), in go's dtype.
-    fn grads(&self, x: &Tensor, w: &Tensor, go: &Tensor) -> (Tensor, Tensor) {
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        gathered: Option<&Float8Weight>,
+        go: &Tensor,
+    ) -> (Tensor, Tensor) {
         let (n, k) = (w.size()[0], w.size()[1]);
         let go2 = go.reshape([-1, n]);
+        let w_operand = match gathered {
+            Some(g) => Operand::Float8(g.clone()),
+            None => Operand::High(w.shallow_clone()),
+        };
         let gx = self
-            .gemm(self.plan.grad_input, (&go2, w), self.splits[1], go.kind())
+            .gemm(
+                self.plan.grad_input,
+                (Operand::High(go2.shallow_clone()), w_operand),
+                self.splits[1],
+                go.kind(),
+            )
             .reshape(x.size().as_slice());
         let gw = self.gemm(
             self.plan.grad_weight,
-            (&go2.transpose(0, 1), &x.reshape([-1, k])),
+            (
+                Operand::High(go2.transpose(0, 1)),
+                Operand::High(x.reshape([-1, k])),
+            ),
             self.splits[2],
             go.kind(),
         );
         (gx, gw)
+    }
+}
+
+/// A matmul operand: in high precision (the layer casts it), or a weight gathered in float8.
+enum Operand {
+    High(Tensor),
+    Float8(Float8Weight),
+}
+
+impl Operand {
+    fn high_precision(&self) -> Tensor {
+        match self {
+            Operand::High(t) => t.shallow_clone(),
+            Operand::Float8(w) => w.data.to_kind(Kind::Float) / &w.scale,
+        }
+    }
+}
+
+/// The float8 dtype weights are cast to (every recipe's weight operand).
+pub const WEIGHT_KIND: Kind = Kind::Float8e4m3fn;
+
+/// A weight FSDP gathered already cast to float8 (`enable_fsdp_float8_all_gather`, as torchao's
+/// `WeightWithDynamicFloat8CastTensor`): its e4m3fn values and the tensorwise scale they were
+/// cast with. The scale comes from the amax of the whole weight, so the values are the ones a
+/// tensorwise layer would cast from the whole weight itself.
+pub struct Float8Weight {
+    pub data: Tensor,
+    /// 0-dim f32.
+    pub scale: Tensor,
+}
+
+impl Clone for Float8Weight {
+    fn clone(&self) -> Self {
+        Float8Weight {
+            data: self.data.shallow_clone(),
+            scale: self.scale.shallow_clone(),
+        }
+    }
+}
+
+impl Float8Weight {
+    /// The tensorwise scale for a weight whose (global) amax is `amax`.
+    pub fn scale_for(amax: &Tensor) -> Tensor {
+        amax_to_scale(amax, WEIGHT_KIND, false)
+    }
+
+    /// `w` (or a shard of it) cast with `scale`.
+    pub fn cast(w: &Tensor, scale: &Tensor) -> Tensor {
+        to_float8(w, scale, WEIGHT_KIND)
+    }
+
+    fn transposed(&self) -> Float8Weight {
+        Float8Weight {
+            data: self.data.transpose(0, 1),
+            scale: self.scale.shallow_clone(),
+        }
     }
 }
 
@@ -436,6 +579,11 @@ pub struct Float8Training {
     pub filter_fqns: Vec<String>,
     /// The sequence chunks a float8 `lm_head` multiplies separately.
     pub lm_head_chunks: i64,
+    /// FSDP gathers the float8 linears' weights in float8 (`enable_fsdp_float8_all_gather`).
+    pub fsdp_all_gather: bool,
+    /// ... with scales computed once after each optimizer step
+    /// (`precompute_float8_dynamic_scale_for_fsdp`).
+    pub precompute_scales: bool,
 }
 
 impl Float8Training {
@@ -450,6 +598,9 @@ impl Float8Training {
             },
             filter_fqns: cfg.float8.filter_fqns.clone(),
             lm_head_chunks: cfg.float8.lm_head_chunks as i64,
+            fsdp_all_gather: cfg.float8.enable_fsdp_float8_all_gather,
+            precompute_scales: cfg.float8.enable_fsdp_float8_all_gather
+                && cfg.float8.precompute_float8_dynamic_scale_for_fsdp,
         })
     }
 
@@ -478,20 +629,43 @@ impl Float8Training {
 }
 
 /// The autograd function of one float8 linear call. It keeps the high-precision input and weight
-/// for backward (as torchao does) and casts them again there along the backward's axes.
+/// for backward (as torchao does) and casts them again there along the backward's axes; a weight
+/// gathered in float8 is kept as gathered.
 struct Float8Matmul {
     linear: Float8Linear,
+    gathered: Option<Float8Weight>,
     /// The output to return instead of multiplying (a selective-AC replay).
     kept: Option<Tensor>,
+    /// Pieces of the sequence (dim 1) multiplied one after the other (1: the whole input).
+    chunks: i64,
     saved: Option<(Tensor, Tensor)>,
+}
+
+impl Float8Matmul {
+    /// `t`'s chunks along the sequence, each contiguous (as torchtitan's chunked loss cuts them).
+    fn pieces(&self, t: &Tensor) -> Vec<Tensor> {
+        t.chunk(self.chunks, 1)
+            .iter()
+            .map(|c| c.contiguous())
+            .collect()
+    }
 }
 
 impl Function for Float8Matmul {
     fn forward(&mut self, inputs: &[Tensor]) -> Vec<Tensor> {
         let (x, w) = (&inputs[0], &inputs[1]);
+        let gathered = self.gathered.as_ref();
         let y = match self.kept.take() {
             Some(kept) => kept,
-            None => self.linear.output(x, w),
+            None if self.chunks > 1 => {
+                let parts: Vec<Tensor> = self
+                    .pieces(x)
+                    .iter()
+                    .map(|c| self.linear.output(c, w, gathered))
+                    .collect();
+                Tensor::cat(&parts, 1)
+            }
+            None => self.linear.output(x, w, gathered),
         };
         self.saved = Some((x.shallow_clone(), w.shallow_clone()));
         vec![y]
@@ -499,8 +673,22 @@ impl Function for Float8Matmul {
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
         let (x, w) = self.saved.as_ref().expect("forward ran before backward");
-        let (gx, gw) = self.linear.grads(x, w, &grads[0]);
-        vec![gx, gw]
+        let gathered = self.gathered.as_ref();
+        if self.chunks == 1 {
+            let (gx, gw) = self.linear.grads(x, w, gathered, &grads[0]);
+            return vec![gx, gw];
+        }
+        let mut gxs = Vec::new();
+        let mut gw_sum: Option<Tensor> = None;
+        for (xc, gc) in self.pieces(x).iter().zip(self.pieces(&grads[0])) {
+            let (gx, gw) = self.linear.grads(xc, w, gathered, &gc);
+            gxs.push(gx);
+            gw_sum = Some(match gw_sum {
+                Some(sum) => sum + gw,
+                None => gw,
+            });
+        }
+        vec![Tensor::cat(&gxs, 1), gw_sum.expect("at least one chunk")]
     }
 }
 
@@ -618,6 +806,43 @@ mod tests {
                     "{recipe:?} tensor {i}: scaled vs emulated {rel}"
                 );
             }
+        }
+    }
+
+    /// A weight cast before the layer sees it (FSDP's float8 all-gather) with the whole
+    /// weight's scale multiplies exactly as the layer casting it itself: the same output and
+    /// gradients, bit for bit, with either backend; only tensorwise takes such weights.
+    #[test]
+    fn a_weight_gathered_in_float8_multiplies_as_the_layer_casts_it() {
+        tch::manual_seed(5);
+        let x = Tensor::randn([2, 8, 32], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([48, 32], (Kind::Float, Device::Cpu)) * 0.1;
+        let go = Tensor::randn([2, 8, 48], (Kind::Float, Device::Cpu));
+        let tp = crate::parallelize::ParallelPlan::single().tp;
+        let run = |f8: &Float8Linear, gathered: bool| {
+            let x = x.copy().set_requires_grad(true);
+            let w = w.copy().set_requires_grad(true);
+            let y = if gathered {
+                let scale = Float8Weight::scale_for(&w.detach().abs().max());
+                let g = Float8Weight {
+                    data: Float8Weight::cast(&w.detach(), &scale),
+                    scale,
+                };
+                f8.apply_gathered(&x, &w, &g)
+            } else {
+                f8.apply(&x, &w)
+            };
+            (&y * &go).sum(Kind::Float).backward();
+            [y.detach(), x.grad(), w.grad()].map(|t| values(&t))
+        };
+        for backend in [Backend::Emulated, Backend::ScaledMm] {
+            let f8 = Float8Linear::new(Recipe::Tensorwise, backend, tp.clone(), TpSplit::Whole);
+            assert!(f8.takes_gathered_weights());
+            assert_eq!(run(&f8, true), run(&f8, false), "{backend:?}");
+        }
+        for recipe in [Recipe::Rowwise, Recipe::RowwiseWithGwHp] {
+            let f8 = Float8Linear::new(recipe, Backend::Emulated, tp.clone(), TpSplit::Whole);
+            assert!(!f8.takes_gathered_weights(), "{recipe:?}");
         }
     }
 

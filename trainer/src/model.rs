@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
-use crate::float8::{Float8Linear, Float8Training, TpSplit};
-use crate::parallelize::fsdp::FsdpUnit;
+use crate::float8::{Float8Linear, Float8Training, Float8Weight, TpSplit};
+use crate::parallelize::fsdp::{Float8Gather, FsdpUnit, Gathered};
 use crate::parallelize::pipeline::StageModules;
 use crate::parallelize::tp::TensorParallel;
 use crate::parallelize::weight_grad::{WeightGradStash, deferred_linear};
@@ -382,23 +382,43 @@ impl ForwardContext {
     }
 }
 
+/// A linear's weight as its FSDP unit gathered it: the values (a placeholder of its shape when
+/// gathered in float8), and the float8 values when it was.
+struct Weight {
+    value: Tensor,
+    float8: Option<Float8Weight>,
+}
+
+/// Parameters of a transformer block, in registration order: wq, wk, wv, wo, w1, w2, w3 and the
+/// two norms (what [`Layer::from_params`] takes and its FSDP unit holds).
+const BLOCK_PARAMS: usize = 9;
+
 struct Layer {
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
-    w1: Tensor,
-    w2: Tensor,
-    w3: Tensor,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
+    w1: Weight,
+    w2: Weight,
+    w3: Weight,
     attention_norm: Tensor,
     ffn_norm: Tensor,
 }
 
 impl Layer {
     /// A block's parameters in registration order (as its FSDP unit gathers them).
-    fn from_params(p: Vec<Tensor>) -> Layer {
-        let [wq, wk, wv, wo, w1, w2, w3, attention_norm, ffn_norm]: [Tensor; 9] =
-            p.try_into().expect("a transformer block has 9 parameters");
+    fn from_params(g: Gathered) -> Layer {
+        let mut weights = g
+            .params
+            .into_iter()
+            .zip(g.float8)
+            .map(|(value, float8)| Weight { value, float8 });
+        let mut next = || {
+            weights
+                .next()
+                .expect("a transformer block has 9 parameters")
+        };
+        let (wq, wk, wv, wo, w1, w2, w3) = (next(), next(), next(), next(), next(), next(), next());
         Layer {
             wq,
             wk,
@@ -407,8 +427,8 @@ impl Layer {
             w1,
             w2,
             w3,
-            attention_norm,
-            ffn_norm,
+            attention_norm: next().value,
+            ffn_norm: next().value,
         }
     }
 }
@@ -697,7 +717,10 @@ impl Llama {
         let layers = (0..args.n_layers as usize)
             .filter(|&i| has_layer(i))
             .enumerate()
-            .map(|(k, i)| (i, unit(first + 9 * k..first + 9 * (k + 1), false)))
+            .map(|(k, i)| {
+                let start = first + BLOCK_PARAMS * k;
+                (i, unit(start..start + BLOCK_PARAMS, false))
+            })
             .collect();
         let head = has_head.then(|| unit(n - 2..n, true));
         let freqs_cis = precompute_freqs_cis(&args, device);
@@ -791,6 +814,44 @@ impl Llama {
         out
     }
 
+    /// This rank's gradients as torchtitan 0.3.0's parameters hold them, in its order, each with
+    /// whether tensor parallelism splits it: a block's q, k and v gradients are its one `wqkv`'s
+    /// (fused in that layout when this rank holds whole rows of all three, as without FSDP
+    /// sharding; else concatenated). What the gradient norm is taken over: the per-parameter
+    /// norms are summed in this order, so one process's norm is torchtitan's bit for bit.
+    pub fn grads_as_torchtitan_parameters(&self) -> Vec<(Tensor, bool)> {
+        let grad = |i: usize| (self.params[i].1.grad(), self.placements[i].tp_dim.is_some());
+        let first_layer = usize::from(self.embeddings.is_some());
+        let layers_end = first_layer + BLOCK_PARAMS * self.layers.len();
+        let kv_heads = self.args.kv_heads() / self.tp.size() as i64;
+        let mut out = Vec::with_capacity(self.params.len());
+        let mut i = 0;
+        while i < self.params.len() {
+            let starts_block =
+                (first_layer..layers_end).contains(&i) && (i - first_layer) % BLOCK_PARAMS == 0;
+            if !starts_block {
+                out.push(grad(i));
+                i += 1;
+                continue;
+            }
+            let (split, qkv) = (grad(i).1, [i, i + 1, i + 2].map(|j| grad(j).0));
+            if qkv.iter().all(|g| g.defined()) {
+                let whole = (i..i + 3).all(|j| {
+                    let p = &self.placements[j];
+                    p.local.first() == Some(&p.tp_local_rows)
+                });
+                let wqkv = if whole {
+                    crate::names::fuse_qkv(&qkv[0], &qkv[1], &qkv[2], kv_heads)
+                } else {
+                    Tensor::cat(&qkv.each_ref().map(|g| g.reshape([-1])), 0)
+                };
+                out.push((wqkv, split));
+            }
+            i += 3;
+        }
+        out
+    }
+
     /// Waits for the FSDP gradient reductions the backward passes started and puts their results
     /// in the parameters' gradients: call once after the step's last backward.
     pub fn finish_gradients(&self) {
@@ -858,7 +919,7 @@ impl Llama {
                 f8.linear(&self.tp, split)
             })
         };
-        let blocks = (0..a.n_layers)
+        let blocks: Vec<BlockFloat8> = (0..a.n_layers)
             .map(|i| {
                 let p = |n: &str| format!("layers.{i}.{n}");
                 let qkv_names = ["wq", "wk", "wv"].map(|n| p(&format!("attention.qkv_linear.{n}")));
@@ -892,12 +953,64 @@ impl Llama {
             })
             .collect();
         let lm_head = take("lm_head".into(), a.vocab_size, d, TpSplit::Columns);
+        if f8.fsdp_all_gather {
+            self.gather_in_float8(&blocks, lm_head.is_some());
+        }
         self.float8 = Some(Arc::new(ModelFloat8 {
             blocks,
             lm_head,
             lm_head_chunks: f8.lm_head_chunks,
         }));
         (self, converted)
+    }
+
+    /// FSDP's float8 all-gather: each unit gathers the weights of its float8 linears in float8
+    /// (q, k and v of a fused `wqkv` with one scale, as the one weight they are there).
+    fn gather_in_float8(&mut self, blocks: &[BlockFloat8], lm_head: bool) {
+        let tp = self.tp.clone();
+        let gather = |scale_of: Vec<Option<usize>>| Float8Gather {
+            scale_of,
+            tp: tp.clone(),
+        };
+        for (index, unit) in &mut self.layers {
+            let b = &blocks[*index];
+            // Scale groups in parameter order: wq, wk, wv, wo, w1, w2, w3, then the two norms.
+            let mut next = 0;
+            let mut group = |converted: bool| {
+                converted.then(|| {
+                    next += 1;
+                    next - 1
+                })
+            };
+            let [q, k, v] = match &b.qkv {
+                Qkv::Fused(_) => {
+                    let g = group(true);
+                    [g; 3]
+                }
+                Qkv::Separate(parts) => parts.each_ref().map(|p| group(p.is_some())),
+            };
+            let scale_of = vec![
+                q,
+                k,
+                v,
+                group(b.wo.is_some()),
+                group(b.w1.is_some()),
+                group(b.w2.is_some()),
+                group(b.w3.is_some()),
+                None,
+                None,
+            ];
+            unit.gather_in_float8(gather(scale_of));
+        }
+        if let Some(head) = &mut self.head {
+            head.gather_in_float8(gather(vec![None, lm_head.then_some(0)]));
+        }
+    }
+
+    /// `precompute_float8_dynamic_scale_for_fsdp`: after the optimizer step, the scales the
+    /// next step's float8 all-gathers cast with, in one collective. Every rank calls it.
+    pub fn precompute_float8_scales(&self) {
+        crate::parallelize::fsdp::precompute_float8_scales(&self.units().collect::<Vec<_>>());
     }
 
     /// Sets which tokens attend to which; `activations` is the dtype attention will compute in
@@ -982,7 +1095,7 @@ impl Llama {
         }
         let mut h = match embeddings {
             Some(unit) => {
-                let [weight]: [Tensor; 1] = unit.gather().try_into().expect("one weight");
+                let [weight]: [Tensor; 1] = unit.gather().params.try_into().expect("one weight");
                 if let Some(next) = units.get(1) {
                     next.prefetch();
                 }
@@ -1053,7 +1166,9 @@ impl Llama {
         let Some(head) = head else {
             return h;
         };
-        let [norm, lm_head]: [Tensor; 2] = head.gather().try_into().expect("two weights");
+        let Gathered { params, float8 } = head.gather();
+        let [norm, lm_head]: [Tensor; 2] = params.try_into().expect("two weights");
+        let lm_head_float8 = float8.into_iter().nth(1).flatten();
         let h = self
             .tp
             .enter(&h.rms_norm([shape.dim], Some(&norm), shape.norm_eps));
@@ -1063,15 +1178,7 @@ impl Llama {
             .and_then(|f| Some((f.lm_head.as_ref()?, f.lm_head_chunks)))
         {
             // Chunks along the sequence, as torchtitan 0.3.0's chunked loss feeds lm_head.
-            Some((f8, chunks)) if chunks > 1 => {
-                let parts: Vec<Tensor> = h
-                    .chunk(chunks, 1)
-                    .iter()
-                    .map(|c| f8.apply(c, &lm_head))
-                    .collect();
-                Tensor::cat(&parts, 1)
-            }
-            Some((f8, _)) => f8.apply(&h, &lm_head),
+            Some((f8, chunks)) => f8.apply_in_chunks(&h, &lm_head, lm_head_float8.as_ref(), chunks),
             None => match defer_weight_grads {
                 Some(stash) => deferred_linear(&h, &lm_head, stash),
                 None => h.linear::<&Tensor>(&lm_head, None),
@@ -1140,11 +1247,15 @@ impl Matmuls {
     }
 
     /// `x.linear(w)`, in float8 when `f8` is set.
-    fn linear(&self, x: &Tensor, w: &Tensor, f8: Option<&Float8Linear>) -> Tensor {
+    fn linear(&self, x: &Tensor, weight: &Weight, f8: Option<&Float8Linear>) -> Tensor {
         self.count.set(self.count.get() + 1);
         let kept = self.count.get() % 2 == 1;
+        let (w, gathered) = (&weight.value, weight.float8.as_ref());
         let multiply = || match (f8, &self.deferred) {
-            (Some(f8), _) => f8.apply(x, w),
+            (Some(f8), _) => match gathered {
+                Some(g) => f8.apply_gathered(x, w, g),
+                None => f8.apply(x, w),
+            },
             (None, Some(stash)) => deferred_linear(x, w, stash),
             (None, None) => x.linear::<&Tensor>(w, None),
         };
@@ -1154,7 +1265,7 @@ impl Matmuls {
                     .pop_front()
                     .expect("the recompute runs the matmuls the forward recorded");
                 match f8 {
-                    Some(f8) => f8.apply_kept(x, w, &value),
+                    Some(f8) => f8.apply_kept(x, w, gathered, &value),
                     None => kept_linear(x, w, &value),
                 }
             }
@@ -1175,7 +1286,20 @@ impl Matmuls {
                 let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
                 let (kvh, hd) = (shape.kv_heads, shape.head_dim);
                 let per_kv = shape.n_heads / kvh;
-                let w = crate::names::fuse_qkv(&layer.wq, &layer.wk, &layer.wv, kvh);
+                let fuse = |w: [&Tensor; 3]| crate::names::fuse_qkv(w[0], w[1], w[2], kvh);
+                let [q, k, v] = [&layer.wq, &layer.wk, &layer.wv];
+                // Gathered in float8, the three share one scale: their values fuse as they are.
+                let float8 = match (&q.float8, &k.float8, &v.float8) {
+                    (Some(fq), Some(fk), Some(fv)) => Some(Float8Weight {
+                        data: fuse([&fq.data, &fk.data, &fv.data]),
+                        scale: fq.scale.shallow_clone(),
+                    }),
+                    _ => None,
+                };
+                let w = Weight {
+                    value: fuse([&q.value, &k.value, &v.value]),
+                    float8,
+                };
                 let qkv = self
                     .linear(x, &w, Some(f8))
                     .view([b, s, kvh, per_kv + 2, hd]);

@@ -1,7 +1,8 @@
 //! AdamW over tch tensors with visible, checkpointable state, and total-norm gradient clipping.
 //!
 //! The update is PyTorch's `torch.optim.AdamW` (decoupled weight decay, bias correction), applied
-//! per parameter; its state (`exp_avg`, `exp_avg_sq`, `step` per parameter fqn) is plain tensors
+//! per parameter: through torch's fused kernel (`optimizer.implementation = "fused"`,
+//! torchtitan's default) or as its for-loop sequence of tensor ops, each rounding as torch's does; its state (`exp_avg`, `exp_avg_sq`, `step` per parameter fqn) is plain tensors
 //! that checkpointing can save and load by name.
 
 use std::collections::BTreeMap;
@@ -18,6 +19,9 @@ pub struct AdamWParams {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    /// torch's fused kernel (`implementation = "fused"`, torchtitan's default), else the
+    /// for-loop/foreach sequence of tensor ops; the two round differently.
+    pub fused: bool,
 }
 
 impl From<&OptimizerConfig> for AdamWParams {
@@ -27,6 +31,7 @@ impl From<&OptimizerConfig> for AdamWParams {
             beta2: c.beta2,
             eps: c.eps,
             weight_decay: c.weight_decay,
+            fused: c.implementation == crate::config::OptimizerImpl::Fused,
         }
     }
 }
@@ -78,6 +83,7 @@ impl AdamW {
             beta2,
             eps,
             weight_decay,
+            fused,
         } = self.hparams;
         let state = self
             .state
@@ -89,6 +95,21 @@ impl AdamW {
             });
         // Each in-place op returns another handle to the tensor it changed: dropped; its error is
         // not.
+        if fused {
+            state.step += 1;
+            let step = Tensor::from(state.step as f32).to_device(param.device());
+            let p = param.shallow_clone();
+            let tensors = [&p, &grad, &state.exp_avg, &state.exp_avg_sq, &step];
+            let [p, g, m, v, s] = tensors.map(|t| t.as_ptr() as *mut std::ffi::c_void);
+            return crate::shim::call(|err| {
+                // SAFETY: tch's C_tensor is an `at::Tensor*`; every tensor is alive for the call.
+                unsafe {
+                    titan_fused_adamw(p, g, m, v, s, lr, beta1, beta2, weight_decay, eps, err)
+                }
+            })
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("AdamW step of `{name}`"));
+        }
         tch::no_grad(|| -> std::result::Result<(), tch::TchError> {
             state.step += 1;
             let mut p = param.shallow_clone();
@@ -102,9 +123,11 @@ impl AdamW {
                 .exp_avg_sq
                 .f_addcmul_(&grad.f_mul_scalar(1.0 - beta2)?, &grad)
                 .map(drop)?;
-            let step = state.step as i32;
-            let bias_correction1 = 1.0 - beta1.powi(step);
-            let bias_correction2 = 1.0 - beta2.powi(step);
+            // `beta ** step` as Python computes it (C's pow, correctly rounded), not repeated
+            // multiplication, which rounds at each step: torch's AdamW bit for bit.
+            let step = state.step as f64;
+            let bias_correction1 = 1.0 - beta1.powf(step);
+            let bias_correction2 = 1.0 - beta2.powf(step);
             let step_size = lr / bias_correction1;
             let mut denom = state.exp_avg_sq.f_sqrt()?;
             denom.f_div_scalar_(bias_correction2.sqrt()).map(drop)?;
@@ -122,6 +145,20 @@ unsafe extern "C" {
     fn titan_accumulate_grad(
         tensor: *mut std::ffi::c_void,
         grad: *mut std::ffi::c_void,
+        err: *mut *mut std::ffi::c_char,
+    ) -> i32;
+    #[allow(clippy::too_many_arguments)]
+    fn titan_fused_adamw(
+        param: *mut std::ffi::c_void,
+        grad: *mut std::ffi::c_void,
+        exp_avg: *mut std::ffi::c_void,
+        exp_avg_sq: *mut std::ffi::c_void,
+        step: *mut std::ffi::c_void,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
         err: *mut *mut std::ffi::c_char,
     ) -> i32;
 }
@@ -156,13 +193,14 @@ pub fn clear_grads(params: &[&Tensor]) {
     }
 }
 
-/// The total 2-norm of all gradients, as `torch.nn.utils.clip_grad_norm_` (foreach) computes it:
-/// the norm of the per-tensor norms, in fp32.
-pub fn total_grad_norm(params: &[&Tensor]) -> f64 {
+/// The total 2-norm of `grads` (one per parameter, in parameter order), as
+/// `torch.nn.utils.clip_grad_norm_` computes it: the fp32 norm of the per-tensor fp32 norms. The
+/// order and grouping of the tensors change the last bits (the norms are summed in order), so
+/// callers pass the parameters as the model they mirror has them.
+pub fn total_grad_norm(grads: &[Tensor]) -> f64 {
     tch::no_grad(|| {
-        let norms: Vec<Tensor> = params
+        let norms: Vec<Tensor> = grads
             .iter()
-            .map(|p| p.grad())
             .filter(|g| g.defined())
             .map(|g| g.to_kind(Kind::Float).norm().reshape([1]))
             .collect();
@@ -173,11 +211,19 @@ pub fn total_grad_norm(params: &[&Tensor]) -> f64 {
     })
 }
 
-/// Scales every gradient by `max_norm / (total_norm + 1e-6)` when that is below 1, as
-/// `clip_grad_norm_` does. The one clipping function; `total_norm` comes from
-/// [`total_grad_norm`] (summed over the ranks by the caller for sharded parameters).
+/// The factor `clip_grad_norm_` scales gradients by: `max_norm / (total_norm + 1e-6)` clamped
+/// to 1, in fp32 as torch computes it (`total_norm` is an fp32 tensor there, and `max_norm /
+/// t` is `t.reciprocal() * max_norm`), so the clipped gradients are torch's bit for bit.
+pub fn clip_coefficient(max_norm: f64, total_norm: f64) -> f32 {
+    let recip = 1.0f32 / (total_norm as f32 + 1e-6f32);
+    (recip * max_norm as f32).min(1.0)
+}
+
+/// Scales every gradient by [`clip_coefficient`] when that is below 1, as `clip_grad_norm_`
+/// does. The one clipping function; `total_norm` comes from [`total_grad_norm`] (summed over the
+/// ranks by the caller for sharded parameters).
 pub fn clip_grads(params: &[&Tensor], max_norm: f64, total_norm: f64) -> Result<()> {
-    let coef = max_norm / (total_norm + 1e-6);
+    let coef = clip_coefficient(max_norm, total_norm);
     if coef >= 1.0 || !total_norm.is_finite() {
         return Ok(());
     }
@@ -185,7 +231,7 @@ pub fn clip_grads(params: &[&Tensor], max_norm: f64, total_norm: f64) -> Result<
         for p in params {
             let mut g = p.grad();
             if g.defined() {
-                g.f_mul_scalar_(coef)
+                g.f_mul_scalar_(f64::from(coef))
                     .map(drop)
                     .with_context(|| format!("clipping a gradient of shape {:?}", g.size()))?;
             }
@@ -198,39 +244,46 @@ pub fn clip_grads(params: &[&Tensor], max_norm: f64, total_norm: f64) -> Result<
 mod tests {
     use super::*;
 
+    /// Both implementations (torch's fused kernel, the for-loop ops) follow torch.optim.AdamW's
+    /// formulas, computed here by hand in f64.
     #[test]
     fn adamw_matches_reference_two_steps() {
-        // Reference computed by hand from torch.optim.AdamW's formulas.
-        let hp = AdamWParams {
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
-        let mut opt = AdamW::new(hp);
-        let p = Tensor::from_slice(&[1.0f64, -2.0]).set_requires_grad(true);
-        let grads = [[0.5f64, 0.25], [-1.0, 2.0]];
-        let (mut w, mut m, mut v) = ([1.0f64, -2.0], [0.0f64; 2], [0.0f64; 2]);
-        let lr = 1e-2;
-        for (t, g) in grads.iter().enumerate() {
-            let loss = (&p * Tensor::from_slice(g)).sum(Kind::Double);
-            p.shallow_clone().zero_grad();
-            loss.backward();
-            opt.step_param("w", &p, lr).unwrap();
-            let t = (t + 1) as i32;
-            for i in 0..2 {
-                w[i] *= 1.0 - lr * 0.1;
-                m[i] = 0.9 * m[i] + 0.1 * g[i];
-                v[i] = 0.95 * v[i] + 0.05 * g[i] * g[i];
-                let denom = (v[i] / (1.0 - 0.95f64.powi(t))).sqrt() + 1e-8;
-                w[i] -= lr / (1.0 - 0.9f64.powi(t)) * m[i] / denom;
+        for fused in [false, true] {
+            let hp = AdamWParams {
+                fused,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            };
+            let mut opt = AdamW::new(hp);
+            let p = Tensor::from_slice(&[1.0f64, -2.0]).set_requires_grad(true);
+            let grads = [[0.5f64, 0.25], [-1.0, 2.0]];
+            let (mut w, mut m, mut v) = ([1.0f64, -2.0], [0.0f64; 2], [0.0f64; 2]);
+            let lr = 1e-2;
+            for (t, g) in grads.iter().enumerate() {
+                let loss = (&p * Tensor::from_slice(g)).sum(Kind::Double);
+                p.shallow_clone().zero_grad();
+                loss.backward();
+                opt.step_param("w", &p, lr).unwrap();
+                let t = (t + 1) as i32;
+                for i in 0..2 {
+                    w[i] *= 1.0 - lr * 0.1;
+                    m[i] = 0.9 * m[i] + 0.1 * g[i];
+                    v[i] = 0.95 * v[i] + 0.05 * g[i] * g[i];
+                    let denom = (v[i] / (1.0 - 0.95f64.powi(t))).sqrt() + 1e-8;
+                    w[i] -= lr / (1.0 - 0.9f64.powi(t)) * m[i] / denom;
+                }
             }
+            let got = Vec::<f64>::try_from(&p.detach()).unwrap();
+            for i in 0..2 {
+                assert!(
+                    (got[i] - w[i]).abs() < 1e-12,
+                    "fused {fused}: {got:?} vs {w:?}"
+                );
+            }
+            assert_eq!(opt.state["w"].step, 2);
         }
-        let got = Vec::<f64>::try_from(&p.detach()).unwrap();
-        for i in 0..2 {
-            assert!((got[i] - w[i]).abs() < 1e-12, "{got:?} vs {w:?}");
-        }
-        assert_eq!(opt.state["w"].step, 2);
     }
 
     #[test]
@@ -251,9 +304,13 @@ mod tests {
         let b = Tensor::from_slice(&[4.0f32]).set_requires_grad(true);
         let loss = (&a * &a * 1.5 + &b * &b * 2.0).sum(Kind::Float);
         loss.backward(); // grads 3a = 9 and 4b = 16
-        let norm = total_grad_norm(&[&a, &b]);
+        let norm = total_grad_norm(&[a.grad(), b.grad()]);
         assert!((norm - (81.0f64 + 256.0).sqrt()).abs() < 1e-4);
         clip_grads(&[&a, &b], 1.0, norm).unwrap();
-        assert!((total_grad_norm(&[&a, &b]) - 1.0).abs() < 1e-5);
+        assert!((total_grad_norm(&[a.grad(), b.grad()]) - 1.0).abs() < 1e-5);
+        // torch: (1 / (norm + 1e-6)) * max_norm in fp32, at most 1.
+        let coef = clip_coefficient(1.0, norm);
+        assert_eq!(coef, (1.0f32 / (norm as f32 + 1e-6f32)) * 1.0f32);
+        assert_eq!(clip_coefficient(100.0, norm), 1.0);
     }
 }

@@ -459,6 +459,23 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
                 converted.len(),
                 converted.join(", ")
             );
+            if f8.fsdp_all_gather {
+                if world.dp_shard > 1 {
+                    tracing::info!(
+                        "FSDP gathers the float8 linears' weights in float8{}",
+                        if f8.precompute_scales {
+                            ", with scales precomputed after each optimizer step"
+                        } else {
+                            ""
+                        }
+                    );
+                } else {
+                    tracing::warn!(
+                        "float8.enable_fsdp_float8_all_gather does nothing here: FSDP shards \
+                         nothing (parallelism.data_parallel_shard_degree is 1)"
+                    );
+                }
+            }
         }
         model
     };
@@ -668,6 +685,12 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
                     optimizer.step_param(name, p, lr)?;
                 }
                 optim::clear_grads(&tensors);
+                if cfg.float8_enabled()
+                    && cfg.float8.enable_fsdp_float8_all_gather
+                    && cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+                {
+                    model.precompute_float8_scales();
+                }
             }
             {
                 let _l = titan_obs_core::span(titan::LR);
@@ -910,18 +933,17 @@ fn refuse_with_split_backward(cfg: &JobConfig, dp_degree: usize, schedule: Sched
 /// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
 /// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
 fn grad_norm(mesh: &DeviceMesh, model: &Llama) -> Result<f64> {
+    let grads = model.grads_as_torchtitan_parameters();
     let local = |split: bool| -> f64 {
-        let tensors: Vec<&Tensor> = model
-            .named_parameters()
+        let part: Vec<Tensor> = grads
             .iter()
-            .zip(model.placements())
-            .filter(|(_, p)| p.tp_dim.is_some() == split)
-            .map(|((_, t), _)| t)
+            .filter(|(_, s)| *s == split)
+            .map(|(g, _)| g.shallow_clone())
             .collect();
-        optim::total_grad_norm(&tensors).powi(2)
+        optim::total_grad_norm(&part).powi(2)
     };
     if mesh.mesh.world_size == 1 {
-        let all: Vec<&Tensor> = model.named_parameters().iter().map(|(_, t)| t).collect();
+        let all: Vec<Tensor> = grads.into_iter().map(|(g, _)| g).collect();
         return Ok(optim::total_grad_norm(&all));
     }
     let sums = mesh.reduce_scalars(&mesh.dp_shard, &[local(true), local(false)], ReduceOp::Sum)?;

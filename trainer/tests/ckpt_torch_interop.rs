@@ -63,6 +63,7 @@ fn setup(total_steps: u64) -> Run {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            fused: true,
         }),
         loader,
         schedule: LrSchedule::new(&LrScheduler::default(), 1e-3, total_steps),

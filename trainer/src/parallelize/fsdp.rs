@@ -17,14 +17,26 @@
 //!
 //! With one shard and one replica nothing is gathered: the unit hands out its parameters (cast
 //! to the parameter dtype if that differs, as FSDP2's mixed precision policy does).
+//!
+//! Float8 all-gather (`float8.enable_fsdp_float8_all_gather`, torchao's
+//! `WeightWithDynamicFloat8CastTensor`): the weights of tensorwise float8 linears are cast to
+//! float8 on each rank before the gather, from the shard in its own dtype, with one scale per
+//! weight taken from the whole weight's amax (a max all-reduce over the shard and tp groups, or
+//! [`precompute_float8_scales`] once per optimizer step), and gathered as float8: a quarter of
+//! the fp32 bytes, half of bf16's. The float8 linear multiplies the gathered values as they are
+//! ([`Float8Weight`]); autograd still hands the weight's gradient, in high precision, to the
+//! gather's backward through a placeholder of the weight's shape that holds no memory. Every
+//! parameter of a unit is gathered in one collective, packed as bytes.
 
 use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
 
 use super::Placement;
+use super::tp::TensorParallel;
 use crate::autograd::{self, Function};
-use crate::distributed::{Group, Pending};
+use crate::distributed::{Group, Pending, ReduceOp};
+use crate::float8::{Float8Weight, WEIGHT_KIND};
 
 /// The groups and dtypes FSDP works with.
 #[derive(Clone)]
@@ -49,11 +61,71 @@ struct Slot {
     local_rows: i64,
 }
 
+/// Which of a unit's parameters FSDP gathers in float8, and what their amax spans.
+#[derive(Clone)]
+pub struct Float8Gather {
+    /// Per parameter of the unit: the scale it is cast with, as an index into the unit's scales
+    /// (parameters one float8 linear multiplies together, as q, k and v of a fused `wqkv`, share
+    /// one), or `None`: gathered in the parameter dtype.
+    pub scale_of: Vec<Option<usize>>,
+    /// Tensor parallelism's group: a weight's amax spans its tp shards too.
+    pub tp: TensorParallel,
+}
+
+impl Float8Gather {
+    fn scales(&self) -> usize {
+        self.scale_of.iter().flatten().max().map_or(0, |m| m + 1)
+    }
+}
+
+/// Where each parameter sits in a rank's part of the gather buffer, which is bytes: parameters
+/// of several dtypes (float8 weights next to norms) travel in one collective.
+#[derive(Debug, Clone)]
+struct GatherLayout {
+    /// Per parameter: the dtype it is gathered in and its byte offset.
+    kinds: Vec<Kind>,
+    offsets: Vec<i64>,
+    /// Bytes per rank.
+    per_rank: i64,
+}
+
+/// Byte alignment of each parameter in the gather buffer (views of any dtype start aligned).
+const GATHER_ALIGN: i64 = 16;
+
+impl GatherLayout {
+    fn new(slots: &[Slot], kinds: Vec<Kind>) -> Self {
+        let mut offset = 0;
+        let offsets = slots
+            .iter()
+            .zip(&kinds)
+            .map(|(slot, kind)| {
+                let at = offset;
+                let bytes = slot.rows_per_shard * slot.row_elems * kind.elt_size_in_bytes() as i64;
+                offset += (bytes as u64).div_ceil(GATHER_ALIGN as u64) as i64 * GATHER_ALIGN;
+                at
+            })
+            .collect();
+        GatherLayout {
+            kinds,
+            offsets,
+            per_rank: offset,
+        }
+    }
+
+    fn uniform(slots: &[Slot], kind: Kind) -> Self {
+        Self::new(slots, vec![kind; slots.len()])
+    }
+}
+
 /// What the unit's autograd functions share.
 struct UnitState {
     mesh: FsdpMesh,
     slots: Vec<Slot>,
+    /// Elements per rank of the gradient reduction (in the reduce dtype).
     per_rank: i64,
+    /// How the forward's gathers pack the parameters.
+    layout: GatherLayout,
+    float8: Option<Float8Gather>,
     tensors: Mutex<UnitTensors>,
 }
 
@@ -66,6 +138,12 @@ struct UnitTensors {
     prefetched: Option<Prefetch>,
     /// Gradient reductions running in the background, one per backward through the unit.
     reducing: Vec<Reduction>,
+    /// Float8 all-gather: the scales of the shards' current values (one per scale group),
+    /// computed by the first gather after they changed, or precomputed after the optimizer step.
+    scales: Option<Tensor>,
+    precomputed: Option<Tensor>,
+    /// Float8 all-gather: the float8 weights of the last gather, by parameter.
+    gathered_float8: Vec<Option<Float8Weight>>,
 }
 
 struct Reduction {
@@ -105,60 +183,135 @@ impl UnitState {
         self.tensors.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Fresh unsharded parameters in the parameter dtype (no autograd): from a finished
-    /// prefetch of the current shards, or gathered now.
-    fn unshard(&self, shards: &[Tensor], prefetched: Option<Prefetch>) -> Vec<Tensor> {
+    /// Fresh unsharded parameters as the forward gathers them (no autograd): each in the
+    /// parameter dtype, or a float8 weight's values in float8. From a finished prefetch of the
+    /// current shards, or gathered now.
+    fn unshard(&self, t: &mut UnitTensors, prefetched: Option<Prefetch>) -> Vec<Tensor> {
         if let Some(p) = prefetched {
             panic_on(p.pending.wait());
-            return self.split_gathered(&p.recv);
+            return self.split_gathered(&p.recv, &self.layout);
         }
-        self.unshard_as(shards, self.mesh.param_kind)
+        let scales = self.float8_scales(t);
+        self.gather_now(&t.shards, &self.layout, scales.as_ref())
     }
 
-    /// Fresh unsharded parameters from `shards` in `kind` (no autograd).
-    fn unshard_as(&self, shards: &[Tensor], kind: Kind) -> Vec<Tensor> {
+    /// Fresh unsharded parameters from `shards`, packed as `layout` says, float8 weights cast
+    /// with `scales` (no autograd).
+    fn gather_now(
+        &self,
+        shards: &[Tensor],
+        layout: &GatherLayout,
+        scales: Option<&Tensor>,
+    ) -> Vec<Tensor> {
         if self.mesh.shard.size() == 1 {
             return shards
                 .iter()
-                .map(|s| s.detach().to_kind(kind).copy())
+                .enumerate()
+                .map(|(i, s)| match self.scale_index(i).zip(scales) {
+                    Some((g, scales)) if layout.kinds[i] == WEIGHT_KIND => {
+                        Float8Weight::cast(&s.detach(), &scales.get(g as i64))
+                    }
+                    _ => s.detach().to_kind(layout.kinds[i]).copy(),
+                })
                 .collect();
         }
-        let (send, recv) = self.gather_buffers(shards, kind);
+        let (send, recv) = self.gather_buffers(shards, layout, scales);
         panic_on(self.mesh.shard.all_gather(&recv, &send));
-        self.split_gathered(&recv)
+        self.split_gathered(&recv, layout)
     }
 
-    /// This rank's padded shards packed in one buffer, and the buffer the all-gather fills.
-    fn gather_buffers(&self, shards: &[Tensor], kind: Kind) -> (Tensor, Tensor) {
+    /// This rank's padded shards packed in one byte buffer as `layout` says, and the buffer
+    /// the all-gather fills.
+    fn gather_buffers(
+        &self,
+        shards: &[Tensor],
+        layout: &GatherLayout,
+        scales: Option<&Tensor>,
+    ) -> (Tensor, Tensor) {
         let device = shards[0].device();
-        let send = Tensor::zeros([self.per_rank], (kind, device));
-        for (slot, s) in self.slots.iter().zip(shards) {
-            if slot.local_rows > 0 {
-                send.narrow(0, slot.offset, slot.local_rows * slot.row_elems)
-                    .copy_(&s.detach().reshape([-1]));
+        let send = Tensor::zeros([layout.per_rank], (Kind::Uint8, device));
+        for (i, (slot, s)) in self.slots.iter().zip(shards).enumerate() {
+            if slot.local_rows == 0 {
+                continue;
             }
+            let kind = layout.kinds[i];
+            let n = slot.local_rows * slot.row_elems;
+            let mut at = send
+                .narrow(0, layout.offsets[i], n * kind.elt_size_in_bytes() as i64)
+                .view_dtype(kind);
+            let value = s.detach().reshape([-1]);
+            match self.scale_index(i).zip(scales) {
+                Some((g, scales)) if kind == WEIGHT_KIND => {
+                    at.copy_(&Float8Weight::cast(&value, &scales.get(g as i64)))
+                }
+                _ => at.copy_(&value),
+            };
         }
         let size = self.mesh.shard.size() as i64;
-        let recv = Tensor::empty([size * self.per_rank], (kind, device));
+        let recv = Tensor::empty([size * layout.per_rank], (Kind::Uint8, device));
         (send, recv)
     }
 
     /// The whole (TP-local) parameters out of every rank's packed shards.
-    fn split_gathered(&self, recv: &Tensor) -> Vec<Tensor> {
+    fn split_gathered(&self, recv: &Tensor, layout: &GatherLayout) -> Vec<Tensor> {
         let size = self.mesh.shard.size() as i64;
-        let per_rank = recv.view([size, self.per_rank]);
+        let per_rank = recv.view([size, layout.per_rank]);
         self.slots
             .iter()
-            .map(|slot| {
+            .enumerate()
+            .map(|(i, slot)| {
+                let kind = layout.kinds[i];
+                let n = slot.rows_per_shard * slot.row_elems;
                 let mut shape = slot.full.clone();
                 shape[0] = size * slot.rows_per_shard;
                 per_rank
-                    .narrow(1, slot.offset, slot.rows_per_shard * slot.row_elems)
+                    .narrow(1, layout.offsets[i], n * kind.elt_size_in_bytes() as i64)
+                    .view_dtype(kind)
                     .reshape(shape.as_slice())
                     .narrow(0, 0, slot.full[0])
                     .contiguous()
             })
             .collect()
+    }
+
+    /// The scale group parameter `i` is gathered in float8 with, if it is.
+    fn scale_index(&self, i: usize) -> Option<usize> {
+        self.float8.as_ref().and_then(|f| f.scale_of[i])
+    }
+
+    /// This rank's amax of each scale group's weights (f32, one per group).
+    fn local_amaxes(&self, shards: &[Tensor]) -> Option<Tensor> {
+        let f8 = self.float8.as_ref()?;
+        let device = shards[0].device();
+        let amaxes = Tensor::zeros([f8.scales() as i64], (Kind::Float, device));
+        for (i, s) in shards.iter().enumerate() {
+            if let Some(g) = f8.scale_of[i]
+                && s.numel() > 0
+            {
+                let amax = s.detach().abs().max().to_kind(Kind::Float);
+                let mut slot = amaxes.get(g as i64);
+                slot.copy_(&amax.maximum(&slot));
+            }
+        }
+        Some(amaxes)
+    }
+
+    /// The float8 scales the next gather casts with: precomputed, cached since the shards last
+    /// changed, or computed now from the amaxes of the whole weights (a collective).
+    fn float8_scales(&self, t: &mut UnitTensors) -> Option<Tensor> {
+        if let Some(p) = &t.precomputed {
+            return Some(p.shallow_clone());
+        }
+        if let Some(s) = &t.scales {
+            return Some(s.shallow_clone());
+        }
+        let amaxes = tch::no_grad(|| self.local_amaxes(&t.shards))?;
+        let f8 = self.float8.as_ref()?;
+        panic_on(self.mesh.shard.all_reduce(&amaxes, ReduceOp::Max));
+        f8.tp.all_reduce_max(&amaxes);
+        let scales = Float8Weight::scale_for(&amaxes);
+        t.scales = Some(scales.shallow_clone());
+        Some(scales)
     }
 
     /// Starts gathering the current shards in the background (nothing if one is running or
@@ -171,7 +324,9 @@ impl UnitState {
         if t.prefetched.is_some() {
             return;
         }
-        let (send, recv) = tch::no_grad(|| self.gather_buffers(&t.shards, self.mesh.param_kind));
+        let scales = self.float8_scales(&mut t);
+        let (send, recv) =
+            tch::no_grad(|| self.gather_buffers(&t.shards, &self.layout, scales.as_ref()));
         let pending = self.mesh.shard.all_gather_async(&recv, &send);
         t.prefetched = Some(Prefetch {
             pending,
@@ -235,13 +390,43 @@ impl UnitState {
     }
 }
 
-/// All-gather in forward, reduce-scatter in backward.
+/// All-gather in forward, reduce-scatter in backward. A weight gathered in float8 comes out as
+/// a placeholder of its shape (no memory) and its float8 values go to `gathered_float8`.
 struct AllGather(Arc<UnitState>);
 
 impl Function for AllGather {
-    fn forward(&mut self, shards: &[Tensor]) -> Vec<Tensor> {
-        let prefetched = self.0.tensors().prefetched.take();
-        self.0.unshard(shards, prefetched)
+    fn forward(&mut self, _shards: &[Tensor]) -> Vec<Tensor> {
+        let s = &self.0;
+        let mut t = s.tensors();
+        let prefetched = t.prefetched.take();
+        let gathered = s.unshard(&mut t, prefetched);
+        let scales = s.float8_scales(&mut t);
+        let mut float8 = Vec::with_capacity(gathered.len());
+        let out = gathered
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| match s.scale_index(i).zip(scales.as_ref()) {
+                Some((group, scales)) => {
+                    let size = g.size();
+                    let placeholder = Tensor::empty_strided(
+                        size.as_slice(),
+                        vec![0; size.len()].as_slice(),
+                        (s.mesh.param_kind, g.device()),
+                    );
+                    float8.push(Some(Float8Weight {
+                        data: g,
+                        scale: scales.get(group as i64),
+                    }));
+                    placeholder
+                }
+                None => {
+                    float8.push(None);
+                    g
+                }
+            })
+            .collect();
+        t.gathered_float8 = float8;
+        out
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
@@ -272,13 +457,16 @@ impl Function for RegatherBeforeBackward {
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
-        let (shards, gathered, prefetched) = {
+        let (gathered, prefetched) = {
             let mut t = self.unit.tensors();
-            let clone = |v: &[Tensor]| v.iter().map(|x| x.shallow_clone()).collect::<Vec<_>>();
-            (clone(&t.shards), clone(&t.gathered), t.prefetched.take())
+            let gathered: Vec<Tensor> = t.gathered.iter().map(|x| x.shallow_clone()).collect();
+            (gathered, t.prefetched.take())
         };
         if !gathered.is_empty() {
-            let fresh = tch::no_grad(|| self.unit.unshard(&shards, prefetched));
+            let fresh = tch::no_grad(|| {
+                let mut t = self.unit.tensors();
+                self.unit.unshard(&mut t, prefetched)
+            });
             for (freed, value) in gathered.iter().zip(&fresh) {
                 autograd::resize_storage(freed, value.numel() * value.kind().elt_size_in_bytes());
                 autograd::copy_keep_version(freed, value);
@@ -300,7 +488,7 @@ impl FsdpUnit {
         reshard_after_forward: bool,
     ) -> Self {
         let mut offset = 0;
-        let slots = placements
+        let slots: Vec<Slot> = placements
             .iter()
             .map(|p| {
                 let mut full = p.local.clone();
@@ -320,24 +508,60 @@ impl FsdpUnit {
             })
             .collect();
         let communicates = mesh.shard.size() > 1;
+        let layout = GatherLayout::uniform(&slots, mesh.param_kind);
         FsdpUnit {
             state: Arc::new(UnitState {
                 mesh: mesh.clone(),
                 slots,
                 per_rank: offset,
+                layout,
+                float8: None,
                 tensors: Mutex::new(UnitTensors {
                     shards,
                     gathered: Vec::new(),
                     prefetched: None,
                     reducing: Vec::new(),
+                    scales: None,
+                    precomputed: None,
+                    gathered_float8: Vec::new(),
                 }),
             }),
             reshard_after_forward: reshard_after_forward && communicates,
         }
     }
 
+    /// Gathers the weights `float8` names in float8 (the float8 all-gather). Call before the
+    /// unit's first gather; nothing changes for a unit that gathers nothing.
+    pub fn gather_in_float8(&mut self, float8: Float8Gather) {
+        if !self.state.communicates() || float8.scales() == 0 {
+            return;
+        }
+        let state = Arc::get_mut(&mut self.state)
+            .expect("the float8 all-gather is set before the unit's first gather");
+        assert_eq!(
+            float8.scale_of.len(),
+            state.slots.len(),
+            "one entry per parameter"
+        );
+        let kinds = float8
+            .scale_of
+            .iter()
+            .map(|g| match g {
+                Some(_) => WEIGHT_KIND,
+                None => state.mesh.param_kind,
+            })
+            .collect();
+        state.layout = GatherLayout::new(&state.slots, kinds);
+        state.float8 = Some(float8);
+    }
+
+    /// Whether the unit gathers some weights in float8.
+    pub fn gathers_float8(&self) -> bool {
+        self.state.float8.is_some()
+    }
+
     /// The unit's unsharded parameters, connected to the shards through autograd.
-    pub fn gather(&self) -> Vec<Tensor> {
+    pub fn gather(&self) -> Gathered {
         let s = &self.state;
         let shards: Vec<Tensor> = s
             .tensors()
@@ -346,7 +570,7 @@ impl FsdpUnit {
             .map(|t| t.shallow_clone())
             .collect();
         if !s.communicates() {
-            return shards
+            let params = shards
                 .iter()
                 .map(|p| {
                     if p.kind() == s.mesh.param_kind {
@@ -356,14 +580,28 @@ impl FsdpUnit {
                     }
                 })
                 .collect();
+            return Gathered {
+                params,
+                float8: vec![None; shards.len()],
+            };
         }
         let refs: Vec<&Tensor> = shards.iter().collect();
-        let full = autograd::apply(AllGather(s.clone()), &refs, refs.len());
+        let params = autograd::apply(AllGather(s.clone()), &refs, refs.len());
+        let mut t = s.tensors();
+        let float8 = std::mem::take(&mut t.gathered_float8);
         // Under no_grad (validation, a checkpointed region's first run) nothing is saved to free.
-        if self.reshard_after_forward && full.first().is_some_and(|t| t.requires_grad()) {
-            s.tensors().gathered = full.iter().map(|t| t.shallow_clone()).collect();
+        if self.reshard_after_forward && params.first().is_some_and(|t| t.requires_grad()) {
+            // What holds the gathered memory: a float8 weight's values, not its placeholder.
+            t.gathered = params
+                .iter()
+                .zip(&float8)
+                .map(|(p, f8)| match f8 {
+                    Some(w) => w.data.shallow_clone(),
+                    None => p.shallow_clone(),
+                })
+                .collect();
         }
-        full
+        Gathered { params, float8 }
     }
 
     /// The unit's whole (TP-local) parameters in their own dtype, outside autograd. A
@@ -377,7 +615,8 @@ impl FsdpUnit {
             .map(|t| t.detach())
             .collect();
         let kind = shards.first().map_or(Kind::Float, |t| t.kind());
-        self.state.unshard_as(&shards, kind)
+        let layout = GatherLayout::uniform(&self.state.slots, kind);
+        self.state.gather_now(&shards, &layout, None)
     }
 
     /// Starts gathering this unit's parameters in the background, for its next
@@ -392,9 +631,14 @@ impl FsdpUnit {
         self.state.finish_reductions();
     }
 
-    /// Waits for and drops a prefetch no gather took (the shards may have changed since).
+    /// Waits for and drops a prefetch no gather took, and the float8 scales computed for it
+    /// (the shards may have changed since). Precomputed scales stay.
     pub fn drop_prefetch(&self) {
-        let leftover = self.state.tensors().prefetched.take();
+        let leftover = {
+            let mut t = self.state.tensors();
+            t.scales = None;
+            t.prefetched.take()
+        };
         if let Some(p) = leftover {
             panic_on(p.pending.wait());
         }
@@ -418,5 +662,54 @@ impl FsdpUnit {
             previous: previous.map(|p| p.state.clone()),
         };
         autograd::apply(regather, &[&out], 1).remove(0)
+    }
+}
+
+/// A unit's gathered parameters: each in the parameter dtype, or for a weight gathered in
+/// float8 a placeholder of its shape (the gradient's way back to the shard) and its float8
+/// values in `float8`.
+pub struct Gathered {
+    pub params: Vec<Tensor>,
+    pub float8: Vec<Option<Float8Weight>>,
+}
+
+/// `precompute_float8_dynamic_scale_for_fsdp`: after the optimizer step, the float8 scales of
+/// every weight `units` gather in float8, from one max all-reduce over the shard group (and one
+/// over tp) for all of them; the units' gathers use them until the next call. A collective:
+/// every rank of the shard group calls it with its units in the same order.
+pub fn precompute_float8_scales(units: &[&FsdpUnit]) {
+    let units: Vec<&FsdpUnit> = units
+        .iter()
+        .copied()
+        .filter(|u| u.gathers_float8())
+        .collect();
+    let Some(first) = units.first() else {
+        return;
+    };
+    let amaxes: Vec<Tensor> = tch::no_grad(|| {
+        units
+            .iter()
+            .map(|u| {
+                let t = u.state.tensors();
+                u.state
+                    .local_amaxes(&t.shards)
+                    .expect("the unit gathers in float8")
+            })
+            .collect()
+    });
+    let all = Tensor::cat(&amaxes, 0);
+    let state = &first.state;
+    panic_on(state.mesh.shard.all_reduce(&all, ReduceOp::Max));
+    if let Some(f8) = &state.float8 {
+        f8.tp.all_reduce_max(&all);
+    }
+    let scales = Float8Weight::scale_for(&all);
+    let mut at = 0;
+    for (unit, amax) in units.iter().zip(&amaxes) {
+        let n = amax.size()[0];
+        let mut t = unit.state.tensors();
+        t.precomputed = Some(scales.narrow(0, at, n).copy());
+        t.scales = None;
+        at += n;
     }
 }
