@@ -22,9 +22,10 @@ pub trait Function: Send + 'static {
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor>;
 }
 
-/// A Rust callback the C++ shims call (`titan_fn_call` in `cpp/function_shim.cpp`,
-/// `titan_region_run` in `cpp/recompute_shim.cpp`): maps `n_in` tensors to `n_out` new ones
-/// written to `outputs`; returns 0, or 1 with a message in `err` (`cpp/shim_error.h`).
+/// A Rust callback the autograd shims call (`titan_callback` of `cpp/rust_callback.h`: forward
+/// and backward here, the region of `recompute.rs`): maps `n_in` tensors the shim lends
+/// ([`borrowed`]) to `n_out` new ones written to `outputs` ([`answer`]); returns 0, or 1 with a
+/// message in `err` (`cpp/shim_error.h`).
 pub(crate) type Callback = unsafe extern "C" fn(
     ctx: *mut c_void,
     inputs: *mut *mut c_void,
@@ -118,9 +119,12 @@ pub fn apply<F: Function>(f: F, inputs: &[&Tensor], n_out: usize) -> Vec<Tensor>
     )
 }
 
-/// Borrows the shim's `n` at::Tensor* as tch tensors (shallow clones; the originals stay the
-/// shim's).
-unsafe fn borrowed(ptrs: *mut *mut c_void, n: i64) -> Vec<Tensor> {
+/// Borrows the `n` at::Tensor* a shim lends a [`Callback`] as tch tensors (shallow clones; the
+/// originals stay the shim's).
+///
+/// # Safety
+/// `ptrs` holds `n` live at::Tensor*.
+pub(crate) unsafe fn borrowed(ptrs: *mut *mut c_void, n: i64) -> Vec<Tensor> {
     (0..n as usize)
         .map(|i| {
             // SAFETY: the shim passes n live at::Tensor* it keeps owning.

@@ -12,7 +12,7 @@ use std::ffi::{c_char, c_void};
 
 use tch::Tensor;
 
-use crate::autograd::{Callback, DropCtx, answer, call_mapping, check, drop_boxed, raw};
+use crate::autograd::{Callback, DropCtx, answer, borrowed, call_mapping, check, drop_boxed, raw};
 
 unsafe extern "C" {
     fn titan_recompute_apply(
@@ -89,7 +89,7 @@ where
         .unwrap_or_else(|_| unreachable!("call_mapping returns the N tensors asked for"))
 }
 
-/// The shim's [`Callback`]: runs the region on the inputs the shim hands over.
+/// The shim's [`Callback`]: runs the region on the inputs the shim lends.
 unsafe extern "C" fn run_region<const N: usize, F>(
     ctx: *mut c_void,
     inputs: *mut *mut c_void,
@@ -101,10 +101,8 @@ unsafe extern "C" fn run_region<const N: usize, F>(
 where
     F: Fn(&[Tensor]) -> [Tensor; N],
 {
-    // SAFETY: the shim passes n_in new at::Tensor* it hands over to us (freed on drop).
-    let inputs: Vec<Tensor> = (0..n_in as usize)
-        .map(|i| unsafe { Tensor::from_ptr((*inputs.add(i)).cast()) })
-        .collect();
+    // SAFETY: the shim lends n_in live at::Tensor*.
+    let inputs = unsafe { borrowed(inputs, n_in) };
     // SAFETY: ctx is the Box<F> made in `checkpoint`, alive until drop_boxed.
     let region = unsafe { &*ctx.cast::<F>() };
     // SAFETY: the shim passes n_out output slots and an error slot.
