@@ -6,9 +6,11 @@
 //! and torch.distributed speak) behind a C ABI, against the headers of the same libtorch; and the
 //! small `rng_shim.cpp` (CPU generator state), `grad_shim.cpp` (set a grad to None),
 //! `autocast_shim.cpp` (torch.autocast for CPU and CUDA), `varlen_shim.cpp` (FlashAttention's
-//! varlen kernel for document-causal attention on CUDA) and `recompute_shim.cpp` (activation
-//! checkpointing: a custom autograd Function that recomputes a region in backward), all with one
-//! error convention (`cpp/shim_error.h`).
+//! varlen kernel for document-causal attention on CUDA), `recompute_shim.cpp` (activation
+//! checkpointing: a custom autograd Function that recomputes a region in backward) and
+//! `function_shim.cpp` (custom autograd Functions written in Rust), all with one error convention
+//! (`cpp/shim_error.h`); the recompute and function shims call Rust back through one ABI
+//! (`cpp/rust_callback.h`).
 //!
 //! Without a libtorch (torch-sys reports none, or it has no headers) the build stops here saying
 //! how to get one (scripts/setup.sh, or LIBTORCH), instead of failing later at link time.
@@ -24,6 +26,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/varlen_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/function_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/shim_error.h");
+    println!("cargo:rerun-if-changed=cpp/rust_callback.h");
     // torch-sys reports the libtorch it links; without one the shims cannot be compiled and the
     // link would fail later with a wall of undefined symbols, so stop here saying what to do.
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::plan::{Chunk, ChunkSource, Encoding};
 use crate::storage::InFile;
 use titan_dcp::Dtype;
 
@@ -25,6 +26,23 @@ pub struct Entry {
     /// Absolute byte range in the file (header offsets + data start).
     pub begin: u64,
     pub end: u64,
+}
+
+impl Entry {
+    /// The entry's bytes (in the `file`-th file of a plan) as the chunk at `offsets` of its
+    /// tensor: all zeros for a whole tensor, the shard's place for a shard.
+    pub fn chunk(&self, file: usize, offsets: Vec<u64>) -> Chunk {
+        Chunk {
+            offsets,
+            sizes: self.shape.clone(),
+            source: ChunkSource {
+                file,
+                begin: self.begin,
+                end: self.end,
+                encoding: Encoding::Raw,
+            },
+        }
+    }
 }
 
 /// A parsed safetensors header.
@@ -309,37 +327,24 @@ mod tests {
             err.contains("f.safetensors") && err.contains("`b`") && err.contains("overlap"),
             "{err}"
         );
-        let j = br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}}"#;
-        let err = parse_header_json("f", j, 8, 8 + 20)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("hole"), "{err}");
-        let j = br#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#;
-        assert!(
-            parse_header_json("f", j, 8, 16)
+        // (header JSON, data start, file size, what the error says)
+        let bad: [(&[u8], u64, u64, &str); 5] = [
+            (
+                br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}}"#,
+                8,
+                8 + 20,
+                "hole",
+            ),
+            (br#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, 8, 16, "needs 12"),
+            (br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 8, 12, "truncated"),
+            (br#"{"a":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}}"#, 8, 16, "unknown dtype"),
+            (b"{\"a\":", 8, 16, "malformed"),
+        ];
+        for (json, start, size, says) in bad {
+            let err = parse_header_json("f", json, start, size)
                 .unwrap_err()
-                .to_string()
-                .contains("needs 12")
-        );
-        let j = br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
-        assert!(
-            parse_header_json("f", j, 8, 12)
-                .unwrap_err()
-                .to_string()
-                .contains("truncated")
-        );
-        let j = br#"{"a":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}}"#;
-        assert!(
-            parse_header_json("f", j, 8, 16)
-                .unwrap_err()
-                .to_string()
-                .contains("unknown dtype")
-        );
-        assert!(
-            parse_header_json("f", b"{\"a\":", 8, 16)
-                .unwrap_err()
-                .to_string()
-                .contains("malformed")
-        );
+                .to_string();
+            assert!(err.contains(says), "{err}");
+        }
     }
 }

@@ -75,8 +75,25 @@ pub fn write_parts(run: &Run, out: &str) -> Result<WriteStats> {
     Ok(stats)
 }
 
-fn step_of(s: u64) -> Option<u64> {
-    (s != NO_STEP).then_some(s)
+/// A row of `kind` named `name` at `step` (`NO_STEP`: none) with `tags`, every other field
+/// empty: each table's rows fill in the columns it has.
+fn bare<'a>(kind: Kind, name: &'a str, step: u64, tags: &'a [&'a str]) -> Row<'a> {
+    Row {
+        thread: 0,
+        seq: 0,
+        kind,
+        name,
+        step: (step != NO_STEP).then_some(step),
+        start_ns: 0,
+        dur_ns: None,
+        value: None,
+        reduce: None,
+        depth: 0,
+        parent: None,
+        tags,
+        message: None,
+        pipeline: None,
+    }
 }
 
 fn write_rank(
@@ -119,22 +136,16 @@ fn write_rank(
         b.push(&Row {
             thread: sp.thread[i],
             seq: if has_links { sp.seq[i] } else { i as u64 + 1 },
-            kind: Kind::Span,
-            name: run.name(sp.name[i]),
-            step: step_of(sp.step[i]),
             start_ns: sp.start_ns[i],
             dur_ns: Some(sp.dur_ns[i]),
-            value: None,
-            reduce: None,
             depth: sp.depth[i],
             parent: if has_links {
                 Some(sp.parent[i]).filter(|&p| p != 0)
             } else {
                 None
             },
-            tags: &tags,
-            message: None,
             pipeline: sp.pipeline.get(i).copied().flatten(),
+            ..bare(Kind::Span, run.name(sp.name[i]), sp.step[i], &tags)
         });
     }
     let ins = &run.instants;
@@ -143,19 +154,10 @@ fn write_rank(
         let tags = tags_of(ins.step[i]);
         b.push(&Row {
             thread: ins.thread.get(i).copied().unwrap_or(0),
-            seq: 0,
-            kind: Kind::Instant,
-            name: run.name(ins.name[i]),
-            step: step_of(ins.step[i]),
             start_ns: ins.start_ns.get(i).copied().unwrap_or(0),
-            dur_ns: None,
-            value: None,
-            reduce: None,
             depth: ins.depth.get(i).copied().unwrap_or(0),
             parent: ins.parent.get(i).copied().filter(|&p| p != 0),
-            tags: &tags,
-            message: None,
-            pipeline: None,
+            ..bare(Kind::Instant, run.name(ins.name[i]), ins.step[i], &tags)
         });
     }
     let sc = &run.scalars;
@@ -163,20 +165,10 @@ fn write_rank(
         let i = i as usize;
         let tags = tags_of(sc.step[i]);
         b.push(&Row {
-            thread: 0,
-            seq: 0,
-            kind: Kind::Scalar,
-            name: run.name(sc.name[i]),
-            step: step_of(sc.step[i]),
             start_ns: sc.start_ns.get(i).copied().unwrap_or(0),
-            dur_ns: None,
             value: Some(sc.value[i]),
             reduce: Some(sc.reduce[i]),
-            depth: 0,
-            parent: None,
-            tags: &tags,
-            message: None,
-            pipeline: None,
+            ..bare(Kind::Scalar, run.name(sc.name[i]), sc.step[i], &tags)
         });
     }
     let er = &run.errors;
@@ -185,19 +177,10 @@ fn write_rank(
         let tags = tags_of(er.step[i]);
         b.push(&Row {
             thread: er.thread.get(i).copied().unwrap_or(0),
-            seq: 0,
-            kind: Kind::Error,
-            name: run.name(er.name[i]),
-            step: step_of(er.step[i]),
             start_ns: er.start_ns.get(i).copied().unwrap_or(0),
-            dur_ns: None,
-            value: None,
-            reduce: None,
-            depth: 0,
             parent: er.parent.get(i).copied().filter(|&p| p != 0),
-            tags: &tags,
             message: er.message.get(i).map(String::as_str),
-            pipeline: None,
+            ..bare(Kind::Error, run.name(er.name[i]), er.step[i], &tags)
         });
     }
     let records = b.len() as u64;

@@ -15,6 +15,7 @@ use arrow::record_batch::RecordBatch;
 use bytes::Bytes;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ParquetRecordBatchReaderBuilder, RowSelection, RowSelector};
+use parquet::file::metadata::FileMetaData;
 
 use crate::journal::{JournalCursor, SkippedRange, thread_names};
 use crate::part::Footer;
@@ -112,16 +113,8 @@ fn decode_part_unguarded(
 ) -> Result<PartData> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(bytes).context("invalid Parquet")?;
     let file_meta = builder.metadata().file_metadata();
-    let kv: HashMap<String, String> = file_meta
-        .key_value_metadata()
-        .map(|kvs| {
-            kvs.iter()
-                .filter_map(|k| Some((k.key.clone(), k.value.clone()?)))
-                .collect()
-        })
-        .unwrap_or_default();
     let total_rows = file_meta.num_rows().max(0) as usize;
-    let footer = Footer::parse(&kv)?;
+    let footer = footer_of(file_meta)?;
     check_rank(&footer, dir_rank)?;
     let schema = builder.schema().clone();
     let mut roots = Vec::new();
@@ -166,6 +159,33 @@ pub(crate) struct JournalRead {
     pub(crate) batches: u64,
     /// Damaged ranges skipped by this read.
     pub(crate) damage: Vec<SkippedRange>,
+}
+
+/// A part's footer, from its Parquet key-value metadata.
+fn footer_of(meta: &FileMetaData) -> Result<Footer> {
+    let kv: HashMap<String, String> = meta
+        .key_value_metadata()
+        .map(|kvs| {
+            kvs.iter()
+                .filter_map(|k| Some((k.key.clone(), k.value.clone()?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    Footer::parse(&kv)
+}
+
+/// A whole Parquet part as it was written: its footer and its record batches, every column
+/// (one batch per row group). For tools and tests that handle a part's records as Arrow.
+pub fn read_part(bytes: Bytes) -> Result<(Footer, Vec<RecordBatch>)> {
+    let builder = ParquetRecordBatchReaderBuilder::try_new(bytes).context("invalid Parquet")?;
+    let footer = footer_of(builder.metadata().file_metadata())?;
+    let batches = builder
+        .with_batch_size(1 << 20)
+        .build()
+        .context("opening the Parquet reader")?
+        .collect::<Result<Vec<_>, _>>()
+        .context("decoding a row group")?;
+    Ok((footer, batches))
 }
 
 /// Feeds the journal bytes that follow `cursor.offset` (and its checks file's new bytes) and

@@ -865,7 +865,6 @@ mod tests {
     use super::*;
     use crate::part::{PartBuilder, Row};
     use crate::schema::Kind;
-    use parquet::arrow::arrow_reader::ParquetRecordBatchReader;
 
     fn header() -> PartHeader {
         PartHeader {
@@ -950,26 +949,9 @@ mod tests {
         assert_eq!(contents.footer.header.clock_offset_ns, -42);
         assert_eq!(logical(&contents.batches), logical(&written));
         let part = compact(&contents, 5).unwrap();
-        let from_part: Vec<RecordBatch> =
-            ParquetRecordBatchReader::try_new(bytes::Bytes::from(part.clone()), 1 << 20)
-                .unwrap()
-                .map(|b| b.unwrap())
-                .collect();
-        assert_eq!(logical(&from_part), logical(&written));
         // The same footer as a part written directly, with the threads the records name.
-        let reader =
-            parquet::file::serialized_reader::SerializedFileReader::new(bytes::Bytes::from(part))
-                .unwrap();
-        use parquet::file::reader::FileReader;
-        let kv: HashMap<String, String> = reader
-            .metadata()
-            .file_metadata()
-            .key_value_metadata()
-            .unwrap()
-            .iter()
-            .filter_map(|k| Some((k.key.clone(), k.value.clone()?)))
-            .collect();
-        let f = Footer::parse(&kv).unwrap();
+        let (f, from_part) = crate::read::read_part(bytes::Bytes::from(part)).unwrap();
+        assert_eq!(logical(&from_part), logical(&written));
         assert_eq!(f.part, Some(5));
         assert_eq!(
             (f.header.rank, f.header.world_size, f.header.pid),

@@ -1,7 +1,8 @@
 //! Reading a run back: every rank's parts (and open journals), decoded in parallel into typed
 //! columnar tables. [`load`] reads a run once; [`PartsReader`] keeps a titan run open and
-//! decodes only what is new on each refresh (`--follow`). The decoding itself (footer, one
-//! function per record kind) is in `decode.rs`.
+//! decodes only what is new on each refresh (`--follow`); [`read_part`] hands one part back as
+//! its footer and Arrow batches. The decoding itself (footer, one function per record kind) is
+//! in `decode.rs`.
 //!
 //! [`load`] never fails because of one bad part or a missing rank: those are listed in
 //! [`LoadReport`] and the rest is loaded. It fails only when the run location itself cannot
@@ -11,6 +12,7 @@
 
 use anyhow::Result;
 
+pub use crate::decode::read_part;
 pub use crate::incremental::{PartsReader, ReadCounters, load_parts};
 pub use crate::run::*;
 

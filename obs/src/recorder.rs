@@ -423,7 +423,15 @@ impl SpanGuard {
         if self.generation == 0 {
             return;
         }
-        record_error(self.name, message, self.seq, self.depth + 1);
+        let inside = Some((self.seq, self.depth + 1));
+        point(
+            Kind::Error,
+            self.name,
+            0.0,
+            Reduce::Mean,
+            Some(message),
+            inside,
+        );
     }
 }
 
@@ -515,8 +523,18 @@ fn open_span(name: &'static str, pipeline: Option<PipelineSlot>) -> SpanGuard {
     guard
 }
 
+/// Records a point event (instant, scalar or error) at the current time and step, as a child
+/// of the innermost span open on this thread, or with `inside`'s `(parent seq, depth)` (an
+/// error a span guard reports about its own span).
 #[inline]
-fn point(kind: Kind, name: &'static str, value: f64, reduce: Reduce, message: Option<&str>) {
+fn point(
+    kind: Kind,
+    name: &'static str,
+    value: f64,
+    reduce: Reduce,
+    message: Option<&str>,
+    inside: Option<(u64, u16)>,
+) {
     if !ACTIVE.load(Ordering::Relaxed) {
         return;
     }
@@ -529,12 +547,15 @@ fn point(kind: Kind, name: &'static str, value: f64, reduce: Reduce, message: Op
             return;
         }
         l.seq += 1;
-        let depth = l.depth;
-        let parent = if depth == 0 {
-            0
-        } else {
-            l.parents[(depth as usize - 1).min(MAX_TRACKED_DEPTH - 1)]
-        };
+        let (parent, depth) = inside.unwrap_or_else(|| {
+            let depth = l.depth;
+            let parent = if depth == 0 {
+                0
+            } else {
+                l.parents[(depth as usize - 1).min(MAX_TRACKED_DEPTH - 1)]
+            };
+            (parent, depth)
+        });
         let seq = l.seq;
         l.push(RawRecord {
             kind,
@@ -554,53 +575,21 @@ fn point(kind: Kind, name: &'static str, value: f64, reduce: Reduce, message: Op
     });
 }
 
-fn record_error(name: &'static str, message: &str, parent: u64, depth: u16) {
-    if !ACTIVE.load(Ordering::Relaxed) {
-        return;
-    }
-    let now = monotonic_ns();
-    let step = STEP.load(Ordering::Relaxed);
-    let tags = STEP_TAGS.load(Ordering::Relaxed);
-    let _ = LOCAL.try_with(|l| {
-        let mut l = l.borrow_mut();
-        if !l.ensure_ring() {
-            return;
-        }
-        l.seq += 1;
-        let seq = l.seq;
-        l.push(RawRecord {
-            kind: Kind::Error,
-            reduce: Reduce::Mean,
-            depth,
-            name,
-            seq,
-            parent,
-            step,
-            tags,
-            start_mono: now,
-            dur_ns: 0,
-            value: 0.0,
-            message: Some(message.into()),
-            pipeline: None,
-        });
-    });
-}
-
 /// Records a point event.
 #[inline]
 pub fn instant(name: &'static str) {
-    point(Kind::Instant, name, 0.0, Reduce::Mean, None);
+    point(Kind::Instant, name, 0.0, Reduce::Mean, None, None);
 }
 
 /// Records an error outside of any span guard (inside the innermost open span, if any).
 pub fn error(name: &'static str, message: &str) {
-    point(Kind::Error, name, 0.0, Reduce::Mean, Some(message));
+    point(Kind::Error, name, 0.0, Reduce::Mean, Some(message), None);
 }
 
 /// Records a scalar metric for the current step, with its cross-rank reduction.
 #[inline]
 pub fn scalar(name: &'static str, value: f64, reduce: Reduce) {
-    point(Kind::Scalar, name, value, reduce, None);
+    point(Kind::Scalar, name, value, reduce, None, None);
 }
 
 /// Sets the current training step attached to subsequent records (process-wide, so data

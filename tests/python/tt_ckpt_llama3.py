@@ -24,6 +24,9 @@ import sys
 import torch
 from safetensors.torch import load_file, save_file
 
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_load import load_llama_exactly  # noqa: E402
+
 TOKENS = torch.arange(0, 2000, 97).remainder(2048).unsqueeze(0)
 
 
@@ -109,17 +112,8 @@ def make(d):
 
 def check_hf(hf_dir, d):
     import transformers
-    from transformers import LlamaForCausalLM
 
-    model, info = LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v}
-    if bad:
-        sys.exit(f"transformers {transformers.__version__} loading info: {bad}")
-    exp = load_file(os.path.join(d, "expected_hf.safetensors"))
-    got = model.state_dict()
-    for k, v in exp.items():
-        if not torch.equal(got[k], v):
-            sys.exit(f"{k} differs from torchtitan's to_hf")
+    model = load_llama_exactly(hf_dir, os.path.join(d, "expected_hf.safetensors"))
     with torch.no_grad():
         out = model(TOKENS).logits
     ref = load_file(os.path.join(d, "logits.safetensors"))["logits"]

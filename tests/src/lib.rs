@@ -286,10 +286,10 @@ impl MotoServer {
         server
     }
 
-    /// Runs `tests/python/ckpt_s3.py ENDPOINT BUCKET args...` (mkbucket, put, get, ls); its stdout.
+    /// Runs `tests/python/s3_client.py ENDPOINT BUCKET args...` (mkbucket, put, get, ls); its stdout.
     pub fn s3(&self, args: &[&str]) -> String {
         let o = run_ok(
-            python_script("tests/python/ckpt_s3.py")
+            python_script("tests/python/s3_client.py")
                 .arg(&self.endpoint)
                 .arg(&self.bucket)
                 .args(args),

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use titan_obs_core::{InitOptions, Reduce, Source};
-use titan_tests::{bin, python_script};
+use titan_tests::{MotoServer, bin, python_script};
 
 const CHILD_ENV: &str = "OBS_CHILD_RUN";
 
@@ -466,69 +466,29 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
 
 #[test]
 fn records_to_and_reads_from_s3() {
-    let moto = titan_tests::workspace_root().join(".venv/bin/moto_server");
-    assert!(
-        moto.exists(),
-        "{} missing; run scripts/setup.sh",
-        moto.display()
-    );
-    let port = titan_tests::free_port();
-    let server = Command::new(&moto)
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _server = Kill(server);
-    let endpoint = format!("http://127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "moto_server did not start");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let out = python_script("tests/python/obs_s3_bucket.py")
-        .arg(&endpoint)
-        .arg("obs-test")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stderr(&out));
-    let env = [
-        ("AWS_ENDPOINT", endpoint.as_str()),
-        ("AWS_ALLOW_HTTP", "true"),
-        ("AWS_ACCESS_KEY_ID", "test"),
-        ("AWS_SECRET_ACCESS_KEY", "test"),
-        ("AWS_REGION", "us-east-1"),
-    ];
+    let moto = MotoServer::start("obs-test");
     let url = "s3://obs-test/runs/r1";
     let mut kids: Vec<_> = (0..2)
         .map(|r| {
             let mut c = child(Path::new(url), "train", r, 2, 2000);
-            c.envs(env);
-            c.spawn().unwrap()
+            moto.aws_env(&mut c).spawn().unwrap()
         })
         .collect();
     for k in &mut kids {
         assert!(k.wait().unwrap().success());
     }
-    let o = Command::new(bin("titan-obs"))
-        .args(["metrics", url, "--quiet", "--strict"])
-        .envs(env)
+    let o = moto
+        .aws_env(Command::new(bin("titan-obs")).args(["metrics", url, "--quiet", "--strict"]))
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).starts_with(
         "step:  1  training/loss_mean: 9.5  training/grad_norm_max: 2  trainer_throughput/tps_sum: 300"
     ));
-    let o = Command::new(bin("titan-obs"))
-        .args(["summary", url, "--json", "--quiet", "--strict"])
-        .envs(env)
+    let o = moto
+        .aws_env(
+            Command::new(bin("titan-obs")).args(["summary", url, "--json", "--quiet", "--strict"]),
+        )
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));

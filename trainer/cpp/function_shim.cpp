@@ -12,58 +12,22 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <stdexcept>
-#include <string>
 
-#include "shim_error.h"
-
-extern "C" {
-// Maps `n_in` tensors (borrowed: owned by the caller) to `n_out` new tensors (ownership passes to
-// the caller). Returns 0, or non-zero with `*err` (shim_error.h).
-typedef int (*titan_fn_call)(void* ctx, at::Tensor** in, int64_t n_in, at::Tensor** out,
-                             int64_t n_out, char** err);
-// Frees `ctx` once neither forward nor backward can run any more.
-typedef void (*titan_fn_drop)(void* ctx);
-}
+#include "rust_callback.h"
 
 namespace {
 
 struct Callbacks : torch::CustomClassHolder {
   void* ctx;
-  titan_fn_call forward;
-  titan_fn_call backward;
-  titan_fn_drop drop;
+  titan_callback forward;
+  titan_callback backward;
+  titan_callback_drop drop;
   int64_t n_in, n_out;
 
-  Callbacks(void* ctx, titan_fn_call f, titan_fn_call b, titan_fn_drop d, int64_t n_in,
+  Callbacks(void* ctx, titan_callback f, titan_callback b, titan_callback_drop d, int64_t n_in,
             int64_t n_out)
       : ctx(ctx), forward(f), backward(b), drop(d), n_in(n_in), n_out(n_out) {}
   ~Callbacks() override { drop(ctx); }
-
-  static torch::autograd::variable_list call(titan_fn_call fn, void* ctx, const char* what,
-                                             const torch::autograd::variable_list& in,
-                                             int64_t n_out) {
-    std::vector<at::Tensor*> ins;
-    ins.reserve(in.size());
-    for (const auto& t : in) ins.push_back(const_cast<at::Tensor*>(&t));
-    std::vector<at::Tensor*> outs(n_out, nullptr);
-    char* err = nullptr;
-    const int rc = fn(ctx, ins.data(), static_cast<int64_t>(ins.size()), outs.data(), n_out, &err);
-    torch::autograd::variable_list result;
-    result.reserve(n_out);
-    for (auto* t : outs) {
-      if (t != nullptr) {
-        result.push_back(std::move(*t));
-        delete t;
-      } else {
-        result.emplace_back();
-      }
-    }
-    if (rc != 0) {
-      throw std::runtime_error(std::string(what) + ": " +
-                               titan_shim::take_message(err, "failed without a message"));
-    }
-    return result;
-  }
 };
 
 struct RustFunction : public torch::autograd::Function<RustFunction> {
@@ -71,13 +35,13 @@ struct RustFunction : public torch::autograd::Function<RustFunction> {
                                                 at::TensorList inputs,
                                                 c10::intrusive_ptr<Callbacks> cb) {
     ctx->saved_data["cb"] = c10::IValue::make_capsule(cb);
-    return Callbacks::call(cb->forward, cb->ctx, "forward", inputs.vec(), cb->n_out);
+    return titan_shim::call_rust(cb->forward, cb->ctx, "forward", inputs.vec(), cb->n_out);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto cb = c10::static_intrusive_pointer_cast<Callbacks>(ctx->saved_data["cb"].toCapsule());
-    auto out = Callbacks::call(cb->backward, cb->ctx, "backward", grads, cb->n_in);
+    auto out = titan_shim::call_rust(cb->backward, cb->ctx, "backward", grads, cb->n_in);
     out.emplace_back();  // the callbacks handle is not differentiable
     return out;
   }
@@ -89,20 +53,14 @@ extern "C" {
 
 // Applies a Rust-defined autograd Function to `n_in` tch tensors, writing `n_out` new tensors.
 // `ctx` is owned from here on (`drop` frees it, also on error). Returns 0, or 1 with `*err`.
-int titan_function_apply(void* ctx, titan_fn_call forward, titan_fn_call backward,
-                         titan_fn_drop drop, void** inputs, int64_t n_in, void** outputs,
+int titan_function_apply(void* ctx, titan_callback forward, titan_callback backward,
+                         titan_callback_drop drop, void** inputs, int64_t n_in, void** outputs,
                          int64_t n_out, char** err) {
   return titan_shim::guarded(err, [&] {
     auto cb = c10::make_intrusive<Callbacks>(ctx, forward, backward, drop, n_in, n_out);
-    std::vector<at::Tensor> in;
-    in.reserve(n_in);
-    for (int64_t i = 0; i < n_in; ++i) in.push_back(*reinterpret_cast<at::Tensor*>(inputs[i]));
-    auto out = RustFunction::apply(at::TensorList(in), cb);
-    if (static_cast<int64_t>(out.size()) != n_out) {
-      throw std::runtime_error("the function returned " + std::to_string(out.size()) +
-                               " tensors, expected " + std::to_string(n_out));
-    }
-    for (int64_t i = 0; i < n_out; ++i) outputs[i] = new at::Tensor(std::move(out[i]));
+    auto in = titan_shim::lent_tensors(inputs, n_in);
+    titan_shim::hand_to_rust(RustFunction::apply(at::TensorList(in), cb), outputs, n_out,
+                             "the function");
   });
 }
 

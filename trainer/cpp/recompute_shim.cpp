@@ -13,20 +13,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <stdexcept>
-#include <string>
-
-#include "shim_error.h"
-
-extern "C" {
-// Runs the region: reads `n_in` tensors (owned by the callee: it must free them), writes `n_out`
-// new tensors (ownership passes to the caller). Returns 0, or non-zero with `*err`
-// (shim_error.h).
-typedef int (*titan_region_run)(void* ctx, at::Tensor** inputs, int64_t n_in, at::Tensor** outputs,
-                                int64_t n_out, char** err);
-// Frees `ctx` (the Rust closure) once no forward or backward can use it any more.
-typedef void (*titan_region_drop)(void* ctx);
-}
+#include "rust_callback.h"
 
 namespace {
 
@@ -46,36 +33,18 @@ struct AutocastState {
 // The Rust closure plus the autocast state of the forward; freed with the autograd node.
 struct Region : torch::CustomClassHolder {
   void* ctx;
-  titan_region_run run;
-  titan_region_drop drop;
+  titan_callback run;
+  titan_callback_drop drop;
   int64_t n_out;
   AutocastState cpu{false, at::kBFloat16};
   AutocastState cuda{false, at::kHalf};
 
-  Region(void* ctx, titan_region_run run, titan_region_drop drop, int64_t n_out)
+  Region(void* ctx, titan_callback run, titan_callback_drop drop, int64_t n_out)
       : ctx(ctx), run(run), drop(drop), n_out(n_out) {}
   ~Region() override { drop(ctx); }
 
   torch::autograd::variable_list call(const torch::autograd::variable_list& inputs) const {
-    std::vector<at::Tensor*> in;
-    in.reserve(inputs.size());
-    for (const auto& t : inputs) in.push_back(new at::Tensor(t));
-    std::vector<at::Tensor*> out(n_out, nullptr);
-    char* err = nullptr;
-    const int rc = run(ctx, in.data(), static_cast<int64_t>(in.size()), out.data(), n_out, &err);
-    torch::autograd::variable_list result;
-    result.reserve(n_out);
-    for (auto* t : out) {
-      if (t != nullptr) {
-        result.push_back(std::move(*t));
-        delete t;
-      }
-    }
-    if (rc != 0) {
-      throw std::runtime_error(std::string("activation checkpoint region: ") +
-                               titan_shim::take_message(err, "failed without a message"));
-    }
-    return result;
+    return titan_shim::call_rust(run, ctx, "activation checkpoint region", inputs, n_out);
   }
 };
 
@@ -175,19 +144,13 @@ int titan_kept_linear(void* x, void* w, void* kept, void** out, char** err) {
 // Applies a checkpointed region to `n_in` tch tensors (`at::Tensor*`), writing `n_out` new tensors
 // to `outputs`. `ctx` is owned from here on: `drop` frees it, also on error. Returns 0, or 1 with
 // `*err`.
-int titan_recompute_apply(void* ctx, titan_region_run run, titan_region_drop drop, void** inputs,
-                          int64_t n_in, void** outputs, int64_t n_out, char** err) {
+int titan_recompute_apply(void* ctx, titan_callback run, titan_callback_drop drop,
+                          void** inputs, int64_t n_in, void** outputs, int64_t n_out, char** err) {
   return titan_shim::guarded(err, [&] {
     auto region = c10::make_intrusive<Region>(ctx, run, drop, n_out);
-    std::vector<at::Tensor> in;
-    in.reserve(n_in);
-    for (int64_t i = 0; i < n_in; ++i) in.push_back(*reinterpret_cast<at::Tensor*>(inputs[i]));
-    auto out = Recompute::apply(at::TensorList(in), region);
-    if (static_cast<int64_t>(out.size()) != n_out) {
-      throw std::runtime_error("the region returned " + std::to_string(out.size()) +
-                               " tensors, expected " + std::to_string(n_out));
-    }
-    for (int64_t i = 0; i < n_out; ++i) outputs[i] = new at::Tensor(std::move(out[i]));
+    auto in = titan_shim::lent_tensors(inputs, n_in);
+    titan_shim::hand_to_rust(Recompute::apply(at::TensorList(in), region), outputs, n_out,
+                             "the region");
   });
 }
 

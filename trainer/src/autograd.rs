@@ -22,7 +22,11 @@ pub trait Function: Send + 'static {
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor>;
 }
 
-type FnCall = unsafe extern "C" fn(
+/// A Rust callback the autograd shims call (`titan_callback` of `cpp/rust_callback.h`: forward
+/// and backward here, the region of `recompute.rs`): maps `n_in` tensors the shim lends
+/// ([`borrowed`]) to `n_out` new ones written to `outputs` ([`answer`]); returns 0, or 1 with a
+/// message in `err` (`cpp/shim_error.h`).
+pub(crate) type Callback = unsafe extern "C" fn(
     ctx: *mut c_void,
     inputs: *mut *mut c_void,
     n_in: i64,
@@ -30,14 +34,15 @@ type FnCall = unsafe extern "C" fn(
     n_out: i64,
     err: *mut *mut c_char,
 ) -> i32;
-type FnDrop = unsafe extern "C" fn(ctx: *mut c_void);
+/// Frees a callback's `ctx` once the shim can call it no more.
+pub(crate) type DropCtx = unsafe extern "C" fn(ctx: *mut c_void);
 
 unsafe extern "C" {
     fn titan_function_apply(
         ctx: *mut c_void,
-        forward: FnCall,
-        backward: FnCall,
-        drop: FnDrop,
+        forward: Callback,
+        backward: Callback,
+        drop: DropCtx,
         inputs: *mut *mut c_void,
         n_in: i64,
         outputs: *mut *mut c_void,
@@ -60,21 +65,19 @@ pub(crate) fn check(what: &str, f: impl FnOnce(*mut *mut c_char) -> i32) {
     }
 }
 
-/// Applies `f` to `inputs`, returning its `n_out` outputs connected to the autograd graph.
-/// Panics (as tch's ops do) if `f` panics in forward; a panic in backward fails the backward pass
-/// with the panic's message.
-pub fn apply<F: Function>(f: F, inputs: &[&Tensor], n_out: usize) -> Vec<Tensor> {
-    let ctx = Box::into_raw(Box::new(Mutex::new(f))).cast::<c_void>();
+/// Calls a shim entry point that maps `inputs` to `n_out` new tensors (`titan_function_apply`,
+/// `titan_recompute_apply`) with its input, output and error slots: the inputs are lent for the
+/// call, the tensors it writes are ours. Panics with its message on failure, as [`check`].
+pub(crate) fn call_mapping(
+    what: &str,
+    inputs: &[&Tensor],
+    n_out: usize,
+    entry: impl FnOnce(*mut *mut c_void, i64, *mut *mut c_void, i64, *mut *mut c_char) -> i32,
+) -> Vec<Tensor> {
     let mut in_ptrs: Vec<*mut c_void> = inputs.iter().map(|t| raw(t)).collect();
     let mut out_ptrs = vec![std::ptr::null_mut::<c_void>(); n_out];
-    // SAFETY: the input pointers are live at::Tensor* borrowed for the call; the shim takes
-    // ownership of `ctx` (freed through drop_fn::<F>) and writes n_out owned tensors on success.
-    check("autograd function", |err| unsafe {
-        titan_function_apply(
-            ctx,
-            call_fn::<F, false>,
-            call_fn::<F, true>,
-            drop_fn::<F>,
+    check(what, |err| {
+        entry(
             in_ptrs.as_mut_ptr(),
             in_ptrs.len() as i64,
             out_ptrs.as_mut_ptr(),
@@ -89,9 +92,39 @@ pub fn apply<F: Function>(f: F, inputs: &[&Tensor], n_out: usize) -> Vec<Tensor>
         .collect()
 }
 
-/// Borrows the shim's `n` at::Tensor* as tch tensors (shallow clones; the originals stay the
-/// shim's).
-unsafe fn borrowed(ptrs: *mut *mut c_void, n: i64) -> Vec<Tensor> {
+/// Applies `f` to `inputs`, returning its `n_out` outputs connected to the autograd graph.
+/// Panics (as tch's ops do) if `f` panics in forward; a panic in backward fails the backward pass
+/// with the panic's message.
+pub fn apply<F: Function>(f: F, inputs: &[&Tensor], n_out: usize) -> Vec<Tensor> {
+    let ctx = Box::into_raw(Box::new(Mutex::new(f))).cast::<c_void>();
+    // SAFETY: the slots come from `call_mapping`; the shim takes ownership of `ctx` (freed
+    // through drop_boxed, also on error).
+    call_mapping(
+        "autograd function",
+        inputs,
+        n_out,
+        |ins, n_in, outs, n_out, err| unsafe {
+            titan_function_apply(
+                ctx,
+                call_fn::<F, false>,
+                call_fn::<F, true>,
+                drop_boxed::<Mutex<F>>,
+                ins,
+                n_in,
+                outs,
+                n_out,
+                err,
+            )
+        },
+    )
+}
+
+/// Borrows the `n` at::Tensor* a shim lends a [`Callback`] as tch tensors (shallow clones; the
+/// originals stay the shim's).
+///
+/// # Safety
+/// `ptrs` holds `n` live at::Tensor*.
+pub(crate) unsafe fn borrowed(ptrs: *mut *mut c_void, n: i64) -> Vec<Tensor> {
     (0..n as usize)
         .map(|i| {
             // SAFETY: the shim passes n live at::Tensor* it keeps owning.
@@ -103,62 +136,33 @@ unsafe fn borrowed(ptrs: *mut *mut c_void, n: i64) -> Vec<Tensor> {
         .collect()
 }
 
-/// The shim's output slots and error slot for one callback.
-struct Reply {
+/// How every [`Callback`] answers, never letting a panic cross the C++ frames: the `n_out`
+/// tensors `body` returns go to the shim's output slots (it takes ownership); a panic's message,
+/// or a wrong count, goes to its error slot. Returns the callback's code.
+///
+/// # Safety
+/// `outputs` has `n_out` writable slots and `err` is a writable error slot.
+pub(crate) unsafe fn answer(
     outputs: *mut *mut c_void,
     n_out: i64,
     err: *mut *mut c_char,
-}
-
-/// Runs `body` on the function behind `ctx`, handing `n_out` tensors to the shim or the panic
-/// message to `err`.
-unsafe fn run<F: Function>(
-    ctx: *mut c_void,
-    inputs: *mut *mut c_void,
-    n_in: i64,
-    reply: Reply,
-    body: fn(&mut F, &[Tensor]) -> Vec<Tensor>,
+    body: impl FnOnce() -> Vec<Tensor>,
 ) -> i32 {
-    let Reply {
-        outputs,
-        n_out,
-        err,
-    } = reply;
-    // SAFETY: see `borrowed`.
-    let inputs = unsafe { borrowed(inputs, n_in) };
-    // SAFETY: ctx is the Box<Mutex<F>> made in `apply`, alive until drop_fn.
-    let f = unsafe { &*ctx.cast::<Mutex<F>>() };
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
-        body(&mut f, &inputs)
-    }));
-    let message = match result {
+    let message = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(out) if out.len() == n_out as usize => {
-            // SAFETY: the output array has n_out slots.
-            unsafe { hand_over(out, outputs) };
+            for (i, t) in out.into_iter().enumerate() {
+                // SAFETY: the caller guarantees the slot exists.
+                unsafe { *outputs.add(i) = raw(&t) };
+                std::mem::forget(t);
+            }
             return 0;
         }
         Ok(out) => format!("returned {} tensors, expected {n_out}", out.len()),
         Err(panic) => panic_text(panic),
     };
-    // SAFETY: the shim passes a writable error slot.
+    // SAFETY: the caller guarantees a writable error slot.
     unsafe { shim::set_message(err, &message) };
     1
-}
-
-/// Hands `tensors` to a C++ caller through its output slots (it takes ownership).
-///
-/// # Safety
-/// `outputs` has at least `tensors.len()` slots.
-pub(crate) unsafe fn hand_over(
-    tensors: impl IntoIterator<Item = Tensor>,
-    outputs: *mut *mut c_void,
-) {
-    for (i, t) in tensors.into_iter().enumerate() {
-        // SAFETY: the caller guarantees the slot exists.
-        unsafe { *outputs.add(i) = t.as_ptr().cast_mut().cast() };
-        std::mem::forget(t);
-    }
 }
 
 /// The message of a caught panic.
@@ -171,7 +175,7 @@ pub(crate) fn panic_text(panic: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// The shim's forward (`BACKWARD = false`: inputs to outputs) or backward (output gradients to
-/// input gradients) callback.
+/// input gradients) [`Callback`].
 unsafe extern "C" fn call_fn<F: Function, const BACKWARD: bool>(
     ctx: *mut c_void,
     inputs: *mut *mut c_void,
@@ -180,26 +184,30 @@ unsafe extern "C" fn call_fn<F: Function, const BACKWARD: bool>(
     n_out: i64,
     err: *mut *mut c_char,
 ) -> i32 {
-    let reply = Reply {
-        outputs,
-        n_out,
-        err,
-    };
-    // SAFETY: forwarded from the shim's contract.
+    // SAFETY: see `borrowed`.
+    let inputs = unsafe { borrowed(inputs, n_in) };
+    // SAFETY: ctx is the Box<Mutex<F>> made in `apply`, alive until drop_boxed.
+    let f = unsafe { &*ctx.cast::<Mutex<F>>() };
+    // SAFETY: the shim passes n_out output slots and an error slot.
     unsafe {
-        run::<F>(ctx, inputs, n_in, reply, |f, x| {
+        answer(outputs, n_out, err, || {
+            let mut f = f.lock().unwrap_or_else(|e| e.into_inner());
             if BACKWARD {
-                f.backward(x)
+                f.backward(&inputs)
             } else {
-                f.forward(x)
+                f.forward(&inputs)
             }
         })
     }
 }
 
-unsafe extern "C" fn drop_fn<F>(ctx: *mut c_void) {
-    // SAFETY: ctx is the Box<Mutex<F>> made in `apply`; the shim calls this exactly once.
-    drop(unsafe { Box::from_raw(ctx.cast::<Mutex<F>>()) });
+/// The [`DropCtx`] of a `ctx` made by `Box::into_raw(Box<T>)`.
+///
+/// # Safety
+/// `ctx` is such a box, and this is called once (the shims do).
+pub(crate) unsafe extern "C" fn drop_boxed<T>(ctx: *mut c_void) {
+    // SAFETY: per the contract above.
+    drop(unsafe { Box::from_raw(ctx.cast::<T>()) });
 }
 
 /// Gives `t`'s storage `nbytes` of fresh memory (0: frees it) in place; every tensor sharing the

@@ -9,28 +9,16 @@
 //! `backward()` returns, before any gradient reduction.
 
 use std::ffi::{c_char, c_void};
-use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use tch::Tensor;
 
-use crate::autograd::{check, hand_over, panic_text, raw};
-use crate::shim;
-
-type RegionRun = unsafe extern "C" fn(
-    ctx: *mut c_void,
-    inputs: *mut *mut c_void,
-    n_in: i64,
-    outputs: *mut *mut c_void,
-    n_out: i64,
-    err: *mut *mut c_char,
-) -> i32;
-type RegionDrop = unsafe extern "C" fn(ctx: *mut c_void);
+use crate::autograd::{Callback, DropCtx, answer, borrowed, call_mapping, check, drop_boxed, raw};
 
 unsafe extern "C" {
     fn titan_recompute_apply(
         ctx: *mut c_void,
-        run: RegionRun,
-        drop: RegionDrop,
+        run: Callback,
+        drop: DropCtx,
         inputs: *mut *mut c_void,
         n_in: i64,
         outputs: *mut *mut c_void,
@@ -78,27 +66,30 @@ where
     F: Fn(&[Tensor]) -> [Tensor; N] + Send + 'static,
 {
     let ctx = Box::into_raw(Box::new(region)).cast::<c_void>();
-    let mut in_ptrs: Vec<*mut c_void> = inputs.iter().map(|t| raw(t)).collect();
-    let mut out_ptrs = [std::ptr::null_mut::<c_void>(); N];
-    // SAFETY: the input pointers are live tch tensors (at::Tensor*) borrowed for the call; the
-    // shim takes ownership of `ctx` (freed through drop_region::<F>) and writes N owned tensors.
-    check("activation checkpoint", |err| unsafe {
-        titan_recompute_apply(
-            ctx,
-            run_region::<N, F>,
-            drop_region::<F>,
-            in_ptrs.as_mut_ptr(),
-            in_ptrs.len() as i64,
-            out_ptrs.as_mut_ptr(),
-            N as i64,
-            err,
-        )
-    });
-    // SAFETY: on success each slot holds a new at::Tensor* that we now own.
-    out_ptrs.map(|p| unsafe { Tensor::from_ptr(p.cast()) })
+    // SAFETY: the slots come from `call_mapping`; the shim takes ownership of `ctx` (freed
+    // through drop_boxed, also on error).
+    let out = call_mapping(
+        "activation checkpoint",
+        inputs,
+        N,
+        |ins, n_in, outs, n_out, err| unsafe {
+            titan_recompute_apply(
+                ctx,
+                run_region::<N, F>,
+                drop_boxed::<F>,
+                ins,
+                n_in,
+                outs,
+                n_out,
+                err,
+            )
+        },
+    );
+    out.try_into()
+        .unwrap_or_else(|_| unreachable!("call_mapping returns the N tensors asked for"))
 }
 
-/// The shim's callback: runs the closure, never letting a panic cross the C++ frames.
+/// The shim's [`Callback`]: runs the region on the inputs the shim lends.
 unsafe extern "C" fn run_region<const N: usize, F>(
     ctx: *mut c_void,
     inputs: *mut *mut c_void,
@@ -110,29 +101,12 @@ unsafe extern "C" fn run_region<const N: usize, F>(
 where
     F: Fn(&[Tensor]) -> [Tensor; N],
 {
-    // SAFETY: the shim passes n_in new at::Tensor* it hands over to us (freed on drop).
-    let inputs: Vec<Tensor> = (0..n_in as usize)
-        .map(|i| unsafe { Tensor::from_ptr((*inputs.add(i)).cast()) })
-        .collect();
-    // SAFETY: ctx is the Box<F> made in `checkpoint`, alive until drop_region.
+    // SAFETY: the shim lends n_in live at::Tensor*.
+    let inputs = unsafe { borrowed(inputs, n_in) };
+    // SAFETY: ctx is the Box<F> made in `checkpoint`, alive until drop_boxed.
     let region = unsafe { &*ctx.cast::<F>() };
-    let message = match catch_unwind(AssertUnwindSafe(|| region(&inputs))) {
-        Ok(out) if n_out as usize == N => {
-            // SAFETY: the shim's output array has n_out = N slots.
-            unsafe { hand_over(out, outputs) };
-            return 0;
-        }
-        Ok(_) => format!("the region returns {N} tensors, the shim expected {n_out}"),
-        Err(panic) => panic_text(panic),
-    };
-    // SAFETY: the shim passes a writable error slot.
-    unsafe { shim::set_message(err, &message) };
-    1
-}
-
-unsafe extern "C" fn drop_region<F>(ctx: *mut c_void) {
-    // SAFETY: ctx is the Box<F> made in `checkpoint`; the shim calls this exactly once.
-    drop(unsafe { Box::from_raw(ctx.cast::<F>()) });
+    // SAFETY: the shim passes n_out output slots and an error slot.
+    unsafe { answer(outputs, n_out, err, || Vec::from(region(&inputs))) }
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::DCP_SHARDING_INFO;
 use crate::error::{Error, Result};
-use crate::plan::{CheckpointPlan, Chunk, ChunkSource, Encoding, Format, TensorPlan};
+use crate::plan::{CheckpointPlan, Format, TensorPlan};
 use crate::safetensors;
 use crate::storage::Root;
 
@@ -127,16 +127,7 @@ pub fn read(root: &Root, only: Option<&str>) -> Result<CheckpointPlan> {
         let offsets_of = sharding_info(&file.name, &header.metadata)?;
         for e in header.entries {
             let offsets = offsets_of(&e.name, &e.shape)?;
-            let chunk = Chunk {
-                offsets,
-                sizes: e.shape.clone(),
-                source: ChunkSource {
-                    file: i,
-                    begin: e.begin,
-                    end: e.end,
-                    encoding: Encoding::Raw,
-                },
-            };
+            let chunk = e.chunk(i, offsets);
             match tensors.get_mut(&e.name) {
                 None => {
                     first_file.insert(e.name.clone(), i);
@@ -196,6 +187,15 @@ pub fn read(root: &Root, only: Option<&str>) -> Result<CheckpointPlan> {
     })
 }
 
+/// The numbers of 1..=`last` not in `seen`, as shard names spell them (`00002, 00005`).
+fn missing(seen: &BTreeSet<u32>, last: u32) -> String {
+    let missing: Vec<String> = (1..=last)
+        .filter(|i| !seen.contains(i))
+        .map(|i| format!("{i:05}"))
+        .collect();
+    missing.join(", ")
+}
+
 /// A whole missing rank or output file index is invisible to coverage checks when it held the
 /// end of every dimension, so check the file names: ranks 1..=R and indices 1..=N all present.
 fn check_shard_names(root: &Root, files: &[String]) -> Result<()> {
@@ -219,32 +219,22 @@ fn check_shard_names(root: &Root, files: &[String]) -> Result<()> {
         indices.insert(i);
     }
     if let Some(&max) = ranks.iter().next_back() {
-        let missing: Vec<String> = (1..=max)
-            .filter(|r| !ranks.contains(r))
-            .map(|r| format!("{r:05}"))
-            .collect();
+        let missing = missing(&ranks, max);
         if !missing.is_empty() {
             return Err(Error::invalid(
                 root.display(),
                 format!(
-                    "no shard files from rank(s) {} (shard-RRRRR-*): a shard is missing",
-                    missing.join(", ")
+                    "no shard files from rank(s) {missing} (shard-RRRRR-*): a shard is missing"
                 ),
             ));
         }
     }
     if let Some(n) = count {
-        let missing: Vec<String> = (1..=n)
-            .filter(|i| !indices.contains(i))
-            .map(|i| format!("{i:05}"))
-            .collect();
+        let missing = missing(&indices, n);
         if !missing.is_empty() {
             return Err(Error::invalid(
                 root.display(),
-                format!(
-                    "no shard file for model index {} of {n}: a shard is missing",
-                    missing.join(", ")
-                ),
+                format!("no shard file for model index {missing} of {n}: a shard is missing"),
             ));
         }
     }
@@ -266,6 +256,22 @@ mod tests {
             "shard-00002-model-00001-of-00003.safetensors"
         );
         assert_eq!(parse_shard_name("model-00001-of-00003.safetensors"), None);
+    }
+
+    #[test]
+    fn a_missing_rank_or_file_index_is_named() {
+        let root = Root::local("/ckpt");
+        let names = |v: &[(u32, u32)]| -> Vec<String> {
+            v.iter().map(|&(r, i)| shard_name(r, i, 4)).collect()
+        };
+        let complete = names(&[(1, 1), (1, 2), (2, 3), (2, 4)]);
+        assert!(check_shard_names(&root, &complete).is_ok());
+        let err = check_shard_names(&root, &names(&[(1, 1), (3, 2), (3, 3), (3, 4)]));
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("no shard files from rank(s) 00002 "), "{err}");
+        let err = check_shard_names(&root, &names(&[(1, 1), (2, 3)]));
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("model index 00002, 00004 of 4"), "{err}");
     }
 
     #[test]

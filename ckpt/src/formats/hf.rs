@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use super::{HF_INDEX, MAX_INDEX_BYTES};
 use crate::error::{Error, Result};
-use crate::plan::{CheckpointPlan, Chunk, ChunkSource, Encoding, Format, TensorPlan};
+use crate::plan::{CheckpointPlan, Format, TensorPlan};
 use crate::safetensors;
 use crate::storage::{Location, Root, check_relative};
 
@@ -76,16 +76,7 @@ pub fn read(loc: &Location) -> Result<CheckpointPlan> {
                     "tensor appears in more than one file",
                 ));
             }
-            let chunk = Chunk {
-                offsets: vec![0; e.shape.len()],
-                sizes: e.shape.clone(),
-                source: ChunkSource {
-                    file: i,
-                    begin: e.begin,
-                    end: e.end,
-                    encoding: Encoding::Raw,
-                },
-            };
+            let chunk = e.chunk(i, vec![0; e.shape.len()]);
             tensors.insert(
                 e.name.clone(),
                 TensorPlan {

@@ -2,10 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
-use arrow::record_batch::RecordBatch;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReader;
 use titan_obs_core::journal::JournalWriter;
-use titan_obs_core::part::Footer;
+use titan_obs_core::read::read_part;
 use titan_obs_core::synth::{SynthConfig, write_run};
 
 /// A two-rank synthetic run whose rank 0 holds `part-000000.parquet` and, instead of its
@@ -23,23 +21,7 @@ pub fn run_with_journal(dir: &Path) -> (PathBuf, PathBuf) {
     let rank0 = run.join("obs/rank-0");
     let part = rank0.join("part-000001.parquet");
     let bytes = bytes::Bytes::from(std::fs::read(&part).unwrap());
-    let footer = {
-        use parquet::file::reader::FileReader;
-        let r = parquet::file::serialized_reader::SerializedFileReader::new(bytes.clone()).unwrap();
-        let kv = r
-            .metadata()
-            .file_metadata()
-            .key_value_metadata()
-            .unwrap()
-            .iter()
-            .filter_map(|k| Some((k.key.clone(), k.value.clone()?)))
-            .collect();
-        Footer::parse(&kv).unwrap()
-    };
-    let batches: Vec<RecordBatch> = ParquetRecordBatchReader::try_new(bytes, 1 << 20)
-        .unwrap()
-        .map(|b| b.unwrap())
-        .collect();
+    let (footer, batches) = read_part(bytes).unwrap();
     std::fs::remove_file(&part).unwrap();
     let mut w = JournalWriter::create(&rank0, 1, &footer.header).unwrap();
     for b in &batches {

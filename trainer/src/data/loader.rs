@@ -509,19 +509,10 @@ mod tests {
         out
     }
 
-    fn docs(ds: &Dataset) -> Vec<String> {
-        let mut s = ds.open().unwrap();
-        let mut out = Vec::new();
-        while let Some(d) = s.next_doc().unwrap() {
-            out.push(d);
-        }
-        out
-    }
-
     #[test]
     fn samples_shift_within_documents_with_document_positions() {
         let mut l = loader(0, 1, false);
-        let want = reference(&l, &docs(&Dataset::DefaultValidation), 32);
+        let want = reference(&l, &Dataset::DefaultValidation.read_all().unwrap(), 32);
         let mut got = Vec::new();
         while let Some(b) = l.next_batch(Device::Cpu).unwrap() {
             assert_eq!(b.inputs.size(), b.positions.size());
@@ -570,7 +561,7 @@ mod tests {
         assert_eq!(contiguous_shard(10, 3, 2), (7, 10));
         assert_eq!(contiguous_shard(7, 1, 0), (0, 7));
         // Rank 1 of 2 reads exactly the second half of the documents.
-        let all = docs(&Dataset::DefaultValidation);
+        let all = Dataset::DefaultValidation.read_all().unwrap();
         let mut l = loader(1, 2, false);
         let (start, _) = contiguous_shard(all.len() as u64, 2, 1);
         let want = reference(&l, &all[start as usize..], 32);
@@ -629,7 +620,7 @@ mod tests {
 
     #[test]
     fn later_epochs_read_the_shard_in_torchtitans_shuffled_order() {
-        let all = docs(&Dataset::DefaultValidation);
+        let all = Dataset::DefaultValidation.read_all().unwrap();
         let (start, end) = contiguous_shard(all.len() as u64, 2, 1);
         let shard = &all[start as usize..end as usize];
         let mut l = loader(1, 2, true);

@@ -86,6 +86,17 @@ impl Dataset {
             current: None,
         })
     }
+
+    /// Every document, in order (for tests: a real dataset does not fit in memory).
+    #[cfg(test)]
+    pub(crate) fn read_all(&self) -> Result<Vec<String>> {
+        let mut stream = self.open()?;
+        let mut out = Vec::new();
+        while let Some(doc) = stream.next_doc()? {
+            out.push(doc);
+        }
+        Ok(out)
+    }
 }
 
 fn is_data_file(p: &Path) -> bool {
@@ -297,19 +308,10 @@ fn parquet_texts(path: &Path) -> Result<Docs> {
 mod tests {
     use super::*;
 
-    fn all(ds: &Dataset) -> Vec<String> {
-        let mut s = ds.open().unwrap();
-        let mut out = Vec::new();
-        while let Some(d) = s.next_doc().unwrap() {
-            out.push(d);
-        }
-        out
-    }
-
     #[test]
     fn embedded_splits_are_disjoint_and_nonempty() {
-        let train = all(&Dataset::DefaultTrain);
-        let valid = all(&Dataset::DefaultValidation);
+        let train = Dataset::DefaultTrain.read_all().unwrap();
+        let valid = Dataset::DefaultValidation.read_all().unwrap();
         assert!(train.len() > 1000 && valid.len() > 50);
         assert!(train.iter().all(|d| !d.is_empty()));
     }
@@ -325,7 +327,10 @@ mod tests {
         .unwrap();
         std::fs::write(dir.path().join("ignored.md"), "x").unwrap();
         let ds = Dataset::resolve("mine", Some(dir.path().to_str().unwrap()), "training").unwrap();
-        assert_eq!(all(&ds), ["first line", "second line", "third", "fourth"]);
+        assert_eq!(
+            ds.read_all().unwrap(),
+            ["first line", "second line", "third", "fourth"]
+        );
     }
 
     #[test]

@@ -132,17 +132,11 @@ impl Ring {
         elem: Elem,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        if self.size == 1 {
-            return Ok(());
-        }
-        let chunks = self.chunks(buf.len() / elem.size());
         let (n, r) = (self.size, self.rank);
         // A reduce-scatter leaves rank r with the reduced chunk r: exactly what the all-gather
         // that follows sends first.
-        let steps: Vec<(usize, Mode)> = reduce_scatter_steps(n, r, op)
-            .chain(all_gather_steps(n, r))
-            .collect();
-        self.run("all_reduce", buf, elem, &chunks, (r + n - 1) % n, &steps)
+        let steps = reduce_scatter_steps(n, r, op).chain(all_gather_steps(n, r));
+        self.run_chunked("all_reduce", buf, elem, (r + n - 1) % n, steps)
     }
 
     /// Reduce-scatter over equal-size chunks in place: afterwards chunk `rank` of `buf` holds the
@@ -153,32 +147,35 @@ impl Ring {
         elem: Elem,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        if self.size == 1 {
-            return Ok(());
-        }
-        let chunks = self.chunks(buf.len() / elem.size());
         let (n, r) = (self.size, self.rank);
-        let steps: Vec<(usize, Mode)> = reduce_scatter_steps(n, r, op).collect();
-        self.run(
-            "reduce_scatter",
-            buf,
-            elem,
-            &chunks,
-            (r + n - 1) % n,
-            &steps,
-        )
+        let steps = reduce_scatter_steps(n, r, op);
+        self.run_chunked("reduce_scatter", buf, elem, (r + n - 1) % n, steps)
     }
 
     /// All-gather in place: chunk `rank` of `buf` is this rank's input; afterwards every chunk
     /// holds its rank's input.
     pub fn all_gather(&mut self, buf: &mut [u8], elem: Elem) -> Result<(), CommError> {
+        let (n, r) = (self.size, self.rank);
+        let steps = all_gather_steps(n, r);
+        self.run_chunked("all_gather", buf, elem, r, steps)
+    }
+
+    /// Runs a collective over the `size` chunks of `buf` ([`Ring::chunks`]): the engine's
+    /// `first_send` and `steps`. Nothing to do alone.
+    fn run_chunked(
+        &mut self,
+        op_name: &'static str,
+        buf: &mut [u8],
+        elem: Elem,
+        first_send: usize,
+        steps: impl Iterator<Item = (usize, Mode)>,
+    ) -> Result<(), CommError> {
         if self.size == 1 {
             return Ok(());
         }
         let chunks = self.chunks(buf.len() / elem.size());
-        let (n, r) = (self.size, self.rank);
-        let steps: Vec<(usize, Mode)> = all_gather_steps(n, r).collect();
-        self.run("all_gather", buf, elem, &chunks, r, &steps)
+        let steps: Vec<(usize, Mode)> = steps.collect();
+        self.run(op_name, buf, elem, &chunks, first_send, &steps)
     }
 
     /// Pipelined chain broadcast from `root` around the ring.

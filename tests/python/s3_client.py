@@ -1,9 +1,9 @@
 """Small S3 client for the object store tests (boto3 against the local moto server).
 
-usage: ckpt_s3.py ENDPOINT BUCKET mkbucket
-       ckpt_s3.py ENDPOINT BUCKET put DIR PREFIX     upload every file of DIR under PREFIX/
-       ckpt_s3.py ENDPOINT BUCKET get PREFIX DIR     download every object under PREFIX/ into DIR
-       ckpt_s3.py ENDPOINT BUCKET ls PREFIX          print object names under PREFIX/, one a line
+usage: s3_client.py ENDPOINT BUCKET mkbucket
+       s3_client.py ENDPOINT BUCKET put DIR PREFIX     upload every file of DIR under PREFIX/
+       s3_client.py ENDPOINT BUCKET get PREFIX DIR     download every object under PREFIX/ into DIR
+       s3_client.py ENDPOINT BUCKET ls PREFIX          print object names under PREFIX/, one a line
 """
 
 import os
