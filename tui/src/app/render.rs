@@ -13,6 +13,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Axis, Block, Chart, Clear, Dataset, GraphType, Paragraph, Row, Table};
 
 use super::cells::{self, Cell, CollapsedCell, Spread, Window};
+use super::detail::FLAG_DETAIL;
 use super::model::{FLAG_ERROR, FLAG_STRAGGLER, Ns, Timeline, pass_label, step_label};
 use super::palette::{STRAGGLER, phase_color};
 use super::units::{dur, nice_step, tick_label};
@@ -597,6 +598,16 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
             );
             if row.flags[i] & FLAG_ERROR != 0 {
                 l1.push_str("  ERROR recorded");
+            }
+            if row.flags[i] & FLAG_DETAIL != 0 {
+                // A bucket of a detail level, not a span: say so, and how to see the spans.
+                l1 = format!(
+                    "{head}: mostly {name}  rank {}  {} covered from {}  (a detail level's \
+                     bucket: zoom in for the spans)",
+                    lane.rank,
+                    dur(d),
+                    dur(row.start[i]),
+                );
             }
             let l2 = match t.phase_step.get(&(phase, row.step[i])) {
                 Some(st) => {

@@ -100,6 +100,15 @@ impl View {
         self.keep_cursor_row_visible();
     }
 
+    /// The rows on screen (as of the last draw's size).
+    pub fn visible_row_refs(&self) -> impl Iterator<Item = RowRef> + '_ {
+        self.rows
+            .iter()
+            .skip(self.scroll)
+            .take(self.visible_rows.max(1))
+            .copied()
+    }
+
     /// Called after a reload (`--follow`): keeps the view, extends it if it showed everything.
     pub fn on_reload(&mut self, t: &Timeline) {
         self.rebuild_rows(t);
