@@ -285,40 +285,6 @@ impl PartDetail {
         let data = crate::decode::decode_part(bytes, rank, COLUMNS, 0)?;
         Ok(PartDetail::of_data(&data))
     }
-
-    /// Detail levels of spans appended to a rank (an open journal's new batches, read
-    /// through [`crate::read::Run`]): the rows of `rank` in `run.spans[from..]`.
-    pub fn of_run_spans(run: &crate::read::Run, rank: u32, from: usize) -> PartDetail {
-        let s = &run.spans;
-        let mut d = PartData::default();
-        d.info.rank = rank;
-        d.info.clock_offset_ns = 0;
-        d.names.clone_from(&run.names);
-        d.tags.clone_from(&run.tags);
-        let n = s.len();
-        let has = |len: usize| len == n;
-        for i in (from..n).filter(|&i| s.rank[i] == rank) {
-            d.spans.rank.push(rank);
-            d.spans.name.push(s.name[i]);
-            d.spans.step.push(s.step[i]);
-            d.spans.dur_ns.push(s.dur_ns[i]);
-            d.spans.start_ns.push(if has(s.start_ns.len()) {
-                s.start_ns[i]
-            } else {
-                0
-            });
-            d.spans
-                .thread
-                .push(if has(s.thread.len()) { s.thread[i] } else { 0 });
-            d.spans
-                .depth
-                .push(if has(s.depth.len()) { s.depth[i] } else { 0 });
-            if let Some(t) = run.step_tags.get(&(rank, s.step[i])) {
-                d.step_tags.insert(s.step[i], t.0);
-            }
-        }
-        PartDetail::of_data(&d)
-    }
 }
 
 /// The spans of one part by row (thread, depth), each row sorted by start: what a viewer

@@ -130,7 +130,7 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
     }
     let titan = matches!(detected, Ok(titan_obs_core::ingest::Detected::Titan));
     let source: Box<dyn TimelineSource + Send> = if use_detail_levels(run, args, titan) {
-        Box::new(DetailSource::new(run, &title_of(run)))
+        Box::new(DetailSource::new(run, &title_of(run), args.follow))
     } else {
         Box::new(RunSource::with_follow(run, args.follow).showing_run(args.run_id.clone()))
     };

@@ -85,6 +85,8 @@ impl<T> Cache<T> {
 
 /// What the gantt of a run drawn from detail levels needs between frames.
 pub struct DetailRun {
+    /// `RUN/obs/`: left out of the paths in warnings (the title bar is narrow).
+    obs: String,
     ranks: Vec<RankParts>,
     /// Run-wide phase and tag names (those of the timeline).
     names: Names,
@@ -106,6 +108,17 @@ pub struct DetailRun {
     spans_seen: u64,
     /// What was last filled: (window, ncols, lanes, reads); equal requests are not redone.
     last: Option<(Window, usize, Vec<usize>)>,
+    /// `--follow`: the spans appended since the run was opened (journals, later parts), by
+    /// (rank, thread, depth), relative to the origin; drawn after the parts listed at open.
+    tail: BTreeMap<(u32, u32, u16), SpanRow>,
+}
+
+/// Spans appended to a followed run, as the follow worker read them: run-wide names and
+/// tags of the reader, and per rank its new spans (on rank 0's clock).
+pub struct Appended {
+    pub names: Vec<String>,
+    pub tags: Vec<String>,
+    pub ranks: Vec<PartSpans>,
 }
 
 /// Whether a run is large enough to be drawn from its detail levels: a local titan run whose
@@ -160,6 +173,7 @@ impl DetailRun {
         }
         ranks.sort_by_key(|r| r.rank);
         let mut d = DetailRun {
+            obs: format!("{}/", obs.display()),
             ranks,
             names: Names::default(),
             tags: Names::default(),
@@ -173,6 +187,7 @@ impl DetailRun {
             end: 0,
             spans_seen: 0,
             last: None,
+            tail: BTreeMap::new(),
         };
         let ends: Vec<(usize, usize)> = d
             .ranks
@@ -261,6 +276,7 @@ impl DetailRun {
                     if let Some(why) = o.damaged
                         && self.warned.insert(lod::detail_path(&path))
                     {
+                        let why = why.replace(&self.obs, "");
                         t.warnings
                             .push(format!("{why}: drawn from its part's spans instead"));
                     }
@@ -345,6 +361,14 @@ impl DetailRun {
     pub fn set_steps(&mut self, t: &mut Timeline, steps: Vec<StepMark>) {
         self.steps_final = true;
         t.steps = steps;
+        // Spans appended while the worker read (`--follow`) extend them again.
+        for row in self.tail.values() {
+            for i in 0..row.len() {
+                if row.step[i] != titan_obs_core::NO_STEP {
+                    extend_step(&mut t.steps, row.step[i], row.start[i], row.end[i]);
+                }
+            }
+        }
     }
 
     /// Reads every part's range of rank index `ri` (its detail files).
@@ -512,6 +536,30 @@ impl DetailRun {
                     }
                 }
             }
+            for ((_, _, depth), tr) in self
+                .tail
+                .range((rank, thread, 0)..=(rank, thread, u16::MAX))
+            {
+                let row = rows.entry(*depth).or_insert_with(|| SpanRow {
+                    depth: (*depth).min(u16::from(u8::MAX)) as u8,
+                    ..SpanRow::default()
+                });
+                for i in tr.first_ending_after(w.t0)..tr.len() {
+                    if tr.start[i] >= w.t1 {
+                        break;
+                    }
+                    push(
+                        row,
+                        tr.start[i],
+                        tr.end[i],
+                        tr.phase[i],
+                        tr.step[i],
+                        tr.tagset[i],
+                        tr.flags[i],
+                        tr.slot(i),
+                    );
+                }
+            }
             let lane = &mut t.lanes[l];
             for r in &mut lane.rows {
                 *r = rows.remove(&u16::from(r.depth)).unwrap_or_else(|| SpanRow {
@@ -530,13 +578,93 @@ impl DetailRun {
         reshaped
     }
 
+    /// Appends spans read since the last refresh (`--follow`) to the tail: the run's end,
+    /// steps and lanes grow, nothing already read is read or built again. Returns whether
+    /// lanes or rows were added.
+    pub fn append(&mut self, t: &mut Timeline, new: Appended) -> bool {
+        let names = self.names.map(&new.names);
+        let tag_ids = self.tags.map(&new.tags);
+        let mut tagsets: HashMap<Vec<u16>, u16> = t
+            .tagsets
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.clone(), i as u16))
+            .collect();
+        let mut reshaped = false;
+        for part in new.ranks {
+            let rank = part.rank;
+            if let Err(at) = t.ranks.binary_search(&rank) {
+                t.ranks.insert(at, rank);
+            }
+            for r in &part.rows {
+                let key = (rank, r.thread, r.depth);
+                let row = self.tail.entry(key).or_insert_with(|| SpanRow {
+                    depth: r.depth.min(u16::from(u8::MAX)) as u8,
+                    ..SpanRow::default()
+                });
+                for i in 0..r.start.len() {
+                    let start = r.start[i] - self.origin;
+                    let end = start + r.dur[i];
+                    let mask = part.step_tags.get(&r.step[i]).copied().unwrap_or(0);
+                    let tagset = tagset_of(mask, &tag_ids, &mut tagsets, t);
+                    push(
+                        row,
+                        start,
+                        end,
+                        names[r.name[i] as usize] as u16,
+                        r.step[i],
+                        tagset,
+                        0,
+                        r.pipeline[i],
+                    );
+                    t.end = t.end.max(end);
+                    if r.step[i] != titan_obs_core::NO_STEP {
+                        extend_step(&mut t.steps, r.step[i], start, end);
+                    }
+                }
+                self.spans_seen += r.start.len() as u64;
+                reshaped |= ensure_row(t, rank, r.thread, r.depth);
+            }
+        }
+        if reshaped {
+            // Lanes moved: empty every filled row, the next fill fills what is on screen.
+            for lane in &mut t.lanes {
+                for r in &mut lane.rows {
+                    *r = SpanRow {
+                        depth: r.depth,
+                        ..SpanRow::default()
+                    };
+                }
+            }
+            self.filled.clear();
+        }
+        self.last = None;
+        self.publish(t);
+        reshaped
+    }
+
+    /// The last part index of every rank listed at open (a follower reads only later ones).
+    pub fn last_parts(&self) -> BTreeMap<u32, u64> {
+        self.ranks
+            .iter()
+            .filter_map(|r| {
+                let last = r.parts.last()?;
+                let name = last.path.file_name()?.to_str()?;
+                Some((
+                    r.rank,
+                    titan_obs_core::location::parse_part_file_name(name)?,
+                ))
+            })
+            .collect()
+    }
+
     /// A part that cannot be read: named once, never read again, the run incomplete.
     fn unreadable(&mut self, ri: usize, pi: usize, e: &anyhow::Error, t: &mut Timeline) {
         let part = &mut self.ranks[ri].parts[pi];
         part.unreadable = true;
         if self.warned.insert(part.path.clone()) {
-            t.warnings
-                .push(format!("corrupt part {}: {e:#}", part.path.display()));
+            let why = format!("corrupt part {}: {e:#}", part.path.display());
+            t.warnings.push(why.replace(&self.obs, ""));
             t.incomplete = true;
         }
     }
@@ -560,6 +688,63 @@ impl DetailRun {
             }
         }
     }
+}
+
+/// Extends step `step`'s mark to cover `start..end` (adds it when new).
+fn extend_step(steps: &mut Vec<StepMark>, step: u64, start: Ns, end: Ns) {
+    match steps.binary_search_by_key(&step, |s| s.step) {
+        Ok(i) => {
+            let s = &mut steps[i];
+            s.start = s.start.min(start);
+            s.end = s.end.max(end);
+        }
+        Err(i) => steps.insert(
+            i,
+            StepMark {
+                step,
+                start,
+                end,
+                tags: Vec::new(),
+            },
+        ),
+    }
+}
+
+/// Adds the lane of (rank, thread) and its row at `depth` when missing; true when added.
+fn ensure_row(t: &mut Timeline, rank: u32, thread: u32, depth: u16) -> bool {
+    let depth = depth.min(u16::from(u8::MAX)) as u8;
+    let at = t
+        .lanes
+        .partition_point(|l| (l.rank, l.thread) < (rank, u64::from(thread)));
+    let lane_there = t
+        .lanes
+        .get(at)
+        .is_some_and(|l| (l.rank, l.thread) == (rank, u64::from(thread)));
+    if !lane_there {
+        let thread_ix = t.lanes[..at].iter().filter(|l| l.rank == rank).count() as u32;
+        t.lanes.insert(
+            at,
+            Lane {
+                rank,
+                thread: u64::from(thread),
+                thread_ix,
+                rows: Vec::new(),
+            },
+        );
+    }
+    let lane = &mut t.lanes[at];
+    if lane.rows.iter().any(|r| r.depth == depth) {
+        return !lane_there;
+    }
+    let pos = lane.rows.partition_point(|r| r.depth < depth);
+    lane.rows.insert(
+        pos,
+        SpanRow {
+            depth,
+            ..SpanRow::default()
+        },
+    );
+    true
 }
 
 /// Index of the first span of `r` that ends after `t`.

@@ -6,17 +6,18 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::mpsc::{self, Receiver};
+use std::time::Instant;
 
 use rayon::prelude::*;
 use titan_obs_core::analysis::{RunShape, StragglerOptions, digested::analyse_digest};
 use titan_obs_core::lod;
-use titan_obs_core::read::{Columns, ReadOptions};
+use titan_obs_core::read::{Columns, PartsReader, ReadOptions};
 
-use super::detail::DetailRun;
+use super::detail::{Appended, DetailRun};
 use super::model::{
     MetricSeries, PhaseId, PhaseSpread, Reduce, StepMark, Timeline, collapsed_rows,
 };
-use super::terminal::TimelineSource;
+use super::terminal::{FOLLOW_INTERVAL, TimelineSource};
 use super::view::View;
 
 /// A step of the whole run: (step, first start, last end on rank 0's clock, tag names).
@@ -42,18 +43,121 @@ pub struct DetailSource {
     whole: Option<Receiver<Whole>>,
     /// Which whole-run results have arrived (for the status line).
     arrived: Vec<&'static str>,
+    /// `--follow`: what the follow worker read, refresh after refresh.
+    follow: Option<Receiver<Followed>>,
+    /// The last refresh: spans appended, the worker's read and this thread's append (ms).
+    last_follow: Option<(usize, f64, f64)>,
 }
 
+/// One refresh of the follow worker: what it read and how long the read took (ms).
+type Followed = anyhow::Result<(Appended, f64)>;
+
 impl DetailSource {
-    pub fn new(run: &str, title: &str) -> Self {
+    pub fn new(run: &str, title: &str, follow: bool) -> Self {
         DetailSource {
             run: run.to_string(),
             title: title.to_string(),
             detail: None,
             whole: None,
             arrived: Vec::new(),
+            follow: follow.then(|| mpsc::channel().1),
+            last_follow: None,
         }
     }
+}
+
+/// `--follow`'s worker: every [`FOLLOW_INTERVAL`], reads what the journals (and the parts
+/// after `skip`) gained and sends it; stops when the receiver is gone.
+fn follow_worker(run: String, skip: BTreeMap<u32, u64>, tx: mpsc::Sender<Followed>) {
+    let mut reader = match PartsReader::open(&run) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = tx.send(Err(e));
+            return;
+        }
+    };
+    reader.skip_parts_through(&skip);
+    let opts = ReadOptions::default();
+    loop {
+        let started = Instant::now();
+        let from = reader.run().spans.len();
+        let read = reader
+            .refresh_with(&opts, false)
+            .map(|run| appended(run, from));
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let send = match read {
+            Ok(Some(a)) => tx.send(Ok((a, ms))),
+            Ok(None) => Ok(()),
+            Err(e) => tx.send(Err(e)),
+        };
+        if send.is_err() {
+            return;
+        }
+        std::thread::sleep(FOLLOW_INTERVAL);
+    }
+}
+
+/// The spans of `run` from index `from` on, per rank and row; `None` when there are none.
+fn appended(run: &titan_obs_core::Run, from: usize) -> Option<Appended> {
+    let s = &run.spans;
+    if s.len() <= from {
+        return None;
+    }
+    let mut by_rank: BTreeMap<u32, BTreeMap<(u32, u16), lod::SpanRows>> = BTreeMap::new();
+    let mut step_tags: BTreeMap<u32, HashMap<u64, u64>> = BTreeMap::new();
+    for i in from..s.len() {
+        let (rank, thread) = (s.rank[i], s.thread.get(i).copied().unwrap_or(0));
+        let depth = s.depth.get(i).copied().unwrap_or(0);
+        let row = by_rank
+            .entry(rank)
+            .or_default()
+            .entry((thread, depth))
+            .or_insert_with(|| lod::SpanRows {
+                thread,
+                depth,
+                ..Default::default()
+            });
+        row.start.push(s.start_ns.get(i).copied().unwrap_or(0));
+        row.dur.push(s.dur_ns[i].max(0));
+        row.name.push(s.name[i]);
+        row.step.push(s.step[i]);
+        row.pipeline.push(s.pipeline.get(i).copied().flatten());
+        if let Some(t) = run.step_tags.get(&(rank, s.step[i])) {
+            step_tags.entry(rank).or_default().insert(s.step[i], t.0);
+        }
+    }
+    let ranks = by_rank
+        .into_iter()
+        .map(|(rank, rows)| {
+            let mut rows: Vec<lod::SpanRows> = rows.into_values().collect();
+            for r in &mut rows {
+                sort_row(r);
+            }
+            lod::PartSpans {
+                rank,
+                step_tags: step_tags.remove(&rank).unwrap_or_default(),
+                rows,
+                ..Default::default()
+            }
+        })
+        .collect();
+    Some(Appended {
+        names: run.names.clone(),
+        tags: run.tags.clone(),
+        ranks,
+    })
+}
+
+/// Sorts a row's spans by start (a journal holds them in the order they ended).
+fn sort_row(r: &mut lod::SpanRows) {
+    let mut order: Vec<usize> = (0..r.start.len()).collect();
+    order.sort_by_key(|&i| r.start[i]);
+    let take = |v: &Vec<i64>| order.iter().map(|&i| v[i]).collect::<Vec<_>>();
+    r.start = take(&r.start);
+    r.dur = take(&r.dur);
+    r.name = order.iter().map(|&i| r.name[i]).collect();
+    r.step = order.iter().map(|&i| r.step[i]).collect();
+    r.pipeline = order.iter().map(|&i| r.pipeline[i]).collect();
 }
 
 impl TimelineSource for DetailSource {
@@ -62,9 +166,37 @@ impl TimelineSource for DetailSource {
         let (tx, rx) = mpsc::channel();
         let run = self.run.clone();
         std::thread::spawn(move || whole_run(&run, |w| tx.send(w).is_ok()));
+        if self.follow.is_some() {
+            let (tx, rx) = mpsc::channel();
+            let (run, skip) = (self.run.clone(), d.last_parts());
+            std::thread::spawn(move || follow_worker(run, skip, tx));
+            self.follow = Some(rx);
+        }
         self.detail = Some(d);
         self.whole = Some(rx);
         Ok(t)
+    }
+
+    fn follow_in_place(&mut self, t: &mut Timeline) -> anyhow::Result<bool> {
+        let (Some(rx), Some(d)) = (&self.follow, &mut self.detail) else {
+            return Ok(false);
+        };
+        let mut changed = false;
+        while let Ok(f) = rx.try_recv() {
+            let (new, read_ms) = f?;
+            let started = Instant::now();
+            let n = new
+                .ranks
+                .iter()
+                .flat_map(|p| &p.rows)
+                .map(|r| r.start.len())
+                .sum();
+            d.append(t, new);
+            let append_ms = started.elapsed().as_secs_f64() * 1e3;
+            self.last_follow = Some((n, read_ms, append_ms));
+            changed = true;
+        }
+        Ok(changed)
     }
 
     fn reload_if_changed(&mut self) -> anyhow::Result<Option<Timeline>> {
@@ -72,14 +204,16 @@ impl TimelineSource for DetailSource {
     }
 
     fn describe(&self) -> String {
-        format!(
-            "detail levels{}",
-            if self.arrived.is_empty() {
-                String::new()
-            } else {
-                format!(", {}", self.arrived.join(", "))
-            }
-        )
+        let mut s = "detail levels".to_string();
+        if !self.arrived.is_empty() {
+            s.push_str(&format!(", {}", self.arrived.join(", ")));
+        }
+        if let Some((n, read, append)) = self.last_follow {
+            s.push_str(&format!(
+                ", +{n} spans (read {read:.1} ms, appended {append:.1} ms)"
+            ));
+        }
+        s
     }
 
     fn draws_on_demand(&self) -> bool {

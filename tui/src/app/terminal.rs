@@ -200,14 +200,14 @@ fn event_loop(
     let reloads = sources.reloads;
     let mut geometry = Geometry::default();
     let mut dirty = true;
-    let mut next_follow = Instant::now() + FOLLOW_INTERVAL;
     loop {
         if let Some(src) = sources.on_ui.as_deref_mut() {
             if src.poll_whole(timeline) {
                 view.rebuild_rows(timeline);
                 dirty = true;
             }
-            if sources.follow && Instant::now() >= next_follow {
+            // The source reads on a worker of its own: this only takes what it sent.
+            if sources.follow {
                 match src.follow_in_place(timeline) {
                     Ok(true) => {
                         view.on_reload(timeline);
@@ -222,7 +222,6 @@ fn event_loop(
                 if dirty {
                     follow_note = Some(format!("following: {}", src.describe()));
                 }
-                next_follow = Instant::now() + FOLLOW_INTERVAL;
             }
         }
         if dirty {
