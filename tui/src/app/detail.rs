@@ -237,13 +237,7 @@ impl DetailRun {
                 rank,
                 thread: u64::from(thread),
                 thread_ix: *ix,
-                rows: depths
-                    .into_iter()
-                    .map(|depth| SpanRow {
-                        depth: depth.min(u16::from(u8::MAX)) as u8,
-                        ..SpanRow::default()
-                    })
-                    .collect(),
+                rows: depths.into_iter().map(empty_row).collect(),
             });
             *ix += 1;
         }
@@ -402,10 +396,7 @@ impl DetailRun {
                 && let Some(lane) = t.lanes.get_mut(l)
             {
                 for r in &mut lane.rows {
-                    *r = SpanRow {
-                        depth: r.depth,
-                        ..SpanRow::default()
-                    };
+                    *r = empty_row(u16::from(r.depth));
                 }
             }
         }
@@ -467,10 +458,7 @@ impl DetailRun {
                 let off = det.clock_offset_ns;
                 let mut raw = None;
                 for dr in det.rows.iter().filter(|r| r.thread == thread) {
-                    let row = rows.entry(dr.depth).or_insert_with(|| SpanRow {
-                        depth: dr.depth.min(u16::from(u8::MAX)) as u8,
-                        ..SpanRow::default()
-                    });
+                    let row = rows.entry(dr.depth).or_insert_with(|| empty_row(dr.depth));
                     let level = shift
                         .filter(|&s| !dr.spans_are_smaller(s))
                         .and_then(|s| dr.level(s));
@@ -540,10 +528,7 @@ impl DetailRun {
                 .tail
                 .range((rank, thread, 0)..=(rank, thread, u16::MAX))
             {
-                let row = rows.entry(*depth).or_insert_with(|| SpanRow {
-                    depth: (*depth).min(u16::from(u8::MAX)) as u8,
-                    ..SpanRow::default()
-                });
+                let row = rows.entry(*depth).or_insert_with(|| empty_row(*depth));
                 for i in tr.first_ending_after(w.t0)..tr.len() {
                     if tr.start[i] >= w.t1 {
                         break;
@@ -562,10 +547,9 @@ impl DetailRun {
             }
             let lane = &mut t.lanes[l];
             for r in &mut lane.rows {
-                *r = rows.remove(&u16::from(r.depth)).unwrap_or_else(|| SpanRow {
-                    depth: r.depth,
-                    ..SpanRow::default()
-                });
+                *r = rows
+                    .remove(&u16::from(r.depth))
+                    .unwrap_or_else(|| empty_row(u16::from(r.depth)));
             }
             if !rows.is_empty() {
                 // Depths the first and last parts did not have.
@@ -598,10 +582,7 @@ impl DetailRun {
             }
             for r in &part.rows {
                 let key = (rank, r.thread, r.depth);
-                let row = self.tail.entry(key).or_insert_with(|| SpanRow {
-                    depth: r.depth.min(u16::from(u8::MAX)) as u8,
-                    ..SpanRow::default()
-                });
+                let row = self.tail.entry(key).or_insert_with(|| empty_row(r.depth));
                 for i in 0..r.start.len() {
                     let start = r.start[i] - self.origin;
                     let end = start + r.dur[i];
@@ -630,10 +611,7 @@ impl DetailRun {
             // Lanes moved: empty every filled row, the next fill fills what is on screen.
             for lane in &mut t.lanes {
                 for r in &mut lane.rows {
-                    *r = SpanRow {
-                        depth: r.depth,
-                        ..SpanRow::default()
-                    };
+                    *r = empty_row(u16::from(r.depth));
                 }
             }
             self.filled.clear();
@@ -690,6 +668,14 @@ impl DetailRun {
     }
 }
 
+/// A row at `depth` holding nothing (depths past 255 share the last row).
+fn empty_row(depth: u16) -> SpanRow {
+    SpanRow {
+        depth: depth.min(u16::from(u8::MAX)) as u8,
+        ..SpanRow::default()
+    }
+}
+
 /// Extends step `step`'s mark to cover `start..end` (adds it when new).
 fn extend_step(steps: &mut Vec<StepMark>, step: u64, start: Ns, end: Ns) {
     match steps.binary_search_by_key(&step, |s| s.step) {
@@ -737,13 +723,7 @@ fn ensure_row(t: &mut Timeline, rank: u32, thread: u32, depth: u16) -> bool {
         return !lane_there;
     }
     let pos = lane.rows.partition_point(|r| r.depth < depth);
-    lane.rows.insert(
-        pos,
-        SpanRow {
-            depth,
-            ..SpanRow::default()
-        },
-    );
+    lane.rows.insert(pos, empty_row(u16::from(depth)));
     true
 }
 

@@ -24,6 +24,9 @@ use super::view::{Mode, RowRef, Selection, View};
 pub struct Chrome {
     /// `--follow` status, e.g. "following: 12 parts".
     pub follow: Option<String>,
+    /// How long the previous frame took to read what it showed and draw (runs drawn from
+    /// detail levels, where zooming and scrolling read from disk).
+    pub frame_ms: Option<f64>,
 }
 
 /// Where the gantt landed on screen (for mouse hit-testing).
@@ -89,7 +92,7 @@ pub fn draw(f: &mut Frame, t: &Timeline, v: &mut View, chrome: &Chrome) -> Geome
     if panels {
         draw_panels(f, panel, t, v);
     }
-    draw_status(f.buffer_mut(), status, t, v);
+    draw_status(f.buffer_mut(), status, t, v, chrome);
     if v.help {
         draw_help(f, area);
     }
@@ -852,7 +855,7 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
     f.render_widget(table, area);
 }
 
-fn draw_status(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
+fn draw_status(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View, chrome: &Chrome) {
     let style = Style::new().bg(Color::Indexed(236)).fg(Color::White);
     buf.set_style(area, style);
     let left = if let Some(p) = &v.prompt {
@@ -871,6 +874,10 @@ fn draw_status(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
                 .map(|s| format!(" step {}", s.step))
                 .unwrap_or_default()
         )
+    };
+    let left = match chrome.frame_ms {
+        Some(ms) => format!("{left}  frame {ms:.0} ms"),
+        None => left,
     };
     let right =
         " ←→ move  +/- zoom  [ ] step  g jump  f fit  Enter select  c collapse  ? help  q quit ";

@@ -200,6 +200,7 @@ fn event_loop(
     let reloads = sources.reloads;
     let mut geometry = Geometry::default();
     let mut dirty = true;
+    let mut frame_ms = None;
     loop {
         if let Some(src) = sources.on_ui.as_deref_mut() {
             if src.poll_whole(timeline) {
@@ -227,7 +228,9 @@ fn event_loop(
         if dirty {
             let chrome = Chrome {
                 follow: follow_note.clone(),
+                frame_ms,
             };
+            let started = Instant::now();
             // A source drawing from detail levels reads what the view shows; the first draw
             // sizes the view, so a size change draws again.
             for _ in 0..2 {
@@ -241,6 +244,9 @@ fn event_loop(
                 if sources.on_ui.is_none() || before == (view.cols, view.visible_rows) {
                     break;
                 }
+            }
+            if sources.on_ui.is_some() {
+                frame_ms = Some(started.elapsed().as_secs_f64() * 1e3);
             }
             dirty = false;
         }
