@@ -210,6 +210,9 @@ impl PartDetail {
         let mut rows: BTreeMap<(u32, u16), Vec<RowSpan>> = BTreeMap::new();
         let mut steps: BTreeMap<u64, (i64, i64)> = BTreeMap::new();
         let (mut start_ns, mut end_ns) = (i64::MAX, i64::MIN);
+        // Only the names of spans (not of the part's scalars and instants), in order seen.
+        let mut names: Vec<String> = Vec::new();
+        let mut name_ids: HashMap<u32, u32> = HashMap::new();
         for i in 0..n {
             let start = if has_start { s.start_ns[i] } else { 0 };
             let dur = s.dur_ns[i].max(0);
@@ -220,9 +223,13 @@ impl PartDetail {
                 if has_thread { s.thread[i] } else { 0 },
                 if has_depth { s.depth[i] } else { 0 },
             );
+            let name = *name_ids.entry(s.name[i]).or_insert_with(|| {
+                names.push(d.names.get(s.name[i] as usize).cloned().unwrap_or_default());
+                names.len() as u32 - 1
+            });
             rows.entry(key)
                 .or_default()
-                .push((start, dur, s.name[i], step, tags));
+                .push((start, dur, name, step, tags));
             start_ns = start_ns.min(start);
             end_ns = end_ns.max(end);
             if step != NO_STEP {
@@ -272,7 +279,7 @@ impl PartDetail {
             clock_offset_ns: d.info.clock_offset_ns,
             start_ns,
             end_ns,
-            names: d.names.clone(),
+            names,
             tags: d.tags.clone(),
             rows,
             steps: steps.into_iter().map(|(k, (a, b))| (k, a, b)).collect(),

@@ -52,6 +52,11 @@ fn every_part_has_the_detail_levels_a_reader_would_build() {
             .expect("a .lod beside the part");
         assert_eq!(written, built(p, *rank), "{}", p.display());
         assert_eq!(written.rank, *rank);
+        assert!(
+            !written.names.iter().any(|n| n.contains("loss")),
+            "only the names of spans, not of scalars: {:?}",
+            written.names
+        );
         assert!(written.start_ns < written.end_ns);
         spans += written.rows.iter().map(|r| r.spans).sum::<u64>();
         tagged += written.step_tags.len();

@@ -289,8 +289,21 @@ impl TimelineSource for DetailSource {
     }
 }
 
-/// The whole-run results, sent through `send` as each is ready (stops when it returns false).
-fn whole_run(run: &str, send: impl Fn(Whole) -> bool) {
+/// The whole-run results, sent through `send` as each is ready (stops when it returns false),
+/// on all cores but one: the UI thread keeps one for itself, so zooming and scrolling stay
+/// fast while the worker reads the whole run.
+fn whole_run(run: &str, send: impl Fn(Whole) -> bool + Send) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(cores.saturating_sub(1).max(1))
+        .build()
+    {
+        Ok(pool) => pool.install(|| whole_run_here(run, send)),
+        Err(_) => whole_run_here(run, send),
+    }
+}
+
+fn whole_run_here(run: &str, send: impl Fn(Whole) -> bool) {
     match steps(run) {
         Ok((s, n)) => {
             if !send(Whole::Steps(s, n)) {
