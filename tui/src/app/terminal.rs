@@ -235,10 +235,12 @@ fn event_loop(
             // sizes the view, so a size change draws again.
             for _ in 0..2 {
                 let before = (view.cols, view.visible_rows);
-                if let Some(src) = sources.on_ui.as_deref_mut()
-                    && src.focus(timeline, view)
-                {
-                    view.rebuild_rows(timeline);
+                if let Some(src) = sources.on_ui.as_deref_mut() {
+                    let kept = view.selected_span(timeline);
+                    if src.focus(timeline, view) {
+                        view.rebuild_rows(timeline);
+                    }
+                    view.reselect(timeline, kept);
                 }
                 terminal.draw(|f| geometry = render::draw(f, timeline, view, &chrome))?;
                 if sources.on_ui.is_none() || before == (view.cols, view.visible_rows) {
