@@ -184,6 +184,35 @@ pub struct Row<'a> {
     pub pipeline: Option<PipelineSlot>,
 }
 
+impl<'a> Row<'a> {
+    /// A span of thread 0 with no parent, tags, message or pipeline slot.
+    pub fn span(
+        seq: u64,
+        name: &'a str,
+        step: u64,
+        start_ns: i64,
+        dur_ns: i64,
+        depth: u16,
+    ) -> Self {
+        Row {
+            thread: 0,
+            seq,
+            kind: Kind::Span,
+            name,
+            step: Some(step),
+            start_ns,
+            dur_ns: Some(dur_ns),
+            value: None,
+            reduce: None,
+            depth,
+            parent: None,
+            tags: &[],
+            message: None,
+            pipeline: None,
+        }
+    }
+}
+
 /// Accumulates rows of one part as Arrow columns.
 pub struct PartBuilder {
     rows: usize,

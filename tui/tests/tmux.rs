@@ -675,22 +675,8 @@ fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
             ("forward_backward", 1, t0, step_ns / 2),
             ("optimizer", 1, t0 + step_ns / 2, step_ns / 4),
         ] {
-            b.push(&Row {
-                thread: 0,
-                seq: 1_000_000 + k * 3 + depth as u64,
-                kind: titan_obs_core::Kind::Span,
-                name,
-                step: Some(301 + k),
-                start_ns: start,
-                dur_ns: Some(dur),
-                value: None,
-                reduce: None,
-                depth,
-                parent: None,
-                tags: &[],
-                message: None,
-                pipeline: None,
-            });
+            let seq = 1_000_000 + k * 3 + depth as u64;
+            b.push(&Row::span(seq, name, 301 + k, start, dur, depth));
         }
         journal.append(&b.finish(&header).unwrap()).unwrap();
     }

@@ -433,12 +433,7 @@ impl DetailRun {
         }
         self.read_details(&wanted, t);
         let mut reshaped = false;
-        let mut tagsets: HashMap<Vec<u16>, u16> = t
-            .tagsets
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.clone(), i as u16))
-            .collect();
+        let mut tagsets = tagset_ids(t);
         for &l in lanes {
             let Some(lane) = t.lanes.get(l) else { continue };
             let (rank, thread) = (lane.rank, lane.thread as u32);
@@ -568,12 +563,7 @@ impl DetailRun {
     pub fn append(&mut self, t: &mut Timeline, new: Appended) -> bool {
         let names = self.names.map(&new.names);
         let tag_ids = self.tags.map(&new.tags);
-        let mut tagsets: HashMap<Vec<u16>, u16> = t
-            .tagsets
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.clone(), i as u16))
-            .collect();
+        let mut tagsets = tagset_ids(t);
         let mut reshaped = false;
         for part in new.ranks {
             let rank = part.rank;
@@ -739,6 +729,15 @@ fn first_ending_after(r: &lod::SpanRows, t: i64) -> usize {
         }
     }
     lo
+}
+
+/// The timeline's tag sets by their tags, for [`tagset_of`].
+fn tagset_ids(t: &Timeline) -> HashMap<Vec<u16>, u16> {
+    t.tagsets
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.clone(), i as u16))
+        .collect()
 }
 
 /// The timeline's tag set id of a mask over a part's tags (`ids`: their run-wide ids).
