@@ -106,7 +106,7 @@ pub struct DetailRun {
     pub end: i64,
     /// Spans in the run, from the rows' counts of the parts read.
     spans_seen: u64,
-    /// What was last filled: (window, ncols, lanes, reads); equal requests are not redone.
+    /// What was last filled: (window, columns, lanes); an equal request is not redone.
     last: Option<(Window, usize, Vec<usize>)>,
     /// `--follow`: the spans appended since the run was opened (journals, later parts), by
     /// (rank, thread, depth), relative to the origin; drawn after the parts listed at open.

@@ -43,8 +43,10 @@ pub struct DetailSource {
     whole: Option<Receiver<Whole>>,
     /// Which whole-run results have arrived (for the status line).
     arrived: Vec<&'static str>,
-    /// `--follow`: what the follow worker read, refresh after refresh.
-    follow: Option<Receiver<Followed>>,
+    /// `--follow`: start the follow worker when the run is open.
+    follow: bool,
+    /// What the follow worker read, refresh after refresh.
+    followed: Option<Receiver<Followed>>,
     /// The last refresh: spans appended, the worker's read and this thread's append (ms).
     last_follow: Option<(usize, f64, f64)>,
 }
@@ -60,7 +62,8 @@ impl DetailSource {
             detail: None,
             whole: None,
             arrived: Vec::new(),
-            follow: follow.then(|| mpsc::channel().1),
+            follow,
+            followed: None,
             last_follow: None,
         }
     }
@@ -166,11 +169,11 @@ impl TimelineSource for DetailSource {
         let (tx, rx) = mpsc::channel();
         let run = self.run.clone();
         std::thread::spawn(move || whole_run(&run, |w| tx.send(w).is_ok()));
-        if self.follow.is_some() {
+        if self.follow {
             let (tx, rx) = mpsc::channel();
             let (run, skip) = (self.run.clone(), d.last_parts());
             std::thread::spawn(move || follow_worker(run, skip, tx));
-            self.follow = Some(rx);
+            self.followed = Some(rx);
         }
         self.detail = Some(d);
         self.whole = Some(rx);
@@ -178,7 +181,7 @@ impl TimelineSource for DetailSource {
     }
 
     fn follow_in_place(&mut self, t: &mut Timeline) -> anyhow::Result<bool> {
-        let (Some(rx), Some(d)) = (&self.follow, &mut self.detail) else {
+        let (Some(rx), Some(d)) = (&self.followed, &mut self.detail) else {
             return Ok(false);
         };
         let mut changed = false;
