@@ -183,7 +183,8 @@ fn level_of(spans: &[RowSpan], shift: u32) -> Option<Level> {
             return None;
         }
         for b in first..=last {
-            let (a, z) = (b << shift, (b << shift) + width);
+            // Saturating: a damaged start near i64::MAX must not overflow.
+            let (a, z) = (b << shift, (b << shift).saturating_add(width));
             let overlap = end.min(z) - start.max(a);
             acc.entry(b)
                 .or_default()

@@ -459,19 +459,20 @@ impl DetailRun {
                         .and_then(|s| dr.level(s));
                     if let Some(level) = level {
                         let width = 1i64 << level.shift;
-                        let lo = level
-                            .buckets
-                            .partition_point(|b| (b.index << level.shift) + width + off <= a);
+                        let lo = level.buckets.partition_point(|b| {
+                            (b.index << level.shift).saturating_add(width.saturating_add(off)) <= a
+                        });
                         for b in &level.buckets[lo..] {
-                            let start = (b.index << level.shift) + off;
+                            let start = (b.index << level.shift).saturating_add(off);
                             if start >= z {
                                 break;
                             }
                             let tagset = tagset_of(b.tags, &tag_ids, &mut tagsets, t);
+                            let rel = start.saturating_sub(self.origin);
                             push(
                                 row,
-                                start - self.origin,
-                                start - self.origin + b.covered_ns.clamp(1, width),
+                                rel,
+                                rel.saturating_add(b.covered_ns.clamp(1, width)),
                                 names[b.phase as usize] as u16,
                                 b.longest_step,
                                 tagset,
