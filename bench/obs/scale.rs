@@ -8,6 +8,8 @@
 //!   obs_scale follow RUN RANKS RUNS           open journals on every rank, then time refreshes
 //!                                             after one flush of every rank (the first lists
 //!                                             every rank directory again: they just changed)
+//!   obs_scale append RUN RANKS RUNS EVERY_S   open journals on every rank and append one flush
+//!                                             to each every EVERY_S seconds (a TUI follows)
 //!
 //! The simulated job: a step every STEP_S seconds, SPANS spans and 2 scalars per step per
 //! rank (forward_backward of rank 17 is 1.3x slower), flush every 2 s, rotate every 600 s
@@ -227,13 +229,8 @@ fn load(run: &str, runs: usize) -> Result<()> {
     Ok(())
 }
 
-/// Opens a journal on every rank after its last part, reads the run, then appends one flush
-/// (the records of FLUSH_S seconds) to every journal and times each refresh.
-fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
-    let location = Location::parse(run)?;
-    let Location::Local(dir) = &location else {
-        bail!("follow runs on a local run");
-    };
+/// An open journal on every rank, after its last part.
+fn open_journals(location: &Location, ranks: u32) -> Result<Vec<(JournalWriter, PartHeader)>> {
     let mut journals = Vec::new();
     for rank in 0..ranks {
         let sink = PartSink::new(location.clone(), rank)?;
@@ -241,36 +238,31 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
         let h = header(rank, ranks);
         journals.push((JournalWriter::create(sink.journal_dir(), index, &h)?, h));
     }
-    let opts = ReadOptions::default();
-    let mut reader = PartsReader::open(run)?;
-    let t = Instant::now();
-    reader.refresh(&opts)?;
-    let open_s = t.elapsed().as_secs_f64();
-    let mut times = Vec::new();
-    let mut last = Default::default();
-    let mut dirs_read = Vec::new();
+    Ok(journals)
+}
+
+/// Appends one flush to every journal: about FLUSH_S / STEP_S of a step's records (at least
+/// one per rank) of step 1 000 000 + `i`.
+fn append_flush(
+    journals: &mut [(JournalWriter, PartHeader)],
+    i: usize,
+    seq: &mut u64,
+) -> Result<()> {
     let mut builder = PartBuilder::new();
-    let mut seq = 1u64 << 40;
-    for i in 0..runs {
-        // One flush: about FLUSH_S / STEP_S of a step's records, at least one per rank.
-        for (rank, (j, h)) in journals.iter_mut().enumerate() {
-            let mut recs = Vec::new();
-            step_records(rank as u32, 1_000_000 + i as u64, &mut seq, &mut recs);
-            let n = ((recs.len() as f64 * FLUSH_S / STEP_S).ceil() as usize).max(1);
-            for r in &recs[..n] {
-                push(&mut builder, r);
-            }
-            j.append(&builder.finish(h)?)?;
+    for (rank, (j, h)) in journals.iter_mut().enumerate() {
+        let mut recs = Vec::new();
+        step_records(rank as u32, 1_000_000 + i as u64, seq, &mut recs);
+        let n = ((recs.len() as f64 * FLUSH_S / STEP_S).ceil() as usize).max(1);
+        for r in &recs[..n] {
+            push(&mut builder, r);
         }
-        let t = Instant::now();
-        reader.refresh(&opts)?;
-        times.push(t.elapsed().as_secs_f64());
-        last = reader.last();
-        dirs_read.push(reader.dirs_read());
+        j.append(&builder.finish(h)?)?;
     }
-    let rows = reader.run().report.rows_read;
-    drop(journals);
-    // Leave the run as it was.
+    Ok(())
+}
+
+/// Removes the journals [`open_journals`] made: leaves the run as it was.
+fn remove_journals(dir: &std::path::Path, ranks: u32) -> Result<()> {
     for rank in 0..ranks {
         for e in std::fs::read_dir(dir.join(format!("obs/rank-{rank}")))? {
             let p = e?.path();
@@ -279,6 +271,42 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+fn local_dir(location: &Location) -> Result<std::path::PathBuf> {
+    match location {
+        Location::Local(dir) => Ok(dir.clone()),
+        _ => bail!("follow runs on a local run"),
+    }
+}
+
+/// Opens a journal on every rank after its last part, reads the run, then appends one flush
+/// (the records of FLUSH_S seconds) to every journal and times each refresh.
+fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
+    let location = Location::parse(run)?;
+    let dir = local_dir(&location)?;
+    let mut journals = open_journals(&location, ranks)?;
+    let opts = ReadOptions::default();
+    let mut reader = PartsReader::open(run)?;
+    let t = Instant::now();
+    reader.refresh(&opts)?;
+    let open_s = t.elapsed().as_secs_f64();
+    let mut times = Vec::new();
+    let mut last = Default::default();
+    let mut dirs_read = Vec::new();
+    let mut seq = 1u64 << 40;
+    for i in 0..runs {
+        append_flush(&mut journals, i, &mut seq)?;
+        let t = Instant::now();
+        reader.refresh(&opts)?;
+        times.push(t.elapsed().as_secs_f64());
+        last = reader.last();
+        dirs_read.push(reader.dirs_read());
+    }
+    let rows = reader.run().report.rows_read;
+    drop(journals);
+    remove_journals(&dir, ranks)?;
     println!(
         "{{\"follow_open_s\":{open_s:.3},\"refresh_s\":{:.4},\"runs\":{runs},\"all\":{times:?},\"last\":{{\"bytes\":{},\"journal_batches\":{},\"parts_decoded\":{},\"rows\":{}}},\"rank_dirs_read\":{dirs_read:?},\"rows_in_run\":{rows}}}",
         median(times.clone()),
@@ -288,6 +316,24 @@ fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
         last.rows
     );
     Ok(())
+}
+
+/// For a viewer following the run (the TUI with `--follow`): opens a journal on every rank,
+/// appends one flush to every journal every `every_s` seconds, `runs` times, then removes
+/// the journals.
+fn append(run: &str, ranks: u32, runs: usize, every_s: f64) -> Result<()> {
+    let location = Location::parse(run)?;
+    let dir = local_dir(&location)?;
+    let mut journals = open_journals(&location, ranks)?;
+    let mut seq = 1u64 << 41;
+    for i in 0..runs {
+        std::thread::sleep(std::time::Duration::from_secs_f64(every_s));
+        append_flush(&mut journals, i, &mut seq)?;
+        println!("{{\"appended\":{i}}}");
+    }
+    std::thread::sleep(std::time::Duration::from_secs_f64(every_s));
+    drop(journals);
+    remove_journals(&dir, ranks)
 }
 
 fn main() -> Result<()> {
@@ -304,6 +350,12 @@ fn main() -> Result<()> {
         "gen" => gen_run(arg(1)?, arg(2)?, arg(3)?.parse()?, arg(4)?.parse()?),
         "load" => load(arg(1)?, arg(2)?.parse()?),
         "follow" => follow(arg(1)?, arg(2)?.parse()?, arg(3)?.parse()?),
+        "append" => append(
+            arg(1)?,
+            arg(2)?.parse()?,
+            arg(3)?.parse()?,
+            arg(4)?.parse()?,
+        ),
         other => bail!("unknown command `{other}`"),
     }
 }

@@ -16,6 +16,10 @@
 #
 # Environment: OBS_SCALE_DIR (default /tmp/titan-obs-scale), RANKS (1024), HOURS ("1 6 24"),
 # PROFILE (release; dev: see below), SUMMARY_ONLY (0; 1: only the files and the three summaries, no load/TUI/follow),
+# TUI_ONLY (0; 1: only the TUI: its first frame, a jump to a step then a zoom to a one-minute
+# window (its `frame N ms`), and `--follow` while every rank appends: refresh read/append and
+# key latency), TUI_ARGS (more arguments for the TUI, e.g. `--detail-levels always` on a run
+# too small for `auto`),
 # FOLLOW_RUNS (5: follow refreshes timed; the first re-lists every rank directory),
 # OLD_RANKS (16) and OLD_HOURS (2): the previous layout is generated at OLD_RANKS x OLD_HOURS
 # only (1024 x 24 h of it would be 35 M files), next to the journal layout of the same size.
@@ -29,6 +33,8 @@ OLD_RANKS=${OLD_RANKS:-16}
 OLD_HOURS=${OLD_HOURS:-2}
 FOLLOW_RUNS=${FOLLOW_RUNS:-5}
 SUMMARY_ONLY=${SUMMARY_ONLY:-0}
+TUI_ONLY=${TUI_ONLY:-0}
+TUI_ARGS=${TUI_ARGS:-}
 TARGET=${CARGO_TARGET_DIR:-target}
 # PROFILE=dev: the dev profile's build (dependencies at opt-level 2, titan's crates at 1), for
 # a machine where a release build of the dependencies does not fit the time at hand.
@@ -58,7 +64,7 @@ tui_open() {
     local t0 t1
     t0=$(date +%s.%N)
     tmux new-session -d -s "$session" -x 160 -y 50 \
-      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run"
+      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run $TUI_ARGS"
     until tmux capture-pane -p -t "$session" 2>/dev/null |
       awk '/ranks, .* lanes/ {h = 1} /forward_backward/ {g = 1} END {exit !(h && g)}'; do
       sleep 0.05
@@ -77,6 +83,67 @@ tui_open() {
   json_line "$label" "${opens[*]}" "$(printf '%s\n' "${rss[@]}" | maximum)"
 }
 
+# tui_zoom LABEL RUN: opens the TUI, then RUNS times jumps from the whole run to a step (`g N`,
+# a ~30 s window: what it shows is read then) and zooms out once (`-`, a ~1 min window); the
+# TUI's own `frame N ms` (reading what the frame shows, and drawing it) of each, medians.
+tui_zoom() {
+  local label=$1 run=$2 session=titan-obs-zoom-$$ jumps=() zooms=()
+  tmux new-session -d -s "$session" -x 160 -y 50 "TERM=xterm-256color $BIN $run $TUI_ARGS"
+  until tmux capture-pane -p -t "$session" | grep -q 'frame [0-9]* ms'; do sleep 0.1; done
+  frame_after() {  # frame_after KEYS...: sends KEYS, waits for the window to change, then
+    # moves the cursor one cell (no read) so the status shows the frame the keys drew.
+    local before
+    before=$(tmux capture-pane -p -t "$session" | grep -oE ' window [^)]*\)')
+    tmux send-keys -t "$session" "$@"
+    until [ "$(tmux capture-pane -p -t "$session" | grep -oE ' window [^)]*\)')" != "$before" ]; do
+      sleep 0.05
+    done
+    sleep 0.3
+    tmux send-keys -t "$session" l
+    sleep 0.3
+    tmux capture-pane -p -t "$session" | grep -oE 'frame [0-9]+ ms' | grep -oE '[0-9]+'
+  }
+  for i in $(seq "$RUNS"); do
+    tmux send-keys -t "$session" f
+    sleep 0.5
+    jumps+=("$(frame_after g $((i * 700)) Enter)")
+    zooms+=("$(frame_after -)")
+  done
+  tmux send-keys -t "$session" q
+  tmux kill-session -t "$session" 2>/dev/null || true
+  echo "{\"measure\":\"$label\",\"jump_to_step_ms\":$(printf '%s\n' "${jumps[@]}" | median),\"zoom_to_1min_ms\":$(printf '%s\n' "${zooms[@]}" | median),\"all_jumps\":\"${jumps[*]}\",\"all_zooms\":\"${zooms[*]}\"}"
+}
+
+# tui_follow LABEL RUN RANKS: the TUI with --follow while every rank appends one flush to its
+# journal every second, FOLLOW_RUNS times: each refresh's read (worker) and append (UI
+# thread) from its status line, and how fast `?` is answered meanwhile (help on screen).
+tui_follow() {
+  local label=$1 run=$2 ranks=$3 session=titan-obs-follow-$$ reads=() appends=() keys=()
+  tmux new-session -d -s "$session" -x 160 -y 50 "TERM=xterm-256color $BIN $run --follow $TUI_ARGS"
+  until tmux capture-pane -p -t "$session" | grep -q 'following'; do sleep 0.1; done
+  "$SCALE" append "$run" "$ranks" "$FOLLOW_RUNS" 1 > "$DIR/append.out" &
+  local writer=$! last=""
+  while kill -0 "$writer" 2>/dev/null; do
+    local t0 t1 status
+    t0=$(date +%s.%N)
+    tmux send-keys -t "$session" '?'
+    until tmux capture-pane -p -t "$session" | grep -q "keys (? or Esc closes)"; do sleep 0.005; done
+    t1=$(date +%s.%N)
+    tmux send-keys -t "$session" Escape
+    keys+=("$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.0f", (b - a) * 1000}')")
+    status=$(tmux capture-pane -p -t "$session" | head -1 | grep -oE 'read [0-9.]+ ms, appended [0-9.]+ ms' || true)
+    if [ -n "$status" ] && [ "$status" != "$last" ]; then
+      last=$status
+      reads+=("$(echo "$status" | awk '{print $2}')")
+      appends+=("$(echo "$status" | awk '{print $5}')")
+    fi
+    sleep 0.2
+  done
+  tmux send-keys -t "$session" q
+  tmux kill-session -t "$session" 2>/dev/null || true
+  echo "{\"measure\":\"$label\",\"refreshes_seen\":${#reads[@]},\"read_ms\":$(printf '%s\n' "${reads[@]}" | median),\"append_ms\":$(printf '%s\n' "${appends[@]}" | median),\"key_ms\":$(printf '%s\n' "${keys[@]}" | median),\"key_max_ms\":$(printf '%s\n' "${keys[@]}" | maximum),\"all_reads\":\"${reads[*]}\",\"all_appends\":\"${appends[*]}\"}"
+}
+
 describe() {
   echo "{\"run\":\"$1\",\"files\":$(find "$1/obs" -type f | wc -l),\"bytes\":$(du -sb "$1/obs" | cut -f1)}"
 }
@@ -85,6 +152,12 @@ one() {  # one LAYOUT RANKS HOURS
   local run=$DIR/$1-$2x$3h
   [ -d "$run/obs" ] || "$SCALE" gen "$run" "$1" "$2" "$3"
   describe "$run"
+  if [ "$TUI_ONLY" = 1 ]; then
+    tui_open "tui open $1 $2x$3h" "$run"
+    tui_zoom "tui zoom $1 $2x$3h" "$run"
+    tui_follow "tui follow $1 $2x$3h" "$run" "$2"
+    return
+  fi
   # The summary from the per-part summaries (the default), from every span (--exact: what
   # `summary` did before), and the first open of a run written without them (they are
   # built and cached next to the parts, then the summary is the first line's).

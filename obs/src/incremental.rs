@@ -4,7 +4,7 @@
 //! that got compacted into its part is not read twice: the part's first rows (those the
 //! journal already gave) are skipped.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
@@ -207,6 +207,17 @@ impl PartsReader {
             total: ReadCounters::default(),
             last_dirs_read: 0,
         })
+    }
+
+    /// Marks parts `0..=last` of each rank as read without reading them: refreshes then
+    /// read only the journals and the parts after those (a viewer that draws the parts it
+    /// listed from their detail levels, and follows what is appended).
+    pub fn skip_parts_through(&mut self, last: &BTreeMap<u32, u64>) {
+        for (&rank, &n) in last {
+            for index in 0..=n {
+                self.seen.insert((rank, index), Seen::Part);
+            }
+        }
     }
 
     /// Reads what is new since the last refresh. `at_end`: the writers are done, so bytes

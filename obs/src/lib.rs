@@ -60,6 +60,7 @@ pub mod ingest;
 mod ipc_check;
 pub mod journal;
 pub mod location;
+pub mod lod;
 pub mod part;
 pub mod read;
 mod record;
@@ -68,6 +69,7 @@ mod ring;
 mod run;
 pub mod runs;
 pub mod schema;
+mod sidecar;
 pub mod synth;
 pub mod vocab;
 

@@ -184,6 +184,35 @@ pub struct Row<'a> {
     pub pipeline: Option<PipelineSlot>,
 }
 
+impl<'a> Row<'a> {
+    /// A span of thread 0 with no parent, tags, message or pipeline slot.
+    pub fn span(
+        seq: u64,
+        name: &'a str,
+        step: u64,
+        start_ns: i64,
+        dur_ns: i64,
+        depth: u16,
+    ) -> Self {
+        Row {
+            thread: 0,
+            seq,
+            kind: Kind::Span,
+            name,
+            step: Some(step),
+            start_ns,
+            dur_ns: Some(dur_ns),
+            value: None,
+            reduce: None,
+            depth,
+            parent: None,
+            tags: &[],
+            message: None,
+            pipeline: None,
+        }
+    }
+}
+
 /// Accumulates rows of one part as Arrow columns.
 pub struct PartBuilder {
     rows: usize,
@@ -531,34 +560,50 @@ impl PartSink {
     }
 
     /// Writes part `index` atomically, then its summary (`part-<N>.summary`, see
-    /// [`crate::digest`]); returns where the part went. A summary that cannot be made or
-    /// written is only logged: readers summarise a part without one themselves.
+    /// [`crate::digest`]) and detail levels (`part-<N>.lod`, see [`crate::lod`]); returns
+    /// where the part went. A summary or detail file that cannot be made or written is only
+    /// logged: readers build what is missing themselves.
     pub fn put(&self, index: u64, bytes: Vec<u8>) -> Result<String> {
         let bytes = bytes::Bytes::from(bytes);
         let at = self.put_part(index, bytes.clone())?;
-        if let Err(e) = self.put_summary(index, bytes) {
+        if let Err(e) = self.put_summary(index, bytes.clone()) {
             tracing::warn!("no summary written for {at}: {e:#}");
         }
+        if let Err(e) = self.put_detail(index, bytes) {
+            tracing::warn!("no detail levels written for {at}: {e:#}");
+        }
         Ok(at)
+    }
+
+    /// Writes part `index`'s detail levels (`part-<N>.lod`, see [`crate::lod`]).
+    fn put_detail(&self, index: u64, part: bytes::Bytes) -> Result<()> {
+        let len = part.len() as u64;
+        let detail = crate::lod::PartDetail::of_part(part, self.rank)?;
+        let body = crate::lod::encode(&detail, len);
+        self.put_beside(&crate::lod::detail_file_name(index), body)
     }
 
     fn put_summary(&self, index: u64, part: bytes::Bytes) -> Result<()> {
         let len = part.len() as u64;
         let data = crate::decode::decode_part(part, self.rank, crate::digest::COLUMNS, 0)?;
         let digest = crate::digest::PartDigest::of_data(&data);
+        let body = crate::digest::encode(&digest, len)?;
+        self.put_beside(&crate::digest::summary_file_name(index), body)
+    }
+
+    /// Writes a file beside this rank's parts: atomically in a local folder, in one PUT to
+    /// an object store.
+    fn put_beside(&self, name: &str, body: Vec<u8>) -> Result<()> {
         match &self.location {
             Location::Local(run) => {
-                let part = rank_dir(run, self.rank).join(part_file_name(index));
-                crate::digest::write_local(&part, len, &digest)
+                crate::sidecar::write_atomic(&rank_dir(run, self.rank).join(name), &body)
             }
             Location::Object { store, base, .. } => {
-                let name = crate::digest::summary_file_name(index);
                 let path = base
                     .clone()
                     .join("obs")
                     .join(format!("rank-{}", self.rank))
-                    .join(name.as_str());
-                let body = crate::digest::encode(&digest, len)?;
+                    .join(name);
                 titan_storage::runtime()
                     .block_on(store.put(&path, body.into()))
                     .with_context(|| format!("uploading {path}"))?;

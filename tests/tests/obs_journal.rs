@@ -168,7 +168,11 @@ fn a_short_run_leaves_one_part_per_rank() {
     for r in 0..2 {
         assert_eq!(
             files(&run.join(format!("obs/rank-{r}"))),
-            ["part-000000.parquet", "part-000000.summary"]
+            [
+                "part-000000.lod",
+                "part-000000.parquet",
+                "part-000000.summary"
+            ]
         );
     }
     let loaded = load(&run);
@@ -288,8 +292,10 @@ fn kill_9_keeps_every_flushed_batch_and_the_next_process_compacts_it() {
     assert_eq!(
         files(&rank_dir),
         [
+            "part-000000.lod",
             "part-000000.parquet",
             "part-000000.summary",
+            "part-000001.lod",
             "part-000001.parquet",
             "part-000001.summary"
         ]
@@ -533,8 +539,8 @@ fn old_layout_parts_and_a_journal_load_together() {
         ..Default::default()
     };
     let stats = titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
-    // 10 parts, each with its summary.
-    assert_eq!(files(&run.join("obs/rank-0")).len(), 20);
+    // 10 parts, each with its summary and detail levels.
+    assert_eq!(files(&run.join("obs/rank-0")).len(), 30);
     let old = load(&run);
     assert!(old.report.is_complete());
     assert_eq!(old.spans.len() as u64, stats.spans);

@@ -73,7 +73,10 @@ impl Tmux {
             have.is_ok_and(|o| o.status.success()),
             "tmux is required for this test: apt-get install -y tmux (scripts/setup.sh installs it)"
         );
-        let socket = format!("titan-tui-test-{}-{}", std::process::id(), width);
+        // One server per test: tests run in parallel, whatever their sizes.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let socket = format!("titan-tui-test-{}-{n}", std::process::id());
         let t = Tmux { socket };
         let out = t.run(&[
             "new-session",
@@ -503,4 +506,202 @@ fn chrome_export_carries_the_waits() {
     for (rank, w) in waited {
         assert_eq!(w > 0, rank != 1, "rank {rank} waited {w} ns");
     }
+}
+
+/// A longer run (4 ranks x `steps` steps of ~61 ms: 3000 are 4.4 simulated minutes in 30
+/// parts per rank) for the gantt drawn from detail levels.
+fn long_run(dir: &Path, steps: u32) -> PathBuf {
+    let run = dir.join("long");
+    synth(
+        &run,
+        4,
+        steps,
+        &[
+            "--steps-per-part",
+            "100",
+            "--straggler",
+            "2:forward_backward:1.5",
+        ],
+    );
+    run
+}
+
+/// The details panel's first line (what is under the cursor or selected).
+fn details_line(screen: &str) -> String {
+    screen
+        .lines()
+        .find(|l| l.contains("under cursor: ") || l.contains("selected: "))
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The lane rows of rank `r` (its label row and its depth rows) hold bars.
+fn lane_has_bars(screen: &str, r: u32) -> bool {
+    let label = format!(" r{r} ");
+    screen
+        .lines()
+        .skip_while(|l| !l.starts_with(&label) && !l.starts_with(&format!("▶r{r} ")))
+        .take(4)
+        .any(|l| l.contains('█'))
+}
+
+#[test]
+fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = long_run(dir.path(), 3000);
+    // Rank 3's first detail file is damaged: named, and its part drawn from its spans.
+    let damaged = run.join("obs/rank-3/part-000000.lod");
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    let at = bytes.len() - 3;
+    bytes[at] ^= 0x20;
+    std::fs::write(&damaged, &bytes).unwrap();
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
+    let cmd = format!(
+        "TERM=xterm-256color {} {} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
+        shell_quote(&bin),
+        shell_quote(&run)
+    );
+    let tmux = Tmux::start(&cmd, 160, 50);
+
+    // First frame: every rank's lanes hold bars, the whole run is in the window, and what is
+    // under the cursor is a bucket of a detail level, not a span.
+    let s = tmux.wait_for("the gantt", |s| {
+        s.contains("4 ranks") && s.contains("forward_backward") && lane_has_bars(s, 3)
+    });
+    for r in 0..4 {
+        assert!(lane_has_bars(&s, r), "rank {r} has no bars:\n{s}");
+    }
+    assert!(status_line(&s).contains("(4m"), "the whole run:\n{s}");
+    assert!(details_line(&s).contains("detail level's"), "{s}");
+    assert!(
+        s.contains("part-000000.lod is damaged"),
+        "the damaged detail file is named:\n{s}"
+    );
+    // The whole run's steps, summary and metrics arrive from the worker.
+    let s = tmux.wait_for("the summary and metrics", |s| {
+        s.contains("p95") && s.contains("step 3000")
+    });
+    assert!(s.contains("waiting on r2"), "{s}");
+
+    // Zoom in ten times (1/1024 of the run, ~1 s): past the finest level, the spans.
+    for _ in 0..10 {
+        tmux.keys(&["+"]);
+    }
+    let s = tmux.wait_for("spans", |s| {
+        let d = details_line(s);
+        d.contains("under cursor: ") && !d.contains("detail level's")
+    });
+    assert!(details_line(&s).contains("duration"), "{s}");
+    assert!(
+        status_line(&s).contains("ms)") || status_line(&s).contains("s)"),
+        "{s}"
+    );
+    for r in 0..4 {
+        assert!(
+            lane_has_bars(&s, r),
+            "rank {r} has no spans zoomed in:\n{s}"
+        );
+    }
+    // The step labels are there at this zoom too.
+    assert!(s.contains("│1"), "{s}");
+
+    // Zoom out ten times: buckets again (2^30 ns is finer than a cell).
+    for _ in 0..10 {
+        tmux.keys(&["-"]);
+    }
+    let s = tmux.wait_for("buckets", |s| details_line(s).contains("detail level's"));
+    for r in 0..4 {
+        assert!(
+            lane_has_bars(&s, r),
+            "rank {r} has no bars zoomed out:\n{s}"
+        );
+    }
+    // Fit: the whole run again.
+    tmux.keys(&["f"]);
+    let s = tmux.wait_for("fit", |s| status_line(s).contains("(4m"));
+    assert!(lane_has_bars(&s, 0), "{s}");
+
+    tmux.keys(&["q"]);
+    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+}
+
+#[test]
+fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
+    use titan_obs_core::journal::JournalWriter;
+    use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+    let dir = tempfile::tempdir().unwrap();
+    let run = long_run(dir.path(), 300);
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
+    let cmd = format!(
+        "TERM=xterm-256color {} {} --detail-levels always --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
+        shell_quote(&bin),
+        shell_quote(&run)
+    );
+    let tmux = Tmux::start(&cmd, 160, 50);
+    let s = tmux.wait_for("the gantt and the whole run", |s| {
+        s.contains("300 steps") && s.contains("metrics") && lane_has_bars(s, 1)
+    });
+    assert!(s.contains("following: detail levels"), "{s}");
+    let before = status_line(&s);
+
+    // Rank 1 starts a journal after its parts and appends 20 steps, one batch per step.
+    let loaded = titan_obs_core::load(run.to_str().unwrap(), &Default::default()).unwrap();
+    let info = &loaded.ranks[&1];
+    let end = (0..loaded.spans.len())
+        .map(|i| loaded.spans.start_ns[i] + loaded.spans.dur_ns[i])
+        .max()
+        .unwrap();
+    let header = PartHeader {
+        run_id: info.run_id.clone(),
+        source: info.source.clone(),
+        host: info.host.clone(),
+        rank: 1,
+        local_rank: info.local_rank,
+        world_size: info.world_size,
+        pid: info.pid,
+        clock_offset_ns: 0,
+        threads: info.threads.clone(),
+        run_metadata: info.run_metadata.clone(),
+    };
+    let rank_dir = run.join("obs/rank-1");
+    let mut journal = JournalWriter::create(&rank_dir, 3, &header).unwrap();
+    let step_ns = 2_000_000_000i64;
+    for k in 0..20u64 {
+        let mut b = PartBuilder::new();
+        let t0 = end + k as i64 * step_ns;
+        for (name, depth, start, dur) in [
+            ("step", 0, t0, step_ns - 1000),
+            ("forward_backward", 1, t0, step_ns / 2),
+            ("optimizer", 1, t0 + step_ns / 2, step_ns / 4),
+        ] {
+            let seq = 1_000_000 + k * 3 + depth as u64;
+            b.push(&Row::span(seq, name, 301 + k, start, dur, depth));
+        }
+        journal.append(&b.finish(&header).unwrap()).unwrap();
+    }
+    // Appended: the run has 20 more steps, its window grew (it showed the whole run), and
+    // the status says what the refresh read and appended.
+    let s = tmux.wait_for("the appended steps", |s| s.contains("+60 spans"));
+    assert!(
+        s.contains("│320"),
+        "the last appended step on the step row:\n{s}"
+    );
+    assert!(s.contains("appended"), "{s}");
+    assert_ne!(
+        status_line(&s),
+        before,
+        "the window follows the run's end:\n{s}"
+    );
+
+    // Jump to an appended step: rank 1 has its spans there, rank 0 none.
+    tmux.keys(&["g", "310", "Enter"]);
+    let s = tmux.wait_for("step 310", |s| status_line(s).contains("step 310"));
+    assert!(lane_has_bars(&s, 1), "rank 1's appended spans:\n{s}");
+    assert!(!lane_has_bars(&s, 0), "rank 0 recorded nothing there:\n{s}");
+
+    tmux.keys(&["q"]);
+    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+    drop(journal);
 }

@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::Args;
 
+use super::detail_source::DetailSource;
 use super::export::{self, GanttImageOptions, MAX_IMAGE_ROWS};
-use super::source::RunSource;
+use super::source::{RunSource, title_of};
 use super::terminal::{self, TimelineSource};
 use crate::conventions::{FAILED, INCOMPLETE, OK, TITAN_OBS, USAGE};
 
@@ -22,6 +23,36 @@ pub struct OpenArgs {
     /// titan-train in one dump folder is a run of its own). Default: the newest.
     #[arg(long = "run", value_name = "ID")]
     pub run_id: Option<String>,
+    /// Draw from the parts' detail levels (`part-<N>.lod`), reading only what is on screen:
+    /// `auto` does for local titan runs whose parts hold 32 MB or more (without --run).
+    #[arg(long, value_enum, default_value_t = DetailLevels::Auto, value_name = "WHEN")]
+    pub detail_levels: DetailLevels,
+}
+
+/// When the interactive view draws from detail levels instead of loading every span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DetailLevels {
+    Auto,
+    Always,
+    Never,
+}
+
+/// Parts of at least this many bytes in all are drawn from detail levels (`--detail-levels
+/// auto`): loading every span of them takes seconds.
+const DETAIL_LEVELS_FROM: u64 = 32 << 20;
+
+/// Whether `titan-obs RUN` draws `run` from its detail levels.
+fn use_detail_levels(run: &str, args: &OpenArgs, titan: bool) -> bool {
+    if !titan || args.run_id.is_some() || run.contains("://") {
+        return false;
+    }
+    match args.detail_levels {
+        DetailLevels::Never => false,
+        DetailLevels::Always => true,
+        DetailLevels::Auto => {
+            super::detail::run_bytes(run).is_some_and(|b| b >= DETAIL_LEVELS_FROM)
+        }
+    }
 }
 
 /// `titan-obs gantt RUN --svg OUT.svg [--png OUT.png]`: a static gantt for reports and PRs.
@@ -97,8 +128,13 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         eprint!("{}", terminal::no_terminal_message());
         return USAGE.as_i32();
     }
-    let source = RunSource::with_follow(run, args.follow).showing_run(args.run_id.clone());
-    match terminal::run(Box::new(source), args.follow) {
+    let titan = matches!(detected, Ok(titan_obs_core::ingest::Detected::Titan));
+    let source: Box<dyn TimelineSource + Send> = if use_detail_levels(run, args, titan) {
+        Box::new(DetailSource::new(run, &title_of(run), args.follow))
+    } else {
+        Box::new(RunSource::with_follow(run, args.follow).showing_run(args.run_id.clone()))
+    };
+    match terminal::run(source, args.follow) {
         Ok(()) => OK.as_i32(),
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));

@@ -9,6 +9,8 @@
 pub mod cells;
 pub mod cli;
 pub mod demo;
+pub mod detail;
+pub mod detail_source;
 pub mod export;
 pub mod input;
 pub mod model;

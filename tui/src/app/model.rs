@@ -94,6 +94,29 @@ pub fn pass_label(phase: &str, slot: PipelineSlot) -> Option<String> {
 }
 
 impl SpanRow {
+    /// Appends a span that starts at or after the end of the last one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        start: Ns,
+        end: Ns,
+        phase: PhaseId,
+        step: u64,
+        tagset: u16,
+        flags: u8,
+        slot: Option<PipelineSlot>,
+    ) {
+        self.start.push(start);
+        self.end.push(end);
+        self.phase.push(phase);
+        self.step.push(step);
+        self.tagset.push(tagset);
+        self.flags.push(flags);
+        if let Some(slot) = slot {
+            self.pipeline.push((self.start.len() as u32 - 1, slot));
+        }
+    }
+
     /// The pipeline slot of span `i`, if it is a pipeline pass.
     pub fn slot(&self, i: usize) -> Option<PipelineSlot> {
         let k = self
@@ -602,7 +625,7 @@ fn mark_stragglers(
 }
 
 /// One collapsed row per phase, bars sorted by start.
-fn collapsed_rows(
+pub(crate) fn collapsed_rows(
     spread: &HashMap<(PhaseId, u64), PhaseSpread>,
     stragglers: &HashSet<(PhaseId, u32)>,
     phase_order: &[PhaseId],
@@ -658,16 +681,8 @@ fn build_rows(mut raw: Vec<RawSpan>, origin: i64) -> Vec<SpanRow> {
                 });
                 rows.len() - 1
             });
-        let row = &mut rows[row_ix];
-        row.start.push(start);
-        row.end.push(end);
-        row.phase.push(s.phase);
-        row.step.push(s.step);
-        row.tagset.push(s.tagset);
-        row.flags.push(if s.error { FLAG_ERROR } else { 0 });
-        if let Some(slot) = s.slot {
-            row.pipeline.push((row.start.len() as u32 - 1, slot));
-        }
+        let flags = if s.error { FLAG_ERROR } else { 0 };
+        rows[row_ix].push(start, end, s.phase, s.step, s.tagset, flags, s.slot);
     }
     rows
 }

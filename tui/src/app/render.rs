@@ -13,6 +13,7 @@ use ratatui::text::{Line, Span};
 use ratatui::widgets::{Axis, Block, Chart, Clear, Dataset, GraphType, Paragraph, Row, Table};
 
 use super::cells::{self, Cell, CollapsedCell, Spread, Window};
+use super::detail::FLAG_DETAIL;
 use super::model::{FLAG_ERROR, FLAG_STRAGGLER, Ns, Timeline, pass_label, step_label};
 use super::palette::{STRAGGLER, phase_color};
 use super::units::{dur, nice_step, tick_label};
@@ -23,6 +24,9 @@ use super::view::{Mode, RowRef, Selection, View};
 pub struct Chrome {
     /// `--follow` status, e.g. "following: 12 parts".
     pub follow: Option<String>,
+    /// How long the previous frame took to read what it showed and draw (runs drawn from
+    /// detail levels, where zooming and scrolling read from disk).
+    pub frame_ms: Option<f64>,
 }
 
 /// Where the gantt landed on screen (for mouse hit-testing).
@@ -88,7 +92,7 @@ pub fn draw(f: &mut Frame, t: &Timeline, v: &mut View, chrome: &Chrome) -> Geome
     if panels {
         draw_panels(f, panel, t, v);
     }
-    draw_status(f.buffer_mut(), status, t, v);
+    draw_status(f.buffer_mut(), status, t, v, chrome);
     if v.help {
         draw_help(f, area);
     }
@@ -598,6 +602,16 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
             if row.flags[i] & FLAG_ERROR != 0 {
                 l1.push_str("  ERROR recorded");
             }
+            if row.flags[i] & FLAG_DETAIL != 0 {
+                // A bucket of a detail level, not a span: say so, and how to see the spans.
+                l1 = format!(
+                    "{head}: mostly {name}  rank {}  {} covered from {}  (a detail level's \
+                     bucket: zoom in for the spans)",
+                    lane.rank,
+                    dur(d),
+                    dur(row.start[i]),
+                );
+            }
             let l2 = match t.phase_step.get(&(phase, row.step[i])) {
                 Some(st) => {
                     let mut s = format!(
@@ -841,7 +855,7 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
     f.render_widget(table, area);
 }
 
-fn draw_status(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
+fn draw_status(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View, chrome: &Chrome) {
     let style = Style::new().bg(Color::Indexed(236)).fg(Color::White);
     buf.set_style(area, style);
     let left = if let Some(p) = &v.prompt {
@@ -860,6 +874,10 @@ fn draw_status(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
                 .map(|s| format!(" step {}", s.step))
                 .unwrap_or_default()
         )
+    };
+    let left = match chrome.frame_ms {
+        Some(ms) => format!("{left}  frame {ms:.0} ms"),
+        None => left,
     };
     let right =
         " ←→ move  +/- zoom  [ ] step  g jump  f fit  Enter select  c collapse  ? help  q quit ";

@@ -177,19 +177,23 @@ enum Reader {
 /// The set of part files (name and size) of a local run; `None` for object store URLs.
 type Signature = Vec<(String, u64)>;
 
+/// The title bar's name for a run: its folder's name.
+pub fn title_of(run: &str) -> String {
+    Path::new(run.trim_end_matches('/'))
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| run.to_string())
+}
+
 impl RunSource {
     pub fn new(run: &str) -> Self {
         Self::with_follow(run, false)
     }
 
     pub fn with_follow(run: &str, follow: bool) -> Self {
-        let title = Path::new(run.trim_end_matches('/'))
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| run.to_string());
         Self {
             run: run.to_string(),
-            title,
+            title: title_of(run),
             follow,
             reader: None,
             run_id: None,

@@ -22,6 +22,26 @@ pub trait TimelineSource {
     fn reload_if_changed(&mut self) -> anyhow::Result<Option<Timeline>>;
     /// A few words on what has been read (e.g. "31 parts").
     fn describe(&self) -> String;
+    /// Sources that read what is on screen (a large run drawn from its detail levels): fills
+    /// the timeline for the view before a frame; true when lanes or rows were added. Such a
+    /// source stays on the UI thread.
+    fn focus(&mut self, _t: &mut Timeline, _v: &View) -> bool {
+        false
+    }
+    /// Whether [`Self::focus`] does anything (the source stays on the UI thread).
+    fn draws_on_demand(&self) -> bool {
+        false
+    }
+    /// Swaps in whole-run results computed in the background since the last call; true
+    /// when there were any.
+    fn poll_whole(&mut self, _t: &mut Timeline) -> bool {
+        false
+    }
+    /// `--follow` for sources on the UI thread: appends what is new to `t` in place; true
+    /// when anything was.
+    fn follow_in_place(&mut self, _t: &mut Timeline) -> anyhow::Result<bool> {
+        Ok(false)
+    }
 }
 
 /// How often `--follow` looks for new parts (at least: see [`Reloads`]).
@@ -136,12 +156,22 @@ pub fn run(mut source: Box<dyn TimelineSource + Send>, follow: bool) -> anyhow::
     let mut timeline = source.load()?;
     let mut view = View::new(&timeline);
     let follow_note = follow.then(|| format!("following: {}", source.describe()));
-    let reloads = follow.then(|| Reloads::spawn(source));
+    let (reloads, mut on_ui) = if source.draws_on_demand() {
+        (None, Some(source))
+    } else if follow {
+        (Some(Reloads::spawn(source)), None)
+    } else {
+        (None, None)
+    };
     let mut terminal = ratatui::try_init().context("cannot set up the terminal")?;
     execute!(std::io::stdout(), EnableMouseCapture).context("cannot enable mouse capture")?;
     let result = event_loop(
         &mut terminal,
-        reloads.as_ref(),
+        Sources {
+            reloads: reloads.as_ref(),
+            on_ui: on_ui.as_deref_mut(),
+            follow,
+        },
         follow_note,
         &mut timeline,
         &mut view,
@@ -152,24 +182,77 @@ pub fn run(mut source: Box<dyn TimelineSource + Send>, follow: bool) -> anyhow::
     result
 }
 
+/// Where new data comes from while the loop runs: reloads from a worker thread, or a source
+/// kept on this thread (drawing from detail levels; `follow` then refreshes it here).
+struct Sources<'a> {
+    reloads: Option<&'a Reloads>,
+    on_ui: Option<&'a mut (dyn TimelineSource + Send + 'static)>,
+    follow: bool,
+}
+
 fn event_loop(
     terminal: &mut ratatui::DefaultTerminal,
-    reloads: Option<&Reloads>,
+    mut sources: Sources<'_>,
     mut follow_note: Option<String>,
     timeline: &mut Timeline,
     view: &mut View,
 ) -> anyhow::Result<()> {
+    let reloads = sources.reloads;
     let mut geometry = Geometry::default();
     let mut dirty = true;
+    let mut frame_ms = None;
     loop {
+        if let Some(src) = sources.on_ui.as_deref_mut() {
+            if src.poll_whole(timeline) {
+                view.rebuild_rows(timeline);
+                dirty = true;
+            }
+            // The source reads on a worker of its own: this only takes what it sent.
+            if sources.follow {
+                match src.follow_in_place(timeline) {
+                    Ok(true) => {
+                        view.on_reload(timeline);
+                        dirty = true;
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        follow_note = Some(format!("following: refresh failed: {e:#}"));
+                        dirty = true;
+                    }
+                }
+                if dirty {
+                    follow_note = Some(format!("following: {}", src.describe()));
+                }
+            }
+        }
         if dirty {
             let chrome = Chrome {
                 follow: follow_note.clone(),
+                frame_ms,
             };
-            terminal.draw(|f| geometry = render::draw(f, timeline, view, &chrome))?;
+            let started = Instant::now();
+            // A source drawing from detail levels reads what the view shows; the first draw
+            // sizes the view, so a size change draws again.
+            for _ in 0..2 {
+                let before = (view.cols, view.visible_rows);
+                if let Some(src) = sources.on_ui.as_deref_mut() {
+                    let kept = view.selected_span(timeline);
+                    if src.focus(timeline, view) {
+                        view.rebuild_rows(timeline);
+                    }
+                    view.reselect(timeline, kept);
+                }
+                terminal.draw(|f| geometry = render::draw(f, timeline, view, &chrome))?;
+                if sources.on_ui.is_none() || before == (view.cols, view.visible_rows) {
+                    break;
+                }
+            }
+            if sources.on_ui.is_some() {
+                frame_ms = Some(started.elapsed().as_secs_f64() * 1e3);
+            }
             dirty = false;
         }
-        let timeout = if reloads.is_some() {
+        let timeout = if reloads.is_some() || sources.on_ui.is_some() {
             SWAP_INTERVAL
         } else {
             Duration::from_secs(3600)

@@ -100,6 +100,40 @@ impl View {
         self.keep_cursor_row_visible();
     }
 
+    /// The rows on screen (as of the last draw's size).
+    pub fn visible_row_refs(&self) -> impl Iterator<Item = RowRef> + '_ {
+        self.rows
+            .iter()
+            .skip(self.scroll)
+            .take(self.visible_rows.max(1))
+            .copied()
+    }
+
+    /// The selected span and its start, to find it again once its row is refilled (a run
+    /// drawn from detail levels refills the rows on screen as the window moves).
+    pub fn selected_span(&self, t: &Timeline) -> Option<(SpanRef, Ns)> {
+        match self.selected {
+            Some(Selection::Span(r)) => {
+                let row = t.lanes.get(r.lane as usize)?.rows.get(r.row as usize)?;
+                Some((r, *row.start.get(r.ix as usize)?))
+            }
+            _ => None,
+        }
+    }
+
+    /// Selects again the span of `kept` by its start in its row; drops the selection when the
+    /// row no longer holds it.
+    pub fn reselect(&mut self, t: &Timeline, kept: Option<(SpanRef, Ns)>) {
+        let Some((r, start)) = kept else { return };
+        let row = t
+            .lanes
+            .get(r.lane as usize)
+            .and_then(|l| l.rows.get(r.row as usize));
+        self.selected = row
+            .and_then(|row| row.start.binary_search(&start).ok())
+            .map(|ix| Selection::Span(SpanRef { ix: ix as u32, ..r }));
+    }
+
     /// Called after a reload (`--follow`): keeps the view, extends it if it showed everything.
     pub fn on_reload(&mut self, t: &Timeline) {
         self.rebuild_rows(t);

@@ -1,0 +1,127 @@
+//! Detail levels (`part-<N>.lod`, `titan_obs_core::lod`): every writer puts them beside every
+//! part, and they are exactly what a reader builds from the part; a run written before them
+//! gets them on first open (cached when the folder is writable); a damaged one is named,
+//! left as evidence, and the part's own spans used instead.
+
+use std::path::{Path, PathBuf};
+
+use titan_obs_core::lod::{self, PartDetail};
+use titan_obs_core::synth::{SynthConfig, write_run};
+
+fn synth(dir: &Path) -> PathBuf {
+    let run = dir.join("run");
+    let cfg = SynthConfig {
+        ranks: 3,
+        steps: 40,
+        spans_per_step: 12,
+        steps_per_part: 9,
+        checkpoint_every: Some(10),
+        validation_every: None,
+        ..Default::default()
+    };
+    write_run(run.to_str().unwrap(), &cfg).unwrap();
+    run
+}
+
+fn parts(run: &Path) -> Vec<(u32, PathBuf)> {
+    let mut v = Vec::new();
+    for rank in 0..3 {
+        for (_, p) in lod::local_parts(&run.join(format!("obs/rank-{rank}"))).unwrap() {
+            v.push((rank, p));
+        }
+    }
+    v
+}
+
+fn built(part: &Path, rank: u32) -> PartDetail {
+    PartDetail::of_part(std::fs::read(part).unwrap().into(), rank).unwrap()
+}
+
+#[test]
+fn every_part_has_the_detail_levels_a_reader_would_build() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth(dir.path());
+    let parts = parts(&run);
+    assert_eq!(parts.len(), 3 * 40usize.div_ceil(9));
+    let mut spans = 0;
+    let mut tagged = 0;
+    for (rank, p) in &parts {
+        let len = std::fs::metadata(p).unwrap().len();
+        let written = lod::read_local(p, len)
+            .unwrap()
+            .expect("a .lod beside the part");
+        assert_eq!(written, built(p, *rank), "{}", p.display());
+        assert_eq!(written.rank, *rank);
+        assert!(
+            !written.names.iter().any(|n| n.contains("loss")),
+            "only the names of spans, not of scalars: {:?}",
+            written.names
+        );
+        assert!(written.start_ns < written.end_ns);
+        spans += written.rows.iter().map(|r| r.spans).sum::<u64>();
+        tagged += written.step_tags.len();
+        for r in &written.rows {
+            assert!(
+                !r.levels.is_empty(),
+                "every row has at least its coarsest level"
+            );
+        }
+    }
+    let loaded = titan_obs_core::load(run.to_str().unwrap(), &Default::default()).unwrap();
+    assert_eq!(spans, loaded.spans.len() as u64, "every span counted once");
+    assert_eq!(
+        tagged,
+        3 * 4,
+        "steps 10, 20, 30, 40 are checkpoints on every rank"
+    );
+}
+
+#[test]
+fn a_run_written_before_gets_them_on_first_open_and_damage_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth(dir.path());
+    let (rank, part) = parts(&run)[4].clone();
+    let file = lod::detail_path(&part);
+    let original = std::fs::read(&file).unwrap();
+
+    // Written before detail levels existed: built from the part and cached.
+    std::fs::remove_file(&file).unwrap();
+    let o = lod::open_local(&part, rank).unwrap();
+    assert!(o.built && o.damaged.is_none());
+    assert_eq!(o.detail, built(&part, rank));
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        original,
+        "cached as the writer wrote it"
+    );
+    let o = lod::open_local(&part, rank).unwrap();
+    assert!(!o.built, "the second open reads the cache");
+
+    // Damaged: named, the part's spans used, the damaged file left as it is.
+    let mut bad = original.clone();
+    let at = bad.len() - 5;
+    bad[at] ^= 0x10;
+    std::fs::write(&file, &bad).unwrap();
+    let o = lod::open_local(&part, rank).unwrap();
+    let why = o.damaged.expect("damage is named");
+    assert!(why.contains(&file.display().to_string()), "{why}");
+    assert!(why.contains("checksum"), "{why}");
+    assert_eq!(o.detail, built(&part, rank));
+    assert_eq!(std::fs::read(&file).unwrap(), bad, "kept as evidence");
+
+    // A detail file of another part (the part was rewritten since) is damage too.
+    std::fs::write(&file, lod::encode(&o.detail, 1)).unwrap();
+    let why = lod::open_local(&part, rank).unwrap().damaged.unwrap();
+    assert!(why.contains("rewritten since"), "{why}");
+
+    // A part that cannot be read is an error naming it, never a panic.
+    std::fs::write(&part, b"not parquet").unwrap();
+    std::fs::remove_file(&file).unwrap();
+    let e = lod::open_local(&part, rank)
+        .err()
+        .expect("an unreadable part");
+    assert!(
+        format!("{e:#}").contains(&part.display().to_string()),
+        "{e:#}"
+    );
+}

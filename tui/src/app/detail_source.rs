@@ -1,0 +1,532 @@
+//! `titan-obs RUN` on a large local titan run: the gantt from detail levels ([`DetailRun`],
+//! on the UI thread, filled for what is on screen), and what needs the whole run — every
+//! step, the phase table, stragglers and waits (from the per-part summaries), the collapsed
+//! rows and the metrics — computed on a worker thread and swapped in as each arrives.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::mpsc::{self, Receiver};
+use std::time::Instant;
+
+use rayon::prelude::*;
+use titan_obs_core::analysis::{RunShape, StragglerOptions, digested::analyse_digest};
+use titan_obs_core::lod;
+use titan_obs_core::read::{Columns, PartsReader, ReadOptions};
+
+use super::detail::{Appended, DetailRun};
+use super::model::{
+    MetricSeries, PhaseId, PhaseSpread, Reduce, StepMark, Timeline, collapsed_rows,
+};
+use super::terminal::{FOLLOW_INTERVAL, TimelineSource};
+use super::view::View;
+
+/// A step of the whole run: (step, first start, last end on rank 0's clock, tag names).
+type WholeStep = (u64, i64, i64, Vec<String>);
+
+/// What the worker sends, in this order.
+enum Whole {
+    /// Every step, and the number of spans in the run.
+    Steps(Vec<WholeStep>, u64),
+    /// The analysis of the per-part summaries, and each (phase, step)'s spread across ranks.
+    Analysis(
+        Box<titan_obs_core::analysis::Analysis>,
+        Vec<(String, u64, PhaseSpread)>,
+    ),
+    Metrics(Vec<MetricSeries>),
+    Failed(String),
+}
+
+pub struct DetailSource {
+    run: String,
+    title: String,
+    detail: Option<DetailRun>,
+    whole: Option<Receiver<Whole>>,
+    /// Which whole-run results have arrived (for the status line).
+    arrived: Vec<&'static str>,
+    /// `--follow`: start the follow worker when the run is open.
+    follow: bool,
+    /// What the follow worker read, refresh after refresh.
+    followed: Option<Receiver<Followed>>,
+    /// The last refresh: spans appended, the worker's read and this thread's append (ms).
+    last_follow: Option<(usize, f64, f64)>,
+}
+
+/// One refresh of the follow worker: what it read and how long the read took (ms).
+type Followed = anyhow::Result<(Appended, f64)>;
+
+impl DetailSource {
+    pub fn new(run: &str, title: &str, follow: bool) -> Self {
+        DetailSource {
+            run: run.to_string(),
+            title: title.to_string(),
+            detail: None,
+            whole: None,
+            arrived: Vec::new(),
+            follow,
+            followed: None,
+            last_follow: None,
+        }
+    }
+}
+
+/// `--follow`'s worker: every [`FOLLOW_INTERVAL`], reads what the journals (and the parts
+/// after `skip`) gained and sends it; stops when the receiver is gone.
+fn follow_worker(run: String, skip: BTreeMap<u32, u64>, tx: mpsc::Sender<Followed>) {
+    let mut reader = match PartsReader::open(&run) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = tx.send(Err(e));
+            return;
+        }
+    };
+    reader.skip_parts_through(&skip);
+    let opts = ReadOptions::default();
+    loop {
+        let started = Instant::now();
+        let from = reader.run().spans.len();
+        let read = reader
+            .refresh_with(&opts, false)
+            .map(|run| appended(run, from));
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        let send = match read {
+            Ok(Some(a)) => tx.send(Ok((a, ms))),
+            Ok(None) => Ok(()),
+            Err(e) => tx.send(Err(e)),
+        };
+        if send.is_err() {
+            return;
+        }
+        std::thread::sleep(FOLLOW_INTERVAL);
+    }
+}
+
+/// The spans of `run` from index `from` on, per rank and row; `None` when there are none.
+fn appended(run: &titan_obs_core::Run, from: usize) -> Option<Appended> {
+    let s = &run.spans;
+    if s.len() <= from {
+        return None;
+    }
+    let mut by_rank: BTreeMap<u32, BTreeMap<(u32, u16), lod::SpanRows>> = BTreeMap::new();
+    let mut step_tags: BTreeMap<u32, HashMap<u64, u64>> = BTreeMap::new();
+    for i in from..s.len() {
+        let (rank, thread) = (s.rank[i], s.thread.get(i).copied().unwrap_or(0));
+        let depth = s.depth.get(i).copied().unwrap_or(0);
+        let row = by_rank
+            .entry(rank)
+            .or_default()
+            .entry((thread, depth))
+            .or_insert_with(|| lod::SpanRows {
+                thread,
+                depth,
+                ..Default::default()
+            });
+        row.start.push(s.start_ns.get(i).copied().unwrap_or(0));
+        row.dur.push(s.dur_ns[i].max(0));
+        row.name.push(s.name[i]);
+        row.step.push(s.step[i]);
+        row.pipeline.push(s.pipeline.get(i).copied().flatten());
+        if let Some(t) = run.step_tags.get(&(rank, s.step[i])) {
+            step_tags.entry(rank).or_default().insert(s.step[i], t.0);
+        }
+    }
+    let ranks = by_rank
+        .into_iter()
+        .map(|(rank, rows)| {
+            let mut rows: Vec<lod::SpanRows> = rows.into_values().collect();
+            for r in &mut rows {
+                sort_row(r);
+            }
+            lod::PartSpans {
+                rank,
+                step_tags: step_tags.remove(&rank).unwrap_or_default(),
+                rows,
+                ..Default::default()
+            }
+        })
+        .collect();
+    Some(Appended {
+        names: run.names.clone(),
+        tags: run.tags.clone(),
+        ranks,
+    })
+}
+
+/// Sorts a row's spans by start (a journal holds them in the order they ended).
+fn sort_row(r: &mut lod::SpanRows) {
+    let mut order: Vec<usize> = (0..r.start.len()).collect();
+    order.sort_by_key(|&i| r.start[i]);
+    let take = |v: &Vec<i64>| order.iter().map(|&i| v[i]).collect::<Vec<_>>();
+    r.start = take(&r.start);
+    r.dur = take(&r.dur);
+    r.name = order.iter().map(|&i| r.name[i]).collect();
+    r.step = order.iter().map(|&i| r.step[i]).collect();
+    r.pipeline = order.iter().map(|&i| r.pipeline[i]).collect();
+}
+
+impl TimelineSource for DetailSource {
+    fn load(&mut self) -> anyhow::Result<Timeline> {
+        let (d, t) = DetailRun::open(&self.run, &self.title)?;
+        let (tx, rx) = mpsc::channel();
+        let run = self.run.clone();
+        std::thread::spawn(move || whole_run(&run, |w| tx.send(w).is_ok()));
+        if self.follow {
+            let (tx, rx) = mpsc::channel();
+            let (run, skip) = (self.run.clone(), d.last_parts());
+            std::thread::spawn(move || follow_worker(run, skip, tx));
+            self.followed = Some(rx);
+        }
+        self.detail = Some(d);
+        self.whole = Some(rx);
+        Ok(t)
+    }
+
+    fn follow_in_place(&mut self, t: &mut Timeline) -> anyhow::Result<bool> {
+        let (Some(rx), Some(d)) = (&self.followed, &mut self.detail) else {
+            return Ok(false);
+        };
+        let mut changed = false;
+        while let Ok(f) = rx.try_recv() {
+            let (new, read_ms) = f?;
+            let started = Instant::now();
+            let n = new
+                .ranks
+                .iter()
+                .flat_map(|p| &p.rows)
+                .map(|r| r.start.len())
+                .sum();
+            d.append(t, new);
+            let append_ms = started.elapsed().as_secs_f64() * 1e3;
+            self.last_follow = Some((n, read_ms, append_ms));
+            changed = true;
+        }
+        Ok(changed)
+    }
+
+    fn reload_if_changed(&mut self) -> anyhow::Result<Option<Timeline>> {
+        Ok(None)
+    }
+
+    fn describe(&self) -> String {
+        let mut s = "detail levels".to_string();
+        if !self.arrived.is_empty() {
+            s.push_str(&format!(", {}", self.arrived.join(", ")));
+        }
+        if let Some((n, read, append)) = self.last_follow {
+            s.push_str(&format!(
+                ", +{n} spans (read {read:.1} ms, appended {append:.1} ms)"
+            ));
+        }
+        s
+    }
+
+    fn draws_on_demand(&self) -> bool {
+        true
+    }
+
+    fn focus(&mut self, t: &mut Timeline, v: &View) -> bool {
+        let Some(d) = &mut self.detail else {
+            return false;
+        };
+        let mut lanes: Vec<usize> = v
+            .visible_row_refs()
+            .filter_map(|r| match r {
+                super::view::RowRef::Span { lane, .. } => Some(lane as usize),
+                super::view::RowRef::Phase(_) => None,
+            })
+            .collect();
+        lanes.dedup();
+        d.fill(t, v.window, v.cols, &lanes)
+    }
+
+    fn poll_whole(&mut self, t: &mut Timeline) -> bool {
+        let (Some(rx), Some(d)) = (&self.whole, &mut self.detail) else {
+            return false;
+        };
+        let mut changed = false;
+        while let Ok(w) = rx.try_recv() {
+            changed = true;
+            match w {
+                Whole::Steps(steps, spans) => {
+                    let marks = steps
+                        .into_iter()
+                        .map(|(step, a, z, tags)| StepMark {
+                            step,
+                            start: a - d.origin,
+                            end: z - d.origin,
+                            tags: tags.iter().map(|n| d.tag_id(n, t)).collect(),
+                        })
+                        .collect();
+                    d.set_steps(t, marks);
+                    t.span_count = spans as usize;
+                    self.arrived.push("steps");
+                }
+                Whole::Analysis(a, spread) => {
+                    // A collapsed bar starts at its step's start (no start times in the
+                    // summaries).
+                    t.phase_step = spread
+                        .into_iter()
+                        .map(|(name, step, mut s)| {
+                            s.median_start = t.step_index(step).map_or(0, |i| t.steps[i].start);
+                            ((d.phase_id(&name, t), step), s)
+                        })
+                        .collect();
+                    t.analysis = *a;
+                    let stragglers: HashSet<(PhaseId, u32)> = t
+                        .analysis
+                        .stragglers
+                        .clone()
+                        .into_iter()
+                        .map(|s| (d.phase_id(&s.phase, t), s.rank))
+                        .collect();
+                    t.collapsed = collapsed_rows(&t.phase_step, &stragglers, &t.phase_order, 0);
+                    self.arrived.push("summary");
+                }
+                Whole::Metrics(m) => {
+                    t.metrics = m;
+                    self.arrived.push("metrics");
+                }
+                Whole::Failed(e) => t.warnings.push(e),
+            }
+        }
+        changed
+    }
+}
+
+/// The whole-run results, sent through `send` as each is ready (stops when it returns false),
+/// on all cores but one: the UI thread keeps one for itself, so zooming and scrolling stay
+/// fast while the worker reads the whole run.
+fn whole_run(run: &str, send: impl Fn(Whole) -> bool + Send) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match rayon::ThreadPoolBuilder::new()
+        .num_threads(cores.saturating_sub(1).max(1))
+        .build()
+    {
+        Ok(pool) => pool.install(|| whole_run_here(run, send)),
+        Err(_) => whole_run_here(run, send),
+    }
+}
+
+fn whole_run_here(run: &str, send: impl Fn(Whole) -> bool) {
+    match steps(run) {
+        Ok((s, n)) => {
+            if !send(Whole::Steps(s, n)) {
+                return;
+            }
+        }
+        Err(e) => {
+            send(Whole::Failed(format!("steps: {e:#}")));
+        }
+    }
+    match analysis(run) {
+        Ok((a, spread)) => {
+            if !send(Whole::Analysis(Box::new(a), spread)) {
+                return;
+            }
+        }
+        Err(e) => {
+            send(Whole::Failed(format!("summary: {e:#}")));
+        }
+    }
+    match metrics(run) {
+        Ok(m) => send(Whole::Metrics(m)),
+        Err(e) => send(Whole::Failed(format!("metrics: {e:#}"))),
+    };
+}
+
+/// Every local part of the run: (rank, path).
+fn all_parts(run: &str) -> anyhow::Result<Vec<(u32, std::path::PathBuf)>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(Path::new(run).join("obs"))?.flatten() {
+        let Some(rank) = e
+            .file_name()
+            .to_str()
+            .and_then(|n| n.strip_prefix("rank-")?.parse().ok())
+        else {
+            continue;
+        };
+        for (_, p) in lod::local_parts(&e.path())? {
+            out.push((rank, p));
+        }
+    }
+    Ok(out)
+}
+
+type StepBounds = BTreeMap<u64, (i64, i64, Vec<String>)>;
+
+/// Every step's bounds and tags from every part's detail file (built and cached where
+/// missing), and the number of spans.
+fn steps(run: &str) -> anyhow::Result<(Vec<WholeStep>, u64)> {
+    let parts = all_parts(run)?;
+    let (merged, spans) = parts
+        .par_iter()
+        .fold(
+            || (StepBounds::new(), 0u64),
+            |(mut acc, mut n), (rank, p)| {
+                // Unreadable parts are named by the gantt when it reaches them.
+                if let Ok(o) = lod::open_local(p, *rank) {
+                    let d = o.detail;
+                    let off = d.clock_offset_ns;
+                    n += d.rows.iter().map(|r| r.spans).sum::<u64>();
+                    let tags: HashMap<u64, u64> = d.step_tags.iter().copied().collect();
+                    for &(step, a, z) in &d.steps {
+                        let e = acc.entry(step).or_insert((i64::MAX, i64::MIN, Vec::new()));
+                        e.0 = e.0.min(a + off);
+                        e.1 = e.1.max(z + off);
+                        let mask = tags.get(&step).copied().unwrap_or(0);
+                        for (b, name) in d.tags.iter().enumerate().take(64) {
+                            if mask & (1 << b) != 0 && !e.2.contains(name) {
+                                e.2.push(name.clone());
+                            }
+                        }
+                    }
+                }
+                (acc, n)
+            },
+        )
+        .reduce(
+            || (StepBounds::new(), 0),
+            |(mut a, na), (b, nb)| {
+                for (step, (s, e, tags)) in b {
+                    let x = a.entry(step).or_insert((i64::MAX, i64::MIN, Vec::new()));
+                    x.0 = x.0.min(s);
+                    x.1 = x.1.max(e);
+                    for t in tags {
+                        if !x.2.contains(&t) {
+                            x.2.push(t);
+                        }
+                    }
+                }
+                (a, na + nb)
+            },
+        );
+    Ok((
+        merged
+            .into_iter()
+            .map(|(s, (a, z, mut t))| {
+                t.sort();
+                (s, a, z, t)
+            })
+            .collect(),
+        spans,
+    ))
+}
+
+/// The analysis `titan-obs summary` computes from the per-part summaries, and every (phase,
+/// step)'s spread across ranks of per-rank time. The summaries hold no start times: a
+/// collapsed bar starts at its step's start ([`PhaseSpread::median_start`] is that).
+#[allow(clippy::type_complexity)]
+fn analysis(
+    run: &str,
+) -> anyhow::Result<(
+    titan_obs_core::analysis::Analysis,
+    Vec<(String, u64, PhaseSpread)>,
+)> {
+    let opts = ReadOptions {
+        columns: Columns {
+            start: true,
+            ..Columns::SUMMARY
+        },
+        digests: true,
+        ..ReadOptions::default()
+    };
+    let loaded = titan_obs_core::load(run, &opts)?;
+    let shape = RunShape::of_run(&loaded);
+    let digest = loaded.digest.clone().unwrap_or_default();
+    let a = analyse_digest(&digest, &loaded.names, &shape, &StragglerOptions::default());
+    let mut spread = Vec::with_capacity(digest.cells.len());
+    for (&(name, step), per_rank) in &digest.cells {
+        let mut v: Vec<(i64, u32)> = per_rank
+            .iter()
+            .zip(&digest.ranks)
+            .filter(|(t, _)| **t >= 0)
+            .map(|(&t, &r)| (t, r))
+            .collect();
+        if v.is_empty() {
+            continue;
+        }
+        v.sort_unstable();
+        let median = v[titan_obs_core::analysis::stats::nearest_rank_index(v.len(), 0.5)].0;
+        let (min, max) = (v[0], v[v.len() - 1]);
+        let Some(phase) = loaded.names.get(name as usize) else {
+            continue;
+        };
+        spread.push((
+            phase.clone(),
+            step,
+            PhaseSpread {
+                min: min.0,
+                median,
+                max: max.0,
+                min_rank: min.1,
+                max_rank: max.1,
+                ranks: v.len() as u32,
+                median_start: 0,
+            },
+        ));
+    }
+    Ok((a, spread))
+}
+
+/// A scalar's values at one step, reduced as they come: (reduce, sum, min, max, count).
+type Reducing = (Reduce, f64, f64, f64, u64);
+
+fn reduce_into(
+    a: &mut BTreeMap<(String, u64), Reducing>,
+    name: String,
+    step: u64,
+    v: f64,
+    r: Reduce,
+) {
+    let e = a
+        .entry((name, step))
+        .or_insert((r, 0.0, f64::INFINITY, f64::NEG_INFINITY, 0));
+    e.1 += v;
+    e.2 = e.2.min(v);
+    e.3 = e.3.max(v);
+    e.4 += 1;
+}
+
+/// The per-step metrics, one part at a time: only each (scalar, step)'s running reduction is
+/// kept, never the values.
+fn metrics(run: &str) -> anyhow::Result<Vec<MetricSeries>> {
+    let parts = all_parts(run)?;
+    let merged = parts
+        .par_iter()
+        .fold(BTreeMap::new, |mut acc, (rank, p)| {
+            for (name, step, v, r) in lod::part_scalars(p, *rank).unwrap_or_default() {
+                reduce_into(&mut acc, name, step, v, r);
+            }
+            acc
+        })
+        .reduce(BTreeMap::new, |mut a, b| {
+            for ((name, step), (r, sum, min, max, n)) in b {
+                let e =
+                    a.entry((name, step))
+                        .or_insert((r, 0.0, f64::INFINITY, f64::NEG_INFINITY, 0));
+                e.1 += sum;
+                e.2 = e.2.min(min);
+                e.3 = e.3.max(max);
+                e.4 += n;
+            }
+            a
+        });
+    let mut series: BTreeMap<String, MetricSeries> = BTreeMap::new();
+    for ((name, step), (reduce, sum, min, max, n)) in merged {
+        let value = match reduce {
+            Reduce::Mean => sum / n.max(1) as f64,
+            Reduce::Sum => sum,
+            Reduce::Min => min,
+            Reduce::Max => max,
+        };
+        series
+            .entry(name.clone())
+            .or_insert_with(|| MetricSeries {
+                name,
+                reduce,
+                points: Vec::new(),
+            })
+            .points
+            .push((step, value));
+    }
+    Ok(series.into_values().collect())
+}
