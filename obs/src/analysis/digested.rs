@@ -4,6 +4,10 @@
 //! the sketches (within [`crate::digest::SKETCH_ALPHA`]). Where a step runs across two parts
 //! of a rank (the journal rotated mid-step), a collective's wait is only taken out of the
 //! spans of its own part that contain it.
+//!
+//! Memory: the merged cells (4 bytes each) and collectives are held once; the steps x ranks
+//! matrix of a phase is built for that phase's stragglers only, and collectives are matched
+//! one step at a time.
 
 use std::collections::HashMap;
 
@@ -14,81 +18,128 @@ use super::summary::{
     phase_stragglers, union_len,
 };
 use super::table::RunShape;
-use super::waits::{Arrival, account, match_arrivals};
-use crate::digest::{RunDigest, sketch_quantile};
+use super::waits::{Arrival, Call, account, match_arrivals};
+use crate::digest::cells::Cells;
+use crate::digest::{RunCollective, RunDigest, sketch_quantile};
 use crate::run::NameId;
 
-/// [`super::analyse`] over merged summaries; `names` are the run's names.
+/// [`super::analyse_grouped`] over merged summaries; `names` are the run's names.
 pub fn analyse_digest(
     d: &RunDigest,
     names: &[String],
     shape: &RunShape,
+    groups: &[Vec<u32>],
     opts: &StragglerOptions,
 ) -> Analysis {
     let ranks: Vec<u32> = shape.ranks.clone();
     let n_ranks = ranks.len();
-    // Row position (ranks in merge order) -> column of the steps x ranks matrices.
+    // Rank position (ranks in merge order) -> column of the steps x ranks matrices.
     let rank_column: HashMap<u32, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
     let column: Vec<Option<usize>> = d
         .ranks
         .iter()
         .map(|r| rank_column.get(r).copied())
         .collect();
-    let mut steps: Vec<u64> = d.cells.keys().map(|&(_, s)| s).collect();
-    steps.sort_unstable();
-    steps.dedup();
+    // Steps in order, and each one's row in the digest's cells.
+    let mut order: Vec<(u64, u32)> = d
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(row, &s)| (s, row as u32))
+        .collect();
+    order.sort_unstable();
+    let steps: Vec<u64> = order.iter().map(|&(s, _)| s).collect();
+    let rows: Vec<u32> = order.iter().map(|&(_, r)| r).collect();
     let n_steps = steps.len();
-    let step_pos: HashMap<u64, usize> = steps.iter().enumerate().map(|(i, &s)| (s, i)).collect();
     let step_name = names.iter().position(|n| n == crate::vocab::STEP);
 
-    // Step time per (step, rank): top-level spans inside steps.
-    let mut wall = vec![0i64; n_steps * n_ranks];
-    for (step, row) in &d.walls {
-        let Some(&si) = step_pos.get(step) else {
-            continue;
-        };
-        for (&v, ri) in row.iter().zip(&column) {
-            if let Some(ri) = ri {
-                wall[si * n_ranks + ri] = v;
+    // Per step: the slowest rank's time in top-level spans inside the step (a rank without
+    // any counts as 0, as in the span path's matrix).
+    let wall_max: Vec<i64> = rows
+        .iter()
+        .map(|&row| {
+            let (mut m, mut present) = (i64::MIN, 0usize);
+            for (pos, v) in d.walls.row(row) {
+                if column.get(pos as usize).copied().flatten().is_some() {
+                    m = m.max(v);
+                    present += 1;
+                }
             }
-        }
-    }
+            if present < n_ranks || present == 0 {
+                m.max(0)
+            } else {
+                m
+            }
+        })
+        .collect();
     let step_total: i64 = match step_name.and_then(|id| d.phases.get(id).cloned().flatten()) {
         Some(p) => p.in_step_ns,
         None if step_name.is_some() => 0,
-        None => wall.iter().sum(),
+        None => rows
+            .iter()
+            .flat_map(|&row| d.walls.row(row))
+            .filter(|(pos, _)| column.get(*pos as usize).copied().flatten().is_some())
+            .map(|(_, v)| v)
+            .sum(),
     };
 
-    // Who waited for whom at collectives, and the wait to take out of each cell.
-    let arrivals: Vec<Arrival> = d
-        .collectives
+    // Who waited for whom at collectives, one step at a time; the waits to take out of each
+    // phase's cells, by name id (rows: positions in `steps`; columns: rank columns).
+    let step_index: HashMap<u64, u32> = steps
         .iter()
         .enumerate()
-        .map(|(i, c)| Arrival {
-            step: c.step,
-            name: c.name,
-            rank: c.rank,
-            start: c.start_ns,
-            idx: i as u32,
-        })
+        .map(|(i, &s)| (s, i as u32))
         .collect();
-    let (calls, span_wait) = match_arrivals(arrivals);
-    // (name, step) -> (rank, its wait inside spans of that name in that step).
-    let mut waited: HashMap<(NameId, u64), Vec<(u32, i64)>> = HashMap::new();
-    for &(idx, w) in &span_wait {
-        let c = &d.collectives[idx as usize];
-        let range = c.containers.start as usize..c.containers.end as usize;
-        for &(name, step) in d.containers.get(range).unwrap_or_default() {
-            waited.entry((name, step)).or_default().push((c.rank, w));
+    let mut coll_steps: Vec<u64> = d.collectives.keys().copied().collect();
+    coll_steps.sort_unstable();
+    let mut waited: Vec<Cells> = Vec::new();
+    let mut calls: Vec<Call> = Vec::new();
+    // The phase each call's late rank came from, by `Call::late_idx`.
+    let mut late_from: Vec<NameId> = Vec::new();
+    for step in coll_steps {
+        let colls: &[RunCollective] = &d.collectives[&step];
+        let arrivals: Vec<Arrival> = colls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Arrival {
+                step,
+                name: c.name,
+                rank: c.rank,
+                start: c.start_ns,
+                idx: i as u32,
+            })
+            .collect();
+        let (step_calls, span_wait) = match_arrivals(arrivals);
+        if let Some(&si) = step_index.get(&step) {
+            for (idx, w) in span_wait {
+                let c = &colls[idx as usize];
+                let Some(&ri) = rank_column.get(&c.rank) else {
+                    continue;
+                };
+                let set = d.container_sets.get(c.containers as usize);
+                for &name in set.map_or(&[][..], Vec::as_slice) {
+                    let name = name as usize;
+                    if waited.len() <= name {
+                        waited.resize_with(name + 1, Default::default);
+                    }
+                    waited[name].add(si, ri as u32, w);
+                }
+            }
+        }
+        for mut call in step_calls {
+            late_from.push(colls[call.late_idx as usize].before);
+            call.late_idx = late_from.len() as u32 - 1;
+            calls.push(call);
         }
     }
     let waits = if calls.is_empty() {
         Default::default()
     } else {
-        account(&calls, span_wait, |c| {
-            d.collectives[c.late_idx as usize]
-                .before
-                .and_then(|n| names.get(n as usize).cloned())
+        // The span path's per-span waits have no meaning here (no spans): left empty.
+        account(&calls, Vec::new(), |c| {
+            names
+                .get(late_from[c.late_idx as usize] as usize)
+                .cloned()
                 .unwrap_or_else(|| "-".to_string())
         })
     };
@@ -116,26 +167,30 @@ pub fn analyse_digest(
             if p.in_step == 0 || n_ranks < 2 {
                 return (stats, Vec::new());
             }
+            // This phase's steps x ranks matrix (-1 = not run), less the waits inside it.
             let mut cell = vec![-1i64; n_steps * n_ranks];
-            for (si, &step) in steps.iter().enumerate() {
-                let Some(row) = d.cells.get(&(id, step)) else {
-                    continue;
-                };
-                let out = &mut cell[si * n_ranks..(si + 1) * n_ranks];
-                for (&v, ri) in row.iter().zip(&column) {
-                    if let (Some(ri), true) = (ri, v >= 0) {
-                        out[*ri] = v;
-                    }
-                }
-                for &(rank, w) in waited.get(&(id, step)).map_or(&[][..], Vec::as_slice) {
-                    if let Some(&ri) = rank_column.get(&rank)
-                        && out[ri] >= 0
-                    {
-                        out[ri] = out[ri].saturating_sub(w).max(0);
+            if let Some(cells) = d.cells.get(id as usize) {
+                for (si, &row) in rows.iter().enumerate() {
+                    let out = &mut cell[si * n_ranks..(si + 1) * n_ranks];
+                    for (pos, v) in cells.row(row) {
+                        if let Some(ri) = column.get(pos as usize).copied().flatten() {
+                            out[ri] = v;
+                        }
                     }
                 }
             }
-            let stragglers = phase_stragglers(&cell, &ranks, &name, opts);
+            if let Some(w) = waited.get(id as usize) {
+                for si in 0..n_steps {
+                    let out = &mut cell[si * n_ranks..(si + 1) * n_ranks];
+                    for (ri, wait) in w.row(si as u32) {
+                        let c = &mut out[ri as usize];
+                        if *c >= 0 {
+                            *c = c.saturating_sub(wait).max(0);
+                        }
+                    }
+                }
+            }
+            let stragglers = phase_stragglers(&cell, &ranks, &name, groups, opts);
             (stats, stragglers)
         })
         .collect();
@@ -161,10 +216,11 @@ pub fn analyse_digest(
         Gathered {
             ranks: &ranks,
             steps: &steps,
-            wall: &wall,
+            wall_max: &wall_max,
             per_phase,
             tagged_phase,
             waits,
+            grouped: !groups.is_empty(),
         },
         shape,
         opts,
