@@ -53,34 +53,38 @@ pub fn analyse_digest(
     let n_steps = steps.len();
     let step_name = names.iter().position(|n| n == crate::vocab::STEP);
 
+    // Step row (first-seen order) -> position in `steps`.
+    let mut si_of_row: Vec<Option<usize>> = vec![None; d.steps.len()];
+    for (si, &row) in rows.iter().enumerate() {
+        si_of_row[row as usize] = Some(si);
+    }
+    let cell_at = |row: u32, pos: u32| -> Option<(usize, usize)> {
+        let si = si_of_row.get(row as usize).copied().flatten()?;
+        let ri = column.get(pos as usize).copied().flatten()?;
+        Some((si, ri))
+    };
+
     // Per step: the slowest rank's time in top-level spans inside the step (a rank without
     // any counts as 0, as in the span path's matrix).
-    let wall_max: Vec<i64> = rows
-        .iter()
-        .map(|&row| {
-            let (mut m, mut present) = (i64::MIN, 0usize);
-            for (pos, v) in d.walls.row(row) {
-                if column.get(pos as usize).copied().flatten().is_some() {
-                    m = m.max(v);
-                    present += 1;
-                }
-            }
-            if present < n_ranks || present == 0 {
-                m.max(0)
-            } else {
-                m
-            }
-        })
-        .collect();
+    let mut wall_max = vec![i64::MIN; n_steps];
+    let mut present = vec![0usize; n_steps];
+    let mut wall_total = 0i64;
+    d.walls.each(|row, pos, v| {
+        if let Some((si, _)) = cell_at(row, pos) {
+            wall_max[si] = wall_max[si].max(v);
+            present[si] += 1;
+            wall_total = wall_total.saturating_add(v);
+        }
+    });
+    for (m, &n) in wall_max.iter_mut().zip(&present) {
+        if n < n_ranks || n == 0 {
+            *m = (*m).max(0);
+        }
+    }
     let step_total: i64 = match step_name.and_then(|id| d.phases.get(id).cloned().flatten()) {
         Some(p) => p.in_step_ns,
         None if step_name.is_some() => 0,
-        None => rows
-            .iter()
-            .flat_map(|&row| d.walls.row(row))
-            .filter(|(pos, _)| column.get(*pos as usize).copied().flatten().is_some())
-            .map(|(_, v)| v)
-            .sum(),
+        None => wall_total,
     };
 
     // Who waited for whom at collectives, one step at a time; the waits to take out of each
@@ -170,25 +174,19 @@ pub fn analyse_digest(
             // This phase's steps x ranks matrix (-1 = not run), less the waits inside it.
             let mut cell = vec![-1i64; n_steps * n_ranks];
             if let Some(cells) = d.cells.get(id as usize) {
-                for (si, &row) in rows.iter().enumerate() {
-                    let out = &mut cell[si * n_ranks..(si + 1) * n_ranks];
-                    for (pos, v) in cells.row(row) {
-                        if let Some(ri) = column.get(pos as usize).copied().flatten() {
-                            out[ri] = v;
-                        }
+                cells.each(|row, pos, v| {
+                    if let Some((si, ri)) = cell_at(row, pos) {
+                        cell[si * n_ranks + ri] = v;
                     }
-                }
+                });
             }
             if let Some(w) = waited.get(id as usize) {
-                for si in 0..n_steps {
-                    let out = &mut cell[si * n_ranks..(si + 1) * n_ranks];
-                    for (ri, wait) in w.row(si as u32) {
-                        let c = &mut out[ri as usize];
-                        if *c >= 0 {
-                            *c = c.saturating_sub(wait).max(0);
-                        }
+                w.each(|si, ri, wait| {
+                    let c = &mut cell[si as usize * n_ranks + ri as usize];
+                    if *c >= 0 {
+                        *c = c.saturating_sub(wait).max(0);
                     }
-                }
+                });
             }
             let stragglers = phase_stragglers(&cell, &ranks, &name, groups, opts);
             (stats, stragglers)
