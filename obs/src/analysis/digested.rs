@@ -11,8 +11,6 @@
 
 use std::collections::HashMap;
 
-use rayon::prelude::*;
-
 use super::summary::{
     Analysis, Gathered, PhaseStats, Straggler, StragglerOptions, assemble, is_tag_phase,
     phase_stragglers, union_len,
@@ -87,8 +85,9 @@ pub fn analyse_digest(
         None => wall_total,
     };
 
-    // Who waited for whom at collectives, one step at a time; the waits to take out of each
-    // phase's cells, by name id (rows: positions in `steps`; columns: rank columns).
+    // Who waited for whom at collectives, one step at a time; the waits to take out of the
+    // cells of the phases around them, by container set (a run has a few: one per set, not
+    // one per phase; rows: positions in `steps`; columns: rank columns).
     let step_index: HashMap<u64, u32> = steps
         .iter()
         .enumerate()
@@ -96,7 +95,7 @@ pub fn analyse_digest(
         .collect();
     let mut coll_steps: Vec<u64> = d.collectives.keys().copied().collect();
     coll_steps.sort_unstable();
-    let mut waited: Vec<Cells> = Vec::new();
+    let mut waited: Vec<Cells> = vec![Cells::default(); d.container_sets.len()];
     let mut calls: Vec<Call> = Vec::new();
     // The phase each call's late rank came from, by `Call::late_idx`.
     let mut late_from: Vec<NameId> = Vec::new();
@@ -107,7 +106,7 @@ pub fn analyse_digest(
             .enumerate()
             .map(|(i, c)| Arrival {
                 step,
-                name: c.name,
+                name: d.contexts[c.context as usize].name,
                 rank: c.rank,
                 start: c.start_ns,
                 idx: i as u32,
@@ -120,18 +119,15 @@ pub fn analyse_digest(
                 let Some(&ri) = rank_column.get(&c.rank) else {
                     continue;
                 };
-                let set = d.container_sets.get(c.containers as usize);
-                for &name in set.map_or(&[][..], Vec::as_slice) {
-                    let name = name as usize;
-                    if waited.len() <= name {
-                        waited.resize_with(name + 1, Default::default);
-                    }
-                    waited[name].add(si, ri as u32, w);
+                let set = d.contexts[c.context as usize].containers;
+                if let Some(cells) = waited.get_mut(set as usize) {
+                    cells.add(si, ri as u32, w);
                 }
             }
         }
         for mut call in step_calls {
-            late_from.push(colls[call.late_idx as usize].before);
+            let late = &colls[call.late_idx as usize];
+            late_from.push(d.contexts[late.context as usize].before);
             call.late_idx = late_from.len() as u32 - 1;
             calls.push(call);
         }
@@ -148,9 +144,10 @@ pub fn analyse_digest(
         })
     };
 
+    // One phase at a time: its steps x ranks matrix is the analysis's largest allocation.
     let per_phase: Vec<(PhaseStats, Vec<Straggler>)> = d
         .phases
-        .par_iter()
+        .iter()
         .enumerate()
         .filter_map(|(id, p)| Some((id as NameId, p.as_ref()?)))
         .map(|(id, p)| {
@@ -180,11 +177,16 @@ pub fn analyse_digest(
                     }
                 });
             }
-            if let Some(w) = waited.get(id as usize) {
+            for (set, w) in d.container_sets.iter().zip(&waited) {
+                // A set naming the phase twice (nested spans of one name) takes it out twice.
+                let times = set.iter().filter(|&&n| n == id).count() as i64;
+                if times == 0 {
+                    continue;
+                }
                 w.each(|si, ri, wait| {
                     let c = &mut cell[si as usize * n_ranks + ri as usize];
                     if *c >= 0 {
-                        *c = c.saturating_sub(wait).max(0);
+                        *c = c.saturating_sub(wait.saturating_mul(times)).max(0);
                     }
                 });
             }

@@ -9,20 +9,28 @@ use super::{PartDigest, PhaseDigest, PipelineStep};
 use crate::run::NameId;
 
 /// One collective of the run (its step is its key in [`RunDigest::collectives`]), on rank
-/// 0's clock, with run-wide name ids.
+/// 0's clock: 16 bytes, a day-long 1024-rank job has millions.
 #[derive(Debug, Clone, Copy)]
 pub struct RunCollective {
     pub rank: u32,
-    pub name: NameId,
+    /// Index into [`RunDigest::contexts`].
+    pub context: u32,
     pub start_ns: i64,
+}
+
+/// What a collective is besides its rank and time (interned: a run has a few), with run-wide
+/// name ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CollectiveContext {
+    pub name: NameId,
     /// The phase the rank came from (see [`super::CollectiveDigest::before`]);
-    /// [`RunCollective::UNKNOWN`] when unknown.
+    /// [`CollectiveContext::UNKNOWN`] when unknown.
     pub before: NameId,
     /// Index into [`RunDigest::container_sets`].
     pub containers: u32,
 }
 
-impl RunCollective {
+impl CollectiveContext {
     pub const UNKNOWN: NameId = NameId::MAX;
 }
 
@@ -62,6 +70,9 @@ pub struct RunDigest {
     pub tag_spans: Vec<(u64, u32, NameId, i64, i64)>,
     /// By step: its collectives, in merge order.
     pub collectives: FxHashMap<u64, Vec<RunCollective>>,
+    /// The distinct contexts of the collectives.
+    pub contexts: Vec<CollectiveContext>,
+    context_ids: FxHashMap<CollectiveContext, u32>,
     /// The distinct name sets the collectives started inside (interned: a run has a few).
     pub container_sets: Vec<Vec<NameId>>,
     container_ids: FxHashMap<Vec<NameId>, u32>,
@@ -162,15 +173,23 @@ impl RunDigest {
                     id
                 }
             };
+            let ctx = CollectiveContext {
+                name: g(c.name),
+                before: before.unwrap_or(CollectiveContext::UNKNOWN),
+                containers,
+            };
+            let next = self.contexts.len() as u32;
+            let context = *self.context_ids.entry(ctx).or_insert(next);
+            if context == next {
+                self.contexts.push(ctx);
+            }
             self.collectives
                 .entry(c.step)
                 .or_default()
                 .push(RunCollective {
                     rank,
-                    name: g(c.name),
+                    context,
                     start_ns: at,
-                    before: before.unwrap_or(RunCollective::UNKNOWN),
-                    containers,
                 });
         }
         let mut last: LastEnded = match self.prev.take() {

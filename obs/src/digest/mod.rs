@@ -28,7 +28,7 @@ use crate::analysis::metrics::Acc;
 use crate::schema::Reduce;
 
 pub use file::{decode, encode, read_local, summary_file_name, summary_path, write_local};
-pub use merged::{RunCollective, RunDigest};
+pub use merged::{CollectiveContext, RunCollective, RunDigest};
 
 use crate::part::CompactedDamage;
 use crate::record::NO_STEP;
