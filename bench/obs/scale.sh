@@ -12,10 +12,11 @@
 #
 # `summary` is measured three ways on each run: from the per-part summaries the generator wrote
 # next to every part (the default), with `--exact` (every span decoded, as before them), and once
-# after deleting them (a run written before summaries: built, cached, then summarised).
+# after deleting them (a run written before summaries: built, cached, then summarised); `metrics`
+# from the summaries and with `--exact`.
 #
 # Environment: OBS_SCALE_DIR (default /tmp/titan-obs-scale), RANKS (1024), HOURS ("1 6 24"),
-# PROFILE (release; dev: see below), SUMMARY_ONLY (0; 1: only the files and the three summaries, no load/TUI/follow),
+# PROFILE (release; dev: see below), SUMMARY_ONLY (0; 1: only the files, the three summaries and the two metrics, no load/TUI/follow),
 # TUI_ONLY (0; 1: only the TUI: its first frame, a jump to a step then a zoom to a one-minute
 # window (its `frame N ms`), and `--follow` while every rank appends: refresh read/append and
 # key latency), TUI_ARGS (more arguments for the TUI, e.g. `--detail-levels always` on a run
@@ -163,6 +164,9 @@ one() {  # one LAYOUT RANKS HOURS
   # built and cached next to the parts, then the summary is the first line's).
   measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
   measure_json "summary --exact $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet --exact
+  # `metrics` reads the summaries' scalar sections the same way.
+  measure_json "metrics $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet
+  measure_json "metrics --exact $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet --exact
   find "$run/obs" -name 'part-*.summary' -delete
   measure_json "summary, first open without summaries $1 $2x$3h" 1 "$BIN" summary "$run" --quiet
   if [ "$SUMMARY_ONLY" = 1 ]; then return; fi

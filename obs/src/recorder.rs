@@ -948,8 +948,9 @@ mod tests {
                 saw_journal |= journals() > 0;
                 let o = objects();
                 assert!(
-                    o.iter()
-                        .all(|o| o.ends_with(".parquet") || o.ends_with(".summary")),
+                    o.iter().all(|o| o.ends_with(".parquet")
+                        || o.ends_with(".summary")
+                        || o.ends_with(".lod")),
                     "{o:?}"
                 );
             }
@@ -957,16 +958,19 @@ mod tests {
         let stats = finish_with_stats().unwrap();
         assert!(saw_journal, "the journal lives in the spool folder");
         assert_eq!(journals(), 0, "compacted journals are removed");
-        let (objects, summaries): (Vec<String>, Vec<String>) =
-            objects().into_iter().partition(|o| o.ends_with(".parquet"));
+        let all = objects();
+        let with = |ext: &str| -> Vec<String> {
+            all.iter().filter(|o| o.ends_with(ext)).cloned().collect()
+        };
+        let objects = with(".parquet");
         assert!(objects.len() >= 2, "{objects:?}");
         assert_eq!(objects.len() as u64, stats.parts);
-        // Every part is uploaded with its summary.
-        let want: Vec<String> = objects
-            .iter()
-            .map(|o| o.replace(".parquet", ".summary"))
-            .collect();
-        assert_eq!(summaries, want);
+        assert_eq!(all.len(), 3 * objects.len(), "{all:?}");
+        // Every part is uploaded with its summary and its detail levels.
+        for ext in [".summary", ".lod"] {
+            let want: Vec<String> = objects.iter().map(|o| o.replace(".parquet", ext)).collect();
+            assert_eq!(with(ext), want);
+        }
         assert!(
             objects
                 .iter()

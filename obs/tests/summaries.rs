@@ -6,7 +6,7 @@ mod common;
 
 use std::path::Path;
 
-use titan_obs_core::analysis::{StragglerOptions, Summary, summary};
+use titan_obs_core::analysis::{StragglerOptions, Summary, metrics, summary};
 use titan_obs_core::digest::SKETCH_ALPHA;
 use titan_obs_core::synth::{Straggler, SynthConfig, write_run};
 use titan_obs_core::{ReadOptions, Run};
@@ -19,14 +19,35 @@ fn load(run: &Path, digests: bool) -> Run {
     titan_obs_core::load(run.to_str().unwrap(), &opts).unwrap()
 }
 
+/// The metric lines both ways: the same steps and columns, values within float rounding
+/// (means are summed part by part from the summaries).
+fn metrics_agree(fast: &Run, exact: &Run) {
+    let (f, e) = (metrics(fast), metrics(exact));
+    assert!(!e.is_empty());
+    assert_eq!(f.len(), e.len());
+    for (a, b) in f.iter().zip(&e) {
+        assert_eq!((a.step, a.validation), (b.step, b.validation));
+        let keys = |l: &titan_obs_core::analysis::MetricsLine| -> Vec<String> {
+            l.values.iter().map(|(k, _)| k.clone()).collect()
+        };
+        assert_eq!(keys(a), keys(b), "step {}", a.step);
+        for ((k, x), (_, y)) in a.values.iter().zip(&b.values) {
+            assert!((x - y).abs() <= 1e-9 * y.abs().max(1.0), "{k}: {x} vs {y}");
+        }
+    }
+}
+
 /// The summary of `run` both ways, checked to agree; returns the one from the summaries.
 fn agree(run: &Path) -> Summary {
     let opts = StragglerOptions::default();
     let fast = load(run, true);
     assert!(fast.spans.is_empty(), "no span is decoded");
+    assert!(fast.scalars.rank.is_empty(), "no scalar is decoded");
     assert!(fast.digest.is_some());
+    let exact_run = load(run, false);
+    metrics_agree(&fast, &exact_run);
     let fast = summary(&fast, &opts);
-    let exact = summary(&load(run, false), &opts);
+    let exact = summary(&exact_run, &opts);
     assert_eq!(
         (fast.ranks, fast.steps, fast.spans, fast.errors),
         (exact.ranks, exact.steps, exact.spans, exact.errors)
@@ -166,6 +187,27 @@ fn runs_written_before_summaries_get_them_on_first_open() {
         rebuilt == bytes,
         "cached summaries differ from the written ones"
     );
+    agree(&run);
+}
+
+/// A summary written by the previous version (1) is not damage: it is rebuilt from its part
+/// and rewritten, quietly.
+#[test]
+fn summaries_of_an_older_version_are_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth(dir.path());
+    let one = run.join("obs/rank-0/part-000000.summary");
+    let bytes = std::fs::read(&one).unwrap();
+    let mut old = bytes.clone();
+    old[8..12].copy_from_slice(&1u32.to_le_bytes());
+    std::fs::write(&one, &old).unwrap();
+    let loaded = load(&run, true);
+    assert!(
+        loaded.report.damage.is_empty(),
+        "{:?}",
+        loaded.report.damage
+    );
+    assert_eq!(std::fs::read(&one).unwrap(), bytes);
     agree(&run);
 }
 

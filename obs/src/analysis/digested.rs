@@ -4,98 +4,150 @@
 //! the sketches (within [`crate::digest::SKETCH_ALPHA`]). Where a step runs across two parts
 //! of a rank (the journal rotated mid-step), a collective's wait is only taken out of the
 //! spans of its own part that contain it.
+//!
+//! Memory: the merged cells (4 bytes each) and collectives are held once; the steps x ranks
+//! matrix of a phase is built for that phase's stragglers only, and collectives are matched
+//! one step at a time.
 
 use std::collections::HashMap;
-
-use rayon::prelude::*;
 
 use super::summary::{
     Analysis, Gathered, PhaseStats, Straggler, StragglerOptions, assemble, is_tag_phase,
     phase_stragglers, union_len,
 };
 use super::table::RunShape;
-use super::waits::{Arrival, account, match_arrivals};
-use crate::digest::{RunDigest, sketch_quantile};
+use super::waits::{Arrival, Call, account, match_arrivals};
+use crate::digest::cells::Cells;
+use crate::digest::{RunCollective, RunDigest, sketch_quantile};
 use crate::run::NameId;
 
-/// [`super::analyse`] over merged summaries; `names` are the run's names.
+/// [`super::analyse_grouped`] over merged summaries; `names` are the run's names.
 pub fn analyse_digest(
     d: &RunDigest,
     names: &[String],
     shape: &RunShape,
+    groups: &[Vec<u32>],
     opts: &StragglerOptions,
 ) -> Analysis {
     let ranks: Vec<u32> = shape.ranks.clone();
     let n_ranks = ranks.len();
-    // Row position (ranks in merge order) -> column of the steps x ranks matrices.
+    // Rank position (ranks in merge order) -> column of the steps x ranks matrices.
     let rank_column: HashMap<u32, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
     let column: Vec<Option<usize>> = d
         .ranks
         .iter()
         .map(|r| rank_column.get(r).copied())
         .collect();
-    let mut steps: Vec<u64> = d.cells.keys().map(|&(_, s)| s).collect();
-    steps.sort_unstable();
-    steps.dedup();
+    // Steps in order, and each one's row in the digest's cells.
+    let mut order: Vec<(u64, u32)> = d
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(row, &s)| (s, row as u32))
+        .collect();
+    order.sort_unstable();
+    let steps: Vec<u64> = order.iter().map(|&(s, _)| s).collect();
+    let rows: Vec<u32> = order.iter().map(|&(_, r)| r).collect();
     let n_steps = steps.len();
-    let step_pos: HashMap<u64, usize> = steps.iter().enumerate().map(|(i, &s)| (s, i)).collect();
     let step_name = names.iter().position(|n| n == crate::vocab::STEP);
 
-    // Step time per (step, rank): top-level spans inside steps.
-    let mut wall = vec![0i64; n_steps * n_ranks];
-    for (step, row) in &d.walls {
-        let Some(&si) = step_pos.get(step) else {
-            continue;
-        };
-        for (&v, ri) in row.iter().zip(&column) {
-            if let Some(ri) = ri {
-                wall[si * n_ranks + ri] = v;
-            }
+    // Step row (first-seen order) -> position in `steps`.
+    let mut si_of_row: Vec<Option<usize>> = vec![None; d.steps.len()];
+    for (si, &row) in rows.iter().enumerate() {
+        si_of_row[row as usize] = Some(si);
+    }
+    let cell_at = |row: u32, pos: u32| -> Option<(usize, usize)> {
+        let si = si_of_row.get(row as usize).copied().flatten()?;
+        let ri = column.get(pos as usize).copied().flatten()?;
+        Some((si, ri))
+    };
+
+    // Per step: the slowest rank's time in top-level spans inside the step (a rank without
+    // any counts as 0, as in the span path's matrix).
+    let mut wall_max = vec![i64::MIN; n_steps];
+    let mut present = vec![0usize; n_steps];
+    let mut wall_total = 0i64;
+    d.walls.each(|row, pos, v| {
+        if let Some((si, _)) = cell_at(row, pos) {
+            wall_max[si] = wall_max[si].max(v);
+            present[si] += 1;
+            wall_total = wall_total.saturating_add(v);
+        }
+    });
+    for (m, &n) in wall_max.iter_mut().zip(&present) {
+        if n < n_ranks || n == 0 {
+            *m = (*m).max(0);
         }
     }
     let step_total: i64 = match step_name.and_then(|id| d.phases.get(id).cloned().flatten()) {
         Some(p) => p.in_step_ns,
         None if step_name.is_some() => 0,
-        None => wall.iter().sum(),
+        None => wall_total,
     };
 
-    // Who waited for whom at collectives, and the wait to take out of each cell.
-    let arrivals: Vec<Arrival> = d
-        .collectives
+    // Who waited for whom at collectives, one step at a time; the waits to take out of the
+    // cells of the phases around them, by container set (a run has a few: one per set, not
+    // one per phase; rows: positions in `steps`; columns: rank columns).
+    let step_index: HashMap<u64, u32> = steps
         .iter()
         .enumerate()
-        .map(|(i, c)| Arrival {
-            step: c.step,
-            name: c.name,
-            rank: c.rank,
-            start: c.start_ns,
-            idx: i as u32,
-        })
+        .map(|(i, &s)| (s, i as u32))
         .collect();
-    let (calls, span_wait) = match_arrivals(arrivals);
-    // (name, step) -> (rank, its wait inside spans of that name in that step).
-    let mut waited: HashMap<(NameId, u64), Vec<(u32, i64)>> = HashMap::new();
-    for &(idx, w) in &span_wait {
-        let c = &d.collectives[idx as usize];
-        let range = c.containers.start as usize..c.containers.end as usize;
-        for &(name, step) in d.containers.get(range).unwrap_or_default() {
-            waited.entry((name, step)).or_default().push((c.rank, w));
+    let mut coll_steps: Vec<u64> = d.collectives.keys().copied().collect();
+    coll_steps.sort_unstable();
+    let mut waited: Vec<Cells> = vec![Cells::default(); d.container_sets.len()];
+    let mut calls: Vec<Call> = Vec::new();
+    // The phase each call's late rank came from, by `Call::late_idx`.
+    let mut late_from: Vec<NameId> = Vec::new();
+    for step in coll_steps {
+        let colls: &[RunCollective] = &d.collectives[&step];
+        let arrivals: Vec<Arrival> = colls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| Arrival {
+                step,
+                name: d.contexts[c.context as usize].name,
+                rank: c.rank,
+                start: c.start_ns,
+                idx: i as u32,
+            })
+            .collect();
+        let (step_calls, span_wait) = match_arrivals(arrivals);
+        if let Some(&si) = step_index.get(&step) {
+            for (idx, w) in span_wait {
+                let c = &colls[idx as usize];
+                let Some(&ri) = rank_column.get(&c.rank) else {
+                    continue;
+                };
+                let set = d.contexts[c.context as usize].containers;
+                if let Some(cells) = waited.get_mut(set as usize) {
+                    cells.add(si, ri as u32, w);
+                }
+            }
+        }
+        for mut call in step_calls {
+            let late = &colls[call.late_idx as usize];
+            late_from.push(d.contexts[late.context as usize].before);
+            call.late_idx = late_from.len() as u32 - 1;
+            calls.push(call);
         }
     }
     let waits = if calls.is_empty() {
         Default::default()
     } else {
-        account(&calls, span_wait, |c| {
-            d.collectives[c.late_idx as usize]
-                .before
-                .and_then(|n| names.get(n as usize).cloned())
+        // The span path's per-span waits have no meaning here (no spans): left empty.
+        account(&calls, Vec::new(), |c| {
+            names
+                .get(late_from[c.late_idx as usize] as usize)
+                .cloned()
                 .unwrap_or_else(|| "-".to_string())
         })
     };
 
+    // One phase at a time: its steps x ranks matrix is the analysis's largest allocation.
     let per_phase: Vec<(PhaseStats, Vec<Straggler>)> = d
         .phases
-        .par_iter()
+        .iter()
         .enumerate()
         .filter_map(|(id, p)| Some((id as NameId, p.as_ref()?)))
         .map(|(id, p)| {
@@ -116,26 +168,29 @@ pub fn analyse_digest(
             if p.in_step == 0 || n_ranks < 2 {
                 return (stats, Vec::new());
             }
+            // This phase's steps x ranks matrix (-1 = not run), less the waits inside it.
             let mut cell = vec![-1i64; n_steps * n_ranks];
-            for (si, &step) in steps.iter().enumerate() {
-                let Some(row) = d.cells.get(&(id, step)) else {
-                    continue;
-                };
-                let out = &mut cell[si * n_ranks..(si + 1) * n_ranks];
-                for (&v, ri) in row.iter().zip(&column) {
-                    if let (Some(ri), true) = (ri, v >= 0) {
-                        out[*ri] = v;
+            if let Some(cells) = d.cells.get(id as usize) {
+                cells.each(|row, pos, v| {
+                    if let Some((si, ri)) = cell_at(row, pos) {
+                        cell[si * n_ranks + ri] = v;
                     }
-                }
-                for &(rank, w) in waited.get(&(id, step)).map_or(&[][..], Vec::as_slice) {
-                    if let Some(&ri) = rank_column.get(&rank)
-                        && out[ri] >= 0
-                    {
-                        out[ri] = out[ri].saturating_sub(w).max(0);
-                    }
-                }
+                });
             }
-            let stragglers = phase_stragglers(&cell, &ranks, &name, opts);
+            for (set, w) in d.container_sets.iter().zip(&waited) {
+                // A set naming the phase twice (nested spans of one name) takes it out twice.
+                let times = set.iter().filter(|&&n| n == id).count() as i64;
+                if times == 0 {
+                    continue;
+                }
+                w.each(|si, ri, wait| {
+                    let c = &mut cell[si as usize * n_ranks + ri as usize];
+                    if *c >= 0 {
+                        *c = c.saturating_sub(wait.saturating_mul(times)).max(0);
+                    }
+                });
+            }
+            let stragglers = phase_stragglers(&cell, &ranks, &name, groups, opts);
             (stats, stragglers)
         })
         .collect();
@@ -161,10 +216,11 @@ pub fn analyse_digest(
         Gathered {
             ranks: &ranks,
             steps: &steps,
-            wall: &wall,
+            wall_max: &wall_max,
             per_phase,
             tagged_phase,
             waits,
+            grouped: !groups.is_empty(),
         },
         shape,
         opts,

@@ -22,25 +22,37 @@ pub struct MetricsLine {
     pub values: Vec<(String, f64)>,
 }
 
-#[derive(Default)]
-struct Acc {
-    sum: f64,
-    count: u64,
-    min: f64,
-    max: f64,
+/// The values of one (step, name, reduce) cell: what any reduce needs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Acc {
+    pub sum: f64,
+    pub count: u64,
+    pub min: f64,
+    pub max: f64,
 }
 
 impl Acc {
-    fn add(&mut self, v: f64) {
-        if self.count == 0 {
-            self.min = v;
-            self.max = v;
-        } else {
-            self.min = self.min.min(v);
-            self.max = self.max.max(v);
+    pub(crate) fn add(&mut self, v: f64) {
+        self.merge(&Acc {
+            sum: v,
+            count: 1,
+            min: v,
+            max: v,
+        });
+    }
+    /// Adds another cell's values (a later part's, or a later rank's).
+    pub(crate) fn merge(&mut self, o: &Acc) {
+        if o.count == 0 {
+            return;
         }
-        self.sum += v;
-        self.count += 1;
+        if self.count == 0 {
+            *self = *o;
+            return;
+        }
+        self.min = self.min.min(o.min);
+        self.max = self.max.max(o.max);
+        self.sum += o.sum;
+        self.count += o.count;
     }
     fn get(&self, r: Reduce) -> f64 {
         match r {
@@ -55,45 +67,85 @@ impl Acc {
 /// Column order (first recorded first) and accumulators of one line.
 type LineAcc = (Vec<(u32, Reduce)>, BTreeMap<(u32, Reduce), Acc>);
 
-/// Aggregates the run's scalars per step (steps without a step number are skipped).
+/// The metric lines being gathered: from the scalars, or from the per-part summaries' cells
+/// merged in the same (rank, part) order.
+#[derive(Debug, Clone, Default)]
+pub struct Lines(BTreeMap<(u64, bool), LineAcc>);
+
+impl Lines {
+    /// Merges `acc` into (step, name, reduce); `validation`: the name is `validation/...`.
+    pub(crate) fn add(
+        &mut self,
+        step: u64,
+        validation: bool,
+        name: u32,
+        reduce: Reduce,
+        acc: &Acc,
+    ) {
+        let (order, accs) = self.0.entry((step, validation)).or_default();
+        let key = (name, reduce);
+        accs.entry(key)
+            .or_insert_with(|| {
+                order.push(key);
+                Acc::default()
+            })
+            .merge(acc);
+    }
+}
+
+/// Whether scalar `name` goes on `validate step:` lines.
+pub(crate) fn is_validation(name: &str) -> bool {
+    name.starts_with("validation/")
+}
+
+/// Aggregates the run's scalars per step (steps without a step number are skipped); a run
+/// read as per-part summaries from their scalar cells (means summed part by part rather
+/// than record by record: the same but for float rounding).
 pub fn metrics(run: &Run) -> Vec<MetricsLine> {
+    if let Some(d) = &run.digest {
+        return finish(&d.metrics, &run.names);
+    }
     let sc = &run.scalars;
-    // (step, validation) -> column order + accumulators.
-    let mut lines: BTreeMap<(u64, bool), LineAcc> = BTreeMap::new();
+    let mut lines = Lines::default();
     for i in 0..sc.rank.len() {
         let step = sc.step[i];
         if step == NO_STEP || sc.value[i].is_nan() {
             continue;
         }
         let name = sc.name[i];
-        let validation = run.name(name).starts_with("validation/");
-        let (order, accs) = lines.entry((step, validation)).or_default();
-        let key = (name, sc.reduce[i]);
-        let acc = accs.entry(key).or_insert_with(|| {
-            order.push(key);
-            Acc::default()
-        });
+        let mut acc = Acc::default();
         acc.add(sc.value[i]);
+        lines.add(
+            step,
+            is_validation(run.name(name)),
+            name,
+            sc.reduce[i],
+            &acc,
+        );
     }
+    finish(&lines, &run.names)
+}
+
+/// The lines, with `names` the run's names.
+fn finish(lines: &Lines, names: &[String]) -> Vec<MetricsLine> {
     // Collectives' payloads (`comm/...`, recorded inside their spans, often before the
     // step's training scalars) go after the training metrics, so lines read like torchtitan's.
-    let is_comm: Vec<bool> = run
-        .names
-        .iter()
-        .map(|n| n.starts_with(crate::vocab::collective::BYTES_PREFIX))
-        .collect();
+    let name = |id: u32| names.get(id as usize).map_or("?", String::as_str);
+    let is_comm = |id: u32| name(id).starts_with(crate::vocab::collective::BYTES_PREFIX);
     lines
-        .into_iter()
-        .map(|((step, validation), (mut order, accs))| MetricsLine {
-            step,
-            validation,
-            values: {
-                order.sort_by_key(|k| is_comm[k.0 as usize]);
-                order
+        .0
+        .iter()
+        .map(|(&(step, validation), (order, accs))| {
+            let mut order = order.clone();
+            order.sort_by_key(|k| is_comm(k.0));
+            MetricsLine {
+                step,
+                validation,
+                values: order
+                    .into_iter()
+                    .map(|k| (format!("{}_{}", name(k.0), k.1), accs[&k].get(k.1)))
+                    .collect(),
             }
-            .into_iter()
-            .map(|k| (format!("{}_{}", run.name(k.0), k.1), accs[&k].get(k.1)))
-            .collect(),
         })
         .collect()
 }

@@ -20,8 +20,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Serialize;
 
 use super::stats::median_f64;
+use crate::digest::merged::RankPipeline;
+use crate::digest::{PhaseDigest, PipelineDigest, PipelineStep, RunDigest};
 use crate::record::NO_STEP;
-use crate::run::Run;
+use crate::run::{PartData, Run};
+use crate::schema::PipelineSlot;
 use crate::vocab::{PROFILER_STEP, titan, torch_pipelining};
 
 /// The pipeline of a run, as its records show it.
@@ -66,97 +69,261 @@ pub struct StageBubble {
     pub bubble: f64,
 }
 
-#[derive(Default)]
-struct RankStep {
-    window: i64,
-    profiler_step: i64,
-    busy: i64,
-    recv: i64,
+/// What a span is to the pipeline analysis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The rank's pipeline window (`forward_backward`).
+    Window,
+    /// A profiler step (the window of a PyTorch trace, which has no `forward_backward`).
+    ProfilerStep,
+    /// Waiting to receive from a neighbouring stage.
+    Recv,
+    /// One microbatch's pass: forward, or backward (whole, or a zero-bubble half).
+    Forward,
+    Backward,
+    Other,
 }
 
-impl RankStep {
-    /// The rank's pipeline window: `forward_backward`, else the profiler step.
-    fn window(&self) -> i64 {
-        if self.window > 0 {
-            self.window
-        } else {
-            self.profiler_step
+/// The roles of a name table's names.
+struct Roles {
+    window: Option<usize>,
+    profiler_step: Option<usize>,
+    recv: Option<usize>,
+    forward: Option<usize>,
+    backwards: Vec<Option<usize>>,
+    /// Per name: a torch compute action, and whether it is a forward.
+    torch_pass: Vec<Option<bool>>,
+    torch_recv: Vec<bool>,
+}
+
+impl Roles {
+    fn of(names: &[String]) -> Roles {
+        let id = |name: &str| names.iter().position(|n| n == name);
+        Roles {
+            window: id(titan::FORWARD_BACKWARD),
+            profiler_step: id(PROFILER_STEP),
+            recv: id(titan::PIPELINE_RECV),
+            forward: id(titan::FORWARD),
+            backwards: titan::PIPELINE_PASSES[1..].iter().map(|n| id(n)).collect(),
+            torch_pass: names
+                .iter()
+                .map(|n| {
+                    torch_pipelining::parse_action(n)
+                        .filter(|(_, c)| torch_pipelining::is_pass(c))
+                        .map(|(_, c)| c == "F")
+                })
+                .collect(),
+            torch_recv: names
+                .iter()
+                .map(|n| {
+                    torch_pipelining::parse_action(n).is_some_and(|(_, c)| c.starts_with("RECV"))
+                })
+                .collect(),
         }
+    }
+
+    /// The role of a span named `name`; `slotted`: it carries a pipeline slot (receives and
+    /// passes without one are not the schedule's).
+    fn role(&self, name: usize, slotted: bool) -> Role {
+        let n = Some(name);
+        if n == self.window {
+            Role::Window
+        } else if n == self.profiler_step {
+            Role::ProfilerStep
+        } else if !slotted {
+            Role::Other
+        } else if n == self.recv || self.torch_recv.get(name).copied().unwrap_or(false) {
+            Role::Recv
+        } else if n == self.forward || self.torch_pass.get(name) == Some(&Some(true)) {
+            Role::Forward
+        } else if self.backwards.contains(&n) || self.torch_pass.get(name) == Some(&Some(false)) {
+            Role::Backward
+        } else {
+            Role::Other
+        }
+    }
+}
+
+/// One rank's schedule: the stages it ran passes of, its microbatches and per step its
+/// window, passes and receives.
+#[derive(Debug, Clone, Default)]
+pub struct RankSchedule {
+    pub stages: BTreeSet<u16>,
+    /// Largest microbatch + 1.
+    pub microbatches: u32,
+    pub steps: BTreeMap<u64, PipelineStep>,
+}
+
+impl RankSchedule {
+    /// Adds a span of `role` (with its slot, for passes) in `step`.
+    fn add(&mut self, role: Role, step: u64, dur: i64, slot: Option<PipelineSlot>) {
+        let e = self.steps.entry(step).or_insert(PipelineStep {
+            step,
+            ..Default::default()
+        });
+        match role {
+            Role::Window => e.window += dur,
+            Role::ProfilerStep => e.profiler_step += dur,
+            Role::Recv => e.recv += dur,
+            Role::Forward | Role::Backward => {
+                e.busy += dur;
+                if let Some(slot) = slot {
+                    self.stages.insert(slot.stage);
+                    self.microbatches = self.microbatches.max(u32::from(slot.microbatch) + 1);
+                }
+            }
+            Role::Other => {}
+        }
+    }
+}
+
+/// The rank's pipeline window in a step: `forward_backward`, else the profiler step.
+fn window(s: &PipelineStep) -> i64 {
+    if s.window > 0 {
+        s.window
+    } else {
+        s.profiler_step
     }
 }
 
 /// The pipeline analysis of a run loaded with the `pipeline` columns; `None` when no span
 /// carries a pipeline slot (not a pipeline run, or a file without the columns).
 pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
+    if let Some(d) = &run.digest {
+        return digest_pipeline_summary(d);
+    }
     let s = &run.spans;
     if s.pipeline.len() != s.len() || s.pipeline.iter().all(Option::is_none) {
         return None;
     }
-    let id = |name: &str| run.names.iter().position(|n| n == name);
-    let forward = id(titan::FORWARD);
-    // Backward passes: whole, or a zero-bubble schedule's input and weight halves.
-    let backwards: Vec<Option<usize>> = titan::PIPELINE_PASSES[1..].iter().map(|n| id(n)).collect();
-    let (window, recv) = (id(titan::FORWARD_BACKWARD), id(titan::PIPELINE_RECV));
-    // A PyTorch profiler trace of torch.distributed.pipelining has no `forward_backward`:
-    // its pipeline time is the profiler step, and its passes are the `PP:` compute actions.
-    let profiler_step = id(PROFILER_STEP);
-    // Per name: a torch compute action, and whether it is a forward.
-    let torch_pass: Vec<Option<bool>> = run
-        .names
-        .iter()
-        .map(|n| {
-            torch_pipelining::parse_action(n)
-                .filter(|(_, c)| torch_pipelining::is_pass(c))
-                .map(|(_, c)| c == "F")
-        })
-        .collect();
-    let torch_recv: Vec<bool> = run
-        .names
-        .iter()
-        .map(|n| torch_pipelining::parse_action(n).is_some_and(|(_, c)| c.starts_with("RECV")))
-        .collect();
-
-    let mut stages_of_rank: BTreeMap<u32, BTreeSet<u16>> = BTreeMap::new();
-    let mut microbatches = 0u32;
-    let mut per_rank_step: BTreeMap<(u32, u64), RankStep> = BTreeMap::new();
+    let roles = Roles::of(&run.names);
+    let mut ranks: BTreeMap<u32, RankSchedule> = BTreeMap::new();
     // Per-microbatch pass times, by rank.
     let mut passes: BTreeMap<u32, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
     for i in 0..s.len() {
-        let (rank, step, name) = (s.rank[i], s.step[i], Some(s.name[i] as usize));
+        let (rank, step) = (s.rank[i], s.step[i]);
         if step == NO_STEP {
             continue;
         }
-        let dur = s.dur_ns[i];
-        if name == window {
-            per_rank_step.entry((rank, step)).or_default().window += dur;
+        let slot = s.pipeline[i];
+        let role = roles.role(s.name[i] as usize, slot.is_some());
+        if role == Role::Other {
             continue;
         }
-        if name == profiler_step {
-            per_rank_step.entry((rank, step)).or_default().profiler_step += dur;
-            continue;
-        }
-        let Some(slot) = s.pipeline[i] else { continue };
-        let n = s.name[i] as usize;
-        if name == recv || torch_recv[n] {
-            per_rank_step.entry((rank, step)).or_default().recv += dur;
-        } else if name == forward || backwards.contains(&name) || torch_pass[n].is_some() {
-            stages_of_rank.entry(rank).or_default().insert(slot.stage);
-            microbatches = microbatches.max(u32::from(slot.microbatch) + 1);
-            per_rank_step.entry((rank, step)).or_default().busy += dur;
+        ranks
+            .entry(rank)
+            .or_default()
+            .add(role, step, s.dur_ns[i], slot);
+        if let Role::Forward | Role::Backward = role {
             let (f, b) = passes.entry(rank).or_default();
-            let is_forward = name == forward || torch_pass[n] == Some(true);
-            if is_forward { f } else { b }.push(dur as f64);
+            if role == Role::Forward { f } else { b }.push(s.dur_ns[i] as f64);
         }
     }
+    summarise(&ranks, |position| {
+        let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
+        for rank in position {
+            if let Some((f, b)) = passes.get(rank) {
+                fwd.extend(f);
+                bwd.extend(b);
+            }
+        }
+        (median_f64(&mut fwd), median_f64(&mut bwd))
+    })
+}
+
+/// A part's pipeline digest (one rank): `None` when no span of it carries a pipeline slot.
+pub(crate) fn part_pipeline(d: &PartData) -> Option<PipelineDigest> {
+    let s = &d.spans;
+    if s.pipeline.len() != s.len() || s.pipeline.iter().all(Option::is_none) {
+        return None;
+    }
+    let roles = Roles::of(&d.names);
+    let mut sched = RankSchedule::default();
+    let (mut forward, mut backward) = (PhaseDigest::default(), PhaseDigest::default());
+    for i in 0..s.len() {
+        let step = s.step[i];
+        if step == NO_STEP {
+            continue;
+        }
+        let slot = s.pipeline[i];
+        let role = roles.role(s.name[i] as usize, slot.is_some());
+        if role == Role::Other {
+            continue;
+        }
+        sched.add(role, step, s.dur_ns[i], slot);
+        match role {
+            Role::Forward => forward.add(s.dur_ns[i], 0, true),
+            Role::Backward => backward.add(s.dur_ns[i], 0, true),
+            _ => {}
+        }
+    }
+    Some(PipelineDigest {
+        stages: sched.stages.into_iter().collect(),
+        microbatches: sched.microbatches,
+        forward,
+        backward,
+        steps: sched.steps.into_values().collect(),
+    })
+}
+
+/// The pipeline analysis from a run's merged summaries: the same as from its spans, but the
+/// per-microbatch pass medians come from the sketches (within
+/// [`crate::digest::SKETCH_ALPHA`]).
+fn digest_pipeline_summary(d: &RunDigest) -> Option<PipelineSummary> {
+    if d.pipeline.is_empty() {
+        return None;
+    }
+    let ranks: BTreeMap<u32, RankSchedule> = d
+        .pipeline
+        .iter()
+        .map(|(&r, p)| {
+            (
+                r,
+                RankSchedule {
+                    stages: p.stages.clone(),
+                    microbatches: p.microbatches,
+                    steps: p.steps.clone(),
+                },
+            )
+        })
+        .collect();
+    summarise(&ranks, |position| {
+        let median = |pass: fn(&RankPipeline) -> &PhaseDigest| {
+            let mut m = PhaseDigest::default();
+            for r in position {
+                if let Some(p) = d.pipeline.get(r) {
+                    m.merge(pass(p));
+                }
+            }
+            crate::digest::sketch_median(&m.sketch, m.count, m.min_ns, m.max_ns)
+        };
+        (median(|p| &p.forward), median(|p| &p.backward))
+    })
+}
+
+/// The summary of the ranks' schedules; `pass_medians` gives the median forward and
+/// backward pass of a pipeline position's ranks.
+fn summarise(
+    ranks: &BTreeMap<u32, RankSchedule>,
+    pass_medians: impl Fn(&[u32]) -> (f64, f64),
+) -> Option<PipelineSummary> {
+    let stages_of_rank: BTreeMap<u32, &BTreeSet<u16>> = ranks
+        .iter()
+        .filter(|(_, r)| !r.stages.is_empty())
+        .map(|(&rank, r)| (rank, &r.stages))
+        .collect();
     if stages_of_rank.is_empty() {
         return None;
     }
+    let microbatches = ranks.values().map(|r| r.microbatches).max().unwrap_or(0);
     // The pipeline's time in each step: the longest window over the ranks that ran passes.
     let mut pipeline_time: BTreeMap<u64, i64> = BTreeMap::new();
-    for (&(_, step), rs) in &per_rank_step {
-        if rs.busy > 0 {
-            let t = pipeline_time.entry(step).or_default();
-            *t = (*t).max(rs.window());
+    for r in ranks.values() {
+        for (&step, rs) in &r.steps {
+            if rs.busy > 0 {
+                let t = pipeline_time.entry(step).or_default();
+                *t = (*t).max(window(rs));
+            }
         }
     }
     // Ranks holding the same stages are one pipeline position (its dp/tp replicas).
@@ -169,6 +336,7 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
     }
     let stages = stages_of_rank
         .values()
+        .copied()
         .flatten()
         .collect::<BTreeSet<_>>()
         .len() as u32;
@@ -183,15 +351,14 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
 
     let per_stage: Vec<StageBubble> = positions
         .into_iter()
-        .map(|(stages, ranks)| {
+        .map(|(stages, position)| {
             let mut busy = Vec::new();
             let mut windows = Vec::new();
             let mut recvs = Vec::new();
             let mut bubbles = Vec::new();
-            let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
-            for &rank in &ranks {
-                for (&(_, step), rs) in per_rank_step.range((rank, 0)..=(rank, u64::MAX)) {
-                    let window = pipeline_time.get(&step).copied().unwrap_or(0);
+            for rank in &position {
+                for (step, rs) in ranks.get(rank).into_iter().flat_map(|r| &r.steps) {
+                    let window = pipeline_time.get(step).copied().unwrap_or(0);
                     if window <= 0 || rs.busy <= 0 {
                         continue;
                     }
@@ -200,17 +367,14 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
                     recvs.push(rs.recv as f64);
                     bubbles.push((1.0 - rs.busy as f64 / window as f64).max(0.0));
                 }
-                if let Some((f, b)) = passes.get(&rank) {
-                    fwd.extend(f);
-                    bwd.extend(b);
-                }
             }
+            let (forward_ns, backward_ns) = pass_medians(&position);
             StageBubble {
                 stages,
-                ranks,
+                ranks: position,
                 rank_steps: bubbles.len() as u64,
-                forward_ns: median_f64(&mut fwd),
-                backward_ns: median_f64(&mut bwd),
+                forward_ns,
+                backward_ns,
                 busy_ns: median_f64(&mut busy),
                 window_ns: median_f64(&mut windows),
                 recv_wait_ns: median_f64(&mut recvs),

@@ -172,14 +172,20 @@ impl Analysis {
 /// ([`super::digested`]); any other from its spans.
 pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let shape = RunShape::of_run(run);
+    let pipeline = pipeline_summary(run);
+    // Under pipeline parallelism ranks are compared with the ranks of their own stage.
+    let groups: Vec<Vec<u32>> = pipeline
+        .as_ref()
+        .map(|p| p.per_stage.iter().map(|s| s.ranks.clone()).collect())
+        .unwrap_or_default();
     let (a, spans, errors) = match &run.digest {
         Some(d) => (
-            super::digested::analyse_digest(d, &run.names, &shape, opts),
+            super::digested::analyse_digest(d, &run.names, &shape, &groups, opts),
             d.spans,
             d.errors,
         ),
         None => (
-            analyse(&SpanTable::of_run(run), &shape, opts),
+            analyse_grouped(&SpanTable::of_run(run), &shape, &groups, opts),
             run.spans.len() as u64,
             run.errors.rank.len() as u64,
         ),
@@ -210,7 +216,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         truncated_tails: run.report.truncated_tails.clone(),
         open_spans: run.report.open_spans.clone(),
         clock_alignment: run.report.clock_alignment.clone(),
-        pipeline: pipeline_summary(run),
+        pipeline,
         run_id: run.shown_run().map(|r| r.id).filter(|id| !id.is_empty()),
         other_runs: run.other_runs(),
     }
@@ -225,7 +231,22 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
 /// median untagged step. A rank's time in a phase here leaves out the time it spent
 /// waiting in collectives inside that phase for ranks that arrived later (see [`waits`]):
 /// a fast rank waiting in `all_reduce` for a slow one is not slow.
+///
+/// Under pipeline parallelism, where ranks run different stages by design, use
+/// [`analyse_grouped`] with the stages' ranks; without them the stragglers in the passes,
+/// window, step and collectives (which the stage split shapes) are left out.
 pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Analysis {
+    analyse_grouped(t, shape, &[], opts)
+}
+
+/// [`analyse`], comparing each rank only with the ranks of its group (`groups`: the ranks of
+/// each pipeline stage; ranks in none form one more group; empty: all ranks are one group).
+pub fn analyse_grouped(
+    t: &SpanTable,
+    shape: &RunShape,
+    groups: &[Vec<u32>],
+    opts: &StragglerOptions,
+) -> Analysis {
     let n = t.len();
     let has_depth = t.has_depth();
     let n_names = t.names.len();
@@ -305,6 +326,8 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
     if step_name.is_none() {
         step_total = wall.iter().sum();
     }
+    let wall_max = row_maxima(&wall, n_ranks);
+    drop(wall);
 
     let waits = collective_waits(t);
     let own = durations_without_waits(t, &waits);
@@ -324,6 +347,7 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
                 n_steps,
                 &ranks,
                 step_total,
+                groups,
                 opts,
             )
         })
@@ -333,10 +357,11 @@ pub fn analyse(t: &SpanTable, shape: &RunShape, opts: &StragglerOptions) -> Anal
         Gathered {
             ranks: &ranks,
             steps: &steps,
-            wall: &wall,
+            wall_max: &wall_max,
             per_phase,
             tagged_phase,
             waits,
+            grouped: !groups.is_empty(),
         },
         shape,
         opts,
@@ -350,19 +375,20 @@ pub(crate) struct Gathered<'a> {
     pub(crate) ranks: &'a [u32],
     /// Sorted, distinct: the steps that have spans.
     pub(crate) steps: &'a [u64],
-    /// Steps x ranks (row-major): each rank's time in top-level spans of each step.
-    pub(crate) wall: &'a [i64],
+    /// Per step: the slowest rank's time in top-level spans of the step.
+    pub(crate) wall_max: &'a [i64],
     /// Per phase: its statistics and its stragglers (before the step-share rule).
     pub(crate) per_phase: Vec<(PhaseStats, Vec<Straggler>)>,
     /// (tagged step, rank) -> that rank's time in the step's tag phases.
     pub(crate) tagged_phase: HashMap<(u64, u32), i64>,
     pub(crate) waits: Waits,
+    /// Stragglers were found among the ranks of each pipeline stage.
+    pub(crate) grouped: bool,
 }
 
 /// Orders phases and stragglers, applies the step-share rule to stragglers and costs the
 /// tagged steps against the median untagged step.
 pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOptions) -> Analysis {
-    let n_ranks = g.ranks.len();
     let mut phases = Vec::with_capacity(g.per_phase.len());
     let mut stragglers = Vec::new();
     for (p, s) in g.per_phase {
@@ -373,8 +399,10 @@ pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOption
     stragglers.sort_by(|a, b| b.median_excess_ns.total_cmp(&a.median_excess_ns));
     // A pipeline run's ranks run different stages: a stage with more layers is not a
     // straggler in its passes, nor in the step and pipeline window its place in the schedule
-    // shapes (the pipeline section compares the stages; "waiting on" names late ranks).
-    if phases.iter().any(|p| p.name == titan::PIPELINE_RECV) {
+    // shapes. Compared within their stage (`grouped`) they can be; without the stages, those
+    // phases are left out (the pipeline section compares the stages; "waiting on" names late
+    // ranks).
+    if !g.grouped && phases.iter().any(|p| p.name == titan::PIPELINE_RECV) {
         stragglers.retain(|s| {
             let phase = s.phase.as_str();
             !titan::PIPELINE_PHASES.contains(&phase)
@@ -385,13 +413,7 @@ pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOption
     }
 
     // Tagged steps and their cost relative to untagged steps.
-    let wall_of = |si: usize| -> i64 {
-        g.wall[si * n_ranks..(si + 1) * n_ranks]
-            .iter()
-            .copied()
-            .max()
-            .unwrap_or(0)
-    };
+    let wall_of = |si: usize| -> i64 { g.wall_max.get(si).copied().unwrap_or(0) };
     let mut untagged: Vec<f64> = g
         .steps
         .iter()
@@ -429,7 +451,7 @@ pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOption
         .collect();
 
     Analysis {
-        ranks: n_ranks as u32,
+        ranks: g.ranks.len() as u32,
         steps: g.steps.len() as u64,
         median_step_ns: median_step as i64,
         phases,
@@ -439,26 +461,61 @@ pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOption
     }
 }
 
+/// The largest value of each row of a row-major matrix `n` wide (0 for an empty row).
+pub(crate) fn row_maxima(m: &[i64], n: usize) -> Vec<i64> {
+    m.chunks_exact(n.max(1))
+        .map(|row| row.iter().copied().max().unwrap_or(0))
+        .collect()
+}
+
 /// The stragglers of phase `name` in its steps x ranks matrix of times (see
-/// [`find_stragglers`]).
+/// [`find_stragglers`]), each rank compared with the ranks of its group (see
+/// [`analyse_grouped`]).
 pub(crate) fn phase_stragglers(
     cell: &[i64],
     ranks: &[u32],
     name: &str,
+    groups: &[Vec<u32>],
     opts: &StragglerOptions,
 ) -> Vec<Straggler> {
-    find_stragglers(cell, ranks.len(), opts)
-        .into_iter()
-        .map(|s| Straggler {
-            phase: name.to_string(),
-            rank: ranks[s.rank_index],
-            slowest_steps: s.slowest_steps,
-            above_median_steps: s.above_median_steps,
-            steps: s.steps,
-            median_excess_ns: s.median_excess_ns,
-            median_ratio: s.median_ratio,
-        })
-        .collect()
+    let n_ranks = ranks.len();
+    let found = |cell: &[i64], columns: &[usize]| -> Vec<Straggler> {
+        find_stragglers(cell, columns.len(), opts)
+            .into_iter()
+            .map(|s| Straggler {
+                phase: name.to_string(),
+                rank: ranks[columns[s.rank_index]],
+                slowest_steps: s.slowest_steps,
+                above_median_steps: s.above_median_steps,
+                steps: s.steps,
+                median_excess_ns: s.median_excess_ns,
+                median_ratio: s.median_ratio,
+            })
+            .collect()
+    };
+    if groups.is_empty() || n_ranks == 0 {
+        return found(cell, &(0..n_ranks).collect::<Vec<_>>());
+    }
+    let column: HashMap<u32, usize> = ranks.iter().enumerate().map(|(i, &r)| (r, i)).collect();
+    let mut columns_of: Vec<Vec<usize>> = groups
+        .iter()
+        .map(|g| g.iter().filter_map(|r| column.get(r).copied()).collect())
+        .collect();
+    let mut grouped = vec![false; n_ranks];
+    for &c in columns_of.iter().flatten() {
+        grouped[c] = true;
+    }
+    columns_of.push((0..n_ranks).filter(|&c| !grouped[c]).collect());
+    let mut out = Vec::new();
+    let mut sub = Vec::new();
+    for columns in columns_of.iter().filter(|c| c.len() >= 2) {
+        sub.clear();
+        for row in cell.chunks_exact(n_ranks) {
+            sub.extend(columns.iter().map(|&c| row[c]));
+        }
+        out.extend(found(&sub, columns));
+    }
+    out
 }
 
 /// Whether span name `name` is the work of step tag `tag`: the span named like the tag, or
@@ -577,6 +634,7 @@ fn phase(
     n_steps: usize,
     ranks: &[u32],
     step_total: i64,
+    groups: &[Vec<u32>],
     opts: &StragglerOptions,
 ) -> (PhaseStats, Vec<Straggler>) {
     let spans = t;
@@ -626,7 +684,7 @@ fn phase(
         let c = &mut cell[cell_of[i] as usize];
         *c = if *c < 0 { own_dur[i] } else { *c + own_dur[i] };
     }
-    let stragglers = phase_stragglers(&cell, ranks, &name, opts);
+    let stragglers = phase_stragglers(&cell, ranks, &name, groups, opts);
     (stats, stragglers)
 }
 
@@ -703,16 +761,18 @@ pub fn find_stragglers(
     let mut slowest = vec![0u64; n_ranks];
     let mut above = vec![0u64; n_ranks];
     let mut present_steps = vec![0u64; n_ranks];
-    let mut excess: Vec<Vec<f64>> = vec![Vec::new(); n_ranks];
-    let mut ratio: Vec<Vec<f64>> = vec![Vec::new(); n_ranks];
+    // Per row: the cross-rank median, `None` where fewer than two ranks ran the phase.
+    let mut medians: Vec<Option<f64>> = Vec::with_capacity(cell.len() / n_ranks);
     let mut row_vals: Vec<f64> = Vec::with_capacity(n_ranks);
     for row in cell.chunks_exact(n_ranks) {
         row_vals.clear();
         row_vals.extend(row.iter().filter(|&&v| v >= 0).map(|&v| v as f64));
         if row_vals.len() < 2 {
+            medians.push(None);
             continue;
         }
         let med = median_f64(&mut row_vals);
+        medians.push(Some(med));
         let (mut arg, mut best) = (usize::MAX, i64::MIN);
         for (r, &v) in row.iter().enumerate() {
             if v < 0 {
@@ -726,24 +786,34 @@ pub fn find_stragglers(
             if v as f64 > med {
                 above[r] += 1;
             }
-            excess[r].push(v as f64 - med);
-            if med > 0.0 {
-                ratio[r].push(v as f64 / med);
-            }
         }
         slowest[arg] += 1;
     }
+    // Only ranks above the median often enough need their excess and ratio per step (a
+    // second pass: holding them for every rank would be two f64 per cell).
     let mut out = Vec::new();
+    let (mut excess, mut ratio) = (Vec::new(), Vec::new());
     for r in 0..n_ranks {
         let steps = present_steps[r];
-        if steps == 0 {
+        if steps == 0 || (above[r] as f64) < opts.min_share_of_steps * steps as f64 {
             continue;
         }
-        let mr = median_f64(&mut ratio[r]);
-        if (above[r] as f64) < opts.min_share_of_steps * steps as f64
-            || mr.is_nan()
-            || mr < 1.0 + opts.min_excess_ratio
-        {
+        excess.clear();
+        ratio.clear();
+        for (row, med) in cell.chunks_exact(n_ranks).zip(&medians) {
+            let (Some(med), v) = (*med, row[r]) else {
+                continue;
+            };
+            if v < 0 {
+                continue;
+            }
+            excess.push(v as f64 - med);
+            if med > 0.0 {
+                ratio.push(v as f64 / med);
+            }
+        }
+        let mr = median_f64(&mut ratio);
+        if mr.is_nan() || mr < 1.0 + opts.min_excess_ratio {
             continue;
         }
         out.push(MatrixStraggler {
@@ -751,7 +821,7 @@ pub fn find_stragglers(
             slowest_steps: slowest[r],
             above_median_steps: above[r],
             steps,
-            median_excess_ns: median_f64(&mut excess[r]),
+            median_excess_ns: median_f64(&mut excess),
             median_ratio: mr,
         });
     }

@@ -432,37 +432,49 @@ fn analysis(
     let loaded = titan_obs_core::load(run, &opts)?;
     let shape = RunShape::of_run(&loaded);
     let digest = loaded.digest.clone().unwrap_or_default();
-    let a = analyse_digest(&digest, &loaded.names, &shape, &StragglerOptions::default());
-    let mut spread = Vec::with_capacity(digest.cells.len());
-    for (&(name, step), per_rank) in &digest.cells {
-        let mut v: Vec<(i64, u32)> = per_rank
-            .iter()
-            .zip(&digest.ranks)
-            .filter(|(t, _)| **t >= 0)
-            .map(|(&t, &r)| (t, r))
-            .collect();
-        if v.is_empty() {
-            continue;
-        }
-        v.sort_unstable();
-        let median = v[titan_obs_core::analysis::stats::nearest_rank_index(v.len(), 0.5)].0;
-        let (min, max) = (v[0], v[v.len() - 1]);
-        let Some(phase) = loaded.names.get(name as usize) else {
+    // No stage grouping: the TUI's straggler view drops what differs by design under PP.
+    let a = analyse_digest(
+        &digest,
+        &loaded.names,
+        &shape,
+        &[],
+        &StragglerOptions::default(),
+    );
+    let mut spread = Vec::new();
+    for (name, cells) in digest.cells.iter().enumerate() {
+        let Some(phase) = loaded.names.get(name) else {
             continue;
         };
-        spread.push((
-            phase.clone(),
-            step,
-            PhaseSpread {
-                min: min.0,
-                median,
-                max: max.0,
-                min_rank: min.1,
-                max_rank: max.1,
-                ranks: v.len() as u32,
-                median_start: 0,
-            },
-        ));
+        // Per step row: (time, rank) of every rank that ran the phase in it.
+        let mut rows: std::collections::BTreeMap<u32, Vec<(i64, u32)>> = Default::default();
+        cells.each(|row, pos, t| {
+            if t >= 0
+                && let Some(&rank) = digest.ranks.get(pos as usize)
+            {
+                rows.entry(row).or_default().push((t, rank));
+            }
+        });
+        for (row, mut v) in rows {
+            let Some(&step) = digest.steps.get(row as usize) else {
+                continue;
+            };
+            v.sort_unstable();
+            let median = v[titan_obs_core::analysis::stats::nearest_rank_index(v.len(), 0.5)].0;
+            let (min, max) = (v[0], v[v.len() - 1]);
+            spread.push((
+                phase.clone(),
+                step,
+                PhaseSpread {
+                    min: min.0,
+                    median,
+                    max: max.0,
+                    min_rank: min.1,
+                    max_rank: max.1,
+                    ranks: v.len() as u32,
+                    median_start: 0,
+                },
+            ));
+        }
     }
     Ok((a, spread))
 }

@@ -4,7 +4,7 @@ use anyhow::Result;
 use titan_obs_core::analysis::{format_line, metrics, to_csv};
 use titan_obs_core::read::Columns;
 
-use super::{RunArgs, exit_code, load_run};
+use super::{RunArgs, exit_code, load_run_with};
 
 /// Per-step metrics aggregated across ranks, in torchtitan's console format.
 #[derive(clap::Args, Debug)]
@@ -17,10 +17,15 @@ pub struct MetricsArgs {
     /// JSON: [{"step": 1, "validation": false, "values": {"training/loss_mean": 8.03, ...}}, ...].
     #[arg(long)]
     pub json: bool,
+    /// Decode every scalar instead of reading the per-part summaries (`part-<N>.summary`):
+    /// means summed record by record rather than part by part (the same but for float
+    /// rounding), at the cost of reading all the data.
+    #[arg(long)]
+    pub exact: bool,
 }
 
 pub fn run(args: &MetricsArgs) -> Result<i32> {
-    let loaded = load_run(&args.run, Columns::METRICS)?;
+    let loaded = load_run_with(&args.run, Columns::METRICS, !args.exact)?;
     let lines = metrics(&loaded);
     if args.csv {
         print!("{}", to_csv(&lines));

@@ -3,10 +3,8 @@
 use std::fmt::Write;
 
 use anyhow::Result;
-use titan_obs_core::analysis::{
-    PipelineSummary, StragglerOptions, Summary, pipeline_summary, summary,
-};
-use titan_obs_core::read::{Columns, ReadOptions};
+use titan_obs_core::analysis::{PipelineSummary, StragglerOptions, Summary, summary};
+use titan_obs_core::read::Columns;
 
 use super::{RunArgs, exit_code, human_ns, load_run_with};
 
@@ -45,21 +43,9 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
         min_excess_ratio: args.straggler_excess,
         ..StragglerOptions::default()
     };
-    let mut s = summary(&loaded, &opts);
-    if loaded.digest.as_ref().is_some_and(|d| d.pipeline_spans > 0) {
-        // The per-part summaries leave the pipeline analysis out: it reads the spans (quietly:
-        // what is missing or damaged was reported by the first read).
-        let opts = ReadOptions {
-            columns,
-            align_clocks: !args.run.no_clock_align,
-            ..ReadOptions::default()
-        };
-        let mut spans = titan_obs_core::read::load(&args.run.run, &opts)?;
-        if let Some(id) = &args.run.run_id {
-            spans.select_run(id)?;
-        }
-        s.pipeline = pipeline_summary(&spans);
-    }
+    // The pipeline section too comes from the per-part summaries (their stages' passes and
+    // windows), unless `--exact`.
+    let s = summary(&loaded, &opts);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
