@@ -627,11 +627,14 @@ fn all_gather_bytes(run: &Path) -> f64 {
 #[test]
 fn fsdp_float8_all_gather_gathers_float8_and_trains_bit_identically() {
     let f = Fixture::new();
-    let run = |name: &str, extra: &[&str]| {
+    // Two data-parallel ranks of `tp` tensor-parallel ranks each.
+    let run = |name: &str, tp: usize, extra: &[&str]| {
         let mut c = titan_train(&f.args(name, GLOBAL_BATCH / 2));
         c.args([
             "--nproc-per-node",
-            "2",
+            &(2 * tp).to_string(),
+            "--parallelism.tensor_parallel_degree",
+            &tp.to_string(),
             "--float8.enable_float8_linear",
             "--float8.recipe_name",
             "tensorwise",
@@ -643,7 +646,7 @@ fn fsdp_float8_all_gather_gathers_float8_and_trains_bit_identically() {
         assert_eq!(losses.len(), STEPS, "{name}");
         (losses, norms, out)
     };
-    let (losses, norms, _) = run("f8_fsdp2", &[]);
+    let (losses, norms, _) = run("f8_fsdp2", 1, &[]);
     let bytes = all_gather_bytes(&f.root.join("f8_fsdp2"));
     for (name, extra) in [
         ("f8_gather", &["--float8.enable_fsdp_float8_all_gather"][..]),
@@ -663,7 +666,7 @@ fn fsdp_float8_all_gather_gathers_float8_and_trains_bit_identically() {
             ],
         ),
     ] {
-        let (l, n, out) = run(name, extra);
+        let (l, n, out) = run(name, 1, extra);
         assert!(
             text(&out).contains("FSDP gathers the float8 linears' weights in float8"),
             "{}",
@@ -682,6 +685,22 @@ fn fsdp_float8_all_gather_gathers_float8_and_trains_bit_identically() {
             "{name}: all-gather bytes {ratio:.3} of the fp32 gather"
         );
     }
+    // FSDP2 x TP2: a weight's amax spans its tp shards too, so the gathered float8 values are
+    // still the ones the layer casts from the whole weight.
+    let (losses, norms, _) = run("f8_fsdp2_tp2", 2, &[]);
+    let (l, n, _) = run(
+        "f8_gather_tp2",
+        2,
+        &["--float8.enable_fsdp_float8_all_gather"],
+    );
+    assert_eq!(
+        l, losses,
+        "FSDP2 x TP2: losses differ with the float8 all-gather"
+    );
+    assert_eq!(
+        n, norms,
+        "FSDP2 x TP2: grad norms differ with the float8 all-gather"
+    );
 }
 
 #[test]

@@ -562,6 +562,12 @@ impl Float8Weight {
         to_float8(w, scale, WEIGHT_KIND)
     }
 
+    /// A high-precision tensor of `size` that holds no memory (zero strides, one element): where
+    /// a gathered weight's values are never read, only its shape and its gradient's way back.
+    pub fn placeholder(size: &[i64], kind: Kind, device: tch::Device) -> Tensor {
+        Tensor::empty_strided(size, vec![0; size.len()].as_slice(), (kind, device))
+    }
+
     fn transposed(&self) -> Float8Weight {
         Float8Weight {
             data: self.data.transpose(0, 1),
@@ -667,7 +673,13 @@ impl Function for Float8Matmul {
             }
             None => self.linear.output(x, w, gathered),
         };
-        self.saved = Some((x.shallow_clone(), w.shallow_clone()));
+        // With a gathered weight backward multiplies its float8 values: of `w` only the shape is
+        // kept (a zero-stride tensor), so a fused q/k/v placeholder is not held until backward.
+        let w = match gathered {
+            Some(_) => Float8Weight::placeholder(&w.size(), w.kind(), w.device()),
+            None => w.shallow_clone(),
+        };
+        self.saved = Some((x.shallow_clone(), w));
         vec![y]
     }
 

@@ -54,6 +54,10 @@ pub struct AdamW {
     /// torchtitan does; it differs from the schedule only when the schedule's settings or
     /// `training.steps` changed between the runs).
     pub resumed_lr: Option<f64>,
+    /// The fused kernel's step count for the parameter being updated: a 0-dim f32 on the
+    /// parameters' device, refilled from [`ParamState::step`] for each call (a fill kernel, not
+    /// a host-to-device copy per parameter per step).
+    fused_step: Option<Tensor>,
 }
 
 impl AdamW {
@@ -62,6 +66,7 @@ impl AdamW {
             hparams,
             state: BTreeMap::new(),
             resumed_lr: None,
+            fused_step: None,
         }
     }
 
@@ -85,6 +90,14 @@ impl AdamW {
             weight_decay,
             fused,
         } = self.hparams;
+        if fused
+            && self
+                .fused_step
+                .as_ref()
+                .is_none_or(|t| t.device() != param.device())
+        {
+            self.fused_step = Some(Tensor::zeros([], (Kind::Float, param.device())));
+        }
         let state = self
             .state
             .entry(name.to_string())
@@ -95,11 +108,11 @@ impl AdamW {
             });
         // Each in-place op returns another handle to the tensor it changed: dropped; its error is
         // not.
-        if fused {
+        if let Some(step) = self.fused_step.as_mut().filter(|_| fused) {
             state.step += 1;
-            let step = Tensor::from(state.step as f32).to_device(param.device());
+            let _ = step.fill_(state.step as f64);
             let p = param.shallow_clone();
-            let tensors = [&p, &grad, &state.exp_avg, &state.exp_avg_sq, &step];
+            let tensors = [&p, &grad, &state.exp_avg, &state.exp_avg_sq, &*step];
             let [p, g, m, v, s] = tensors.map(|t| t.as_ptr() as *mut std::ffi::c_void);
             return crate::shim::call(|err| {
                 // SAFETY: tch's C_tensor is an `at::Tensor*`; every tensor is alive for the call.

@@ -203,16 +203,12 @@ impl UnitState {
         layout: &GatherLayout,
         scales: Option<&Tensor>,
     ) -> Vec<Tensor> {
+        // One shard: nothing to gather (and no float8 layout: see `gather_in_float8`).
         if self.mesh.shard.size() == 1 {
             return shards
                 .iter()
-                .enumerate()
-                .map(|(i, s)| match self.scale_index(i).zip(scales) {
-                    Some((g, scales)) if layout.kinds[i] == WEIGHT_KIND => {
-                        Float8Weight::cast(&s.detach(), &scales.get(g as i64))
-                    }
-                    _ => s.detach().to_kind(layout.kinds[i]).copy(),
-                })
+                .zip(&layout.kinds)
+                .map(|(s, &kind)| s.detach().to_kind(kind).copy())
                 .collect();
         }
         let (send, recv) = self.gather_buffers(shards, layout, scales);
@@ -407,12 +403,8 @@ impl Function for AllGather {
             .enumerate()
             .map(|(i, g)| match s.scale_index(i).zip(scales.as_ref()) {
                 Some((group, scales)) => {
-                    let size = g.size();
-                    let placeholder = Tensor::empty_strided(
-                        size.as_slice(),
-                        vec![0; size.len()].as_slice(),
-                        (s.mesh.param_kind, g.device()),
-                    );
+                    let placeholder =
+                        Float8Weight::placeholder(&g.size(), s.mesh.param_kind, g.device());
                     float8.push(Some(Float8Weight {
                         data: g,
                         scale: scales.get(group as i64),
@@ -531,9 +523,10 @@ impl FsdpUnit {
     }
 
     /// Gathers the weights `float8` names in float8 (the float8 all-gather). Call before the
-    /// unit's first gather; nothing changes for a unit that gathers nothing.
+    /// unit's first gather; nothing changes for a unit whose shard group is one rank (nothing
+    /// is gathered: replicas alone, as DDP, keep casting in the layer).
     pub fn gather_in_float8(&mut self, float8: Float8Gather) {
-        if !self.state.communicates() || float8.scales() == 0 {
+        if self.state.mesh.shard.size() == 1 || float8.scales() == 0 {
             return;
         }
         let state = Arc::get_mut(&mut self.state)
