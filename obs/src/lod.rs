@@ -133,9 +133,9 @@ struct Acc {
 
 impl Acc {
     fn add(&mut self, phase: u32, overlap: i64, span: (i64, i64, u32, u64), tags: u64) {
-        self.covered += overlap;
+        self.covered = self.covered.saturating_add(overlap);
         match self.phases.iter_mut().find(|p| p.0 == phase) {
-            Some(p) => p.1 += overlap,
+            Some(p) => p.1 = p.1.saturating_add(overlap),
             None => self.phases.push((phase, overlap)),
         }
         if self.longest.is_none_or(|l| span.1 > l.1) {
@@ -178,7 +178,7 @@ fn level_of(spans: &[RowSpan], shift: u32) -> Option<Level> {
     let mut acc: BTreeMap<i64, Acc> = BTreeMap::new();
     for &(start, dur, phase, step, tags) in spans {
         let end = start.saturating_add(dur.max(0));
-        let (first, last) = (start >> shift, (end - 1).max(start) >> shift);
+        let (first, last) = (start >> shift, end.saturating_sub(1).max(start) >> shift);
         if last - first >= MAX_BUCKETS_PER_SPAN {
             return None;
         }
@@ -281,7 +281,9 @@ impl PartDetail {
             start_ns,
             end_ns,
             names,
-            tags: d.tags.clone(),
+            // The masks have 64 bits (and `decode` refuses more): a part with more tags keeps
+            // the first 64, so its levels stay readable.
+            tags: d.tags.iter().take(64).cloned().collect(),
             rows,
             steps: steps.into_iter().map(|(k, (a, b))| (k, a, b)).collect(),
             step_tags,
@@ -435,7 +437,8 @@ pub fn encode(d: &PartDetail, part_len: u64) -> Vec<u8> {
         put(&mut b, step.wrapping_sub(prev));
         prev = step;
         put_signed(&mut b, a);
-        put_signed(&mut b, z - a);
+        // Wrapping both ways: a damaged part's extreme times must not overflow here.
+        put_signed(&mut b, z.wrapping_sub(a));
     }
     put(&mut b, d.step_tags.len() as u64);
     for &(step, mask) in &d.step_tags {
@@ -571,7 +574,7 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDetail> {
     for _ in 0..c.count(3)? {
         step = step.wrapping_add(c.next()?);
         let a = c.signed()?;
-        let z = a.checked_add(c.signed()?).context("step end overflows")?;
+        let z = a.wrapping_add(c.signed()?);
         d.steps.push((step, a, z));
     }
     for _ in 0..c.count(2)? {

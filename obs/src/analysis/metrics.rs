@@ -52,7 +52,7 @@ impl Acc {
         self.min = self.min.min(o.min);
         self.max = self.max.max(o.max);
         self.sum += o.sum;
-        self.count += o.count;
+        self.count = self.count.saturating_add(o.count);
     }
     fn get(&self, r: Reduce) -> f64 {
         match r {

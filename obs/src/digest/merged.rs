@@ -106,9 +106,10 @@ impl RunDigest {
         let rank = d.info.rank;
         let g = |n: NameId| name_map.get(n as usize).copied().unwrap_or(0);
         self.parts += 1;
-        self.spans += d.spans;
-        self.errors += d.errors;
-        self.pipeline_spans += d.pipeline_spans;
+        // Counts decoded from summary files: saturating, as a damaged one may hold anything.
+        self.spans = self.spans.saturating_add(d.spans);
+        self.errors = self.errors.saturating_add(d.errors);
+        self.pipeline_spans = self.pipeline_spans.saturating_add(d.pipeline_spans);
         for (name, p) in &d.phases {
             let id = g(*name) as usize;
             if self.phases.len() <= id {

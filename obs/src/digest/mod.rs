@@ -136,11 +136,11 @@ impl PhaseDigest {
 
     pub(crate) fn merge(&mut self, o: &PhaseDigest) {
         self.min_depth = self.min_depth.min(o.min_depth);
-        self.count += o.count;
+        self.count = self.count.saturating_add(o.count);
         self.sum_ns = self.sum_ns.wrapping_add(o.sum_ns);
         self.min_ns = self.min_ns.min(o.min_ns);
         self.max_ns = self.max_ns.max(o.max_ns);
-        self.in_step += o.in_step;
+        self.in_step = self.in_step.saturating_add(o.in_step);
         self.in_step_ns = self.in_step_ns.wrapping_add(o.in_step_ns);
         // Every sketch has the same configuration (checked when read), so this cannot fail.
         let _ = self.sketch.merge(&o.sketch);
@@ -275,9 +275,11 @@ impl PartDigest {
             if step == NO_STEP {
                 continue;
             }
-            *cells.entry((step, name)).or_default() += dur;
+            let cell = cells.entry((step, name)).or_default();
+            *cell = cell.saturating_add(dur);
             if depth(i) == 0 {
-                *walls.entry(step).or_default() += dur;
+                let wall = walls.entry(step).or_default();
+                *wall = wall.saturating_add(dur);
             }
             if is_tag_phase.get(name as usize).copied().unwrap_or(false) {
                 tag_spans.push((step, name, start(i), start(i).saturating_add(dur)));

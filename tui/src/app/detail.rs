@@ -217,7 +217,7 @@ impl DetailRun {
             (d.origin, d.end) = (lo, hi);
         }
         t.origin_ns = d.origin;
-        t.end = d.end - d.origin;
+        t.end = d.end.saturating_sub(d.origin);
         t.ranks = d.ranks.iter().map(|r| r.rank).collect();
         // Lanes: the threads and depths of the parts read, per rank.
         let mut rows: BTreeMap<(u32, u32), BTreeSet<u16>> = BTreeMap::new();
@@ -278,14 +278,18 @@ impl DetailRun {
                     let off = det.clock_offset_ns;
                     let part = &mut self.ranks[ri].parts[pi];
                     let first_read = part.range.is_none();
-                    part.range = Some((det.start_ns + off, det.end_ns + off));
+                    part.range = Some((
+                        det.start_ns.saturating_add(off),
+                        det.end_ns.saturating_add(off),
+                    ));
                     if first_read {
-                        self.spans_seen += det.rows.iter().map(|r| r.spans).sum::<u64>();
+                        self.spans_seen = (det.rows.iter().map(|r| r.spans))
+                            .fold(self.spans_seen, u64::saturating_add);
                     }
                     if first_read && !self.steps_final {
                         let tag_ids = self.tags.map(&det.tags);
                         let mask_of = |m: u64| {
-                            (0..det.tags.len())
+                            (0..det.tags.len().min(64))
                                 .filter(|&b| m & (1 << b) != 0)
                                 .fold(0u64, |acc, b| acc | 1 << tag_ids[b].min(63))
                         };
@@ -297,8 +301,8 @@ impl DetailRun {
                         for &(step, a, z) in &det.steps {
                             let e = self.steps.entry(step).or_insert((i64::MAX, i64::MIN, 0));
                             *e = (
-                                e.0.min(a + off),
-                                e.1.max(z + off),
+                                e.0.min(a.saturating_add(off)),
+                                e.1.max(z.saturating_add(off)),
                                 e.2 | tags.get(&step).copied().unwrap_or(0),
                             );
                         }
@@ -328,8 +332,8 @@ impl DetailRun {
                 .iter()
                 .map(|(&step, &(start, end, mask))| StepMark {
                     step,
-                    start: start - self.origin,
-                    end: end - self.origin,
+                    start: start.saturating_sub(self.origin),
+                    end: end.saturating_sub(self.origin),
                     tags: (0..64u16).filter(|&b| mask & (1 << b) != 0).collect(),
                 })
                 .collect();
@@ -496,21 +500,21 @@ impl DetailRun {
                     let sp_tags = self.tags.map(&sp.tags);
                     let sp_names = self.names.map(&sp.names);
                     // Spans of a row do not overlap: ends are sorted too.
-                    let lo = first_ending_after(sr, a - off);
+                    let lo = first_ending_after(sr, a.saturating_sub(off));
                     for i in lo..sr.start.len() {
-                        let start = sr.start[i] + off;
+                        let start = sr.start[i].saturating_add(off);
                         if start >= z {
                             break;
                         }
-                        if start + sr.dur[i] < a {
+                        if start.saturating_add(sr.dur[i]) < a {
                             continue;
                         }
                         let mask = sp.step_tags.get(&sr.step[i]).copied().unwrap_or(0);
                         let tagset = tagset_of(mask, &sp_tags, &mut tagsets, t);
                         push(
                             row,
-                            start - self.origin,
-                            start - self.origin + sr.dur[i],
+                            start.saturating_sub(self.origin),
+                            start.saturating_sub(self.origin).saturating_add(sr.dur[i]),
                             sp_names[sr.name[i] as usize] as u16,
                             sr.step[i],
                             tagset,
@@ -575,8 +579,8 @@ impl DetailRun {
                 let key = (rank, r.thread, r.depth);
                 let row = self.tail.entry(key).or_insert_with(|| empty_row(r.depth));
                 for i in 0..r.start.len() {
-                    let start = r.start[i] - self.origin;
-                    let end = start + r.dur[i];
+                    let start = r.start[i].saturating_sub(self.origin);
+                    let end = start.saturating_add(r.dur[i]);
                     let mask = part.step_tags.get(&r.step[i]).copied().unwrap_or(0);
                     let tagset = tagset_of(mask, &tag_ids, &mut tagsets, t);
                     push(
@@ -723,7 +727,7 @@ fn first_ending_after(r: &lod::SpanRows, t: i64) -> usize {
     let (mut lo, mut hi) = (0, r.start.len());
     while lo < hi {
         let mid = (lo + hi) / 2;
-        if r.start[mid] + r.dur[mid] <= t {
+        if r.start[mid].saturating_add(r.dur[mid]) <= t {
             lo = mid + 1;
         } else {
             hi = mid;

@@ -251,8 +251,8 @@ impl TimelineSource for DetailSource {
                         .into_iter()
                         .map(|(step, a, z, tags)| StepMark {
                             step,
-                            start: a - d.origin,
-                            end: z - d.origin,
+                            start: a.saturating_sub(d.origin),
+                            end: z.saturating_sub(d.origin),
                             tags: tags.iter().map(|n| d.tag_id(n, t)).collect(),
                         })
                         .collect();
@@ -366,12 +366,12 @@ fn steps(run: &str) -> anyhow::Result<(Vec<WholeStep>, u64)> {
                 if let Ok(o) = lod::open_local(p, *rank) {
                     let d = o.detail;
                     let off = d.clock_offset_ns;
-                    n += d.rows.iter().map(|r| r.spans).sum::<u64>();
+                    n = d.rows.iter().map(|r| r.spans).fold(n, u64::saturating_add);
                     let tags: HashMap<u64, u64> = d.step_tags.iter().copied().collect();
                     for &(step, a, z) in &d.steps {
                         let e = acc.entry(step).or_insert((i64::MAX, i64::MIN, Vec::new()));
-                        e.0 = e.0.min(a + off);
-                        e.1 = e.1.max(z + off);
+                        e.0 = e.0.min(a.saturating_add(off));
+                        e.1 = e.1.max(z.saturating_add(off));
                         let mask = tags.get(&step).copied().unwrap_or(0);
                         for (b, name) in d.tags.iter().enumerate().take(64) {
                             if mask & (1 << b) != 0 && !e.2.contains(name) {
@@ -396,7 +396,7 @@ fn steps(run: &str) -> anyhow::Result<(Vec<WholeStep>, u64)> {
                         }
                     }
                 }
-                (a, na + nb)
+                (a, na.saturating_add(nb))
             },
         );
     Ok((
