@@ -757,6 +757,24 @@ mod tests {
 
     const S: i64 = 1 << 30;
 
+    /// A damaged part's extreme times and more tags than a mask holds still give levels that
+    /// encode and decode (no overflow, no file `decode` refuses).
+    #[test]
+    fn extreme_times_and_many_tags_stay_readable() {
+        let mut d = data(&[
+            (0, 0, i64::MIN, 0, "step", 1),
+            (0, 0, i64::MAX - 5, 5, "step", 1),
+            (0, 1, 0, i64::MAX, "forward", 2),
+        ]);
+        d.tags = (0..70).map(|i| format!("tag{i}")).collect();
+        let detail = PartDetail::of_data(&d);
+        assert_eq!(detail.tags.len(), 64);
+        let bytes = encode(&detail, 1234);
+        let back = decode(&bytes, 1234).unwrap();
+        assert_eq!(back.steps, detail.steps);
+        assert_eq!(back.tags, detail.tags);
+    }
+
     #[test]
     fn buckets_hold_the_dominant_phase_coverage_longest_span_and_tags() {
         // Depth 0: two steps of ~2 buckets each at 2^30; depth 1: many short spans.
