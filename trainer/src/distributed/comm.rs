@@ -57,6 +57,12 @@ pub enum CommError {
         "{own}\n  that rank was itself waiting: the chain of waits ends at rank {end} (hung or dead?)"
     )]
     WaitChain { own: Box<CommError>, end: usize },
+    #[error(
+        "{own}\n  the job's failure notices could not be read ({why}): the store's host (the \
+         launcher, or rank 0 in a by-hand launch) has exited or is unreachable; the other ranks' \
+         logs say which failed first"
+    )]
+    NoticesUnreachable { own: Box<CommError>, why: String },
 }
 
 impl CommError {
@@ -66,7 +72,9 @@ impl CommError {
             CommError::PeerClosed { peer, .. }
             | CommError::PeerTimeout { peer, .. }
             | CommError::PeerIo { peer, .. } => Some(*peer),
-            CommError::AfterPeerFailure { own, .. } => own.peer(),
+            CommError::AfterPeerFailure { own, .. } | CommError::NoticesUnreachable { own, .. } => {
+                own.peer()
+            }
             CommError::WaitChain { end, .. } => Some(*end),
             _ => None,
         }

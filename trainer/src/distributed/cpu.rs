@@ -7,23 +7,21 @@ use tch::{Device, Kind, Tensor};
 use super::comm::{Collectives, CommError, ReduceOp, check_split};
 use super::connect::{SocketOptions, connect_ring};
 use super::elem::Elem;
+use super::failure::{FAILURE_KEY, FailureBoard, Posted};
 use super::ring::Ring;
 use super::store::TcpStore;
-
-/// Store key where the first failing rank describes the failure for everyone else.
-pub const FAILURE_KEY: &str = "titan/failure";
 
 /// A group of ranks running collectives on CPU tensors.
 pub struct CpuGroup {
     ring: Ring,
-    store: Option<Arc<TcpStore>>,
+    failures: Option<Arc<FailureBoard>>,
 }
 
 impl CpuGroup {
     /// Connects the ring of `members` (global ranks; this process is `members[me]`). Every member
     /// must call this with the same `name` and `members`.
     pub fn connect(
-        store: Arc<TcpStore>,
+        failures: Arc<FailureBoard>,
         store_host: &str,
         name: &str,
         members: Vec<usize>,
@@ -31,29 +29,34 @@ impl CpuGroup {
         opts: &SocketOptions,
     ) -> Result<CpuGroup, CommError> {
         let (next, prev) = if members.len() > 1 {
-            let (n, p) = connect_ring(&store, name, &members, me, opts, store_host)?;
+            let (n, p) = connect_ring(&failures.store, name, &members, me, opts, store_host)?;
             (Some(n), Some(p))
         } else {
             (None, None)
         };
         Ok(CpuGroup {
             ring: Ring::new(me, members, next, prev, opts.segment_bytes, opts.timeout),
-            store: Some(store),
+            failures: Some(failures),
         })
     }
 
     /// Posts this failure to the store unless another rank posted first, and, if one did, adds
     /// that first failure to the error (the root cause is usually there, not here).
     fn report(&self, err: CommError) -> CommError {
-        let Some(store) = &self.store else { return err };
-        let err = follow_waits(store, err);
-        let own = err.to_string();
-        match store.compare_set(FAILURE_KEY, b"", own.as_bytes()) {
-            Ok(first) if first != own.as_bytes() => CommError::AfterPeerFailure {
+        let Some(failures) = &self.failures else {
+            return err;
+        };
+        let err = follow_waits(&failures.store, err);
+        match failures.post(&err.to_string()) {
+            Posted::First => err,
+            Posted::After(first) => CommError::AfterPeerFailure {
                 own: Box::new(err),
-                first: String::from_utf8_lossy(&first).into_owned(),
+                first,
             },
-            _ => err,
+            Posted::Unreachable(why) => CommError::NoticesUnreachable {
+                own: Box::new(err),
+                why,
+            },
         }
     }
 
@@ -68,7 +71,7 @@ impl CpuGroup {
                 1 << 20,
                 std::time::Duration::from_secs(1),
             ),
-            store: None,
+            failures: None,
         }
     }
 

@@ -7,6 +7,8 @@
 //! - [`runtime`]: [`runtime::Dist`] joins the job (store, clock offset to rank 0) and creates
 //!   groups implementing [`comm::Collectives`]: [`cpu::CpuGroup`] (TCP ring, gloo-style
 //!   chunked and pipelined) or `nccl::NcclGroup` (feature `nccl`).
+//! - [`failure`]: [`failure::FailureBoard`], the first failure posted to the store so every
+//!   rank's error names the root cause.
 //! - [`recorded`]: every collective of a multi-rank group recorded as a titan-obs span.
 //! - [`mesh`]: [`mesh::DeviceMesh`], this rank's process group per mesh dimension
 //!   ([`mesh::Group`]), shared with the autograd functions of [`crate::parallelize`].
@@ -16,6 +18,7 @@ pub mod connect;
 pub mod cpu;
 pub mod elem;
 pub mod env;
+pub mod failure;
 pub mod launch;
 pub mod mesh;
 #[cfg(feature = "nccl")]

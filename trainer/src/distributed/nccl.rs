@@ -22,8 +22,7 @@ use cudarc::nccl::{result as nccl, sys};
 use tch::{Device, Kind, Tensor};
 
 use super::comm::{Collectives, CommError, ReduceOp, check_split};
-use super::cpu::FAILURE_KEY;
-use super::store::TcpStore;
+use super::failure::{FailureBoard, Posted};
 
 /// A NCCL communicator over a group of ranks, each driving one GPU.
 pub struct NcclGroup {
@@ -80,7 +79,7 @@ impl NcclGroup {
     /// Creates the communicator of `members` (global ranks; this process is `members[me]`) on
     /// CUDA device `device`. Member 0 creates the unique id and publishes it under `key`.
     pub fn connect(
-        store: Option<Arc<TcpStore>>,
+        failures: Option<Arc<FailureBoard>>,
         key: &str,
         members: Vec<usize>,
         me: usize,
@@ -108,10 +107,11 @@ impl NcclGroup {
             CudaContext::new(device).map_err(|e| setup(format!("CUDA device {device}: {e:?}")))?;
         ctx.bind_to_thread()
             .map_err(|e| setup(format!("CUDA device {device}: {e:?}")))?;
+        let store = failures.as_ref().map(|f| &f.store);
         let id_key = format!("{key}/nccl_unique_id");
         let id = if me == 0 {
             let id = nccl::get_uniqueid().map_err(|e| nccl_err(rank, "get unique id", e))?;
-            if let Some(store) = &store {
+            if let Some(store) = store {
                 // SAFETY: ncclUniqueId is 128 plain bytes.
                 let bytes = unsafe {
                     std::slice::from_raw_parts((&id as *const sys::ncclUniqueId).cast::<u8>(), 128)
@@ -122,9 +122,8 @@ impl NcclGroup {
             }
             id
         } else {
-            let store = store
-                .as_ref()
-                .ok_or_else(|| setup("a multi-rank NCCL group needs a store".into()))?;
+            let store =
+                store.ok_or_else(|| setup("a multi-rank NCCL group needs a store".into()))?;
             store
                 .wait(&[&id_key], timeout)
                 .map_err(|source| CommError::Store { rank, source })?;
@@ -170,7 +169,7 @@ impl NcclGroup {
             let (watch, ctx) = (watch.clone(), ctx.clone());
             std::thread::Builder::new()
                 .name(format!("titan-nccl-watchdog-{key}"))
-                .spawn(move || watchdog(&watch, &ctx, store.as_deref(), rank, timeout))
+                .spawn(move || watchdog(&watch, &ctx, failures.as_deref(), rank, timeout))
                 .map_err(|e| setup(format!("starting the NCCL watchdog: {e}")))?
         };
         Ok(NcclGroup {
@@ -449,7 +448,7 @@ impl Collectives for NcclGroup {
 fn watchdog(
     watch: &Watch,
     ctx: &CudaContext,
-    store: Option<&TcpStore>,
+    failures: Option<&FailureBoard>,
     rank: usize,
     timeout: Duration,
 ) {
@@ -508,10 +507,13 @@ fn watchdog(
                 }
             }
             let own = format!("rank {rank}: {message}");
-            let first = store
-                .and_then(|s| s.compare_set(FAILURE_KEY, b"", own.as_bytes()).ok())
-                .map(|v| String::from_utf8_lossy(&v).into_owned())
-                .filter(|first| *first != own);
+            let first = match failures.map(|f| f.post(&own)) {
+                Some(Posted::After(first)) => Some(first),
+                Some(Posted::Unreachable(why)) => Some(format!(
+                    "unknown: the job's failure notices could not be read ({why})"
+                )),
+                Some(Posted::First) | None => None,
+            };
             *watch.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(own.clone());
             match first {
                 Some(first) => eprintln!(

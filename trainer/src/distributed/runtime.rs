@@ -7,8 +7,9 @@ use std::time::Duration;
 use super::clock;
 use super::comm::{Collectives, CommError};
 use super::connect::SocketOptions;
-use super::cpu::{CpuGroup, FAILURE_KEY};
+use super::cpu::CpuGroup;
 use super::env::LaunchEnv;
+use super::failure::{FailureBoard, Posted};
 use super::store::{StoreOptions, TcpStore};
 use crate::parallel::RankSync;
 
@@ -94,6 +95,8 @@ pub struct Dist {
     pub env: LaunchEnv,
     /// None for a single process.
     pub store: Option<Arc<TcpStore>>,
+    /// Where failures are posted; None for a single process.
+    pub failures: Option<Arc<FailureBoard>>,
     pub opts: CommOptions,
     /// Rank 0's wall clock minus ours (ns); 0 on rank 0 and single processes.
     pub clock_offset_ns: i64,
@@ -111,6 +114,7 @@ impl Dist {
             device_index: env.local_rank,
             env,
             store: None,
+            failures: None,
             opts,
             clock_offset_ns: 0,
             clock_rtt_ns: 0,
@@ -131,6 +135,12 @@ impl Dist {
         .map_err(|source| CommError::Store { rank, source })?;
         let store = Arc::new(store);
         dist.store = Some(store.clone());
+        dist.failures = Some(Arc::new(FailureBoard::new(
+            store.clone(),
+            dist.env.world_size,
+            is_server,
+            dist.opts.timeout,
+        )));
         let (offset, rtt) = clock::measure_offset(
             &store,
             &dist.env.master_addr,
@@ -186,12 +196,12 @@ impl Dist {
         let key = format!("titan/pg/{name}");
         match self.opts.backend {
             Backend::Cpu => {
-                let group = match &self.store {
-                    Some(store) => {
+                let group = match &self.failures {
+                    Some(failures) => {
                         let mut socket = self.opts.socket.clone();
                         socket.timeout = self.opts.init_timeout;
                         let mut g = CpuGroup::connect(
-                            store.clone(),
+                            failures.clone(),
                             &self.env.master_addr,
                             &key,
                             members,
@@ -221,7 +231,7 @@ impl Dist {
         me: usize,
     ) -> Result<Box<dyn Collectives>, CommError> {
         let group = super::nccl::NcclGroup::connect(
-            self.store.clone(),
+            self.failures.clone(),
             key,
             members,
             me,
@@ -266,23 +276,15 @@ impl Dist {
     /// Posts a failure notice to the store (first writer wins) so other ranks can name the
     /// root cause; returns the notice that is in the store afterwards.
     pub fn post_failure(&self, message: &str) -> Option<String> {
-        let store = self.store.as_ref()?;
-        store
-            .compare_set(FAILURE_KEY, b"", message.as_bytes())
-            .ok()
-            .map(|v| String::from_utf8_lossy(&v).into_owned())
+        match self.failures.as_ref()?.post(message) {
+            Posted::First => Some(message.to_string()),
+            Posted::After(first) => Some(first),
+            Posted::Unreachable(_) => None,
+        }
     }
 
     /// The first failure any rank posted, if one did.
     pub fn first_failure(&self) -> Option<String> {
-        let store = self.store.as_ref()?;
-        if store.check(&[FAILURE_KEY]).ok()? {
-            store
-                .get(FAILURE_KEY)
-                .ok()
-                .map(|v| String::from_utf8_lossy(&v).into_owned())
-        } else {
-            None
-        }
+        self.failures.as_ref()?.first()
     }
 }

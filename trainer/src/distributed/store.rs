@@ -349,10 +349,10 @@ impl std::fmt::Debug for TcpStore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn server() -> TcpStore {
+    pub(crate) fn server() -> TcpStore {
         TcpStore::connect(&StoreOptions {
             host: "127.0.0.1".into(),
             port: 0,
@@ -363,7 +363,7 @@ mod tests {
         .unwrap()
     }
 
-    fn client(port: u16) -> TcpStore {
+    pub(crate) fn client(port: u16) -> TcpStore {
         TcpStore::connect(&StoreOptions {
             host: "127.0.0.1".into(),
             port,
