@@ -162,7 +162,7 @@ pub(crate) struct JournalRead {
 }
 
 /// A part's footer, from its Parquet key-value metadata.
-fn footer_of(meta: &FileMetaData) -> Result<Footer> {
+pub(crate) fn footer_of(meta: &FileMetaData) -> Result<Footer> {
     let kv: HashMap<String, String> = meta
         .key_value_metadata()
         .map(|kvs| {

@@ -186,6 +186,23 @@ fn window(s: &PipelineStep) -> i64 {
     }
 }
 
+impl PipelineSummary {
+    /// The ranks of each pipeline position: under pipeline parallelism a rank's times are
+    /// compared with those of the ranks holding the same stages (see
+    /// [`super::analyse_grouped`]), since stages differ by design.
+    pub fn stage_groups(&self) -> Vec<Vec<u32>> {
+        self.per_stage.iter().map(|s| s.ranks.clone()).collect()
+    }
+}
+
+/// The groups a run's stragglers are found in ([`PipelineSummary::stage_groups`]); empty (all
+/// ranks one group) when the run has no pipeline. What `summary` and the TUI both use.
+pub fn stage_groups(run: &Run) -> Vec<Vec<u32>> {
+    pipeline_summary(run)
+        .map(|p| p.stage_groups())
+        .unwrap_or_default()
+}
+
 /// The pipeline analysis of a run loaded with the `pipeline` columns; `None` when no span
 /// carries a pipeline slot (not a pipeline run, or a file without the columns).
 pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {

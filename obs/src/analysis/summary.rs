@@ -174,9 +174,9 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let shape = RunShape::of_run(run);
     let pipeline = pipeline_summary(run);
     // Under pipeline parallelism ranks are compared with the ranks of their own stage.
-    let groups: Vec<Vec<u32>> = pipeline
+    let groups = pipeline
         .as_ref()
-        .map(|p| p.per_stage.iter().map(|s| s.ranks.clone()).collect())
+        .map(PipelineSummary::stage_groups)
         .unwrap_or_default();
     let (a, spans, errors) = match &run.digest {
         Some(d) => (

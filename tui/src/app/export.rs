@@ -93,15 +93,9 @@ enum ImageRow<'a> {
     },
 }
 
-/// Lays out the gantt of `t` as a scene.
-pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
-    if opts.width < 200 {
-        bail!(
-            "--width {} is too small; use at least 200 pixels",
-            opts.width
-        );
-    }
-    let window = match opts.steps {
+/// The time window an image of `t` shows: the whole run, or steps `a..=b` (`--steps`).
+pub fn image_window(t: &Timeline, steps: Option<(u64, u64)>) -> anyhow::Result<Window> {
+    Ok(match steps {
         None => Window {
             t0: 0,
             t1: t.end.max(1),
@@ -122,7 +116,18 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
                 t1: t.steps[ib].end.max(t.steps[ia].start + 1),
             }
         }
-    };
+    })
+}
+
+/// Lays out the gantt of `t` as a scene.
+pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
+    if opts.width < 200 {
+        bail!(
+            "--width {} is too small; use at least 200 pixels",
+            opts.width
+        );
+    }
+    let window = image_window(t, opts.steps)?;
     let rows: Vec<ImageRow> = if opts.collapsed {
         t.collapsed
             .iter()
