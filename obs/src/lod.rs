@@ -715,6 +715,7 @@ impl Names {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run::{RecordTable, SharedFields};
 
     fn data(spans: &[(u32, u16, i64, i64, &str, u64)]) -> PartData {
         let mut d = PartData::default();
@@ -730,14 +731,16 @@ mod tests {
                     d.names.len() as u32 - 1
                 }
             };
-            let s = &mut d.spans;
-            s.rank.push(3);
-            s.thread.push(thread);
-            s.depth.push(depth);
-            s.start_ns.push(start);
-            s.dur_ns.push(dur);
-            s.name.push(id);
-            s.step.push(step);
+            d.spans.shared_columns().push(SharedFields {
+                rank: 3,
+                name: id,
+                step,
+                start_ns: start,
+                thread,
+                depth,
+                parent: 0,
+            });
+            d.spans.dur_ns.push(dur);
         }
         d
     }

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+use crate::part::PartHeader;
 use crate::schema::{PipelineSlot, Reduce};
 
 /// Index into [`Run::names`].
@@ -194,20 +195,124 @@ pub struct Errors {
     pub message: Vec<String>,
 }
 
-/// Who a rank was, from its parts' footers.
+/// The columns the four record tables share, for one record: who recorded it, what, in which
+/// step, when, on which thread, how deep and under which span (its seq; 0: none). A table
+/// without one of them ([`Scalars`]: thread, depth, parent; [`Errors`]: depth) leaves it out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedFields {
+    pub rank: u32,
+    pub name: NameId,
+    pub step: u64,
+    pub start_ns: i64,
+    pub thread: u32,
+    pub depth: u16,
+    pub parent: u64,
+}
+
+/// One table's shared columns, to append to (`None`: the table has no such column).
+pub(crate) struct SharedColumns<'a> {
+    pub rank: &'a mut Vec<u32>,
+    pub name: &'a mut Vec<NameId>,
+    pub step: &'a mut Vec<u64>,
+    pub start_ns: &'a mut Vec<i64>,
+    pub thread: Option<&'a mut Vec<u32>>,
+    pub depth: Option<&'a mut Vec<u16>>,
+    pub parent: Option<&'a mut Vec<u64>>,
+}
+
+impl SharedColumns<'_> {
+    /// Appends a record's shared fields to every shared column the table has.
+    pub(crate) fn push(self, r: SharedFields) {
+        self.rank.push(r.rank);
+        self.name.push(r.name);
+        self.step.push(r.step);
+        self.start_ns.push(r.start_ns);
+        if let Some(c) = self.thread {
+            c.push(r.thread);
+        }
+        if let Some(c) = self.depth {
+            c.push(r.depth);
+        }
+        if let Some(c) = self.parent {
+            c.push(r.parent);
+        }
+    }
+}
+
+/// A record table: its shared columns, to append to or to read one record's.
+pub(crate) trait RecordTable {
+    fn shared_columns(&mut self) -> SharedColumns<'_>;
+    /// Record `i`'s shared fields (0 for columns not read or not in the table).
+    fn shared_at(&self, i: usize) -> SharedFields;
+}
+
+/// Implements [`RecordTable`] for a table with the named optional columns.
+macro_rules! record_table {
+    ($table:ty, thread: $thread:tt, depth: $depth:tt, parent: $parent:tt) => {
+        impl RecordTable for $table {
+            fn shared_columns(&mut self) -> SharedColumns<'_> {
+                SharedColumns {
+                    rank: &mut self.rank,
+                    name: &mut self.name,
+                    step: &mut self.step,
+                    start_ns: &mut self.start_ns,
+                    thread: record_table!(@mut self, thread, $thread),
+                    depth: record_table!(@mut self, depth, $depth),
+                    parent: record_table!(@mut self, parent, $parent),
+                }
+            }
+
+            fn shared_at(&self, i: usize) -> SharedFields {
+                SharedFields {
+                    rank: self.rank[i],
+                    name: self.name[i],
+                    step: self.step[i],
+                    start_ns: self.start_ns.get(i).copied().unwrap_or(0),
+                    thread: record_table!(@at self, thread, $thread, i),
+                    depth: record_table!(@at self, depth, $depth, i),
+                    parent: record_table!(@at self, parent, $parent, i),
+                }
+            }
+        }
+    };
+    (@mut $s:ident, $col:ident, true) => {
+        Some(&mut $s.$col)
+    };
+    (@mut $s:ident, $col:ident, false) => {
+        None
+    };
+    (@at $s:ident, $col:ident, true, $i:ident) => {
+        $s.$col.get($i).copied().unwrap_or(0)
+    };
+    (@at $s:ident, $col:ident, false, $i:ident) => {
+        0
+    };
+}
+
+record_table!(Spans, thread: true, depth: true, parent: true);
+record_table!(Instants, thread: true, depth: true, parent: true);
+record_table!(Scalars, thread: false, depth: false, parent: false);
+record_table!(Errors, thread: true, depth: false, parent: true);
+
+/// Who a rank was, from its parts' footers: the footer's header (its fields read through
+/// `Deref`: `info.run_id`), and how many of its parts were read.
 #[derive(Debug, Clone, Default)]
 pub struct RankInfo {
-    pub rank: u32,
-    pub run_id: String,
-    pub source: String,
-    pub host: String,
-    pub pid: u32,
-    pub local_rank: u32,
-    pub world_size: u32,
-    pub clock_offset_ns: i64,
-    pub threads: BTreeMap<u32, String>,
-    pub run_metadata: serde_json::Map<String, serde_json::Value>,
+    pub header: PartHeader,
     pub parts: usize,
+}
+
+impl std::ops::Deref for RankInfo {
+    type Target = PartHeader;
+    fn deref(&self) -> &PartHeader {
+        &self.header
+    }
+}
+
+impl std::ops::DerefMut for RankInfo {
+    fn deref_mut(&mut self) -> &mut PartHeader {
+        &mut self.header
+    }
 }
 
 /// A part that could not be read, by name.
@@ -535,8 +640,8 @@ impl Merger {
         match run.ranks.get_mut(&rank) {
             Some(info) => {
                 info.parts += part.info.parts;
-                info.threads.extend(part.info.threads);
-                info.world_size = info.world_size.max(part.info.world_size);
+                info.threads.extend(part.info.header.threads);
+                info.world_size = info.world_size.max(part.info.header.world_size);
             }
             None => {
                 run.ranks.insert(rank, part.info);

@@ -21,5 +21,5 @@ pub use summary::{
     Analysis, PhaseStats, Straggler, StragglerOptions, Summary, TaggedStep, analyse,
     analyse_grouped, summary,
 };
-pub use table::{RunShape, SpanTable};
+pub use table::{OwnedSpans, RunShape, SpanTable};
 pub use waits::{StepWait, Wait, Waits};

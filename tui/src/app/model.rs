@@ -12,8 +12,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use titan_obs_core::PipelineSlot;
 use titan_obs_core::analysis::{
-    Analysis, RunShape, SpanTable, Straggler, StragglerOptions, analyse_grouped, phase_step_spread,
-    rank_times,
+    Analysis, OwnedSpans, RunShape, Straggler, StragglerOptions, analyse_grouped,
+    phase_step_spread, rank_times,
 };
 use titan_obs_core::vocab::{titan, torch_pipelining};
 pub use titan_obs_core::{NO_STEP, Reduce};
@@ -480,35 +480,20 @@ impl TimelineBuilder {
     /// The analysis of the collected spans, and each (phase, step, rank)'s total time.
     fn analyse(&self) -> (Analysis, titan_obs_core::analysis::RankTimes) {
         let n: usize = self.lanes.values().map(Vec::len).sum();
-        let (mut rank, mut step, mut name) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        let (mut dur, mut start, mut depth) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
+        let mut spans = OwnedSpans::with_capacity(n);
         for (&(r, _), raw) in &self.lanes {
             for s in raw {
-                rank.push(r);
-                step.push(s.step);
-                name.push(u32::from(s.phase));
-                dur.push(s.dur);
-                start.push(s.start);
-                depth.push(u16::from(s.depth));
+                spans.push(
+                    r,
+                    s.step,
+                    u32::from(s.phase),
+                    s.start,
+                    s.dur,
+                    u16::from(s.depth),
+                );
             }
         }
-        let table = SpanTable {
-            rank: &rank,
-            step: &step,
-            name: &name,
-            dur_ns: &dur,
-            start_ns: &start,
-            depth: &depth,
-            names: &self.phases,
-        };
+        let table = spans.table(&self.phases);
         let shape = RunShape {
             ranks: self.ranks.iter().copied().collect(),
             step_tags: self
