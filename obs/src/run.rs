@@ -221,6 +221,30 @@ pub(crate) struct SharedColumns<'a> {
 }
 
 impl SharedColumns<'_> {
+    /// Moves `from`'s shared columns onto the ends of these (a table of the same kind), names
+    /// through `name_map` (part-local to run-wide ids), start times shifted by `offset_ns`.
+    pub(crate) fn append(self, from: SharedColumns, name_map: &[u32], offset_ns: i64) {
+        self.rank.append(from.rank);
+        self.name
+            .extend(from.name.drain(..).map(|i| name_map[i as usize]));
+        self.step.append(from.step);
+        if offset_ns == 0 {
+            self.start_ns.append(from.start_ns);
+        } else {
+            self.start_ns
+                .extend(from.start_ns.drain(..).map(|t| t + offset_ns));
+        }
+        if let (Some(to), Some(from)) = (self.thread, from.thread) {
+            to.append(from);
+        }
+        if let (Some(to), Some(from)) = (self.depth, from.depth) {
+            to.append(from);
+        }
+        if let (Some(to), Some(from)) = (self.parent, from.parent) {
+            to.append(from);
+        }
+    }
+
     /// Appends a record's shared fields to every shared column the table has.
     pub(crate) fn push(self, r: SharedFields) {
         self.rank.push(r.rank);
@@ -557,7 +581,7 @@ impl Merger {
         });
     }
 
-    fn merge_tables(&mut self, run: &mut Run, part: PartData, align: bool) {
+    fn merge_tables(&mut self, run: &mut Run, mut part: PartData, align: bool) {
         let name_map: Vec<u32> = part
             .names
             .iter()
@@ -575,57 +599,27 @@ impl Merger {
                 .get_or_insert_with(Default::default)
                 .merge(d, &name_map, offset);
         }
-        let shift = |v: Vec<i64>| -> Vec<i64> {
-            if offset == 0 {
-                v
-            } else {
-                v.into_iter().map(|t| t + offset).collect()
-            }
-        };
-        let remap =
-            |v: Vec<u32>| -> Vec<u32> { v.into_iter().map(|i| name_map[i as usize]).collect() };
+        let (s, t) = (&mut part.spans, &mut run.spans);
+        t.shared_columns()
+            .append(s.shared_columns(), &name_map, offset);
+        t.dur_ns.append(&mut s.dur_ns);
+        t.seq.append(&mut s.seq);
+        t.pipeline.append(&mut s.pipeline);
 
-        let s = part.spans;
-        let t = &mut run.spans;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.dur_ns.extend(s.dur_ns);
-        t.start_ns.extend(shift(s.start_ns));
-        t.thread.extend(s.thread);
-        t.depth.extend(s.depth);
-        t.seq.extend(s.seq);
-        t.parent.extend(s.parent);
-        t.pipeline.extend(s.pipeline);
+        run.instants
+            .shared_columns()
+            .append(part.instants.shared_columns(), &name_map, offset);
 
-        let s = part.instants;
-        let t = &mut run.instants;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.start_ns.extend(shift(s.start_ns));
-        t.thread.extend(s.thread);
-        t.depth.extend(s.depth);
-        t.parent.extend(s.parent);
+        let (s, t) = (&mut part.scalars, &mut run.scalars);
+        t.shared_columns()
+            .append(s.shared_columns(), &name_map, offset);
+        t.value.append(&mut s.value);
+        t.reduce.append(&mut s.reduce);
 
-        let s = part.scalars;
-        let t = &mut run.scalars;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.value.extend(s.value);
-        t.reduce.extend(s.reduce);
-        t.start_ns.extend(shift(s.start_ns));
-
-        let s = part.errors;
-        let t = &mut run.errors;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.start_ns.extend(shift(s.start_ns));
-        t.thread.extend(s.thread);
-        t.parent.extend(s.parent);
-        t.message.extend(s.message);
+        let (s, t) = (&mut part.errors, &mut run.errors);
+        t.shared_columns()
+            .append(s.shared_columns(), &name_map, offset);
+        t.message.append(&mut s.message);
 
         for (step, mask) in part.step_tags {
             let mut global = 0u64;
