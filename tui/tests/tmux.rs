@@ -1022,6 +1022,43 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
     let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
     assert!(s.contains("TITAN_OBS_EXIT=2"), "{s}");
     assert!(s.contains("second") && s.contains("synthetic"), "{s}");
+
+    // Following the first run: journals of both runs grow; only the first's spans are drawn.
+    let tmux = open("--run synthetic --follow");
+    tmux.wait_for("the first run", |s| {
+        s.contains("3000 steps") && s.contains("metrics")
+    });
+    let journal = |rank: u32, run_id: &str, spans: u64| {
+        use titan_obs_core::journal::JournalWriter;
+        use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+        let header = PartHeader {
+            run_id: run_id.into(),
+            source: "trainer".into(),
+            rank,
+            world_size: 4,
+            ..Default::default()
+        };
+        let dir = run.join(format!("obs/rank-{rank}"));
+        let mut j = JournalWriter::create(&dir, 1001, &header).unwrap();
+        let mut b = PartBuilder::new();
+        for k in 0..spans {
+            let start = 1_750_001_000_000_000_000 + k as i64 * 1_000_000;
+            b.push(&Row::span(
+                9_000_000 + k,
+                "step",
+                4000 + k,
+                start,
+                500_000,
+                0,
+            ));
+        }
+        j.append(&b.finish(&header).unwrap()).unwrap();
+        j
+    };
+    let _other = journal(0, "second", 3);
+    let _shown = journal(1, "synthetic", 6);
+    let s = tmux.wait_for("the appended spans", |s| s.contains("+6 spans"));
+    assert!(!s.contains("+9 spans") && !s.contains("+3 spans"), "{s}");
 }
 
 /// The slow-rank column of the TUI's phase table for `phase`.

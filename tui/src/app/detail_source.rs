@@ -76,8 +76,15 @@ impl DetailSource {
 }
 
 /// `--follow`'s worker: every [`FOLLOW_INTERVAL`], reads what the journals (and the parts
-/// after `skip`) gained and sends it; stops when the receiver is gone.
-fn follow_worker(run: String, skip: BTreeMap<u32, u64>, tx: mpsc::Sender<Followed>) {
+/// after `skip`) gained and sends it; stops when the receiver is gone. `run_id`: the run on
+/// screen, of a folder that may hold several: nothing is sent before the reader has read a
+/// record of it (until then it shows the newest).
+fn follow_worker(
+    run: String,
+    run_id: Option<String>,
+    skip: BTreeMap<u32, u64>,
+    tx: mpsc::Sender<Followed>,
+) {
     let mut reader = match PartsReader::open(&run) {
         Ok(r) => r,
         Err(e) => {
@@ -87,12 +94,20 @@ fn follow_worker(run: String, skip: BTreeMap<u32, u64>, tx: mpsc::Sender<Followe
     };
     reader.skip_parts_through(&skip);
     let opts = ReadOptions::default();
+    let mut shown = run_id.is_none();
     loop {
         let started = Instant::now();
-        let from = reader.run().spans.len();
-        let read = reader
-            .refresh_with(&opts, false)
-            .map(|run| appended(run, from));
+        let mut from = reader.run().spans.len();
+        // The refresh's `&Run` is let go: selecting the run needs the reader.
+        let refreshed = reader.refresh_with(&opts, false).map(|_| ());
+        let read = refreshed.map(|()| {
+            if let (false, Some(id)) = (shown, &run_id) {
+                shown = reader.select_run(id).is_ok();
+                // Its tables hold every record of it read so far.
+                from = 0;
+            }
+            shown.then(|| appended(reader.run(), from)).flatten()
+        });
         let ms = started.elapsed().as_secs_f64() * 1e3;
         let send = match read {
             Ok(Some(a)) => tx.send(Ok((a, ms))),
@@ -177,8 +192,8 @@ impl TimelineSource for DetailSource {
         std::thread::spawn(move || whole_run(&run, id.as_deref(), &parts, |w| tx.send(w).is_ok()));
         if self.follow {
             let (tx, rx) = mpsc::channel();
-            let (run, skip) = (self.run.clone(), d.last_parts());
-            std::thread::spawn(move || follow_worker(run, skip, tx));
+            let (run, id, skip) = (self.run.clone(), d.run_id.clone(), d.last_parts());
+            std::thread::spawn(move || follow_worker(run, id, skip, tx));
             self.followed = Some(rx);
         }
         self.detail = Some(d);
