@@ -183,6 +183,9 @@ fn beside_name(part: &str, extension: &str) -> String {
     format!("{stem}.{extension}")
 }
 
+/// Rank folders of an object store listed at once.
+const LISTINGS_AT_ONCE: usize = 32;
+
 /// Every rank's parts, by rank and part index. A local part's size is read when asked for
 /// ([`PartFile::byte_len`]): listing a day-long run's folders stays cheap.
 pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
@@ -215,31 +218,53 @@ pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
             }
         }
         Location::Object { url, store, base } => {
-            use futures::TryStreamExt;
-            let prefix = base.clone().join("obs");
-            let metas: Vec<object_store::ObjectMeta> = titan_storage::runtime()
-                .block_on(store.list(Some(&prefix)).try_collect())
+            use futures::{StreamExt, TryStreamExt};
+            let obs = base.clone().join("obs");
+            let rt = titan_storage::runtime();
+            // The rank folders first, then each folder's objects, a few folders at a time: a
+            // day-long run holds hundreds of thousands of objects, which one listing pages
+            // through a thousand at a time.
+            let folders = rt
+                .block_on(store.list_with_delimiter(Some(&obs)))
+                .with_context(|| format!("listing {url}/obs"))?
+                .common_prefixes;
+            let listed: Vec<(u32, Vec<object_store::ObjectMeta>)> = rt
+                .block_on(
+                    futures::stream::iter(folders.into_iter().filter_map(|folder| {
+                        let rank = parse_rank_dir_name(folder.filename()?)?;
+                        Some((rank, folder))
+                    }))
+                    .map(|(rank, folder)| {
+                        let store = store.clone();
+                        async move {
+                            let metas = store.list(Some(&folder)).try_collect().await;
+                            metas.map(|m| (rank, m))
+                        }
+                    })
+                    .buffer_unordered(LISTINGS_AT_ONCE)
+                    .try_collect(),
+                )
                 .with_context(|| format!("listing {url}/obs"))?;
-            for m in metas {
-                let mut segments = m.location.as_ref().rsplitn(3, '/');
-                let (Some(file), Some(rank_dir)) = (segments.next(), segments.next()) else {
-                    continue;
-                };
-                let (Some(rank), Some(index)) =
-                    (parse_rank_dir_name(rank_dir), parse_part_file_name(file))
-                else {
-                    continue;
-                };
-                ranks.entry(rank).or_default().push(PartFile {
-                    rank,
-                    index,
-                    place: Place::Object {
-                        store: store.clone(),
-                        shown: format!("{url}/obs/{rank_dir}/{file}"),
-                        path: m.location,
-                        len: m.size,
-                    },
-                });
+            for (rank, metas) in listed {
+                let parts = ranks.entry(rank).or_default();
+                for m in metas {
+                    let Some(file) = m.location.filename() else {
+                        continue;
+                    };
+                    let Some(index) = parse_part_file_name(file) else {
+                        continue;
+                    };
+                    parts.push(PartFile {
+                        rank,
+                        index,
+                        place: Place::Object {
+                            store: store.clone(),
+                            shown: format!("{url}/obs/rank-{rank}/{file}"),
+                            path: m.location,
+                            len: m.size,
+                        },
+                    });
+                }
             }
         }
     }
