@@ -155,8 +155,9 @@ impl PartFile {
         use parquet::errors::ParquetError;
         use parquet::file::metadata::ParquetMetaDataReader;
         let len = self.byte_len()?;
-        // Footers are a few kB: one read from the end almost always holds the whole of it.
-        let mut want = len.min(64 << 10);
+        // Footers are a few kB (more with a large run config in the metadata): one read from
+        // the end usually holds the whole of it, else parquet says how much more to read.
+        let mut want = len.min(16 << 10);
         loop {
             let tail = self.read_range(len - want..len)?;
             let mut reader = ParquetMetaDataReader::new();
@@ -360,4 +361,48 @@ pub fn keep_run(
     }
     ranks.retain(|_, parts| !parts.is_empty());
     Ok(Some(wanted))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+
+    /// A part whose footer is larger than the first read from its end (a big run config in
+    /// its metadata): the footer is still read whole, from the end only.
+    #[test]
+    fn reads_a_footer_larger_than_the_first_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let config: String = "x".repeat(40 << 10);
+        let header = PartHeader {
+            run_id: "big-footer".into(),
+            source: "trainer".into(),
+            rank: 2,
+            world_size: 4,
+            run_metadata: serde_json::Map::from_iter([(
+                "config".to_string(),
+                serde_json::Value::String(config.clone()),
+            )]),
+            ..Default::default()
+        };
+        let mut b = PartBuilder::new();
+        b.push(&Row::span(1, "step", 1, 0, 10, 0));
+        let batch = b.finish(&header).unwrap();
+        let location = Location::parse(run.to_str().unwrap()).unwrap();
+        let sink = PartSink::new(location.clone(), 2).unwrap();
+        sink.put(7, encode(&batch, &header, 7).unwrap()).unwrap();
+
+        let listed = list(&location).unwrap();
+        let part = &listed[&2][0];
+        assert_eq!((part.rank, part.index), (2, 7));
+        let footer = part.footer().unwrap();
+        assert_eq!(footer.header.run_id, "big-footer");
+        assert_eq!(footer.header.run_metadata["config"], config.as_str());
+        assert!(
+            part.read_beside("lod").unwrap().is_some(),
+            "written beside it"
+        );
+        assert!(part.read_beside("nothing").unwrap().is_none());
+    }
 }
