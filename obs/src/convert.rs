@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use crate::location::Location;
 use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
 use crate::record::NO_STEP;
-use crate::run::Run;
+use crate::run::{RecordTable, Run, SharedFields};
 use crate::schema::Kind;
 
 /// What [`write_parts`] wrote.
@@ -75,21 +75,21 @@ pub fn write_parts(run: &Run, out: &str) -> Result<WriteStats> {
     Ok(stats)
 }
 
-/// A row of `kind` named `name` at `step` (`NO_STEP`: none) with `tags`, every other field
-/// empty: each table's rows fill in the columns it has.
-fn bare<'a>(kind: Kind, name: &'a str, step: u64, tags: &'a [&'a str]) -> Row<'a> {
+/// A row of `kind` holding a record's shared fields (see [`SharedFields`]) and the tags of
+/// its step, every other field empty: each table's rows fill in the columns it has.
+fn bare<'a>(kind: Kind, run: &'a Run, r: SharedFields, tags: &'a [&'a str]) -> Row<'a> {
     Row {
-        thread: 0,
+        thread: r.thread,
         seq: 0,
         kind,
-        name,
-        step: (step != NO_STEP).then_some(step),
-        start_ns: 0,
+        name: run.name(r.name),
+        step: (r.step != NO_STEP).then_some(r.step),
+        start_ns: r.start_ns,
         dur_ns: None,
         value: None,
         reduce: None,
-        depth: 0,
-        parent: None,
+        depth: r.depth,
+        parent: Some(r.parent).filter(|&p| p != 0),
         tags,
         message: None,
         pipeline: None,
@@ -104,21 +104,17 @@ fn write_rank(
     rows: &RankRows,
 ) -> Result<(u64, u64)> {
     let info = run.ranks.get(&rank).cloned().unwrap_or_default();
+    // Times are already on rank 0's clock (the reader added each rank's offset).
     let header = PartHeader {
         run_id: if info.run_id.is_empty() {
             run.location.clone()
         } else {
             info.run_id.clone()
         },
-        source: info.source.clone(),
-        host: info.host.clone(),
         rank,
-        local_rank: info.local_rank,
         world_size: world,
-        pid: info.pid,
         clock_offset_ns: 0,
-        threads: info.threads.clone(),
-        run_metadata: info.run_metadata.clone(),
+        ..info.header
     };
     let mut b = PartBuilder::new();
     let tags_of = |step: u64| -> Vec<&str> {
@@ -133,42 +129,31 @@ fn write_rank(
     for &i in &rows.spans {
         let i = i as usize;
         let tags = tags_of(sp.step[i]);
+        let mut shared = sp.shared_at(i);
+        if !has_links {
+            shared.parent = 0;
+        }
         b.push(&Row {
-            thread: sp.thread[i],
             seq: if has_links { sp.seq[i] } else { i as u64 + 1 },
-            start_ns: sp.start_ns[i],
             dur_ns: Some(sp.dur_ns[i]),
-            depth: sp.depth[i],
-            parent: if has_links {
-                Some(sp.parent[i]).filter(|&p| p != 0)
-            } else {
-                None
-            },
             pipeline: sp.pipeline.get(i).copied().flatten(),
-            ..bare(Kind::Span, run.name(sp.name[i]), sp.step[i], &tags)
+            ..bare(Kind::Span, run, shared, &tags)
         });
     }
     let ins = &run.instants;
     for &i in &rows.instants {
         let i = i as usize;
         let tags = tags_of(ins.step[i]);
-        b.push(&Row {
-            thread: ins.thread.get(i).copied().unwrap_or(0),
-            start_ns: ins.start_ns.get(i).copied().unwrap_or(0),
-            depth: ins.depth.get(i).copied().unwrap_or(0),
-            parent: ins.parent.get(i).copied().filter(|&p| p != 0),
-            ..bare(Kind::Instant, run.name(ins.name[i]), ins.step[i], &tags)
-        });
+        b.push(&bare(Kind::Instant, run, ins.shared_at(i), &tags));
     }
     let sc = &run.scalars;
     for &i in &rows.scalars {
         let i = i as usize;
         let tags = tags_of(sc.step[i]);
         b.push(&Row {
-            start_ns: sc.start_ns.get(i).copied().unwrap_or(0),
             value: Some(sc.value[i]),
             reduce: Some(sc.reduce[i]),
-            ..bare(Kind::Scalar, run.name(sc.name[i]), sc.step[i], &tags)
+            ..bare(Kind::Scalar, run, sc.shared_at(i), &tags)
         });
     }
     let er = &run.errors;
@@ -176,11 +161,8 @@ fn write_rank(
         let i = i as usize;
         let tags = tags_of(er.step[i]);
         b.push(&Row {
-            thread: er.thread.get(i).copied().unwrap_or(0),
-            start_ns: er.start_ns.get(i).copied().unwrap_or(0),
-            parent: er.parent.get(i).copied().filter(|&p| p != 0),
             message: er.message.get(i).map(String::as_str),
-            ..bare(Kind::Error, run.name(er.name[i]), er.step[i], &tags)
+            ..bare(Kind::Error, run, er.shared_at(i), &tags)
         });
     }
     let records = b.len() as u64;

@@ -20,23 +20,13 @@ use parquet::file::metadata::FileMetaData;
 use crate::journal::{JournalCursor, SkippedRange, thread_names};
 use crate::part::Footer;
 use crate::record::NO_STEP;
-use crate::run::{Columns, PartData, RankInfo};
+use crate::run::{Columns, PartData, RankInfo, RecordTable, SharedColumns};
 use crate::schema::{Kind, PipelineSlot, Reduce, col};
 
 /// The reader's view of a footer.
 pub(crate) fn rank_info(footer: &Footer) -> RankInfo {
-    let h = &footer.header;
     RankInfo {
-        rank: h.rank,
-        run_id: h.run_id.clone(),
-        source: h.source.clone(),
-        host: h.host.clone(),
-        pid: h.pid,
-        local_rank: h.local_rank,
-        world_size: h.world_size,
-        clock_offset_ns: h.clock_offset_ns,
-        threads: h.threads.clone(),
-        run_metadata: h.run_metadata.clone(),
+        header: footer.header.clone(),
         parts: 1,
     }
 }
@@ -162,7 +152,7 @@ pub(crate) struct JournalRead {
 }
 
 /// A part's footer, from its Parquet key-value metadata.
-fn footer_of(meta: &FileMetaData) -> Result<Footer> {
+pub(crate) fn footer_of(meta: &FileMetaData) -> Result<Footer> {
     let kv: HashMap<String, String> = meta
         .key_value_metadata()
         .map(|kvs| {
@@ -439,28 +429,36 @@ fn decode_batch(
     Ok(())
 }
 
-fn push_span(cols: &BatchColumns, i: usize, rank: u32, step: u64, out: &mut PartData) {
-    let t = &mut out.spans;
+/// Appends record `i`'s shared columns (those read, see [`SharedColumns`]) to a table.
+fn push_shared(t: SharedColumns, cols: &BatchColumns, i: usize, rank: u32, step: u64) {
     t.rank.push(rank);
     t.name.push(cols.names[i]);
     t.step.push(step);
+    if let Some(a) = cols.start {
+        t.start_ns.push(a.value(i));
+    }
+    if let (Some(a), Some(c)) = (cols.thread, t.thread) {
+        c.push(a.value(i));
+    }
+    if let (Some(a), Some(c)) = (cols.depth, t.depth) {
+        c.push(a.value(i));
+    }
+    if let (Some(p), Some(c)) = (cols.parent(i), t.parent) {
+        c.push(p);
+    }
+}
+
+fn push_span(cols: &BatchColumns, i: usize, rank: u32, step: u64, out: &mut PartData) {
+    let t = &mut out.spans;
+    push_shared(t.shared_columns(), cols, i, rank, step);
     t.dur_ns.push(if cols.dur.is_null(i) {
         0
     } else {
         cols.dur.value(i)
     });
-    if let Some(a) = cols.start {
-        t.start_ns.push(a.value(i));
-    }
-    if let Some(a) = cols.thread {
-        t.thread.push(a.value(i));
-    }
-    if let Some(a) = cols.depth {
-        t.depth.push(a.value(i));
-    }
-    if let (Some(q), Some(p)) = (cols.seq, cols.parent(i)) {
+    // `seq` and `parent` are read together (`Columns::links`).
+    if let Some(q) = cols.seq {
         t.seq.push(q.value(i));
-        t.parent.push(p);
     }
     if let Some(columns) = cols.pipeline {
         t.pipeline.push(columns.and_then(|(mb, stage)| {
@@ -473,22 +471,7 @@ fn push_span(cols: &BatchColumns, i: usize, rank: u32, step: u64, out: &mut Part
 }
 
 fn push_instant(cols: &BatchColumns, i: usize, rank: u32, step: u64, out: &mut PartData) {
-    let t = &mut out.instants;
-    t.rank.push(rank);
-    t.name.push(cols.names[i]);
-    t.step.push(step);
-    if let Some(a) = cols.start {
-        t.start_ns.push(a.value(i));
-    }
-    if let Some(a) = cols.thread {
-        t.thread.push(a.value(i));
-    }
-    if let Some(a) = cols.depth {
-        t.depth.push(a.value(i));
-    }
-    if let Some(p) = cols.parent(i) {
-        t.parent.push(p);
-    }
+    push_shared(out.instants.shared_columns(), cols, i, rank, step);
 }
 
 fn push_scalar(
@@ -499,35 +482,19 @@ fn push_scalar(
     out: &mut PartData,
 ) -> Result<()> {
     let t = &mut out.scalars;
-    t.rank.push(rank);
-    t.name.push(cols.names[i]);
-    t.step.push(step);
+    push_shared(t.shared_columns(), cols, i, rank, step);
     t.value.push(if cols.value.is_null(i) {
         f64::NAN
     } else {
         cols.value.value(i)
     });
     t.reduce.push(cols.reduce(i)?);
-    if let Some(a) = cols.start {
-        t.start_ns.push(a.value(i));
-    }
     Ok(())
 }
 
 fn push_error(cols: &BatchColumns, i: usize, rank: u32, step: u64, out: &mut PartData) {
     let t = &mut out.errors;
-    t.rank.push(rank);
-    t.name.push(cols.names[i]);
-    t.step.push(step);
-    if let Some(a) = cols.start {
-        t.start_ns.push(a.value(i));
-    }
-    if let Some(a) = cols.thread {
-        t.thread.push(a.value(i));
-    }
-    if let Some(p) = cols.parent(i) {
-        t.parent.push(p);
-    }
+    push_shared(t.shared_columns(), cols, i, rank, step);
     if let Some(m) = cols.message {
         t.message.push(if m.is_null(i) {
             String::new()

@@ -62,6 +62,7 @@ pub mod journal;
 pub mod location;
 pub mod lod;
 pub mod part;
+pub mod part_files;
 pub mod read;
 mod record;
 mod recorder;

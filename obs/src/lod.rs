@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, ensure};
 
+use crate::part_files::PartFile;
 use crate::record::NO_STEP;
 use crate::run::{Columns, PartData};
 
@@ -323,15 +324,15 @@ pub struct SpanRows {
 }
 
 impl PartSpans {
-    /// Decodes the spans of a local part of `rank`.
-    pub fn read_local(part: &Path, rank: u32) -> Result<PartSpans> {
-        let bytes = std::fs::read(part).with_context(|| format!("reading {}", part.display()))?;
+    /// Decodes the spans of a part (local or in an object store).
+    pub fn read(part: &PartFile) -> Result<PartSpans> {
+        let bytes = part.read()?;
         let columns = Columns {
             pipeline: true,
             ..COLUMNS
         };
-        let d = crate::decode::decode_part(bytes.into(), rank, columns, 0)
-            .with_context(|| format!("decoding {}", part.display()))?;
+        let d = crate::decode::decode_part(bytes, part.rank, columns, 0)
+            .with_context(|| format!("decoding {}", part.shown()))?;
         let s = &d.spans;
         let n = s.rank.len();
         let at = |v: &[u32], i: usize| v.get(i).copied().unwrap_or(0);
@@ -375,12 +376,11 @@ impl PartSpans {
     }
 }
 
-/// The per-step scalars of a local part: (name, step, value, reduce), steps only. With the
-/// detail levels, what a viewer of a large run needs from its parts, one part at a time.
-pub fn part_scalars(part: &Path, rank: u32) -> Result<Vec<(String, u64, f64, crate::Reduce)>> {
-    let bytes = std::fs::read(part).with_context(|| format!("reading {}", part.display()))?;
-    let d = crate::decode::decode_part(bytes.into(), rank, Columns::METRICS, 0)
-        .with_context(|| format!("decoding {}", part.display()))?;
+/// The per-step scalars of a part: (name, step, value, reduce), steps only. With the detail
+/// levels, what a viewer of a large run needs from its parts, one part at a time.
+pub fn part_scalars(part: &PartFile) -> Result<Vec<(String, u64, f64, crate::Reduce)>> {
+    let d = crate::decode::decode_part(part.read()?, part.rank, Columns::METRICS, 0)
+        .with_context(|| format!("decoding {}", part.shown()))?;
     let s = &d.scalars;
     Ok((0..s.rank.len())
         .filter(|&i| s.step[i] != NO_STEP)
@@ -642,26 +642,29 @@ pub fn write_local(part: &Path, part_len: u64, d: &PartDetail) -> Result<()> {
 
 /// One part's detail levels as a reader got them.
 pub struct Opened {
-    pub part: PathBuf,
     pub detail: PartDetail,
     /// The detail file was damaged (named, with why): these were built from the part.
     pub damaged: Option<String>,
     /// The part had no detail file (a run written before them): built, and cached next to it
-    /// when the location is writable.
+    /// when it is a local part in a writable folder.
     pub built: bool,
 }
 
-/// The detail levels of a local part: its `.lod` file, or, when that is missing or damaged,
-/// built from the part's spans (and cached when it was missing and the folder is writable;
-/// a damaged file is left as evidence). Fails only when the part itself cannot be read.
-pub fn open_local(part: &Path, rank: u32) -> Result<Opened> {
-    let len = std::fs::metadata(part)
-        .with_context(|| format!("reading {}", part.display()))?
-        .len();
-    let damaged = match read_local(part, len) {
+/// The detail levels of a part (local or in an object store): its `.lod` file, or, when that
+/// is missing or damaged, built from the part's spans (and cached beside a local part when it
+/// was missing and the folder is writable; a damaged file is left as evidence). Fails only
+/// when the part itself cannot be read.
+pub fn open(part: &PartFile) -> Result<Opened> {
+    let len = part.byte_len()?;
+    let file = part.read_beside("lod");
+    let damaged = match file.and_then(|b| match b {
+        Some(b) => decode(&b, len)
+            .map(Some)
+            .with_context(|| format!("{} is damaged", part.beside_shown("lod"))),
+        None => Ok(None),
+    }) {
         Ok(Some(detail)) => {
             return Ok(Opened {
-                part: part.to_path_buf(),
                 detail,
                 damaged: None,
                 built: false,
@@ -670,35 +673,19 @@ pub fn open_local(part: &Path, rank: u32) -> Result<Opened> {
         Ok(None) => None,
         Err(e) => Some(format!("{e:#}")),
     };
-    let bytes = std::fs::read(part).with_context(|| format!("reading {}", part.display()))?;
-    let detail = PartDetail::of_part(bytes.into(), rank)
-        .with_context(|| format!("decoding {}", part.display()))?;
+    let detail = PartDetail::of_part(part.read()?, part.rank)
+        .with_context(|| format!("decoding {}", part.shown()))?;
     if damaged.is_none()
-        && let Err(e) = write_local(part, len, &detail)
+        && let Some(path) = part.local_path()
+        && let Err(e) = write_local(path, len, &detail)
     {
-        tracing::debug!("not caching the detail levels of {}: {e:#}", part.display());
+        tracing::debug!("not caching the detail levels of {}: {e:#}", path.display());
     }
     Ok(Opened {
-        part: part.to_path_buf(),
         detail,
         damaged,
         built: true,
     })
-}
-
-/// The parts of a local rank folder, by index.
-pub fn local_parts(rank_dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
-    let mut parts: Vec<(u64, PathBuf)> = std::fs::read_dir(rank_dir)
-        .with_context(|| format!("listing {}", rank_dir.display()))?
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name();
-            let index = crate::location::parse_part_file_name(name.to_str()?)?;
-            Some((index, e.path()))
-        })
-        .collect();
-    parts.sort();
-    Ok(parts)
 }
 
 /// Interns names of several parts into one run-wide list.
@@ -728,6 +715,7 @@ impl Names {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run::{RecordTable, SharedFields};
 
     fn data(spans: &[(u32, u16, i64, i64, &str, u64)]) -> PartData {
         let mut d = PartData::default();
@@ -743,14 +731,16 @@ mod tests {
                     d.names.len() as u32 - 1
                 }
             };
-            let s = &mut d.spans;
-            s.rank.push(3);
-            s.thread.push(thread);
-            s.depth.push(depth);
-            s.start_ns.push(start);
-            s.dur_ns.push(dur);
-            s.name.push(id);
-            s.step.push(step);
+            d.spans.shared_columns().push(SharedFields {
+                rank: 3,
+                name: id,
+                step,
+                start_ns: start,
+                thread,
+                depth,
+                parent: 0,
+            });
+            d.spans.dur_ns.push(dur);
         }
         d
     }

@@ -29,7 +29,7 @@ use crate::location::{
 use crate::schema::{Kind, PipelineSlot, Reduce, SCHEMA_VERSION, arrow_schema, meta};
 
 /// Who wrote a part: constant columns plus footer metadata.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PartHeader {
     pub run_id: String,
     pub source: String,

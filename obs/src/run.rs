@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
+use crate::part::PartHeader;
 use crate::schema::{PipelineSlot, Reduce};
 
 /// Index into [`Run::names`].
@@ -194,20 +195,148 @@ pub struct Errors {
     pub message: Vec<String>,
 }
 
-/// Who a rank was, from its parts' footers.
+/// The columns the four record tables share, for one record: who recorded it, what, in which
+/// step, when, on which thread, how deep and under which span (its seq; 0: none). A table
+/// without one of them ([`Scalars`]: thread, depth, parent; [`Errors`]: depth) leaves it out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedFields {
+    pub rank: u32,
+    pub name: NameId,
+    pub step: u64,
+    pub start_ns: i64,
+    pub thread: u32,
+    pub depth: u16,
+    pub parent: u64,
+}
+
+/// One table's shared columns, to append to (`None`: the table has no such column).
+pub(crate) struct SharedColumns<'a> {
+    pub rank: &'a mut Vec<u32>,
+    pub name: &'a mut Vec<NameId>,
+    pub step: &'a mut Vec<u64>,
+    pub start_ns: &'a mut Vec<i64>,
+    pub thread: Option<&'a mut Vec<u32>>,
+    pub depth: Option<&'a mut Vec<u16>>,
+    pub parent: Option<&'a mut Vec<u64>>,
+}
+
+impl SharedColumns<'_> {
+    /// Moves `from`'s shared columns onto the ends of these (a table of the same kind), names
+    /// through `name_map` (part-local to run-wide ids), start times shifted by `offset_ns`.
+    pub(crate) fn append(self, from: SharedColumns, name_map: &[u32], offset_ns: i64) {
+        self.rank.append(from.rank);
+        self.name
+            .extend(from.name.drain(..).map(|i| name_map[i as usize]));
+        self.step.append(from.step);
+        if offset_ns == 0 {
+            self.start_ns.append(from.start_ns);
+        } else {
+            self.start_ns
+                .extend(from.start_ns.drain(..).map(|t| t + offset_ns));
+        }
+        if let (Some(to), Some(from)) = (self.thread, from.thread) {
+            to.append(from);
+        }
+        if let (Some(to), Some(from)) = (self.depth, from.depth) {
+            to.append(from);
+        }
+        if let (Some(to), Some(from)) = (self.parent, from.parent) {
+            to.append(from);
+        }
+    }
+
+    /// Appends a record's shared fields to every shared column the table has.
+    pub(crate) fn push(self, r: SharedFields) {
+        self.rank.push(r.rank);
+        self.name.push(r.name);
+        self.step.push(r.step);
+        self.start_ns.push(r.start_ns);
+        if let Some(c) = self.thread {
+            c.push(r.thread);
+        }
+        if let Some(c) = self.depth {
+            c.push(r.depth);
+        }
+        if let Some(c) = self.parent {
+            c.push(r.parent);
+        }
+    }
+}
+
+/// A record table: its shared columns, to append to or to read one record's.
+pub(crate) trait RecordTable {
+    fn shared_columns(&mut self) -> SharedColumns<'_>;
+    /// Record `i`'s shared fields (0 for columns not read or not in the table).
+    fn shared_at(&self, i: usize) -> SharedFields;
+}
+
+/// Implements [`RecordTable`] for a table with the named optional columns.
+macro_rules! record_table {
+    ($table:ty, thread: $thread:tt, depth: $depth:tt, parent: $parent:tt) => {
+        impl RecordTable for $table {
+            fn shared_columns(&mut self) -> SharedColumns<'_> {
+                SharedColumns {
+                    rank: &mut self.rank,
+                    name: &mut self.name,
+                    step: &mut self.step,
+                    start_ns: &mut self.start_ns,
+                    thread: record_table!(@mut self, thread, $thread),
+                    depth: record_table!(@mut self, depth, $depth),
+                    parent: record_table!(@mut self, parent, $parent),
+                }
+            }
+
+            fn shared_at(&self, i: usize) -> SharedFields {
+                SharedFields {
+                    rank: self.rank[i],
+                    name: self.name[i],
+                    step: self.step[i],
+                    start_ns: self.start_ns.get(i).copied().unwrap_or(0),
+                    thread: record_table!(@at self, thread, $thread, i),
+                    depth: record_table!(@at self, depth, $depth, i),
+                    parent: record_table!(@at self, parent, $parent, i),
+                }
+            }
+        }
+    };
+    (@mut $s:ident, $col:ident, true) => {
+        Some(&mut $s.$col)
+    };
+    (@mut $s:ident, $col:ident, false) => {
+        None
+    };
+    (@at $s:ident, $col:ident, true, $i:ident) => {
+        $s.$col.get($i).copied().unwrap_or(0)
+    };
+    (@at $s:ident, $col:ident, false, $i:ident) => {
+        0
+    };
+}
+
+record_table!(Spans, thread: true, depth: true, parent: true);
+record_table!(Instants, thread: true, depth: true, parent: true);
+record_table!(Scalars, thread: false, depth: false, parent: false);
+record_table!(Errors, thread: true, depth: false, parent: true);
+
+/// Who a rank was, from its parts' footers: the footer's header (its fields read through
+/// `Deref`: `info.run_id`), and how many of its parts were read.
 #[derive(Debug, Clone, Default)]
 pub struct RankInfo {
-    pub rank: u32,
-    pub run_id: String,
-    pub source: String,
-    pub host: String,
-    pub pid: u32,
-    pub local_rank: u32,
-    pub world_size: u32,
-    pub clock_offset_ns: i64,
-    pub threads: BTreeMap<u32, String>,
-    pub run_metadata: serde_json::Map<String, serde_json::Value>,
+    pub header: PartHeader,
     pub parts: usize,
+}
+
+impl std::ops::Deref for RankInfo {
+    type Target = PartHeader;
+    fn deref(&self) -> &PartHeader {
+        &self.header
+    }
+}
+
+impl std::ops::DerefMut for RankInfo {
+    fn deref_mut(&mut self) -> &mut PartHeader {
+        &mut self.header
+    }
 }
 
 /// A part that could not be read, by name.
@@ -452,7 +581,7 @@ impl Merger {
         });
     }
 
-    fn merge_tables(&mut self, run: &mut Run, part: PartData, align: bool) {
+    fn merge_tables(&mut self, run: &mut Run, mut part: PartData, align: bool) {
         let name_map: Vec<u32> = part
             .names
             .iter()
@@ -470,57 +599,27 @@ impl Merger {
                 .get_or_insert_with(Default::default)
                 .merge(d, &name_map, offset);
         }
-        let shift = |v: Vec<i64>| -> Vec<i64> {
-            if offset == 0 {
-                v
-            } else {
-                v.into_iter().map(|t| t + offset).collect()
-            }
-        };
-        let remap =
-            |v: Vec<u32>| -> Vec<u32> { v.into_iter().map(|i| name_map[i as usize]).collect() };
+        let (s, t) = (&mut part.spans, &mut run.spans);
+        t.shared_columns()
+            .append(s.shared_columns(), &name_map, offset);
+        t.dur_ns.append(&mut s.dur_ns);
+        t.seq.append(&mut s.seq);
+        t.pipeline.append(&mut s.pipeline);
 
-        let s = part.spans;
-        let t = &mut run.spans;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.dur_ns.extend(s.dur_ns);
-        t.start_ns.extend(shift(s.start_ns));
-        t.thread.extend(s.thread);
-        t.depth.extend(s.depth);
-        t.seq.extend(s.seq);
-        t.parent.extend(s.parent);
-        t.pipeline.extend(s.pipeline);
+        run.instants
+            .shared_columns()
+            .append(part.instants.shared_columns(), &name_map, offset);
 
-        let s = part.instants;
-        let t = &mut run.instants;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.start_ns.extend(shift(s.start_ns));
-        t.thread.extend(s.thread);
-        t.depth.extend(s.depth);
-        t.parent.extend(s.parent);
+        let (s, t) = (&mut part.scalars, &mut run.scalars);
+        t.shared_columns()
+            .append(s.shared_columns(), &name_map, offset);
+        t.value.append(&mut s.value);
+        t.reduce.append(&mut s.reduce);
 
-        let s = part.scalars;
-        let t = &mut run.scalars;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.value.extend(s.value);
-        t.reduce.extend(s.reduce);
-        t.start_ns.extend(shift(s.start_ns));
-
-        let s = part.errors;
-        let t = &mut run.errors;
-        t.rank.extend(s.rank);
-        t.name.extend(remap(s.name));
-        t.step.extend(s.step);
-        t.start_ns.extend(shift(s.start_ns));
-        t.thread.extend(s.thread);
-        t.parent.extend(s.parent);
-        t.message.extend(s.message);
+        let (s, t) = (&mut part.errors, &mut run.errors);
+        t.shared_columns()
+            .append(s.shared_columns(), &name_map, offset);
+        t.message.append(&mut s.message);
 
         for (step, mask) in part.step_tags {
             let mut global = 0u64;
@@ -535,8 +634,8 @@ impl Merger {
         match run.ranks.get_mut(&rank) {
             Some(info) => {
                 info.parts += part.info.parts;
-                info.threads.extend(part.info.threads);
-                info.world_size = info.world_size.max(part.info.world_size);
+                info.threads.extend(part.info.header.threads);
+                info.world_size = info.world_size.max(part.info.header.world_size);
             }
             None => {
                 run.ranks.insert(rank, part.info);

@@ -405,8 +405,20 @@ fn damaged_summaries_are_named_and_their_parts_decoded() {
         assert_eq!(got.spans, want.spans, "{what}");
         for (g, w) in got.phases.iter().zip(&want.phases) {
             assert_eq!(
-                (&g.name, g.count, g.total_ns, g.min_ns, g.max_ns),
-                (&w.name, w.count, w.total_ns, w.min_ns, w.max_ns),
+                (
+                    &g.name,
+                    g.stats.count,
+                    g.stats.total_ns,
+                    g.stats.min_ns,
+                    g.stats.max_ns
+                ),
+                (
+                    &w.name,
+                    w.stats.count,
+                    w.stats.total_ns,
+                    w.stats.min_ns,
+                    w.stats.max_ns
+                ),
                 "{what}"
             );
         }

@@ -5,12 +5,19 @@
 
 use std::path::{Path, PathBuf};
 
+use titan_obs_core::location::Location;
 use titan_obs_core::lod::{self, PartDetail};
+use titan_obs_core::part_files::{self, PartFile};
 use titan_obs_core::synth::{SynthConfig, write_run};
 
 fn synth(dir: &Path) -> PathBuf {
-    let run = dir.join("run");
+    synth_named(dir, "run", "synthetic")
+}
+
+fn synth_named(dir: &Path, name: &str, run_id: &str) -> PathBuf {
+    let run = dir.join(name);
     let cfg = SynthConfig {
+        run_id: run_id.into(),
         ranks: 3,
         steps: 40,
         spans_per_step: 12,
@@ -24,13 +31,13 @@ fn synth(dir: &Path) -> PathBuf {
 }
 
 fn parts(run: &Path) -> Vec<(u32, PathBuf)> {
-    let mut v = Vec::new();
-    for rank in 0..3 {
-        for (_, p) in lod::local_parts(&run.join(format!("obs/rank-{rank}"))).unwrap() {
-            v.push((rank, p));
-        }
-    }
-    v
+    let listed = part_files::list(&Location::parse(run.to_str().unwrap()).unwrap()).unwrap();
+    assert_eq!(listed.keys().copied().collect::<Vec<_>>(), [0, 1, 2]);
+    listed
+        .into_values()
+        .flatten()
+        .map(|p| (p.rank, p.local_path().unwrap().to_path_buf()))
+        .collect()
 }
 
 fn built(part: &Path, rank: u32) -> PartDetail {
@@ -86,7 +93,7 @@ fn a_run_written_before_gets_them_on_first_open_and_damage_is_named() {
 
     // Written before detail levels existed: built from the part and cached.
     std::fs::remove_file(&file).unwrap();
-    let o = lod::open_local(&part, rank).unwrap();
+    let o = lod::open(&PartFile::local(part.clone(), rank)).unwrap();
     assert!(o.built && o.damaged.is_none());
     assert_eq!(o.detail, built(&part, rank));
     assert_eq!(
@@ -94,7 +101,7 @@ fn a_run_written_before_gets_them_on_first_open_and_damage_is_named() {
         original,
         "cached as the writer wrote it"
     );
-    let o = lod::open_local(&part, rank).unwrap();
+    let o = lod::open(&PartFile::local(part.clone(), rank)).unwrap();
     assert!(!o.built, "the second open reads the cache");
 
     // Damaged: named, the part's spans used, the damaged file left as it is.
@@ -102,7 +109,7 @@ fn a_run_written_before_gets_them_on_first_open_and_damage_is_named() {
     let at = bad.len() - 5;
     bad[at] ^= 0x10;
     std::fs::write(&file, &bad).unwrap();
-    let o = lod::open_local(&part, rank).unwrap();
+    let o = lod::open(&PartFile::local(part.clone(), rank)).unwrap();
     let why = o.damaged.expect("damage is named");
     assert!(why.contains(&file.display().to_string()), "{why}");
     assert!(why.contains("checksum"), "{why}");
@@ -111,17 +118,72 @@ fn a_run_written_before_gets_them_on_first_open_and_damage_is_named() {
 
     // A detail file of another part (the part was rewritten since) is damage too.
     std::fs::write(&file, lod::encode(&o.detail, 1)).unwrap();
-    let why = lod::open_local(&part, rank).unwrap().damaged.unwrap();
+    let why = lod::open(&PartFile::local(part.clone(), rank))
+        .unwrap()
+        .damaged
+        .unwrap();
     assert!(why.contains("rewritten since"), "{why}");
 
     // A part that cannot be read is an error naming it, never a panic.
     std::fs::write(&part, b"not parquet").unwrap();
     std::fs::remove_file(&file).unwrap();
-    let e = lod::open_local(&part, rank)
+    let e = lod::open(&PartFile::local(part.clone(), rank))
         .err()
         .expect("an unreadable part");
     assert!(
         format!("{e:#}").contains(&part.display().to_string()),
         "{e:#}"
+    );
+}
+
+/// A folder holding two runs (a second launch): readers that open parts one at a time keep
+/// the newest run's parts (the lowest rank's last part's run), or the one asked for; a run
+/// that is not there is an error naming the runs that are.
+#[test]
+fn keep_run_picks_the_newest_run_or_the_one_asked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth_named(dir.path(), "run", "first");
+    // The second launch wrote only ranks 0 and 1, after the first's parts.
+    let second = synth_named(dir.path(), "second", "second");
+    for rank in 0..2 {
+        let from = second.join(format!("obs/rank-{rank}"));
+        for e in std::fs::read_dir(&from).unwrap().flatten() {
+            let name = e.file_name().into_string().unwrap();
+            let (stem, ext) = name.split_once('.').unwrap();
+            let index: u64 = stem.strip_prefix("part-").unwrap().parse().unwrap();
+            let to = run.join(format!("obs/rank-{rank}/part-{:06}.{ext}", index + 100));
+            std::fs::copy(e.path(), to).unwrap();
+        }
+    }
+    let location = Location::parse(run.to_str().unwrap()).unwrap();
+    let per_rank = 40usize.div_ceil(9);
+    let counts = |id: Option<&str>| {
+        let mut listed = part_files::list(&location).unwrap();
+        let kept = part_files::keep_run(run.to_str().unwrap(), &mut listed, id).unwrap();
+        let counts: Vec<(u32, usize)> = listed.iter().map(|(&r, p)| (r, p.len())).collect();
+        (kept, counts)
+    };
+    assert_eq!(
+        counts(None),
+        (
+            Some("second".to_string()),
+            vec![(0, per_rank), (1, per_rank)]
+        ),
+        "the newest run, on the ranks it has"
+    );
+    assert_eq!(
+        counts(Some("first")),
+        (
+            Some("first".to_string()),
+            vec![(0, per_rank), (1, per_rank), (2, per_rank)]
+        )
+    );
+    let mut listed = part_files::list(&location).unwrap();
+    let e = part_files::keep_run(run.to_str().unwrap(), &mut listed, Some("third"))
+        .expect_err("no run third");
+    let e = format!("{e:#}");
+    assert!(
+        e.contains("third") && e.contains("first") && e.contains("second"),
+        "{e}"
     );
 }

@@ -56,12 +56,29 @@ fn agree(run: &Path) -> Summary {
     assert_eq!(fast.phases.len(), exact.phases.len());
     for (f, e) in fast.phases.iter().zip(&exact.phases) {
         assert_eq!(
-            (&f.name, f.depth, f.count, f.total_ns, f.min_ns, f.max_ns),
-            (&e.name, e.depth, e.count, e.total_ns, e.min_ns, e.max_ns)
+            (
+                &f.name,
+                f.depth,
+                f.stats.count,
+                f.stats.total_ns,
+                f.stats.min_ns,
+                f.stats.max_ns
+            ),
+            (
+                &e.name,
+                e.depth,
+                e.stats.count,
+                e.stats.total_ns,
+                e.stats.min_ns,
+                e.stats.max_ns
+            )
         );
-        assert_eq!(f.mean_ns, e.mean_ns);
+        assert_eq!(f.stats.mean_ns, e.stats.mean_ns);
         assert_eq!(f.share_of_step, e.share_of_step, "{}", f.name);
-        for (q, a, b) in [("p50", f.p50_ns, e.p50_ns), ("p95", f.p95_ns, e.p95_ns)] {
+        for (q, a, b) in [
+            ("p50", f.stats.p50_ns, e.stats.p50_ns),
+            ("p95", f.stats.p95_ns, e.stats.p95_ns),
+        ] {
             // The sketch's bound, plus rounding to whole ns.
             let bound = SKETCH_ALPHA * b.abs() as f64 + 1.0;
             assert!(
@@ -221,8 +238,8 @@ fn open_journals_are_summarised_as_they_are_read() {
     assert_eq!(fast.spans, exact.spans);
     for (f, e) in fast.phases.iter().zip(&exact.phases) {
         assert_eq!(
-            (&f.name, f.count, f.total_ns, f.max_ns),
-            (&e.name, e.count, e.total_ns, e.max_ns)
+            (&f.name, f.stats.count, f.stats.total_ns, f.stats.max_ns),
+            (&e.name, e.stats.count, e.stats.total_ns, e.stats.max_ns)
         );
     }
     // A journal is never cached: it is still growing.

@@ -28,26 +28,23 @@ fn frames(c: &mut Criterion) {
     let mut g = c.benchmark_group("frame_200x60_10M_spans");
     g.sample_size(50);
 
-    let mut v = View::new(&t);
-    g.bench_function("fit_all_lanes", |b| {
-        b.iter(|| {
-            term.draw(|f| {
-                black_box(render::draw(f, &t, &mut v, &chrome));
+    // One benchmark per view: the frame drawn again and again.
+    let mut bench = |name: &str, mut v: View| {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                term.draw(|f| {
+                    black_box(render::draw(f, &t, &mut v, &chrome));
+                })
+                .unwrap();
             })
-            .unwrap();
-        })
-    });
+        });
+    };
+
+    bench("fit_all_lanes", View::new(&t));
 
     let mut v = View::new(&t);
     v.goto_step(&t, 500);
-    g.bench_function("one_step_lanes", |b| {
-        b.iter(|| {
-            term.draw(|f| {
-                black_box(render::draw(f, &t, &mut v, &chrome));
-            })
-            .unwrap();
-        })
-    });
+    bench("one_step_lanes", v);
 
     let mut v = View::new(&t);
     v.goto_step(&t, 500);
@@ -55,25 +52,11 @@ fn frames(c: &mut Criterion) {
         v.zoom(&t, 0.5);
     }
     v.scroll_rows(600);
-    g.bench_function("zoomed_scrolled_lanes", |b| {
-        b.iter(|| {
-            term.draw(|f| {
-                black_box(render::draw(f, &t, &mut v, &chrome));
-            })
-            .unwrap();
-        })
-    });
+    bench("zoomed_scrolled_lanes", v);
 
     let mut v = View::new(&t);
     v.toggle_mode(&t);
-    g.bench_function("fit_all_collapsed", |b| {
-        b.iter(|| {
-            term.draw(|f| {
-                black_box(render::draw(f, &t, &mut v, &chrome));
-            })
-            .unwrap();
-        })
-    });
+    bench("fit_all_collapsed", v);
     g.finish();
 }
 

@@ -3,6 +3,8 @@
 //! back with `tmux capture-pane -p`. Also: without a terminal it explains the other commands,
 //! and `titan-obs gantt` writes SVG/PNG.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -545,6 +547,43 @@ fn lane_has_bars(screen: &str, r: u32) -> bool {
         .any(|l| l.contains('█'))
 }
 
+/// The first frame of [`long_run`] (3000 steps) drawn from detail levels: every rank's lanes
+/// hold bars, the whole run is in the window, and what is under the cursor is a bucket of a
+/// detail level, not a span; then the whole run's steps, summary and metrics from the worker.
+/// Returns the first frame.
+fn long_run_first_frame_and_summary(tmux: &Tmux) -> String {
+    let first = tmux.wait_for("the gantt", |s| {
+        s.contains("4 ranks") && s.contains("forward_backward") && lane_has_bars(s, 3)
+    });
+    for r in 0..4 {
+        assert!(lane_has_bars(&first, r), "rank {r} has no bars:\n{first}");
+    }
+    assert!(
+        status_line(&first).contains("(4m"),
+        "the whole run:\n{first}"
+    );
+    assert!(details_line(&first).contains("detail level's"), "{first}");
+    let s = tmux.wait_for("the summary and metrics", |s| {
+        s.contains("p95") && s.contains("step 3000")
+    });
+    assert!(s.contains("waiting on r2"), "{s}");
+    first
+}
+
+/// Zooms in ten times (1/1024 of the run, ~1 s): past the finest level, the spans. Returns
+/// the screen.
+fn zoom_into_spans(tmux: &Tmux) -> String {
+    for _ in 0..10 {
+        tmux.keys(&["+"]);
+    }
+    let s = tmux.wait_for("spans", |s| {
+        let d = details_line(s);
+        d.contains("under cursor: ") && !d.contains("detail level's")
+    });
+    assert!(details_line(&s).contains("duration"), "{s}");
+    s
+}
+
 #[test]
 fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     let dir = tempfile::tempdir().unwrap();
@@ -563,35 +602,12 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     );
     let tmux = Tmux::start(&cmd, 160, 50);
 
-    // First frame: every rank's lanes hold bars, the whole run is in the window, and what is
-    // under the cursor is a bucket of a detail level, not a span.
-    let s = tmux.wait_for("the gantt", |s| {
-        s.contains("4 ranks") && s.contains("forward_backward") && lane_has_bars(s, 3)
-    });
-    for r in 0..4 {
-        assert!(lane_has_bars(&s, r), "rank {r} has no bars:\n{s}");
-    }
-    assert!(status_line(&s).contains("(4m"), "the whole run:\n{s}");
-    assert!(details_line(&s).contains("detail level's"), "{s}");
+    let s = long_run_first_frame_and_summary(&tmux);
     assert!(
         s.contains("part-000000.lod is damaged"),
         "the damaged detail file is named:\n{s}"
     );
-    // The whole run's steps, summary and metrics arrive from the worker.
-    let s = tmux.wait_for("the summary and metrics", |s| {
-        s.contains("p95") && s.contains("step 3000")
-    });
-    assert!(s.contains("waiting on r2"), "{s}");
-
-    // Zoom in ten times (1/1024 of the run, ~1 s): past the finest level, the spans.
-    for _ in 0..10 {
-        tmux.keys(&["+"]);
-    }
-    let s = tmux.wait_for("spans", |s| {
-        let d = details_line(s);
-        d.contains("under cursor: ") && !d.contains("detail level's")
-    });
-    assert!(details_line(&s).contains("duration"), "{s}");
+    let s = zoom_into_spans(&tmux);
     assert!(
         status_line(&s).contains("ms)") || status_line(&s).contains("s)"),
         "{s}"
@@ -704,4 +720,393 @@ fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
     let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
     drop(journal);
+}
+
+/// A local S3 server (`moto_server` from the workspace's `.venv`) on a free port, with one
+/// bucket; killed on drop.
+struct S3 {
+    child: std::process::Child,
+    endpoint: String,
+}
+
+impl S3 {
+    fn start(bucket: &str) -> S3 {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let child = Command::new(root.join(".venv/bin/moto_server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start .venv/bin/moto_server (scripts/setup.sh installs it)");
+        let s3 = S3 {
+            child,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "moto_server did not start");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let made = Command::new(root.join(".venv/bin/python"))
+            .arg(root.join("tests/python/s3_client.py"))
+            .args([&s3.endpoint, bucket, "mkbucket"])
+            .status()
+            .unwrap();
+        assert!(made.success());
+        s3
+    }
+
+    /// The environment that points titan-obs's object store client at this server.
+    fn env(&self) -> [(&'static str, String); 5] {
+        [
+            ("AWS_ENDPOINT", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ]
+    }
+
+    /// `titan-obs ARGS` against this server, asserting it succeeded.
+    fn titan_obs(&self, args: &[&str]) {
+        let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+            .args(args)
+            .envs(self.env())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "titan-obs {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What two gantt SVGs of one run must share whether drawn from detail levels or from every
+/// span: every text above the legend (title, axis, step labels with their tags in any order,
+/// lane labels), the legend's phases and waits headline in any order, and, within 2%, the
+/// number of bars. (Drawn from levels the legend lists phases in the order the detail files
+/// named them, and single spans carry no straggler mark: no "straggler" legend entry.)
+/// `collapsed`: the rows' labels as a set (collapsed rows follow that phase order), and the
+/// bars within 5% (from levels a collapsed bar starts at its step's start, not the median
+/// start: adjacent bars merge differently).
+fn same_gantt(levels: &str, spans: &str, collapsed: bool) {
+    let texts = |svg: &str| -> (Vec<String>, Vec<String>) {
+        let legend_y = svg
+            .split("<text ")
+            .filter_map(|t| t.split_once("y=\"")?.1.split_once('"'))
+            .filter_map(|(y, _)| y.parse::<u32>().ok())
+            .max()
+            .unwrap_or(0);
+        let all: Vec<(u32, String)> = svg
+            .split("<text ")
+            .skip(1)
+            .map(|t| {
+                let t = t.split("</text>").next().unwrap_or_default();
+                let (attrs, text) = t.split_once('>').unwrap_or_default();
+                // Tag letters after a step number come in tag-id order, which differs.
+                let digits: String = text.chars().take_while(char::is_ascii_digit).collect();
+                let mut rest: Vec<char> = text[digits.len()..].chars().collect();
+                if rest.iter().all(char::is_ascii_uppercase) {
+                    rest.sort_unstable();
+                }
+                let y = attrs
+                    .split_once("y=\"")
+                    .and_then(|(_, y)| y.split_once('"')?.0.parse().ok())
+                    .unwrap_or(0);
+                (
+                    y,
+                    format!("{attrs}>{digits}{}", rest.into_iter().collect::<String>()),
+                )
+            })
+            .collect();
+        // The legend: its last two text rows (phases, then the headline), text only.
+        let legend_from = legend_y.saturating_sub(20);
+        let mut body: Vec<String> = all
+            .iter()
+            .filter(|(y, _)| *y < legend_from)
+            .map(|(_, t)| t.clone())
+            .collect();
+        if collapsed {
+            // Row labels are drawn at x=4: without their y, sorted.
+            for t in &mut body {
+                if t.starts_with("x=\"4\"") {
+                    *t = t.split_once('>').map_or(t.clone(), |(_, x)| x.to_string());
+                }
+            }
+            body.sort();
+        }
+        let mut legend: Vec<String> = all
+            .iter()
+            .filter(|(y, _)| *y >= legend_from)
+            .map(|(_, t)| t.split_once('>').map_or(t.clone(), |(_, x)| x.to_string()))
+            .filter(|t| !t.starts_with("straggler"))
+            .collect();
+        legend.sort();
+        (body, legend)
+    };
+    assert_eq!(texts(levels), texts(spans));
+    let bars = |svg: &str| svg.matches("<rect").count() as f64;
+    let (a, b) = (bars(levels), bars(spans));
+    let tolerance = if collapsed { 0.05 } else { 0.02 };
+    assert!(
+        (a - b).abs() <= tolerance * b,
+        "{a} bars from levels, {b} from spans"
+    );
+}
+
+#[test]
+fn tui_draws_an_object_store_run_from_detail_levels() {
+    let s3 = S3::start("obs-tui");
+    let url = "s3://obs-tui/runs/long";
+    s3.titan_obs(&[
+        "synth",
+        url,
+        "--ranks",
+        "4",
+        "--steps",
+        "3000",
+        "--spans-per-step",
+        "12",
+        "--steps-per-part",
+        "100",
+        "--straggler",
+        "2:forward_backward:1.5",
+    ]);
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
+    let env: Vec<String> = s3.env().iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let cmd = format!(
+        "TERM=xterm-256color {} {} {url} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
+        env.join(" "),
+        shell_quote(&bin),
+    );
+    let tmux = Tmux::start(&cmd, 160, 50);
+    // Drawn from the detail files in the bucket: every rank's lanes, the whole run, a bucket
+    // under the cursor; then the whole run's steps and summary from the bucket's summaries.
+    long_run_first_frame_and_summary(&tmux);
+    // Zoomed in past the finest level: the spans of the parts under the window, decoded
+    // from the bucket.
+    let s = zoom_into_spans(&tmux);
+    for r in 0..4 {
+        assert!(lane_has_bars(&s, r), "rank {r} has no spans:\n{s}");
+    }
+    tmux.keys(&["q"]);
+    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+
+    // `gantt` on the bucket: the image from detail levels is the one from every span.
+    let dir = tempfile::tempdir().unwrap();
+    let svg = |name: &str, when: &str| {
+        let p = dir.path().join(name);
+        s3.titan_obs(&[
+            "gantt",
+            url,
+            "--svg",
+            p.to_str().unwrap(),
+            "--detail-levels",
+            when,
+        ]);
+        std::fs::read_to_string(p).unwrap()
+    };
+    same_gantt(
+        &svg("levels.svg", "always"),
+        &svg("spans.svg", "never"),
+        false,
+    );
+}
+
+#[test]
+fn gantt_from_detail_levels_is_the_gantt_from_spans() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = long_run(dir.path(), 3000);
+    let run = run.to_str().unwrap();
+    let svg = |name: &str, extra: &[&str]| {
+        let p = dir.path().join(name);
+        let mut args = vec!["gantt", run, "--svg", p.to_str().unwrap()];
+        args.extend(extra);
+        titan_obs_core(&args);
+        std::fs::read_to_string(p).unwrap()
+    };
+    // The whole run (buckets of a detail level per pixel) and three steps (the spans of the
+    // parts under the window, decoded).
+    for steps in [&[][..], &["--steps", "10..12"][..]] {
+        let levels = svg(
+            "levels.svg",
+            &[steps, &["--detail-levels", "always"]].concat(),
+        );
+        let spans = svg(
+            "spans.svg",
+            &[steps, &["--detail-levels", "never"]].concat(),
+        );
+        assert!(
+            levels.contains("4 ranks, 147600 spans, 3000 steps"),
+            "{steps:?}"
+        );
+        same_gantt(&levels, &spans, false);
+    }
+    // Collapsed (one row per phase, from the per-part summaries): the same rows and legend.
+    let levels = svg("levels.svg", &["--collapsed", "--detail-levels", "always"]);
+    let spans = svg("spans.svg", &["--collapsed", "--detail-levels", "never"]);
+    assert!(levels.contains(">forward_backward</text>"), "{levels}");
+    same_gantt(&levels, &spans, true);
+}
+
+/// Two runs in one folder (a second launch wrote 2 ranks after the first's 4): drawn from
+/// detail levels, the TUI shows the newest, or the one `--run ID` names, and never mixes them.
+#[test]
+fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = long_run(dir.path(), 3000);
+    let second = dir.path().join("second");
+    synth(
+        &second,
+        2,
+        20,
+        &["--run-id", "second", "--steps-per-part", "100"],
+    );
+    for rank in 0..2 {
+        for e in std::fs::read_dir(second.join(format!("obs/rank-{rank}")))
+            .unwrap()
+            .flatten()
+        {
+            let name = e.file_name().into_string().unwrap();
+            let (stem, ext) = name.split_once('.').unwrap();
+            let index: u64 = stem.strip_prefix("part-").unwrap().parse().unwrap();
+            let to = run.join(format!("obs/rank-{rank}/part-{:06}.{ext}", index + 1000));
+            std::fs::copy(e.path(), to).unwrap();
+        }
+    }
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
+    let open = |extra: &str| {
+        Tmux::start(
+            &format!(
+                "TERM=xterm-256color {} {} --detail-levels always {extra}; echo TITAN_OBS_EXIT=$?; sleep 60",
+                shell_quote(&bin),
+                shell_quote(&run)
+            ),
+            160,
+            50,
+        )
+    };
+    // The newest: 2 ranks, 20 steps.
+    let tmux = open("");
+    let s = tmux.wait_for("the newest run", |s| {
+        s.contains("2 ranks") && s.contains("20 steps")
+    });
+    assert!(lane_has_bars(&s, 1), "{s}");
+    assert!(!s.contains(" r2 "), "rank 2 is not in the newest run:\n{s}");
+    tmux.keys(&["q"]);
+    // The first: 4 ranks, 3000 steps, its straggler.
+    let tmux = open("--run synthetic");
+    let s = tmux.wait_for("the first run and its straggler", |s| {
+        s.contains("4 ranks") && s.contains("3000 steps") && s.contains("waiting on r2")
+    });
+    assert!(details_line(&s).contains("detail level's"), "{s}");
+    for r in 0..4 {
+        assert!(lane_has_bars(&s, r), "rank {r} has no bars:\n{s}");
+    }
+    tmux.keys(&["q"]);
+    // No such run: a usage error naming the runs.
+    let tmux = open("--run third");
+    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(s.contains("TITAN_OBS_EXIT=2"), "{s}");
+    assert!(s.contains("second") && s.contains("synthetic"), "{s}");
+
+    // Following the first run: journals of both runs grow; only the first's spans are drawn.
+    let tmux = open("--run synthetic --follow");
+    tmux.wait_for("the first run", |s| {
+        s.contains("3000 steps") && s.contains("metrics")
+    });
+    let journal = |rank: u32, run_id: &str, spans: u64| {
+        use titan_obs_core::journal::JournalWriter;
+        use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+        let header = PartHeader {
+            run_id: run_id.into(),
+            source: "trainer".into(),
+            rank,
+            world_size: 4,
+            ..Default::default()
+        };
+        let dir = run.join(format!("obs/rank-{rank}"));
+        let mut j = JournalWriter::create(&dir, 1001, &header).unwrap();
+        let mut b = PartBuilder::new();
+        for k in 0..spans {
+            let start = 1_750_001_000_000_000_000 + k as i64 * 1_000_000;
+            b.push(&Row::span(
+                9_000_000 + k,
+                "step",
+                4000 + k,
+                start,
+                500_000,
+                0,
+            ));
+        }
+        j.append(&b.finish(&header).unwrap()).unwrap();
+        j
+    };
+    let _other = journal(0, "second", 3);
+    let _shown = journal(1, "synthetic", 6);
+    let s = tmux.wait_for("the appended spans", |s| s.contains("+6 spans"));
+    assert!(!s.contains("+9 spans") && !s.contains("+3 spans"), "{s}");
+}
+
+/// The slow-rank column of the TUI's phase table for `phase`.
+fn slow_column(screen: &str, phase: &str) -> Option<String> {
+    let row = screen
+        .lines()
+        .filter_map(|l| l.rsplit_once(&format!("█ {phase} ")))
+        .map(|(_, rest)| rest.to_string())
+        .next()?;
+    row.trim_end()
+        .trim_end_matches('│')
+        .split_whitespace()
+        .last()
+        .map(str::to_string)
+}
+
+/// Under PP the TUI compares a rank with the ranks of its own stage, as `summary` does: the
+/// slow replica of stage 1 is named in the passes, stage 1 itself (twice stage 0's passes by
+/// design) is not. From every span and from detail levels (the per-part summaries).
+#[test]
+fn tui_names_the_stragglers_of_each_pipeline_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("pp");
+    common::write_pipeline_run(
+        run.to_str().unwrap(),
+        &[(0, 0, 1.0), (1, 0, 1.0), (2, 1, 1.0), (3, 1, 1.5)],
+        12,
+    );
+    for when in ["never", "always"] {
+        let tmux = Tmux::start(
+            &format!(
+                "{} {} --detail-levels {when}",
+                env!("CARGO_BIN_EXE_titan-obs"),
+                shell_quote(&run)
+            ),
+            200,
+            50,
+        );
+        let s = tmux.wait_for("the phase table", |s| {
+            s.contains("phases (all ranks") && slow_column(s, "backward").is_some()
+        });
+        for phase in ["forward", "backward"] {
+            assert_eq!(
+                slow_column(&s, phase).as_deref(),
+                Some("r3"),
+                "{when}: {phase}\n{s}"
+            );
+        }
+        tmux.keys(&["q"]);
+    }
 }

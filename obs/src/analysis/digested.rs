@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 
+use super::stats::DurationStats;
 use super::summary::{
     Analysis, Gathered, PhaseStats, Straggler, StragglerOptions, assemble, is_tag_phase,
     phase_stragglers, union_len,
@@ -155,13 +156,15 @@ pub fn analyse_digest(
             let stats = PhaseStats {
                 name: name.clone(),
                 depth: p.min_depth,
-                count: p.count,
-                total_ns: p.sum_ns,
-                mean_ns: p.sum_ns as f64 / p.count.max(1) as f64,
-                p50_ns: sketch_quantile(&p.sketch, p.count, 0.5, p.min_ns, p.max_ns),
-                p95_ns: sketch_quantile(&p.sketch, p.count, 0.95, p.min_ns, p.max_ns),
-                min_ns: p.min_ns,
-                max_ns: p.max_ns,
+                stats: DurationStats {
+                    count: p.count,
+                    total_ns: p.sum_ns,
+                    mean_ns: p.sum_ns as f64 / p.count.max(1) as f64,
+                    p50_ns: sketch_quantile(&p.sketch, p.count, 0.5, p.min_ns, p.max_ns),
+                    p95_ns: sketch_quantile(&p.sketch, p.count, 0.95, p.min_ns, p.max_ns),
+                    min_ns: p.min_ns,
+                    max_ns: p.max_ns,
+                },
                 share_of_step: (p.in_step > 0 && step_total > 0)
                     .then(|| p.in_step_ns as f64 / step_total as f64),
             };

@@ -14,12 +14,12 @@ pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
 pub use metrics::{MetricsLine, format_line, format_value, metrics, to_csv};
-pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary};
+pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary, stage_groups};
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
 pub use stats::DurationStats;
 pub use summary::{
     Analysis, PhaseStats, Straggler, StragglerOptions, Summary, TaggedStep, analyse,
     analyse_grouped, summary,
 };
-pub use table::{RunShape, SpanTable};
+pub use table::{OwnedSpans, RunShape, SpanTable};
 pub use waits::{StepWait, Wait, Waits};

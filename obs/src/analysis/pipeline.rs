@@ -23,7 +23,7 @@ use super::stats::median_f64;
 use crate::digest::merged::RankPipeline;
 use crate::digest::{PhaseDigest, PipelineDigest, PipelineStep, RunDigest};
 use crate::record::NO_STEP;
-use crate::run::{PartData, Run};
+use crate::run::{PartData, Run, Spans};
 use crate::schema::PipelineSlot;
 use crate::vocab::{PROFILER_STEP, titan, torch_pipelining};
 
@@ -186,39 +186,66 @@ fn window(s: &PipelineStep) -> i64 {
     }
 }
 
+impl PipelineSummary {
+    /// The ranks of each pipeline position: under pipeline parallelism a rank's times are
+    /// compared with those of the ranks holding the same stages (see
+    /// [`super::analyse_grouped`]), since stages differ by design.
+    pub fn stage_groups(&self) -> Vec<Vec<u32>> {
+        self.per_stage.iter().map(|s| s.ranks.clone()).collect()
+    }
+}
+
+/// The groups a run's stragglers are found in ([`PipelineSummary::stage_groups`]); empty (all
+/// ranks one group) when the run has no pipeline. What `summary` and the TUI both use.
+pub fn stage_groups(run: &Run) -> Vec<Vec<u32>> {
+    pipeline_summary(run)
+        .map(|p| p.stage_groups())
+        .unwrap_or_default()
+}
+
+/// Calls `f(i, role, step, slot)` for every span `i` in a step that the pipeline analysis
+/// reads (windows, receives, passes); `None` when no span carries a pipeline slot (not a
+/// pipeline run, or read without the `pipeline` columns).
+fn each_schedule_span(
+    s: &Spans,
+    names: &[String],
+    mut f: impl FnMut(usize, Role, u64, Option<PipelineSlot>),
+) -> Option<()> {
+    if s.pipeline.len() != s.len() || s.pipeline.iter().all(Option::is_none) {
+        return None;
+    }
+    let roles = Roles::of(names);
+    for i in 0..s.len() {
+        let step = s.step[i];
+        if step == NO_STEP {
+            continue;
+        }
+        let slot = s.pipeline[i];
+        let role = roles.role(s.name[i] as usize, slot.is_some());
+        if role != Role::Other {
+            f(i, role, step, slot);
+        }
+    }
+    Some(())
+}
+
 /// The pipeline analysis of a run loaded with the `pipeline` columns; `None` when no span
 /// carries a pipeline slot (not a pipeline run, or a file without the columns).
 pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
     if let Some(d) = &run.digest {
         return digest_pipeline_summary(d);
     }
-    let s = &run.spans;
-    if s.pipeline.len() != s.len() || s.pipeline.iter().all(Option::is_none) {
-        return None;
-    }
-    let roles = Roles::of(&run.names);
     let mut ranks: BTreeMap<u32, RankSchedule> = BTreeMap::new();
     // Per-microbatch pass times, by rank.
     let mut passes: BTreeMap<u32, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
-    for i in 0..s.len() {
-        let (rank, step) = (s.rank[i], s.step[i]);
-        if step == NO_STEP {
-            continue;
-        }
-        let slot = s.pipeline[i];
-        let role = roles.role(s.name[i] as usize, slot.is_some());
-        if role == Role::Other {
-            continue;
-        }
-        ranks
-            .entry(rank)
-            .or_default()
-            .add(role, step, s.dur_ns[i], slot);
+    each_schedule_span(&run.spans, &run.names, |i, role, step, slot| {
+        let (rank, dur) = (run.spans.rank[i], run.spans.dur_ns[i]);
+        ranks.entry(rank).or_default().add(role, step, dur, slot);
         if let Role::Forward | Role::Backward = role {
             let (f, b) = passes.entry(rank).or_default();
-            if role == Role::Forward { f } else { b }.push(s.dur_ns[i] as f64);
+            if role == Role::Forward { f } else { b }.push(dur as f64);
         }
-    }
+    })?;
     summarise(&ranks, |position| {
         let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
         for rank in position {
@@ -233,30 +260,17 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
 
 /// A part's pipeline digest (one rank): `None` when no span of it carries a pipeline slot.
 pub(crate) fn part_pipeline(d: &PartData) -> Option<PipelineDigest> {
-    let s = &d.spans;
-    if s.pipeline.len() != s.len() || s.pipeline.iter().all(Option::is_none) {
-        return None;
-    }
-    let roles = Roles::of(&d.names);
     let mut sched = RankSchedule::default();
     let (mut forward, mut backward) = (PhaseDigest::default(), PhaseDigest::default());
-    for i in 0..s.len() {
-        let step = s.step[i];
-        if step == NO_STEP {
-            continue;
-        }
-        let slot = s.pipeline[i];
-        let role = roles.role(s.name[i] as usize, slot.is_some());
-        if role == Role::Other {
-            continue;
-        }
-        sched.add(role, step, s.dur_ns[i], slot);
+    each_schedule_span(&d.spans, &d.names, |i, role, step, slot| {
+        let dur = d.spans.dur_ns[i];
+        sched.add(role, step, dur, slot);
         match role {
-            Role::Forward => forward.add(s.dur_ns[i], 0, true),
-            Role::Backward => backward.add(s.dur_ns[i], 0, true),
+            Role::Forward => forward.add(dur, 0, true),
+            Role::Backward => backward.add(dur, 0, true),
             _ => {}
         }
-    }
+    })?;
     Some(PipelineDigest {
         stages: sched.stages.into_iter().collect(),
         microbatches: sched.microbatches,

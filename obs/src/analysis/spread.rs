@@ -78,25 +78,17 @@ pub fn phase_step_spread(times: &RankTimes) -> HashMap<(NameId, u64), Spread> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::analysis::table::OwnedSpans;
 
     #[test]
     fn spread_over_ranks() {
         // Phase 0 at step 1: rank 0 runs it twice (10 + 5), rank 1 once (30), rank 2 once (12).
-        let rank = [0, 0, 1, 2];
-        let step = [1, 1, 1, 1];
-        let name = [0, 0, 0, 0];
-        let dur = [10, 5, 30, 12];
-        let start = [100, 120, 101, 99];
+        let mut spans = OwnedSpans::default();
+        for (rank, dur, start) in [(0, 10, 100), (0, 5, 120), (1, 30, 101), (2, 12, 99)] {
+            spans.push(rank, 1, 0, start, dur, 0);
+        }
         let names = vec!["p".to_string()];
-        let t = SpanTable {
-            rank: &rank,
-            step: &step,
-            name: &name,
-            dur_ns: &dur,
-            start_ns: &start,
-            depth: &[],
-            names: &names,
-        };
+        let t = spans.table(&names);
         let s = phase_step_spread(&rank_times(&t))[&(0, 1)];
         assert_eq!(
             s,

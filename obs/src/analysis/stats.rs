@@ -3,7 +3,7 @@
 //! Exact rather than sketched: 10 million i64 durations are 80 MB, and selection is O(n).
 
 /// Count, total, mean, p50, p95 and max of a set of durations (ns).
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
 pub struct DurationStats {
     pub count: u64,
     pub total_ns: i64,

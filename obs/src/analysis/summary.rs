@@ -43,13 +43,9 @@ pub struct PhaseStats {
     pub name: String,
     /// Smallest nesting depth the phase was seen at (0 = top level).
     pub depth: u16,
-    pub count: u64,
-    pub total_ns: i64,
-    pub mean_ns: f64,
-    pub p50_ns: i64,
-    pub p95_ns: i64,
-    pub min_ns: i64,
-    pub max_ns: i64,
+    /// Count, total and order statistics of its spans' durations.
+    #[serde(flatten)]
+    pub stats: DurationStats,
     /// Share of the step time spent in this phase (spans inside steps only); None for
     /// phases outside steps (init, teardown) or when the run has no step time.
     pub share_of_step: Option<f64>,
@@ -174,9 +170,9 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
     let shape = RunShape::of_run(run);
     let pipeline = pipeline_summary(run);
     // Under pipeline parallelism ranks are compared with the ranks of their own stage.
-    let groups: Vec<Vec<u32>> = pipeline
+    let groups = pipeline
         .as_ref()
-        .map(|p| p.per_stage.iter().map(|s| s.ranks.clone()).collect())
+        .map(PipelineSummary::stage_groups)
         .unwrap_or_default();
     let (a, spans, errors) = match &run.digest {
         Some(d) => (
@@ -613,12 +609,12 @@ pub(crate) fn sort_phases(phases: &mut [PhaseStats]) {
     phases.sort_by(|a, b| {
         (
             a.share_of_step.is_none(),
-            std::cmp::Reverse(a.total_ns),
+            std::cmp::Reverse(a.stats.total_ns),
             &a.name,
         )
             .cmp(&(
                 b.share_of_step.is_none(),
-                std::cmp::Reverse(b.total_ns),
+                std::cmp::Reverse(b.stats.total_ns),
                 &b.name,
             ))
     });
@@ -661,13 +657,7 @@ fn phase(
     let stats = PhaseStats {
         name: name.clone(),
         depth,
-        count: st.count,
-        total_ns: st.total_ns,
-        mean_ns: st.mean_ns,
-        p50_ns: st.p50_ns,
-        p95_ns: st.p95_ns,
-        min_ns: st.min_ns,
-        max_ns: st.max_ns,
+        stats: st,
         share_of_step: share,
     };
     if !any_in_step || ranks.len() < 2 {
@@ -831,6 +821,7 @@ pub fn find_stragglers(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::analysis::table::OwnedSpans;
 
     #[test]
     fn finds_the_consistently_slow_rank() {
@@ -876,21 +867,11 @@ mod tests {
             (2, 4, 345, 7, 0),
             (3, 0, 400, 100, 0),
         ];
-        let rank = vec![0u32; rows.len()];
-        let step: Vec<u64> = rows.iter().map(|r| r.0).collect();
-        let name: Vec<NameId> = rows.iter().map(|r| r.1).collect();
-        let start: Vec<i64> = rows.iter().map(|r| r.2).collect();
-        let dur: Vec<i64> = rows.iter().map(|r| r.3).collect();
-        let depth: Vec<u16> = rows.iter().map(|r| r.4).collect();
-        let mut t = SpanTable {
-            rank: &rank,
-            step: &step,
-            name: &name,
-            dur_ns: &dur,
-            start_ns: &start,
-            depth: &depth,
-            names: &names,
-        };
+        let mut spans = OwnedSpans::default();
+        for &(step, name, start, dur, depth) in &rows {
+            spans.push(0, step, name, start, dur, depth);
+        }
+        let mut t = spans.table(&names);
         let shape = RunShape {
             ranks: vec![0],
             step_tags: [(2, vec!["checkpoint".to_string()])].into(),

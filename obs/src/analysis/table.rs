@@ -60,6 +60,63 @@ impl<'a> SpanTable<'a> {
     }
 }
 
+/// Span columns owned by whoever builds them (the TUI's timeline, tests) rather than
+/// borrowed from a loaded run; [`Self::table`] lends them as a [`SpanTable`].
+#[derive(Debug, Clone, Default)]
+pub struct OwnedSpans {
+    pub rank: Vec<u32>,
+    pub step: Vec<u64>,
+    pub name: Vec<NameId>,
+    pub dur_ns: Vec<i64>,
+    pub start_ns: Vec<i64>,
+    pub depth: Vec<u16>,
+}
+
+impl OwnedSpans {
+    /// Room for `n` spans.
+    pub fn with_capacity(n: usize) -> Self {
+        OwnedSpans {
+            rank: Vec::with_capacity(n),
+            step: Vec::with_capacity(n),
+            name: Vec::with_capacity(n),
+            dur_ns: Vec::with_capacity(n),
+            start_ns: Vec::with_capacity(n),
+            depth: Vec::with_capacity(n),
+        }
+    }
+
+    /// Appends one span.
+    pub fn push(
+        &mut self,
+        rank: u32,
+        step: u64,
+        name: NameId,
+        start_ns: i64,
+        dur_ns: i64,
+        depth: u16,
+    ) {
+        self.rank.push(rank);
+        self.step.push(step);
+        self.name.push(name);
+        self.start_ns.push(start_ns);
+        self.dur_ns.push(dur_ns);
+        self.depth.push(depth);
+    }
+
+    /// The columns as a table whose phases are `names`.
+    pub fn table<'a>(&'a self, names: &'a [String]) -> SpanTable<'a> {
+        SpanTable {
+            rank: &self.rank,
+            step: &self.step,
+            name: &self.name,
+            dur_ns: &self.dur_ns,
+            start_ns: &self.start_ns,
+            depth: &self.depth,
+            names,
+        }
+    }
+}
+
 /// Everything besides the spans the analysis needs: the ranks of the run (including ranks
 /// that recorded no span) and each tagged step's tags.
 #[derive(Debug, Clone, Default)]

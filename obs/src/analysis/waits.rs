@@ -289,13 +289,12 @@ pub fn durations_without_waits(t: &SpanTable, waits: &Waits) -> Option<Vec<i64>>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::analysis::table::OwnedSpans;
 
     /// Two ranks, 3 steps: `work` then `all_reduce`; rank 1's work takes 30 instead of 10,
     /// so rank 0 waits 20 in every all_reduce.
-    #[allow(clippy::type_complexity)]
-    fn two_ranks() -> (Vec<u32>, Vec<u64>, Vec<u32>, Vec<i64>, Vec<i64>, Vec<u16>) {
-        let (mut rank, mut step, mut name, mut dur, mut start, mut depth) =
-            (vec![], vec![], vec![], vec![], vec![], vec![]);
+    fn two_ranks() -> OwnedSpans {
+        let mut spans = OwnedSpans::default();
         for s in 0..3u64 {
             let t0 = s as i64 * 100;
             for r in 0..2u32 {
@@ -308,31 +307,19 @@ mod tests {
                     (1, t0, work, 1),
                     (2, arrive, end - arrive, 1),
                 ] {
-                    rank.push(r);
-                    step.push(s);
-                    name.push(n);
-                    start.push(st);
-                    dur.push(d);
-                    depth.push(dp);
+                    spans.push(r, s, n, st, d, dp);
                 }
             }
         }
-        (rank, step, name, dur, start, depth)
+        spans
     }
 
     #[test]
     fn names_the_late_rank_and_the_wait() {
-        let (rank, step, name, dur, start, depth) = two_ranks();
+        let spans = two_ranks();
         let names = vec!["step".into(), "work".into(), "all_reduce".into()];
-        let t = SpanTable {
-            rank: &rank,
-            step: &step,
-            name: &name,
-            dur_ns: &dur,
-            start_ns: &start,
-            depth: &depth,
-            names: &names,
-        };
+        let t = spans.table(&names);
+        let (rank, name, dur) = (&spans.rank, &spans.name, &spans.dur_ns);
         let w = collective_waits(&t);
         assert_eq!(
             w.table,

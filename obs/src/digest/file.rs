@@ -206,16 +206,18 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDigest> {
     let text = |k: &str| field(k).as_str().unwrap_or_default().to_string();
     let mut d = PartDigest {
         info: RankInfo {
-            rank: num("rank") as u32,
-            run_id: text("run_id"),
-            source: text("source"),
-            host: text("host"),
-            pid: num("pid") as u32,
-            local_rank: num("local_rank") as u32,
-            world_size: num("world_size") as u32,
-            clock_offset_ns: field("clock_offset_ns").as_i64().unwrap_or(0),
-            threads: serde_json::from_value(field("threads")).unwrap_or_default(),
-            run_metadata: serde_json::from_value(field("run_metadata")).unwrap_or_default(),
+            header: crate::part::PartHeader {
+                rank: num("rank") as u32,
+                run_id: text("run_id"),
+                source: text("source"),
+                host: text("host"),
+                pid: num("pid") as u32,
+                local_rank: num("local_rank") as u32,
+                world_size: num("world_size") as u32,
+                clock_offset_ns: field("clock_offset_ns").as_i64().unwrap_or(0),
+                threads: serde_json::from_value(field("threads")).unwrap_or_default(),
+                run_metadata: serde_json::from_value(field("run_metadata")).unwrap_or_default(),
+            },
             parts: 1,
         },
         damage: serde_json::from_value(field("damage")).unwrap_or_default(),

@@ -19,8 +19,9 @@ use anyhow::{Context, Result};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
+use crate::part::PartHeader;
 use crate::record::NO_STEP;
-use crate::run::{OpenSpan, PartData, RankInfo};
+use crate::run::{OpenSpan, PartData, RankInfo, RecordTable, Scalars, SharedFields};
 use crate::schema::Reduce;
 use crate::vocab::{PROFILER_STEP, PROFILER_STEP_PREFIX, torch_pipelining, torchtitan as tt};
 
@@ -251,13 +252,18 @@ pub fn parse(bytes: &[u8], display: &str) -> Result<Parsed> {
             "i" | "I" => {
                 let Some(t) = ts else { continue };
                 let d = &mut proc.data;
+                // The rank is filled in per process below; nothing nests under an instant.
+                let at = |name| SharedFields {
+                    rank: 0,
+                    name,
+                    step,
+                    start_ns: t,
+                    thread,
+                    depth: 0,
+                    parent: 0,
+                };
                 if let Some(phase) = name.strip_prefix("ERROR: ") {
-                    d.errors.rank.push(0);
-                    d.errors.name.push(intern(phase));
-                    d.errors.step.push(step);
-                    d.errors.start_ns.push(t);
-                    d.errors.thread.push(thread);
-                    d.errors.parent.push(0);
+                    d.errors.shared_columns().push(at(intern(phase)));
                     d.errors
                         .message
                         .push(args.message.as_deref().unwrap_or_default().to_string());
@@ -266,33 +272,23 @@ pub fn parse(bytes: &[u8], display: &str) -> Result<Parsed> {
                     .and_then(|(n, v)| Some((n, v.parse::<f64>().ok()?)))
                     .filter(|(n, _)| !n.is_empty() && !n.contains(' '))
                 {
-                    d.scalars.rank.push(0);
-                    d.scalars.name.push(intern(scalar));
-                    d.scalars.step.push(step);
-                    d.scalars.value.push(v);
-                    d.scalars.reduce.push(Reduce::Mean);
-                    d.scalars.start_ns.push(t);
+                    push_counter(&mut d.scalars, at(intern(scalar)), v);
                 } else {
-                    d.instants.rank.push(0);
-                    d.instants.name.push(intern(name));
-                    d.instants.step.push(step);
-                    d.instants.start_ns.push(t);
-                    d.instants.thread.push(thread);
-                    d.instants.depth.push(0);
-                    d.instants.parent.push(0);
+                    d.instants.shared_columns().push(at(intern(name)));
                 }
             }
             "C" => {
                 let (Some(t), Some(v)) = (ts, args.value) else {
                     continue;
                 };
-                let d = &mut proc.data;
-                d.scalars.rank.push(0);
-                d.scalars.name.push(intern(name));
-                d.scalars.step.push(step);
-                d.scalars.value.push(v);
-                d.scalars.reduce.push(Reduce::Mean);
-                d.scalars.start_ns.push(t);
+                let at = SharedFields {
+                    rank: 0,
+                    name: intern(name),
+                    step,
+                    start_ns: t,
+                    ..Default::default()
+                };
+                push_counter(&mut proc.data.scalars, at, v);
             }
             _ => {}
         }
@@ -361,29 +357,30 @@ pub fn parse(bytes: &[u8], display: &str) -> Result<Parsed> {
         }
         d.rows = d.spans.len() + d.instants.rank.len() + d.scalars.rank.len() + d.errors.rank.len();
         d.info = RankInfo {
-            rank,
-            source: proc.label.clone().unwrap_or_default(),
-            host: String::new(),
-            threads: (0..proc.thread_ids.len() as u32)
-                .map(|t| {
-                    let name = proc.threads.get(&t).cloned().unwrap_or_else(|| {
-                        proc.thread_ids
-                            .iter()
-                            .find(|(_, v)| **v == t)
-                            .map(|(k, _)| {
-                                if k.0 == 0 {
-                                    format!("tid {}", k.1)
-                                } else {
-                                    k.2.clone()
-                                }
-                            })
-                            .unwrap_or_default()
-                    });
-                    (t, name)
-                })
-                .collect(),
+            header: PartHeader {
+                rank,
+                source: proc.label.clone().unwrap_or_default(),
+                threads: (0..proc.thread_ids.len() as u32)
+                    .map(|t| {
+                        let name = proc.threads.get(&t).cloned().unwrap_or_else(|| {
+                            proc.thread_ids
+                                .iter()
+                                .find(|(_, v)| **v == t)
+                                .map(|(k, _)| {
+                                    if k.0 == 0 {
+                                        format!("tid {}", k.1)
+                                    } else {
+                                        k.2.clone()
+                                    }
+                                })
+                                .unwrap_or_default()
+                        });
+                        (t, name)
+                    })
+                    .collect(),
+                ..Default::default()
+            },
             parts: 1,
-            ..Default::default()
         };
         d.names.clone_from(&names);
         parts.push(d);
@@ -393,6 +390,13 @@ pub fn parse(bytes: &[u8], display: &str) -> Result<Parsed> {
         open,
         events: n_events,
     })
+}
+
+/// Appends a counter's value (`C` events, and `name=value` instants) as a mean scalar.
+fn push_counter(t: &mut Scalars, at: SharedFields, value: f64) {
+    t.shared_columns().push(at);
+    t.value.push(value);
+    t.reduce.push(Reduce::Mean);
 }
 
 /// `training.global_rank_3.<stamp>` (torchtitan's gantt) or `rank 3 (...)` (titan's export).
@@ -430,15 +434,17 @@ fn nest(spans: &mut [RawSpan], d: &mut PartData, names: &[String], rank: u32) {
             .or(inherited)
             .unwrap_or(NO_STEP);
         let t = &mut d.spans;
-        t.rank.push(rank);
-        t.name.push(s.name);
-        t.step.push(step);
+        t.shared_columns().push(SharedFields {
+            rank,
+            name: s.name,
+            step,
+            start_ns: s.start_ns,
+            thread: s.thread,
+            depth: stack.len().min(u16::MAX as usize) as u16,
+            parent: stack.last().map_or(0, |e| e.1),
+        });
         t.dur_ns.push(s.dur_ns);
-        t.start_ns.push(s.start_ns);
-        t.thread.push(s.thread);
-        t.depth.push(stack.len().min(u16::MAX as usize) as u16);
         t.seq.push(seq);
-        t.parent.push(stack.last().map_or(0, |e| e.1));
         t.pipeline
             .push(torch_pipelining::parse_action(&names[s.name as usize]).map(|(slot, _)| slot));
         stack.push((s.start_ns + s.dur_ns, seq, step));

@@ -17,8 +17,11 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
+use crate::part::PartHeader;
 use crate::record::NO_STEP;
-use crate::run::{BadLine, LoadReport, OpenSpan, PartData, RankInfo, intern};
+use crate::run::{
+    BadLine, LoadReport, OpenSpan, PartData, RankInfo, RecordTable, SharedFields, Spans, intern,
+};
 use crate::schema::Reduce;
 use crate::vocab::torchtitan as tt;
 
@@ -68,6 +71,23 @@ struct Pending {
     seq: u64,
     depth: u16,
     parent: u64,
+}
+
+impl Pending {
+    /// Appends the span this `_start` opened, ending `dur_ns` later, in `step`.
+    fn push_span(&self, t: &mut Spans, rank: u32, thread: u32, step: u64, dur_ns: i64) {
+        t.shared_columns().push(SharedFields {
+            rank,
+            name: self.name,
+            step,
+            start_ns: self.start_ns,
+            thread,
+            depth: self.depth,
+            parent: self.parent,
+        });
+        t.dur_ns.push(dur_ns);
+        t.seq.push(self.seq);
+    }
 }
 
 /// Read state of one structured-log file.
@@ -175,8 +195,11 @@ impl FileCursor {
         out.names.clone_from(&self.names);
         out.tags.clone_from(&self.tags);
         out.info = self.info.clone().unwrap_or_else(|| RankInfo {
-            rank: self.rank,
-            ..Default::default()
+            header: PartHeader {
+                rank: self.rank,
+                ..Default::default()
+            },
+            parts: 0,
         });
         out.info.threads = self.thread_names();
         out.info.parts = usize::from(first && self.info.is_some());
@@ -228,16 +251,14 @@ impl FileCursor {
         };
         if self.info.is_none() {
             self.info = Some(RankInfo {
-                rank: r.global_rank.unwrap_or(self.rank),
-                run_id: String::new(),
-                source: r.source.as_deref().unwrap_or_default().to_string(),
-                host: r.host_name.as_deref().unwrap_or_default().to_string(),
-                pid: r.pid.unwrap_or(0),
-                local_rank: r.local_rank.unwrap_or(0),
-                world_size: 0,
-                clock_offset_ns: 0,
-                threads: Default::default(),
-                run_metadata: Default::default(),
+                header: PartHeader {
+                    rank: r.global_rank.unwrap_or(self.rank),
+                    source: r.source.as_deref().unwrap_or_default().to_string(),
+                    host: r.host_name.as_deref().unwrap_or_default().to_string(),
+                    pid: r.pid.unwrap_or(0),
+                    local_rank: r.local_rank.unwrap_or(0),
+                    ..Default::default()
+                },
                 parts: 0,
             });
         }
@@ -266,12 +287,15 @@ impl FileCursor {
                 .ok_or("`metric_value` without `event_name`")?;
             let id = self.intern_name(scalar);
             let t = &mut out.scalars;
-            t.rank.push(rank);
-            t.name.push(id);
-            t.step.push(step);
+            t.shared_columns().push(SharedFields {
+                rank,
+                name: id,
+                step,
+                start_ns: time_ns,
+                ..Default::default()
+            });
             t.value.push(r.value.unwrap_or(f64::NAN));
             t.reduce.push(Reduce::Mean);
-            t.start_ns.push(time_ns);
             return Ok(());
         }
         let thread = self.thread_of(r.task_name.as_deref());
@@ -304,40 +328,36 @@ impl FileCursor {
                     }
                 }
             };
-            let t = &mut out.spans;
-            t.rank.push(rank);
-            t.name.push(p.name);
-            t.step.push(if p.step != NO_STEP { p.step } else { step });
-            t.dur_ns.push(dur_ns);
-            t.start_ns.push(p.start_ns);
-            t.thread.push(thread);
-            t.depth.push(p.depth);
-            t.seq.push(p.seq);
-            t.parent.push(p.parent);
+            let step = if p.step != NO_STEP { p.step } else { step };
+            p.push_span(&mut out.spans, rank, thread, step, dur_ns);
         } else if !instant && let Some(base) = name.strip_suffix(tt::ERROR_SUFFIX) {
             let id = self.intern_name(base);
             let parent = self.stacks[thread as usize].last().map_or(0, |p| p.seq);
             let t = &mut out.errors;
-            t.rank.push(rank);
-            t.name.push(id);
-            t.step.push(step);
-            t.start_ns.push(time_ns);
-            t.thread.push(thread);
-            t.parent.push(parent);
+            t.shared_columns().push(SharedFields {
+                rank,
+                name: id,
+                step,
+                start_ns: time_ns,
+                thread,
+                depth: 0,
+                parent,
+            });
             t.message
                 .push(r.message.as_deref().unwrap_or_default().to_string());
         } else {
             let id = self.intern_name(name);
             let depth = self.stacks[thread as usize].len() as u16;
             let parent = self.stacks[thread as usize].last().map_or(0, |p| p.seq);
-            let t = &mut out.instants;
-            t.rank.push(rank);
-            t.name.push(id);
-            t.step.push(step);
-            t.start_ns.push(time_ns);
-            t.thread.push(thread);
-            t.depth.push(depth);
-            t.parent.push(parent);
+            out.instants.shared_columns().push(SharedFields {
+                rank,
+                name: id,
+                step,
+                start_ns: time_ns,
+                thread,
+                depth,
+                parent,
+            });
         }
         Ok(())
     }
@@ -358,16 +378,7 @@ impl FileCursor {
         for (thread, stack) in self.stacks.iter().enumerate() {
             for p in stack {
                 let dur = (self.last_ns - p.start_ns).max(0);
-                let t = &mut out.spans;
-                t.rank.push(self.rank);
-                t.name.push(p.name);
-                t.step.push(p.step);
-                t.dur_ns.push(dur);
-                t.start_ns.push(p.start_ns);
-                t.thread.push(thread as u32);
-                t.depth.push(p.depth);
-                t.seq.push(p.seq);
-                t.parent.push(p.parent);
+                p.push_span(&mut out.spans, self.rank, thread as u32, p.step, dur);
                 open.push(OpenSpan {
                     file: self.display.clone(),
                     rank: self.rank,

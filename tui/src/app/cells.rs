@@ -27,6 +27,14 @@ impl Window {
         self.t0 + (self.width() as i128 * c as i128 / ncols.max(1) as i128) as Ns
     }
 
+    /// The columns of `ncols` that span any time, in order: (column, left edge, right edge).
+    /// (A window narrower than `ncols` ns has empty columns.)
+    pub fn columns(&self, ncols: usize) -> impl Iterator<Item = (usize, Ns, Ns)> + '_ {
+        (0..ncols)
+            .map(move |c| (c, self.edge(c, ncols), self.edge(c + 1, ncols)))
+            .filter(|&(_, a, b)| b > a)
+    }
+
     /// Cell containing time `t` (may be out of `0..ncols`).
     pub fn col_of(&self, t: Ns, ncols: usize) -> i64 {
         ((t - self.t0) as i128 * ncols as i128).div_euclid(self.width().max(1) as i128) as i64
@@ -62,13 +70,7 @@ pub fn row_cells(row: &SpanRow, w: Window, ncols: usize, out: &mut Vec<Option<Ce
         return;
     }
     let mut j = row.first_ending_after(w.t0);
-    let mut a = w.edge(0, ncols);
-    for (c, slot) in out.iter_mut().enumerate() {
-        let b = w.edge(c + 1, ncols);
-        if b <= a {
-            a = b;
-            continue;
-        }
+    for (c, a, b) in w.columns(ncols) {
         if j < n && row.end[j] <= a {
             j += row.end[j..].partition_point(|&e| e <= a);
         }
@@ -77,9 +79,8 @@ pub fn row_cells(row: &SpanRow, w: Window, ncols: usize, out: &mut Vec<Option<Ce
         }
         let k = j + row.start[j..].partition_point(|&s| s < b);
         if k > j {
-            *slot = Some(aggregate(row, j, k, a, b));
+            out[c] = Some(aggregate(row, j, k, a, b));
         }
-        a = b;
     }
 }
 
@@ -158,13 +159,7 @@ pub fn collapsed_cells(
     }
     let bars = &row.bars;
     let mut lo = bars.partition_point(|x| x.start < w.t0 - row.max_len);
-    let mut a = w.edge(0, ncols);
-    for (c, slot) in out.iter_mut().enumerate() {
-        let b = w.edge(c + 1, ncols);
-        if b <= a {
-            a = b;
-            continue;
-        }
+    for (c, a, b) in w.columns(ncols) {
         let from = a - row.max_len;
         if lo < bars.len() && bars[lo].start < from {
             lo += bars[lo..].partition_point(|x| x.start < from);
@@ -195,8 +190,7 @@ pub fn collapsed_cells(
                 best = Some(cand);
             }
         }
-        *slot = best;
-        a = b;
+        out[c] = best;
     }
 }
 

@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::Args;
 
-use super::detail_source::DetailSource;
+use super::detail::DetailRun;
+use super::detail_source::{self, DetailSource};
 use super::export::{self, GanttImageOptions, MAX_IMAGE_ROWS};
+use super::model::Timeline;
 use super::source::{RunSource, title_of};
 use super::terminal::{self, TimelineSource};
 use crate::conventions::{FAILED, INCOMPLETE, OK, TITAN_OBS, USAGE};
@@ -24,7 +26,7 @@ pub struct OpenArgs {
     #[arg(long = "run", value_name = "ID")]
     pub run_id: Option<String>,
     /// Draw from the parts' detail levels (`part-<N>.lod`), reading only what is on screen:
-    /// `auto` does for local titan runs whose parts hold 32 MB or more (without --run).
+    /// `auto` does for titan runs (local or object store) whose parts hold 32 MB or more.
     #[arg(long, value_enum, default_value_t = DetailLevels::Auto, value_name = "WHEN")]
     pub detail_levels: DetailLevels,
 }
@@ -41,12 +43,13 @@ pub enum DetailLevels {
 /// auto`): loading every span of them takes seconds.
 const DETAIL_LEVELS_FROM: u64 = 32 << 20;
 
-/// Whether `titan-obs RUN` draws `run` from its detail levels.
-fn use_detail_levels(run: &str, args: &OpenArgs, titan: bool) -> bool {
-    if !titan || args.run_id.is_some() || run.contains("://") {
+/// Whether `titan-obs RUN` or `titan-obs gantt` draws the titan run `run` from its detail
+/// levels.
+fn use_detail_levels(run: &str, when: DetailLevels, titan: bool) -> bool {
+    if !titan {
         return false;
     }
-    match args.detail_levels {
+    match when {
         DetailLevels::Never => false,
         DetailLevels::Always => true,
         DetailLevels::Auto => {
@@ -89,6 +92,11 @@ pub struct GanttArgs {
     /// newest.
     #[arg(long = "run", value_name = "ID")]
     pub run_id: Option<String>,
+    /// Draw from the parts' detail levels (`part-<N>.lod`) instead of loading every span:
+    /// `auto` does for titan runs whose parts hold 32 MB or more. Zoomed in (`--steps`) past
+    /// the finest level, the spans of the parts under the window are decoded.
+    #[arg(long, value_enum, default_value_t = DetailLevels::Auto, value_name = "WHEN")]
+    pub detail_levels: DetailLevels,
 }
 
 fn parse_steps(s: &str) -> Result<(u64, u64), String> {
@@ -129,11 +137,15 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         return USAGE.as_i32();
     }
     let titan = matches!(detected, Ok(titan_obs_core::ingest::Detected::Titan));
-    let source: Box<dyn TimelineSource + Send> = if use_detail_levels(run, args, titan) {
-        Box::new(DetailSource::new(run, &title_of(run), args.follow))
-    } else {
-        Box::new(RunSource::with_follow(run, args.follow).showing_run(args.run_id.clone()))
-    };
+    let source: Box<dyn TimelineSource + Send> =
+        if use_detail_levels(run, args.detail_levels, titan) {
+            Box::new(
+                DetailSource::new(run, &title_of(run), args.follow)
+                    .showing_run(args.run_id.clone()),
+            )
+        } else {
+            Box::new(RunSource::with_follow(run, args.follow).showing_run(args.run_id.clone()))
+        };
     match terminal::run(source, args.follow) {
         Ok(()) => OK.as_i32(),
         Err(e) => {
@@ -183,8 +195,20 @@ fn gantt_inner(args: &GanttArgs, quiet: bool) -> anyhow::Result<bool> {
             UsageError("nothing to write: give --svg OUT.svg and/or --png OUT.png".into()).into(),
         );
     }
-    let mut source = RunSource::new(&args.run).showing_run(args.run_id.clone());
-    let t = source.load()?;
+    let titan = matches!(
+        titan_obs_core::location::Location::parse(&args.run)
+            .and_then(|l| titan_obs_core::ingest::detect(&l)),
+        Ok(titan_obs_core::ingest::Detected::Titan)
+    );
+    let (t, collapsed) = if use_detail_levels(&args.run, args.detail_levels, titan) {
+        gantt_from_detail_levels(args)?
+    } else {
+        let t = RunSource::new(&args.run)
+            .showing_run(args.run_id.clone())
+            .load()?;
+        let collapsed = collapses(args, &t);
+        (t, collapsed)
+    };
     if t.span_count == 0 {
         bail!("{} has no spans to draw", args.run);
     }
@@ -192,7 +216,6 @@ fn gantt_inner(args: &GanttArgs, quiet: bool) -> anyhow::Result<bool> {
         TITAN_OBS.warning(w);
     }
     let lane_rows: usize = t.lanes.iter().map(|l| l.rows.len()).sum();
-    let collapsed = args.collapsed || (!args.lanes && lane_rows > MAX_IMAGE_ROWS);
     if collapsed && !args.collapsed && !quiet {
         TITAN_OBS.note(format_args!(
             "{lane_rows} lane rows would make a very tall image; drawing one row per phase \
@@ -222,4 +245,33 @@ fn gantt_inner(args: &GanttArgs, quiet: bool) -> anyhow::Result<bool> {
         }
     }
     Ok(!t.incomplete)
+}
+
+/// Whether the image has one row per phase: asked for, or more lane rows than an image holds
+/// (unless `--lanes`).
+fn collapses(args: &GanttArgs, t: &Timeline) -> bool {
+    let lane_rows: usize = t.lanes.iter().map(|l| l.rows.len()).sum();
+    args.collapsed || (!args.lanes && lane_rows > MAX_IMAGE_ROWS)
+}
+
+/// The timeline of a `gantt` image drawn from detail levels, and whether it is collapsed:
+/// every step (from every part's detail file) and the analysis (from the per-part summaries);
+/// then, for lanes, every lane's rows for the image's window at one column per pixel (the
+/// detail levels whose buckets fit in a pixel, or the spans of the parts under the window).
+fn gantt_from_detail_levels(args: &GanttArgs) -> anyhow::Result<(Timeline, bool)> {
+    let (mut d, mut t) = DetailRun::open(&args.run, &title_of(&args.run), args.run_id.as_deref())?;
+    let (steps, spans) = detail_source::steps(&d.parts())?;
+    d.set_whole_steps(&mut t, steps, spans);
+    match detail_source::analysis(&args.run, d.run_id.as_deref()) {
+        Ok((a, spread)) => d.set_analysis(&mut t, a, spread),
+        Err(e) => t.warnings.push(format!("summary: {e:#}")),
+    }
+    let collapsed = collapses(args, &t);
+    if !collapsed {
+        let window =
+            export::image_window(&t, args.steps).map_err(|e| UsageError(format!("{e:#}")))?;
+        let lanes: Vec<usize> = (0..t.lanes.len()).collect();
+        d.fill(&mut t, window, args.width as usize, &lanes);
+    }
+    Ok((t, collapsed))
 }

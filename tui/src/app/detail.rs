@@ -13,15 +13,20 @@
 //! long as the time spans cover in it, in the phase covering most of it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use rayon::prelude::*;
+use titan_obs_core::analysis::Analysis;
+use titan_obs_core::location::Location;
 use titan_obs_core::lod::{self, LEVEL_SHIFTS, Names, PartDetail, PartSpans};
+use titan_obs_core::part_files::{self, PartFile};
 
 use super::cells::Window;
-use super::model::{Lane, Ns, SpanRow, StepMark, Timeline};
+use super::model::{Lane, Ns, PhaseId, PhaseSpread, SpanRow, StepMark, Timeline, collapsed_rows};
+
+/// A step of the whole run: (step, first start, last end on rank 0's clock, tag names).
+pub type WholeStep = (u64, i64, i64, Vec<String>);
 
 /// Span flag: the entry is a bucket of a detail level, not one span.
 pub const FLAG_DETAIL: u8 = 4;
@@ -33,7 +38,7 @@ const SPANS_CACHE: usize = 256;
 
 /// One part of a rank: where it is and, once read, its time range on rank 0's clock.
 struct PartRef {
-    path: PathBuf,
+    file: PartFile,
     range: Option<(i64, i64)>,
     /// Could not be read at all (named in the warnings once).
     unreadable: bool,
@@ -87,6 +92,8 @@ impl<T> Cache<T> {
 pub struct DetailRun {
     /// `RUN/obs/`: left out of the paths in warnings (the title bar is narrow).
     obs: String,
+    /// The run shown, when the folder holds several (`--run ID`, else the newest).
+    pub run_id: Option<String>,
     ranks: Vec<RankParts>,
     /// Run-wide phase and tag names (those of the timeline).
     names: Names,
@@ -101,7 +108,7 @@ pub struct DetailRun {
     /// Lanes whose rows hold data.
     filled: Vec<usize>,
     /// Detail files or parts already named in the warnings.
-    warned: HashSet<PathBuf>,
+    warned: HashSet<String>,
     pub origin: i64,
     pub end: i64,
     /// Spans in the run, from the rows' counts of the parts read.
@@ -121,59 +128,49 @@ pub struct Appended {
     pub ranks: Vec<PartSpans>,
 }
 
-/// Whether a run is large enough to be drawn from its detail levels: a local titan run whose
-/// parts hold at least `threshold` bytes.
+/// The bytes of a titan run's parts (local or in an object store), to tell whether it is
+/// large enough to be drawn from its detail levels; `None` when they cannot be listed.
 pub fn run_bytes(run: &str) -> Option<u64> {
-    if run.contains("://") {
-        return None;
-    }
-    let obs = Path::new(run).join("obs");
-    let mut total = 0;
-    for rank in std::fs::read_dir(obs).ok()?.flatten() {
-        for f in std::fs::read_dir(rank.path()).ok()?.flatten() {
-            if f.file_name()
-                .to_str()
-                .is_some_and(|n| n.ends_with(".parquet"))
-            {
-                total += f.metadata().map(|m| m.len()).unwrap_or(0);
-            }
-        }
-    }
-    Some(total)
-}
-
-fn rank_of_dir(name: &str) -> Option<u32> {
-    name.strip_prefix("rank-")?.parse().ok()
+    let listed = part_files::list(&Location::parse(run).ok()?).ok()?;
+    Some(
+        listed
+            .values()
+            .flatten()
+            .map(|p| p.byte_len().unwrap_or(0))
+            .fold(0, u64::saturating_add),
+    )
 }
 
 impl DetailRun {
-    /// Lists the run's parts and reads the first and last part's detail file of every rank
-    /// (in parallel): the run's extent and each rank's rows.
-    pub fn open(run: &str, title: &str) -> Result<(DetailRun, Timeline)> {
-        let obs = Path::new(run).join("obs");
-        let mut ranks: Vec<RankParts> = Vec::new();
-        for e in std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))? {
-            let e = e?;
-            let Some(rank) = e.file_name().to_str().and_then(rank_of_dir) else {
-                continue;
-            };
-            let parts = lod::local_parts(&e.path())?
-                .into_iter()
-                .map(|(_, path)| PartRef {
-                    path,
-                    range: None,
-                    unreadable: false,
-                })
-                .collect();
-            ranks.push(RankParts {
+    /// Lists the run's parts (local or in an object store; those of run `run_id`, else of
+    /// the newest run) and reads the first and last part's detail file of every rank (in
+    /// parallel): the run's extent and each rank's rows.
+    pub fn open(run: &str, title: &str, run_id: Option<&str>) -> Result<(DetailRun, Timeline)> {
+        let location = Location::parse(run)?;
+        let mut listed = part_files::list(&location)?;
+        let run_id = part_files::keep_run(run, &mut listed, run_id)?;
+        let ranks: Vec<RankParts> = listed
+            .into_iter()
+            .map(|(rank, files)| RankParts {
                 rank,
-                parts,
+                parts: files
+                    .into_iter()
+                    .map(|file| PartRef {
+                        file,
+                        range: None,
+                        unreadable: false,
+                    })
+                    .collect(),
                 scanned: false,
-            });
-        }
-        ranks.sort_by_key(|r| r.rank);
+            })
+            .collect();
+        let obs = match &location {
+            Location::Local(p) => format!("{}/", p.join("obs").display()),
+            Location::Object { url, .. } => format!("{url}/obs/"),
+        };
         let mut d = DetailRun {
-            obs: format!("{}/", obs.display()),
+            obs,
+            run_id,
             ranks,
             names: Names::default(),
             tags: Names::default(),
@@ -248,27 +245,21 @@ impl DetailRun {
     /// Reads the detail files of `parts` (rank index, part index) not yet cached, in
     /// parallel; records their ranges, steps and names.
     fn read_details(&mut self, parts: &[(usize, usize)], t: &mut Timeline) {
-        let wanted: Vec<(usize, usize, PathBuf, u32)> = parts
+        let wanted: Vec<(usize, usize, &PartFile)> = parts
             .iter()
             .filter(|&&k| !self.details.map.contains_key(&k))
             .filter(|&&(ri, pi)| !self.ranks[ri].parts[pi].unreadable)
-            .map(|&(ri, pi)| {
-                let r = &self.ranks[ri];
-                (ri, pi, r.parts[pi].path.clone(), r.rank)
-            })
+            .map(|&(ri, pi)| (ri, pi, &self.ranks[ri].parts[pi].file))
             .collect();
         let opened: Vec<_> = wanted
             .into_par_iter()
-            .map(|(ri, pi, path, rank): (usize, usize, PathBuf, u32)| {
-                let o = lod::open_local(&path, rank);
-                (ri, pi, o, path)
-            })
+            .map(|(ri, pi, file)| (ri, pi, lod::open(file), file.beside_shown("lod")))
             .collect();
-        for (ri, pi, o, path) in opened {
+        for (ri, pi, o, detail_file) in opened {
             match o {
                 Ok(o) => {
                     if let Some(why) = o.damaged
-                        && self.warned.insert(lod::detail_path(&path))
+                        && self.warned.insert(detail_file)
                     {
                         let why = why.replace(&self.obs, "");
                         t.warnings
@@ -367,6 +358,49 @@ impl DetailRun {
                 }
             }
         }
+    }
+
+    /// The whole run's steps and span count (from every part's detail file, read off the
+    /// UI thread): they replace those of the parts read so far.
+    pub fn set_whole_steps(&mut self, t: &mut Timeline, steps: Vec<WholeStep>, spans: u64) {
+        let marks = steps
+            .into_iter()
+            .map(|(step, a, z, tags)| StepMark {
+                step,
+                start: a.saturating_sub(self.origin),
+                end: z.saturating_sub(self.origin),
+                tags: tags.iter().map(|n| self.tag_id(n, t)).collect(),
+            })
+            .collect();
+        self.set_steps(t, marks);
+        t.span_count = spans as usize;
+    }
+
+    /// The whole run's analysis (from the per-part summaries) and each (phase, step)'s
+    /// spread across ranks: the phase table, stragglers and the collapsed rows.
+    pub fn set_analysis(
+        &mut self,
+        t: &mut Timeline,
+        analysis: Analysis,
+        spread: Vec<(String, u64, PhaseSpread)>,
+    ) {
+        // A collapsed bar starts at its step's start (no start times in the summaries).
+        t.phase_step = spread
+            .into_iter()
+            .map(|(name, step, mut s)| {
+                s.median_start = t.step_index(step).map_or(0, |i| t.steps[i].start);
+                ((self.phase_id(&name, t), step), s)
+            })
+            .collect();
+        t.analysis = analysis;
+        let stragglers: HashSet<(PhaseId, u32)> = t
+            .analysis
+            .stragglers
+            .clone()
+            .into_iter()
+            .map(|s| (self.phase_id(&s.phase, t), s.rank))
+            .collect();
+        t.collapsed = collapsed_rows(&t.phase_step, &stragglers, &t.phase_order, 0);
     }
 
     /// Reads every part's range of rank index `ri` (its detail files).
@@ -616,17 +650,21 @@ impl DetailRun {
         reshaped
     }
 
+    /// Every part of the run shown, rank by rank.
+    pub fn parts(&self) -> Vec<PartFile> {
+        self.ranks
+            .iter()
+            .flat_map(|r| r.parts.iter().map(|p| p.file.clone()))
+            .collect()
+    }
+
     /// The last part index of every rank listed at open (a follower reads only later ones).
     pub fn last_parts(&self) -> BTreeMap<u32, u64> {
         self.ranks
             .iter()
             .filter_map(|r| {
                 let last = r.parts.last()?;
-                let name = last.path.file_name()?.to_str()?;
-                Some((
-                    r.rank,
-                    titan_obs_core::location::parse_part_file_name(name)?,
-                ))
+                Some((r.rank, last.file.index))
             })
             .collect()
     }
@@ -635,8 +673,9 @@ impl DetailRun {
     fn unreadable(&mut self, ri: usize, pi: usize, e: &anyhow::Error, t: &mut Timeline) {
         let part = &mut self.ranks[ri].parts[pi];
         part.unreadable = true;
-        if self.warned.insert(part.path.clone()) {
-            let why = format!("corrupt part {}: {e:#}", part.path.display());
+        let shown = part.file.shown();
+        if self.warned.insert(shown.clone()) {
+            let why = format!("corrupt part {shown}: {e:#}");
             t.warnings.push(why.replace(&self.obs, ""));
             t.incomplete = true;
         }
@@ -647,9 +686,7 @@ impl DetailRun {
         if let Some(s) = self.spans.get((ri, pi)) {
             return Some(s);
         }
-        let r = &self.ranks[ri];
-        let path = r.parts[pi].path.clone();
-        match PartSpans::read_local(&path, r.rank) {
+        match PartSpans::read(&self.ranks[ri].parts[pi].file) {
             Ok(s) => {
                 let s = Arc::new(s);
                 self.spans.put((ri, pi), s.clone());

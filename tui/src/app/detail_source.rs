@@ -3,25 +3,22 @@
 //! step, the phase table, stragglers and waits (from the per-part summaries), the collapsed
 //! rows and the metrics — computed on a worker thread and swapped in as each arrives.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{self, Receiver};
 use std::time::Instant;
 
 use rayon::prelude::*;
 use titan_obs_core::analysis::{RunShape, StragglerOptions, digested::analyse_digest};
 use titan_obs_core::lod;
+use titan_obs_core::part_files::PartFile;
 use titan_obs_core::read::{Columns, PartsReader, ReadOptions};
 
 use super::detail::{Appended, DetailRun};
-use super::model::{
-    MetricSeries, PhaseId, PhaseSpread, Reduce, StepMark, Timeline, collapsed_rows,
-};
+use super::model::{MetricSeries, PhaseSpread, Reduce, Timeline};
 use super::terminal::{FOLLOW_INTERVAL, TimelineSource};
 use super::view::View;
 
-/// A step of the whole run: (step, first start, last end on rank 0's clock, tag names).
-type WholeStep = (u64, i64, i64, Vec<String>);
+pub(super) use super::detail::WholeStep;
 
 /// What the worker sends, in this order.
 enum Whole {
@@ -39,6 +36,8 @@ enum Whole {
 pub struct DetailSource {
     run: String,
     title: String,
+    /// `--run ID`: the run of the folder to show (default: the newest).
+    run_id: Option<String>,
     detail: Option<DetailRun>,
     whole: Option<Receiver<Whole>>,
     /// Which whole-run results have arrived (for the status line).
@@ -59,6 +58,7 @@ impl DetailSource {
         DetailSource {
             run: run.to_string(),
             title: title.to_string(),
+            run_id: None,
             detail: None,
             whole: None,
             arrived: Vec::new(),
@@ -67,11 +67,24 @@ impl DetailSource {
             last_follow: None,
         }
     }
+
+    /// Shows run `id` of the folder (`--run ID`) instead of the newest.
+    pub fn showing_run(mut self, id: Option<String>) -> Self {
+        self.run_id = id;
+        self
+    }
 }
 
 /// `--follow`'s worker: every [`FOLLOW_INTERVAL`], reads what the journals (and the parts
-/// after `skip`) gained and sends it; stops when the receiver is gone.
-fn follow_worker(run: String, skip: BTreeMap<u32, u64>, tx: mpsc::Sender<Followed>) {
+/// after `skip`) gained and sends it; stops when the receiver is gone. `run_id`: the run on
+/// screen, of a folder that may hold several: nothing is sent before the reader has read a
+/// record of it (until then it shows the newest).
+fn follow_worker(
+    run: String,
+    run_id: Option<String>,
+    skip: BTreeMap<u32, u64>,
+    tx: mpsc::Sender<Followed>,
+) {
     let mut reader = match PartsReader::open(&run) {
         Ok(r) => r,
         Err(e) => {
@@ -81,12 +94,20 @@ fn follow_worker(run: String, skip: BTreeMap<u32, u64>, tx: mpsc::Sender<Followe
     };
     reader.skip_parts_through(&skip);
     let opts = ReadOptions::default();
+    let mut shown = run_id.is_none();
     loop {
         let started = Instant::now();
-        let from = reader.run().spans.len();
-        let read = reader
-            .refresh_with(&opts, false)
-            .map(|run| appended(run, from));
+        let mut from = reader.run().spans.len();
+        // The refresh's `&Run` is let go: selecting the run needs the reader.
+        let refreshed = reader.refresh_with(&opts, false).map(|_| ());
+        let read = refreshed.map(|()| {
+            if let (false, Some(id)) = (shown, &run_id) {
+                shown = reader.select_run(id).is_ok();
+                // Its tables hold every record of it read so far.
+                from = 0;
+            }
+            shown.then(|| appended(reader.run(), from)).flatten()
+        });
         let ms = started.elapsed().as_secs_f64() * 1e3;
         let send = match read {
             Ok(Some(a)) => tx.send(Ok((a, ms))),
@@ -165,14 +186,14 @@ fn sort_row(r: &mut lod::SpanRows) {
 
 impl TimelineSource for DetailSource {
     fn load(&mut self) -> anyhow::Result<Timeline> {
-        let (d, t) = DetailRun::open(&self.run, &self.title)?;
+        let (d, t) = DetailRun::open(&self.run, &self.title, self.run_id.as_deref())?;
         let (tx, rx) = mpsc::channel();
-        let run = self.run.clone();
-        std::thread::spawn(move || whole_run(&run, |w| tx.send(w).is_ok()));
+        let (run, id, parts) = (self.run.clone(), d.run_id.clone(), d.parts());
+        std::thread::spawn(move || whole_run(&run, id.as_deref(), &parts, |w| tx.send(w).is_ok()));
         if self.follow {
             let (tx, rx) = mpsc::channel();
-            let (run, skip) = (self.run.clone(), d.last_parts());
-            std::thread::spawn(move || follow_worker(run, skip, tx));
+            let (run, id, skip) = (self.run.clone(), d.run_id.clone(), d.last_parts());
+            std::thread::spawn(move || follow_worker(run, id, skip, tx));
             self.followed = Some(rx);
         }
         self.detail = Some(d);
@@ -247,38 +268,11 @@ impl TimelineSource for DetailSource {
             changed = true;
             match w {
                 Whole::Steps(steps, spans) => {
-                    let marks = steps
-                        .into_iter()
-                        .map(|(step, a, z, tags)| StepMark {
-                            step,
-                            start: a.saturating_sub(d.origin),
-                            end: z.saturating_sub(d.origin),
-                            tags: tags.iter().map(|n| d.tag_id(n, t)).collect(),
-                        })
-                        .collect();
-                    d.set_steps(t, marks);
-                    t.span_count = spans as usize;
+                    d.set_whole_steps(t, steps, spans);
                     self.arrived.push("steps");
                 }
                 Whole::Analysis(a, spread) => {
-                    // A collapsed bar starts at its step's start (no start times in the
-                    // summaries).
-                    t.phase_step = spread
-                        .into_iter()
-                        .map(|(name, step, mut s)| {
-                            s.median_start = t.step_index(step).map_or(0, |i| t.steps[i].start);
-                            ((d.phase_id(&name, t), step), s)
-                        })
-                        .collect();
-                    t.analysis = *a;
-                    let stragglers: HashSet<(PhaseId, u32)> = t
-                        .analysis
-                        .stragglers
-                        .clone()
-                        .into_iter()
-                        .map(|s| (d.phase_id(&s.phase, t), s.rank))
-                        .collect();
-                    t.collapsed = collapsed_rows(&t.phase_step, &stragglers, &t.phase_order, 0);
+                    d.set_analysis(t, *a, spread);
                     self.arrived.push("summary");
                 }
                 Whole::Metrics(m) => {
@@ -295,19 +289,29 @@ impl TimelineSource for DetailSource {
 /// The whole-run results, sent through `send` as each is ready (stops when it returns false),
 /// on all cores but one: the UI thread keeps one for itself, so zooming and scrolling stay
 /// fast while the worker reads the whole run.
-fn whole_run(run: &str, send: impl Fn(Whole) -> bool + Send) {
+fn whole_run(
+    run: &str,
+    run_id: Option<&str>,
+    parts: &[PartFile],
+    send: impl Fn(Whole) -> bool + Send,
+) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     match rayon::ThreadPoolBuilder::new()
         .num_threads(cores.saturating_sub(1).max(1))
         .build()
     {
-        Ok(pool) => pool.install(|| whole_run_here(run, send)),
-        Err(_) => whole_run_here(run, send),
+        Ok(pool) => pool.install(|| whole_run_here(run, run_id, parts, send)),
+        Err(_) => whole_run_here(run, run_id, parts, send),
     }
 }
 
-fn whole_run_here(run: &str, send: impl Fn(Whole) -> bool) {
-    match steps(run) {
+fn whole_run_here(
+    run: &str,
+    run_id: Option<&str>,
+    parts: &[PartFile],
+    send: impl Fn(Whole) -> bool,
+) {
+    match steps(parts) {
         Ok((s, n)) => {
             if !send(Whole::Steps(s, n)) {
                 return;
@@ -317,7 +321,7 @@ fn whole_run_here(run: &str, send: impl Fn(Whole) -> bool) {
             send(Whole::Failed(format!("steps: {e:#}")));
         }
     }
-    match analysis(run) {
+    match analysis(run, run_id) {
         Ok((a, spread)) => {
             if !send(Whole::Analysis(Box::new(a), spread)) {
                 return;
@@ -327,43 +331,24 @@ fn whole_run_here(run: &str, send: impl Fn(Whole) -> bool) {
             send(Whole::Failed(format!("summary: {e:#}")));
         }
     }
-    match metrics(run) {
+    match metrics(parts) {
         Ok(m) => send(Whole::Metrics(m)),
         Err(e) => send(Whole::Failed(format!("metrics: {e:#}"))),
     };
-}
-
-/// Every local part of the run: (rank, path).
-fn all_parts(run: &str) -> anyhow::Result<Vec<(u32, std::path::PathBuf)>> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(Path::new(run).join("obs"))?.flatten() {
-        let Some(rank) = e
-            .file_name()
-            .to_str()
-            .and_then(|n| n.strip_prefix("rank-")?.parse().ok())
-        else {
-            continue;
-        };
-        for (_, p) in lod::local_parts(&e.path())? {
-            out.push((rank, p));
-        }
-    }
-    Ok(out)
 }
 
 type StepBounds = BTreeMap<u64, (i64, i64, Vec<String>)>;
 
 /// Every step's bounds and tags from every part's detail file (built and cached where
 /// missing), and the number of spans.
-fn steps(run: &str) -> anyhow::Result<(Vec<WholeStep>, u64)> {
-    let parts = all_parts(run)?;
+pub(super) fn steps(parts: &[PartFile]) -> anyhow::Result<(Vec<WholeStep>, u64)> {
     let (merged, spans) = parts
         .par_iter()
         .fold(
             || (StepBounds::new(), 0u64),
-            |(mut acc, mut n), (rank, p)| {
+            |(mut acc, mut n), p| {
                 // Unreadable parts are named by the gantt when it reaches them.
-                if let Ok(o) = lod::open_local(p, *rank) {
+                if let Ok(o) = lod::open(p) {
                     let d = o.detail;
                     let off = d.clock_offset_ns;
                     n = d.rows.iter().map(|r| r.spans).fold(n, u64::saturating_add);
@@ -415,8 +400,9 @@ fn steps(run: &str) -> anyhow::Result<(Vec<WholeStep>, u64)> {
 /// step)'s spread across ranks of per-rank time. The summaries hold no start times: a
 /// collapsed bar starts at its step's start ([`PhaseSpread::median_start`] is that).
 #[allow(clippy::type_complexity)]
-fn analysis(
+pub(super) fn analysis(
     run: &str,
+    run_id: Option<&str>,
 ) -> anyhow::Result<(
     titan_obs_core::analysis::Analysis,
     Vec<(String, u64, PhaseSpread)>,
@@ -429,15 +415,17 @@ fn analysis(
         digests: true,
         ..ReadOptions::default()
     };
-    let loaded = titan_obs_core::load(run, &opts)?;
+    let mut loaded = titan_obs_core::load(run, &opts)?;
+    if let Some(id) = run_id {
+        loaded.select_run(id)?;
+    }
     let shape = RunShape::of_run(&loaded);
     let digest = loaded.digest.clone().unwrap_or_default();
-    // No stage grouping: the TUI's straggler view drops what differs by design under PP.
     let a = analyse_digest(
         &digest,
         &loaded.names,
         &shape,
-        &[],
+        &titan_obs_core::analysis::stage_groups(&loaded),
         &StragglerOptions::default(),
     );
     let mut spread = Vec::new();
@@ -500,12 +488,11 @@ fn reduce_into(
 
 /// The per-step metrics, one part at a time: only each (scalar, step)'s running reduction is
 /// kept, never the values.
-fn metrics(run: &str) -> anyhow::Result<Vec<MetricSeries>> {
-    let parts = all_parts(run)?;
+fn metrics(parts: &[PartFile]) -> anyhow::Result<Vec<MetricSeries>> {
     let merged = parts
         .par_iter()
-        .fold(BTreeMap::new, |mut acc, (rank, p)| {
-            for (name, step, v, r) in lod::part_scalars(p, *rank).unwrap_or_default() {
+        .fold(BTreeMap::new, |mut acc, p| {
+            for (name, step, v, r) in lod::part_scalars(p).unwrap_or_default() {
                 reduce_into(&mut acc, name, step, v, r);
             }
             acc

@@ -47,20 +47,38 @@ pub const MAX_IMAGE_ROWS: usize = 600;
 
 #[derive(Debug, Clone, PartialEq)]
 enum Prim {
-    Rect {
-        x: f32,
-        y: f32,
-        w: f32,
-        h: f32,
-        color: Rgb,
-        alpha: f32,
-    },
+    Rect(Bar),
     Text {
         x: f32,
         y: f32,
         text: String,
         color: Rgb,
     },
+}
+
+impl Prim {
+    /// A filled rectangle at (`x`, `y`), `w` x `h` pixels.
+    fn bar(x: f32, y: f32, w: f32, h: f32, color: Rgb, alpha: f32) -> Prim {
+        Prim::Rect(Bar {
+            x,
+            y,
+            w,
+            h,
+            color,
+            alpha,
+        })
+    }
+}
+
+/// A filled rectangle: position and size in pixels, colour and opacity.
+#[derive(Debug, Clone, PartialEq)]
+struct Bar {
+    x: f32,
+    y: f32,
+    w: f32,
+    h: f32,
+    color: Rgb,
+    alpha: f32,
 }
 
 /// A laid-out image.
@@ -93,15 +111,9 @@ enum ImageRow<'a> {
     },
 }
 
-/// Lays out the gantt of `t` as a scene.
-pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
-    if opts.width < 200 {
-        bail!(
-            "--width {} is too small; use at least 200 pixels",
-            opts.width
-        );
-    }
-    let window = match opts.steps {
+/// The time window an image of `t` shows: the whole run, or steps `a..=b` (`--steps`).
+pub fn image_window(t: &Timeline, steps: Option<(u64, u64)>) -> anyhow::Result<Window> {
+    Ok(match steps {
         None => Window {
             t0: 0,
             t1: t.end.max(1),
@@ -122,7 +134,18 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
                 t1: t.steps[ib].end.max(t.steps[ia].start + 1),
             }
         }
-    };
+    })
+}
+
+/// Lays out the gantt of `t` as a scene.
+pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
+    if opts.width < 200 {
+        bail!(
+            "--width {} is too small; use at least 200 pixels",
+            opts.width
+        );
+    }
+    let window = image_window(t, opts.steps)?;
     let rows: Vec<ImageRow> = if opts.collapsed {
         t.collapsed
             .iter()
@@ -219,14 +242,14 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
     }
     while tt <= window.t1 {
         let x = plot_x + window.col_of(tt, cols) as f32;
-        prims.push(Prim::Rect {
+        prims.push(Prim::bar(
             x,
-            y: top - 4.0,
-            w: 1.0,
-            h: plot_bottom - top + 4.0,
-            color: GRID,
-            alpha: 1.0,
-        });
+            top - 4.0,
+            1.0,
+            plot_bottom - top + 4.0,
+            GRID,
+            1.0,
+        ));
         prims.push(Prim::Text {
             x: x + 2.0,
             y: top - 14.0,
@@ -246,14 +269,14 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
     for s in &t.steps[lo..hi] {
         let x = plot_x + window.col_of(s.start.max(window.t0), cols) as f32;
         if draw_lines {
-            prims.push(Prim::Rect {
+            prims.push(Prim::bar(
                 x,
-                y: top - 2.0,
-                w: 1.0,
-                h: plot_bottom - top + 2.0,
-                color: STEP_LINE,
-                alpha: 0.7,
-            });
+                top - 2.0,
+                1.0,
+                plot_bottom - top + 2.0,
+                STEP_LINE,
+                0.7,
+            ));
         }
         let tagged = !s.tags.is_empty();
         if (tagged || (s.step as usize).is_multiple_of(label_every)) && x >= next_free {
@@ -274,14 +297,7 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
                 color,
             });
             if tagged {
-                prims.push(Prim::Rect {
-                    x: x - 1.0,
-                    y: top - 4.0,
-                    w: 3.0,
-                    h: 4.0,
-                    color: TAG,
-                    alpha: 1.0,
-                });
+                prims.push(Prim::bar(x - 1.0, top - 4.0, 3.0, 4.0, TAG, 1.0));
             }
         }
     }
@@ -342,14 +358,14 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
             }
         }
         for (a, b, color, alpha) in runs {
-            prims.push(Prim::Rect {
-                x: plot_x + a as f32,
-                y: ry + 1.0,
-                w: (b - a) as f32,
-                h: ROW_H - 2.0,
+            prims.push(Prim::bar(
+                plot_x + a as f32,
+                ry + 1.0,
+                (b - a) as f32,
+                ROW_H - 2.0,
                 color,
                 alpha,
-            });
+            ));
         }
         // Pipeline passes wide enough for it carry their stage, pass and microbatch.
         if let ImageRow::Span { row, .. } = r {
@@ -419,14 +435,7 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
             ly += 14.0;
         }
         if let Some(color) = color {
-            prims.push(Prim::Rect {
-                x: lx,
-                y: ly,
-                w: 10.0,
-                h: 10.0,
-                color,
-                alpha: 1.0,
-            });
+            prims.push(Prim::bar(lx, ly, 10.0, 10.0, color, 1.0));
         }
         prims.push(Prim::Text {
             x: lx + swatch,
@@ -463,14 +472,14 @@ pub fn to_svg(scene: &Scene) -> String {
     let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
     for p in &scene.prims {
         match p {
-            Prim::Rect {
+            Prim::Rect(Bar {
                 x,
                 y,
                 w,
                 h,
                 color,
                 alpha,
-            } => {
+            }) => {
                 let _ = write!(
                     out,
                     r##"<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="#{:02x}{:02x}{:02x}""##,
@@ -505,18 +514,12 @@ pub fn to_png(scene: &Scene) -> anyhow::Result<Vec<u8>> {
     pm.fill(tiny_skia::Color::WHITE);
     for p in &scene.prims {
         match p {
-            Prim::Rect {
-                x,
-                y,
-                w,
-                h,
-                color,
-                alpha,
-            } => {
-                let Some(rect) = tiny_skia::Rect::from_xywh(*x, *y, *w, *h) else {
+            Prim::Rect(bar) => {
+                let Some(rect) = tiny_skia::Rect::from_xywh(bar.x, bar.y, bar.w, bar.h) else {
                     continue;
                 };
                 let mut paint = tiny_skia::Paint::default();
+                let (color, alpha) = (bar.color, bar.alpha);
                 paint.set_color_rgba8(color.0, color.1, color.2, (alpha * 255.0).round() as u8);
                 paint.anti_alias = false;
                 pm.fill_rect(rect, &paint, tiny_skia::Transform::identity(), None);

@@ -5,15 +5,15 @@
 //! `start` and `end` are sorted and the visible window is two binary searches away), the
 //! per-(phase, step) cross-rank spread for the selection panel, one collapsed row per phase,
 //! and the per-step metric series. The phase table, stragglers and waits are
-//! [`titan_obs_core::analysis::analyse`] over the same spans, exactly what `titan-obs summary`
-//! computes.
+//! [`titan_obs_core::analysis::analyse_grouped`] over the same spans (under pipeline
+//! parallelism within each stage's ranks), exactly what `titan-obs summary` computes.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use titan_obs_core::PipelineSlot;
 use titan_obs_core::analysis::{
-    Analysis, RunShape, SpanTable, Straggler, StragglerOptions, analyse, phase_step_spread,
-    rank_times,
+    Analysis, OwnedSpans, RunShape, Straggler, StragglerOptions, analyse_grouped,
+    phase_step_spread, rank_times,
 };
 use titan_obs_core::vocab::{titan, torch_pipelining};
 pub use titan_obs_core::{NO_STEP, Reduce};
@@ -345,6 +345,8 @@ pub struct TimelineBuilder {
     scalars: BTreeMap<String, (Reduce, BTreeMap<u64, Vec<f64>>)>,
     ranks: BTreeSet<u32>,
     warnings: Vec<String>,
+    /// The ranks stragglers are compared within (pipeline stages; empty: all ranks).
+    stage_groups: Vec<Vec<u32>>,
 }
 
 impl TimelineBuilder {
@@ -468,38 +470,30 @@ impl TimelineBuilder {
         self.warnings.push(w.into());
     }
 
+    /// Compares each rank only with the ranks of its group when finding stragglers: under
+    /// pipeline parallelism, the ranks of its stage ([`titan_obs_core::analysis::stage_groups`]),
+    /// as `titan-obs summary` does.
+    pub fn compare_within(&mut self, groups: Vec<Vec<u32>>) {
+        self.stage_groups = groups;
+    }
+
     /// The analysis of the collected spans, and each (phase, step, rank)'s total time.
     fn analyse(&self) -> (Analysis, titan_obs_core::analysis::RankTimes) {
         let n: usize = self.lanes.values().map(Vec::len).sum();
-        let (mut rank, mut step, mut name) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        let (mut dur, mut start, mut depth) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
+        let mut spans = OwnedSpans::with_capacity(n);
         for (&(r, _), raw) in &self.lanes {
             for s in raw {
-                rank.push(r);
-                step.push(s.step);
-                name.push(u32::from(s.phase));
-                dur.push(s.dur);
-                start.push(s.start);
-                depth.push(u16::from(s.depth));
+                spans.push(
+                    r,
+                    s.step,
+                    u32::from(s.phase),
+                    s.start,
+                    s.dur,
+                    u16::from(s.depth),
+                );
             }
         }
-        let table = SpanTable {
-            rank: &rank,
-            step: &step,
-            name: &name,
-            dur_ns: &dur,
-            start_ns: &start,
-            depth: &depth,
-            names: &self.phases,
-        };
+        let table = spans.table(&self.phases);
         let shape = RunShape {
             ranks: self.ranks.iter().copied().collect(),
             step_tags: self
@@ -512,7 +506,12 @@ impl TimelineBuilder {
                 })
                 .collect(),
         };
-        let analysis = analyse(&table, &shape, &StragglerOptions::default());
+        let analysis = analyse_grouped(
+            &table,
+            &shape,
+            &self.stage_groups,
+            &StragglerOptions::default(),
+        );
         (analysis, rank_times(&table))
     }
 

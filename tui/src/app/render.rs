@@ -823,12 +823,12 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
                     Span::styled("█ ", Style::new().fg(phase_color(name))),
                     Span::raw(name.to_string()),
                 ]),
-                Line::from(s.count.to_string()),
-                Line::from(dur(s.total_ns)),
-                Line::from(dur(s.mean_ns as Ns)),
-                Line::from(dur(s.p50_ns)),
-                Line::from(dur(s.p95_ns)),
-                Line::from(dur(s.max_ns)),
+                Line::from(s.stats.count.to_string()),
+                Line::from(dur(s.stats.total_ns)),
+                Line::from(dur(s.stats.mean_ns as Ns)),
+                Line::from(dur(s.stats.p50_ns)),
+                Line::from(dur(s.stats.p95_ns)),
+                Line::from(dur(s.stats.max_ns)),
                 Line::from(
                     s.share_of_step
                         .map(|x| format!("{:.1}", x * 100.0))

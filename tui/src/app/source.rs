@@ -81,6 +81,7 @@ pub fn timeline_from_run(run: &Run, title: &str) -> Timeline {
         })
         .collect();
 
+    b.compare_within(titan_obs_core::analysis::stage_groups(run));
     let phase_of: Vec<PhaseId> = run.names.iter().map(|n| b.phase(n)).collect();
     let mut tagset_of: HashMap<u64, u16> = HashMap::new();
     let s = &run.spans;

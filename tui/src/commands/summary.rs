@@ -142,12 +142,12 @@ pub fn render(s: &Summary, top: usize) -> String {
         rows.push([
             p.name.clone(),
             p.depth.to_string(),
-            p.count.to_string(),
-            human_ns(p.total_ns as f64),
-            human_ns(p.mean_ns),
-            human_ns(p.p50_ns as f64),
-            human_ns(p.p95_ns as f64),
-            human_ns(p.max_ns as f64),
+            p.stats.count.to_string(),
+            human_ns(p.stats.total_ns as f64),
+            human_ns(p.stats.mean_ns),
+            human_ns(p.stats.p50_ns as f64),
+            human_ns(p.stats.p95_ns as f64),
+            human_ns(p.stats.max_ns as f64),
             p.share_of_step
                 .map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
         ]);

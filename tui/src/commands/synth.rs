@@ -30,6 +30,9 @@ pub struct SynthArgs {
     pub validation_every: u64,
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// The run id every part's footer carries (see `--run ID` of the other commands).
+    #[arg(long, default_value = "synthetic")]
+    pub run_id: String,
 }
 
 fn parse_straggler(s: &str) -> Result<Straggler, String> {
@@ -54,6 +57,7 @@ pub fn run(args: &SynthArgs) -> Result<i32> {
         bail!("--ranks, --steps, --spans-per-step and --steps-per-part must be at least 1");
     }
     let cfg = SynthConfig {
+        run_id: args.run_id.clone(),
         ranks: args.ranks,
         steps: args.steps,
         spans_per_step: args.spans_per_step,

@@ -1,0 +1,408 @@
+//! The part files of a titan run wherever it lives (a local folder or an object store, see
+//! [`crate::location`]), for readers that open parts one at a time instead of loading the
+//! run: [`list`] lists every rank's parts once, a [`PartFile`] reads its part, a file beside
+//! it (`part-<N>.lod`) or only its footer, and [`keep_run`] keeps the parts of one run of a
+//! folder that holds several.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+use crate::location::{Location, parse_part_file_name, parse_rank_dir_name};
+use crate::part::Footer;
+
+/// Where a part file is.
+#[derive(Clone)]
+enum Place {
+    Local(PathBuf),
+    Object {
+        store: Arc<dyn ObjectStore>,
+        path: StorePath,
+        /// `<url>/obs/rank-<R>/part-<N>.parquet`, for messages.
+        shown: String,
+        len: u64,
+    },
+}
+
+/// One part of one rank.
+#[derive(Clone)]
+pub struct PartFile {
+    pub rank: u32,
+    /// The `N` of `part-<N>.parquet`.
+    pub index: u64,
+    place: Place,
+}
+
+impl std::fmt::Debug for PartFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.shown())
+    }
+}
+
+impl PartFile {
+    /// A local part of `rank` (its index from its file name, 0 when it has none).
+    pub fn local(path: PathBuf, rank: u32) -> PartFile {
+        let index = path
+            .file_name()
+            .and_then(|n| parse_part_file_name(n.to_str()?))
+            .unwrap_or(0);
+        PartFile {
+            rank,
+            index,
+            place: Place::Local(path),
+        }
+    }
+
+    /// The part's path or URL, for messages.
+    pub fn shown(&self) -> String {
+        match &self.place {
+            Place::Local(p) => p.display().to_string(),
+            Place::Object { shown, .. } => shown.clone(),
+        }
+    }
+
+    /// The local path of the part; `None` in an object store.
+    pub fn local_path(&self) -> Option<&std::path::Path> {
+        match &self.place {
+            Place::Local(p) => Some(p),
+            Place::Object { .. } => None,
+        }
+    }
+
+    /// The part's size in bytes (a local part's is read now; an object's came with the listing).
+    pub fn byte_len(&self) -> Result<u64> {
+        match &self.place {
+            Place::Local(p) => Ok(std::fs::metadata(p)
+                .with_context(|| format!("reading {}", p.display()))?
+                .len()),
+            Place::Object { len, .. } => Ok(*len),
+        }
+    }
+
+    /// The whole part.
+    pub fn read(&self) -> Result<Bytes> {
+        match &self.place {
+            Place::Local(p) => Ok(std::fs::read(p)
+                .with_context(|| format!("reading {}", p.display()))?
+                .into()),
+            Place::Object {
+                store, path, shown, ..
+            } => titan_storage::runtime()
+                .block_on(async { store.get(path).await?.bytes().await })
+                .with_context(|| format!("reading {shown}")),
+        }
+    }
+
+    /// Bytes `range` of the part.
+    fn read_range(&self, range: std::ops::Range<u64>) -> Result<Bytes> {
+        match &self.place {
+            Place::Local(p) => {
+                use std::io::{Read, Seek, SeekFrom};
+                let mut f =
+                    std::fs::File::open(p).with_context(|| format!("reading {}", p.display()))?;
+                f.seek(SeekFrom::Start(range.start))
+                    .with_context(|| format!("reading {}", p.display()))?;
+                let mut buf = Vec::new();
+                f.take(range.end - range.start)
+                    .read_to_end(&mut buf)
+                    .with_context(|| format!("reading {}", p.display()))?;
+                Ok(buf.into())
+            }
+            Place::Object {
+                store, path, shown, ..
+            } => titan_storage::runtime()
+                .block_on(store.get_range(path, range))
+                .with_context(|| format!("reading {shown}")),
+        }
+    }
+
+    /// Where the file `part-<N>.<extension>` beside the part is, for messages.
+    pub fn beside_shown(&self, extension: &str) -> String {
+        match &self.place {
+            Place::Local(p) => p.with_extension(extension).display().to_string(),
+            Place::Object { shown, .. } => beside_name(shown, extension),
+        }
+    }
+
+    /// The file `part-<N>.<extension>` beside the part; `Ok(None)` when there is none.
+    pub fn read_beside(&self, extension: &str) -> Result<Option<Bytes>> {
+        match &self.place {
+            Place::Local(p) => {
+                Ok(crate::sidecar::read_if_present(&p.with_extension(extension))?.map(Into::into))
+            }
+            Place::Object { store, path, .. } => {
+                let beside = StorePath::from(beside_name(path.as_ref(), extension));
+                let got = titan_storage::runtime()
+                    .block_on(async { store.get(&beside).await?.bytes().await });
+                match got {
+                    Ok(b) => Ok(Some(b)),
+                    Err(object_store::Error::NotFound { .. }) => Ok(None),
+                    Err(e) => {
+                        Err(e).with_context(|| format!("reading {}", self.beside_shown(extension)))
+                    }
+                }
+            }
+        }
+    }
+
+    /// The part's footer (rank, run id, clock offset, ...), reading only the end of the file.
+    pub fn footer(&self) -> Result<Footer> {
+        use parquet::errors::ParquetError;
+        use parquet::file::metadata::ParquetMetaDataReader;
+        let len = self.byte_len()?;
+        // Footers are a few kB (more with a large run config in the metadata): one read from
+        // the end usually holds the whole of it, else parquet says how much more to read.
+        let mut want = len.min(16 << 10);
+        loop {
+            let tail = self.read_range(len - want..len)?;
+            let mut reader = ParquetMetaDataReader::new();
+            match reader.try_parse_sized(&tail, len) {
+                Ok(()) => {
+                    let meta = reader
+                        .finish()
+                        .with_context(|| format!("{}: invalid Parquet footer", self.shown()))?;
+                    return crate::decode::footer_of(meta.file_metadata())
+                        .with_context(|| format!("reading the footer of {}", self.shown()));
+                }
+                Err(ParquetError::NeedMoreData(n)) if (n as u64) > want && (n as u64) <= len => {
+                    want = n as u64;
+                }
+                Err(e) => bail!("{}: invalid Parquet footer: {e}", self.shown()),
+            }
+        }
+    }
+}
+
+/// `.../part-<N>.parquet` -> `.../part-<N>.<extension>`.
+fn beside_name(part: &str, extension: &str) -> String {
+    let stem = part.strip_suffix(".parquet").unwrap_or(part);
+    format!("{stem}.{extension}")
+}
+
+/// Rank folders of an object store listed at once.
+const LISTINGS_AT_ONCE: usize = 32;
+
+/// Every rank's parts, by rank and part index. A local part's size is read when asked for
+/// ([`PartFile::byte_len`]): listing a day-long run's folders stays cheap.
+pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
+    let mut ranks: BTreeMap<u32, Vec<PartFile>> = BTreeMap::new();
+    match location {
+        Location::Local(run) => {
+            let obs = run.join("obs");
+            for e in
+                std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))?
+            {
+                let e = e.with_context(|| format!("listing {}", obs.display()))?;
+                let Some(rank) = e.file_name().to_str().and_then(parse_rank_dir_name) else {
+                    continue;
+                };
+                let dir = e.path();
+                let parts = ranks.entry(rank).or_default();
+                for f in std::fs::read_dir(&dir)
+                    .with_context(|| format!("listing {}", dir.display()))?
+                    .flatten()
+                {
+                    let name = f.file_name();
+                    if let Some(index) = name.to_str().and_then(parse_part_file_name) {
+                        parts.push(PartFile {
+                            rank,
+                            index,
+                            place: Place::Local(f.path()),
+                        });
+                    }
+                }
+            }
+        }
+        Location::Object { url, store, base } => {
+            use futures::{StreamExt, TryStreamExt};
+            let obs = base.clone().join("obs");
+            let rt = titan_storage::runtime();
+            // The rank folders first, then each folder's objects, a few folders at a time: a
+            // day-long run holds hundreds of thousands of objects, which one listing pages
+            // through a thousand at a time.
+            let folders = rt
+                .block_on(store.list_with_delimiter(Some(&obs)))
+                .with_context(|| format!("listing {url}/obs"))?
+                .common_prefixes;
+            let listed: Vec<(u32, Vec<object_store::ObjectMeta>)> = rt
+                .block_on(
+                    futures::stream::iter(folders.into_iter().filter_map(|folder| {
+                        let rank = parse_rank_dir_name(folder.filename()?)?;
+                        Some((rank, folder))
+                    }))
+                    .map(|(rank, folder)| {
+                        let store = store.clone();
+                        async move {
+                            let metas = store.list(Some(&folder)).try_collect().await;
+                            metas.map(|m| (rank, m))
+                        }
+                    })
+                    .buffer_unordered(LISTINGS_AT_ONCE)
+                    .try_collect(),
+                )
+                .with_context(|| format!("listing {url}/obs"))?;
+            for (rank, metas) in listed {
+                let parts = ranks.entry(rank).or_default();
+                for m in metas {
+                    let Some(file) = m.location.filename() else {
+                        continue;
+                    };
+                    let Some(index) = parse_part_file_name(file) else {
+                        continue;
+                    };
+                    parts.push(PartFile {
+                        rank,
+                        index,
+                        place: Place::Object {
+                            store: store.clone(),
+                            shown: format!("{url}/obs/rank-{rank}/{file}"),
+                            path: m.location,
+                            len: m.size,
+                        },
+                    });
+                }
+            }
+        }
+    }
+    for parts in ranks.values_mut() {
+        parts.sort_by_key(|p| p.index);
+    }
+    Ok(ranks)
+}
+
+/// Keeps the parts of one run of a folder that may hold several (see [`crate::runs`]): run
+/// `id`, or the newest (the run of the lowest rank's last part). Returns the id kept
+/// (`None`: no part could tell). Fails, naming the runs there are, when no part is of `id`.
+///
+/// A rank writes its parts in order and a run's parts are contiguous, so a rank whose first
+/// and last part are of one run holds only that run: only ranks whose ends differ have
+/// every footer read. Parts whose footer cannot be read stay (they are named when read).
+pub fn keep_run(
+    run: &str,
+    ranks: &mut BTreeMap<u32, Vec<PartFile>>,
+    id: Option<&str>,
+) -> Result<Option<String>> {
+    use rayon::prelude::*;
+    let run_of = |p: &PartFile| p.footer().ok().map(|f| f.header.run_id);
+    let ends: Vec<(u32, Option<String>, Option<String>)> = ranks
+        .par_iter()
+        .map(|(&rank, parts)| {
+            let first = parts.first().and_then(run_of);
+            let last = if parts.len() > 1 {
+                parts.last().and_then(run_of)
+            } else {
+                first.clone()
+            };
+            (rank, first, last)
+        })
+        .collect();
+    let mut seen: Vec<String> = Vec::new();
+    let mut mixed: Vec<u32> = Vec::new();
+    for (rank, first, last) in &ends {
+        for r in [first, last].into_iter().flatten() {
+            if !seen.contains(r) {
+                seen.push(r.clone());
+            }
+        }
+        if first != last {
+            mixed.push(*rank);
+        }
+    }
+    // Per mixed rank, every part's run.
+    let runs_of: BTreeMap<u32, Vec<Option<String>>> = mixed
+        .par_iter()
+        .map(|rank| (*rank, ranks[rank].par_iter().map(run_of).collect()))
+        .collect();
+    for r in runs_of.values().flatten().flatten() {
+        if !seen.contains(r) {
+            seen.push(r.clone());
+        }
+    }
+    let newest = ends.iter().find_map(|(_, _, last)| last.clone());
+    let wanted = match id {
+        Some(id) if seen.iter().any(|s| s == id) => id.to_string(),
+        Some(id) => {
+            return Err(crate::ingest::NotARun(format!(
+                "{run} holds no run `{id}`; its runs: {}",
+                if seen.is_empty() {
+                    "none".to_string()
+                } else {
+                    seen.join(", ")
+                }
+            ))
+            .into());
+        }
+        None => match newest {
+            Some(n) => n,
+            None => return Ok(None),
+        },
+    };
+    if seen.len() <= 1 {
+        return Ok(Some(wanted));
+    }
+    for (rank, first, _) in &ends {
+        let parts = ranks.get_mut(rank).expect("listed");
+        match runs_of.get(rank) {
+            Some(runs) => {
+                let mut of = runs.iter();
+                parts.retain(|_| {
+                    of.next()
+                        .is_some_and(|r| r.as_deref().is_none_or(|r| r == wanted))
+                });
+            }
+            None if first.as_deref().is_some_and(|f| f != wanted) => parts.clear(),
+            None => {}
+        }
+    }
+    ranks.retain(|_, parts| !parts.is_empty());
+    Ok(Some(wanted))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+
+    /// A part whose footer is larger than the first read from its end (a big run config in
+    /// its metadata): the footer is still read whole, from the end only.
+    #[test]
+    fn reads_a_footer_larger_than_the_first_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let config: String = "x".repeat(40 << 10);
+        let header = PartHeader {
+            run_id: "big-footer".into(),
+            source: "trainer".into(),
+            rank: 2,
+            world_size: 4,
+            run_metadata: serde_json::Map::from_iter([(
+                "config".to_string(),
+                serde_json::Value::String(config.clone()),
+            )]),
+            ..Default::default()
+        };
+        let mut b = PartBuilder::new();
+        b.push(&Row::span(1, "step", 1, 0, 10, 0));
+        let batch = b.finish(&header).unwrap();
+        let location = Location::parse(run.to_str().unwrap()).unwrap();
+        let sink = PartSink::new(location.clone(), 2).unwrap();
+        sink.put(7, encode(&batch, &header, 7).unwrap()).unwrap();
+
+        let listed = list(&location).unwrap();
+        let part = &listed[&2][0];
+        assert_eq!((part.rank, part.index), (2, 7));
+        let footer = part.footer().unwrap();
+        assert_eq!(footer.header.run_id, "big-footer");
+        assert_eq!(footer.header.run_metadata["config"], config.as_str());
+        assert!(
+            part.read_beside("lod").unwrap().is_some(),
+            "written beside it"
+        );
+        assert!(part.read_beside("nothing").unwrap().is_none());
+    }
+}
