@@ -148,7 +148,8 @@ fn write_rank(
     hours: f64,
     window_s: f64,
 ) -> Result<(u64, u64)> {
-    let sink = PartSink::new(location.clone(), rank)?;
+    // The rank summary is written once, after the last part: what the recorder leaves.
+    let sink = PartSink::new(location.clone(), rank)?.defer_rank_summary();
     let h = header(rank, ranks);
     let steps = (hours * 3600.0 / STEP_S) as u64;
     let window_ns = (window_s * 1e9) as i64;
@@ -183,6 +184,7 @@ fn write_rank(
         }
     }
     flush(&mut builder, &mut part)?;
+    sink.finish_rank_summary()?;
     Ok((part, bytes))
 }
 

@@ -429,9 +429,10 @@ fn analysis(
         digests: true,
         ..ReadOptions::default()
     };
-    let loaded = titan_obs_core::load(run, &opts)?;
+    let mut loaded = titan_obs_core::load(run, &opts)?;
     let shape = RunShape::of_run(&loaded);
-    let digest = loaded.digest.clone().unwrap_or_default();
+    // Taken, not cloned: the merged summaries are most of what this worker holds.
+    let digest = loaded.digest.take().unwrap_or_default();
     // No stage grouping: the TUI's straggler view drops what differs by design under PP.
     let a = analyse_digest(
         &digest,
