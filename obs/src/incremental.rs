@@ -660,7 +660,14 @@ impl PartsReader {
         }
     }
 
-    fn add(&mut self, data: PartData, opts: &ReadOptions) {
+    fn add(&mut self, mut data: PartData, opts: &ReadOptions) {
+        // `metrics` (none of the span columns) needs only the summaries' scalars: their span
+        // sections are not merged (the largest part of a merged run's memory and time).
+        if opts.columns == crate::run::Columns::METRICS
+            && let Some(d) = &mut data.digest
+        {
+            d.keep_only_scalars();
+        }
         self.world_size = self.world_size.max(data.info.world_size);
         self.ok_ranks.insert(data.info.rank);
         self.rank_dirs.insert(data.info.rank);

@@ -49,6 +49,15 @@ fn agree(run: &Path) -> Summary {
     assert!(fast.digest.is_some());
     let exact_run = load(run, false);
     metrics_agree(&fast, &exact_run);
+    // What `metrics` reads: the summaries' scalar sections only.
+    let scalars_only = ReadOptions {
+        columns: titan_obs_core::Columns::METRICS,
+        digests: true,
+        ..Default::default()
+    };
+    let scalars_only = titan_obs_core::load(run.to_str().unwrap(), &scalars_only).unwrap();
+    assert!(scalars_only.digest.as_ref().unwrap().phases.is_empty());
+    metrics_agree(&scalars_only, &exact_run);
     let fast = summary(&fast, &opts);
     let exact = summary(&exact_run, &opts);
     assert_eq!(

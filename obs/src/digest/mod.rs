@@ -359,6 +359,17 @@ impl PartDigest {
         }
     }
 
+    /// Drops everything but the counts and the scalars (what `metrics` reads).
+    pub(crate) fn keep_only_scalars(&mut self) {
+        self.phases = Vec::new();
+        self.cells = Vec::new();
+        self.walls = Vec::new();
+        self.tag_spans = Vec::new();
+        self.collectives = Vec::new();
+        self.last_ended = Vec::new();
+        self.pipeline = None;
+    }
+
     /// The digest as a [`PartData`] holding no records: what the reader merges into a run
     /// (rank info, damage, step tags, dictionaries) with the digest attached.
     pub(crate) fn into_part_data(self) -> PartData {
