@@ -74,6 +74,11 @@ struct Listing {
     dirs_read: u64,
 }
 
+/// Most bytes (by [`Work::weight`]) one chunk of a refresh reads once it holds a few items
+/// per thread, and most items.
+const CHUNK_BYTES: u64 = 8 << 20;
+const CHUNK_MAX: usize = 4096;
+
 /// What is known about (rank, part index).
 enum Seen {
     /// The part was decoded (or found corrupt): never read again.
@@ -171,6 +176,16 @@ impl Work {
         match self {
             Work::Part { file, .. } | Work::Journal { file, .. } => (file.rank, true),
             Work::Rank { rank, .. } => (*rank, false),
+        }
+    }
+
+    /// About how many bytes reading it brings into memory (for chunking).
+    fn weight(&self) -> u64 {
+        match self {
+            Work::Part { file, .. } => file.size,
+            Work::Journal { file, cursor } => file.size.saturating_sub(cursor.offset),
+            // A rank's merged summary, decoded: a day-long rank's is a few MB.
+            Work::Rank { .. } => 4 << 20,
         }
     }
 
@@ -326,14 +341,27 @@ impl PartsReader {
         work.sort_by_key(Work::order);
         self.last = ReadCounters::default();
         // Decode in chunks: parallel within a chunk, merged (and freed) between chunks, so
-        // peak memory is the tables plus one chunk of decoded files.
-        let chunk = rayon::current_num_threads().max(1) * 4;
+        // peak memory is the tables plus one chunk of decoded files. A chunk holds at least
+        // a few items per thread, and more while they are small (up to CHUNK_BYTES read):
+        // a `--follow` refresh of every rank's journal is a few chunks, not one per 8 ranks.
+        let min_chunk = rayon::current_num_threads().max(1) * 4;
         let total_files = work.len();
         let spans_before = self.run.spans.len();
         let mut done_files = 0usize;
+        let mut first = true;
         let mut work = work.into_iter().peekable();
         while work.peek().is_some() {
-            let batch: Vec<Work> = work.by_ref().take(chunk).collect();
+            let (mut batch, mut bytes) = (Vec::new(), 0u64);
+            while let Some(w) = work.peek() {
+                let b = w.weight();
+                if batch.len() >= min_chunk
+                    && (bytes.saturating_add(b) > CHUNK_BYTES || batch.len() >= CHUNK_MAX)
+                {
+                    break;
+                }
+                bytes = bytes.saturating_add(b);
+                batch.extend(work.next());
+            }
             let fetched = self.fetch(batch, opts.digests)?;
             let decoded: Vec<Done> = fetched
                 .into_par_iter()
@@ -350,7 +378,7 @@ impl PartsReader {
             for d in decoded {
                 self.merge(d, opts);
             }
-            if done_files < total_files && done_files == chunk {
+            if std::mem::take(&mut first) && done_files < total_files {
                 // After the first chunk, reserve for the whole read (+5%) so the big columns
                 // grow once instead of doubling (which would transiently need 2x the memory).
                 // Only for a read that adds a lot to what is held: an exact reservation on
