@@ -375,22 +375,6 @@ impl PartSpans {
     }
 }
 
-/// The per-step scalars of a local part: (name, step, value, reduce), steps only. With the
-/// detail levels, what a viewer of a large run needs from its parts, one part at a time.
-pub fn part_scalars(part: &Path, rank: u32) -> Result<Vec<(String, u64, f64, crate::Reduce)>> {
-    let bytes = std::fs::read(part).with_context(|| format!("reading {}", part.display()))?;
-    let d = crate::decode::decode_part(bytes.into(), rank, Columns::METRICS, 0)
-        .with_context(|| format!("decoding {}", part.display()))?;
-    let s = &d.scalars;
-    Ok((0..s.rank.len())
-        .filter(|&i| s.step[i] != NO_STEP)
-        .filter_map(|i| {
-            let name = d.names.get(s.name[i] as usize)?;
-            Some((name.clone(), s.step[i], s.value[i], s.reduce[i]))
-        })
-        .collect())
-}
-
 /// File name of part `index`'s detail levels.
 pub fn detail_file_name(index: u64) -> String {
     format!("part-{index:06}.lod")

@@ -14,9 +14,7 @@ use titan_obs_core::lod;
 use titan_obs_core::read::{Columns, PartsReader, ReadOptions};
 
 use super::detail::{Appended, DetailRun};
-use super::model::{
-    MetricSeries, PhaseId, PhaseSpread, Reduce, StepMark, Timeline, collapsed_rows,
-};
+use super::model::{MetricSeries, PhaseId, PhaseSpread, StepMark, Timeline, collapsed_rows};
 use super::terminal::{FOLLOW_INTERVAL, TimelineSource};
 use super::view::View;
 
@@ -318,19 +316,15 @@ fn whole_run_here(run: &str, send: impl Fn(Whole) -> bool) {
         }
     }
     match analysis(run) {
-        Ok((a, spread)) => {
-            if !send(Whole::Analysis(Box::new(a), spread)) {
-                return;
+        Ok((a, spread, metrics)) => {
+            if send(Whole::Analysis(Box::new(a), spread)) {
+                send(Whole::Metrics(metrics));
             }
         }
         Err(e) => {
             send(Whole::Failed(format!("summary: {e:#}")));
         }
     }
-    match metrics(run) {
-        Ok(m) => send(Whole::Metrics(m)),
-        Err(e) => send(Whole::Failed(format!("metrics: {e:#}"))),
-    };
 }
 
 /// Every local part of the run: (rank, path).
@@ -411,15 +405,17 @@ fn steps(run: &str) -> anyhow::Result<(Vec<WholeStep>, u64)> {
     ))
 }
 
-/// The analysis `titan-obs summary` computes from the per-part summaries, and every (phase,
-/// step)'s spread across ranks of per-rank time. The summaries hold no start times: a
-/// collapsed bar starts at its step's start ([`PhaseSpread::median_start`] is that).
+/// The analysis `titan-obs summary` computes from the summaries, every (phase, step)'s
+/// spread across ranks of per-rank time, and the metrics (`titan-obs metrics`' values, from
+/// the same summaries: no part is decoded). The summaries hold no start times: a collapsed
+/// bar starts at its step's start ([`PhaseSpread::median_start`] is that).
 #[allow(clippy::type_complexity)]
 fn analysis(
     run: &str,
 ) -> anyhow::Result<(
     titan_obs_core::analysis::Analysis,
     Vec<(String, u64, PhaseSpread)>,
+    Vec<MetricSeries>,
 )> {
     let opts = ReadOptions {
         columns: Columns {
@@ -441,6 +437,7 @@ fn analysis(
         &[],
         &StragglerOptions::default(),
     );
+    let metrics = metric_series(&digest.metrics, &loaded.names);
     let mut spread = Vec::new();
     for (name, cells) in digest.cells.iter().enumerate() {
         let Some(phase) = loaded.names.get(name) else {
@@ -477,69 +474,29 @@ fn analysis(
             ));
         }
     }
-    Ok((a, spread))
+    Ok((a, spread, metrics))
 }
 
-/// A scalar's values at one step, reduced as they come: (reduce, sum, min, max, count).
-type Reducing = (Reduce, f64, f64, f64, u64);
-
-fn reduce_into(
-    a: &mut BTreeMap<(String, u64), Reducing>,
-    name: String,
-    step: u64,
-    v: f64,
-    r: Reduce,
-) {
-    let e = a
-        .entry((name, step))
-        .or_insert((r, 0.0, f64::INFINITY, f64::NEG_INFINITY, 0));
-    e.1 += v;
-    e.2 = e.2.min(v);
-    e.3 = e.3.max(v);
-    e.4 += 1;
-}
-
-/// The per-step metrics, one part at a time: only each (scalar, step)'s running reduction is
-/// kept, never the values.
-fn metrics(run: &str) -> anyhow::Result<Vec<MetricSeries>> {
-    let parts = all_parts(run)?;
-    let merged = parts
-        .par_iter()
-        .fold(BTreeMap::new, |mut acc, (rank, p)| {
-            for (name, step, v, r) in lod::part_scalars(p, *rank).unwrap_or_default() {
-                reduce_into(&mut acc, name, step, v, r);
-            }
-            acc
-        })
-        .reduce(BTreeMap::new, |mut a, b| {
-            for ((name, step), (r, sum, min, max, n)) in b {
-                let e =
-                    a.entry((name, step))
-                        .or_insert((r, 0.0, f64::INFINITY, f64::NEG_INFINITY, 0));
-                e.1 += sum;
-                e.2 = e.2.min(min);
-                e.3 = e.3.max(max);
-                e.4 += n;
-            }
-            a
-        });
+/// The metric lines of the summaries as one series per scalar name (NaN values and steps
+/// without a number left out, as `titan-obs metrics` does).
+fn metric_series(
+    lines: &titan_obs_core::analysis::metrics::Lines,
+    names: &[String],
+) -> Vec<MetricSeries> {
     let mut series: BTreeMap<String, MetricSeries> = BTreeMap::new();
-    for ((name, step), (reduce, sum, min, max, n)) in merged {
-        let value = match reduce {
-            Reduce::Mean => sum / n.max(1) as f64,
-            Reduce::Sum => sum,
-            Reduce::Min => min,
-            Reduce::Max => max,
+    for (step, name, reduce, value) in lines.values() {
+        let Some(name) = names.get(name as usize) else {
+            continue;
         };
         series
             .entry(name.clone())
             .or_insert_with(|| MetricSeries {
-                name,
+                name: name.clone(),
                 reduce,
                 points: Vec::new(),
             })
             .points
             .push((step, value));
     }
-    Ok(series.into_values().collect())
+    series.into_values().collect()
 }
