@@ -58,51 +58,24 @@ mkdir -p "$DIR"
 # shellcheck source=bench/obs/measure.sh
 source bench/obs/measure.sh
 
-# tui_open LABEL RUN: median seconds from starting the TUI to its first gantt frame on screen.
-tui_open() {
-  local label=$1 run=$2 session=titan-obs-scale-$$
-  local opens=() rss=()
-  for _ in $(seq "$RUNS"); do
-    rm -f "$DIR/tui_time.txt"
-    local t0 t1
-    t0=$(date +%s.%N)
-    tmux new-session -d -s "$session" -x 160 -y 50 \
-      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run $TUI_ARGS"
-    until tmux capture-pane -p -t "$session" 2>/dev/null |
-      awk '/ranks, .* lanes/ {h = 1} /forward_backward/ {g = 1} END {exit !(h && g)}'; do
-      sleep 0.05
-      if ! tmux has-session -t "$session" 2>/dev/null; then
-        echo "{\"measure\":\"$label\",\"error\":\"the TUI exited before drawing the gantt\"}"
-        return
-      fi
-    done
-    t1=$(date +%s.%N)
-    tmux send-keys -t "$session" q
-    while [ ! -s "$DIR/tui_time.txt" ]; do sleep 0.05; done
-    opens+=("$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.2f", b - a}')")
-    rss+=("$(awk '{print $2}' "$DIR/tui_time.txt")")
-    tmux kill-session -t "$session" 2>/dev/null || true
-  done
-  json_line "$label" "${opens[*]}" "$(printf '%s\n' "${rss[@]}" | maximum)"
-}
-
-# tui_whole LABEL RUN: the TUI until everything the whole run needs has arrived (steps, the
-# summary's phase table, metrics: computed by a worker behind the first frame; with --follow,
-# whose status line says what has arrived, nothing being appended), then quit: median seconds
-# from start, and the peak RSS of the whole session.
-tui_whole() {
-  local label=$1 run=$2 session=titan-obs-whole-$$
+# tui_until LABEL RUN READY WHAT [ARGS...]: RUNS times, starts the TUI (with ARGS) in a 160x50
+# tmux pane, waits until the pane passes the test READY (a function reading the pane on stdin),
+# then quits: the median seconds from start, and the peak RSS of the sessions. WHAT names what
+# was awaited, for the error when the TUI exits first.
+tui_until() {
+  local label=$1 run=$2 ready=$3 what=$4 session=titan-obs-scale-$$
+  shift 4
   local times=() rss=()
   for _ in $(seq "$RUNS"); do
     rm -f "$DIR/tui_time.txt"
     local t0 t1
     t0=$(date +%s.%N)
     tmux new-session -d -s "$session" -x 160 -y 50 \
-      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run --follow $TUI_ARGS"
-    until tmux capture-pane -p -t "$session" 2>/dev/null | grep -q 'summary, metrics'; do
-      sleep 0.1
+      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run $* $TUI_ARGS"
+    until tmux capture-pane -p -t "$session" 2>/dev/null | "$ready"; do
+      sleep 0.05
       if ! tmux has-session -t "$session" 2>/dev/null; then
-        echo "{\"measure\":\"$label\",\"error\":\"the TUI exited before the whole-run results\"}"
+        echo "{\"measure\":\"$label\",\"error\":\"the TUI exited before $what\"}"
         return
       fi
     done
@@ -115,6 +88,18 @@ tui_whole() {
   done
   json_line "$label" "${times[*]}" "$(printf '%s\n' "${rss[@]}" | maximum)"
 }
+
+gantt_drawn() { awk '/ranks, .* lanes/ {h = 1} /forward_backward/ {g = 1} END {exit !(h && g)}'; }
+whole_arrived() { grep -q 'summary, metrics'; }
+
+# tui_open LABEL RUN: median seconds from starting the TUI to its first gantt frame on screen.
+tui_open() { tui_until "$1" "$2" gantt_drawn "drawing the gantt"; }
+
+# tui_whole LABEL RUN: the TUI until everything the whole run needs has arrived (steps, the
+# summary's phase table, metrics: computed by a worker behind the first frame; with --follow,
+# whose status line says what has arrived, nothing being appended): median seconds from
+# start, and the peak RSS of the whole session.
+tui_whole() { tui_until "$1" "$2" whole_arrived "the whole-run results" --follow; }
 
 # tui_zoom LABEL RUN: opens the TUI, then RUNS times jumps from the whole run to a step (`g N`,
 # a ~30 s window: what it shows is read then) and zooms out once (`-`, a ~1 min window); the

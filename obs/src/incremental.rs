@@ -883,8 +883,8 @@ fn read_local(path: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
 fn list_files(
     location: &Location,
     listings: &mut HashMap<u32, RankDirListing>,
-    known: impl Fn(u32, u64) -> bool,
-    by_name: impl Fn(u32) -> bool,
+    known: impl Fn(u32, u64) -> bool + Sync,
+    by_name: impl Fn(u32) -> bool + Sync,
 ) -> Result<Listing> {
     let mut rank_dirs = BTreeSet::new();
     let mut files = Vec::new();
@@ -903,6 +903,7 @@ fn list_files(
                     run.display()
                 );
             }
+            let mut dirs = Vec::new();
             for entry in
                 std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))?
             {
@@ -911,64 +912,21 @@ fn list_files(
                     continue;
                 };
                 rank_dirs.insert(rank);
-                let dir: PathBuf = entry.path();
-                let mtime = std::fs::metadata(&dir).and_then(|m| m.modified()).ok();
-                let cached = listings.get_mut(&rank);
-                let listing = match (cached, mtime) {
-                    (Some(l), Some(m)) if l.still_valid(m) => l,
-                    _ => {
-                        dirs_read += 1;
-                        let listed_at = std::time::SystemTime::now();
-                        let mut pending = Vec::new();
-                        for e in std::fs::read_dir(&dir)
-                            .with_context(|| format!("listing {}", dir.display()))?
-                            .filter_map(|e| e.ok())
-                        {
-                            let Some(name) = e.file_name().to_str().map(str::to_string) else {
-                                continue;
-                            };
-                            if let Some(n) = parse_part_file_name(&name) {
-                                pending.push((name, FileKind::Part, n));
-                            } else if let Some(n) = parse_journal_file_name(&name) {
-                                pending.push((name, FileKind::Journal, n));
-                            }
-                        }
-                        let l = RankDirListing {
-                            mtime: mtime.unwrap_or(std::time::UNIX_EPOCH),
-                            listed_at,
-                            pending,
-                        };
-                        listings.entry(rank).insert_entry(l).into_mut()
-                    }
-                };
-                // Parts once known stay known: drop them from what is re-checked.
-                listing
-                    .pending
-                    .retain(|(_, kind, index)| *kind == FileKind::Journal || !known(rank, *index));
-                let by_name = by_name(rank);
-                for (name, kind, index) in &listing.pending {
-                    if by_name && *kind == FileKind::Part {
-                        named_parts
-                            .entry(rank)
-                            .or_insert_with(|| (dir.clone(), BTreeSet::new()))
-                            .1
-                            .insert(*index);
-                        continue;
-                    }
-                    let path = dir.join(name);
-                    // A journal may be removed (compacted) between listing and stat.
-                    let Ok(meta) = std::fs::metadata(&path) else {
-                        continue;
-                    };
-                    files.push(Listed {
-                        rank,
-                        index: *index,
-                        kind: *kind,
-                        size: meta.len(),
-                        display: path.display().to_string(),
-                        object_path: None,
-                    });
+                dirs.push((rank, entry.path(), listings.remove(&rank)));
+            }
+            // Rank folders in parallel: a refresh stats (and may list) every one of them.
+            let listed: Vec<Result<RankDirListed>> = dirs
+                .into_par_iter()
+                .map(|(rank, dir, cached)| list_rank_dir(rank, dir, cached, &known, by_name(rank)))
+                .collect();
+            for l in listed {
+                let l = l?;
+                dirs_read += u64::from(l.read);
+                files.extend(l.files);
+                if let Some(parts) = l.named {
+                    named_parts.insert(l.rank, (l.dir, parts));
                 }
+                listings.insert(l.rank, l.listing);
             }
         }
         Location::Object { url, store, base } => {
@@ -1014,6 +972,91 @@ fn list_files(
         files,
         named_parts,
         dirs_read,
+    })
+}
+
+/// One local rank folder listed: its listing (to keep), whether it was read, its files
+/// (stat'ed) and, when listed by name, its part indices.
+struct RankDirListed {
+    rank: u32,
+    dir: PathBuf,
+    listing: RankDirListing,
+    read: bool,
+    files: Vec<Listed>,
+    named: Option<BTreeSet<u64>>,
+}
+
+/// Lists the local rank folder `dir`: read again unless `cached` is still valid; parts
+/// `known` are dropped; with `by_name`, parts are not stat'ed but returned by index.
+fn list_rank_dir(
+    rank: u32,
+    dir: PathBuf,
+    cached: Option<RankDirListing>,
+    known: &(impl Fn(u32, u64) -> bool + Sync),
+    by_name: bool,
+) -> Result<RankDirListed> {
+    let mtime = std::fs::metadata(&dir).and_then(|m| m.modified()).ok();
+    let (mut listing, read) = match (cached, mtime) {
+        (Some(l), Some(m)) if l.still_valid(m) => (l, false),
+        _ => {
+            let listed_at = std::time::SystemTime::now();
+            let mut pending = Vec::new();
+            for e in std::fs::read_dir(&dir)
+                .with_context(|| format!("listing {}", dir.display()))?
+                .filter_map(|e| e.ok())
+            {
+                let name = e.file_name();
+                let Some(name) = name.to_str() else {
+                    continue;
+                };
+                if let Some(n) = parse_part_file_name(name) {
+                    if !known(rank, n) {
+                        pending.push((name.to_string(), FileKind::Part, n));
+                    }
+                } else if let Some(n) = parse_journal_file_name(name) {
+                    pending.push((name.to_string(), FileKind::Journal, n));
+                }
+            }
+            let l = RankDirListing {
+                mtime: mtime.unwrap_or(std::time::UNIX_EPOCH),
+                listed_at,
+                pending,
+            };
+            (l, true)
+        }
+    };
+    // Parts once known stay known: drop them from what is re-checked.
+    listing
+        .pending
+        .retain(|(_, kind, index)| *kind == FileKind::Journal || !known(rank, *index));
+    let mut files = Vec::new();
+    let mut named: Option<BTreeSet<u64>> = None;
+    for (name, kind, index) in &listing.pending {
+        if by_name && *kind == FileKind::Part {
+            named.get_or_insert_with(BTreeSet::new).insert(*index);
+            continue;
+        }
+        let path = dir.join(name);
+        // A journal may be removed (compacted) between listing and stat.
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        files.push(Listed {
+            rank,
+            index: *index,
+            kind: *kind,
+            size: meta.len(),
+            display: path.display().to_string(),
+            object_path: None,
+        });
+    }
+    Ok(RankDirListed {
+        rank,
+        dir,
+        listing,
+        read,
+        files,
+        named,
     })
 }
 
