@@ -78,7 +78,12 @@ fn follow_worker(run: String, skip: BTreeMap<u32, u64>, tx: mpsc::Sender<Followe
         }
     };
     reader.skip_parts_through(&skip);
-    let opts = ReadOptions::default();
+    // What `appended` draws: no span links, no error messages.
+    let opts = ReadOptions::with_columns(Columns {
+        links: false,
+        messages: false,
+        ..Columns::ALL
+    });
     loop {
         let started = Instant::now();
         let from = reader.run().spans.len();
