@@ -148,7 +148,8 @@ fn write_rank(
     hours: f64,
     window_s: f64,
 ) -> Result<(u64, u64)> {
-    let sink = PartSink::new(location.clone(), rank)?;
+    // The rank summary is written once, after the last part: what the recorder leaves.
+    let sink = PartSink::new(location.clone(), rank)?.defer_rank_summary();
     let h = header(rank, ranks);
     let steps = (hours * 3600.0 / STEP_S) as u64;
     let window_ns = (window_s * 1e9) as i64;
@@ -183,6 +184,7 @@ fn write_rank(
         }
     }
     flush(&mut builder, &mut part)?;
+    sink.finish_rank_summary()?;
     Ok((part, bytes))
 }
 
@@ -282,13 +284,26 @@ fn local_dir(location: &Location) -> Result<std::path::PathBuf> {
 }
 
 /// Opens a journal on every rank after its last part, reads the run, then appends one flush
-/// (the records of FLUSH_S seconds) to every journal and times each refresh.
-fn follow(run: &str, ranks: u32, runs: usize) -> Result<()> {
+/// (the records of FLUSH_S seconds) to every journal and times each refresh. `tail`: the
+/// parts are marked read without reading them (as the TUI's `--follow` worker does, which
+/// draws them from their detail levels): the first refresh only lists the rank folders.
+fn follow(run: &str, ranks: u32, runs: usize, tail: bool) -> Result<()> {
     let location = Location::parse(run)?;
     let dir = local_dir(&location)?;
     let mut journals = open_journals(&location, ranks)?;
     let opts = ReadOptions::default();
     let mut reader = PartsReader::open(run)?;
+    if tail {
+        let mut last = BTreeMap::new();
+        for rank in 0..ranks {
+            let parts =
+                titan_obs_core::digest::local::list_parts(&dir.join(format!("obs/rank-{rank}")))?;
+            if let Some(&n) = parts.last() {
+                last.insert(rank, n);
+            }
+        }
+        reader.skip_parts_through(&last);
+    }
     let t = Instant::now();
     reader.refresh(&opts)?;
     let open_s = t.elapsed().as_secs_f64();
@@ -349,7 +364,12 @@ fn main() -> Result<()> {
     match arg(0)? {
         "gen" => gen_run(arg(1)?, arg(2)?, arg(3)?.parse()?, arg(4)?.parse()?),
         "load" => load(arg(1)?, arg(2)?.parse()?),
-        "follow" => follow(arg(1)?, arg(2)?.parse()?, arg(3)?.parse()?),
+        "follow" => follow(
+            arg(1)?,
+            arg(2)?.parse()?,
+            arg(3)?.parse()?,
+            arg(4).is_ok_and(|m| m == "tail"),
+        ),
         "append" => append(
             arg(1)?,
             arg(2)?.parse()?,

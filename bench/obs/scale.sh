@@ -10,14 +10,16 @@
 #
 #   bash bench/obs/scale.sh [RUNS]     (median of RUNS timed runs, default 3)
 #
-# `summary` is measured three ways on each run: from the per-part summaries the generator wrote
-# next to every part (the default), with `--exact` (every span decoded, as before them), and once
-# after deleting them (a run written before summaries: built, cached, then summarised); `metrics`
-# from the summaries and with `--exact`.
+# `summary` is measured three ways on each run: from the summaries the generator wrote (one per
+# rank, `rank.summary`, standing for the one next to every part: the default), with `--exact`
+# (every span decoded, as before them), and once after deleting them all (a run written before
+# summaries: the parts' and the ranks' built, cached, then summarised); `metrics` from the
+# summaries and with `--exact`.
 #
 # Environment: OBS_SCALE_DIR (default /tmp/titan-obs-scale), RANKS (1024), HOURS ("1 6 24"),
 # PROFILE (release; dev: see below), SUMMARY_ONLY (0; 1: only the files, the three summaries and the two metrics, no load/TUI/follow),
-# TUI_ONLY (0; 1: only the TUI: its first frame, a jump to a step then a zoom to a one-minute
+# TUI_ONLY (0; 1: only the TUI: its first frame, the time and peak RSS until its whole-run
+# results (steps, phase table, metrics) have arrived, a jump to a step then a zoom to a one-minute
 # window (its `frame N ms`), and `--follow` while every rank appends: refresh read/append and
 # key latency), TUI_ARGS (more arguments for the TUI, e.g. `--detail-levels always` on a run
 # too small for `auto`),
@@ -56,33 +58,48 @@ mkdir -p "$DIR"
 # shellcheck source=bench/obs/measure.sh
 source bench/obs/measure.sh
 
-# tui_open LABEL RUN: median seconds from starting the TUI to its first gantt frame on screen.
-tui_open() {
-  local label=$1 run=$2 session=titan-obs-scale-$$
-  local opens=() rss=()
+# tui_until LABEL RUN READY WHAT [ARGS...]: RUNS times, starts the TUI (with ARGS) in a 160x50
+# tmux pane, waits until the pane passes the test READY (a function reading the pane on stdin),
+# then quits: the median seconds from start, and the peak RSS of the sessions. WHAT names what
+# was awaited, for the error when the TUI exits first.
+tui_until() {
+  local label=$1 run=$2 ready=$3 what=$4 session=titan-obs-scale-$$
+  shift 4
+  local times=() rss=()
   for _ in $(seq "$RUNS"); do
     rm -f "$DIR/tui_time.txt"
     local t0 t1
     t0=$(date +%s.%N)
     tmux new-session -d -s "$session" -x 160 -y 50 \
-      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run $TUI_ARGS"
-    until tmux capture-pane -p -t "$session" 2>/dev/null |
-      awk '/ranks, .* lanes/ {h = 1} /forward_backward/ {g = 1} END {exit !(h && g)}'; do
+      "TERM=xterm-256color /usr/bin/time -f '%e %M' -o $DIR/tui_time.txt $BIN $run $* $TUI_ARGS"
+    until tmux capture-pane -p -t "$session" 2>/dev/null | "$ready"; do
       sleep 0.05
       if ! tmux has-session -t "$session" 2>/dev/null; then
-        echo "{\"measure\":\"$label\",\"error\":\"the TUI exited before drawing the gantt\"}"
+        echo "{\"measure\":\"$label\",\"error\":\"the TUI exited before $what\"}"
         return
       fi
     done
     t1=$(date +%s.%N)
     tmux send-keys -t "$session" q
     while [ ! -s "$DIR/tui_time.txt" ]; do sleep 0.05; done
-    opens+=("$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.2f", b - a}')")
+    times+=("$(awk -v a="$t0" -v b="$t1" 'BEGIN {printf "%.2f", b - a}')")
     rss+=("$(awk '{print $2}' "$DIR/tui_time.txt")")
     tmux kill-session -t "$session" 2>/dev/null || true
   done
-  json_line "$label" "${opens[*]}" "$(printf '%s\n' "${rss[@]}" | maximum)"
+  json_line "$label" "${times[*]}" "$(printf '%s\n' "${rss[@]}" | maximum)"
 }
+
+gantt_drawn() { awk '/ranks, .* lanes/ {h = 1} /forward_backward/ {g = 1} END {exit !(h && g)}'; }
+whole_arrived() { grep -q 'summary, metrics'; }
+
+# tui_open LABEL RUN: median seconds from starting the TUI to its first gantt frame on screen.
+tui_open() { tui_until "$1" "$2" gantt_drawn "drawing the gantt"; }
+
+# tui_whole LABEL RUN: the TUI until everything the whole run needs has arrived (steps, the
+# summary's phase table, metrics: computed by a worker behind the first frame; with --follow,
+# whose status line says what has arrived, nothing being appended): median seconds from
+# start, and the peak RSS of the whole session.
+tui_whole() { tui_until "$1" "$2" whole_arrived "the whole-run results" --follow; }
 
 # tui_zoom LABEL RUN: opens the TUI, then RUNS times jumps from the whole run to a step (`g N`,
 # a ~30 s window: what it shows is read then) and zooms out once (`-`, a ~1 min window); the
@@ -155,19 +172,20 @@ one() {  # one LAYOUT RANKS HOURS
   describe "$run"
   if [ "$TUI_ONLY" = 1 ]; then
     tui_open "tui open $1 $2x$3h" "$run"
+    tui_whole "tui whole-run results $1 $2x$3h" "$run"
     tui_zoom "tui zoom $1 $2x$3h" "$run"
     tui_follow "tui follow $1 $2x$3h" "$run" "$2"
     return
   fi
-  # The summary from the per-part summaries (the default), from every span (--exact: what
-  # `summary` did before), and the first open of a run written without them (they are
-  # built and cached next to the parts, then the summary is the first line's).
+  # The summary from the rank summaries (the default), from every span (--exact: what
+  # `summary` did before), and the first open of a run written without any summary (they
+  # are built and cached next to the parts, then the summary is the first line's).
   measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
   measure_json "summary --exact $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet --exact
   # `metrics` reads the summaries' scalar sections the same way.
   measure_json "metrics $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet
   measure_json "metrics --exact $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet --exact
-  find "$run/obs" -name 'part-*.summary' -delete
+  find "$run/obs" \( -name 'part-*.summary' -o -name rank.summary \) -delete
   measure_json "summary, first open without summaries $1 $2x$3h" 1 "$BIN" summary "$run" --quiet
   if [ "$SUMMARY_ONLY" = 1 ]; then return; fi
   "$SCALE" load "$run" "$RUNS"

@@ -67,9 +67,17 @@ struct Listed {
 struct Listing {
     rank_dirs: BTreeSet<u32>,
     files: Vec<Listed>,
+    /// Local rank folders whose parts were listed by name only (not stat'ed): their folder
+    /// and part indices, summarised from the rank summary ([`Work::Rank`]).
+    named_parts: BTreeMap<u32, (PathBuf, BTreeSet<u64>)>,
     /// Local rank directories read (the others were unchanged since their last listing).
     dirs_read: u64,
 }
+
+/// Most bytes (by [`Work::weight`]) one chunk of a refresh reads once it holds a few items
+/// per thread, and most items.
+const CHUNK_BYTES: u64 = 8 << 20;
+const CHUNK_MAX: usize = 4096;
 
 /// What is known about (rank, part index).
 enum Seen {
@@ -130,6 +138,9 @@ pub struct PartsReader {
     total: ReadCounters,
     /// Local rank directories the last refresh read.
     last_dirs_read: u64,
+    /// Ranks with a file in `seen`: the others are read whole from their rank summary when
+    /// reading summaries.
+    ranks_read: std::collections::HashSet<u32>,
 }
 
 /// One file's work in a refresh.
@@ -142,12 +153,47 @@ enum Work {
         file: Listed,
         cursor: Box<JournalCursor>,
     },
+    /// With [`ReadOptions::digests`], a local rank read for the first time: every part of it
+    /// from its rank summary, brought up to date (see [`crate::digest::summarise_rank`]).
+    Rank {
+        rank: u32,
+        dir: PathBuf,
+        parts: BTreeSet<u64>,
+    },
 }
 
 impl Work {
-    fn file(&self) -> &Listed {
+    /// The file read; `None` for a rank summarised.
+    fn file(&self) -> Option<&Listed> {
         match self {
-            Work::Part { file, .. } | Work::Journal { file, .. } => file,
+            Work::Part { file, .. } | Work::Journal { file, .. } => Some(file),
+            Work::Rank { .. } => None,
+        }
+    }
+
+    /// The rank, and whether this is a whole rank's summary (merged before its files).
+    fn order(&self) -> (u32, bool) {
+        match self {
+            Work::Part { file, .. } | Work::Journal { file, .. } => (file.rank, true),
+            Work::Rank { rank, .. } => (*rank, false),
+        }
+    }
+
+    /// About how many bytes reading it brings into memory (for chunking).
+    fn weight(&self) -> u64 {
+        match self {
+            Work::Part { file, .. } => file.size,
+            Work::Journal { file, cursor } => file.size.saturating_sub(cursor.offset),
+            // A rank's merged summary, decoded: a day-long rank's is a few MB.
+            Work::Rank { .. } => 4 << 20,
+        }
+    }
+
+    /// Files this work stands for (for progress).
+    fn files(&self) -> u64 {
+        match self {
+            Work::Rank { parts, .. } => parts.len() as u64,
+            _ => 1,
         }
     }
 }
@@ -165,6 +211,12 @@ enum Done {
         cursor: Box<JournalCursor>,
         result: Result<JournalDone>,
     },
+    Rank {
+        rank: u32,
+        dir: PathBuf,
+        parts: BTreeSet<u64>,
+        summarised: crate::digest::RankSummarised,
+    },
 }
 
 /// A journal read: what it decoded, its bytes, its batches and the damage it skipped.
@@ -177,6 +229,7 @@ struct JournalDone {
 
 /// A file's new bytes, and for a journal the new bytes of its checks file (`None` when it
 /// has none).
+#[derive(Default)]
 struct Fetched {
     data: Bytes,
     checks: Option<Bytes>,
@@ -206,6 +259,7 @@ impl PartsReader {
             last: ReadCounters::default(),
             total: ReadCounters::default(),
             last_dirs_read: 0,
+            ranks_read: Default::default(),
         })
     }
 
@@ -214,6 +268,7 @@ impl PartsReader {
     /// listed from their detail levels, and follows what is appended).
     pub fn skip_parts_through(&mut self, last: &BTreeMap<u32, u64>) {
         for (&rank, &n) in last {
+            self.ranks_read.insert(rank);
             for index in 0..=n {
                 self.seen.insert((rank, index), Seen::Part);
             }
@@ -231,21 +286,30 @@ impl PartsReader {
     pub fn refresh_with(&mut self, opts: &ReadOptions, at_end: bool) -> Result<&Run> {
         // Parts already decoded are immutable: the listing skips them (no stat, no strings),
         // so a refresh costs the directory read plus what is new, not the run's history.
+        // Reading summaries, a rank read for the first time is read from its rank summary:
+        // its parts are listed by name only, checked against what that summary covers.
         let seen = &self.seen;
+        let ranks_read = &self.ranks_read;
+        let whole_ranks = opts.digests && matches!(self.location, Location::Local(_));
         let listing = list_files(
             &self.location,
             &mut self.rank_dir_listings,
             |rank, index| matches!(seen.get(&(rank, index)), Some(Seen::Part)),
+            |rank| whole_ranks && !ranks_read.contains(&rank),
         )?;
         self.rank_dirs.extend(listing.rank_dirs.iter().copied());
         self.last_dirs_read = listing.dirs_read;
-        let parts_listed: BTreeSet<(u32, u64)> = listing
+        let mut parts_listed: BTreeSet<(u32, u64)> = listing
             .files
             .iter()
             .filter(|f| f.kind == FileKind::Part)
             .map(|f| (f.rank, f.index))
             .collect();
         let mut work = Vec::new();
+        for (rank, (dir, parts)) in listing.named_parts {
+            parts_listed.extend(parts.iter().map(|&i| (rank, i)));
+            work.push(Work::Rank { rank, dir, parts });
+        }
         for file in listing.files {
             let key = (file.rank, file.index);
             match (file.kind, self.seen.get(&key)) {
@@ -272,23 +336,40 @@ impl PartsReader {
                 }),
             }
         }
+        // Rank by rank; a rank's summary before its journals (a stable sort: files keep the
+        // listing's order).
+        work.sort_by_key(Work::order);
         self.last = ReadCounters::default();
         // Decode in chunks: parallel within a chunk, merged (and freed) between chunks, so
-        // peak memory is the tables plus one chunk of decoded files.
-        let chunk = rayon::current_num_threads().max(1) * 4;
+        // peak memory is the tables plus one chunk of decoded files. A chunk holds at least
+        // a few items per thread, and more while they are small (up to CHUNK_BYTES read):
+        // a `--follow` refresh of every rank's journal is a few chunks, not one per 8 ranks.
+        let min_chunk = rayon::current_num_threads().max(1) * 4;
         let total_files = work.len();
         let spans_before = self.run.spans.len();
         let mut done_files = 0usize;
+        let mut first = true;
         let mut work = work.into_iter().peekable();
         while work.peek().is_some() {
-            let batch: Vec<Work> = work.by_ref().take(chunk).collect();
+            let (mut batch, mut bytes) = (Vec::new(), 0u64);
+            while let Some(w) = work.peek() {
+                let b = w.weight();
+                if batch.len() >= min_chunk
+                    && (bytes.saturating_add(b) > CHUNK_BYTES || batch.len() >= CHUNK_MAX)
+                {
+                    break;
+                }
+                bytes = bytes.saturating_add(b);
+                batch.extend(work.next());
+            }
             let fetched = self.fetch(batch, opts.digests)?;
             let decoded: Vec<Done> = fetched
                 .into_par_iter()
                 .map(|(w, bytes)| {
+                    let files = w.files();
                     let done = decode(w, bytes, opts, at_end);
                     if let Some(cb) = &opts.progress {
-                        cb(1);
+                        cb(files);
                     }
                     done
                 })
@@ -297,7 +378,7 @@ impl PartsReader {
             for d in decoded {
                 self.merge(d, opts);
             }
-            if done_files < total_files && done_files == chunk {
+            if std::mem::take(&mut first) && done_files < total_files {
                 // After the first chunk, reserve for the whole read (+5%) so the big columns
                 // grow once instead of doubling (which would transiently need 2x the memory).
                 // Only for a read that adds a lot to what is held: an exact reservation on
@@ -323,9 +404,10 @@ impl PartsReader {
         let range = |w: &Work| match w {
             Work::Part { file, .. } => 0..file.size,
             Work::Journal { file, cursor } => cursor.offset..file.size,
+            Work::Rank { .. } => 0..0,
         };
         let checks_from = |w: &Work| match w {
-            Work::Part { .. } => None,
+            Work::Part { .. } | Work::Rank { .. } => None,
             Work::Journal { cursor, .. } => cursor.checks_offset(),
         };
         match &self.location {
@@ -333,6 +415,10 @@ impl PartsReader {
                 .into_par_iter()
                 .map(|w| {
                     let r = range(&w);
+                    let Some(file) = w.file() else {
+                        // A rank summary is read where it is summarised, in `decode`.
+                        return (w, Ok(Fetched::default()));
+                    };
                     let fetched = (|| {
                         let mut digest_damage = None;
                         if let (true, Work::Part { file, skip_rows: 0 }) = (digests, &w) {
@@ -351,10 +437,10 @@ impl PartsReader {
                             }
                         }
                         let checks = match checks_from(&w) {
-                            Some(from) => read_local_checks(&w.file().display, from)?,
+                            Some(from) => read_local_checks(&file.display, from)?,
                             None => None,
                         };
-                        let data = read_local(&w.file().display, r)?;
+                        let data = read_local(&file.display, r)?;
                         Ok(Fetched {
                             data,
                             checks,
@@ -375,7 +461,9 @@ impl PartsReader {
                             let r = range(&w);
                             let from = checks_from(&w);
                             async move {
-                                let f = w.file();
+                                let Some(f) = w.file() else {
+                                    return (w, Ok(Fetched::default()));
+                                };
                                 let path = f.object_path.clone().expect("object files have paths");
                                 let fetched = async {
                                     let checks = match from {
@@ -425,7 +513,16 @@ impl PartsReader {
     }
 
     fn merge(&mut self, done: Done, opts: &ReadOptions) {
+        if let Done::Part { file, .. } | Done::Journal { file, .. } = &done {
+            self.ranks_read.insert(file.rank);
+        }
         match done {
+            Done::Rank {
+                rank,
+                dir,
+                parts,
+                summarised,
+            } => self.merge_rank(rank, &dir, parts, summarised, opts),
             Done::Part {
                 file,
                 skip_rows,
@@ -534,7 +631,71 @@ impl PartsReader {
         }
     }
 
-    fn add(&mut self, data: PartData, opts: &ReadOptions) {
+    /// Merges a rank read from its rank summary: its segments as parts, and what was damaged
+    /// or corrupt, by name.
+    fn merge_rank(
+        &mut self,
+        rank: u32,
+        dir: &std::path::Path,
+        parts: BTreeSet<u64>,
+        s: crate::digest::RankSummarised,
+        opts: &ReadOptions,
+    ) {
+        self.ranks_read.insert(rank);
+        for index in parts {
+            self.seen.insert((rank, index), Seen::Part);
+        }
+        for (file, error) in s.damaged {
+            let lost = if file.ends_with(crate::digest::RANK_SUMMARY_FILE) {
+                "nothing: its parts' own summaries were read instead"
+            } else {
+                "nothing: its part was decoded instead"
+            };
+            self.run.report.damage.push(Damage {
+                bytes: std::fs::metadata(&file).map_or(0, |m| m.len()),
+                file,
+                offset: 0,
+                lost: lost.into(),
+                error,
+            });
+        }
+        self.run.report.corrupt_parts.extend(
+            s.corrupt
+                .into_iter()
+                .map(|(path, error)| CorruptPart { path, error }),
+        );
+        self.last.parts_decoded += s.decoded;
+        self.last.bytes += s.bytes;
+        for segment in s.digest.segments {
+            for p in &segment.parts {
+                let part = dir.join(crate::location::part_file_name(p.index));
+                let journal = crate::location::journal_file_name(p.index);
+                self.run
+                    .report
+                    .damage
+                    .extend(p.damage.iter().map(|d| Damage {
+                        file: format!("{} (compacted from {journal})", part.display()),
+                        offset: d.offset,
+                        bytes: d.bytes,
+                        lost: d.lost.clone(),
+                        error: d.error.clone(),
+                    }));
+            }
+            self.run.report.parts_read += segment.parts.len();
+            let data = segment.digest.into_part_data();
+            self.last.rows += data.rows as u64;
+            self.add(data, opts);
+        }
+    }
+
+    fn add(&mut self, mut data: PartData, opts: &ReadOptions) {
+        // `metrics` (none of the span columns) needs only the summaries' scalars: their span
+        // sections are not merged (the largest part of a merged run's memory and time).
+        if opts.columns == crate::run::Columns::METRICS
+            && let Some(d) = &mut data.digest
+        {
+            d.keep_only_scalars();
+        }
         self.world_size = self.world_size.max(data.info.world_size);
         self.ok_ranks.insert(data.info.rank);
         self.rank_dirs.insert(data.info.rank);
@@ -655,6 +816,15 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
                 digest_damage,
             }
         }
+        Work::Rank { rank, dir, parts } => {
+            let summarised = crate::digest::summarise_rank(&dir, rank, &parts, true);
+            Done::Rank {
+                rank,
+                dir,
+                parts,
+                summarised,
+            }
+        }
         Work::Journal { file, mut cursor } => {
             let result = fetched.and_then(|f| {
                 let n = f.data.len() as u64;
@@ -707,14 +877,18 @@ fn read_local(path: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
 /// Lists the run's parts and journals, leaving out the parts `known(rank, index)` names.
 /// Local rank directories that have not changed since their last listing (`listings`) are
 /// not read again: only their journals and the files still pending are stat'ed, so a
-/// refresh does not cost in proportion to the parts a long run has accumulated.
+/// refresh does not cost in proportion to the parts a long run has accumulated. The parts
+/// of local ranks `by_name(rank)` picks are not stat'ed at all: they are listed in
+/// [`Listing::named_parts`].
 fn list_files(
     location: &Location,
     listings: &mut HashMap<u32, RankDirListing>,
-    known: impl Fn(u32, u64) -> bool,
+    known: impl Fn(u32, u64) -> bool + Sync,
+    by_name: impl Fn(u32) -> bool + Sync,
 ) -> Result<Listing> {
     let mut rank_dirs = BTreeSet::new();
     let mut files = Vec::new();
+    let mut named_parts: BTreeMap<u32, (PathBuf, BTreeSet<u64>)> = BTreeMap::new();
     let mut dirs_read = 0;
     match location {
         Location::Local(run) => {
@@ -729,6 +903,7 @@ fn list_files(
                     run.display()
                 );
             }
+            let mut dirs = Vec::new();
             for entry in
                 std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))?
             {
@@ -737,55 +912,21 @@ fn list_files(
                     continue;
                 };
                 rank_dirs.insert(rank);
-                let dir: PathBuf = entry.path();
-                let mtime = std::fs::metadata(&dir).and_then(|m| m.modified()).ok();
-                let cached = listings.get_mut(&rank);
-                let listing = match (cached, mtime) {
-                    (Some(l), Some(m)) if l.still_valid(m) => l,
-                    _ => {
-                        dirs_read += 1;
-                        let listed_at = std::time::SystemTime::now();
-                        let mut pending = Vec::new();
-                        for e in std::fs::read_dir(&dir)
-                            .with_context(|| format!("listing {}", dir.display()))?
-                            .filter_map(|e| e.ok())
-                        {
-                            let Some(name) = e.file_name().to_str().map(str::to_string) else {
-                                continue;
-                            };
-                            if let Some(n) = parse_part_file_name(&name) {
-                                pending.push((name, FileKind::Part, n));
-                            } else if let Some(n) = parse_journal_file_name(&name) {
-                                pending.push((name, FileKind::Journal, n));
-                            }
-                        }
-                        let l = RankDirListing {
-                            mtime: mtime.unwrap_or(std::time::UNIX_EPOCH),
-                            listed_at,
-                            pending,
-                        };
-                        listings.entry(rank).insert_entry(l).into_mut()
-                    }
-                };
-                // Parts once known stay known: drop them from what is re-checked.
-                listing
-                    .pending
-                    .retain(|(_, kind, index)| *kind == FileKind::Journal || !known(rank, *index));
-                for (name, kind, index) in &listing.pending {
-                    let path = dir.join(name);
-                    // A journal may be removed (compacted) between listing and stat.
-                    let Ok(meta) = std::fs::metadata(&path) else {
-                        continue;
-                    };
-                    files.push(Listed {
-                        rank,
-                        index: *index,
-                        kind: *kind,
-                        size: meta.len(),
-                        display: path.display().to_string(),
-                        object_path: None,
-                    });
+                dirs.push((rank, entry.path(), listings.remove(&rank)));
+            }
+            // Rank folders in parallel: a refresh stats (and may list) every one of them.
+            let listed: Vec<Result<RankDirListed>> = dirs
+                .into_par_iter()
+                .map(|(rank, dir, cached)| list_rank_dir(rank, dir, cached, &known, by_name(rank)))
+                .collect();
+            for l in listed {
+                let l = l?;
+                dirs_read += u64::from(l.read);
+                files.extend(l.files);
+                if let Some(parts) = l.named {
+                    named_parts.insert(l.rank, (l.dir, parts));
                 }
+                listings.insert(l.rank, l.listing);
             }
         }
         Location::Object { url, store, base } => {
@@ -829,7 +970,93 @@ fn list_files(
     Ok(Listing {
         rank_dirs,
         files,
+        named_parts,
         dirs_read,
+    })
+}
+
+/// One local rank folder listed: its listing (to keep), whether it was read, its files
+/// (stat'ed) and, when listed by name, its part indices.
+struct RankDirListed {
+    rank: u32,
+    dir: PathBuf,
+    listing: RankDirListing,
+    read: bool,
+    files: Vec<Listed>,
+    named: Option<BTreeSet<u64>>,
+}
+
+/// Lists the local rank folder `dir`: read again unless `cached` is still valid; parts
+/// `known` are dropped; with `by_name`, parts are not stat'ed but returned by index.
+fn list_rank_dir(
+    rank: u32,
+    dir: PathBuf,
+    cached: Option<RankDirListing>,
+    known: &(impl Fn(u32, u64) -> bool + Sync),
+    by_name: bool,
+) -> Result<RankDirListed> {
+    let mtime = std::fs::metadata(&dir).and_then(|m| m.modified()).ok();
+    let (mut listing, read) = match (cached, mtime) {
+        (Some(l), Some(m)) if l.still_valid(m) => (l, false),
+        _ => {
+            let listed_at = std::time::SystemTime::now();
+            let mut pending = Vec::new();
+            for e in std::fs::read_dir(&dir)
+                .with_context(|| format!("listing {}", dir.display()))?
+                .filter_map(|e| e.ok())
+            {
+                let name = e.file_name();
+                let Some(name) = name.to_str() else {
+                    continue;
+                };
+                if let Some(n) = parse_part_file_name(name) {
+                    if !known(rank, n) {
+                        pending.push((name.to_string(), FileKind::Part, n));
+                    }
+                } else if let Some(n) = parse_journal_file_name(name) {
+                    pending.push((name.to_string(), FileKind::Journal, n));
+                }
+            }
+            let l = RankDirListing {
+                mtime: mtime.unwrap_or(std::time::UNIX_EPOCH),
+                listed_at,
+                pending,
+            };
+            (l, true)
+        }
+    };
+    // Parts once known stay known: drop them from what is re-checked.
+    listing
+        .pending
+        .retain(|(_, kind, index)| *kind == FileKind::Journal || !known(rank, *index));
+    let mut files = Vec::new();
+    let mut named: Option<BTreeSet<u64>> = None;
+    for (name, kind, index) in &listing.pending {
+        if by_name && *kind == FileKind::Part {
+            named.get_or_insert_with(BTreeSet::new).insert(*index);
+            continue;
+        }
+        let path = dir.join(name);
+        // A journal may be removed (compacted) between listing and stat.
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        files.push(Listed {
+            rank,
+            index: *index,
+            kind: *kind,
+            size: meta.len(),
+            display: path.display().to_string(),
+            object_path: None,
+        });
+    }
+    Ok(RankDirListed {
+        rank,
+        dir,
+        listing,
+        read,
+        files,
+        named,
     })
 }
 

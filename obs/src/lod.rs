@@ -376,21 +376,6 @@ impl PartSpans {
     }
 }
 
-/// The per-step scalars of a part: (name, step, value, reduce), steps only. With the detail
-/// levels, what a viewer of a large run needs from its parts, one part at a time.
-pub fn part_scalars(part: &PartFile) -> Result<Vec<(String, u64, f64, crate::Reduce)>> {
-    let d = crate::decode::decode_part(part.read()?, part.rank, Columns::METRICS, 0)
-        .with_context(|| format!("decoding {}", part.shown()))?;
-    let s = &d.scalars;
-    Ok((0..s.rank.len())
-        .filter(|&i| s.step[i] != NO_STEP)
-        .filter_map(|i| {
-            let name = d.names.get(s.name[i] as usize)?;
-            Some((name.clone(), s.step[i], s.value[i], s.reduce[i]))
-        })
-        .collect())
-}
-
 /// File name of part `index`'s detail levels.
 pub fn detail_file_name(index: u64) -> String {
     format!("part-{index:06}.lod")

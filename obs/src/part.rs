@@ -445,6 +445,20 @@ pub struct PartSink {
     /// Where this rank's journal is written: its rank folder for local runs, a local spool
     /// folder for object stores (see [`Self::with_spool`]).
     journal_dir: PathBuf,
+    /// Local runs: the rank summary (`rank.summary`, see [`crate::digest::rank`]) kept up to
+    /// date with the parts put.
+    rank_summary: std::sync::Mutex<RankSummaryState>,
+}
+
+/// The rank summary a [`PartSink`] keeps: read from the folder at the first part it puts,
+/// then each part added to it.
+#[derive(Default)]
+struct RankSummaryState {
+    digest: Option<crate::digest::RankDigest>,
+    /// Written by [`PartSink::finish_rank_summary`] instead of at every part.
+    deferred: bool,
+    /// Changed since last written.
+    dirty: bool,
 }
 
 /// The default spool folder of object-store runs' journals: `$TMPDIR/titan-obs-spool`.
@@ -467,7 +481,34 @@ impl PartSink {
             location,
             rank,
             journal_dir,
+            rank_summary: Default::default(),
         })
+    }
+
+    /// Writes the rank summary once, at [`Self::finish_rank_summary`], instead of after every
+    /// part: for writers that put a rank's whole history at once (`synth`, the benchmark's
+    /// generator), where rewriting it per part would cost the square of the rank's length.
+    /// The file written is the one the recorder leaves after the same parts.
+    pub fn defer_rank_summary(self) -> Self {
+        self.lock_rank_summary().deferred = true;
+        self
+    }
+
+    /// Writes the rank summary if parts were put since it was last written.
+    pub fn finish_rank_summary(&self) -> Result<()> {
+        let Location::Local(run) = &self.location else {
+            return Ok(());
+        };
+        let mut st = self.lock_rank_summary();
+        if let (true, Some(d)) = (st.dirty, &st.digest) {
+            crate::digest::rank_file::write_local(&rank_dir(run, self.rank), d)?;
+            st.dirty = false;
+        }
+        Ok(())
+    }
+
+    fn lock_rank_summary(&self) -> std::sync::MutexGuard<'_, RankSummaryState> {
+        self.rank_summary.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Puts the journal of an object-store run under `spool` instead of the default
@@ -560,14 +601,20 @@ impl PartSink {
     }
 
     /// Writes part `index` atomically, then its summary (`part-<N>.summary`, see
-    /// [`crate::digest`]) and detail levels (`part-<N>.lod`, see [`crate::lod`]); returns
-    /// where the part went. A summary or detail file that cannot be made or written is only
-    /// logged: readers build what is missing themselves.
+    /// [`crate::digest`]), the rank summary (`rank.summary`, local runs) and detail levels
+    /// (`part-<N>.lod`, see [`crate::lod`]); returns where the part went. A summary or detail
+    /// file that cannot be made or written is only logged: readers build what is missing
+    /// themselves.
     pub fn put(&self, index: u64, bytes: Vec<u8>) -> Result<String> {
         let bytes = bytes::Bytes::from(bytes);
         let at = self.put_part(index, bytes.clone())?;
-        if let Err(e) = self.put_summary(index, bytes.clone()) {
-            tracing::warn!("no summary written for {at}: {e:#}");
+        match self.put_summary(index, bytes.clone()) {
+            Ok(digest) => {
+                if let Err(e) = self.update_rank_summary(index, bytes.len() as u64, digest) {
+                    tracing::warn!("no rank summary written for {at}: {e:#}");
+                }
+            }
+            Err(e) => tracing::warn!("no summary written for {at}: {e:#}"),
         }
         if let Err(e) = self.put_detail(index, bytes) {
             tracing::warn!("no detail levels written for {at}: {e:#}");
@@ -583,12 +630,44 @@ impl PartSink {
         self.put_beside(&crate::lod::detail_file_name(index), body)
     }
 
-    fn put_summary(&self, index: u64, part: bytes::Bytes) -> Result<()> {
+    fn put_summary(&self, index: u64, part: bytes::Bytes) -> Result<crate::digest::PartDigest> {
         let len = part.len() as u64;
         let data = crate::decode::decode_part(part, self.rank, crate::digest::COLUMNS, 0)?;
         let digest = crate::digest::PartDigest::of_data(&data);
         let body = crate::digest::encode(&digest, len)?;
-        self.put_beside(&crate::digest::summary_file_name(index), body)
+        self.put_beside(&crate::digest::summary_file_name(index), body)?;
+        Ok(digest)
+    }
+
+    /// Adds part `index` (`len` bytes, summarised as `digest`) to the rank summary and writes
+    /// it (unless deferred). The first part a sink puts, or one out of order, brings the
+    /// summary up to date with the folder first. Object stores have none: their readers
+    /// read the parts' own summaries.
+    fn update_rank_summary(
+        &self,
+        index: u64,
+        len: u64,
+        digest: crate::digest::PartDigest,
+    ) -> Result<()> {
+        let Location::Local(run) = &self.location else {
+            return Ok(());
+        };
+        let dir = rank_dir(run, self.rank);
+        let mut st = self.lock_rank_summary();
+        match &mut st.digest {
+            Some(d) if d.last_index().is_none_or(|l| index > l) => d.add_part(index, len, digest),
+            _ => {
+                let listed = crate::digest::local::list_parts(&dir)?;
+                let s = crate::digest::summarise_rank(&dir, self.rank, &listed, false);
+                st.digest = Some(s.digest);
+            }
+        }
+        st.dirty = true;
+        if !st.deferred {
+            drop(st);
+            self.finish_rank_summary()?;
+        }
+        Ok(())
     }
 
     /// Writes a file beside this rank's parts: atomically in a local folder, in one PUT to

@@ -387,7 +387,8 @@ fn write_rank(
     rank: u32,
 ) -> Result<SynthStats> {
     let sink = PartSink::new(location.clone(), rank)
-        .with_context(|| format!("preparing rank {rank} of the synthetic run"))?;
+        .with_context(|| format!("preparing rank {rank} of the synthetic run"))?
+        .defer_rank_summary();
     let header = PartHeader {
         run_id: cfg.run_id.clone(),
         source: "trainer".into(),
@@ -521,6 +522,7 @@ fn write_rank(
             stats.parts += 1;
         }
     }
+    sink.finish_rank_summary()?;
     Ok(stats)
 }
 

@@ -111,8 +111,9 @@ fn a_damaged_journal_batch_is_named_skipped_and_strict_exits_3() {
     );
 }
 
-#[test]
-fn a_damaged_part_summary_is_named_its_part_decoded_and_strict_exits_3() {
+/// A bit flipped in the summary file `rel` (`remove` deleted first): `summary --strict`
+/// names it and exits 3, and its figures are the clean run's.
+fn damaged_summary_is_named_and_strict_exits_3(rel: &str, remove: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let run_s = run.to_str().unwrap();
@@ -120,7 +121,11 @@ fn a_damaged_part_summary_is_named_its_part_decoded_and_strict_exits_3() {
     assert!(synth.status.success(), "{synth:?}");
     let clean = titan_obs_core(&["summary", run_s, "--json", "--strict"]);
     assert_eq!(clean.status.code(), Some(0), "{clean:?}");
-    let summary = run.join("obs/rank-1/part-000000.summary");
+    if let Some(r) = remove {
+        std::fs::remove_file(run.join(r)).unwrap();
+    }
+    let summary = run.join(rel);
+    let name = summary.file_name().unwrap().to_str().unwrap();
     let mut bytes = std::fs::read(&summary).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x10;
@@ -129,18 +134,29 @@ fn a_damaged_part_summary_is_named_its_part_decoded_and_strict_exits_3() {
     let out = titan_obs_core(&["summary", run_s, "--json", "--strict"]);
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("part-000000.summary"), "{stderr}");
+    assert!(stderr.contains(rel), "{stderr}");
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let damage = json["damage"].as_array().unwrap();
     assert!(
-        damage[0]["file"]
-            .as_str()
-            .unwrap()
-            .ends_with("part-000000.summary"),
+        damage[0]["file"].as_str().unwrap().ends_with(name),
         "{damage:?}"
     );
-    // Nothing was lost: its part was decoded instead.
+    // Nothing was lost: what it stood for was read from the parts instead.
     let want: serde_json::Value = serde_json::from_slice(&clean.stdout).unwrap();
     assert_eq!(json["spans"], want["spans"]);
     assert_eq!(json["phases"], want["phases"]);
+}
+
+#[test]
+fn a_damaged_part_summary_is_named_its_part_decoded_and_strict_exits_3() {
+    // Without rank 1's summary, which would stand for its parts' summaries.
+    damaged_summary_is_named_and_strict_exits_3(
+        "obs/rank-1/part-000000.summary",
+        Some("obs/rank-1/rank.summary"),
+    );
+}
+
+#[test]
+fn a_damaged_rank_summary_is_named_its_parts_read_and_strict_exits_3() {
+    damaged_summary_is_named_and_strict_exits_3("obs/rank-1/rank.summary", None);
 }

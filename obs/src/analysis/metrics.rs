@@ -93,6 +93,17 @@ impl Lines {
     }
 }
 
+impl Lines {
+    /// Every (step, name id, reduce, reduced value), in step order.
+    pub fn values(&self) -> impl Iterator<Item = (u64, u32, Reduce, f64)> + '_ {
+        self.0.iter().flat_map(|(&(step, _), (order, accs))| {
+            order
+                .iter()
+                .filter_map(move |k| Some((step, k.0, k.1, accs.get(k)?.get(k.1))))
+        })
+    }
+}
+
 /// Whether scalar `name` goes on `validate step:` lines.
 pub(crate) fn is_validation(name: &str) -> bool {
     name.starts_with("validation/")

@@ -20,6 +20,9 @@ pub struct Cells {
     base: Vec<Option<i64>>,
     /// (row, position) -> cells whose difference does not fit an i32.
     wide: FxHashMap<(u32, u32), i64>,
+    /// The longest column so far: a column that grows is given that many rows at once (each
+    /// rank has about every step), not doubled to the next power of two (up to 2x the cells).
+    rows: usize,
 }
 
 impl Cells {
@@ -59,7 +62,17 @@ impl Cells {
         let base = *self.base[p].get_or_insert(v);
         let cells = &mut self.cols[p];
         if cells.len() <= r {
+            if cells.capacity() <= r {
+                // The longest column doubles, as a Vec would; the others take its length.
+                let want = if self.rows > r {
+                    self.rows
+                } else {
+                    (r + 1).max(cells.len() * 2)
+                };
+                cells.reserve_exact(want - cells.len());
+            }
             cells.resize(r + 1, ABSENT);
+            self.rows = self.rows.max(r + 1);
         }
         match v.checked_sub(base).and_then(|d| i32::try_from(d).ok()) {
             Some(d) if d > WIDE => {

@@ -169,35 +169,13 @@ pub fn encode(d: &PartDigest, part_len: u64) -> Result<Vec<u8>> {
 /// id is checked against the bytes there are: a damaged file is an error, never a panic; a
 /// file of another version is an [`Outdated`] error.
 pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDigest> {
-    ensure!(bytes.len() >= HEADER, "shorter than its header");
-    ensure!(
-        &bytes[..8] == MAGIC,
-        "not a titan-obs part summary (bad magic)"
-    );
-    let le = |r: std::ops::Range<usize>| -> u64 {
-        bytes[r]
-            .iter()
-            .rev()
-            .fold(0u64, |a, &b| (a << 8) | u64::from(b))
-    };
-    let version = le(8..12) as u32;
-    if version != VERSION {
-        return Err(Outdated(version).into());
-    }
-    let described = le(12..20);
+    check_head(bytes, MAGIC, "part summary", HEADER, VERSION)?;
+    let described = le(bytes, 12..20);
     ensure!(
         described == part_len,
         "it describes a part of {described} bytes, the part has {part_len}"
     );
-    let body_len = le(20..28);
-    let crc = le(28..32) as u32;
-    let body = &bytes[HEADER..];
-    ensure!(
-        body.len() as u64 == body_len,
-        "body is {} bytes, the header says {body_len}",
-        body.len()
-    );
-    ensure!(crc32c::crc32c(body) == crc, "its checksum does not match");
+    let body = checked_body(bytes, HEADER, 20)?;
     let mut r = Reader(body);
     let info: serde_json::Value =
         serde_json::from_slice(r.bytes()?).context("rank info is not JSON")?;
@@ -339,6 +317,47 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDigest> {
     Ok(d)
 }
 
+/// Checks a summary file's length, magic (`what` it is) and version (another version is
+/// [`Outdated`]).
+pub(super) fn check_head(
+    bytes: &[u8],
+    magic: &[u8; 8],
+    what: &str,
+    header: usize,
+    version: u32,
+) -> Result<()> {
+    ensure!(bytes.len() >= header, "shorter than its header");
+    ensure!(&bytes[..8] == magic, "not a titan-obs {what} (bad magic)");
+    let v = le(bytes, 8..12) as u32;
+    if v != version {
+        return Err(Outdated(v).into());
+    }
+    Ok(())
+}
+
+/// The little-endian number in `bytes[r]` (within a header already checked to be there).
+pub(super) fn le(bytes: &[u8], r: std::ops::Range<usize>) -> u64 {
+    bytes[r]
+        .iter()
+        .rev()
+        .fold(0u64, |a, &b| (a << 8) | u64::from(b))
+}
+
+/// The body after a header of `header` bytes, checked against the body length (u64 LE at
+/// `len_at`) and CRC-32C (u32 LE after it) the header gives.
+pub(super) fn checked_body(bytes: &[u8], header: usize, len_at: usize) -> Result<&[u8]> {
+    let body_len = le(bytes, len_at..len_at + 8);
+    let crc = le(bytes, len_at + 8..len_at + 12) as u32;
+    let body = &bytes[header..];
+    ensure!(
+        body.len() as u64 == body_len,
+        "body is {} bytes, the header says {body_len}",
+        body.len()
+    );
+    ensure!(crc32c::crc32c(body) == crc, "its checksum does not match");
+    Ok(body)
+}
+
 /// Reads `part`'s summary file: `Ok(None)` when there is none, or one of an older version
 /// (the part is then summarised and the summary rewritten); `Err` (naming the file) when it
 /// is damaged or does not describe the part.
@@ -380,10 +399,10 @@ fn reduce_code(r: Reduce) -> u64 {
 }
 
 /// Varint writes.
-struct Writer(Vec<u8>);
+pub(super) struct Writer(pub(super) Vec<u8>);
 
 impl Writer {
-    fn u(&mut self, mut v: u64) {
+    pub(super) fn u(&mut self, mut v: u64) {
         while v >= 0x80 {
             self.0.push((v as u8) | 0x80);
             v >>= 7;
@@ -399,7 +418,7 @@ impl Writer {
         self.u(s.wrapping_sub(*prev));
         *prev = s;
     }
-    fn bytes(&mut self, v: &[u8]) {
+    pub(super) fn bytes(&mut self, v: &[u8]) {
         self.u(v.len() as u64);
         self.0.extend_from_slice(v);
     }
@@ -422,10 +441,10 @@ impl Writer {
 }
 
 /// Bounds-checked varint reads.
-struct Reader<'a>(&'a [u8]);
+pub(super) struct Reader<'a>(pub(super) &'a [u8]);
 
 impl<'a> Reader<'a> {
-    fn u(&mut self) -> Result<u64> {
+    pub(super) fn u(&mut self) -> Result<u64> {
         let mut v = 0u64;
         for (i, &b) in self.0.iter().enumerate().take(10) {
             v |= u64::from(b & 0x7f) << (7 * i);
@@ -455,7 +474,7 @@ impl<'a> Reader<'a> {
     }
     /// A count of items of at least `min_size` bytes each: never more than the bytes left
     /// could hold (a damaged count must not allocate or loop for ever).
-    fn count(&mut self, min_size: usize) -> Result<u64> {
+    pub(super) fn count(&mut self, min_size: usize) -> Result<u64> {
         let n = self.u()?;
         ensure!(
             n <= (self.0.len() / min_size.max(1)) as u64,
@@ -463,7 +482,7 @@ impl<'a> Reader<'a> {
         );
         Ok(n)
     }
-    fn bytes(&mut self) -> Result<&'a [u8]> {
+    pub(super) fn bytes(&mut self) -> Result<&'a [u8]> {
         let n = self.count(1)? as usize;
         let (a, b) = self.0.split_at(n);
         self.0 = b;

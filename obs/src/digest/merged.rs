@@ -48,7 +48,7 @@ pub struct RankPipeline {
 /// Every part's digest of a run merged, with run-wide name ids (those of [`crate::Run::names`]).
 #[derive(Debug, Clone, Default)]
 pub struct RunDigest {
-    /// Parts (or journal reads) merged.
+    /// Parts (or journal reads) merged (a rank summary's segment counts its parts).
     pub parts: u64,
     pub spans: u64,
     pub errors: u64,
@@ -105,7 +105,7 @@ impl RunDigest {
     pub(crate) fn merge(&mut self, d: &PartDigest, name_map: &[u32], offset: i64) {
         let rank = d.info.rank;
         let g = |n: NameId| name_map.get(n as usize).copied().unwrap_or(0);
-        self.parts += 1;
+        self.parts = self.parts.saturating_add(d.info.parts.max(1) as u64);
         // Counts decoded from summary files: saturating, as a damaged one may hold anything.
         self.spans = self.spans.saturating_add(d.spans);
         self.errors = self.errors.saturating_add(d.errors);

@@ -10,15 +10,23 @@
 //! whole run (in rank, part order) and `analysis::summary` computes the same [`Summary`] from
 //! it as from the spans.
 //!
+//! A rank's parts' digests are also kept merged in one file per rank ([`rank`], [`rank_file`],
+//! `obs/SCHEMA.md` "Per-rank summaries"), so a reader opens one file per rank instead of one
+//! per part; [`local`] brings it up to date against a rank folder's parts.
+//!
 //! [`file`] reads and writes them (`obs/SCHEMA.md`, "Per-part summaries"); [`merged`] merges
 //! them into a [`RunDigest`], whose per (phase, step, rank) times are [`cells::Cells`] (4 bytes
 //! a cell, so a day-long 1024-rank job's fit in memory at once).
 //!
 //! [`Summary`]: crate::analysis::Summary
 
+mod absorb;
 pub mod cells;
 pub mod file;
+pub mod local;
 pub mod merged;
+pub mod rank;
+pub mod rank_file;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -28,7 +36,10 @@ use crate::analysis::metrics::Acc;
 use crate::schema::Reduce;
 
 pub use file::{decode, encode, read_local, summary_file_name, summary_path, write_local};
+pub use local::{RankSummarised, summarise_rank};
 pub use merged::{CollectiveContext, RunCollective, RunDigest};
+pub use rank::RankDigest;
+pub use rank_file::RANK_SUMMARY_FILE;
 
 use crate::part::CompactedDamage;
 use crate::record::NO_STEP;
@@ -346,6 +357,17 @@ impl PartDigest {
             pipeline: crate::analysis::pipeline::part_pipeline(d),
             scalars: scalar_cells(&d.scalars),
         }
+    }
+
+    /// Drops everything but the counts and the scalars (what `metrics` reads).
+    pub(crate) fn keep_only_scalars(&mut self) {
+        self.phases = Vec::new();
+        self.cells = Vec::new();
+        self.walls = Vec::new();
+        self.tag_spans = Vec::new();
+        self.collectives = Vec::new();
+        self.last_ended = Vec::new();
+        self.pipeline = None;
     }
 
     /// The digest as a [`PartData`] holding no records: what the reader merges into a run

@@ -263,7 +263,7 @@ fn gantt_from_detail_levels(args: &GanttArgs) -> anyhow::Result<(Timeline, bool)
     let (steps, spans) = detail_source::steps(&d.parts())?;
     d.set_whole_steps(&mut t, steps, spans);
     match detail_source::analysis(&args.run, d.run_id.as_deref()) {
-        Ok((a, spread)) => d.set_analysis(&mut t, a, spread),
+        Ok((a, spread, _metrics)) => d.set_analysis(&mut t, a, spread),
         Err(e) => t.warnings.push(format!("summary: {e:#}")),
     }
     let collapsed = collapses(args, &t);

@@ -14,7 +14,7 @@ use titan_obs_core::part_files::PartFile;
 use titan_obs_core::read::{Columns, PartsReader, ReadOptions};
 
 use super::detail::{Appended, DetailRun};
-use super::model::{MetricSeries, PhaseSpread, Reduce, Timeline};
+use super::model::{MetricSeries, PhaseSpread, Timeline};
 use super::terminal::{FOLLOW_INTERVAL, TimelineSource};
 use super::view::View;
 
@@ -93,7 +93,12 @@ fn follow_worker(
         }
     };
     reader.skip_parts_through(&skip);
-    let opts = ReadOptions::default();
+    // What `appended` draws: no span links, no error messages.
+    let opts = ReadOptions::with_columns(Columns {
+        links: false,
+        messages: false,
+        ..Columns::ALL
+    });
     let mut shown = run_id.is_none();
     loop {
         let started = Instant::now();
@@ -322,19 +327,15 @@ fn whole_run_here(
         }
     }
     match analysis(run, run_id) {
-        Ok((a, spread)) => {
-            if !send(Whole::Analysis(Box::new(a), spread)) {
-                return;
+        Ok((a, spread, metrics)) => {
+            if send(Whole::Analysis(Box::new(a), spread)) {
+                send(Whole::Metrics(metrics));
             }
         }
         Err(e) => {
             send(Whole::Failed(format!("summary: {e:#}")));
         }
     }
-    match metrics(parts) {
-        Ok(m) => send(Whole::Metrics(m)),
-        Err(e) => send(Whole::Failed(format!("metrics: {e:#}"))),
-    };
 }
 
 type StepBounds = BTreeMap<u64, (i64, i64, Vec<String>)>;
@@ -396,9 +397,10 @@ pub(super) fn steps(parts: &[PartFile]) -> anyhow::Result<(Vec<WholeStep>, u64)>
     ))
 }
 
-/// The analysis `titan-obs summary` computes from the per-part summaries, and every (phase,
-/// step)'s spread across ranks of per-rank time. The summaries hold no start times: a
-/// collapsed bar starts at its step's start ([`PhaseSpread::median_start`] is that).
+/// The analysis `titan-obs summary` computes from the summaries, every (phase, step)'s
+/// spread across ranks of per-rank time, and the metrics (`titan-obs metrics`' values, from
+/// the same summaries: no part is decoded). The summaries hold no start times: a collapsed
+/// bar starts at its step's start ([`PhaseSpread::median_start`] is that).
 #[allow(clippy::type_complexity)]
 pub(super) fn analysis(
     run: &str,
@@ -406,6 +408,7 @@ pub(super) fn analysis(
 ) -> anyhow::Result<(
     titan_obs_core::analysis::Analysis,
     Vec<(String, u64, PhaseSpread)>,
+    Vec<MetricSeries>,
 )> {
     let opts = ReadOptions {
         columns: Columns {
@@ -420,7 +423,8 @@ pub(super) fn analysis(
         loaded.select_run(id)?;
     }
     let shape = RunShape::of_run(&loaded);
-    let digest = loaded.digest.clone().unwrap_or_default();
+    // Taken, not cloned: the merged summaries are most of what this worker holds.
+    let digest = loaded.digest.take().unwrap_or_default();
     let a = analyse_digest(
         &digest,
         &loaded.names,
@@ -428,6 +432,7 @@ pub(super) fn analysis(
         &titan_obs_core::analysis::stage_groups(&loaded),
         &StragglerOptions::default(),
     );
+    let metrics = metric_series(&digest.metrics, &loaded.names);
     let mut spread = Vec::new();
     for (name, cells) in digest.cells.iter().enumerate() {
         let Some(phase) = loaded.names.get(name) else {
@@ -464,68 +469,29 @@ pub(super) fn analysis(
             ));
         }
     }
-    Ok((a, spread))
+    Ok((a, spread, metrics))
 }
 
-/// A scalar's values at one step, reduced as they come: (reduce, sum, min, max, count).
-type Reducing = (Reduce, f64, f64, f64, u64);
-
-fn reduce_into(
-    a: &mut BTreeMap<(String, u64), Reducing>,
-    name: String,
-    step: u64,
-    v: f64,
-    r: Reduce,
-) {
-    let e = a
-        .entry((name, step))
-        .or_insert((r, 0.0, f64::INFINITY, f64::NEG_INFINITY, 0));
-    e.1 += v;
-    e.2 = e.2.min(v);
-    e.3 = e.3.max(v);
-    e.4 += 1;
-}
-
-/// The per-step metrics, one part at a time: only each (scalar, step)'s running reduction is
-/// kept, never the values.
-fn metrics(parts: &[PartFile]) -> anyhow::Result<Vec<MetricSeries>> {
-    let merged = parts
-        .par_iter()
-        .fold(BTreeMap::new, |mut acc, p| {
-            for (name, step, v, r) in lod::part_scalars(p).unwrap_or_default() {
-                reduce_into(&mut acc, name, step, v, r);
-            }
-            acc
-        })
-        .reduce(BTreeMap::new, |mut a, b| {
-            for ((name, step), (r, sum, min, max, n)) in b {
-                let e =
-                    a.entry((name, step))
-                        .or_insert((r, 0.0, f64::INFINITY, f64::NEG_INFINITY, 0));
-                e.1 += sum;
-                e.2 = e.2.min(min);
-                e.3 = e.3.max(max);
-                e.4 += n;
-            }
-            a
-        });
+/// The metric lines of the summaries as one series per scalar name (NaN values and steps
+/// without a number left out, as `titan-obs metrics` does).
+fn metric_series(
+    lines: &titan_obs_core::analysis::metrics::Lines,
+    names: &[String],
+) -> Vec<MetricSeries> {
     let mut series: BTreeMap<String, MetricSeries> = BTreeMap::new();
-    for ((name, step), (reduce, sum, min, max, n)) in merged {
-        let value = match reduce {
-            Reduce::Mean => sum / n.max(1) as f64,
-            Reduce::Sum => sum,
-            Reduce::Min => min,
-            Reduce::Max => max,
+    for (step, name, reduce, value) in lines.values() {
+        let Some(name) = names.get(name as usize) else {
+            continue;
         };
         series
             .entry(name.clone())
             .or_insert_with(|| MetricSeries {
-                name,
+                name: name.clone(),
                 reduce,
                 points: Vec::new(),
             })
             .points
             .push((step, value));
     }
-    Ok(series.into_values().collect())
+    series.into_values().collect()
 }
