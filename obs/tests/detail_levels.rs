@@ -149,8 +149,12 @@ fn keep_run_picks_the_newest_run_or_the_one_asked_for() {
         let from = second.join(format!("obs/rank-{rank}"));
         for e in std::fs::read_dir(&from).unwrap().flatten() {
             let name = e.file_name().into_string().unwrap();
-            let (stem, ext) = name.split_once('.').unwrap();
-            let index: u64 = stem.strip_prefix("part-").unwrap().parse().unwrap();
+            // The parts and the files beside them; not the second run's rank summary.
+            let Some((index, ext)) = name.strip_prefix("part-").and_then(|n| n.split_once('.'))
+            else {
+                continue;
+            };
+            let index: u64 = index.parse().unwrap();
             let to = run.join(format!("obs/rank-{rank}/part-{:06}.{ext}", index + 100));
             std::fs::copy(e.path(), to).unwrap();
         }

@@ -981,8 +981,12 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
             .flatten()
         {
             let name = e.file_name().into_string().unwrap();
-            let (stem, ext) = name.split_once('.').unwrap();
-            let index: u64 = stem.strip_prefix("part-").unwrap().parse().unwrap();
+            // The parts and the files beside them; not the second run's rank summary.
+            let Some((index, ext)) = name.strip_prefix("part-").and_then(|n| n.split_once('.'))
+            else {
+                continue;
+            };
+            let index: u64 = index.parse().unwrap();
             let to = run.join(format!("obs/rank-{rank}/part-{:06}.{ext}", index + 1000));
             std::fs::copy(e.path(), to).unwrap();
         }

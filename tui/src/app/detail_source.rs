@@ -423,13 +423,15 @@ pub(super) fn analysis(
         loaded.select_run(id)?;
     }
     let shape = RunShape::of_run(&loaded);
+    // Before the summaries are taken: under PP the stages come from their pipeline sections.
+    let stages = titan_obs_core::analysis::stage_groups(&loaded);
     // Taken, not cloned: the merged summaries are most of what this worker holds.
     let digest = loaded.digest.take().unwrap_or_default();
     let a = analyse_digest(
         &digest,
         &loaded.names,
         &shape,
-        &titan_obs_core::analysis::stage_groups(&loaded),
+        &stages,
         &StragglerOptions::default(),
     );
     let metrics = metric_series(&digest.metrics, &loaded.names);
