@@ -40,7 +40,9 @@ pub fn summarise_rank(
 ) -> RankSummarised {
     let mut out = RankSummarised::default();
     match rank_file::read_local(dir) {
-        Ok(Some(d)) if d.fits(listed) => out.digest = d,
+        // A covered part whose length changed was rewritten or damaged since: its own
+        // summary (checked against the part's length) or the part itself says which.
+        Ok(Some(d)) if d.fits(listed) && covered_lengths_match(&d, dir) => out.digest = d,
         Ok(_) => out.changed = true,
         Err(e) => {
             let file = rank_file::rank_summary_path(dir).display().to_string();
@@ -77,6 +79,17 @@ pub fn summarise_rank(
         tracing::debug!("not caching the summary of {}: {e:#}", dir.display());
     }
     out
+}
+
+/// Whether every part `d` covers still has the length it was summarised at (one stat a part,
+/// in parallel: no part is opened).
+fn covered_lengths_match(d: &RankDigest, dir: &Path) -> bool {
+    use rayon::prelude::*;
+    let covered: Vec<_> = d.covered().collect();
+    covered.par_iter().all(|p| {
+        std::fs::metadata(dir.join(crate::location::part_file_name(p.index)))
+            .is_ok_and(|m| m.len() == p.len)
+    })
 }
 
 /// The indices of the parts in the local rank folder `dir`.
