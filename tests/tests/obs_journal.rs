@@ -171,7 +171,8 @@ fn a_short_run_leaves_one_part_per_rank() {
             [
                 "part-000000.lod",
                 "part-000000.parquet",
-                "part-000000.summary"
+                "part-000000.summary",
+                "rank.summary"
             ]
         );
     }
@@ -297,7 +298,8 @@ fn kill_9_keeps_every_flushed_batch_and_the_next_process_compacts_it() {
             "part-000000.summary",
             "part-000001.lod",
             "part-000001.parquet",
-            "part-000001.summary"
+            "part-000001.summary",
+            "rank.summary"
         ]
     );
     let after = load(&run);
@@ -539,8 +541,8 @@ fn old_layout_parts_and_a_journal_load_together() {
         ..Default::default()
     };
     let stats = titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
-    // 10 parts, each with its summary and detail levels.
-    assert_eq!(files(&run.join("obs/rank-0")).len(), 30);
+    // 10 parts, each with its summary and detail levels, and the rank's summary.
+    assert_eq!(files(&run.join("obs/rank-0")).len(), 31);
     let old = load(&run);
     assert!(old.report.is_complete());
     assert_eq!(old.spans.len() as u64, stats.spans);
