@@ -67,8 +67,9 @@ struct Listed {
 struct Listing {
     rank_dirs: BTreeSet<u32>,
     files: Vec<Listed>,
-    /// Local rank folders whose parts were listed by name only (not stat'ed): their folder
-    /// and part indices, summarised from the rank summary ([`Work::Rank`]).
+    /// Local rank folders whose parts were listed by name only (not stat'ed here): their
+    /// folder and part indices, summarised from the rank summary ([`Work::Rank`], which
+    /// checks the covered parts' lengths).
     named_parts: BTreeMap<u32, (PathBuf, BTreeSet<u64>)>,
     /// Local rank directories read (the others were unchanged since their last listing).
     dirs_read: u64,
@@ -287,7 +288,8 @@ impl PartsReader {
         // Parts already decoded are immutable: the listing skips them (no stat, no strings),
         // so a refresh costs the directory read plus what is new, not the run's history.
         // Reading summaries, a rank read for the first time is read from its rank summary:
-        // its parts are listed by name only, checked against what that summary covers.
+        // its parts are listed by name only, checked against what that summary covers (the
+        // covered parts' lengths are checked by `summarise_rank`, in the rank's own task).
         let seen = &self.seen;
         let ranks_read = &self.ranks_read;
         let whole_ranks = opts.digests && matches!(self.location, Location::Local(_));
@@ -878,7 +880,7 @@ fn read_local(path: &str, range: std::ops::Range<u64>) -> Result<Bytes> {
 /// Local rank directories that have not changed since their last listing (`listings`) are
 /// not read again: only their journals and the files still pending are stat'ed, so a
 /// refresh does not cost in proportion to the parts a long run has accumulated. The parts
-/// of local ranks `by_name(rank)` picks are not stat'ed at all: they are listed in
+/// of local ranks `by_name(rank)` picks are not stat'ed here: they are listed in
 /// [`Listing::named_parts`].
 fn list_files(
     location: &Location,
