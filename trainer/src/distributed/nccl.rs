@@ -507,20 +507,19 @@ fn watchdog(
                 }
             }
             let own = format!("rank {rank}: {message}");
-            let first = match failures.map(|f| f.post(&own)) {
-                Some(Posted::After(first)) => Some(first),
-                Some(Posted::Unreachable(why)) => Some(format!(
-                    "unknown: the job's failure notices could not be read ({why})"
-                )),
-                Some(Posted::First) | None => None,
+            // What the board adds to this rank's own message (as the cpu backend's errors do).
+            let context = match failures.map(|f| f.post(&own)) {
+                Some(Posted::After(first)) => {
+                    format!("\n  first failure reported in the job: {first}")
+                }
+                Some(Posted::Unreachable(why)) => format!(
+                    "\n  the job's failure notices could not be read ({why}): the store's host \
+                     has exited or is unreachable; the other ranks' logs say which failed first"
+                ),
+                Some(Posted::First) | None => String::new(),
             };
             *watch.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(own.clone());
-            match first {
-                Some(first) => eprintln!(
-                    "titan-train: error: {own}\n  first failure reported in the job: {first}"
-                ),
-                None => eprintln!("titan-train: error: {own}"),
-            }
+            eprintln!("titan-train: error: {own}{context}");
             std::process::exit(1);
         }
         std::thread::sleep(Duration::from_millis(1));
