@@ -93,9 +93,7 @@ impl Default for CommOptions {
 /// This process's membership in a job.
 pub struct Dist {
     pub env: LaunchEnv,
-    /// None for a single process.
-    pub store: Option<Arc<TcpStore>>,
-    /// Where failures are posted; None for a single process.
+    /// The rendezvous store and the job's failure notices on it; None for a single process.
     pub failures: Option<Arc<FailureBoard>>,
     pub opts: CommOptions,
     /// Rank 0's wall clock minus ours (ns); 0 on rank 0 and single processes.
@@ -113,7 +111,6 @@ impl Dist {
         let mut dist = Dist {
             device_index: env.local_rank,
             env,
-            store: None,
             failures: None,
             opts,
             clock_offset_ns: 0,
@@ -134,7 +131,6 @@ impl Dist {
         })
         .map_err(|source| CommError::Store { rank, source })?;
         let store = Arc::new(store);
-        dist.store = Some(store.clone());
         dist.failures = Some(Arc::new(FailureBoard::new(
             store.clone(),
             dist.env.world_size,
@@ -259,7 +255,7 @@ impl Dist {
     /// Barriers over the rendezvous store (usable from any thread), for multi-rank checkpoint
     /// commits; `None` for a single process. Each waits at most `comm.init_timeout_seconds`.
     pub fn store_barrier(&self) -> Option<Arc<dyn RankSync>> {
-        let store = self.store.clone()?;
+        let store = self.failures.as_ref()?.store.clone();
         Some(Arc::new(StoreBarrier {
             store,
             rank: self.rank(),
