@@ -11,9 +11,13 @@ use std::str::FromStr;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::safetensors::numel;
 use crate::storage::Root;
 use titan_dcp::Dtype;
+
+/// Elements of a tensor of `shape`, or None when the count overflows u64 (a hostile header).
+pub fn numel(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+}
 
 /// A checkpoint format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
-use crate::plan::{Chunk, ChunkSource, Encoding};
+use crate::plan::{Chunk, ChunkSource, Encoding, numel};
 use crate::storage::InFile;
 use titan_dcp::Dtype;
 
@@ -53,10 +53,6 @@ pub struct Header {
     /// The `__metadata__` string map.
     pub metadata: BTreeMap<String, String>,
     pub data_start: u64,
-}
-
-pub fn numel(shape: &[u64]) -> Option<u64> {
-    shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
 }
 
 /// Reads and validates the header of `file`.

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use crate::assemble::{self, Layout, TensorReader};
 use crate::cast;
 use crate::error::{Error, Result};
-use crate::plan::{CheckpointPlan, Encoding, TensorPlan};
+use crate::plan::{self, CheckpointPlan, Encoding, TensorPlan};
 use crate::safetensors::{self, OutEntry};
 use crate::storage::{InFile, OutFile, Root};
 use titan_dcp::Dtype;
@@ -201,15 +201,13 @@ impl OutTensor {
     }
 
     pub fn nbytes(&self) -> u64 {
-        safetensors::numel(&self.shape).unwrap_or(0) * self.dtype.size() as u64
+        plan::numel(&self.shape).unwrap_or(0) * self.dtype.size() as u64
     }
 
     /// The single input tensor this copies whole, if it is one.
     pub fn whole_source(&self) -> Option<&str> {
         match self.sources.as_slice() {
-            [s] if s.offset == 0 && Some(s.numel) == safetensors::numel(&self.shape) => {
-                Some(&s.tensor)
-            }
+            [s] if s.offset == 0 && Some(s.numel) == plan::numel(&self.shape) => Some(&s.tensor),
             _ => None,
         }
     }
@@ -286,7 +284,7 @@ pub fn resolve_sources<'p, 't>(
         total += s.numel;
         out.push((src, s));
     }
-    if Some(total) != safetensors::numel(&t.shape) {
+    if Some(total) != plan::numel(&t.shape) {
         return Err(Error::tensor(
             plan.root.display(),
             &t.name,
