@@ -306,3 +306,93 @@ fn tensorboard_events_read_back_in_tensorboard_and_tbparse() {
     // 4 steps x 5 train scalars + 2 validations x 2.
     assert_eq!(report["checked"], 24, "{report}");
 }
+
+/// A layout the model cannot be split into is refused before anything is built, naming its own
+/// key: by the launcher before any rank starts (no rank's output appears), and on one process
+/// before the model is drawn.
+#[test]
+fn layout_errors_name_their_key_before_any_rank_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("never");
+    let dump = dump.to_str().unwrap();
+    let cases: [(&[&str], &str); 7] = [
+        // 16 heads over 3 tp ranks.
+        (
+            &[
+                "--nproc-per-node",
+                "3",
+                "--parallelism.tensor_parallel_degree",
+                "3",
+            ],
+            "parallelism.tensor_parallel_degree",
+        ),
+        // Sequence parallelism cuts the sequence into tp equal blocks.
+        (
+            &[
+                "--nproc-per-node",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.seq_len",
+                "63",
+            ],
+            "training.seq_len",
+        ),
+        (
+            &[
+                "--nproc-per-node",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.disable_loss_parallel",
+                "true",
+            ],
+            "parallelism.disable_loss_parallel",
+        ),
+        (
+            &[
+                "--nproc-per-node",
+                "2",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "3",
+            ],
+            "parallelism.pipeline_parallel_microbatch_size",
+        ),
+        // A schedule name is checked where no pipeline runs too: a typo is never meant.
+        (
+            &["--parallelism.pipeline_parallel_schedule", "1f1b_typo"],
+            "parallelism.pipeline_parallel_schedule",
+        ),
+        (
+            &["--checkpoint.create_seed_checkpoint", "true"],
+            "checkpoint.create_seed_checkpoint",
+        ),
+        (
+            &[
+                "--nproc-per-node",
+                "2",
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.create_seed_checkpoint",
+                "true",
+            ],
+            "checkpoint.create_seed_checkpoint",
+        ),
+    ];
+    for (extra, key) in cases {
+        let mut args = SMALL.to_vec();
+        args.extend(["--training.steps", "1", "--job.dump_folder", dump]);
+        args.extend(extra);
+        let o = titan_train(&args);
+        let out = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {out}");
+        assert!(out.contains(key), "{extra:?} must name {key}: {out}");
+        assert!(!out.contains("[rank"), "{extra:?}: a rank started: {out}");
+        assert!(
+            !Path::new(dump).exists(),
+            "{extra:?}: something was written before the refusal"
+        );
+    }
+}

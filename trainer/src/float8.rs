@@ -35,73 +35,55 @@
 //! Only the matmuls see float8: parameters, gradients, optimizer state and checkpoints keep their
 //! dtype.
 
-use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use titan_ckpt::adapter::{legacy_name, tables::LLAMA3};
 
 use crate::autograd::{self, Function};
+pub use crate::config::Float8Recipe as Recipe;
+use crate::parallelize::plan::TpStyle;
 use crate::parallelize::tp::TensorParallel;
 
 /// The smallest amax a scale is computed from (torchao's `EPS`): an all-zero tensor gets a
 /// finite scale.
 pub const EPS: f64 = 1e-12;
 
-/// A float8 training recipe (`recipe_name`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Recipe {
-    Tensorwise,
-    Rowwise,
-    RowwiseWithGwHp,
-}
-
-impl Recipe {
-    pub fn name(self) -> &'static str {
-        match self {
-            Recipe::Tensorwise => "tensorwise",
-            Recipe::Rowwise => "rowwise",
-            Recipe::RowwiseWithGwHp => "rowwise_with_gw_hp",
-        }
-    }
-
-    /// How each of the three matmuls casts its operands.
-    fn plan(self) -> Plan {
-        use Kind::{Float8e4m3fn as E4, Float8e5m2 as E5};
-        let tensorwise = |kind| {
-            Some(Cast {
-                kind,
-                rowwise: false,
-            })
-        };
-        let rowwise = |kind| {
-            Some(Cast {
-                kind,
-                rowwise: true,
-            })
-        };
-        // torchao's default gemm configs: fast accumulation for the output only.
-        let gemm = |a, b, fast_accum| Gemm { a, b, fast_accum };
-        match self {
-            Recipe::Tensorwise => Plan {
-                output: gemm(tensorwise(E4), tensorwise(E4), true),
-                grad_input: gemm(tensorwise(E5), tensorwise(E4), false),
-                grad_weight: gemm(tensorwise(E5), tensorwise(E4), false),
-                pow2: false,
-            },
-            Recipe::Rowwise => Plan {
-                output: gemm(rowwise(E4), rowwise(E4), true),
-                grad_input: gemm(rowwise(E4), rowwise(E4), false),
-                grad_weight: gemm(rowwise(E4), rowwise(E4), false),
-                pow2: true,
-            },
-            Recipe::RowwiseWithGwHp => Plan {
-                output: gemm(rowwise(E4), rowwise(E4), true),
-                grad_input: gemm(rowwise(E4), tensorwise(E4), false),
-                grad_weight: gemm(None, None, false),
-                pow2: true,
-            },
-        }
+/// How each of the three matmuls of `recipe` casts its operands.
+fn recipe_plan(recipe: Recipe) -> Plan {
+    use Kind::{Float8e4m3fn as E4, Float8e5m2 as E5};
+    let tensorwise = |kind| {
+        Some(Cast {
+            kind,
+            rowwise: false,
+        })
+    };
+    let rowwise = |kind| {
+        Some(Cast {
+            kind,
+            rowwise: true,
+        })
+    };
+    // torchao's default gemm configs: fast accumulation for the output only.
+    let gemm = |a, b, fast_accum| Gemm { a, b, fast_accum };
+    match recipe {
+        Recipe::Tensorwise => Plan {
+            output: gemm(tensorwise(E4), tensorwise(E4), true),
+            grad_input: gemm(tensorwise(E5), tensorwise(E4), false),
+            grad_weight: gemm(tensorwise(E5), tensorwise(E4), false),
+            pow2: false,
+        },
+        Recipe::Rowwise => Plan {
+            output: gemm(rowwise(E4), rowwise(E4), true),
+            grad_input: gemm(rowwise(E4), rowwise(E4), false),
+            grad_weight: gemm(rowwise(E4), rowwise(E4), false),
+            pow2: true,
+        },
+        Recipe::RowwiseWithGwHp => Plan {
+            output: gemm(rowwise(E4), rowwise(E4), true),
+            grad_input: gemm(rowwise(E4), tensorwise(E4), false),
+            grad_weight: gemm(None, None, false),
+            pow2: true,
+        },
     }
 }
 
@@ -271,31 +253,20 @@ pub fn probe(backend: Backend, device: tch::Device) -> Result<(), String> {
     result.unwrap_or_else(|p| Err(autograd::panic_text(p)))
 }
 
-/// Which of a linear's weight dimensions tensor parallelism splits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TpSplit {
-    /// Not split (one tp rank, or a replicated weight).
-    Whole,
-    /// Column-wise parallel: W's rows (output features) are split; the input is whole, the
-    /// output and its gradient hold this rank's features.
-    Columns,
-    /// Row-wise parallel: W's columns (input features) are split, and the input with them.
-    Rows,
-}
-
 /// Which dimension of each matmul operand (in the matmul's orientation) is split over tp:
 /// `[output (a, b), grad_input (a, b), grad_weight (a, b)]`.
 type Splits = [(Option<i64>, Option<i64>); 3];
 
-impl TpSplit {
-    fn operand_splits(self) -> Splits {
-        match self {
-            TpSplit::Whole => [(None, None); 3],
-            // x (M,K) whole, Wᵀ (K,N/tp); go (M,N/tp), W (N/tp,K); goᵀ (N/tp,M), x whole.
-            TpSplit::Columns => [(None, Some(1)), (Some(1), Some(0)), (Some(0), None)],
-            // x (M,K/tp), Wᵀ (K/tp,N); go whole, W (N,K/tp); goᵀ whole, x (M,K/tp).
-            TpSplit::Rows => [(Some(1), Some(0)), (None, Some(1)), (None, Some(1))],
-        }
+/// The matmul operands' splits of a linear whose weight the TP plan places as `style`.
+fn operand_splits(style: TpStyle) -> Splits {
+    match style {
+        TpStyle::Replicated => [(None, None); 3],
+        // Column-wise: W's rows (output features) split, the input whole.
+        // x (M,K) whole, Wᵀ (K,N/tp); go (M,N/tp), W (N/tp,K); goᵀ (N/tp,M), x whole.
+        TpStyle::Rows => [(None, Some(1)), (Some(1), Some(0)), (Some(0), None)],
+        // Row-wise: W's columns (input features) split, and the input with them.
+        // x (M,K/tp), Wᵀ (K/tp,N); go whole, W (N,K/tp); goᵀ whole, x (M,K/tp).
+        TpStyle::Cols => [(Some(1), Some(0)), (None, Some(1)), (None, Some(1))],
     }
 }
 
@@ -310,13 +281,18 @@ pub struct Float8Linear {
 }
 
 impl Float8Linear {
-    pub fn new(recipe: Recipe, backend: Backend, tp: TensorParallel, split: TpSplit) -> Self {
-        let split = if tp.size() > 1 { split } else { TpSplit::Whole };
+    /// A float8 linear whose weight is placed as `style` over `tp` ([`crate::parallelize::plan`]).
+    pub fn new(recipe: Recipe, backend: Backend, tp: TensorParallel, style: TpStyle) -> Self {
+        let style = if tp.size() > 1 {
+            style
+        } else {
+            TpStyle::Replicated
+        };
         Float8Linear {
-            plan: recipe.plan(),
+            plan: recipe_plan(recipe),
             backend,
             tp,
-            splits: split.operand_splits(),
+            splits: operand_splits(style),
         }
     }
 
@@ -628,9 +604,9 @@ impl Float8Training {
         })
     }
 
-    /// The float8 layer for a linear split over `tp` as `split`.
-    pub fn linear(&self, tp: &TensorParallel, split: TpSplit) -> Float8Linear {
-        Float8Linear::new(self.recipe, self.backend, tp.clone(), split)
+    /// The float8 layer for a linear placed over `tp` as `style`.
+    pub fn linear(&self, tp: &TensorParallel, style: TpStyle) -> Float8Linear {
+        Float8Linear::new(self.recipe, self.backend, tp.clone(), style)
     }
 }
 
@@ -790,7 +766,7 @@ mod tests {
         for recipe in [Recipe::Tensorwise, Recipe::Rowwise, Recipe::RowwiseWithGwHp] {
             let mut results = Vec::new();
             for backend in [Backend::Emulated, Backend::ScaledMm] {
-                let f8 = Float8Linear::new(recipe, backend, tp.clone(), TpSplit::Whole);
+                let f8 = Float8Linear::new(recipe, backend, tp.clone(), TpStyle::Replicated);
                 let x = x.copy().set_requires_grad(true);
                 let w = w.copy().set_requires_grad(true);
                 let y = f8.apply(&x, &w);
@@ -848,12 +824,13 @@ mod tests {
             [y.detach(), x.grad(), w.grad()].map(|t| values(&t))
         };
         for backend in [Backend::Emulated, Backend::ScaledMm] {
-            let f8 = Float8Linear::new(Recipe::Tensorwise, backend, tp.clone(), TpSplit::Whole);
+            let f8 =
+                Float8Linear::new(Recipe::Tensorwise, backend, tp.clone(), TpStyle::Replicated);
             assert!(f8.takes_gathered_weights());
             assert_eq!(run(&f8, true), run(&f8, false), "{backend:?}");
         }
         for recipe in [Recipe::Rowwise, Recipe::RowwiseWithGwHp] {
-            let f8 = Float8Linear::new(recipe, Backend::Emulated, tp.clone(), TpSplit::Whole);
+            let f8 = Float8Linear::new(recipe, Backend::Emulated, tp.clone(), TpStyle::Replicated);
             assert!(!f8.takes_gathered_weights(), "{recipe:?}");
         }
     }

@@ -23,10 +23,13 @@
 //! - [`train`]: the loop; [`metrics`]: console line, throughput, memory; [`tensorboard`]: event
 //!   files.
 
+/// The job configuration, its own crate at the bottom of the trainer (no libtorch).
+pub use titan_train_config as config;
+/// Both of torchtitan's command lines, read onto [`config::JobConfig`].
+pub use titan_train_config::command_line;
+
 pub mod autograd;
 pub mod checkpoint;
-pub mod command_line;
-pub mod config;
 pub mod console;
 pub mod data;
 pub mod distributed;

@@ -19,6 +19,7 @@ use titan_train::distributed::launch::{self, LaunchArgs};
 use titan_train::distributed::{Backend, CommOptions, DeviceMesh, Dist, LaunchEnv};
 use titan_train::memory_estimate;
 use titan_train::parallel::Mesh;
+use titan_train::parallelize::layout::check_layout;
 use titan_train::train::{self, TrainSummary};
 
 const OK: Code = Code::new(0, "success");
@@ -192,7 +193,9 @@ fn main() -> ExitCode {
     if let Some(launch) = launch {
         // The degrees are checked against the world before any rank starts.
         let world_size = launch.nproc_per_node * launch.nnodes;
-        if let Err(e) = Mesh::new(&cfg.parallelism, 0, 0, world_size) {
+        let checked = Mesh::new(&cfg.parallelism, 0, 0, world_size)
+            .and_then(|world| Ok(check_layout(&cfg, &world)?));
+        if let Err(e) = checked {
             return usage_error(format!("{e:#}"));
         }
         return run_launcher(&launch, &rank_args);
@@ -201,7 +204,10 @@ fn main() -> ExitCode {
         Ok(env) => env,
         Err(e) => return usage_error(e),
     };
-    if let Err(e) = Mesh::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size) {
+    // The model's split too, before the rendezvous: every rank finds the same problem alone.
+    let checked = Mesh::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size)
+        .and_then(|world| Ok(check_layout(&cfg, &world)?));
+    if let Err(e) = checked {
         return usage_error(format!("{e:#}"));
     }
     if cfg.debug.deterministic {

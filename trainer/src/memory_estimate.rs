@@ -71,12 +71,15 @@
 //! the activations drain. Not counted: the CUDA context and NCCL buffers (~1-3 GiB per GPU), the
 //! caching allocator's fragmentation, and the optimizer's transient buffers.
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use serde_json::json;
 
+use crate::config::ActivationCheckpointing;
 use crate::config::{DtypeName, JobConfig, ReshardAfterForward};
-use crate::model::{ActivationCheckpointing, ModelArgs};
+use crate::model::{ModelArgs, Module};
 use crate::parallel::Mesh;
+use crate::parallelize::layout::check_tensor_parallel;
+use crate::parallelize::plan::{tp_local_shape, tp_style};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -222,44 +225,30 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         layout.pp as u64,
         layout.cp as u64,
     );
-    for (what, count) in [("n_heads", heads), ("n_kv_heads", kv_heads)] {
-        if count % t != 0 {
-            bail!(
-                "parallelism.tensor_parallel_degree {t} does not divide llama3 {}'s {what} \
-                 {count}: torchtitan's plan splits attention by heads",
-                cfg.model.flavor
-            );
-        }
-    }
+    // The trainer's own rules for splitting the model over tp (heads, split weights, sequence).
+    check_tensor_parallel(cfg, &args, layout.tp)?;
+    // Activation widths under TP: heads and features split as the plan splits q/k/v, w1/w3 and
+    // lm_head's outputs.
     let (h_l, k_l, f_l, v_l) = (heads / t, kv_heads / t, ceil_div(f, t), ceil_div(v, t));
-
-    // TP-local shapes, torchtitan's llama3 plan.
-    let vector = Shape { rows: d, cols: 1 };
-    let block = [
-        Shape {
-            rows: h_l * e,
-            cols: d,
-        }, // wq, column-wise
-        Shape {
-            rows: k_l * e,
-            cols: d,
-        }, // wk
-        Shape {
-            rows: k_l * e,
-            cols: d,
-        }, // wv
-        Shape {
-            rows: d,
-            cols: h_l * e,
-        }, // wo, row-wise
-        Shape { rows: f_l, cols: d }, // w1
-        Shape { rows: d, cols: f_l }, // w2, row-wise
-        Shape { rows: f_l, cols: d }, // w3
-        vector,                       // attention_norm
-        vector,                       // ffn_norm
-    ];
-    let embed = [Shape { rows: v_l, cols: d }];
-    let head = [vector, Shape { rows: v_l, cols: d }];
+    // Parameters' TP-local shapes by the one TP plan: a block's (layer 0's), the embedding's, the head's.
+    let local = |module: Module| -> Result<Vec<Shape>> {
+        args.parameters()
+            .into_iter()
+            .filter(|p| p.module == module)
+            .map(|p| {
+                let shape = tp_local_shape(&p.shape, tp_style(&p.fqn)?, t as i64)?;
+                Ok(Shape {
+                    rows: u(shape[0]),
+                    cols: shape.get(1).copied().map_or(1, u),
+                })
+            })
+            .collect()
+    };
+    let (block, embed, head) = (
+        local(Module::Layer(0))?,
+        local(Module::Embeddings)?,
+        local(Module::Head)?,
+    );
     let stage_layers = ceil_div(layers, pp);
 
     let master = cfg.training.dtype;

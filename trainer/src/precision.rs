@@ -17,12 +17,21 @@ use tch::{Device, Kind};
 
 use crate::config::{DtypeName, Training};
 
+/// The libtorch dtype of one of torchtitan's dtype names (the config itself knows no libtorch).
+pub fn kind(dtype: DtypeName) -> Kind {
+    match dtype {
+        DtypeName::Float32 => Kind::Float,
+        DtypeName::Bfloat16 => Kind::BFloat16,
+        DtypeName::Float16 => Kind::Half,
+    }
+}
+
 /// The dtype parameters compute in: `mixed_precision_param` over fp32 master weights, or the
 /// whole model's `training.dtype`.
 pub fn param_kind(t: &Training) -> Kind {
     match t.dtype {
-        DtypeName::Float32 => t.mixed_precision_param.kind(),
-        other => other.kind(),
+        DtypeName::Float32 => kind(t.mixed_precision_param),
+        other => kind(other),
     }
 }
 
@@ -41,7 +50,7 @@ impl Precision {
     pub fn from_config(t: &Training) -> Self {
         match (t.dtype, t.mixed_precision_param) {
             (DtypeName::Float32, DtypeName::Float32) => Precision::Plain,
-            (DtypeName::Float32, p) => Precision::Autocast(p.kind()),
+            (DtypeName::Float32, p) => Precision::Autocast(kind(p)),
             _ => Precision::Plain,
         }
     }

@@ -28,9 +28,8 @@ use crate::model::{Llama, ModelArgs};
 use crate::optim::{self, AdamW};
 use crate::parallel::Dim;
 use crate::parallelize::ParallelPlan;
-use crate::parallelize::pipeline::{
-    self, Microbatch, Pipeline, PipelineConfig, Schedule, StageModules,
-};
+use crate::parallelize::layout::{check_layout, microbatches};
+use crate::parallelize::pipeline::{self, Microbatch, Pipeline, PipelineConfig, StageModules};
 use crate::precision;
 use crate::tensorboard::EventWriter;
 
@@ -97,19 +96,6 @@ pub fn set_determinism(debug: &config::Debug, device: Device) -> u64 {
 
 fn count_valid(labels: &Tensor) -> i64 {
     labels.ne(IGNORE_INDEX).sum(Kind::Int64).int64_value(&[])
-}
-
-/// Number of microbatches per optimizer step (gradient accumulation), torchtitan's rule.
-pub fn microbatches(training: &config::Training, dp_degree: usize) -> Result<usize> {
-    let per_pass = training.local_batch_size as usize * dp_degree;
-    let global = training.global_batch_size.map_or(per_pass, |g| g as usize);
-    if global == 0 || !global.is_multiple_of(per_pass) {
-        bail!(
-            "training.global_batch_size {global} must be a positive multiple of local_batch_size {} x dp degree {dp_degree}",
-            training.local_batch_size
-        );
-    }
-    Ok(global / per_pass)
 }
 
 /// Writes `text` to `path` through a temporary file and a rename (never half-written).
@@ -306,7 +292,438 @@ fn run_id(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<String> {
 
 /// Trains per `cfg` with the ranks behind `dp`. Init phases and per-step phases are recorded as
 /// titan-obs spans; metrics go to the console, `metrics.jsonl` and titan-obs scalars.
+///
+/// Read top to bottom: build the job ([`Job::build`]: device, data, model, pipeline, optimizer,
+/// checkpoint), then each step loads its microbatches, runs forward/backward
+/// ([`Job::forward_backward`]), reduces and clips the gradients and steps the optimizer
+/// ([`Job::optimizer_step`]), logs ([`Job::log_step`]), validates and checkpoints.
 pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSummary> {
+    let mut job = Job::build(cfg, mesh, run_id)?;
+    let mut summary = TrainSummary {
+        dump_folder: job.dump_folder.clone(),
+        run_id: run_id.to_string(),
+        steps: 0,
+        first_loss: None,
+        last_loss: None,
+        last_validation_loss: None,
+    };
+    if cfg.checkpoint.create_seed_checkpoint {
+        // torchtitan's seed checkpoint: the initialised model saved as the last step 0 (model
+        // only unless `last_save_model_only = false`, in `last_save_*`'s format and dtype), no
+        // step trained; a full one holds the optimizer state torch's DCP initialises.
+        job.optimizer
+            .init_state_as_torch_checkpoints_do(&job.params);
+        job.checkpoint_after(0, 0, 0)?;
+        job.checkpointer.finish()?;
+        tracing::info!("Created seed checkpoint");
+        return Ok(summary);
+    }
+    let mut window = metrics::ThroughputWindow::new(Instant::now());
+    // A live step counter on rank 0's terminal; log lines print above it.
+    let progress = console::Steps::start(job.resumed_step, cfg.training.steps, mesh.mesh.rank == 0);
+
+    for step in job.resumed_step + 1..=cfg.training.steps {
+        titan_obs_core::set_step(step);
+        let step_span = titan_obs_core::span(vocab::STEP);
+        let lr = job.optimizer.next_lr(job.schedule.lr_for_step(step));
+
+        let batches = job.load_batches()?;
+        let local_tokens: i64 = batches.iter().map(|b| count_valid(&b.labels)).sum();
+        let global_tokens = mesh.global_valid_tokens(local_tokens)?;
+        let step_input_tokens = batches.iter().map(|b| b.inputs.numel() as i64).sum::<i64>();
+        window.add_tokens(step_input_tokens);
+
+        let local_loss = job.forward_backward(&batches, global_tokens, step)?;
+        let grad_norm = job.optimizer_step(lr)?;
+        if !local_loss.is_finite() {
+            step_span.error(&format!("loss is {local_loss}"));
+            bail!("step {step}: loss is {local_loss}; lower optimizer.lr or check the data");
+        }
+
+        if step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps {
+            let logged = job.log_step(
+                StepFigures {
+                    step,
+                    lr,
+                    local_loss,
+                    grad_norm,
+                    local_tokens,
+                    global_tokens,
+                },
+                &window,
+                &progress,
+            )?;
+            summary.first_loss.get_or_insert(logged);
+            summary.last_loss = Some(logged);
+            window.restart(Instant::now());
+        }
+        if job.val_loader.is_some() && step % cfg.validation.freq == 0 {
+            let v = job.validate(step)?;
+            summary.last_validation_loss = Some(v.loss);
+            // Validation time is not training time: the next logged throughput leaves it out
+            // (its tokens are the steps' since the last logged step).
+            window.exclude(std::time::Duration::from_secs_f64(v.seconds));
+        }
+        if cfg.training.gc_freq > 0 && step % cfg.training.gc_freq == 0 {
+            let _s = titan_obs_core::span(titan::GC);
+            titan_obs_core::add_step_tag(titan::GC);
+            release_free_memory();
+        }
+        job.checkpoint_after(
+            step,
+            cfg.training.steps,
+            step_input_tokens as u64 * mesh.mesh.dp_degree() as u64,
+        )?;
+        summary.steps = step;
+        progress.step(step);
+        drop(step_span);
+    }
+    job.checkpointer.finish()?;
+    Ok(summary)
+}
+
+/// Everything one rank trains with, built once by [`Job::build`].
+struct Job<'a> {
+    cfg: &'a JobConfig,
+    mesh: &'a DeviceMesh,
+    device: Device,
+    dump_folder: PathBuf,
+    model: Llama,
+    /// Under pipeline parallelism: the schedule that drives the model, and its settings.
+    pipeline: Option<(Pipeline, PipelineConfig)>,
+    /// The model's parameters (shallow clones) as the optimizer and clipping address them.
+    params: Vec<(String, Tensor)>,
+    optimizer: AdamW,
+    schedule: LrSchedule,
+    train_loader: TextLoader,
+    val_loader: Option<TextLoader>,
+    checkpointer: Checkpointer,
+    resumed_step: u64,
+    /// Gradient-accumulation microbatches per step (each a pipeline pass under PP).
+    accumulation: usize,
+    flops_per_token: f64,
+    peak_flops: f64,
+    /// Rank 0's `metrics.jsonl`.
+    metrics_file: Option<MetricsFile>,
+    tensorboard: Option<EventWriter>,
+}
+
+/// One step's figures before they are reduced over the mesh for the log.
+struct StepFigures {
+    step: u64,
+    lr: f64,
+    /// This rank's share of the step's mean loss (summed over the mesh it is the mean).
+    local_loss: f64,
+    grad_norm: f64,
+    local_tokens: i64,
+    global_tokens: i64,
+}
+
+impl<'a> Job<'a> {
+    /// Builds the job: device and seed, data, model (split by the plan), pipeline, optimizer
+    /// and schedule, then loads the checkpoint to resume from, if any.
+    fn build(cfg: &'a JobConfig, mesh: &'a DeviceMesh, run_id: &str) -> Result<Self> {
+        let world = mesh.mesh;
+        let (device, dump_folder) = prepare_process(cfg, mesh, run_id)?;
+        let tokenizer = {
+            let _s = titan_obs_core::span("tokenizer");
+            Arc::new(if cfg.model.hf_assets_path.is_empty() {
+                TextTokenizer::embedded()?
+            } else {
+                TextTokenizer::from_dir(Path::new(&cfg.model.hf_assets_path))?
+            })
+        };
+        // Pipeline parallelism: each step's local batch runs as microbatches through the stages
+        // (torchtitan's loader then yields `pipeline_parallel_microbatch_size` samples a batch).
+        let pipeline_cfg = check_layout(cfg, &world)?;
+        let loader_batch = pipeline_cfg
+            .as_ref()
+            .map_or(cfg.training.local_batch_size, |p| p.microbatch_size);
+        let (mut train_loader, val_loader) = {
+            let _s = titan_obs_core::span("dataloader");
+            build_loaders(cfg, mesh, &tokenizer, loader_batch as usize)?
+        };
+        let model = {
+            let _s = titan_obs_core::span("model_build");
+            build_model(cfg, mesh, device, &tokenizer, pipeline_cfg.as_ref())?
+        };
+        let flops_per_token = model.args.flops_per_token(cfg.training.seq_len);
+        log_model(cfg, mesh, &model, flops_per_token);
+        let pipeline = match pipeline_cfg {
+            None => None,
+            Some(p) => Some((build_pipeline(cfg, mesh, &model, &p)?, p)),
+        };
+
+        let params: Vec<(String, Tensor)> = model
+            .named_parameters()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let accumulation = microbatches(&cfg.training, world.dp_degree())
+            .map_err(|e| config_error("training.global_batch_size", e))?;
+        let (mut optimizer, schedule) = {
+            let _s = titan_obs_core::span(titan::OPTIMIZER);
+            (
+                AdamW::new((&cfg.optimizer).into()),
+                LrSchedule::new(&cfg.lr_scheduler, cfg.optimizer.lr, cfg.training.steps),
+            )
+        };
+        let mut checkpointer = Checkpointer::new(&cfg.checkpoint, &dump_folder, world)?
+            .with_hf_assets(&cfg.model.hf_assets_path)
+            .with_rank_sync(mesh.rank_sync())
+            .with_run_id(run_id);
+        // A seed checkpoint is made from the initialised model alone (torchtitan loads nothing).
+        let seeding = cfg.checkpoint.create_seed_checkpoint;
+        let resumed_step = if seeding {
+            0
+        } else {
+            let _s = titan_obs_core::span(titan::CHECKPOINT);
+            checkpointer.load(&mut TrainerState {
+                model: &model,
+                optimizer: &mut optimizer,
+                loader: &mut train_loader,
+                schedule: &schedule,
+            })?
+        };
+        let (metrics_file, tensorboard) = if seeding {
+            (None, None)
+        } else {
+            open_metric_outputs(cfg, mesh, &dump_folder, run_id)?
+        };
+        Ok(Job {
+            cfg,
+            mesh,
+            device,
+            dump_folder,
+            model,
+            pipeline,
+            params,
+            optimizer,
+            schedule,
+            train_loader,
+            val_loader,
+            checkpointer,
+            resumed_step,
+            accumulation,
+            flops_per_token,
+            peak_flops: metrics::peak_flops(device, cfg.metrics.peak_tflops),
+            metrics_file,
+            tensorboard,
+        })
+    }
+
+    /// Hands the checkpointer the state after `step` of `total_steps` (it saves when due).
+    fn checkpoint_after(&mut self, step: u64, total_steps: u64, step_tokens: u64) -> Result<()> {
+        self.checkpointer.after_step(
+            step,
+            total_steps,
+            step_tokens,
+            &TrainerState {
+                model: &self.model,
+                optimizer: &mut self.optimizer,
+                loader: &mut self.train_loader,
+                schedule: &self.schedule,
+            },
+        )
+    }
+
+    /// The step's batches: `accumulation` microbatches, each a pipeline pass's microbatches
+    /// under pipeline parallelism.
+    fn load_batches(&mut self) -> Result<Vec<Batch>> {
+        let per_pass = self.pipeline.as_ref().map_or(1, |(p, _)| p.microbatches);
+        let _s = titan_obs_core::span(titan::DATA_LOADING);
+        (0..self.accumulation * per_pass)
+            .map(|_| {
+                self.train_loader
+                    .next_batch(self.device)?
+                    .context("the training dataset yielded no batch")
+            })
+            .collect()
+    }
+
+    /// Forward and backward over the step's batches, then the gradients' reductions; returns
+    /// this rank's part of the step's mean loss.
+    fn forward_backward(&self, batches: &[Batch], global_tokens: i64, step: u64) -> Result<f64> {
+        let (model, mesh) = (&self.model, self.mesh);
+        let mut local_loss = 0.0f64;
+        if let Some((pipeline, _)) = &self.pipeline {
+            let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
+            for pass in batches.chunks(pipeline.microbatches) {
+                let microbatches: Vec<Microbatch<'_>> = pass
+                    .iter()
+                    .map(|b| Microbatch {
+                        inputs: &b.inputs,
+                        labels: &b.labels,
+                        positions: &b.positions,
+                    })
+                    .collect();
+                local_loss += pipeline
+                    .run(model, &microbatches, global_tokens)
+                    .with_context(|| format!("step {step}"))?;
+            }
+            // The last stage computed the loss: every stage reports it (and stops on it).
+            local_loss = mesh.reduce_scalars(&mesh.pp, &[local_loss], ReduceOp::Sum)?[0];
+        } else {
+            let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
+            for batch in batches {
+                let _m = titan_obs_core::span(titan::MICROBATCH);
+                let loss = {
+                    let _f = titan_obs_core::span(titan::FORWARD);
+                    // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
+                    // and microbatches then gives the mean over every token of the step.
+                    forward_pass(step, || {
+                        let logits = model.forward(&batch.inputs, Some(&batch.positions));
+                        model.summed_cross_entropy(&logits, &batch.labels)
+                            / global_tokens.max(1) as f64
+                    })?
+                };
+                {
+                    let _b = titan_obs_core::span(titan::BACKWARD);
+                    // A collective that fails in backward (a rank died) fails the pass.
+                    loss.f_backward()
+                        .map_err(|e| anyhow::anyhow!("step {step}: backward: {e}"))?;
+                }
+                local_loss += loss.double_value(&[]);
+            }
+        }
+        // FSDP's gradient reductions ran behind backward: collect them (a failed collective
+        // fails the step, naming it).
+        let _ = forward_pass(step, || {
+            model.finish_gradients();
+            Tensor::new()
+        })
+        .context("reducing gradients")?;
+        // Sequence-parallel norms saw part of the sequence: sum their gradients over tp.
+        reduce_partial_grads(mesh, model)?;
+        Ok(local_loss)
+    }
+
+    /// Clips the gradients by their norm over the mesh and steps AdamW at `lr`; returns the
+    /// norm before clipping.
+    fn optimizer_step(&mut self, lr: f64) -> Result<f64> {
+        let cfg = self.cfg;
+        let tensors: Vec<&Tensor> = self.params.iter().map(|(_, t)| t).collect();
+        let _s = titan_obs_core::span(titan::OPTIMIZER);
+        let grad_norm = {
+            let _c = titan_obs_core::span(titan::CLIP);
+            let norm = grad_norm(self.mesh, &self.model)?;
+            optim::clip_grads(&tensors, cfg.training.max_norm, norm)?;
+            norm
+        };
+        {
+            let _o = titan_obs_core::span(titan::OPTIMIZER_STEP);
+            for (name, p) in &self.params {
+                self.optimizer.step_param(name, p, lr)?;
+            }
+            optim::clear_grads(&tensors);
+            if cfg.float8_enabled()
+                && cfg.float8.enable_fsdp_float8_all_gather
+                && cfg.float8.precompute_float8_dynamic_scale_for_fsdp
+            {
+                self.model.precompute_float8_scales();
+            }
+        }
+        {
+            let _l = titan_obs_core::span(titan::LR);
+            // The schedule is a pure function of the step; next step's lr is computed at
+            // its start. Kept as a phase for torchtitan parity.
+        }
+        Ok(grad_norm)
+    }
+
+    /// A logged step: this rank's figures to titan-obs, their reductions over the mesh to the
+    /// console, `metrics.jsonl` and TensorBoard. Returns the logged (mean) loss.
+    fn log_step(
+        &mut self,
+        f: StepFigures,
+        window: &metrics::ThroughputWindow,
+        progress: &console::Steps,
+    ) -> Result<f64> {
+        let _s = titan_obs_core::span(titan::COLLECT_DIST_METRICS);
+        let tps = window.tokens_per_second(Instant::now());
+        let (rss, peak_rss) = metrics::rss_bytes();
+        let on_cuda = self.device.is_cuda();
+        let memory = if on_cuda {
+            metrics::cuda_process_memory_bytes().unwrap_or(0)
+        } else {
+            rss
+        };
+        let gib = (1u64 << 30) as f64;
+        let (flops_per_token, peak_flops) = (self.flops_per_token, self.peak_flops);
+        let per_rank =
+            |loss: f64, grad_norm: f64, memory: f64, tps: f64, tokens: i64| StepMetrics {
+                step: f.step,
+                loss,
+                grad_norm,
+                lr: f.lr,
+                memory_gib: memory / gib,
+                peak_rss_gib: peak_rss as f64 / gib,
+                tps,
+                tflops: flops_per_token * tps / 1e12,
+                mfu_pct: 100.0 * flops_per_token * tps / peak_flops,
+                tokens,
+                on_cuda,
+            };
+        // titan-obs gets this rank's values (its own mean loss, tps, memory) and reduces
+        // them across ranks later; the console shows the cross-rank reductions now.
+        let own_loss = f.local_loss * f.global_tokens as f64 / f.local_tokens.max(1) as f64;
+        let own = per_rank(own_loss, f.grad_norm, memory as f64, tps, f.local_tokens);
+        for (name, value, reduce) in own.scalars() {
+            titan_obs_core::scalar(name, value, reduce);
+        }
+        let mut reduced = [
+            (f.local_loss, Reduce::Sum),
+            (f.grad_norm, Reduce::Max),
+            (memory as f64, Reduce::Max),
+            (tps, Reduce::Mean),
+        ];
+        self.mesh.reduce_metrics(&mut reduced)?;
+        let [loss, grad_norm, memory, tps] = reduced.map(|(v, _)| v);
+        let m = per_rank(loss, grad_norm, memory, tps, f.global_tokens);
+        if let Some(file) = self.metrics_file.as_mut() {
+            tracing::info!("{}", m.console_line());
+            file.push("train", &m)?;
+            progress.loss(m.loss);
+        }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            tb.scalars(f.step, &m.console_scalars())?;
+        }
+        Ok(m.loss)
+    }
+
+    /// Runs validation at `step` and logs it (the job has a validation loader).
+    fn validate(&mut self, step: u64) -> Result<ValidationMetrics> {
+        let _s = titan_obs_core::span(titan::VALIDATION);
+        titan_obs_core::add_step_tag(titan::VALIDATION);
+        let staged = self.pipeline.as_ref().map(|(p, c)| (p, c.microbatch_size));
+        let loader = self
+            .val_loader
+            .as_mut()
+            .expect("validate runs only with a validation loader");
+        let v = validate(
+            &self.model,
+            staged,
+            loader,
+            self.cfg.validation.steps,
+            self.mesh,
+            step,
+            self.device,
+        )?;
+        titan_obs_core::scalar("validation/loss", v.loss, Reduce::Mean);
+        if let Some(file) = self.metrics_file.as_mut() {
+            tracing::info!("{}", v.console_line());
+            file.push("validation", &v)?;
+        }
+        if let Some(tb) = self.tensorboard.as_mut() {
+            tb.scalars(step, &v.console_scalars())?;
+        }
+        Ok(v)
+    }
+}
+
+/// This process's device, seed (rank 0's for all, so every rank draws the same model) and
+/// dump folder, with the resolved config written there by rank 0.
+fn prepare_process(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<(Device, PathBuf)> {
     let world = mesh.mesh;
     let device = select_device(&cfg.training, world.local_rank)
         .map_err(|e| config_error("training.device", e))?;
@@ -337,159 +754,152 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         run_id,
         "starting titan-train"
     );
+    Ok((device, dump_folder))
+}
 
-    let tokenizer = {
-        let _s = titan_obs_core::span("tokenizer");
-        Arc::new(if cfg.model.hf_assets_path.is_empty() {
-            TextTokenizer::embedded()?
-        } else {
-            TextTokenizer::from_dir(Path::new(&cfg.model.hf_assets_path))?
-        })
-    };
-
-    // Pipeline parallelism: each step's local batch runs as microbatches through the stages
-    // (torchtitan's loader then yields `pipeline_parallel_microbatch_size` samples a batch).
-    let pipeline_cfg = (world.pp > 1)
-        .then(|| pipeline_config(&cfg.parallelism, world.pp, &cfg.training))
-        .transpose()?;
-    if let Some(p) = pipeline_cfg
-        .as_ref()
-        .filter(|p| p.schedule.splits_backward())
-    {
-        refuse_with_split_backward(cfg, world.dp_degree(), p.schedule)?;
+/// The training loader (this dp rank's share, `batch` samples a batch) and the validation
+/// loader when `validation.enable`.
+fn build_loaders(
+    cfg: &JobConfig,
+    mesh: &DeviceMesh,
+    tokenizer: &Arc<TextTokenizer>,
+    batch: usize,
+) -> Result<(TextLoader, Option<TextLoader>)> {
+    let (dp_rank, dp_degree) = (mesh.mesh.dp_rank() as u64, mesh.mesh.dp_degree() as u64);
+    let t = &cfg.training;
+    let train_set = Dataset::resolve(&t.dataset, t.dataset_path.as_deref(), "training")
+        .map_err(|e| config_error("training.dataset", e))?;
+    let train_loader = TextLoader::new(
+        train_set,
+        tokenizer.clone(),
+        t.seq_len as usize,
+        batch,
+        dp_rank,
+        dp_degree,
+        true,
+    );
+    let v = &cfg.validation;
+    if !v.enable {
+        return Ok((train_loader, None));
     }
-    let loader_batch = pipeline_cfg
-        .as_ref()
-        .map_or(cfg.training.local_batch_size, |p| p.microbatch_size);
-    let (dp_rank, dp_degree) = (world.dp_rank() as u64, world.dp_degree() as u64);
-    let (mut train_loader, mut val_loader) = {
-        let _s = titan_obs_core::span("dataloader");
-        let t = &cfg.training;
-        let train_set = Dataset::resolve(&t.dataset, t.dataset_path.as_deref(), "training")
-            .map_err(|e| config_error("training.dataset", e))?;
-        let train_loader = TextLoader::new(
-            train_set,
-            tokenizer.clone(),
-            t.seq_len as usize,
-            loader_batch as usize,
-            dp_rank,
-            dp_degree,
-            true,
-        );
-        let v = &cfg.validation;
-        let (val_batch, val_seq_len) = v.batch_shape(t);
-        let val_loader = if v.enable {
-            let set = Dataset::resolve(&v.dataset, v.dataset_path.as_deref(), "validation")
-                .map_err(|e| config_error("validation.dataset", e))?;
-            Some(TextLoader::new(
-                set,
-                tokenizer.clone(),
-                val_seq_len,
-                val_batch,
-                dp_rank,
-                dp_degree,
-                false,
-            ))
-        } else {
-            None
-        };
-        (train_loader, val_loader)
-    };
+    let (val_batch, val_seq_len) = v.batch_shape(t);
+    let set = Dataset::resolve(&v.dataset, v.dataset_path.as_deref(), "validation")
+        .map_err(|e| config_error("validation.dataset", e))?;
+    let val_loader = TextLoader::new(
+        set,
+        tokenizer.clone(),
+        val_seq_len,
+        val_batch,
+        dp_rank,
+        dp_degree,
+        false,
+    );
+    Ok((train_loader, Some(val_loader)))
+}
 
-    let model = {
-        let _s = titan_obs_core::span("model_build");
-        let mut args =
-            ModelArgs::flavor(&cfg.model.flavor).map_err(|e| config_error("model.flavor", e))?;
-        if tokenizer.vocab_size() as i64 > args.vocab_size {
-            bail!(
-                "the tokenizer has {} ids but model flavor {} has vocab_size {}",
-                tokenizer.vocab_size(),
-                cfg.model.flavor,
-                args.vocab_size
-            );
-        }
-        let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
-        args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
-        let plan = ParallelPlan::new(
-            mesh,
-            &cfg.parallelism,
-            precision::param_kind(&cfg.training),
-            cfg.training.mixed_precision_reduce.kind(),
+/// This rank's part of the model: its pipeline stages, split by the plan over the mesh, with
+/// activation checkpointing, the attention backend, `training.dtype` and float8 applied.
+fn build_model(
+    cfg: &JobConfig,
+    mesh: &DeviceMesh,
+    device: Device,
+    tokenizer: &TextTokenizer,
+    pipeline_cfg: Option<&PipelineConfig>,
+) -> Result<Llama> {
+    let world = mesh.mesh;
+    let mut args =
+        ModelArgs::flavor(&cfg.model.flavor).map_err(|e| config_error("model.flavor", e))?;
+    if tokenizer.vocab_size() as i64 > args.vocab_size {
+        bail!(
+            "the tokenizer has {} ids but model flavor {} has vocab_size {}",
+            tokenizer.vocab_size(),
+            cfg.model.flavor,
+            args.vocab_size
         );
-        let stages = match &pipeline_cfg {
-            None => vec![(0, StageModules::whole(args.n_layers as usize))],
-            Some(p) => {
-                let all = pipeline::split_stages(p, args.n_layers as usize)
-                    .map_err(|e| config_error("parallelism.pipeline_parallel_degree", e))?;
-                let pp_rank = world.coord(Dim::Pp);
-                all.into_iter()
-                    .enumerate()
-                    .filter(|(s, _)| pipeline::rank_of_stage(*s, world.pp) == pp_rank)
-                    .collect()
-            }
-        };
-        let model = Llama::new_stages(args, device, &plan, stages)
-            .map_err(|e| config_error("parallelism.tensor_parallel_degree", e))?
-            .with_checkpointing(cfg.activation_checkpoint.policy())
-            .with_attn_backend(cfg.model.attn_backend, precision::param_kind(&cfg.training));
-        if cfg.training.dtype != DtypeName::Float32 {
-            model.cast_parameters(cfg.training.dtype.kind());
+    }
+    let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
+    args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
+    let plan = ParallelPlan::new(
+        mesh,
+        &cfg.parallelism,
+        precision::param_kind(&cfg.training),
+        precision::kind(cfg.training.mixed_precision_reduce),
+    );
+    let stages = match pipeline_cfg {
+        None => vec![(0, StageModules::whole(args.n_layers as usize))],
+        Some(p) => {
+            let all = pipeline::split_stages(p, args.n_layers as usize)
+                .map_err(|e| config_error("parallelism.pipeline_parallel_degree", e))?;
+            let pp_rank = world.coord(Dim::Pp);
+            all.into_iter()
+                .enumerate()
+                .filter(|(s, _)| pipeline::rank_of_stage(*s, world.pp) == pp_rank)
+                .collect()
         }
-        let float8 = Float8Training::from_config(cfg);
-        if let Some(f8) = &float8
-            && let Err(e) = float8::probe(f8.backend, device)
-        {
-            bail!(config_error(
-                "float8.emulate",
-                anyhow::anyhow!(
-                    "float8 matmuls need torch._scaled_mm, which does not run on {device:?} \
-                     ({e}); set float8.emulate true to multiply the float8 values in float32"
-                )
-            ));
-        }
-        let (model, converted) = model.with_float8(float8.as_ref());
-        if let Some(f8) = &float8 {
-            tracing::info!(
-                "float8 training ({}, {}) of {} linears (the others in high precision): {}",
-                f8.recipe.name(),
-                match f8.backend {
-                    float8::Backend::ScaledMm => "torch._scaled_mm",
-                    float8::Backend::Emulated => "emulated",
-                },
-                converted.len(),
-                converted.join(", ")
-            );
-            if f8.fsdp_all_gather {
-                if world.dp_shard > 1 {
-                    tracing::info!(
-                        "FSDP gathers the float8 linears' weights in float8{}",
-                        if f8.precompute_scales {
-                            ", with scales precomputed after each optimizer step"
-                        } else {
-                            ""
-                        }
-                    );
-                } else {
-                    tracing::warn!(
-                        "float8.enable_fsdp_float8_all_gather does nothing here: FSDP shards \
-                         nothing (parallelism.data_parallel_shard_degree is 1)"
-                    );
-                }
-            }
-        }
-        model
     };
-    if world.tp > 1 && cfg.parallelism.disable_loss_parallel {
+    let model = Llama::new_stages(args, device, &plan, stages)
+        .map_err(|e| config_error("parallelism.tensor_parallel_degree", e))?
+        .with_checkpointing(cfg.activation_checkpoint.policy())
+        .with_attn_backend(cfg.model.attn_backend, precision::param_kind(&cfg.training));
+    if cfg.training.dtype != DtypeName::Float32 {
+        model.cast_parameters(precision::kind(cfg.training.dtype));
+    }
+    apply_float8(cfg, mesh, device, model)
+}
+
+/// Converts the linears `[float8]` selects (none when float8 is off), after checking that the
+/// device can multiply in float8.
+fn apply_float8(cfg: &JobConfig, mesh: &DeviceMesh, device: Device, model: Llama) -> Result<Llama> {
+    let float8 = Float8Training::from_config(cfg);
+    if let Some(f8) = &float8
+        && let Err(e) = float8::probe(f8.backend, device)
+    {
         bail!(config_error(
-            "parallelism.disable_loss_parallel",
+            "float8.emulate",
             anyhow::anyhow!(
-                "titan-train's tensor parallelism always takes the loss over vocab-sharded \
-                 logits (torchtitan 0.3.0 has no other way)"
+                "float8 matmuls need torch._scaled_mm, which does not run on {device:?} \
+                 ({e}); set float8.emulate true to multiply the float8 values in float32"
             )
         ));
     }
+    let (model, converted) = model.with_float8(float8.as_ref());
+    let Some(f8) = &float8 else {
+        return Ok(model);
+    };
+    tracing::info!(
+        "float8 training ({}, {}) of {} linears (the others in high precision): {}",
+        f8.recipe.name(),
+        match f8.backend {
+            float8::Backend::ScaledMm => "torch._scaled_mm",
+            float8::Backend::Emulated => "emulated",
+        },
+        converted.len(),
+        converted.join(", ")
+    );
+    if f8.fsdp_all_gather {
+        if mesh.mesh.dp_shard > 1 {
+            tracing::info!(
+                "FSDP gathers the float8 linears' weights in float8{}",
+                if f8.precompute_scales {
+                    ", with scales precomputed after each optimizer step"
+                } else {
+                    ""
+                }
+            );
+        } else {
+            tracing::warn!(
+                "float8.enable_fsdp_float8_all_gather does nothing here: FSDP shards \
+                 nothing (parallelism.data_parallel_shard_degree is 1)"
+            );
+        }
+    }
+    Ok(model)
+}
+
+/// Logs the model built: its size, what this rank holds of it, and the layout.
+fn log_model(cfg: &JobConfig, mesh: &DeviceMesh, model: &Llama, flops_per_token: f64) {
+    let world = mesh.mesh;
     let (n_params, _) = model.args.num_params();
-    let flops_per_token = model.args.flops_per_token(cfg.training.seq_len);
     // What this rank holds of the model: its parameter parts, and as many again for their
     // gradients and twice that for AdamW's moments (in the parameters' dtype).
     let (local_params, local_bytes) =
@@ -516,55 +926,38 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         attn_backend = ?model.attn_backend(),
         "model built"
     );
+}
 
-    let pipeline = match &pipeline_cfg {
-        None => None,
-        Some(p) => {
-            let stages = pipeline::split_stages(p, model.args.n_layers as usize)?;
-            let microbatches = (cfg.training.local_batch_size / p.microbatch_size) as usize;
-            let pipeline = Pipeline::new(mesh, p, stages, microbatches)
-                .map_err(|e| config_error("parallelism.pipeline_parallel_schedule", e))?;
-            tracing::info!(
-                schedule = pipeline.schedule.name(),
-                stages = pipeline.stages.len(),
-                stages_on_this_rank = ?pipeline.local_stages,
-                microbatches,
-                "pipeline parallelism"
-            );
-            Some(pipeline)
-        }
-    };
+/// The pipeline schedule that drives this rank's stages of `model`.
+fn build_pipeline(
+    cfg: &JobConfig,
+    mesh: &DeviceMesh,
+    model: &Llama,
+    p: &PipelineConfig,
+) -> Result<Pipeline> {
+    let stages = pipeline::split_stages(p, model.args.n_layers as usize)?;
+    let microbatches = (cfg.training.local_batch_size / p.microbatch_size) as usize;
+    let pipeline = Pipeline::new(mesh, p, stages, microbatches)
+        .map_err(|e| config_error("parallelism.pipeline_parallel_schedule", e))?;
+    tracing::info!(
+        schedule = pipeline.schedule.name(),
+        stages = pipeline.stages.len(),
+        stages_on_this_rank = ?pipeline.local_stages,
+        microbatches,
+        "pipeline parallelism"
+    );
+    Ok(pipeline)
+}
 
-    let params: Vec<(String, Tensor)> = model
-        .named_parameters()
-        .iter()
-        .map(|(n, t)| (n.clone(), t.shallow_clone()))
-        .collect();
-    let n_micro = microbatches(&cfg.training, world.dp_degree())
-        .map_err(|e| config_error("training.global_batch_size", e))?;
-    let (mut optimizer, schedule) = {
-        let _s = titan_obs_core::span(titan::OPTIMIZER);
-        (
-            AdamW::new((&cfg.optimizer).into()),
-            LrSchedule::new(&cfg.lr_scheduler, cfg.optimizer.lr, cfg.training.steps),
-        )
-    };
-    let mut checkpointer = Checkpointer::new(&cfg.checkpoint, &dump_folder, world)?
-        .with_hf_assets(&cfg.model.hf_assets_path)
-        .with_rank_sync(mesh.rank_sync())
-        .with_run_id(run_id);
-    let resumed_step = {
-        let _s = titan_obs_core::span(titan::CHECKPOINT);
-        checkpointer.load(&mut TrainerState {
-            model: &model,
-            optimizer: &mut optimizer,
-            loader: &mut train_loader,
-            schedule: &schedule,
-        })?
-    };
-
-    let peak_flops = metrics::peak_flops(device, cfg.metrics.peak_tflops);
-    let mut metrics_file = if world.rank == 0 {
+/// Rank 0's `metrics.jsonl`, and the TensorBoard writer where `[metrics]` asks for one.
+fn open_metric_outputs(
+    cfg: &JobConfig,
+    mesh: &DeviceMesh,
+    dump_folder: &Path,
+    run_id: &str,
+) -> Result<(Option<MetricsFile>, Option<EventWriter>)> {
+    let rank = mesh.mesh.rank;
+    let metrics_file = if rank == 0 {
         Some(MetricsFile::open(
             dump_folder.join("metrics.jsonl"),
             run_id,
@@ -572,246 +965,20 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
     } else {
         None
     };
-    let mut tensorboard =
-        if cfg.metrics.enable_tensorboard && (world.rank == 0 || cfg.metrics.save_for_all_ranks) {
-            let dir = EventWriter::run_dir(
-                &dump_folder,
-                &cfg.metrics.save_tb_folder,
-                cfg.metrics.save_for_all_ranks.then_some(world.rank),
-            );
-            let writer = EventWriter::create(&dir).context("metrics.enable_tensorboard")?;
-            tracing::info!("TensorBoard events in {}", writer.path().display());
-            Some(writer)
-        } else {
-            None
-        };
-    let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
-    let mut summary = TrainSummary {
-        dump_folder: dump_folder.clone(),
-        run_id: run_id.to_string(),
-        steps: 0,
-        first_loss: None,
-        last_loss: None,
-        last_validation_loss: None,
+    let m = &cfg.metrics;
+    let tensorboard = if m.enable_tensorboard && (rank == 0 || m.save_for_all_ranks) {
+        let dir = EventWriter::run_dir(
+            dump_folder,
+            &m.save_tb_folder,
+            m.save_for_all_ranks.then_some(rank),
+        );
+        let writer = EventWriter::create(&dir).context("metrics.enable_tensorboard")?;
+        tracing::info!("TensorBoard events in {}", writer.path().display());
+        Some(writer)
+    } else {
+        None
     };
-    let mut window = metrics::ThroughputWindow::new(Instant::now());
-    // A live step counter on rank 0's terminal; log lines print above it.
-    let progress = console::Steps::start(resumed_step, cfg.training.steps, world.rank == 0);
-
-    for step in resumed_step + 1..=cfg.training.steps {
-        titan_obs_core::set_step(step);
-        let step_span = titan_obs_core::span(vocab::STEP);
-        let lr = optimizer.next_lr(schedule.lr_for_step(step));
-
-        // Under pipeline parallelism each accumulation step is the pipeline's microbatches.
-        let per_pass = pipeline.as_ref().map_or(1, |p| p.microbatches);
-        let batches: Vec<Batch> = {
-            let _s = titan_obs_core::span(titan::DATA_LOADING);
-            (0..n_micro * per_pass)
-                .map(|_| {
-                    train_loader
-                        .next_batch(device)?
-                        .context("the training dataset yielded no batch")
-                })
-                .collect::<Result<_>>()?
-        };
-        let local_tokens: i64 = batches.iter().map(|b| count_valid(&b.labels)).sum();
-        let global_tokens = mesh.global_valid_tokens(local_tokens)?;
-        let step_input_tokens = batches.iter().map(|b| b.inputs.numel() as i64).sum::<i64>();
-        window.add_tokens(step_input_tokens);
-
-        let mut local_loss = 0.0f64;
-        if let Some(pipeline) = &pipeline {
-            let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
-            for pass in batches.chunks(per_pass) {
-                let microbatches: Vec<Microbatch<'_>> = pass
-                    .iter()
-                    .map(|b| Microbatch {
-                        inputs: &b.inputs,
-                        labels: &b.labels,
-                        positions: &b.positions,
-                    })
-                    .collect();
-                local_loss += pipeline
-                    .run(&model, &microbatches, global_tokens)
-                    .with_context(|| format!("step {step}"))?;
-            }
-            // The last stage computed the loss: every stage reports it (and stops on it).
-            local_loss = mesh.reduce_scalars(&mesh.pp, &[local_loss], ReduceOp::Sum)?[0];
-        } else {
-            let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
-            for batch in &batches {
-                let _m = titan_obs_core::span(titan::MICROBATCH);
-                let loss = {
-                    let _f = titan_obs_core::span(titan::FORWARD);
-                    // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
-                    // and microbatches then gives the mean over every token of the step.
-                    forward_pass(step, || {
-                        let logits = model.forward(&batch.inputs, Some(&batch.positions));
-                        model.summed_cross_entropy(&logits, &batch.labels)
-                            / global_tokens.max(1) as f64
-                    })?
-                };
-                {
-                    let _b = titan_obs_core::span(titan::BACKWARD);
-                    // A collective that fails in backward (a rank died) fails the pass.
-                    loss.f_backward()
-                        .map_err(|e| anyhow::anyhow!("step {step}: backward: {e}"))?;
-                }
-                local_loss += loss.double_value(&[]);
-            }
-        }
-        // FSDP's gradient reductions ran behind backward: collect them (a failed collective
-        // fails the step, naming it).
-        let _ = forward_pass(step, || {
-            model.finish_gradients();
-            Tensor::new()
-        })
-        .context("reducing gradients")?;
-        // Sequence-parallel norms saw part of the sequence: sum their gradients over tp.
-        reduce_partial_grads(mesh, &model)?;
-
-        let grad_norm = {
-            let _s = titan_obs_core::span(titan::OPTIMIZER);
-            let grad_norm = {
-                let _c = titan_obs_core::span(titan::CLIP);
-                let norm = grad_norm(mesh, &model)?;
-                optim::clip_grads(&tensors, cfg.training.max_norm, norm)?;
-                norm
-            };
-            {
-                let _o = titan_obs_core::span(titan::OPTIMIZER_STEP);
-                for (name, p) in &params {
-                    optimizer.step_param(name, p, lr)?;
-                }
-                optim::clear_grads(&tensors);
-                if cfg.float8_enabled()
-                    && cfg.float8.enable_fsdp_float8_all_gather
-                    && cfg.float8.precompute_float8_dynamic_scale_for_fsdp
-                {
-                    model.precompute_float8_scales();
-                }
-            }
-            {
-                let _l = titan_obs_core::span(titan::LR);
-                // The schedule is a pure function of the step; next step's lr is computed at
-                // its start. Kept as a phase for torchtitan parity.
-            }
-            grad_norm
-        };
-
-        if !local_loss.is_finite() {
-            step_span.error(&format!("loss is {local_loss}"));
-            bail!("step {step}: loss is {local_loss}; lower optimizer.lr or check the data");
-        }
-
-        if step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps {
-            let _s = titan_obs_core::span(titan::COLLECT_DIST_METRICS);
-            let tps = window.tokens_per_second(Instant::now());
-            let (rss, peak_rss) = metrics::rss_bytes();
-            let memory = if device.is_cuda() {
-                metrics::cuda_process_memory_bytes().unwrap_or(0)
-            } else {
-                rss
-            };
-            let gib = (1u64 << 30) as f64;
-            let per_rank =
-                |loss: f64, grad_norm: f64, memory: f64, tps: f64, tokens: i64| StepMetrics {
-                    step,
-                    loss,
-                    grad_norm,
-                    lr,
-                    memory_gib: memory / gib,
-                    peak_rss_gib: peak_rss as f64 / gib,
-                    tps,
-                    tflops: flops_per_token * tps / 1e12,
-                    mfu_pct: 100.0 * flops_per_token * tps / peak_flops,
-                    tokens,
-                    on_cuda: device.is_cuda(),
-                };
-            // titan-obs gets this rank's values (its own mean loss, tps, memory) and reduces
-            // them across ranks later; the console shows the cross-rank reductions now.
-            let own_loss = local_loss * global_tokens as f64 / local_tokens.max(1) as f64;
-            let own = per_rank(own_loss, grad_norm, memory as f64, tps, local_tokens);
-            for (name, value, reduce) in own.scalars() {
-                titan_obs_core::scalar(name, value, reduce);
-            }
-            let mut reduced = [
-                (local_loss, Reduce::Sum),
-                (grad_norm, Reduce::Max),
-                (memory as f64, Reduce::Max),
-                (tps, Reduce::Mean),
-            ];
-            mesh.reduce_metrics(&mut reduced)?;
-            let [loss, grad_norm, memory, tps] = reduced.map(|(v, _)| v);
-            let m = per_rank(loss, grad_norm, memory, tps, global_tokens);
-            if let Some(file) = metrics_file.as_mut() {
-                tracing::info!("{}", m.console_line());
-                file.push("train", &m)?;
-                progress.loss(m.loss);
-            }
-            if let Some(tb) = tensorboard.as_mut() {
-                tb.scalars(step, &m.console_scalars())?;
-            }
-            summary.first_loss.get_or_insert(m.loss);
-            summary.last_loss = Some(m.loss);
-            window.restart(Instant::now());
-        }
-
-        if let Some(loader) = val_loader.as_mut()
-            && step % cfg.validation.freq == 0
-        {
-            let _s = titan_obs_core::span(titan::VALIDATION);
-            titan_obs_core::add_step_tag(titan::VALIDATION);
-            let staged = pipeline
-                .as_ref()
-                .zip(pipeline_cfg.as_ref())
-                .map(|(p, c)| (p, c.microbatch_size));
-            let v = validate(
-                &model,
-                staged,
-                loader,
-                cfg.validation.steps,
-                mesh,
-                step,
-                device,
-            )?;
-            titan_obs_core::scalar("validation/loss", v.loss, Reduce::Mean);
-            if let Some(file) = metrics_file.as_mut() {
-                tracing::info!("{}", v.console_line());
-                file.push("validation", &v)?;
-            }
-            if let Some(tb) = tensorboard.as_mut() {
-                tb.scalars(step, &v.console_scalars())?;
-            }
-            summary.last_validation_loss = Some(v.loss);
-            // Validation time is not training time: the next logged throughput leaves it out
-            // (its tokens are the steps' since the last logged step).
-            window.exclude(std::time::Duration::from_secs_f64(v.seconds));
-        }
-
-        if cfg.training.gc_freq > 0 && step % cfg.training.gc_freq == 0 {
-            let _s = titan_obs_core::span(titan::GC);
-            titan_obs_core::add_step_tag(titan::GC);
-            release_free_memory();
-        }
-        checkpointer.after_step(
-            step,
-            cfg.training.steps,
-            step_input_tokens as u64 * world.dp_degree() as u64,
-            &TrainerState {
-                model: &model,
-                optimizer: &mut optimizer,
-                loader: &mut train_loader,
-                schedule: &schedule,
-            },
-        )?;
-        summary.steps = step;
-        progress.step(step);
-        drop(step_span);
-    }
-    checkpointer.finish()?;
-    Ok(summary)
+    Ok((metrics_file, tensorboard))
 }
 
 /// Runs a forward pass, turning a failure inside it (a collective whose peer died: the model's
@@ -856,77 +1023,6 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
         }
         Ok(())
     })
-}
-
-/// The pipeline settings of `[parallelism]`, checked as torchtitan checks them.
-fn pipeline_config(
-    p: &config::Parallelism,
-    degree: usize,
-    training: &config::Training,
-) -> Result<PipelineConfig> {
-    let schedule = Schedule::parse(&p.pipeline_parallel_schedule)
-        .map_err(|e| config_error("parallelism.pipeline_parallel_schedule", anyhow::anyhow!(e)))?;
-    let microbatch_size = p.pipeline_parallel_microbatch_size;
-    if microbatch_size <= 0 {
-        bail!(config_error(
-            "parallelism.pipeline_parallel_microbatch_size",
-            anyhow::anyhow!("must be at least 1, got {microbatch_size}")
-        ));
-    }
-    if training.local_batch_size % microbatch_size != 0 {
-        bail!(config_error(
-            "parallelism.pipeline_parallel_microbatch_size",
-            anyhow::anyhow!(
-                "Batch size {} must be divisible by microbatch_size {microbatch_size}. Update \
-                 the config arguments for either batch_size or pipeline_parallel_microbatch_size.",
-                training.local_batch_size
-            )
-        ));
-    }
-    Ok(PipelineConfig {
-        degree,
-        schedule,
-        microbatch_size,
-        layers_per_stage: p.pipeline_parallel_layers_per_stage.map(|n| n as usize),
-        first_stage_less_layers: p.pipeline_parallel_first_stage_less_layers as usize,
-        last_stage_less_layers: p.pipeline_parallel_last_stage_less_layers as usize,
-        module_fqns_per_model_part: p.module_fqns_per_model_part.clone(),
-    })
-}
-
-/// What a split backward (zero-bubble) does not run with yet, refused naming the key: its
-/// weight pass hands each linear's gradient to the parameter itself, which FSDP's and DDP's
-/// per-unit reductions, the activation-checkpoint recompute and float8's own backward would not
-/// see.
-fn refuse_with_split_backward(cfg: &JobConfig, dp_degree: usize, schedule: Schedule) -> Result<()> {
-    let name = schedule.name();
-    let refuse = |key: &str, why: String| -> Result<()> {
-        bail!(config_error(
-            key,
-            anyhow::anyhow!(
-                "{why}; schedule {name} runs with pipeline and tensor parallelism only"
-            )
-        ))
-    };
-    if dp_degree > 1 {
-        refuse(
-            "parallelism.data_parallel_shard_degree",
-            format!("data parallelism ({dp_degree} replicas) is not implemented with {name}"),
-        )?;
-    }
-    if cfg.activation_checkpoint.mode != config::AcMode::None {
-        refuse(
-            "activation_checkpoint.mode",
-            format!("activation checkpointing is not implemented with {name}"),
-        )?;
-    }
-    if Float8Training::from_config(cfg).is_some() {
-        refuse(
-            "float8.enable_float8_linear",
-            format!("float8 linears are not implemented with {name}"),
-        )?;
-    }
-    Ok(())
 }
 
 /// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it

@@ -18,8 +18,9 @@ use std::process::Command;
 
 use tch::{Kind, Tensor};
 use titan_tests::{tt_python, workspace_root};
-use titan_train::float8::{Backend, Float8Linear, Recipe, TpSplit};
+use titan_train::float8::{Backend, Float8Linear, Recipe};
 use titan_train::parallelize::ParallelPlan;
+use titan_train::parallelize::TpStyle;
 
 /// |got - want| <= 2·n·2⁻²⁴·1.3·(|a|·|b|) + (one bf16 step of |want| when `bf16_rounded`),
 /// elementwise; returns the largest difference and its worst ratio to the bound.
@@ -87,7 +88,7 @@ fn float8_linear_matches_torchao() {
                         .1
                         .shallow_clone()
                 };
-                let f8 = Float8Linear::new(recipe, backend, tp.clone(), TpSplit::Whole);
+                let f8 = Float8Linear::new(recipe, backend, tp.clone(), TpStyle::Replicated);
                 let (x, w, go) = (get("x"), get("w"), get("grad_out"));
                 for (i, key) in ["scale_x", "scale_w", "scale_go"].iter().enumerate() {
                     let ours = &f8.scales(&x, &w, &go)[i];

@@ -13,7 +13,9 @@
 //! Either form takes either key spelling. 0.3.0 keys titan has no field for are accepted only at
 //! values that change nothing here ([`NO_EFFECT`]); anything else is a [`ConfigError`] (exit 2).
 
-use crate::config::{ConfigError, Override};
+use std::path::{Path, PathBuf};
+
+use crate::{ConfigError, DEFAULT_CONFIG, DEFAULT_CONFIG_FILE, JobConfig, Override};
 
 /// A torchtitan 0.3.0 config function titan implements, as the TOML of its values.
 #[derive(Debug)]
@@ -29,37 +31,37 @@ pub const REGISTRY: &[Registered] = &[
     Registered {
         module: "llama3",
         name: "llama3_debugmodel",
-        toml: include_str!("../../configs/registry/llama3_debugmodel.toml"),
+        toml: include_str!("../../../configs/registry/llama3_debugmodel.toml"),
     },
     Registered {
         module: "llama3",
         name: "llama3_debugmodel_varlen_attn",
-        toml: include_str!("../../configs/registry/llama3_debugmodel_varlen_attn.toml"),
+        toml: include_str!("../../../configs/registry/llama3_debugmodel_varlen_attn.toml"),
     },
     Registered {
         module: "llama3",
         name: "llama3_debugmodel_ce_loss",
-        toml: include_str!("../../configs/registry/llama3_debugmodel_ce_loss.toml"),
+        toml: include_str!("../../../configs/registry/llama3_debugmodel_ce_loss.toml"),
     },
     Registered {
         module: "llama3",
         name: "llama3_debugmodel_float8",
-        toml: include_str!("../../configs/registry/llama3_debugmodel_float8.toml"),
+        toml: include_str!("../../../configs/registry/llama3_debugmodel_float8.toml"),
     },
     Registered {
         module: "llama3",
         name: "llama3_8b",
-        toml: include_str!("../../configs/registry/llama3_8b.toml"),
+        toml: include_str!("../../../configs/registry/llama3_8b.toml"),
     },
     Registered {
         module: "llama3",
         name: "llama3_70b",
-        toml: include_str!("../../configs/registry/llama3_70b.toml"),
+        toml: include_str!("../../../configs/registry/llama3_70b.toml"),
     },
     Registered {
         module: "llama3",
         name: "llama3_405b",
-        toml: include_str!("../../configs/registry/llama3_405b.toml"),
+        toml: include_str!("../../../configs/registry/llama3_405b.toml"),
     },
 ];
 
@@ -218,6 +220,39 @@ pub struct CommandLine {
     pub notes: Vec<String>,
 }
 
+// Loading lives beside the command line it reads, so the schema below it imports nothing above.
+impl JobConfig {
+    /// Loads the config: defaults, then the registry entry (`--module/--config`), or the TOML
+    /// file (`--job.config_file`, else the embedded [`DEFAULT_CONFIG`](crate::DEFAULT_CONFIG)), then the overrides in
+    /// order.
+    pub fn load(command_line: &CommandLine) -> Result<Self, ConfigError> {
+        let overrides = &command_line.overrides;
+        if let Some(entry) = command_line.registry {
+            let origin = format!(
+                "torchtitan 0.3.0's {}.{} (configs/registry/{}.toml)",
+                entry.module, entry.name, entry.name
+            );
+            return Self::from_parts(Some((entry.toml, Path::new(&origin))), overrides);
+        }
+        let file = overrides
+            .iter()
+            .rev()
+            .find(|o| o.key == "job.config_file")
+            .map(|o| PathBuf::from(&o.value));
+        let Some(path) = file else {
+            let origin = format!("the embedded {DEFAULT_CONFIG_FILE}");
+            return Self::from_parts(Some((DEFAULT_CONFIG, Path::new(&origin))), overrides);
+        };
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let mut cfg = Self::from_parts(Some((&text, &path)), overrides)?;
+        cfg.job.config_file = Some(path.display().to_string());
+        Ok(cfg)
+    }
+}
+
 /// The titan key a boolean-looking flag sets, when `key` names a boolean field of `schema`.
 fn is_bool(schema: &serde_json::Value, key: &str) -> bool {
     let Some((section, field)) = key.split_once('.') else {
@@ -242,8 +277,7 @@ type Args = std::iter::Peekable<std::vec::IntoIter<String>>;
 
 /// Reads the arguments (launcher flags and `-v`/`-q` already removed).
 pub fn parse(args: Vec<String>) -> Result<CommandLine, ConfigError> {
-    let schema = serde_json::to_value(crate::config::JobConfig::default())
-        .expect("the default config serializes");
+    let schema = serde_json::to_value(JobConfig::default()).expect("the default config serializes");
     let mut out = CommandLine::default();
     let (mut module, mut config) = (None, None);
     let mut args = args.into_iter().peekable();
@@ -266,7 +300,7 @@ pub fn parse(args: Vec<String>) -> Result<CommandLine, ConfigError> {
             None => (body, None),
         };
         // `--quantize.linear.float8.KEY` is `[float8]`'s KEY (config::NESTED_SECTIONS).
-        let key = crate::config::unnest_key(&raw_key.replace('-', "_"));
+        let key = crate::unnest_key(&raw_key.replace('-', "_"));
         let take_value = |args: &mut Args, what: &str| -> Result<String, ConfigError> {
             if let Some(v) = inline.clone() {
                 return Ok(v);
@@ -534,10 +568,10 @@ mod tests {
 
     #[test]
     fn toml_file_and_module_config_resolve_to_the_same_config() {
-        use crate::config::JobConfig;
+        use crate::JobConfig;
         let toml = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../configs/registry/llama3_debugmodel.toml"
+            "/../../configs/registry/llama3_debugmodel.toml"
         );
         let module = parse_strs(&[
             "--module",

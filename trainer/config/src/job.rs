@@ -11,14 +11,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::command_line::CommandLine;
-use crate::model::ActivationCheckpointing;
-
 /// Where the readable copy of the default config lives in the repository.
 pub const DEFAULT_CONFIG_FILE: &str = "configs/debug_model.toml";
 /// The config used when `--job.config_file` is not given, from any working directory: the
 /// debug model sized for a CPU (the same bytes as [`DEFAULT_CONFIG_FILE`]).
-pub const DEFAULT_CONFIG: &str = include_str!("../../configs/debug_model.toml");
+pub const DEFAULT_CONFIG: &str = include_str!("../../../configs/debug_model.toml");
 
 /// torchtitan's dtype names (`float32`, `bfloat16`, `float16`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,19 +27,82 @@ pub enum DtypeName {
 }
 
 impl DtypeName {
-    pub fn kind(self) -> tch::Kind {
-        match self {
-            DtypeName::Float32 => tch::Kind::Float,
-            DtypeName::Bfloat16 => tch::Kind::BFloat16,
-            DtypeName::Float16 => tch::Kind::Half,
-        }
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             DtypeName::Float32 => "float32",
             DtypeName::Bfloat16 => "bfloat16",
             DtypeName::Float16 => "float16",
+        }
+    }
+}
+
+/// Which activations the forward pass keeps for backward (`[activation_checkpoint]`); what is not
+/// kept is recomputed in the backward pass (titan-train's `recompute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationCheckpointing {
+    /// Keep everything autograd saves.
+    #[default]
+    None,
+    /// Keep only each transformer block's input; recompute the whole block (`mode = full`).
+    Full,
+    /// Recompute whole blocks number N, 2N, 3N, ... counting from 1, keep the others
+    /// (`mode = selective`, `selective_ac_option = N`, as torchtitan's per-layer SAC counts).
+    EveryNthLayer(u64),
+    /// torchtitan's per-op rule (`mode = selective`, `selective_ac_option = op`): keep each
+    /// block's input and the outputs of its 1st, 3rd, 5th, ... matmul (wq, wv, w1, w2); backward
+    /// recomputes the block from its input, taking those kept outputs instead of multiplying
+    /// again, and recomputes the other matmuls, attention and the elementwise ops.
+    Op,
+}
+
+impl ActivationCheckpointing {
+    /// Whether layer `index` (from 0) is recomputed whole.
+    pub fn whole_layer(self, index: usize) -> bool {
+        match self {
+            ActivationCheckpointing::Full => true,
+            ActivationCheckpointing::EveryNthLayer(n) => (index as u64 + 1).is_multiple_of(n),
+            ActivationCheckpointing::None | ActivationCheckpointing::Op => false,
+        }
+    }
+}
+
+/// Which tokens attend to which (`model.attn_backend`, torchtitan's `attn_backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttnBackend {
+    /// torchtitan's default: causal within each packed document (its FlexAttention with the
+    /// block-causal mask); here SDPA with the same mask.
+    #[default]
+    Flex,
+    /// torchtitan's `varlen` backend: the same document-causal attention.
+    Varlen,
+    /// Plain causal attention across the whole sample, documents included (torchtitan 0.3.0 no
+    /// longer offers it for language models; RoPE still uses document positions).
+    Sdpa,
+}
+
+impl AttnBackend {
+    /// Whether attention stops at document boundaries.
+    pub fn document_causal(self) -> bool {
+        matches!(self, AttnBackend::Flex | AttnBackend::Varlen)
+    }
+}
+
+/// A float8 training recipe (`recipe_name`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Float8Recipe {
+    Tensorwise,
+    Rowwise,
+    RowwiseWithGwHp,
+}
+
+impl Float8Recipe {
+    pub fn name(self) -> &'static str {
+        match self {
+            Float8Recipe::Tensorwise => "tensorwise",
+            Float8Recipe::Rowwise => "rowwise",
+            Float8Recipe::RowwiseWithGwHp => "rowwise_with_gw_hp",
         }
     }
 }
@@ -253,7 +313,7 @@ pub struct Model {
     /// torchtitan's `attn_backend`: `flex` and `varlen` attend causally within each packed
     /// document (torchtitan 0.3.0's only choices for language models); `sdpa` is plain causal
     /// attention across documents.
-    pub attn_backend: crate::model::AttnBackend,
+    pub attn_backend: AttnBackend,
 }
 
 impl Default for Model {
@@ -264,7 +324,7 @@ impl Default for Model {
             hf_assets_path: String::new(),
             converters: Vec::new(),
             print_after_conversion: false,
-            attn_backend: crate::model::AttnBackend::default(),
+            attn_backend: AttnBackend::default(),
         }
     }
 }
@@ -637,7 +697,7 @@ impl Default for ActivationCheckpoint {
 }
 
 /// `[memory_estimation]`: print the per-rank memory estimate for the config and layout and exit
-/// ([`crate::memory_estimate`]; no model is built, no rank started).
+/// (titan-train's `memory_estimate`; no model is built, no rank started).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct MemoryEstimation {
@@ -650,7 +710,7 @@ pub struct MemoryEstimation {
     pub disable_fake_mode: bool,
 }
 
-/// `[float8]`: float8 training of the linear layers ([`crate::float8`]), torchtitan's keys of
+/// `[float8]`: float8 training of the linear layers (titan-train's `float8`), torchtitan's keys of
 /// every generation: its first `[float8]` section (`enable_float8_linear`), the later one turned
 /// on by `model.converters = ["float8"]`, and `[quantize.linear.float8]` (read as this section).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -660,7 +720,7 @@ pub struct Float8 {
     pub enable_float8_linear: bool,
     /// `tensorwise`, `rowwise` or `rowwise_with_gw_hp`; unset is tensorwise (torchtitan before
     /// 0.3.0 without a recipe).
-    pub recipe_name: Option<crate::float8::Recipe>,
+    pub recipe_name: Option<Float8Recipe>,
     /// Linears whose fqn contains one of these strings stay in high precision (matched against
     /// both name generations: `lm_head`/`output`, `attention.qkv_linear.wq`/`attention.wq`).
     pub filter_fqns: Vec<String>,
@@ -774,36 +834,6 @@ pub struct Override {
 }
 
 impl JobConfig {
-    /// Loads the config: defaults, then the registry entry (`--module/--config`), or the TOML
-    /// file (`--job.config_file`, else the embedded [`DEFAULT_CONFIG`]), then the overrides in
-    /// order.
-    pub fn load(command_line: &CommandLine) -> Result<Self, ConfigError> {
-        let overrides = &command_line.overrides;
-        if let Some(entry) = command_line.registry {
-            let origin = format!(
-                "torchtitan 0.3.0's {}.{} (configs/registry/{}.toml)",
-                entry.module, entry.name, entry.name
-            );
-            return Self::from_parts(Some((entry.toml, Path::new(&origin))), overrides);
-        }
-        let file = overrides
-            .iter()
-            .rev()
-            .find(|o| o.key == "job.config_file")
-            .map(|o| PathBuf::from(&o.value));
-        let Some(path) = file else {
-            let origin = format!("the embedded {DEFAULT_CONFIG_FILE}");
-            return Self::from_parts(Some((DEFAULT_CONFIG, Path::new(&origin))), overrides);
-        };
-        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
-            path: path.clone(),
-            source,
-        })?;
-        let mut cfg = Self::from_parts(Some((&text, &path)), overrides)?;
-        cfg.job.config_file = Some(path.display().to_string());
-        Ok(cfg)
-    }
-
     /// Builds the config from an optional (TOML text, its path) and overrides.
     pub fn from_parts(
         toml_file: Option<(&str, &Path)>,
@@ -904,7 +934,7 @@ impl JobConfig {
             && self
                 .float8
                 .recipe_name
-                .is_some_and(|r| r != crate::float8::Recipe::Tensorwise)
+                .is_some_and(|r| r != Float8Recipe::Tensorwise)
         {
             return bad(
                 "float8.enable_fsdp_float8_all_gather",
@@ -934,6 +964,13 @@ impl JobConfig {
             if v < 1 {
                 return bad(key, format!("{v} must be at least 1"));
             }
+        }
+        if self.checkpoint.create_seed_checkpoint && !self.checkpoint.enable {
+            return bad(
+                "checkpoint.create_seed_checkpoint",
+                "Must enable checkpointing when creating a seed checkpoint (set checkpoint.enable)"
+                    .into(),
+            );
         }
         if self.float8.lm_head_chunks == 0 {
             return bad("float8.lm_head_chunks", "must be at least 1".into());
@@ -1157,12 +1194,6 @@ impl JobConfig {
                 " (no torch.compile)",
             ),
             (
-                "checkpoint.create_seed_checkpoint",
-                w(&self.checkpoint.create_seed_checkpoint),
-                w(&d.checkpoint.create_seed_checkpoint),
-                "",
-            ),
-            (
                 "metrics.enable_wandb",
                 w(&self.metrics.enable_wandb),
                 w(&d.metrics.enable_wandb),
@@ -1341,6 +1372,7 @@ fn convert_override(default: &Value, raw: &str) -> Result<Value, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::command_line::CommandLine;
 
     fn ov(args: &[&str]) -> Vec<Override> {
         crate::command_line::parse(args.iter().map(|s| s.to_string()).collect())
@@ -1422,7 +1454,7 @@ mod tests {
         assert_eq!(c.model.flavor, "debugmodel");
         let file = std::fs::read_to_string(
             Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("..")
+                .join("../..")
                 .join(DEFAULT_CONFIG_FILE),
         )
         .unwrap();

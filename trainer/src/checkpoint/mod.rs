@@ -92,7 +92,7 @@ impl Checkpointer {
     /// Checks the `[checkpoint]` keys; `dump_folder` is `job.dump_folder`.
     pub fn new(cfg: &config::Checkpoint, dump_folder: &Path, world: Mesh) -> Result<Self> {
         let mode = AsyncMode::from(cfg.async_mode);
-        let export_kind = cfg.export_dtype.kind();
+        let export_kind = crate::precision::kind(cfg.export_dtype);
         if cfg.enable && cfg.interval == 0 {
             bail!("checkpoint.interval must be at least 1");
         }

@@ -7,7 +7,7 @@
 //! - each token carries its **position in its document** (0, 1, 2, ...); a sample that starts in
 //!   the middle of a document has that document's positions renumbered from 0 (torchtitan's
 //!   `_normalize_positions`), so every sample's first token has position 0. The model rotates by
-//!   these positions and attends only within a document ([`crate::model::AttnBackend`]);
+//!   these positions and attends only within a document ([`crate::config::AttnBackend`]);
 //! - data-parallel rank `r` of `n` reads the `r`-th **contiguous** shard of the dataset (Hugging
 //!   Face `split_dataset_by_node` on a map-style dataset: the first `len % n` shards hold one more
 //!   document);

@@ -13,182 +13,18 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
-use crate::float8::{Float8Linear, Float8Training, Float8Weight, TpSplit};
+use crate::config::{ActivationCheckpointing, AttnBackend};
+use crate::float8::{Float8Linear, Float8Training, Float8Weight};
 use crate::parallelize::fsdp::{Float8Gather, FsdpUnit, Gathered};
 use crate::parallelize::pipeline::StageModules;
+use crate::parallelize::plan::tp_style;
 use crate::parallelize::tp::TensorParallel;
 use crate::parallelize::weight_grad::{WeightGradStash, deferred_linear};
-use crate::parallelize::{ParallelPlan, Placement, TpStyle};
+use crate::parallelize::{ParallelPlan, Placement};
 use crate::recompute::{checkpoint, kept_linear};
 
-/// Llama-3.1's RoPE frequency scaling.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct RopeScaling {
-    pub factor: f64,
-    pub low_freq_factor: f64,
-    pub high_freq_factor: f64,
-    pub original_max_position_embeddings: f64,
-}
-
-impl Default for RopeScaling {
-    fn default() -> Self {
-        Self {
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192.0,
-        }
-    }
-}
-
-/// Shape and numerics of a Llama-3 model (torchtitan's `TransformerModelArgs`).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ModelArgs {
-    pub dim: i64,
-    pub n_layers: i64,
-    pub n_heads: i64,
-    /// `None` means `n_heads` (no grouped-query attention).
-    pub n_kv_heads: Option<i64>,
-    pub vocab_size: i64,
-    pub multiple_of: i64,
-    pub ffn_dim_multiplier: Option<f64>,
-    pub norm_eps: f64,
-    pub rope_theta: f64,
-    pub rope_scaling: Option<RopeScaling>,
-    /// RoPE tables are built for this many positions (torchtitan sets it to training.seq_len).
-    pub max_seq_len: i64,
-}
-
-impl ModelArgs {
-    /// The flavors torchtitan ships for llama3.
-    pub fn flavor(name: &str) -> Result<Self> {
-        let base = Self {
-            dim: 4096,
-            n_layers: 32,
-            n_heads: 32,
-            n_kv_heads: Some(8),
-            vocab_size: 128256,
-            multiple_of: 1024,
-            ffn_dim_multiplier: Some(1.3),
-            norm_eps: 1e-5,
-            rope_theta: 500000.0,
-            rope_scaling: Some(RopeScaling::default()),
-            max_seq_len: 131072,
-        };
-        Ok(match name {
-            "debugmodel" => Self {
-                dim: 256,
-                n_layers: 6,
-                n_heads: 16,
-                n_kv_heads: None,
-                vocab_size: 2048,
-                multiple_of: 256,
-                ffn_dim_multiplier: None,
-                ..base
-            },
-            "8B" => base,
-            "70B" => Self {
-                dim: 8192,
-                n_layers: 80,
-                n_heads: 64,
-                multiple_of: 4096,
-                ..base
-            },
-            "405B" => Self {
-                dim: 16384,
-                n_layers: 126,
-                n_heads: 128,
-                multiple_of: 4096,
-                ffn_dim_multiplier: Some(1.2),
-                ..base
-            },
-            other => bail!("unknown llama3 flavor `{other}` (known: debugmodel, 8B, 70B, 405B)"),
-        })
-    }
-
-    pub fn kv_heads(&self) -> i64 {
-        self.n_kv_heads.unwrap_or(self.n_heads)
-    }
-
-    pub fn head_dim(&self) -> i64 {
-        self.dim / self.n_heads
-    }
-
-    /// torchtitan's SwiGLU hidden size: 2/3 of 4*dim, times the multiplier, rounded up to
-    /// `multiple_of`.
-    pub fn ffn_hidden_dim(&self) -> i64 {
-        let mut hidden = 2 * (4 * self.dim) / 3;
-        if let Some(m) = self.ffn_dim_multiplier {
-            hidden = (m * hidden as f64) as i64;
-        }
-        self.multiple_of * ((hidden + self.multiple_of - 1) / self.multiple_of)
-    }
-
-    /// Parameter count, computed from the shapes (no tensors needed).
-    pub fn num_params(&self) -> (i64, i64) {
-        let (d, h, v) = (self.dim, self.ffn_hidden_dim(), self.vocab_size);
-        let kv = self.kv_heads() * self.head_dim();
-        let per_layer = d * d * 2 + 2 * d * kv + 3 * d * h + 2 * d;
-        let embedding = v * d;
-        (embedding + self.n_layers * per_layer + d + v * d, embedding)
-    }
-
-    /// torchtitan's training FLOPs per token (see DESIGN.md):
-    /// 6 * non-embedding params + 6 * layers * heads * head_dim * seq_len.
-    pub fn flops_per_token(&self, seq_len: i64) -> f64 {
-        let (total, embedding) = self.num_params();
-        6.0 * (total - embedding) as f64
-            + 6.0 * (self.n_layers * self.n_heads * self.head_dim() * seq_len) as f64
-    }
-
-    fn validate(&self) -> Result<()> {
-        if self.dim % self.n_heads != 0 || self.head_dim() % 2 != 0 {
-            bail!(
-                "model dim {} must split into {} heads of even size",
-                self.dim,
-                self.n_heads
-            );
-        }
-        if self.n_heads % self.kv_heads() != 0 {
-            bail!(
-                "n_heads {} must be a multiple of n_kv_heads {}",
-                self.n_heads,
-                self.kv_heads()
-            );
-        }
-        Ok(())
-    }
-}
-
-/// Which activations the forward pass keeps for backward (`[activation_checkpoint]`); what is not
-/// kept is recomputed in the backward pass through [`crate::recompute::checkpoint`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ActivationCheckpointing {
-    /// Keep everything autograd saves.
-    #[default]
-    None,
-    /// Keep only each transformer block's input; recompute the whole block (`mode = full`).
-    Full,
-    /// Recompute whole blocks number N, 2N, 3N, ... counting from 1, keep the others
-    /// (`mode = selective`, `selective_ac_option = N`, as torchtitan's per-layer SAC counts).
-    EveryNthLayer(u64),
-    /// torchtitan's per-op rule (`mode = selective`, `selective_ac_option = op`): keep each
-    /// block's input and the outputs of its 1st, 3rd, 5th, ... matmul (wq, wv, w1, w2); backward
-    /// recomputes the block from its input, taking those kept outputs instead of multiplying
-    /// again, and recomputes the other matmuls, attention and the elementwise ops.
-    Op,
-}
-
-impl ActivationCheckpointing {
-    /// Whether layer `index` (from 0) is recomputed whole.
-    fn whole_layer(self, index: usize) -> bool {
-        match self {
-            ActivationCheckpointing::Full => true,
-            ActivationCheckpointing::EveryNthLayer(n) => (index as u64 + 1).is_multiple_of(n),
-            ActivationCheckpointing::None | ActivationCheckpointing::Op => false,
-        }
-    }
-}
+mod args;
+pub use args::{BLOCK_PARAMS, Init, ModelArgs, Module, ParamSpec, RopeScaling};
 
 /// RoPE inverse frequencies with Llama-3.1 scaling, as torchtitan's `precompute_freqs_cis`.
 fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
@@ -256,28 +92,6 @@ fn apply_rotary_emb(x: &Tensor, rope: &Tensor) -> Tensor {
         .view_as_real()
         .reshape([b, s, h, d])
         .to_kind(x.kind())
-}
-
-/// Which tokens attend to which (`model.attn_backend`, torchtitan's `attn_backend`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AttnBackend {
-    /// torchtitan's default: causal within each packed document (its FlexAttention with the
-    /// block-causal mask); here SDPA with the same mask.
-    #[default]
-    Flex,
-    /// torchtitan's `varlen` backend: the same document-causal attention.
-    Varlen,
-    /// Plain causal attention across the whole sample, documents included (torchtitan 0.3.0 no
-    /// longer offers it for language models; RoPE still uses document positions).
-    Sdpa,
-}
-
-impl AttnBackend {
-    /// Whether attention stops at document boundaries.
-    pub fn document_causal(self) -> bool {
-        matches!(self, AttnBackend::Flex | AttnBackend::Varlen)
-    }
 }
 
 /// The attention mask of one forward pass: (B, 1, S, S) booleans, true where query `q` may
@@ -388,10 +202,6 @@ struct Weight {
     value: Tensor,
     float8: Option<Float8Weight>,
 }
-
-/// Parameters of a transformer block, in registration order: wq, wk, wv, wo, w1, w2, w3 and the
-/// two norms (what [`Layer::from_params`] takes and its FSDP unit holds).
-const BLOCK_PARAMS: usize = 9;
 
 struct Layer {
     wq: Weight,
@@ -535,16 +345,85 @@ fn probe_varlen_kernel(device: Device) -> bool {
     }
 }
 
-/// Fills `t` with a normal(0, std) truncated to [a, b], PyTorch's `trunc_normal_` algorithm
-/// (uniform on the CDF interval, then the inverse error function).
-fn trunc_normal_(t: &mut Tensor, std: f64, a: f64, b: f64) {
+/// Draws `t`'s values by `init` from the global torch RNG.
+fn initialise(t: &mut Tensor, init: Init) {
+    match init {
+        Init::Normal { std } => {
+            let _ = t.normal_(0.0, std);
+        }
+        Init::TruncNormal { std, a, b } => trunc_normal_(t, std, a, b),
+        Init::Ones => {
+            let _ = t.fill_(1.0);
+        }
+    }
+}
+
+/// Fills `t` with a normal(0, std) truncated to [a, b] as torch 2.13 and 2.15's
+/// `nn.init.trunc_normal_` draws it, RNG call for RNG call: when most of the normal lies inside
+/// the bounds (probability > 0.3), a normal draw with every value outside them drawn again (a
+/// whole tensor's draw per round, kept where needed); otherwise uniform candidates on [a, b]
+/// accepted with the normal's density. (The inverse-CDF method older torch used puts values on
+/// the bounds when a float32 uniform hits its endpoint: `tests/tests/trainer_seed_init.rs` saw
+/// weights of exactly -2 against torchtitan's.)
+pub fn trunc_normal_(t: &mut Tensor, std: f64, a: f64, b: f64) {
     let norm_cdf = |x: f64| (1.0 + erf(x / std::f64::consts::SQRT_2)) / 2.0;
-    let l = norm_cdf(a / std);
-    let u = norm_cdf(b / std);
-    let _ = t.uniform_(2.0 * l - 1.0, 2.0 * u - 1.0);
-    let _ = t.erfinv_();
-    let _ = t.g_mul_scalar_(std * std::f64::consts::SQRT_2);
-    let _ = t.clamp_(a, b);
+    let p = norm_cdf(b / std) - norm_cdf(a / std);
+    let any = |mask: &Tensor| mask.any().int64_value(&[]) != 0;
+    if p > 0.3 {
+        // torch compares against the bounds rounded to the tensor's dtype.
+        let (lo, hi) = (
+            Tensor::from(a).to_kind(t.kind()).double_value(&[]),
+            Tensor::from(b).to_kind(t.kind()).double_value(&[]),
+        );
+        let _ = t.normal_(0.0, std);
+        let mut result = t.shallow_clone();
+        let mut redrawn = false;
+        loop {
+            let mask = result.lt(lo).logical_or(&result.gt(hi));
+            if !any(&mask) {
+                break;
+            }
+            let mut redraw = result.empty_like();
+            let _ = redraw.normal_(0.0, std);
+            result = redraw.where_self(&mask, &result);
+            redrawn = true;
+        }
+        if redrawn {
+            t.copy_(&result);
+        }
+        return;
+    }
+    let mode = a.max(0.0f64.min(b));
+    let log_peak = -0.5 * (mode / std).powi(2);
+    let log_pdf = |c: &mut Tensor| {
+        let _ = c
+            .g_sub_scalar_(0.0)
+            .g_div_scalar_(std)
+            .pow_(2)
+            .g_mul_scalar_(-0.5);
+        let _ = c.g_sub_scalar_(log_peak);
+    };
+    let mut candidates = t.empty_like();
+    let mut accept = t.empty_like();
+    let _ = t.uniform_(a, b);
+    candidates.copy_(t);
+    log_pdf(&mut candidates);
+    let mut pending = accept.uniform_(0.0, 1.0).log_().gt_tensor(&candidates);
+    if !any(&pending) {
+        return;
+    }
+    let mut result = t.shallow_clone();
+    loop {
+        let _ = candidates.uniform_(a, b);
+        result = candidates.where_self(&pending, &result);
+        log_pdf(&mut candidates);
+        let again = accept.uniform_(0.0, 1.0).log_().gt_tensor(&candidates);
+        pending = again.where_self(&pending, &pending);
+        if !any(&pending) {
+            break;
+        }
+    }
+    t.copy_(&result);
 }
 
 /// The error function, for the CDF bounds of [`trunc_normal_`] (Rust's std has no erf).
@@ -601,104 +480,32 @@ impl Llama {
                 );
             }
         }
-        let (d, hd, kv) = (
-            args.dim,
-            args.ffn_hidden_dim(),
-            args.kv_heads() * args.head_dim(),
-        );
         let opts = (Kind::Float, device);
         let mut params: Vec<(String, Tensor)> = Vec::new();
         let mut placements = Vec::new();
-        let mut add = |name: String,
-                       shape: &[i64],
-                       style: TpStyle,
-                       init: &dyn Fn(&mut Tensor),
-                       keep: bool|
-         -> Result<()> {
+        for spec in args.parameters() {
+            let keep = match spec.module {
+                Module::Embeddings => has_embeddings,
+                Module::Layer(i) => has_layer(i),
+                Module::Head => has_head,
+            };
             let placement = plan
-                .placement(shape, style)
-                .map_err(|e| anyhow::anyhow!("{name}: {e}"))?;
-            let mut full = Tensor::empty(shape, opts);
-            tch::no_grad(|| init(&mut full));
+                .placement_of(&spec.fqn, &spec.shape)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", spec.fqn))?;
+            let mut full = Tensor::empty(spec.shape.as_slice(), opts);
+            tch::no_grad(|| initialise(&mut full, spec.init));
             if !keep {
                 // Another stage's parameter: drawn only to advance the RNG as one process does.
-                return Ok(());
+                continue;
             }
             let local = if placement.is_whole() {
                 full
             } else {
                 placement.take_local(&full)
             };
-            params.push((name, local.set_requires_grad(true)));
+            params.push((spec.fqn, local.set_requires_grad(true)));
             placements.push(placement);
-            Ok(())
-        };
-        add(
-            "tok_embeddings.weight".into(),
-            &[args.vocab_size, d],
-            TpStyle::Rows,
-            &|t| {
-                let _ = t.normal_(0.0, 1.0);
-            },
-            has_embeddings,
-        )?;
-        for i in 0..args.n_layers {
-            let keep = has_layer(i as usize);
-            // Depth-scaled init for the output projections, as torchtitan's depth_init.
-            let depth_std = 0.02 / (2.0 * (i + 1) as f64).sqrt();
-            let std02 = |t: &mut Tensor| trunc_normal_(t, 0.02, -2.0, 2.0);
-            let depth = |t: &mut Tensor| trunc_normal_(t, depth_std, -2.0, 2.0);
-            let ones = |t: &mut Tensor| {
-                let _ = t.fill_(1.0);
-            };
-            let p = |n: &str| format!("layers.{i}.{n}");
-            use TpStyle::{Cols, Replicated, Rows};
-            add(
-                p("attention.qkv_linear.wq.weight"),
-                &[d, d],
-                Rows,
-                &std02,
-                keep,
-            )?;
-            add(
-                p("attention.qkv_linear.wk.weight"),
-                &[kv, d],
-                Rows,
-                &std02,
-                keep,
-            )?;
-            add(
-                p("attention.qkv_linear.wv.weight"),
-                &[kv, d],
-                Rows,
-                &std02,
-                keep,
-            )?;
-            add(p("attention.wo.weight"), &[d, d], Cols, &depth, keep)?;
-            add(p("feed_forward.w1.weight"), &[hd, d], Rows, &std02, keep)?;
-            add(p("feed_forward.w2.weight"), &[d, hd], Cols, &depth, keep)?;
-            add(p("feed_forward.w3.weight"), &[hd, d], Rows, &depth, keep)?;
-            add(p("attention_norm.weight"), &[d], Replicated, &ones, keep)?;
-            add(p("ffn_norm.weight"), &[d], Replicated, &ones, keep)?;
         }
-        let ones = |t: &mut Tensor| {
-            let _ = t.fill_(1.0);
-        };
-        add(
-            "norm.weight".into(),
-            &[d],
-            TpStyle::Replicated,
-            &ones,
-            has_head,
-        )?;
-        let final_std = (d as f64).powf(-0.5);
-        add(
-            "lm_head.weight".into(),
-            &[args.vocab_size, d],
-            TpStyle::Rows,
-            &|t| trunc_normal_(t, final_std, -3.0 * final_std, 3.0 * final_std),
-            has_head,
-        )?;
         // FSDP units as torchtitan wraps them: the embeddings, each block, norm + output.
         let unit = |range: std::ops::Range<usize>, last: bool| {
             FsdpUnit::new(
@@ -913,10 +720,13 @@ impl Llama {
         let a = &self.args;
         let (d, hd, kv) = (a.dim, a.ffn_hidden_dim(), a.kv_heads() * a.head_dim());
         let mut converted = Vec::new();
-        let mut take = |fqn: String, out: i64, inp: i64, split: TpSplit| {
+        // Each linear's split over tp is the TP plan's for its weight.
+        let mut take = |fqn: String, out: i64, inp: i64| {
             f8.converts(&fqn, out, inp).then(|| {
+                let style = tp_style(&format!("{fqn}.weight"))
+                    .expect("every linear has an entry in the tensor-parallel plan");
                 converted.push(fqn);
-                f8.linear(&self.tp, split)
+                f8.linear(&self.tp, style)
             })
         };
         let blocks: Vec<BlockFloat8> = (0..a.n_layers)
@@ -928,7 +738,7 @@ impl Llama {
                 let fuse =
                     f8.converts(&fused, d + 2 * kv, d) && !qkv_names.iter().any(|n| f8.filtered(n));
                 let fused = if fuse {
-                    take(fused, d + 2 * kv, d, TpSplit::Columns)
+                    take(fused, d + 2 * kv, d)
                 } else {
                     None
                 };
@@ -936,23 +746,19 @@ impl Llama {
                     Some(fused) => Qkv::Fused(fused),
                     None => {
                         let [q, k, v] = qkv_names;
-                        Qkv::Separate(Box::new([
-                            take(q, d, d, TpSplit::Columns),
-                            take(k, kv, d, TpSplit::Columns),
-                            take(v, kv, d, TpSplit::Columns),
-                        ]))
+                        Qkv::Separate(Box::new([take(q, d, d), take(k, kv, d), take(v, kv, d)]))
                     }
                 };
                 BlockFloat8 {
                     qkv,
-                    wo: take(p("attention.wo"), d, d, TpSplit::Rows),
-                    w1: take(p("feed_forward.w1"), hd, d, TpSplit::Columns),
-                    w2: take(p("feed_forward.w2"), d, hd, TpSplit::Rows),
-                    w3: take(p("feed_forward.w3"), hd, d, TpSplit::Columns),
+                    wo: take(p("attention.wo"), d, d),
+                    w1: take(p("feed_forward.w1"), hd, d),
+                    w2: take(p("feed_forward.w2"), d, hd),
+                    w3: take(p("feed_forward.w3"), hd, d),
                 }
             })
             .collect();
-        let lm_head = take("lm_head".into(), a.vocab_size, d, TpSplit::Columns);
+        let lm_head = take("lm_head".into(), a.vocab_size, d);
         if f8.fsdp_all_gather {
             self.gather_in_float8(&blocks, lm_head.is_some());
         }

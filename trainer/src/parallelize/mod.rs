@@ -13,16 +13,19 @@
 //!   block of the global tensor at `offsets`.
 
 pub mod fsdp;
+pub mod layout;
 pub mod pipeline;
+pub mod plan;
 pub mod tp;
 pub mod weight_grad;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use tch::{Kind, Tensor};
 
 use crate::config::{Parallelism, ReshardAfterForward};
 use crate::distributed::DeviceMesh;
 use crate::parallel::Dim;
+pub use plan::TpStyle;
 
 /// Where one parameter's local part sits in the global tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,17 +59,6 @@ impl Placement {
         }
         t.contiguous()
     }
-}
-
-/// How a parameter is placed under tensor parallelism (torchtitan's llama3 plan).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TpStyle {
-    /// Split dim 0 (column-wise linears, the vocab-sharded embedding and output).
-    Rows,
-    /// Split dim 1 (row-wise linears).
-    Cols,
-    /// Whole on every tp rank (norms).
-    Replicated,
 }
 
 /// The split of the whole model for this rank.
@@ -113,25 +105,19 @@ impl ParallelPlan {
         )
     }
 
+    /// Where this rank's part of parameter `fqn` of `global` shape sits, by the TP plan
+    /// ([`plan::tp_style`]) and FSDP's dim-0 chunks.
+    pub fn placement_of(&self, fqn: &str, global: &[i64]) -> Result<Placement> {
+        self.placement(global, plan::tp_style(fqn)?)
+    }
+
     /// Where this rank's part of a parameter of `global` shape placed by `style` sits.
     pub fn placement(&self, global: &[i64], style: TpStyle) -> Result<Placement> {
         let tp = self.tp.size() as i64;
-        let tp_dim = match style {
-            TpStyle::Rows => Some(0),
-            TpStyle::Cols => Some(1),
-            TpStyle::Replicated => None,
-        }
-        .filter(|_| tp > 1);
+        let tp_dim = style.dim().filter(|_| tp > 1);
+        let mut local = plan::tp_local_shape(global, style, tp)?;
         let mut offsets = vec![0i64; global.len()];
-        let mut local = global.to_vec();
         if let Some(d) = tp_dim {
-            if global[d] % tp != 0 {
-                bail!(
-                    "a parameter of shape {global:?} cannot be split into \
-                     parallelism.tensor_parallel_degree = {tp} equal parts along dim {d}"
-                );
-            }
-            local[d] = global[d] / tp;
             offsets[d] = self.tp_rank as i64 * local[d];
         }
         let tp_local_rows = local.first().copied().unwrap_or(1);

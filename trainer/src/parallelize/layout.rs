@@ -1,0 +1,193 @@
+//! The layout checks that need the model's shapes and the mesh but no tensor: run by the
+//! launcher before any rank starts and by every rank before it builds anything, so a degree
+//! that cannot split the model is an exit-2 config error naming its own key, said once.
+
+use anyhow::{Result, bail};
+
+use crate::config::{self, ConfigError, JobConfig};
+use crate::float8::Float8Training;
+use crate::model::ModelArgs;
+use crate::parallel::Mesh;
+use crate::parallelize::pipeline::{self, PipelineConfig, Schedule};
+use crate::parallelize::plan::{tp_local_shape, tp_style};
+
+fn invalid(key: &str, message: impl std::fmt::Display) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.to_string(),
+    }
+}
+
+/// Checks that `cfg`'s model splits over `world` as torchtitan would split it, and returns the
+/// pipeline settings when pipeline parallelism is on.
+pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConfig>, ConfigError> {
+    if cfg.checkpoint.create_seed_checkpoint && world.world_size != 1 {
+        return Err(invalid(
+            "checkpoint.create_seed_checkpoint",
+            format!(
+                "Must create seed checkpoint using a single device, to disable sharding                  (this job has {} ranks)",
+                world.world_size
+            ),
+        ));
+    }
+    let args = ModelArgs::flavor(&cfg.model.flavor).map_err(|e| invalid("model.flavor", e))?;
+    args.validate().map_err(|e| invalid("model.flavor", e))?;
+    // A schedule name is checked even where no pipeline runs: a typo is never meant.
+    let schedule = Schedule::parse(&cfg.parallelism.pipeline_parallel_schedule)
+        .map_err(|e| invalid("parallelism.pipeline_parallel_schedule", e))?;
+    check_tensor_parallel(cfg, &args, world.tp)?;
+    microbatches(&cfg.training, world.dp_degree())
+        .map_err(|e| invalid("training.global_batch_size", format!("{e:#}")))?;
+    if world.pp <= 1 {
+        return Ok(None);
+    }
+    let p = pipeline_config(&cfg.parallelism, world.pp, &cfg.training, schedule)?;
+    pipeline::split_stages(&p, args.n_layers as usize)
+        .map_err(|e| invalid("parallelism.pipeline_parallel_degree", format!("{e:#}")))?;
+    if schedule.splits_backward() {
+        refuse_with_split_backward(cfg, world.dp_degree(), schedule)?;
+    }
+    Ok(Some(p))
+}
+
+/// Tensor parallelism splits attention by heads and every other split weight evenly, takes the
+/// loss over vocab-sharded logits, and under sequence parallelism the sequence too.
+pub fn check_tensor_parallel(
+    cfg: &JobConfig,
+    args: &ModelArgs,
+    tp: usize,
+) -> Result<(), ConfigError> {
+    if tp <= 1 {
+        return Ok(());
+    }
+    let key = "parallelism.tensor_parallel_degree";
+    for (what, n) in [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads())] {
+        if n % tp as i64 != 0 {
+            return Err(invalid(
+                key,
+                format!(
+                    "{tp} does not divide llama3 {}'s {what} = {n}: torchtitan's plan splits \
+                     attention by heads",
+                    cfg.model.flavor
+                ),
+            ));
+        }
+    }
+    for spec in args.parameters() {
+        let style = tp_style(&spec.fqn).map_err(|e| invalid(key, format!("{e:#}")))?;
+        tp_local_shape(&spec.shape, style, tp as i64)
+            .map_err(|e| invalid(key, format!("{}: {e:#}", spec.fqn)))?;
+    }
+    if cfg.parallelism.disable_loss_parallel {
+        return Err(invalid(
+            "parallelism.disable_loss_parallel",
+            "titan-train's tensor parallelism always takes the loss over vocab-sharded logits \
+             (torchtitan 0.3.0 has no other way)",
+        ));
+    }
+    if cfg.parallelism.enable_sequence_parallel {
+        let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
+        for (seq_key, seq_len) in [
+            ("training.seq_len", cfg.training.seq_len),
+            ("validation.seq_len", val_seq_len as i64),
+        ] {
+            if seq_len % tp as i64 != 0 {
+                return Err(invalid(
+                    seq_key,
+                    format!(
+                        "{seq_len} is not a multiple of parallelism.tensor_parallel_degree = \
+                         {tp}: sequence parallelism gives each tp rank an equal block of the \
+                         sequence (or set parallelism.enable_sequence_parallel false)"
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The pipeline settings of `[parallelism]`, checked as torchtitan checks them.
+fn pipeline_config(
+    p: &config::Parallelism,
+    degree: usize,
+    training: &config::Training,
+    schedule: Schedule,
+) -> Result<PipelineConfig, ConfigError> {
+    let key = "parallelism.pipeline_parallel_microbatch_size";
+    let microbatch_size = p.pipeline_parallel_microbatch_size;
+    if microbatch_size <= 0 {
+        return Err(invalid(
+            key,
+            format!("must be at least 1, got {microbatch_size}"),
+        ));
+    }
+    if training.local_batch_size % microbatch_size != 0 {
+        return Err(invalid(
+            key,
+            format!(
+                "Batch size {} must be divisible by microbatch_size {microbatch_size}. Update \
+                 the config arguments for either batch_size or pipeline_parallel_microbatch_size.",
+                training.local_batch_size
+            ),
+        ));
+    }
+    Ok(PipelineConfig {
+        degree,
+        schedule,
+        microbatch_size,
+        layers_per_stage: p.pipeline_parallel_layers_per_stage.map(|n| n as usize),
+        first_stage_less_layers: p.pipeline_parallel_first_stage_less_layers as usize,
+        last_stage_less_layers: p.pipeline_parallel_last_stage_less_layers as usize,
+        module_fqns_per_model_part: p.module_fqns_per_model_part.clone(),
+    })
+}
+
+/// What a split backward (zero-bubble) does not run with yet, refused naming the key: its
+/// weight pass hands each linear's gradient to the parameter itself, which FSDP's and DDP's
+/// per-unit reductions, the activation-checkpoint recompute and float8's own backward would not
+/// see.
+fn refuse_with_split_backward(
+    cfg: &JobConfig,
+    dp_degree: usize,
+    schedule: Schedule,
+) -> Result<(), ConfigError> {
+    let name = schedule.name();
+    let refuse = |key: &str, why: String| {
+        Err(invalid(
+            key,
+            format!("{why}; schedule {name} runs with pipeline and tensor parallelism only"),
+        ))
+    };
+    if dp_degree > 1 {
+        return refuse(
+            "parallelism.data_parallel_shard_degree",
+            format!("data parallelism ({dp_degree} replicas) is not implemented with {name}"),
+        );
+    }
+    if cfg.activation_checkpoint.mode != config::AcMode::None {
+        return refuse(
+            "activation_checkpoint.mode",
+            format!("activation checkpointing is not implemented with {name}"),
+        );
+    }
+    if Float8Training::from_config(cfg).is_some() {
+        return refuse(
+            "float8.enable_float8_linear",
+            format!("float8 linears are not implemented with {name}"),
+        );
+    }
+    Ok(())
+}
+
+/// Number of microbatches per optimizer step (gradient accumulation), torchtitan's rule.
+pub fn microbatches(training: &config::Training, dp_degree: usize) -> Result<usize> {
+    let per_pass = training.local_batch_size as usize * dp_degree;
+    let global = training.global_batch_size.map_or(per_pass, |g| g as usize);
+    if global == 0 || !global.is_multiple_of(per_pass) {
+        bail!(
+            "training.global_batch_size {global} must be a positive multiple of local_batch_size {} x dp degree {dp_degree}",
+            training.local_batch_size
+        );
+    }
+    Ok(global / per_pass)
+}

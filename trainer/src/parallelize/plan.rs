@@ -1,0 +1,114 @@
+//! torchtitan's llama3 tensor-parallel plan as one table: which weight dimension each parameter
+//! is split along over `tp` (`parallelize_llama`'s `ColwiseParallel`/`RowwiseParallel` over the
+//! model's modules). The model build places its parameters by it ([`crate::parallelize::
+//! ParallelPlan::placement_of`]), float8 linears take their operand splits from it, and the
+//! memory estimate its TP-local shapes. No libtorch here.
+
+use anyhow::{Result, bail};
+
+/// Which dimension of a weight tensor parallelism splits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpStyle {
+    /// Split dim 0: column-wise parallel linears (output features), and the vocab-sharded
+    /// embedding (torch's `RowwiseParallel` on an `nn.Embedding` splits its rows too).
+    Rows,
+    /// Split dim 1: row-wise parallel linears (input features).
+    Cols,
+    /// Whole on every tp rank (norms).
+    Replicated,
+}
+
+impl TpStyle {
+    /// The weight dimension split, if any.
+    pub fn dim(self) -> Option<usize> {
+        match self {
+            TpStyle::Rows => Some(0),
+            TpStyle::Cols => Some(1),
+            TpStyle::Replicated => None,
+        }
+    }
+}
+
+/// The llama3 plan: a parameter's fqn without its `layers.{i}.` prefix, and its style.
+/// torchtitan 0.3.0: `tok_embeddings` RowwiseParallel (vocab split, output replicated or
+/// sequence-sharded), q/k/v/w1/w3 ColwiseParallel, wo/w2 RowwiseParallel, norms as
+/// SequenceParallel (weights replicated), `lm_head` ColwiseParallel (loss parallel).
+pub const LLAMA3_TP_PLAN: &[(&str, TpStyle)] = &[
+    ("tok_embeddings.weight", TpStyle::Rows),
+    ("attention.qkv_linear.wq.weight", TpStyle::Rows),
+    ("attention.qkv_linear.wk.weight", TpStyle::Rows),
+    ("attention.qkv_linear.wv.weight", TpStyle::Rows),
+    // torchtitan 0.3.0's fused q/k/v as one float8 linear: the three column-wise weights stacked.
+    ("attention.qkv_linear.wqkv.weight", TpStyle::Rows),
+    ("attention.wo.weight", TpStyle::Cols),
+    ("feed_forward.w1.weight", TpStyle::Rows),
+    ("feed_forward.w2.weight", TpStyle::Cols),
+    ("feed_forward.w3.weight", TpStyle::Rows),
+    ("attention_norm.weight", TpStyle::Replicated),
+    ("ffn_norm.weight", TpStyle::Replicated),
+    ("norm.weight", TpStyle::Replicated),
+    ("lm_head.weight", TpStyle::Rows),
+];
+
+/// The style of parameter `fqn` (`layers.3.feed_forward.w2.weight`, `lm_head.weight`).
+pub fn tp_style(fqn: &str) -> Result<TpStyle> {
+    let local = match fqn.strip_prefix("layers.") {
+        Some(rest) => rest
+            .split_once('.')
+            .filter(|(i, _)| i.parse::<usize>().is_ok())
+            .map_or(fqn, |(_, name)| name),
+        None => fqn,
+    };
+    match LLAMA3_TP_PLAN.iter().find(|(name, _)| *name == local) {
+        Some((_, style)) => Ok(*style),
+        None => bail!("`{fqn}` has no entry in the llama3 tensor-parallel plan"),
+    }
+}
+
+/// The TP-local shape of a parameter of `global` shape placed by `style` over `tp` ranks: the
+/// split dimension must divide evenly.
+pub fn tp_local_shape(global: &[i64], style: TpStyle, tp: i64) -> Result<Vec<i64>> {
+    let mut local = global.to_vec();
+    if let Some(d) = style.dim().filter(|_| tp > 1) {
+        if global[d] % tp != 0 {
+            bail!(
+                "a parameter of shape {global:?} cannot be split into \
+                 parallelism.tensor_parallel_degree = {tp} equal parts along dim {d}"
+            );
+        }
+        local[d] = global[d] / tp;
+    }
+    Ok(local)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ModelArgs;
+
+    #[test]
+    fn every_parameter_has_a_style() {
+        for spec in ModelArgs::flavor("debugmodel").unwrap().parameters() {
+            tp_style(&spec.fqn).unwrap();
+        }
+        assert_eq!(
+            tp_style("layers.12.attention.wo.weight").unwrap(),
+            TpStyle::Cols
+        );
+        assert!(tp_style("layers.0.attention.wx.weight").is_err());
+        assert!(tp_style("layers.x.attention.wo.weight").is_err());
+    }
+
+    #[test]
+    fn local_shapes_split_one_dim() {
+        assert_eq!(
+            tp_local_shape(&[768, 256], TpStyle::Cols, 2).unwrap(),
+            [768, 128]
+        );
+        assert_eq!(
+            tp_local_shape(&[256], TpStyle::Replicated, 4).unwrap(),
+            [256]
+        );
+        assert!(tp_local_shape(&[6, 4], TpStyle::Rows, 4).is_err());
+    }
+}
