@@ -75,6 +75,23 @@ impl AdamW {
         self.resumed_lr.take().unwrap_or(scheduled)
     }
 
+    /// The state torch's `get_optimizer_state_dict` gives an optimizer that has not stepped yet
+    /// (DCP's `_init_optim_state`: one step with zero gradients at lr 0, which moves no
+    /// parameter): `step` 1 and zero moments for every parameter. torchtitan's full checkpoints
+    /// taken before the first step (a seed checkpoint with `last_save_model_only = false`) hold
+    /// it. Parameters that already have state keep it.
+    pub fn init_state_as_torch_checkpoints_do(&mut self, params: &[(String, Tensor)]) {
+        for (name, param) in params {
+            self.state
+                .entry(name.clone())
+                .or_insert_with(|| ParamState {
+                    step: 1,
+                    exp_avg: param.zeros_like(),
+                    exp_avg_sq: param.zeros_like(),
+                });
+        }
+    }
+
     /// One AdamW update of `param` (named `name`) with its current gradient, at learning rate `lr`.
     /// Parameters without a gradient are skipped, as PyTorch does. A failed tensor operation
     /// (a device or dtype mismatch, an out-of-memory) is an error naming the parameter.

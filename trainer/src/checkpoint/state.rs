@@ -5,7 +5,7 @@
 //! - optimizer: `optimizer.state.<fqn>.exp_avg` / `exp_avg_sq` / `step` (0-dim f32 tensor) and
 //!   `optimizer.param_groups.<fqn>.<hparam>` (torch's `_flatten_optim_state_dict`), the q/k/v
 //!   projections under torchtitan 0.3.0's fused `qkv_linear.wqkv.weight` (see [`names`]);
-//! - lr_scheduler: LambdaLR's `state_dict()` keys (`last_epoch`, `_step_count`, `base_lrs`, ...);
+//! - lr_scheduler: `last_epoch` alone, as torchtitan 0.3.0's `LRSchedulersContainer` saves it;
 //! - dataloader: `dataloader.dp_rank_<r>` (this rank's position, JSON bytes) and
 //!   `dataloader.world_size`;
 //! - train_state: `train_state.step` and `train_state.ntokens_seen`, pickled ints (torchtitan
@@ -159,7 +159,7 @@ pub fn stage(
         stage_optimizer(&mut out, state, counters)?;
     }
     if opts.owns_replicated {
-        stage_lr_scheduler(&mut out, state.schedule, counters.step);
+        stage_lr_scheduler(&mut out, counters.step);
         // Plain ints, as torchtitan 0.3.0's TrainState saves them (its loader refuses tensors).
         out.push(
             Some(TRAIN_STATE),
@@ -318,22 +318,14 @@ fn stage_optimizer_state(out: &mut StagedState, state: &TrainerState<'_>) -> Res
 
 /// LambdaLR's `state_dict()` after `step` scheduler steps (the schedule itself is a pure
 /// function of the step, so this is all it needs to resume).
-fn stage_lr_scheduler(out: &mut StagedState, schedule: &LrSchedule, step: u64) {
-    let last_lr = schedule.base_lr * schedule.factor(step);
-    let items = [
-        (
-            "base_lrs",
-            Value::List(vec![Value::Float(schedule.base_lr)]),
-        ),
-        ("last_epoch", Value::Int(step as i64)),
-        ("_step_count", Value::Int(step as i64 + 1)),
-        ("_get_lr_called_within_step", Value::Bool(false)),
-        ("_last_lr", Value::List(vec![Value::Float(last_lr)])),
-        ("lr_lambdas", Value::List(vec![Value::None])),
-    ];
-    for (name, value) in items {
-        out.push(Some(LR_SCHEDULER), name.into(), StagedValue::Object(value));
-    }
+fn stage_lr_scheduler(out: &mut StagedState, step: u64) {
+    // torchtitan 0.3.0's LRSchedulersContainer saves `last_epoch` alone: its schedules are pure
+    // functions of the step, and every other LambdaLR field is rebuilt from the config on load.
+    out.push(
+        Some(LR_SCHEDULER),
+        "last_epoch".into(),
+        StagedValue::Object(Value::Int(step as i64)),
+    );
 }
 
 /// Reads state keys back, whatever stores them (a DCP reader in practice).
