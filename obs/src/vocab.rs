@@ -26,6 +26,8 @@ pub mod titan {
     pub const CHECKPOINT: &str = "checkpoint";
     /// Span and step tag of a validation pass.
     pub const VALIDATION: &str = "validation";
+    /// Activation checkpointing: a region's forward run again inside the backward pass.
+    pub const RECOMPUTE: &str = "recompute";
     /// Pipeline parallelism: a pass (`forward`/`backward`, with its microbatch and stage)
     /// waiting to receive its input from the neighbouring stage.
     pub const PIPELINE_RECV: &str = "pipeline_recv";

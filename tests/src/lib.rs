@@ -176,6 +176,35 @@ pub fn run_ok(cmd: &mut Command) -> Output {
     o
 }
 
+/// How many spans named `name` rank `rank` of the titan-obs run in `dump` recorded per step, read
+/// with pyarrow from the raw Parquet parts (not through titan-obs, so a test of the trainer does
+/// not trust the reader it would also be testing).
+pub fn span_counts(dump: &Path, rank: u32, name: &str) -> std::collections::BTreeMap<u64, u64> {
+    let script = r#"
+import glob, json, sys
+import pyarrow.parquet as pq
+counts = {}
+for f in glob.glob(sys.argv[1] + "/obs/rank-" + sys.argv[2] + "/*.parquet"):
+    for r in pq.read_table(f, columns=["kind", "name", "step"]).to_pylist():
+        if r["kind"] == "span" and r["name"] == sys.argv[3]:
+            counts[r["step"]] = counts.get(r["step"], 0) + 1
+print(json.dumps(counts))
+"#;
+    let out = run_ok(
+        Command::new(python())
+            .args(["-c", script])
+            .arg(dump)
+            .arg(rank.to_string())
+            .arg(name),
+    );
+    let counts: std::collections::BTreeMap<String, u64> =
+        serde_json::from_slice(&out.stdout).expect("the script prints a JSON object");
+    counts
+        .into_iter()
+        .map(|(step, n)| (step.parse().expect("a step number"), n))
+        .collect()
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (for servers a test starts).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use titan_tests::{bin, output_text as text, run_ok};
+use titan_tests::{bin, output_text as text, run_ok, span_counts};
 
 const SEQ_LEN: usize = 32;
 const STEPS: usize = 10;
@@ -483,6 +483,26 @@ fn multi_rank_loss_curves_match_one_rank() {
         &f.losses("shard2_keep"),
         "2 ranks, never reshard",
     );
+    // ...while it really kept them: backward gathers none of them again. By default every unit
+    // but the last (norm + lm_head, kept as torchtitan keeps it) is freed after forward and
+    // gathered again for backward; the units are the embeddings, 6 blocks and the head.
+    let units = 8;
+    for r in 0..2 {
+        let gathers = |name: &str| span_counts(&f.root.join(name), r, "all_gather");
+        let (default, kept) = (gathers("shard2"), gathers("shard2_keep"));
+        for step in 1..=STEPS as u64 {
+            assert_eq!(
+                kept.get(&step),
+                Some(&units),
+                "rank {r} step {step}: never reshard"
+            );
+            assert_eq!(
+                default.get(&step),
+                Some(&(2 * units - 1)),
+                "rank {r} step {step}: the default reshards all but the last unit"
+            );
+        }
+    }
 }
 
 /// How far a float8 layout's losses and grad norms may drift from one process's over the 10

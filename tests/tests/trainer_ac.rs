@@ -1,10 +1,13 @@
 //! titan-train's activation checkpointing end to end: every `[activation_checkpoint]` mode trains
 //! exactly as `mode = none` (bit-identical losses and gradient norms, in the default bf16 mixed
-//! precision and in fp32, one process and 2-rank DDP), and bad values exit 2 naming the key.
+//! precision and in fp32, one process and 2-rank DDP) while it really recomputes (the forward of
+//! each checkpointed block runs again in backward, counted from the titan-obs `recompute` spans
+//! pyarrow reads from the run's parts), and bad values exit 2 naming the key.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
-use titan_tests::{exit_2_naming, metrics, run_ok, small_run};
+use titan_tests::{exit_2_naming, metrics, run_ok, small_run, span_counts};
 
 /// The `field` values of `metrics.jsonl` train lines, as written (shortest round-trip decimal,
 /// so equal strings mean equal f64 bits).
@@ -22,6 +25,29 @@ fn run(dir: &Path, name: &str, extra: &[&str]) -> (Vec<String>, Vec<String>) {
     let losses = train_metric(&dump, "loss");
     assert_eq!(losses.len(), 4, "{name}: {losses:?}");
     (losses, train_metric(&dump, "grad_norm"))
+}
+
+/// Each mode recomputes the blocks it checkpoints, once per block and step (the debug model's
+/// 6 layers; `selective 2` checkpoints layers 2, 4 and 6), and `none` recomputes nothing.
+#[test]
+fn checkpointed_blocks_are_recomputed_in_backward() {
+    let dir = tempfile::tempdir().unwrap();
+    let obs = ["--observability.enable=true"];
+    for ((name, flags), per_step) in [("none", &[][..]), MODES[0], MODES[1], MODES[2]]
+        .into_iter()
+        .zip([0, 6, 6, 3])
+    {
+        let args: Vec<&str> = obs.iter().chain(flags.iter()).copied().collect();
+        let dump = dir.path().join(name);
+        run_ok(small_run(&dump, &["--training.steps", "4"]).args(&args));
+        let counts = span_counts(&dump, 0, "recompute");
+        let want: BTreeMap<u64, u64> = if per_step == 0 {
+            BTreeMap::new()
+        } else {
+            (1..=4).map(|s| (s, per_step)).collect()
+        };
+        assert_eq!(counts, want, "{name}: recomputed blocks per step");
+    }
 }
 
 const MODES: &[(&str, &[&str])] = &[

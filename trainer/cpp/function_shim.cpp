@@ -67,6 +67,14 @@ int titan_function_apply(void* ctx, titan_callback forward, titan_callback backw
 // Gives `tensor`'s storage `nbytes` bytes of fresh (uninitialised) memory from its own allocator,
 // or frees it with 0, in place: every tensor sharing the storage (autograd's saved copies
 // included) sees the change. FSDP2's free / alloc of unsharded parameters.
+// The bytes `tensor`'s storage holds now (0 once freed by titan_storage_resize).
+int titan_storage_nbytes(void* tensor, int64_t* out, char** err) {
+  return titan_shim::guarded(err, [&] {
+    auto& t = *reinterpret_cast<at::Tensor*>(tensor);
+    *out = static_cast<int64_t>(t.storage().nbytes());
+  });
+}
+
 int titan_storage_resize(void* tensor, int64_t nbytes, char** err) {
   return titan_shim::guarded(err, [&] {
     auto& t = *reinterpret_cast<at::Tensor*>(tensor);

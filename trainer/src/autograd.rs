@@ -50,6 +50,7 @@ unsafe extern "C" {
         err: *mut *mut c_char,
     ) -> i32;
     fn titan_storage_resize(t: *mut c_void, nbytes: i64, err: *mut *mut c_char) -> i32;
+    fn titan_storage_nbytes(t: *mut c_void, out: *mut i64, err: *mut *mut c_char) -> i32;
     fn titan_copy_keep_version(dst: *mut c_void, src: *mut c_void, err: *mut *mut c_char) -> i32;
 }
 
@@ -210,6 +211,16 @@ pub(crate) unsafe extern "C" fn drop_boxed<T>(ctx: *mut c_void) {
     drop(unsafe { Box::from_raw(ctx.cast::<T>()) });
 }
 
+/// The bytes `t`'s storage holds now (0 while [`resize_storage`] has it freed).
+pub fn storage_nbytes(t: &Tensor) -> usize {
+    let mut out = 0i64;
+    // SAFETY: a live tch tensor borrowed for the call; `out` is written on success.
+    check("reading a storage's size", |err| unsafe {
+        titan_storage_nbytes(raw(t), &mut out, err)
+    });
+    out as usize
+}
+
 /// Gives `t`'s storage `nbytes` of fresh memory (0: frees it) in place; every tensor sharing the
 /// storage, autograd's saved ones included, sees it.
 pub fn resize_storage(t: &Tensor, nbytes: usize) {
@@ -281,7 +292,10 @@ mod tests {
         let y = (&x * &full).sum(Kind::Float);
         let keep = tch::no_grad(|| full.detach().copy());
         resize_storage(&full, 0);
+        // Freed: the storage autograd saved holds no bytes until it is refilled.
+        assert_eq!(storage_nbytes(&full), 0);
         resize_storage(&full, 2 * 4);
+        assert_eq!(storage_nbytes(&full), 2 * 4);
         copy_keep_version(&full, &keep);
         y.backward();
         assert_eq!(Vec::<f32>::try_from(&x.grad()).unwrap(), vec![2.0, 3.0]);

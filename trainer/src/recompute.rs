@@ -7,8 +7,12 @@
 //! back-propagated at once). The recompute sees the autocast state of the forward. Parameters the
 //! region reads get their gradients from that inner backward, so they are complete when
 //! `backward()` returns, before any gradient reduction.
+//!
+//! Each recompute is a titan-obs `recompute` span inside the backward pass: what activation
+//! checkpointing costs shows in the timeline, and a test can count that the forward ran again.
 
 use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use tch::Tensor;
 
@@ -65,6 +69,10 @@ pub fn checkpoint<const N: usize, F>(inputs: &[&Tensor], region: F) -> [Tensor; 
 where
     F: Fn(&[Tensor]) -> [Tensor; N] + Send + 'static,
 {
+    let region = Region {
+        region,
+        runs: AtomicU32::new(0),
+    };
     let ctx = Box::into_raw(Box::new(region)).cast::<c_void>();
     // SAFETY: the slots come from `call_mapping`; the shim takes ownership of `ctx` (freed
     // through drop_boxed, also on error).
@@ -76,7 +84,7 @@ where
             titan_recompute_apply(
                 ctx,
                 run_region::<N, F>,
-                drop_boxed::<F>,
+                drop_boxed::<Region<F>>,
                 ins,
                 n_in,
                 outs,
@@ -103,10 +111,19 @@ where
 {
     // SAFETY: the shim lends n_in live at::Tensor*.
     let inputs = unsafe { borrowed(inputs, n_in) };
-    // SAFETY: ctx is the Box<F> made in `checkpoint`, alive until drop_boxed.
-    let region = unsafe { &*ctx.cast::<F>() };
+    // SAFETY: ctx is the Box<Region<F>> made in `checkpoint`, alive until drop_boxed.
+    let region = unsafe { &*ctx.cast::<Region<F>>() };
+    // The first run is the forward pass; every later one recomputes in backward.
+    let recompute = region.runs.fetch_add(1, Ordering::Relaxed) > 0;
+    let _span = recompute.then(|| titan_obs_core::span(titan_obs_core::vocab::titan::RECOMPUTE));
     // SAFETY: the shim passes n_out output slots and an error slot.
-    unsafe { answer(outputs, n_out, err, || Vec::from(region(&inputs))) }
+    unsafe { answer(outputs, n_out, err, || Vec::from((region.region)(&inputs))) }
+}
+
+/// A checkpointed region and how often it has run.
+struct Region<F> {
+    region: F,
+    runs: AtomicU32,
 }
 
 #[cfg(test)]
