@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use crate::assemble::{self, Layout, TensorReader};
 use crate::cast;
 use crate::error::{Error, Result};
+use crate::fp8::Dequantizer;
 use crate::plan::{CheckpointPlan, Encoding, TensorPlan};
 use crate::safetensors::{self, OutEntry};
 use crate::storage::{InFile, OutFile, Root};
@@ -405,11 +406,7 @@ pub fn write_files(
         return Ok(());
     }
     out.create_dir_all()?;
-    let inputs: Vec<InFile> = plan
-        .files
-        .iter()
-        .map(|f| Ok(plan.root.open(f)?))
-        .collect::<Result<_>>()?;
+    let inputs = plan.open_files()?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(opts.workers.max(1))
         .build()
@@ -487,6 +484,10 @@ pub struct TensorCopier<'a> {
     reader: TensorReader<'a>,
     buf: Vec<u8>,
     converted: Vec<u8>,
+    /// float8 bytes of a block-quantized window, before dequantizing into `buf`.
+    raw: Vec<u8>,
+    /// The scales of the block-quantized weight being written (kept across its windows).
+    dequant: Option<Dequantizer>,
     window: u64,
     progress: Arc<dyn Progress>,
 }
@@ -499,6 +500,8 @@ impl<'a> TensorCopier<'a> {
             reader: TensorReader::new(plan, inputs),
             buf: Vec::new(),
             converted: Vec::new(),
+            raw: Vec::new(),
+            dequant: None,
             window: opts.window_bytes.max(1),
             progress: opts.progress.clone(),
         }
@@ -548,6 +551,7 @@ impl<'a> TensorCopier<'a> {
         let range = slice.offset..slice.offset + slice.numel;
         let layout = Layout::of(src);
         let direct = src.dtype == dtype
+            && src.scales.is_none()
             && layout.is_runs()
             && src
                 .chunks
@@ -572,15 +576,47 @@ impl<'a> TensorCopier<'a> {
             return Ok(());
         }
         let mut at = pos;
-        for w in assemble::windows_in(src, range, self.window) {
-            let n = self.read_window(src, w.clone())?;
-            let bytes = self.cast_window(src.dtype, dtype, n);
+        for w in assemble::windows_in(src, range, self.window_for(src)) {
+            let (from, n) = self.read_values(&slice.tensor, src, w.clone())?;
+            let bytes = self.cast_window(from, dtype, n);
             sink.put(at, bytes)?;
             at += bytes.len() as u64;
             self.progress
                 .inc((w.end - w.start) * src.dtype.size() as u64);
         }
         Ok(())
+    }
+
+    /// The bytes of stored elements one window reads: a block-quantized weight's float8 bytes
+    /// become fp32 values 4 times their size, so its windows are a quarter of the window size.
+    fn window_for(&self, src: &TensorPlan) -> u64 {
+        match src.scales {
+            Some(_) => (self.window / 4).max(1),
+            None => self.window,
+        }
+    }
+
+    /// Reads elements `w` of `src` (input tensor `name`) into `self.buf` as the values to cast:
+    /// the stored elements, or a block-quantized weight's dequantized fp32 values (its scales
+    /// read and checked on its first window). Returns their dtype and byte count.
+    fn read_values(
+        &mut self,
+        name: &str,
+        src: &TensorPlan,
+        w: Range<u64>,
+    ) -> Result<(Dtype, usize)> {
+        if src.scales.is_none() {
+            return Ok((src.dtype, self.read_window(src, w)?));
+        }
+        if self.dequant.as_ref().is_none_or(|d| d.weight != name) {
+            self.dequant = Some(Dequantizer::new(self.plan, &mut self.reader, name, src)?);
+        }
+        let n = (w.end - w.start) as usize;
+        self.raw.resize(n, 0);
+        self.reader.read(src, w.clone(), &mut self.raw[..n])?;
+        let d = self.dequant.as_ref().expect("set above");
+        d.dequantize(w.start, &self.raw[..n], &mut self.buf);
+        Ok((Dtype::F32, n * 4))
     }
 
     /// Reads elements `w` of `src` into `self.buf`; returns the byte count.
@@ -620,7 +656,8 @@ impl<'a> TensorCopier<'a> {
         let (rows, cols) = (src.shape[0], src.shape[1]);
         map.check(&t.name, rows)?;
         let (es, os) = (src.dtype.size() as u64, t.dtype.size() as u64);
-        let per_batch = (self.window / (cols * es).max(1)).max(1);
+        let per_batch = (self.window_for(src) / (cols * es).max(1)).max(1);
+        let name = &t.sources[0].tensor;
         let mut block = Vec::new();
         let mut r = 0;
         while r < rows {
@@ -628,8 +665,8 @@ impl<'a> TensorCopier<'a> {
             block.clear();
             for out_row in r..end {
                 let in_row = map.source_row(out_row, rows);
-                let n = self.read_window(src, in_row * cols..(in_row + 1) * cols)?;
-                let bytes = self.cast_window(src.dtype, t.dtype, n);
+                let (from, n) = self.read_values(name, src, in_row * cols..(in_row + 1) * cols)?;
+                let bytes = self.cast_window(from, t.dtype, n);
                 block.extend_from_slice(bytes);
             }
             sink.put(r * cols * os, &block)?;
@@ -648,6 +685,17 @@ impl<'a> TensorCopier<'a> {
         tr: ExpertTranspose,
         sink: &mut dyn TensorSink,
     ) -> Result<()> {
+        if let Some(s) = &src.scales {
+            // Only gpt-oss's experts are transposed, and they are not block-quantized.
+            return Err(Error::tensor(
+                self.plan.root.display(),
+                &s.name,
+                format!(
+                    "`{}` is a transposed expert stack: titan-ckpt does not dequantize those",
+                    t.name
+                ),
+            ));
+        }
         let es = src.dtype.size() as u64;
         let per = (self.window / (tr.rows * es).max(1)).max(1) * tr.rows;
         let (total, os) = (src.numel(), t.dtype.size() as u64);

@@ -10,33 +10,19 @@
 //!
 //! Each flavor's fixture is made once per test binary and shared by the tests that read it.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
 
-use titan_tests::{ckpt, output_text, python_script, run_ok, tf4_python_script, tt_python_script};
+use titan_tests::{
+    ckpt, fixture_made_once, output_text, python_script, run_ok, run_says_ok, tf4_python_script,
+    tt_python_script,
+};
 
 const SCRIPT: &str = "tests/python/tt_ckpt_families.py";
 
 /// The fixture folder of `flavor` (`make`'s outputs), made on first use.
 fn fixture(flavor: &str) -> PathBuf {
-    static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
-    static MADE: Mutex<BTreeMap<String, Arc<OnceLock<PathBuf>>>> = Mutex::new(BTreeMap::new());
-    let root = ROOT.get_or_init(|| tempfile::tempdir().unwrap()).path();
-    // One lock per flavor: different flavors are made in parallel, one flavor once.
-    let cell = MADE
-        .lock()
-        .unwrap()
-        .entry(flavor.to_string())
-        .or_default()
-        .clone();
-    cell.get_or_init(|| {
-        let d = root.join(flavor);
-        run_ok(tt_python_script(SCRIPT).arg("make").arg(&d).arg(flavor));
-        d
-    })
-    .clone()
+    fixture_made_once(flavor, || tt_python_script(SCRIPT))
 }
 
 /// Small output files, so tensors are split across several (and an index is written).
@@ -79,17 +65,12 @@ fn back_to_dcp(hf: &Path, tmp: &Path, flavor: &str, family: &str) {
             .arg(&dcp)
             .args(["--to", "dcp", "--adapter", family]),
     );
-    let o = run_ok(
+    run_says_ok(
         tt_python_script(SCRIPT)
             .arg("check-dcp")
             .arg(&dcp)
             .arg(&d)
             .arg(flavor),
-    );
-    assert!(
-        String::from_utf8_lossy(&o.stdout).starts_with("ok"),
-        "{}",
-        output_text(&o)
     );
 }
 

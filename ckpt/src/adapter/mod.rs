@@ -20,7 +20,6 @@ pub use tables::{Rule, TABLES, Table, Transform};
 use crate::assemble::TensorReader;
 use crate::error::{Error, Result};
 use crate::plan::{CheckpointPlan, TensorPlan};
-use crate::storage::InFile;
 use crate::write::{ExpertTranspose, OutTensor, RowMap, SourceSlice};
 use pattern::{Captures, fill, matches};
 use titan_dcp::Dtype;
@@ -271,7 +270,12 @@ fn out_dtype(src: Dtype, to: Option<Dtype>) -> Result<Dtype> {
 }
 
 fn whole(name: String, source: &str, t: &TensorPlan, to: Option<Dtype>) -> Result<OutTensor> {
-    Ok(OutTensor::whole(name, source, t, out_dtype(t.dtype, to)?))
+    Ok(OutTensor::whole(
+        name,
+        source,
+        t,
+        out_dtype(t.value_dtype(), to)?,
+    ))
 }
 
 fn unknown(table: &Table, name: &str, naming: Naming) -> Error {
@@ -351,7 +355,7 @@ fn to_hf(
         }
         let (rule, caps) =
             find_tt(table, &lookup).ok_or_else(|| unknown(table, name, Naming::Torchtitan))?;
-        let dtype = out_dtype(t.dtype, opts.dtype)?;
+        let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
         if rule.transform == Transform::Experts {
             let (&e, rest) = t.shape.split_first().ok_or_else(|| {
                 Error::tensor(
@@ -403,6 +407,14 @@ fn from_hf(
     let mut stacks: BTreeMap<String, BTreeMap<u64, String>> = BTreeMap::new();
     for (name, t) in &plan.tensors {
         if table.hf_ignored.iter().any(|p| matches(p, name).is_some()) {
+            continue;
+        }
+        if let Some((_, why)) = table
+            .hf_dropped
+            .iter()
+            .find(|(p, _)| matches(p, name).is_some())
+        {
+            out.dropped.push((name.clone(), why.to_string()));
             continue;
         }
         let (rule, caps) =
@@ -460,7 +472,10 @@ fn from_hf(
         let mut sources = Vec::with_capacity(experts.len());
         for hf in experts.values() {
             let t = &plan.tensors[hf];
-            if t.shape != t0.shape || t.dtype != t0.dtype {
+            if t.shape != t0.shape
+                || t.dtype != t0.dtype
+                || t.scales.is_some() != t0.scales.is_some()
+            {
                 return Err(Error::tensor(
                     plan.root.display(),
                     hf,
@@ -481,7 +496,7 @@ fn from_hf(
         out.tensors.push(OutTensor {
             name: tt,
             sources,
-            dtype: out_dtype(t0.dtype, opts.dtype)?,
+            dtype: out_dtype(t0.value_dtype(), opts.dtype)?,
             shape,
             row_map: None,
             transpose: None,
@@ -498,11 +513,7 @@ pub fn same_contents(plan: &CheckpointPlan, a: &str, b: &str) -> Result<bool> {
     if ta.shape != tb.shape || ta.dtype != tb.dtype {
         return Ok(false);
     }
-    let files: Vec<InFile> = plan
-        .files
-        .iter()
-        .map(|f| Ok(plan.root.open(f)?))
-        .collect::<Result<_>>()?;
+    let files = plan.open_files()?;
     let mut ra = TensorReader::new(plan, &files);
     let mut rb = TensorReader::new(plan, &files);
     let es = ta.dtype.size() as u64;

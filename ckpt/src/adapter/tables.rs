@@ -46,6 +46,8 @@ pub struct Table {
     pub no_hf_home: &'static [(&'static str, &'static str)],
     /// HF tensors with no torchtitan counterpart (skipped silently: derived buffers).
     pub hf_ignored: &'static [&'static str],
+    /// HF weights torchtitan's model has no place for, and why (dropped with a warning).
+    pub hf_dropped: &'static [(&'static str, &'static str)],
     /// `mtp_layers.{M}.*` are HF's `model.layers.{n_layers + M}.*` (DeepSeek-V3 MTP).
     pub mtp_layers: bool,
     /// torchtitan tensors that identify this family (any one suffices), for `--adapter auto`.
@@ -353,6 +355,7 @@ pub static LLAMA3: Table = Table {
     ],
     no_hf_home: &[],
     hf_ignored: ROTARY_INV_FREQ,
+    hf_dropped: &[],
     mtp_layers: false,
     signature: &[],
 };
@@ -366,9 +369,24 @@ pub static QWEN3: Table = Table {
         "Qwen3MoeForCausalLM has no expert-bias (load balancing) tensor",
     )],
     hf_ignored: ROTARY_INV_FREQ,
+    hf_dropped: &[],
     mtp_layers: false,
     signature: &["layers.0.attention.q_norm.weight"],
 };
+
+/// The released DeepSeek-V3/R1 and Kimi-K2 checkpoints give each MTP layer its own copy of the
+/// embedding and the output head; torchtitan 0.3.0's MTP layers use the main model's (its
+/// `from_hf` raises a KeyError on them).
+const DSV3_MTP_COPIES: &[(&str, &str)] = &[
+    (
+        "model.layers.{L}.embed_tokens.weight",
+        "an MTP layer's copy of the embedding: torchtitan's MTP layers use tok_embeddings.weight",
+    ),
+    (
+        "model.layers.{L}.shared_head.head.weight",
+        "an MTP layer's copy of the output head: torchtitan's MTP layers use lm_head.weight",
+    ),
+];
 
 pub static DEEPSEEK_V3: Table = Table {
     family: Family::DeepseekV3,
@@ -376,6 +394,7 @@ pub static DEEPSEEK_V3: Table = Table {
     legacy: &[],
     no_hf_home: &[],
     hf_ignored: ROTARY_INV_FREQ,
+    hf_dropped: DSV3_MTP_COPIES,
     mtp_layers: true,
     signature: &["layers.0.attention.wkv_a.weight"],
 };
@@ -389,6 +408,7 @@ pub static GPT_OSS: Table = Table {
         "GptOssForCausalLM has no expert-bias (load balancing) tensor",
     )],
     hf_ignored: ROTARY_INV_FREQ,
+    hf_dropped: &[],
     mtp_layers: false,
     signature: &["layers.0.attention.sinks"],
 };
