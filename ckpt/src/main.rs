@@ -326,6 +326,10 @@ impl CliValue for AdapterChoice {
                 "DeepSeek-V3: MLA with or without q-LoRA, routed and shared experts, expert bias, \
                  MTP layers after the main ones"
             }
+            AdapterChoice::Family(Family::KimiK27) => {
+                "Kimi K2.5/K2.7: a DeepSeek-V3 text model under `language_model.` and the MoonViT \
+                 vision encoder (fused qkv split, Conv2d patch embedding as a Linear, projector)"
+            }
             AdapterChoice::Family(Family::GptOss) => {
                 "gpt-oss: biased attention with sinks, router bias, stacked experts transposed per \
                  expert (unquantized; MXFP4 checkpoints need dequantizing first)"

@@ -6,7 +6,9 @@ TITAN_PYTHON (transformers 5).
 
 usage:
   tt_ckpt_families.py make DIR FLAVOR     FLAVOR: qwen3, qwen3_moe, deepseek_v3, deepseek_v3_qlora_mtp,
-                                          gpt_oss
+                                          gpt_oss, kimi_k2_7 (torchtitan's debugmodel: DeepSeek-V3
+                                          text model + MoonViT vision encoder; transformers has no
+                                          class for it, so check-hf compares tensors only)
       DIR/ref.safetensors          the model state dict (seeded values, torchtitan 0.3.0 names)
       DIR/dcp1/                    model-only DCP from one process
       DIR/dcp2/                    the same from 2 gloo ranks with FSDP2 fully_shard (Shard(0),
@@ -85,6 +87,13 @@ def flavor(name):
         return cfg, Qwen3StateDictAdapter, hf, ["moe.expert_bias_E"]
     if name == "gpt_oss":
         return gpt_oss_flavor(emb, head)
+    if name == "kimi_k2_7":
+        from torchtitan.models.kimi_k2_7 import model_registry
+        from torchtitan.models.kimi_k2_7.state_dict_adapter import KimiK25StateDictAdapter
+
+        # Kimi K2.5's HF class is remote code: the config only names it (titan copies it).
+        hf = dict(architectures=["KimiK25ForConditionalGeneration"], model_type="kimi_k25")
+        return model_registry("debugmodel").model, KimiK25StateDictAdapter, hf, []
     from torchtitan.models import deepseek_v3 as d
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model
     from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
@@ -290,8 +299,12 @@ def check_hf(ours, d, own_config=False):
     if set(got) != set(exp):
         sys.exit(f"names differ: only titan {sorted(set(got) - set(exp))[:5]}, only torchtitan {sorted(set(exp) - set(got))[:5]}")
     for k, v in exp.items():
-        if got[k].dtype != v.dtype or not torch.equal(got[k], v):
+        if got[k].dtype != v.dtype or got[k].shape != v.shape or not torch.equal(got[k], v):
             sys.exit(f"{k} differs from torchtitan's to_hf")
+    with open(os.path.join(d, "hf_config.json")) as f:
+        if json.load(f)["model_type"] == "kimi_k25":
+            print(f"ok {len(exp)} tensors bit-equal (no transformers class to run)")
+            return
     a = hf_logits(ours, cfg)
     b = hf_logits(os.path.join(d, "expected_hf.safetensors"), os.path.join(d, "hf_config.json"))
     if not torch.equal(a, b):

@@ -1,12 +1,13 @@
 //! titan-ckpt converts every torchtitan 0.3.0 LLM family it has a table for: tiny qwen3 (dense,
-//! tied embeddings), qwen3 MoE, DeepSeek-V3 (MLA; with and without q-LoRA and MTP) and gpt-oss
-//! made by torchtitan's own layer builders (tests/python/tt_ckpt_families.py, TITAN_TT_PYTHON),
-//! saved by one process and by 2 gloo ranks with FSDP2 (experts split on the expert dim). `--to
+//! tied embeddings), qwen3 MoE, DeepSeek-V3 (MLA; with and without q-LoRA and MTP), gpt-oss and
+//! kimi_k2_7 (torchtitan's debugmodel, vision encoder included) made by torchtitan's own layer
+//! builders (tests/python/tt_ckpt_families.py, TITAN_TT_PYTHON), saved by one process and by 2 gloo ranks with FSDP2 (experts split on the expert dim). `--to
 //! hf` must equal the family adapter's `to_hf` bit for bit and give transformers the same logits;
 //! `--to dcp` from HF must `dcp.load` into torchtitan's state dict exactly (minus what HF cannot
 //! hold). gpt-oss, whose 0.3.0 adapter drops every expert tensor, is held to torchtitan's model
 //! instead: experts equal to the model's, transformers' logits (4.57 and 5.23) within bf16
-//! tolerance of torchtitan's forward.
+//! tolerance of torchtitan's forward. kimi_k2_7 has no transformers class (its HF model is remote
+//! code): its tensors are held to torchtitan's `to_hf` alone.
 //!
 //! Each flavor's fixture is made once per test binary and shared by the tests that read it.
 
@@ -84,7 +85,11 @@ fn round_trip(flavor: &str, family: &str) -> String {
     let (hf1, hf2) = (tmp.path().join("hf-dcp1"), tmp.path().join("hf-dcp2"));
     to_hf(&d.join("dcp1"), &hf1, family, &[&cfg, SHARDED]);
     let stderr = to_hf(&d.join("dcp2"), &hf2, "auto", &[&cfg, SHARDED]);
-    let want = "bit-equal, logits equal";
+    let want = match flavor {
+        // No transformers class to run.
+        "kimi_k2_7" => "tensors bit-equal (no transformers class to run)",
+        _ => "bit-equal, logits equal",
+    };
     check_hf(python_script(SCRIPT), &d, &[&hf1, &hf2], &[], want);
     back_to_dcp(
         &d.join("expected_hf.safetensors"),
@@ -119,6 +124,16 @@ fn deepseek_v3_mla_moe() {
 #[test]
 fn deepseek_v3_with_q_lora_and_mtp() {
     round_trip("deepseek_v3_qlora_mtp", "deepseek_v3");
+}
+
+/// Kimi K2.5/K2.7 (torchtitan's `kimi_k2_7` debugmodel): the DeepSeek-V3 text model under
+/// `language_model.` and the MoonViT vision encoder (q/k/v fused into `wqkv`, the Linear patch
+/// embedding as HF's Conv2d) bit-equal to torchtitan's `to_hf`, and back through `from_hf`'s
+/// names into its model.
+#[test]
+fn kimi_k2_7_text_and_vision_encoder() {
+    let err = round_trip("kimi_k2_7", "kimi_k2_7");
+    assert!(err.contains("picked kimi_k2_7"), "{err}");
 }
 
 #[test]
@@ -202,7 +217,11 @@ fn deepseek_v3_config_inferred_without_hf_config() {
                 "vocab_size",
             ],
         );
-        let want = "bit-equal, logits equal";
+        let want = match flavor {
+        // No transformers class to run.
+        "kimi_k2_7" => "tensors bit-equal (no transformers class to run)",
+        _ => "bit-equal, logits equal",
+    };
         check_hf(python_script(SCRIPT), &d, &[&out], &["--own-config"], want);
     }
 }

@@ -188,7 +188,7 @@ impl Shapes<'_> {
             }
             Naming::Hf => {
                 let (rule, caps) = find_tt(self.table, tt)?;
-                let hf = super::fill(rule.hf, caps);
+                let hf = super::hf_of(self.table, rule, caps);
                 self.plan.tensors.contains_key(&hf).then_some(hf)
             }
         }
@@ -228,15 +228,18 @@ pub fn infer(
     };
     let emb = s.need("tok_embeddings.weight", "the vocabulary size and model dim")?;
     let (vocab_size, dim) = (emb[0], emb.get(1).copied().unwrap_or(0));
-    let n_layers = main_layers(plan, naming);
+    let n_layers = main_layers(plan, naming, table.hf_prefix);
+    let hf_layers = format!("{}model.layers.", table.hf_prefix);
     let family = table.family;
     let mut assumed = Vec::new();
     let mla = match family {
-        Family::DeepseekV3 => Some(infer_mla(&s, dim, n_layers, hints, &mut assumed)?),
+        Family::DeepseekV3 | Family::KimiK27 => {
+            Some(infer_mla(&s, dim, n_layers, hints, &mut assumed)?)
+        }
         _ => None,
     };
     let q = match family {
-        Family::DeepseekV3 => None,
+        Family::DeepseekV3 | Family::KimiK27 => None,
         _ => Some(s.need(
             "layers.0.attention.qkv_linear.wq.weight",
             "the attention heads",
@@ -249,7 +252,7 @@ pub fn infer(
             (hints.n_heads.unwrap_or(rows / hd.max(1)), hd)
         }
         // MLA: HF's head_dim is the RoPE part of a head.
-        Family::DeepseekV3 => {
+        Family::DeepseekV3 | Family::KimiK27 => {
             let m = mla.as_ref().expect("inferred above");
             (m.1, m.0.qk_rope_head_dim)
         }
@@ -289,7 +292,7 @@ pub fn infer(
     };
     let n_kv_heads = match (hints.n_kv_heads, family) {
         (Some(k), _) => k,
-        (None, Family::DeepseekV3) => n_heads,
+        (None, Family::DeepseekV3 | Family::KimiK27) => n_heads,
         (None, _) => {
             s.need(
                 "layers.0.attention.qkv_linear.wk.weight",
@@ -327,11 +330,11 @@ pub fn infer(
             Naming::Hf => {
                 let e0 = plan
                     .tensors
-                    .get(&format!("model.layers.{l}.mlp.experts.0.gate_proj.weight"))?;
+                    .get(&format!("{hf_layers}{l}.mlp.experts.0.gate_proj.weight"))?;
                 let count = (0..)
                     .take_while(|e| {
                         plan.tensors.contains_key(&format!(
-                            "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"
+                            "{hf_layers}{l}.mlp.experts.{e}.gate_proj.weight"
                         ))
                     })
                     .count() as u64;
@@ -359,7 +362,7 @@ pub fn infer(
     let (theta, eps, scaling) = match family {
         Family::Llama3 => (500000.0, 1e-5, llama3),
         Family::Qwen3 => (1000000.0, 1e-6, RopeScaling::None),
-        Family::DeepseekV3 => (
+        Family::DeepseekV3 | Family::KimiK27 => (
             10000.0,
             1e-6,
             RopeScaling::Yarn {
@@ -496,7 +499,8 @@ fn infer_mla(
             .plan
             .tensors
             .get(&format!(
-                "model.layers.{first_k_dense}.mlp.experts.0.gate_proj.weight"
+                "{}model.layers.{first_k_dense}.mlp.experts.0.gate_proj.weight",
+                s.table.hf_prefix
             ))
             .map(|t| t.shape[0]),
         (None, Naming::Torchtitan) => None,
@@ -522,7 +526,7 @@ fn infer_mla(
             s.plan
                 .tensors
                 .keys()
-                .filter_map(|k| super::tt_layer(k, "model.layers."))
+                .filter_map(|k| super::tt_layer(k, &format!("{}model.layers.", s.table.hf_prefix)))
                 .collect::<std::collections::BTreeSet<_>>()
                 .len() as u64
                 - n_layers
@@ -709,6 +713,8 @@ pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
             o.insert("swiglu_limit".into(), json!(7.0));
             o.insert("swiglu_alpha".into(), json!(1.702));
         }
+        // Kimi K2.7's HF class is remote code with its own vision config: --hf-config.
+        (Family::KimiK27, _) => return Ok(None),
         (Family::DeepseekV3, moe) => {
             let (Some(m), Some(moe)) = (&args.mla, moe) else {
                 return Ok(None);

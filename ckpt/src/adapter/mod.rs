@@ -44,6 +44,10 @@ pub enum Family {
     /// gpt-oss: biased attention with sinks, router bias, stacked experts transposed per expert
     /// (unquantized; MXFP4 checkpoints need dequantizing first).
     GptOss,
+    /// Kimi K2.5/K2.7 (torchtitan's `kimi_k2_7`): a DeepSeek-V3 text decoder under HF's
+    /// `language_model.` and the MoonViT vision encoder (fused qkv split, Conv2d patch embedding
+    /// as a Linear) with its projector.
+    KimiK27,
 }
 
 impl fmt::Display for Family {
@@ -54,11 +58,12 @@ impl fmt::Display for Family {
 
 impl Family {
     /// Every family, in `--adapter`'s order.
-    pub const ALL: [Family; 4] = [
+    pub const ALL: [Family; 5] = [
         Family::Llama3,
         Family::Qwen3,
         Family::DeepseekV3,
         Family::GptOss,
+        Family::KimiK27,
     ];
 
     /// The family's name (`--adapter`'s value, torchtitan's model name).
@@ -68,6 +73,7 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::DeepseekV3 => "deepseek_v3",
             Family::GptOss => "gpt_oss",
+            Family::KimiK27 => "kimi_k2_7",
         }
     }
 
@@ -111,7 +117,7 @@ pub fn to_hf_name(name: &str) -> Option<String> {
 /// q and k weights).
 pub fn to_hf_rule(name: &str) -> Option<(String, Transform)> {
     let (rule, caps) = find_tt(&tables::LLAMA3, name)?;
-    Some((fill(rule.hf, caps), rule.transform))
+    Some((hf_of(&tables::LLAMA3, rule, caps), rule.transform))
 }
 
 /// The older torchtitan name (the table's `legacy` rules) of a current torchtitan name of
@@ -137,7 +143,7 @@ pub fn detect_naming<'a>(names: impl IntoIterator<Item = &'a String>) -> Option<
         if n == "tok_embeddings.weight" {
             return Some(Naming::Torchtitan);
         }
-        if n == "model.embed_tokens.weight" {
+        if n == "model.embed_tokens.weight" || n == "language_model.model.embed_tokens.weight" {
             return Some(Naming::Hf);
         }
     }
@@ -154,7 +160,7 @@ pub fn detect_family(plan: &CheckpointPlan) -> Option<Family> {
         let hit = t.signature.iter().any(|sig| {
             plan.tensors.contains_key(*sig)
                 || find_tt(t, sig)
-                    .map(|(r, c)| plan.tensors.contains_key(&fill(r.hf, c)))
+                    .map(|(r, c)| plan.tensors.contains_key(&hf_of(t, r, c)))
                     .unwrap_or(false)
         });
         if hit {
@@ -185,7 +191,24 @@ fn find_hf<'t>(table: &'t Table, name: &str, names: TtNames) -> Option<(&'t Rule
     first
         .iter()
         .chain(table.current())
-        .find_map(|r| matches(r.hf, name).map(|c| (r, c)))
+        .find_map(|r| match_hf(table, r, name).map(|c| (r, c)))
+}
+
+/// The HF name `rule` gives for `caps`: the table's HF prefix before it unless the rule is one
+/// of its unprefixed ones.
+pub(crate) fn hf_of(table: &Table, rule: &Rule, caps: Captures) -> String {
+    match table.is_prefixed(rule) {
+        true => format!("{}{}", table.hf_prefix, fill(rule.hf, caps)),
+        false => fill(rule.hf, caps),
+    }
+}
+
+/// `rule`'s HF pattern (with the table's prefix, as [`hf_of`]) matched against `name`.
+fn match_hf(table: &Table, rule: &Rule, name: &str) -> Option<Captures> {
+    match table.is_prefixed(rule) {
+        true => matches(rule.hf, name.strip_prefix(table.hf_prefix)?),
+        false => matches(rule.hf, name),
+    }
 }
 
 /// Layer index of a torchtitan name (`layers.N.` / `mtp_layers.N.`).
@@ -193,22 +216,23 @@ fn tt_layer(name: &str, prefix: &str) -> Option<u64> {
     name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
 }
 
-/// The number of main (non-MTP) transformer layers, from either naming.
-pub fn main_layers(plan: &CheckpointPlan, naming: Naming) -> u64 {
+/// The number of main (non-MTP) transformer layers, from either naming (`hf_prefix`: the
+/// family's HF prefix of the text model, see [`Table::hf_prefix`]).
+pub fn main_layers(plan: &CheckpointPlan, naming: Naming, hf_prefix: &str) -> u64 {
     let prefix = match naming {
-        Naming::Torchtitan => "layers.",
-        Naming::Hf => "model.layers.",
+        Naming::Torchtitan => "layers.".to_string(),
+        Naming::Hf => format!("{hf_prefix}model.layers."),
     };
     let layers: BTreeSet<u64> = plan
         .tensors
         .keys()
-        .filter_map(|n| tt_layer(n, prefix))
+        .filter_map(|n| tt_layer(n, &prefix))
         .collect();
     if naming == Naming::Hf {
         // DeepSeek-V3 keeps its MTP layers after the main ones; they alone have `enorm`.
         if let Some(first_mtp) = layers.iter().find(|l| {
             plan.tensors
-                .contains_key(&format!("model.layers.{l}.enorm.weight"))
+                .contains_key(&format!("{prefix}{l}.enorm.weight"))
         }) {
             return *first_mtp;
         }
@@ -328,6 +352,8 @@ fn to_hf(
     out: &mut Planned,
 ) -> Result<()> {
     let n_layers = args.n_layers;
+    // Fused HF tensors: HF name -> (part index, torchtitan name) of each part seen.
+    let mut fused: BTreeMap<String, (u64, Vec<(u64, String)>)> = BTreeMap::new();
     for (name, t) in &plan.tensors {
         if args.tie_word_embeddings && (name == "lm_head.weight" || name == "output.weight") {
             out.dropped.push((
@@ -356,6 +382,13 @@ fn to_hf(
         let (rule, caps) =
             find_tt(table, &lookup).ok_or_else(|| unknown(table, name, Naming::Torchtitan))?;
         let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
+        if let Transform::Part { index, of } = rule.transform {
+            let parts = fused
+                .entry(hf_of(table, rule, caps))
+                .or_insert((of, Vec::new()));
+            parts.1.push((index, name.clone()));
+            continue;
+        }
         if rule.transform == Transform::Experts {
             let (&e, rest) = t.shape.split_first().ok_or_else(|| {
                 Error::tensor(
@@ -367,8 +400,9 @@ fn to_hf(
             let per: u64 = rest.iter().product();
             for expert in 0..e {
                 out.tensors.push(OutTensor {
-                    name: fill(
-                        rule.hf,
+                    name: hf_of(
+                        table,
+                        rule,
                         Captures {
                             expert: Some(expert),
                             ..caps
@@ -387,12 +421,88 @@ fn to_hf(
             }
             continue;
         }
-        let mut o = OutTensor::whole(fill(rule.hf, caps), name, t, dtype);
+        let mut o = OutTensor::whole(hf_of(table, rule, caps), name, t, dtype);
         o.row_map = rope_map(rule, Naming::Hf, args);
         transposed(rule, name, t, &mut o)?;
+        if let Transform::PatchEmbed { channels } = rule.transform {
+            o.shape = conv_patch_shape(plan, name, &t.shape, channels)?;
+        }
         out.tensors.push(o);
     }
+    for (hf, (of, mut parts)) in fused {
+        parts.sort();
+        if parts.iter().map(|(i, _)| *i).ne(0..of) {
+            let names: Vec<&str> = parts.iter().map(|(_, n)| n.as_str()).collect();
+            return Err(Error::usage(format!(
+                "`{hf}` fuses {of} torchtitan tensors, but only {names:?} are in {}",
+                plan.root.display()
+            )));
+        }
+        let first = &plan.tensors[&parts[0].1];
+        let mut rows = 0;
+        let mut sources = Vec::with_capacity(parts.len());
+        for (_, name) in &parts {
+            let t = &plan.tensors[name];
+            if t.shape.get(1..) != first.shape.get(1..) || t.dtype != first.dtype {
+                return Err(Error::tensor(
+                    plan.root.display(),
+                    name,
+                    format!(
+                        "shape {:?} {} cannot be fused with `{}` {:?} {} into `{hf}`",
+                        t.shape, t.dtype, parts[0].1, first.shape, first.dtype
+                    ),
+                ));
+            }
+            rows += t.shape.first().copied().unwrap_or(1);
+            sources.push(SourceSlice {
+                tensor: name.clone(),
+                offset: 0,
+                numel: t.numel(),
+            });
+        }
+        let mut shape = first.shape.clone();
+        if let Some(r) = shape.first_mut() {
+            *r = rows;
+        }
+        out.tensors.push(OutTensor {
+            name: hf,
+            sources,
+            dtype: out_dtype(first.value_dtype(), opts.dtype)?,
+            shape,
+            row_map: None,
+            transpose: None,
+        });
+    }
     Ok(())
+}
+
+/// HF's Conv2d weight shape `[out, C, k, k]` of torchtitan's Linear patch embedding `[out, C k k]`
+/// (`channels` = C).
+fn conv_patch_shape(
+    plan: &CheckpointPlan,
+    name: &str,
+    shape: &[u64],
+    channels: u64,
+) -> Result<Vec<u64>> {
+    let bad = || {
+        Error::tensor(
+            plan.root.display(),
+            name,
+            format!(
+                "shape {shape:?} is not a Linear patch embedding of {channels} channels times a \
+                 square patch"
+            ),
+        )
+    };
+    let [out, cols] = shape[..] else {
+        return Err(bad());
+    };
+    let area = cols / channels.max(1);
+    let k = (area as f64).sqrt().round() as u64;
+    if k == 0 || k * k * channels != cols {
+        return Err(bad());
+    }
+    Ok(vec![out, channels, k, k])
 }
 
 fn from_hf(
@@ -426,7 +536,9 @@ fn from_hf(
                 ..caps
             },
         );
+        // Only the text model's layers continue into MTP layers (not a vision encoder's).
         if table.mtp_layers
+            && tt.starts_with("layers.")
             && let Some(l) = caps.layer.filter(|l| *l >= n_layers)
         {
             let rest = tt.splitn(3, '.').nth(2).unwrap_or_default().to_string();
@@ -437,9 +549,19 @@ fn from_hf(
             stacks.entry(tt).or_default().insert(e, name.clone());
             continue;
         }
+        if let Transform::Part { of, .. } = rule.transform {
+            split_parts(plan, table, rule, caps, name, t, of, opts, out)?;
+            continue;
+        }
         let mut o = whole(tt, name, t, opts.dtype)?;
         o.row_map = rope_map(rule, Naming::Torchtitan, args);
         transposed(rule, name, t, &mut o)?;
+        if let Transform::PatchEmbed { .. } = rule.transform {
+            o.shape = vec![
+                t.shape.first().copied().unwrap_or(1),
+                t.numel() / t.shape.first().copied().unwrap_or(1).max(1),
+            ];
+        }
         out.tensors.push(o);
     }
     // torchtitan's model holds lm_head even when HF ties it to the embedding.
@@ -447,17 +569,14 @@ fn from_hf(
         .tensors
         .iter()
         .any(|t| t.name == "lm_head.weight" || t.name == "output.weight");
-    if !has_head && let Some(emb) = plan.tensors.get("model.embed_tokens.weight") {
+    let emb_name = format!("{}model.embed_tokens.weight", table.hf_prefix);
+    if !has_head && let Some(emb) = plan.tensors.get(&emb_name) {
         let head = match opts.tt_names {
             TtNames::Current => "lm_head.weight",
             TtNames::Legacy => "output.weight",
         };
-        out.tensors.push(whole(
-            head.into(),
-            "model.embed_tokens.weight",
-            emb,
-            opts.dtype,
-        )?);
+        out.tensors
+            .push(whole(head.into(), &emb_name, emb, opts.dtype)?);
     }
     for (tt, experts) in stacks {
         let count = experts.len() as u64;
@@ -498,6 +617,55 @@ fn from_hf(
             sources,
             dtype: out_dtype(t0.value_dtype(), opts.dtype)?,
             shape,
+            row_map: None,
+            transpose: None,
+        });
+    }
+    Ok(())
+}
+
+/// The torchtitan tensors of the fused HF tensor `name` (matched by `rule`, a [`Transform::Part`]
+/// of `of`): equal blocks of its rows, one per part rule of the same HF name.
+#[allow(clippy::too_many_arguments)]
+fn split_parts(
+    plan: &CheckpointPlan,
+    table: &Table,
+    rule: &Rule,
+    caps: Captures,
+    name: &str,
+    t: &TensorPlan,
+    of: u64,
+    opts: MapOptions,
+    out: &mut Planned,
+) -> Result<()> {
+    let rows = t.shape.first().copied().unwrap_or(0);
+    if of == 0 || rows % of != 0 {
+        return Err(Error::tensor(
+            plan.root.display(),
+            name,
+            format!(
+                "shape {:?}: {rows} rows do not split into {of} equal parts",
+                t.shape
+            ),
+        ));
+    }
+    let row_len: u64 = t.shape.iter().skip(1).product();
+    let mut shape = t.shape.clone();
+    shape[0] = rows / of;
+    let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
+    for r in table.current().filter(|r| r.hf == rule.hf) {
+        let Transform::Part { index, .. } = r.transform else {
+            continue;
+        };
+        out.tensors.push(OutTensor {
+            name: fill(r.tt, caps),
+            sources: vec![SourceSlice {
+                tensor: name.to_string(),
+                offset: index * shape[0] * row_len,
+                numel: shape[0] * row_len,
+            }],
+            dtype,
+            shape: shape.clone(),
             row_map: None,
             transpose: None,
         });

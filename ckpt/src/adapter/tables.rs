@@ -19,6 +19,12 @@ pub enum Transform {
     /// Stacked in both, each expert's matrix transposed: torchtitan `[E, out, in]` <-> HF
     /// `[E, in, out]` (gpt-oss).
     TransposedExperts,
+    /// One of `of` equal blocks of rows of a fused HF tensor, block `index` (a vision encoder's
+    /// `wqkv`: torchtitan keeps `wq`, `wk`, `wv`); the rules of one HF tensor share its pattern.
+    Part { index: u64, of: u64 },
+    /// A patch embedding: torchtitan's Linear `[out, C k k]` <-> HF's Conv2d `[out, C, k, k]`
+    /// of `channels` = C input channels (same bytes, another shape).
+    PatchEmbed { channels: u64 },
 }
 
 /// One name pair.
@@ -39,6 +45,11 @@ pub struct Table {
     pub family: Family,
     /// torchtitan 0.3.0's names (written by default), in groups shared between families.
     pub rules: &'static [&'static [Rule]],
+    /// What HF puts before the names of `rules` and `legacy` (Kimi nests its DeepSeek-V3 text
+    /// model under `language_model.`).
+    pub hf_prefix: &'static str,
+    /// Rules whose HF names take no `hf_prefix` (a vision encoder beside the text model).
+    pub unprefixed: &'static [Rule],
     /// Names older torchtitan releases wrote (read always, written with `--tt-names legacy`
     /// in place of the current rule with the same HF name).
     pub legacy: &'static [Rule],
@@ -335,6 +346,8 @@ const ROTARY_INV_FREQ: &[&str] = &["model.layers.{L}.self_attn.rotary_emb.inv_fr
 pub static LLAMA3: Table = Table {
     family: Family::Llama3,
     rules: &[TOP, GQA_ROPE_PERMUTED, BLOCK],
+    hf_prefix: "",
+    unprefixed: &[],
     legacy: &[
         r("output.weight", "lm_head.weight", Copy),
         r(
@@ -363,6 +376,8 @@ pub static LLAMA3: Table = Table {
 pub static QWEN3: Table = Table {
     family: Family::Qwen3,
     rules: &[TOP, GQA, BLOCK, ROUTED_EXPERTS],
+    hf_prefix: "",
+    unprefixed: &[],
     legacy: &[],
     no_hf_home: &[(
         "layers.{L}.moe.expert_bias_E",
@@ -391,6 +406,8 @@ const DSV3_MTP_COPIES: &[(&str, &str)] = &[
 pub static DEEPSEEK_V3: Table = Table {
     family: Family::DeepseekV3,
     rules: &[TOP, MLA, BLOCK, ROUTED_EXPERTS, SHARED_EXPERTS_AND_MTP],
+    hf_prefix: "",
+    unprefixed: &[],
     legacy: &[],
     no_hf_home: &[],
     hf_ignored: ROTARY_INV_FREQ,
@@ -402,6 +419,8 @@ pub static DEEPSEEK_V3: Table = Table {
 pub static GPT_OSS: Table = Table {
     family: Family::GptOss,
     rules: &[TOP, GPT_OSS_ATTENTION, BLOCK, GPT_OSS_EXPERTS],
+    hf_prefix: "",
+    unprefixed: &[],
     legacy: &[],
     no_hf_home: &[(
         "layers.{L}.moe.expert_bias_E",
@@ -413,13 +432,225 @@ pub static GPT_OSS: Table = Table {
     signature: &["layers.0.attention.sinks"],
 };
 
-/// Every family's table, most specific signature first (DeepSeek-V3 with q-LoRA has a
-/// `q_norm` too; llama3 last: it has none).
-pub static TABLES: [&Table; 4] = [&GPT_OSS, &DEEPSEEK_V3, &QWEN3, &LLAMA3];
+/// MoonViT (Kimi K2.5/K2.7's vision encoder) and its projector, as torchtitan 0.3.0's
+/// `kimi_k2_7/state_dict_adapter.py` maps them: pre-attention/pre-MLP norms `norm0`/`norm1` are
+/// torchtitan's `norm1`/`norm2`, the fused `wqkv` is split in three, the Conv2d patch embedding is
+/// a Linear. The Kimi-VL projector spelling (`multi_modal_projector.linear_1/2`) is read too;
+/// the K2.5 one (`mm_projector.proj.0/2`) is written.
+const KIMI_VISION: &[Rule] = &[
+    r(
+        "vision_encoder.patch_embed.weight",
+        "vision_tower.patch_embed.proj.weight",
+        PatchEmbed { channels: 3 },
+    ),
+    r(
+        "vision_encoder.patch_embed.bias",
+        "vision_tower.patch_embed.proj.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.pos_embed",
+        "vision_tower.patch_embed.pos_emb.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm1.weight",
+        "vision_tower.encoder.blocks.{L}.norm0.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm1.bias",
+        "vision_tower.encoder.blocks.{L}.norm0.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm2.weight",
+        "vision_tower.encoder.blocks.{L}.norm1.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm2.bias",
+        "vision_tower.encoder.blocks.{L}.norm1.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wq.weight",
+        "vision_tower.encoder.blocks.{L}.wqkv.weight",
+        Part { index: 0, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wk.weight",
+        "vision_tower.encoder.blocks.{L}.wqkv.weight",
+        Part { index: 1, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wv.weight",
+        "vision_tower.encoder.blocks.{L}.wqkv.weight",
+        Part { index: 2, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wq.bias",
+        "vision_tower.encoder.blocks.{L}.wqkv.bias",
+        Part { index: 0, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wk.bias",
+        "vision_tower.encoder.blocks.{L}.wqkv.bias",
+        Part { index: 1, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wv.bias",
+        "vision_tower.encoder.blocks.{L}.wqkv.bias",
+        Part { index: 2, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.proj.weight",
+        "vision_tower.encoder.blocks.{L}.wo.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.proj.bias",
+        "vision_tower.encoder.blocks.{L}.wo.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc1.weight",
+        "vision_tower.encoder.blocks.{L}.mlp.fc0.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc1.bias",
+        "vision_tower.encoder.blocks.{L}.mlp.fc0.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc2.weight",
+        "vision_tower.encoder.blocks.{L}.mlp.fc1.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc2.bias",
+        "vision_tower.encoder.blocks.{L}.mlp.fc1.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.final_norm.weight",
+        "vision_tower.encoder.final_layernorm.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.final_norm.bias",
+        "vision_tower.encoder.final_layernorm.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.pre_norm.weight",
+        "mm_projector.pre_norm.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.pre_norm.bias",
+        "mm_projector.pre_norm.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_1.weight",
+        "mm_projector.proj.0.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_1.bias",
+        "mm_projector.proj.0.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_2.weight",
+        "mm_projector.proj.2.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_2.bias",
+        "mm_projector.proj.2.bias",
+        Copy,
+    ),
+    // Read only: find_tt takes the first rule of a torchtitan name, the K2.5 spelling above.
+    r(
+        "vision_encoder.projector.pre_norm.weight",
+        "multi_modal_projector.pre_norm.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.pre_norm.bias",
+        "multi_modal_projector.pre_norm.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_1.weight",
+        "multi_modal_projector.linear_1.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_1.bias",
+        "multi_modal_projector.linear_1.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_2.weight",
+        "multi_modal_projector.linear_2.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.projector.linear_2.bias",
+        "multi_modal_projector.linear_2.bias",
+        Copy,
+    ),
+];
+
+pub static KIMI_K2_7: Table = Table {
+    family: Family::KimiK27,
+    rules: &[TOP, MLA, BLOCK, ROUTED_EXPERTS, SHARED_EXPERTS_AND_MTP],
+    hf_prefix: "language_model.",
+    unprefixed: KIMI_VISION,
+    legacy: &[],
+    no_hf_home: &[],
+    hf_ignored: &[
+        "language_model.model.layers.{L}.self_attn.rotary_emb.inv_freq",
+        "vision_tower.encoder.blocks.{L}.rotary_emb.inv_freq",
+    ],
+    hf_dropped: &[
+        (
+            "language_model.model.layers.{L}.embed_tokens.weight",
+            "an MTP layer's copy of the embedding: torchtitan's MTP layers use tok_embeddings.weight",
+        ),
+        (
+            "language_model.model.layers.{L}.shared_head.head.weight",
+            "an MTP layer's copy of the output head: torchtitan's MTP layers use lm_head.weight",
+        ),
+    ],
+    mtp_layers: true,
+    // The vision encoder (torchtitan) or the `language_model.` nesting (HF): a Kimi checkpoint
+    // without either is a DeepSeek-V3 one.
+    signature: &[
+        "vision_encoder.patch_embed.weight",
+        "language_model.model.embed_tokens.weight",
+    ],
+};
+
+/// Every family's table, most specific signature first (Kimi holds a DeepSeek-V3 text model;
+/// DeepSeek-V3 with q-LoRA has a `q_norm` too; llama3 last: it has none).
+pub static TABLES: [&Table; 5] = [&KIMI_K2_7, &GPT_OSS, &DEEPSEEK_V3, &QWEN3, &LLAMA3];
 
 impl Table {
-    /// Every current rule, group after group.
+    /// Every current rule, group after group, then the unprefixed ones.
     pub fn current(&self) -> impl Iterator<Item = &'static Rule> + '_ {
-        self.rules.iter().flat_map(|g| g.iter())
+        self.rules
+            .iter()
+            .flat_map(|g| g.iter())
+            .chain(self.unprefixed)
+    }
+
+    /// Whether `rule`'s HF names take [`Table::hf_prefix`].
+    pub fn is_prefixed(&self, rule: &Rule) -> bool {
+        !self.unprefixed.iter().any(|u| std::ptr::eq(u, rule))
     }
 }
