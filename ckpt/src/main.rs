@@ -761,7 +761,7 @@ fn adapter_family(a: &ConvertArgs, plan: &titan_ckpt::CheckpointPlan) -> Result<
         Some(AdapterChoice::Auto) => {
             let f = detected().ok_or_else(|| {
                 Error::usage(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor names found",
+                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss or kimi_k2_7 tensor names found",
                 )
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f}"));
@@ -854,7 +854,7 @@ fn diff_in_hf_names(
         None => {
             let f = adapter::detect_family(plan).ok_or_else(|| {
                 Error::usage(format!(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor names in {side}"
+                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss or kimi_k2_7 tensor names in {side}"
                 ))
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f} for {side}"));
