@@ -330,6 +330,11 @@ impl CliValue for AdapterChoice {
                 "Kimi K2.5/K2.7: a DeepSeek-V3 text model under `language_model.` and the MoonViT \
                  vision encoder (fused qkv split, Conv2d patch embedding as a Linear, projector)"
             }
+            AdapterChoice::Family(Family::Qwen35) => {
+                "Qwen3.5: full attention and GatedDeltaNet layers (fused q/k/v split), dense FFN, \
+                 vision encoder (fused qkv, Conv3d patch embedding) and merger; routed experts not \
+                 yet"
+            }
             AdapterChoice::Family(Family::GptOss) => {
                 "gpt-oss: biased attention with sinks, router bias, stacked experts transposed per \
                  expert (unquantized; MXFP4 checkpoints need dequantizing first)"
@@ -761,7 +766,7 @@ fn adapter_family(a: &ConvertArgs, plan: &titan_ckpt::CheckpointPlan) -> Result<
         Some(AdapterChoice::Auto) => {
             let f = detected().ok_or_else(|| {
                 Error::usage(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss or kimi_k2_7 tensor names found",
+                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss, kimi_k2_7 or qwen3_5 tensor names found",
                 )
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f}"));
@@ -854,7 +859,7 @@ fn diff_in_hf_names(
         None => {
             let f = adapter::detect_family(plan).ok_or_else(|| {
                 Error::usage(format!(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss or kimi_k2_7 tensor names in {side}"
+                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss, kimi_k2_7 or qwen3_5 tensor names in {side}"
                 ))
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f} for {side}"));

@@ -1,13 +1,14 @@
 //! titan-ckpt converts every torchtitan 0.3.0 LLM family it has a table for: tiny qwen3 (dense,
-//! tied embeddings), qwen3 MoE, DeepSeek-V3 (MLA; with and without q-LoRA and MTP), gpt-oss and
-//! kimi_k2_7 (torchtitan's debugmodel, vision encoder included) made by torchtitan's own layer
-//! builders (tests/python/tt_ckpt_families.py, TITAN_TT_PYTHON), saved by one process and by 2 gloo ranks with FSDP2 (experts split on the expert dim). `--to
-//! hf` must equal the family adapter's `to_hf` bit for bit and give transformers the same logits;
+//! tied embeddings), qwen3 MoE, DeepSeek-V3 (MLA; with and without q-LoRA and MTP), gpt-oss,
+//! kimi_k2_7 and qwen3_5 (torchtitan's debugmodels, vision encoders included) made by
+//! torchtitan's own layer builders (tests/python/tt_ckpt_families.py, TITAN_TT_PYTHON), saved by
+//! one process and by 2 gloo ranks with FSDP2 (experts split on the expert dim). `--to hf` must
+//! equal the family adapter's `to_hf` bit for bit and give transformers the same logits;
 //! `--to dcp` from HF must `dcp.load` into torchtitan's state dict exactly (minus what HF cannot
 //! hold). gpt-oss, whose 0.3.0 adapter drops every expert tensor, is held to torchtitan's model
 //! instead: experts equal to the model's, transformers' logits (4.57 and 5.23) within bf16
-//! tolerance of torchtitan's forward. kimi_k2_7 has no transformers class (its HF model is remote
-//! code): its tensors are held to torchtitan's `to_hf` alone.
+//! tolerance of torchtitan's forward. kimi_k2_7 (whose HF model is remote code) and qwen3_5 (whose
+//! GatedDeltaNet wants flash-linear-attention) are held to torchtitan's `to_hf` tensors alone.
 //!
 //! Each flavor's fixture is made once per test binary and shared by the tests that read it.
 
@@ -86,8 +87,8 @@ fn round_trip(flavor: &str, family: &str) -> String {
     to_hf(&d.join("dcp1"), &hf1, family, &[&cfg, SHARDED]);
     let stderr = to_hf(&d.join("dcp2"), &hf2, "auto", &[&cfg, SHARDED]);
     let want = match flavor {
-        // No transformers class to run.
-        "kimi_k2_7" => "tensors bit-equal (no transformers class to run)",
+        // Kimi's HF model is remote code; Qwen3.5's GatedDeltaNet wants flash-linear-attention.
+        "kimi_k2_7" | "qwen3_5" => "tensors bit-equal (tensors only, no logits)",
         _ => "bit-equal, logits equal",
     };
     check_hf(python_script(SCRIPT), &d, &[&hf1, &hf2], &[], want);
@@ -134,6 +135,16 @@ fn deepseek_v3_with_q_lora_and_mtp() {
 fn kimi_k2_7_text_and_vision_encoder() {
     let err = round_trip("kimi_k2_7", "kimi_k2_7");
     assert!(err.contains("picked kimi_k2_7"), "{err}");
+}
+
+/// Qwen3.5 (torchtitan's `qwen3_5` debugmodel, its vocabulary cut to 2048): GatedDeltaNet layers
+/// (HF's fused `in_proj_qkv` and `conv1d` split k, k, v by the layer's `in_proj_z`), full
+/// attention layers, the vision encoder (fused qkv, Conv3d patch embedding) and merger,
+/// bit-equal to torchtitan's `to_hf`, and back into its model.
+#[test]
+fn qwen3_5_deltanet_attention_and_vision_encoder() {
+    let err = round_trip("qwen3_5", "qwen3_5");
+    assert!(err.contains("picked qwen3_5"), "{err}");
 }
 
 #[test]
@@ -217,11 +228,7 @@ fn deepseek_v3_config_inferred_without_hf_config() {
                 "vocab_size",
             ],
         );
-        let want = match flavor {
-        // No transformers class to run.
-        "kimi_k2_7" => "tensors bit-equal (no transformers class to run)",
-        _ => "bit-equal, logits equal",
-    };
+        let want = "bit-equal, logits equal";
         check_hf(python_script(SCRIPT), &d, &[&out], &["--own-config"], want);
     }
 }

@@ -228,9 +228,39 @@ pub fn infer(
     };
     let emb = s.need("tok_embeddings.weight", "the vocabulary size and model dim")?;
     let (vocab_size, dim) = (emb[0], emb.get(1).copied().unwrap_or(0));
-    let n_layers = main_layers(plan, naming, table.hf_prefix);
-    let hf_layers = format!("{}model.layers.", table.hf_prefix);
+    let n_layers = main_layers(plan, naming, table.hf_layers);
+    let hf_layers = table.hf_layers;
     let family = table.family;
+    let tie_word_embeddings = match naming {
+        Naming::Hf => !plan.tensors.contains_key("lm_head.weight"),
+        Naming::Torchtitan => match s.name("lm_head.weight") {
+            Some(head) => super::same_contents(plan, "tok_embeddings.weight", &head)?,
+            None => true,
+        },
+    };
+    if family == Family::Qwen35 {
+        // Its mapping needs only the layers and the tying; its HF config (text and vision
+        // models) cannot be written from shapes (`hf_config` says --hf-config).
+        return Ok(ModelArgs {
+            family,
+            dim,
+            n_layers,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            vocab_size,
+            ffn_hidden: 0,
+            norm_eps: hints.norm_eps.unwrap_or(1e-6),
+            rope_theta: hints.rope_theta.unwrap_or(10_000_000.0),
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: hints.max_position_embeddings.unwrap_or(262_144),
+            tie_word_embeddings,
+            moe: None,
+            sliding_window: None,
+            mla: None,
+            assumed: Vec::new(),
+        });
+    }
     let mut assumed = Vec::new();
     let mla = match family {
         Family::DeepseekV3 | Family::KimiK27 => {
@@ -270,6 +300,7 @@ pub fn infer(
             }
             (n, rows / n)
         }
+        Family::Qwen35 => (0, 0),
         Family::Llama3 => {
             let n = hints
                 .n_heads
@@ -347,13 +378,6 @@ pub fn infer(
             experts_per_token: hints.experts_per_token,
         })
     });
-    let tie_word_embeddings = match naming {
-        Naming::Hf => !plan.tensors.contains_key("lm_head.weight"),
-        Naming::Torchtitan => match s.name("lm_head.weight") {
-            Some(head) => super::same_contents(plan, "tok_embeddings.weight", &head)?,
-            None => true,
-        },
-    };
     let llama3 = if hints.no_rope_scaling {
         RopeScaling::None
     } else {
@@ -361,6 +385,7 @@ pub fn infer(
     };
     let (theta, eps, scaling) = match family {
         Family::Llama3 => (500000.0, 1e-5, llama3),
+        Family::Qwen35 => (10_000_000.0, 1e-6, RopeScaling::None),
         Family::Qwen3 => (1000000.0, 1e-6, RopeScaling::None),
         Family::DeepseekV3 | Family::KimiK27 => (
             10000.0,
@@ -499,8 +524,8 @@ fn infer_mla(
             .plan
             .tensors
             .get(&format!(
-                "{}model.layers.{first_k_dense}.mlp.experts.0.gate_proj.weight",
-                s.table.hf_prefix
+                "{}{first_k_dense}.mlp.experts.0.gate_proj.weight",
+                s.table.hf_layers
             ))
             .map(|t| t.shape[0]),
         (None, Naming::Torchtitan) => None,
@@ -526,7 +551,7 @@ fn infer_mla(
             s.plan
                 .tensors
                 .keys()
-                .filter_map(|k| super::tt_layer(k, &format!("{}model.layers.", s.table.hf_prefix)))
+                .filter_map(|k| super::tt_layer(k, s.table.hf_layers))
                 .collect::<std::collections::BTreeSet<_>>()
                 .len() as u64
                 - n_layers
@@ -714,7 +739,7 @@ pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
             o.insert("swiglu_alpha".into(), json!(1.702));
         }
         // Kimi K2.7's HF class is remote code with its own vision config: --hf-config.
-        (Family::KimiK27, _) => return Ok(None),
+        (Family::KimiK27 | Family::Qwen35, _) => return Ok(None),
         (Family::DeepseekV3, moe) => {
             let (Some(m), Some(moe)) = (&args.mla, moe) else {
                 return Ok(None);

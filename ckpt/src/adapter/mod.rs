@@ -48,6 +48,10 @@ pub enum Family {
     /// `language_model.` and the MoonViT vision encoder (fused qkv split, Conv2d patch embedding
     /// as a Linear) with its projector.
     KimiK27,
+    /// Qwen3.5 (torchtitan's `qwen3_5`): full attention and GatedDeltaNet layers (fused q/k/v
+    /// split), dense FFN, the vision encoder (fused qkv, Conv3d patch embedding) and merger;
+    /// not yet its routed experts.
+    Qwen35,
 }
 
 impl fmt::Display for Family {
@@ -58,12 +62,13 @@ impl fmt::Display for Family {
 
 impl Family {
     /// Every family, in `--adapter`'s order.
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 6] = [
         Family::Llama3,
         Family::Qwen3,
         Family::DeepseekV3,
         Family::GptOss,
         Family::KimiK27,
+        Family::Qwen35,
     ];
 
     /// The family's name (`--adapter`'s value, torchtitan's model name).
@@ -74,6 +79,7 @@ impl Family {
             Family::DeepseekV3 => "deepseek_v3",
             Family::GptOss => "gpt_oss",
             Family::KimiK27 => "kimi_k2_7",
+            Family::Qwen35 => "qwen3_5",
         }
     }
 
@@ -143,7 +149,13 @@ pub fn detect_naming<'a>(names: impl IntoIterator<Item = &'a String>) -> Option<
         if n == "tok_embeddings.weight" {
             return Some(Naming::Torchtitan);
         }
-        if n == "model.embed_tokens.weight" || n == "language_model.model.embed_tokens.weight" {
+        if [
+            "model.embed_tokens.weight",
+            "language_model.model.embed_tokens.weight",
+            "model.language_model.embed_tokens.weight",
+        ]
+        .contains(&n.as_str())
+        {
             return Some(Naming::Hf);
         }
     }
@@ -216,17 +228,17 @@ fn tt_layer(name: &str, prefix: &str) -> Option<u64> {
     name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
 }
 
-/// The number of main (non-MTP) transformer layers, from either naming (`hf_prefix`: the
-/// family's HF prefix of the text model, see [`Table::hf_prefix`]).
-pub fn main_layers(plan: &CheckpointPlan, naming: Naming, hf_prefix: &str) -> u64 {
+/// The number of main (non-MTP) transformer layers, from either naming (`hf_layers`: the
+/// family's HF prefix of layer names, [`Table::hf_layers`]).
+pub fn main_layers(plan: &CheckpointPlan, naming: Naming, hf_layers: &str) -> u64 {
     let prefix = match naming {
-        Naming::Torchtitan => "layers.".to_string(),
-        Naming::Hf => format!("{hf_prefix}model.layers."),
+        Naming::Torchtitan => "layers.",
+        Naming::Hf => hf_layers,
     };
     let layers: BTreeSet<u64> = plan
         .tensors
         .keys()
-        .filter_map(|n| tt_layer(n, &prefix))
+        .filter_map(|n| tt_layer(n, prefix))
         .collect();
     if naming == Naming::Hf {
         // DeepSeek-V3 keeps its MTP layers after the main ones; they alone have `enorm`.
@@ -308,7 +320,13 @@ fn unknown(table: &Table, name: &str, naming: Naming) -> Error {
         Naming::Hf => "HF",
     };
     // The released gpt-oss checkpoints store expert weights as MXFP4 blocks and scales.
-    let hint = if name.ends_with("_blocks") || name.ends_with("_scales") {
+    let qwen3_5_experts = name.contains("w1_EFD")
+        || name.contains("w3_EFD")
+        || name.ends_with("experts.gate_up_proj");
+    let hint = if table.family == Family::Qwen35 && qwen3_5_experts {
+        "; Qwen3.5's routed experts (HF's fused, per-expert transposed gate_up_proj) are not \
+         supported yet"
+    } else if name.ends_with("_blocks") || name.ends_with("_scales") {
         "; it looks MXFP4-quantized: titan-ckpt converts unquantized weights, so dequantize first \
          (transformers: Mxfp4Config(dequantize=True), then save_pretrained)"
     } else {
@@ -382,7 +400,11 @@ fn to_hf(
         let (rule, caps) =
             find_tt(table, &lookup).ok_or_else(|| unknown(table, name, Naming::Torchtitan))?;
         let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
-        if let Transform::Part { index, of } = rule.transform {
+        if let Transform::Part { index, .. } | Transform::GdnPart { index } = rule.transform {
+            let of = match rule.transform {
+                Transform::Part { of, .. } => of,
+                _ => 3,
+            };
             let parts = fused
                 .entry(hf_of(table, rule, caps))
                 .or_insert((of, Vec::new()));
@@ -424,8 +446,8 @@ fn to_hf(
         let mut o = OutTensor::whole(hf_of(table, rule, caps), name, t, dtype);
         o.row_map = rope_map(rule, Naming::Hf, args);
         transposed(rule, name, t, &mut o)?;
-        if let Transform::PatchEmbed { channels } = rule.transform {
-            o.shape = conv_patch_shape(plan, name, &t.shape, channels)?;
+        if let Transform::PatchEmbed { channels, temporal } = rule.transform {
+            o.shape = conv_patch_shape(plan, name, &t.shape, channels, temporal)?;
         }
         out.tensors.push(o);
     }
@@ -476,33 +498,37 @@ fn to_hf(
     Ok(())
 }
 
-/// HF's Conv2d weight shape `[out, C, k, k]` of torchtitan's Linear patch embedding `[out, C k k]`
-/// (`channels` = C).
+/// HF's Conv2d weight shape `[out, C, k, k]` (or Conv3d `[out, C, T, k, k]` when `temporal` T is
+/// over 1) of torchtitan's Linear patch embedding `[out, C T k k]` (`channels` = C).
 fn conv_patch_shape(
     plan: &CheckpointPlan,
     name: &str,
     shape: &[u64],
     channels: u64,
+    temporal: u64,
 ) -> Result<Vec<u64>> {
     let bad = || {
         Error::tensor(
             plan.root.display(),
             name,
             format!(
-                "shape {shape:?} is not a Linear patch embedding of {channels} channels times a \
-                 square patch"
+                "shape {shape:?} is not a Linear patch embedding of {channels} channels x \
+                 {temporal} frames x a square patch"
             ),
         )
     };
     let [out, cols] = shape[..] else {
         return Err(bad());
     };
-    let area = cols / channels.max(1);
+    let area = cols / (channels * temporal).max(1);
     let k = (area as f64).sqrt().round() as u64;
-    if k == 0 || k * k * channels != cols {
+    if k == 0 || k * k * channels * temporal != cols {
         return Err(bad());
     }
-    Ok(vec![out, channels, k, k])
+    Ok(match temporal {
+        1 => vec![out, channels, k, k],
+        t => vec![out, channels, t, k, k],
+    })
 }
 
 fn from_hf(
@@ -549,8 +575,8 @@ fn from_hf(
             stacks.entry(tt).or_default().insert(e, name.clone());
             continue;
         }
-        if let Transform::Part { of, .. } = rule.transform {
-            split_parts(plan, table, rule, caps, name, t, of, opts, out)?;
+        if let Transform::Part { .. } | Transform::GdnPart { .. } = rule.transform {
+            split_parts(plan, table, rule, caps, name, t, opts, out)?;
             continue;
         }
         let mut o = whole(tt, name, t, opts.dtype)?;
@@ -569,7 +595,9 @@ fn from_hf(
         .tensors
         .iter()
         .any(|t| t.name == "lm_head.weight" || t.name == "output.weight");
-    let emb_name = format!("{}model.embed_tokens.weight", table.hf_prefix);
+    let emb_name = find_tt(table, "tok_embeddings.weight")
+        .map(|(r, c)| hf_of(table, r, c))
+        .unwrap_or_default();
     if !has_head && let Some(emb) = plan.tensors.get(&emb_name) {
         let head = match opts.tt_names {
             TtNames::Current => "lm_head.weight",
@@ -624,8 +652,48 @@ fn from_hf(
     Ok(())
 }
 
-/// The torchtitan tensors of the fused HF tensor `name` (matched by `rule`, a [`Transform::Part`]
-/// of `of`): equal blocks of its rows, one per part rule of the same HF name.
+/// The rows of each part of the fused HF tensor `name` (matched by `rule`): `of` equal blocks
+/// for a [`Transform::Part`]; k, k, v for a [`Transform::GdnPart`], v being the rows of the
+/// layer's `in_proj_z`.
+fn part_rows(
+    plan: &CheckpointPlan,
+    table: &Table,
+    rule: &Rule,
+    caps: Captures,
+    name: &str,
+    rows: u64,
+) -> Result<Vec<u64>> {
+    let bad = |why: String| Error::tensor(plan.root.display(), name, why);
+    match rule.transform {
+        Transform::Part { of, .. } if of > 0 && rows.is_multiple_of(of) => {
+            Ok(vec![rows / of; of as usize])
+        }
+        Transform::Part { of, .. } => Err(bad(format!(
+            "{rows} rows do not split into {of} equal parts"
+        ))),
+        _ => {
+            let z = format!(
+                "{}{}.linear_attn.in_proj_z.weight",
+                table.hf_layers,
+                caps.layer.unwrap_or_default()
+            );
+            let v = plan
+                .tensors
+                .get(&z)
+                .and_then(|t| t.shape.first().copied())
+                .ok_or_else(|| bad(format!("its q/k/v split needs `{z}`, which is missing")))?;
+            match rows.checked_sub(v).filter(|kk| kk.is_multiple_of(2)) {
+                Some(kk) => Ok(vec![kk / 2, kk / 2, v]),
+                None => Err(bad(format!(
+                    "{rows} rows are not k + k + v with v = {v} (`{z}`'s rows)"
+                ))),
+            }
+        }
+    }
+}
+
+/// The torchtitan tensors of the fused HF tensor `name` (matched by `rule`, a part transform):
+/// blocks of its rows ([`part_rows`]), one per part rule of the same HF name.
 #[allow(clippy::too_many_arguments)]
 fn split_parts(
     plan: &CheckpointPlan,
@@ -634,38 +702,29 @@ fn split_parts(
     caps: Captures,
     name: &str,
     t: &TensorPlan,
-    of: u64,
     opts: MapOptions,
     out: &mut Planned,
 ) -> Result<()> {
-    let rows = t.shape.first().copied().unwrap_or(0);
-    if of == 0 || rows % of != 0 {
-        return Err(Error::tensor(
-            plan.root.display(),
-            name,
-            format!(
-                "shape {:?}: {rows} rows do not split into {of} equal parts",
-                t.shape
-            ),
-        ));
-    }
+    let first_dim = t.shape.first().copied().unwrap_or(0);
+    let rows = part_rows(plan, table, rule, caps, name, first_dim)?;
     let row_len: u64 = t.shape.iter().skip(1).product();
-    let mut shape = t.shape.clone();
-    shape[0] = rows / of;
     let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
     for r in table.current().filter(|r| r.hf == rule.hf) {
-        let Transform::Part { index, .. } = r.transform else {
+        let (Transform::Part { index, .. } | Transform::GdnPart { index }) = r.transform else {
             continue;
         };
+        let first: u64 = rows[..index as usize].iter().sum();
+        let mut shape = t.shape.clone();
+        shape[0] = rows[index as usize];
         out.tensors.push(OutTensor {
             name: fill(r.tt, caps),
             sources: vec![SourceSlice {
                 tensor: name.to_string(),
-                offset: index * shape[0] * row_len,
+                offset: first * row_len,
                 numel: shape[0] * row_len,
             }],
             dtype,
-            shape: shape.clone(),
+            shape,
             row_map: None,
             transpose: None,
         });

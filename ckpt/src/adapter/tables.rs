@@ -22,9 +22,13 @@ pub enum Transform {
     /// One of `of` equal blocks of rows of a fused HF tensor, block `index` (a vision encoder's
     /// `wqkv`: torchtitan keeps `wq`, `wk`, `wv`); the rules of one HF tensor share its pattern.
     Part { index: u64, of: u64 },
-    /// A patch embedding: torchtitan's Linear `[out, C k k]` <-> HF's Conv2d `[out, C, k, k]`
-    /// of `channels` = C input channels (same bytes, another shape).
-    PatchEmbed { channels: u64 },
+    /// One of the q, k, v parts (`index` 0, 1, 2) of a GatedDeltaNet's fused HF tensor (Qwen3.5's
+    /// `in_proj_qkv`, `conv1d`): rows k, k, v, where v is the rows of the layer's `in_proj_z`.
+    GdnPart { index: u64 },
+    /// A patch embedding: torchtitan's Linear `[out, C T k k]` <-> HF's Conv2d `[out, C, k, k]`
+    /// (`temporal` 1) or Conv3d `[out, C, T, k, k]` of `channels` = C input channels (same bytes,
+    /// another shape).
+    PatchEmbed { channels: u64, temporal: u64 },
 }
 
 /// One name pair.
@@ -48,6 +52,8 @@ pub struct Table {
     /// What HF puts before the names of `rules` and `legacy` (Kimi nests its DeepSeek-V3 text
     /// model under `language_model.`).
     pub hf_prefix: &'static str,
+    /// What HF layer names start with (`model.layers.`), before the layer index.
+    pub hf_layers: &'static str,
     /// Rules whose HF names take no `hf_prefix` (a vision encoder beside the text model).
     pub unprefixed: &'static [Rule],
     /// Names older torchtitan releases wrote (read always, written with `--tt-names legacy`
@@ -347,6 +353,7 @@ pub static LLAMA3: Table = Table {
     family: Family::Llama3,
     rules: &[TOP, GQA_ROPE_PERMUTED, BLOCK],
     hf_prefix: "",
+    hf_layers: "model.layers.",
     unprefixed: &[],
     legacy: &[
         r("output.weight", "lm_head.weight", Copy),
@@ -377,6 +384,7 @@ pub static QWEN3: Table = Table {
     family: Family::Qwen3,
     rules: &[TOP, GQA, BLOCK, ROUTED_EXPERTS],
     hf_prefix: "",
+    hf_layers: "model.layers.",
     unprefixed: &[],
     legacy: &[],
     no_hf_home: &[(
@@ -407,6 +415,7 @@ pub static DEEPSEEK_V3: Table = Table {
     family: Family::DeepseekV3,
     rules: &[TOP, MLA, BLOCK, ROUTED_EXPERTS, SHARED_EXPERTS_AND_MTP],
     hf_prefix: "",
+    hf_layers: "model.layers.",
     unprefixed: &[],
     legacy: &[],
     no_hf_home: &[],
@@ -420,6 +429,7 @@ pub static GPT_OSS: Table = Table {
     family: Family::GptOss,
     rules: &[TOP, GPT_OSS_ATTENTION, BLOCK, GPT_OSS_EXPERTS],
     hf_prefix: "",
+    hf_layers: "model.layers.",
     unprefixed: &[],
     legacy: &[],
     no_hf_home: &[(
@@ -441,7 +451,10 @@ const KIMI_VISION: &[Rule] = &[
     r(
         "vision_encoder.patch_embed.weight",
         "vision_tower.patch_embed.proj.weight",
-        PatchEmbed { channels: 3 },
+        PatchEmbed {
+            channels: 3,
+            temporal: 1,
+        },
     ),
     r(
         "vision_encoder.patch_embed.bias",
@@ -610,6 +623,7 @@ pub static KIMI_K2_7: Table = Table {
     family: Family::KimiK27,
     rules: &[TOP, MLA, BLOCK, ROUTED_EXPERTS, SHARED_EXPERTS_AND_MTP],
     hf_prefix: "language_model.",
+    hf_layers: "language_model.model.layers.",
     unprefixed: KIMI_VISION,
     legacy: &[],
     no_hf_home: &[],
@@ -636,9 +650,326 @@ pub static KIMI_K2_7: Table = Table {
     ],
 };
 
+/// Qwen3.5's text model under `model.language_model.` (HF names relative to it): full attention
+/// layers (gated q: `wq` holds twice the heads' rows) and GatedDeltaNet layers, whose fused
+/// `in_proj_qkv` / `conv1d` torchtitan keeps as q, k, v.
+const QWEN3_5_TEXT: &[Rule] = &[
+    r("tok_embeddings.weight", "embed_tokens.weight", Copy),
+    r("norm.weight", "norm.weight", Copy),
+    r(
+        "layers.{L}.attn.wq.weight",
+        "layers.{L}.self_attn.q_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.wk.weight",
+        "layers.{L}.self_attn.k_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.wv.weight",
+        "layers.{L}.self_attn.v_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.wo.weight",
+        "layers.{L}.self_attn.o_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.q_norm.weight",
+        "layers.{L}.self_attn.q_norm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.k_norm.weight",
+        "layers.{L}.self_attn.k_norm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.in_proj_q.weight",
+        "layers.{L}.linear_attn.in_proj_qkv.weight",
+        GdnPart { index: 0 },
+    ),
+    r(
+        "layers.{L}.attn.in_proj_k.weight",
+        "layers.{L}.linear_attn.in_proj_qkv.weight",
+        GdnPart { index: 1 },
+    ),
+    r(
+        "layers.{L}.attn.in_proj_v.weight",
+        "layers.{L}.linear_attn.in_proj_qkv.weight",
+        GdnPart { index: 2 },
+    ),
+    r(
+        "layers.{L}.attn.conv_q.weight",
+        "layers.{L}.linear_attn.conv1d.weight",
+        GdnPart { index: 0 },
+    ),
+    r(
+        "layers.{L}.attn.conv_k.weight",
+        "layers.{L}.linear_attn.conv1d.weight",
+        GdnPart { index: 1 },
+    ),
+    r(
+        "layers.{L}.attn.conv_v.weight",
+        "layers.{L}.linear_attn.conv1d.weight",
+        GdnPart { index: 2 },
+    ),
+    r(
+        "layers.{L}.attn.in_proj_z.weight",
+        "layers.{L}.linear_attn.in_proj_z.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.in_proj_a.weight",
+        "layers.{L}.linear_attn.in_proj_a.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.in_proj_b.weight",
+        "layers.{L}.linear_attn.in_proj_b.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.A_log",
+        "layers.{L}.linear_attn.A_log",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.dt_bias",
+        "layers.{L}.linear_attn.dt_bias",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.norm.weight",
+        "layers.{L}.linear_attn.norm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attn.out_proj.weight",
+        "layers.{L}.linear_attn.out_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.feed_forward.w1.weight",
+        "layers.{L}.mlp.gate_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.feed_forward.w3.weight",
+        "layers.{L}.mlp.up_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.feed_forward.w2.weight",
+        "layers.{L}.mlp.down_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.attention_norm.weight",
+        "layers.{L}.input_layernorm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.ffn_norm.weight",
+        "layers.{L}.post_attention_layernorm.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.router.gate.weight",
+        "layers.{L}.mlp.gate.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.shared_experts.w1.weight",
+        "layers.{L}.mlp.shared_expert.gate_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.shared_experts.w3.weight",
+        "layers.{L}.mlp.shared_expert.up_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.shared_experts.w2.weight",
+        "layers.{L}.mlp.shared_expert.down_proj.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.shared_experts.gate.weight",
+        "layers.{L}.mlp.shared_expert_gate.weight",
+        Copy,
+    ),
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
+        "layers.{L}.mlp.experts.down_proj",
+        TransposedExperts,
+    ),
+];
+
+/// Qwen3.5's vision encoder and merger (`model.visual.`) and the untied output head.
+const QWEN3_5_VISION: &[Rule] = &[
+    r("lm_head.weight", "lm_head.weight", Copy),
+    r(
+        "vision_encoder.patch_embed.weight",
+        "model.visual.patch_embed.proj.weight",
+        PatchEmbed {
+            channels: 3,
+            temporal: 2,
+        },
+    ),
+    r(
+        "vision_encoder.patch_embed.bias",
+        "model.visual.patch_embed.proj.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.pos_embed",
+        "model.visual.pos_embed.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm1.weight",
+        "model.visual.blocks.{L}.norm1.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm1.bias",
+        "model.visual.blocks.{L}.norm1.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm2.weight",
+        "model.visual.blocks.{L}.norm2.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.norm2.bias",
+        "model.visual.blocks.{L}.norm2.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wq.weight",
+        "model.visual.blocks.{L}.attn.qkv.weight",
+        Part { index: 0, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wk.weight",
+        "model.visual.blocks.{L}.attn.qkv.weight",
+        Part { index: 1, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wv.weight",
+        "model.visual.blocks.{L}.attn.qkv.weight",
+        Part { index: 2, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wq.bias",
+        "model.visual.blocks.{L}.attn.qkv.bias",
+        Part { index: 0, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wk.bias",
+        "model.visual.blocks.{L}.attn.qkv.bias",
+        Part { index: 1, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.wv.bias",
+        "model.visual.blocks.{L}.attn.qkv.bias",
+        Part { index: 2, of: 3 },
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.proj.weight",
+        "model.visual.blocks.{L}.attn.proj.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.attn.proj.bias",
+        "model.visual.blocks.{L}.attn.proj.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc1.weight",
+        "model.visual.blocks.{L}.mlp.linear_fc1.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc1.bias",
+        "model.visual.blocks.{L}.mlp.linear_fc1.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc2.weight",
+        "model.visual.blocks.{L}.mlp.linear_fc2.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.layers.{L}.mlp.linear_fc2.bias",
+        "model.visual.blocks.{L}.mlp.linear_fc2.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.merger.norm.weight",
+        "model.visual.merger.norm.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.merger.norm.bias",
+        "model.visual.merger.norm.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.merger.linear_fc1.weight",
+        "model.visual.merger.linear_fc1.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.merger.linear_fc1.bias",
+        "model.visual.merger.linear_fc1.bias",
+        Copy,
+    ),
+    r(
+        "vision_encoder.merger.linear_fc2.weight",
+        "model.visual.merger.linear_fc2.weight",
+        Copy,
+    ),
+    r(
+        "vision_encoder.merger.linear_fc2.bias",
+        "model.visual.merger.linear_fc2.bias",
+        Copy,
+    ),
+];
+
+pub static QWEN3_5: Table = Table {
+    family: Family::Qwen35,
+    rules: &[QWEN3_5_TEXT],
+    hf_prefix: "model.language_model.",
+    hf_layers: "model.language_model.layers.",
+    unprefixed: QWEN3_5_VISION,
+    legacy: &[],
+    // torchtitan's routed experts w1/w3 are HF's fused, transposed `gate_up_proj`: not mapped
+    // (an MoE checkpoint fails naming them).
+    no_hf_home: &[],
+    hf_ignored: &["model.language_model.layers.{L}.self_attn.rotary_emb.inv_freq"],
+    hf_dropped: &[],
+    mtp_layers: false,
+    signature: &[
+        "layers.0.attn.in_proj_z.weight",
+        "model.language_model.embed_tokens.weight",
+    ],
+};
+
 /// Every family's table, most specific signature first (Kimi holds a DeepSeek-V3 text model;
 /// DeepSeek-V3 with q-LoRA has a `q_norm` too; llama3 last: it has none).
-pub static TABLES: [&Table; 5] = [&KIMI_K2_7, &GPT_OSS, &DEEPSEEK_V3, &QWEN3, &LLAMA3];
+pub static TABLES: [&Table; 6] = [
+    &QWEN3_5,
+    &KIMI_K2_7,
+    &GPT_OSS,
+    &DEEPSEEK_V3,
+    &QWEN3,
+    &LLAMA3,
+];
 
 impl Table {
     /// Every current rule, group after group, then the unprefixed ones.
