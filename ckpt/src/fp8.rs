@@ -35,6 +35,10 @@ pub const DEQUANT_DTYPE: Dtype = Dtype::BF16;
 /// `config.json` files larger than this are refused.
 const MAX_CONFIG_BYTES: u64 = 10 << 20;
 
+/// A weight's scales are read whole (as f32): more than this is refused (a 128x128 block gives
+/// 7168 x 18432 weights 32 KiB of scales; a block size of 1 would give 4x the weight's bytes).
+const MAX_SCALE_BYTES: u64 = 256 << 20;
+
 /// The block scales of one float8 weight.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockScales {
@@ -223,6 +227,17 @@ pub fn check_shape(
         ));
     }
     let want = [blocks(rows, br), blocks(cols, bc)];
+    if want[0].saturating_mul(want[1]).saturating_mul(4) > MAX_SCALE_BYTES {
+        return Err(Error::tensor(
+            at,
+            &s.name,
+            format!(
+                "{br}x{bc} blocks ({}) give weight `{weight}` {:?} {want:?} scales, over the \
+                 {MAX_SCALE_BYTES}-byte limit",
+                s.block_from, w.shape
+            ),
+        ));
+    }
     if s.tensor.shape != want {
         return Err(Error::tensor(
             at,
@@ -386,6 +401,58 @@ mod tests {
         assert_eq!(e5m2_to_f32(0x7B), 57344.0);
         assert!(e5m2_to_f32(0x7C).is_infinite());
         assert_eq!(e5m2_to_f32(0x01), 2f32.powi(-16));
+    }
+
+    fn tensor(dtype: Dtype, shape: &[u64]) -> TensorPlan {
+        TensorPlan {
+            dtype,
+            shape: shape.to_vec(),
+            chunks: Vec::new(),
+            scales: None,
+        }
+    }
+
+    #[test]
+    fn scale_shapes_are_checked_against_weight_and_block() {
+        let plan = CheckpointPlan {
+            format: crate::plan::Format::Hf,
+            root: crate::storage::Root::local("/nonexistent"),
+            files: Vec::new(),
+            tensors: Default::default(),
+            bytes_items: Default::default(),
+            dcp: None,
+        };
+        let w = tensor(Dtype::F8E4M3, &[300, 129]);
+        let scales = |shape: &[u64], block: [u64; 2]| BlockScales {
+            name: "w_scale_inv".into(),
+            tensor: tensor(Dtype::F32, shape),
+            block,
+            block_from: "test",
+        };
+        // Ragged edges: 300 rows in 128 -> 3 blocks, 129 columns -> 2.
+        check_shape(&plan, "w", &w, &scales(&[3, 2], [128, 128])).unwrap();
+        let e = check_shape(&plan, "w", &w, &scales(&[2, 2], [128, 128]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`w_scale_inv`") && e.contains("needs [3, 2]"),
+            "{e}"
+        );
+        // A block of one element would make the scales 4x the weight: refused past the limit.
+        let big = tensor(Dtype::F8E4M3, &[1 << 14, 1 << 14]);
+        let e = check_shape(&plan, "w", &big, &scales(&[1 << 14, 1 << 14], [1, 1]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("over the"), "{e}");
+        let e = check_shape(
+            &plan,
+            "w",
+            &tensor(Dtype::F8E4M3, &[4]),
+            &scales(&[1], [128, 128]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("need a 2-D weight"), "{e}");
     }
 
     #[test]
