@@ -755,6 +755,9 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
     Ok(OK)
 }
 
+/// Every family's name, for messages saying none was found.
+const KNOWN_FAMILIES: &str = "llama3, qwen3, deepseek_v3, gpt_oss, kimi_k2_7 or qwen3_5";
+
 /// The family `convert` renames with (None: names kept), from `--adapter` or, without it,
 /// the default: `--to hf` is for transformers, which loads only HF names with a config.json,
 /// so torchtitan names of a known family are renamed as `auto` would; everything else keeps
@@ -765,9 +768,9 @@ fn adapter_family(a: &ConvertArgs, plan: &titan_ckpt::CheckpointPlan) -> Result<
         Some(AdapterChoice::Family(f)) => Ok(Some(f)),
         Some(AdapterChoice::Auto) => {
             let f = detected().ok_or_else(|| {
-                Error::usage(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss, kimi_k2_7 or qwen3_5 tensor names found",
-                )
+                Error::usage(format!(
+                    "--adapter auto: no {KNOWN_FAMILIES} tensor names found"
+                ))
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f}"));
             Ok(Some(f))
@@ -791,18 +794,18 @@ fn adapter_family(a: &ConvertArgs, plan: &titan_ckpt::CheckpointPlan) -> Result<
                     Ok(None)
                 }
                 (Format::Hf, _, _) if plan.tensors.values().any(|t| t.scales.is_some()) => {
-                    TITAN_CKPT.note(
-                        "tensor names kept as they are (no llama3, qwen3, deepseek_v3 or gpt_oss \
-                         names found); float8 weights are dequantized",
-                    );
+                    TITAN_CKPT.note(format_args!(
+                        "tensor names kept as they are (no {KNOWN_FAMILIES} names found); float8 \
+                         weights are dequantized"
+                    ));
                     Ok(None)
                 }
                 (Format::Hf, _, _) => {
-                    TITAN_CKPT.warning(
-                        "tensor names kept as they are: no llama3, qwen3, deepseek_v3 or gpt_oss \
-                         names found, so no config.json either (transformers will not load this \
-                         as a model; --adapter FAMILY renames)",
-                    );
+                    TITAN_CKPT.warning(format_args!(
+                        "tensor names kept as they are: no {KNOWN_FAMILIES} names found, so no \
+                         config.json either (transformers will not load this as a model; \
+                         --adapter FAMILY renames)"
+                    ));
                     Ok(None)
                 }
                 (_, Some(f), Some(Naming::Hf)) => {
@@ -859,7 +862,7 @@ fn diff_in_hf_names(
         None => {
             let f = adapter::detect_family(plan).ok_or_else(|| {
                 Error::usage(format!(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3, gpt_oss, kimi_k2_7 or qwen3_5 tensor names in {side}"
+                    "--adapter auto: no {KNOWN_FAMILIES} tensor names in {side}"
                 ))
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f} for {side}"));
