@@ -320,6 +320,7 @@ mod tests {
             shape: vec![n],
             row_map: None,
             transpose: None,
+            side_by_side: None,
         }
     }
 

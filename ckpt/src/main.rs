@@ -331,9 +331,9 @@ impl CliValue for AdapterChoice {
                  vision encoder (fused qkv split, Conv2d patch embedding as a Linear, projector)"
             }
             AdapterChoice::Family(Family::Qwen35) => {
-                "Qwen3.5: full attention and GatedDeltaNet layers (fused q/k/v split), dense FFN, \
-                 vision encoder (fused qkv, Conv3d patch embedding) and merger; routed experts not \
-                 yet"
+                "Qwen3.5: full attention and GatedDeltaNet layers (fused q/k/v split), dense FFN or \
+                 fused gate/up experts, vision encoder (fused qkv, Conv3d patch embedding) and \
+                 merger"
             }
             AdapterChoice::Family(Family::GptOss) => {
                 "gpt-oss: biased attention with sinks, router bias, stacked experts transposed per \

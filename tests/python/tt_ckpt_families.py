@@ -9,9 +9,10 @@ usage:
                                           gpt_oss, kimi_k2_7 (torchtitan's debugmodel: DeepSeek-V3
                                           text model + MoonViT vision encoder; transformers has no
                                           class for it, so check-hf compares tensors only),
-                                          qwen3_5 (torchtitan's debugmodel with a 2048 vocabulary:
-                                          GatedDeltaNet + full attention layers, vision encoder;
-                                          check-hf compares tensors only)
+                                          qwen3_5, qwen3_5_moe (torchtitan's debugmodel and
+                                          debugmodel_moe with a 2048 vocabulary: GatedDeltaNet +
+                                          full attention layers, routed + shared experts, vision
+                                          encoder; check-hf compares tensors only)
       DIR/ref.safetensors          the model state dict (seeded values, torchtitan 0.3.0 names)
       DIR/dcp1/                    model-only DCP from one process
       DIR/dcp2/                    the same from 2 gloo ranks with FSDP2 fully_shard (Shard(0),
@@ -59,8 +60,8 @@ def flavor(name):
 
     emb = Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM)
     head = Linear.Config(in_features=DIM, out_features=VOCAB)
-    if name == "qwen3_5":
-        return qwen3_5_flavor()
+    if name in ("qwen3_5", "qwen3_5_moe"):
+        return qwen3_5_flavor(name)
     if name.startswith("qwen3"):
         from torchtitan.models import qwen3 as q
         from torchtitan.models.qwen3 import Qwen3Model
@@ -150,19 +151,20 @@ def install_fla_stubs():
         sys.modules[n] = m
 
 
-def qwen3_5_flavor():
+def qwen3_5_flavor(name):
     install_fla_stubs()
     from torchtitan.models.qwen3_5 import model_registry
     from torchtitan.models.qwen3_5.state_dict_adapter import Qwen35StateDictAdapter
 
     # The debugmodel's 248320-token vocabulary would make the fixture ~1 GB; nothing in the
     # mapping depends on it.
-    cfg = model_registry("debugmodel").model
+    cfg = model_registry("debugmodel_moe" if name.endswith("moe") else "debugmodel").model
     cfg.vocab_size = 2048
     cfg.tok_embeddings.num_embeddings = 2048
     cfg.lm_head.out_features = 2048
     hf = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5")
-    return cfg, Qwen35StateDictAdapter, hf, []
+    # Its to_hf drops the load-balancing expert bias (no HF tensor holds it).
+    return cfg, Qwen35StateDictAdapter, hf, ["moe.expert_bias_E"] if name.endswith("moe") else []
 
 
 def gpt_oss_flavor(emb, head):

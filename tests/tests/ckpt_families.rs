@@ -88,7 +88,7 @@ fn round_trip(flavor: &str, family: &str) -> String {
     let stderr = to_hf(&d.join("dcp2"), &hf2, "auto", &[&cfg, SHARDED]);
     let want = match flavor {
         // Kimi's HF model is remote code; Qwen3.5's GatedDeltaNet wants flash-linear-attention.
-        "kimi_k2_7" | "qwen3_5" => "tensors bit-equal (tensors only, no logits)",
+        "kimi_k2_7" | "qwen3_5" | "qwen3_5_moe" => "tensors bit-equal (tensors only, no logits)",
         _ => "bit-equal, logits equal",
     };
     check_hf(python_script(SCRIPT), &d, &[&hf1, &hf2], &[], want);
@@ -145,6 +145,18 @@ fn kimi_k2_7_text_and_vision_encoder() {
 fn qwen3_5_deltanet_attention_and_vision_encoder() {
     let err = round_trip("qwen3_5", "qwen3_5");
     assert!(err.contains("picked qwen3_5"), "{err}");
+}
+
+/// Qwen3.5 MoE (torchtitan's `debugmodel_moe`): HF's fused `gate_up_proj` [E, D, 2F] is
+/// torchtitan's w1 and w3 [E, F, D] transposed per expert side by side, `down_proj` w2
+/// transposed per expert; shared expert and its gate.
+#[test]
+fn qwen3_5_moe_fused_gate_up_experts() {
+    let err = round_trip("qwen3_5_moe", "qwen3_5");
+    assert!(
+        err.contains("picked qwen3_5") && err.contains("expert_bias_E` left out"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -49,8 +49,8 @@ pub enum Family {
     /// as a Linear) with its projector.
     KimiK27,
     /// Qwen3.5 (torchtitan's `qwen3_5`): full attention and GatedDeltaNet layers (fused q/k/v
-    /// split), dense FFN, the vision encoder (fused qkv, Conv3d patch embedding) and merger;
-    /// not yet its routed experts.
+    /// split), dense FFN or routed experts (HF's fused, per-expert transposed `gate_up_proj`) with
+    /// a gated shared expert, the vision encoder (fused qkv, Conv3d patch embedding) and merger.
     Qwen35,
 }
 
@@ -320,13 +320,7 @@ fn unknown(table: &Table, name: &str, naming: Naming) -> Error {
         Naming::Hf => "HF",
     };
     // The released gpt-oss checkpoints store expert weights as MXFP4 blocks and scales.
-    let qwen3_5_experts = name.contains("w1_EFD")
-        || name.contains("w3_EFD")
-        || name.ends_with("experts.gate_up_proj");
-    let hint = if table.family == Family::Qwen35 && qwen3_5_experts {
-        "; Qwen3.5's routed experts (HF's fused, per-expert transposed gate_up_proj) are not \
-         supported yet"
-    } else if name.ends_with("_blocks") || name.ends_with("_scales") {
+    let hint = if name.ends_with("_blocks") || name.ends_with("_scales") {
         "; it looks MXFP4-quantized: titan-ckpt converts unquantized weights, so dequantize first \
          (transformers: Mxfp4Config(dequantize=True), then save_pretrained)"
     } else {
@@ -370,8 +364,10 @@ fn to_hf(
     out: &mut Planned,
 ) -> Result<()> {
     let n_layers = args.n_layers;
-    // Fused HF tensors: HF name -> (part index, torchtitan name) of each part seen.
-    let mut fused: BTreeMap<String, (u64, Vec<(u64, String)>)> = BTreeMap::new();
+    // Fused HF tensors: HF name -> (parts, side by side, (part index, torchtitan name) of each
+    // part seen).
+    type Fused = (u64, bool, Vec<(u64, String)>);
+    let mut fused: BTreeMap<String, Fused> = BTreeMap::new();
     for (name, t) in &plan.tensors {
         if args.tie_word_embeddings && (name == "lm_head.weight" || name == "output.weight") {
             out.dropped.push((
@@ -400,15 +396,19 @@ fn to_hf(
         let (rule, caps) =
             find_tt(table, &lookup).ok_or_else(|| unknown(table, name, Naming::Torchtitan))?;
         let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
-        if let Transform::Part { index, .. } | Transform::GdnPart { index } = rule.transform {
-            let of = match rule.transform {
-                Transform::Part { of, .. } => of,
-                _ => 3,
+        if let Transform::Part { index, .. }
+        | Transform::GdnPart { index }
+        | Transform::GateUp { index } = rule.transform
+        {
+            let (of, side) = match rule.transform {
+                Transform::Part { of, .. } => (of, false),
+                Transform::GateUp { .. } => (2, true),
+                _ => (3, false),
             };
             let parts = fused
                 .entry(hf_of(table, rule, caps))
-                .or_insert((of, Vec::new()));
-            parts.1.push((index, name.clone()));
+                .or_insert((of, side, Vec::new()));
+            parts.2.push((index, name.clone()));
             continue;
         }
         if rule.transform == Transform::Experts {
@@ -439,6 +439,7 @@ fn to_hf(
                     shape: rest.to_vec(),
                     row_map: None,
                     transpose: None,
+                    side_by_side: None,
                 });
             }
             continue;
@@ -451,7 +452,7 @@ fn to_hf(
         }
         out.tensors.push(o);
     }
-    for (hf, (of, mut parts)) in fused {
+    for (hf, (of, side, mut parts)) in fused {
         parts.sort();
         if parts.iter().map(|(i, _)| *i).ne(0..of) {
             let names: Vec<&str> = parts.iter().map(|(_, n)| n.as_str()).collect();
@@ -483,8 +484,32 @@ fn to_hf(
             });
         }
         let mut shape = first.shape.clone();
-        if let Some(r) = shape.first_mut() {
-            *r = rows;
+        let mut side_by_side = None;
+        let same = parts
+            .iter()
+            .all(|(_, n)| plan.tensors[n].shape == first.shape);
+        match (side, &first.shape[..]) {
+            (true, &[e, f, d]) if same => {
+                shape = vec![e, d, 2 * f];
+                side_by_side = Some(ExpertTranspose {
+                    rows: f,
+                    cols: d,
+                    first_col: 0,
+                    width: d,
+                });
+            }
+            (true, _) => {
+                return Err(Error::tensor(
+                    plan.root.display(),
+                    &parts[0].1,
+                    format!("`{hf}` fuses two [E, F, D] expert stacks of one shape"),
+                ));
+            }
+            (false, _) => {
+                if let Some(r) = shape.first_mut() {
+                    *r = rows;
+                }
+            }
         }
         out.tensors.push(OutTensor {
             name: hf,
@@ -493,6 +518,7 @@ fn to_hf(
             shape,
             row_map: None,
             transpose: None,
+            side_by_side,
         });
     }
     Ok(())
@@ -575,8 +601,10 @@ fn from_hf(
             stacks.entry(tt).or_default().insert(e, name.clone());
             continue;
         }
-        if let Transform::Part { .. } | Transform::GdnPart { .. } = rule.transform {
-            split_parts(plan, table, rule, caps, name, t, opts, out)?;
+        if let Transform::Part { .. } | Transform::GdnPart { .. } | Transform::GateUp { .. } =
+            rule.transform
+        {
+            split_fused(plan, table, rule, caps, name, t, opts, out)?;
             continue;
         }
         let mut o = whole(tt, name, t, opts.dtype)?;
@@ -647,6 +675,7 @@ fn from_hf(
             shape,
             row_map: None,
             transpose: None,
+            side_by_side: None,
         });
     }
     Ok(())
@@ -692,10 +721,27 @@ fn part_rows(
     }
 }
 
-/// The torchtitan tensors of the fused HF tensor `name` (matched by `rule`, a part transform):
-/// blocks of its rows ([`part_rows`]), one per part rule of the same HF name.
+/// `[E, D, 2F]` of HF's fused gate/up experts `name` as (E, D, F).
+fn gate_up_dims(plan: &CheckpointPlan, name: &str, t: &TensorPlan) -> Result<(u64, u64, u64)> {
+    match t.shape[..] {
+        [e, d, two_f] if two_f.is_multiple_of(2) => Ok((e, d, two_f / 2)),
+        _ => Err(Error::tensor(
+            plan.root.display(),
+            name,
+            format!(
+                "fused gate/up experts need an [E, D, 2F] shape, got {:?}",
+                t.shape
+            ),
+        )),
+    }
+}
+
+/// The torchtitan tensors of the fused HF tensor `name` (matched by `rule`), one per rule of the
+/// same HF name: blocks of its rows for a part transform ([`part_rows`]); for
+/// [`Transform::GateUp`] (`[E, D, 2F]`), one half of its columns transposed per expert, `[E, F,
+/// D]` each.
 #[allow(clippy::too_many_arguments)]
-fn split_parts(
+fn split_fused(
     plan: &CheckpointPlan,
     table: &Table,
     rule: &Rule,
@@ -705,28 +751,47 @@ fn split_parts(
     opts: MapOptions,
     out: &mut Planned,
 ) -> Result<()> {
-    let first_dim = t.shape.first().copied().unwrap_or(0);
-    let rows = part_rows(plan, table, rule, caps, name, first_dim)?;
-    let row_len: u64 = t.shape.iter().skip(1).product();
     let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
+    let row_len: u64 = t.shape.iter().skip(1).product();
+    let (rows, gate_up) = match rule.transform {
+        Transform::GateUp { .. } => (Vec::new(), Some(gate_up_dims(plan, name, t)?)),
+        _ => {
+            let first_dim = t.shape.first().copied().unwrap_or(0);
+            (part_rows(plan, table, rule, caps, name, first_dim)?, None)
+        }
+    };
     for r in table.current().filter(|r| r.hf == rule.hf) {
-        let (Transform::Part { index, .. } | Transform::GdnPart { index }) = r.transform else {
-            continue;
+        let (shape, offset, numel, transpose) = match (r.transform, gate_up) {
+            (Transform::Part { index, .. } | Transform::GdnPart { index }, None) => {
+                let mut shape = t.shape.clone();
+                shape[0] = rows[index as usize];
+                let first: u64 = rows[..index as usize].iter().sum();
+                (shape.clone(), first * row_len, shape[0] * row_len, None)
+            }
+            // The slice counts the half of the input read, through the column window.
+            (Transform::GateUp { index }, Some((e, d, f))) => {
+                let tr = ExpertTranspose {
+                    rows: d,
+                    cols: 2 * f,
+                    first_col: index * f,
+                    width: f,
+                };
+                (vec![e, f, d], 0, e * d * f, Some(tr))
+            }
+            _ => continue,
         };
-        let first: u64 = rows[..index as usize].iter().sum();
-        let mut shape = t.shape.clone();
-        shape[0] = rows[index as usize];
         out.tensors.push(OutTensor {
             name: fill(r.tt, caps),
             sources: vec![SourceSlice {
                 tensor: name.to_string(),
-                offset: first * row_len,
-                numel: shape[0] * row_len,
+                offset,
+                numel,
             }],
             dtype,
             shape,
             row_map: None,
-            transpose: None,
+            transpose,
+            side_by_side: None,
         });
     }
     Ok(())

@@ -22,6 +22,10 @@ pub enum Transform {
     /// One of `of` equal blocks of rows of a fused HF tensor, block `index` (a vision encoder's
     /// `wqkv`: torchtitan keeps `wq`, `wk`, `wv`); the rules of one HF tensor share its pattern.
     Part { index: u64, of: u64 },
+    /// Routed experts' gate (`index` 0) or up (1) projections `[E, F, D]`, which HF fuses into one
+    /// `[E, D, 2F]`: each transposed per expert, gate's columns then up's (Qwen3.5's
+    /// `gate_up_proj`).
+    GateUp { index: u64 },
     /// One of the q, k, v parts (`index` 0, 1, 2) of a GatedDeltaNet's fused HF tensor (Qwen3.5's
     /// `in_proj_qkv`, `conv1d`): rows k, k, v, where v is the rows of the layer's `in_proj_z`.
     GdnPart { index: u64 },
@@ -802,6 +806,16 @@ const QWEN3_5_TEXT: &[Rule] = &[
         Copy,
     ),
     r(
+        "layers.{L}.moe.routed_experts.inner_experts.w1_EFD",
+        "layers.{L}.mlp.experts.gate_up_proj",
+        GateUp { index: 0 },
+    ),
+    r(
+        "layers.{L}.moe.routed_experts.inner_experts.w3_EFD",
+        "layers.{L}.mlp.experts.gate_up_proj",
+        GateUp { index: 1 },
+    ),
+    r(
         "layers.{L}.moe.routed_experts.inner_experts.w2_EDF",
         "layers.{L}.mlp.experts.down_proj",
         TransposedExperts,
@@ -948,9 +962,10 @@ pub static QWEN3_5: Table = Table {
     hf_layers: "model.language_model.layers.",
     unprefixed: QWEN3_5_VISION,
     legacy: &[],
-    // torchtitan's routed experts w1/w3 are HF's fused, transposed `gate_up_proj`: not mapped
-    // (an MoE checkpoint fails naming them).
-    no_hf_home: &[],
+    no_hf_home: &[(
+        "layers.{L}.moe.expert_bias_E",
+        "Qwen3.5's HF MoE has no expert-bias (load balancing) tensor",
+    )],
     hf_ignored: &["model.language_model.layers.{L}.self_attn.rotary_emb.inv_freq"],
     hf_dropped: &[],
     mtp_layers: false,
