@@ -337,6 +337,7 @@ mod tests {
             dtype: Dtype::BF16,
             shape: shape.clone(),
             chunks,
+            scales: None,
         };
         let root = Root::local(dir.path());
         let plan = CheckpointPlan {

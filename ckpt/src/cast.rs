@@ -1,6 +1,7 @@
 //! Element type conversion of little-endian buffers, with torch's semantics: floats round to
 //! nearest even, float -> integer truncates toward zero, anything -> bool is `!= 0`, integer ->
-//! integer wraps.
+//! integer wraps. float8 is read (decoded exactly, `fp8`) but never written: encoding to float8
+//! needs a scaling recipe, not a cast.
 
 use half::{bf16, f16};
 
@@ -17,17 +18,18 @@ enum Value {
     U(u64),
 }
 
-fn supported(d: Dtype) -> bool {
-    !matches!(d, Dtype::F8E4M3 | Dtype::F8E5M2)
+fn is_float8(d: Dtype) -> bool {
+    matches!(d, Dtype::F8E4M3 | Dtype::F8E5M2)
 }
 
 /// Whether `from -> to` can be converted.
 pub fn check(from: Dtype, to: Dtype) -> Result<()> {
-    if from == to || (supported(from) && supported(to)) {
+    if from == to || !is_float8(to) {
         Ok(())
     } else {
         Err(Error::usage(format!(
-            "converting {from} to {to} is not supported (float8 types can only be copied)"
+            "converting {from} to {to} is not supported (float8 is read and dequantized, never \
+             written)"
         )))
     }
 }
@@ -46,7 +48,7 @@ fn read(d: Dtype, b: &[u8]) -> Value {
         Dtype::BF16 => Value::F32(bf16::from_le_bytes([b[0], b[1]]).to_f32()),
         Dtype::F32 => Value::F32(f32::from_le_bytes(b[..4].try_into().unwrap())),
         Dtype::F64 => Value::F(f64::from_le_bytes(b[..8].try_into().unwrap())),
-        Dtype::F8E4M3 | Dtype::F8E5M2 => unreachable!("checked by cast::check"),
+        Dtype::F8E4M3 | Dtype::F8E5M2 => Value::F32(crate::fp8::decode(d, b[0])),
     }
 }
 
@@ -179,6 +181,12 @@ mod tests {
         assert_eq!(out, vec![0, 1, 1]);
         convert(Dtype::I64, Dtype::U8, &ints, &mut out);
         assert_eq!(out, vec![0, 5, 255]);
-        assert!(check(Dtype::F8E4M3, Dtype::F32).is_err());
+        assert!(check(Dtype::F32, Dtype::F8E4M3).is_err());
+        convert(Dtype::F8E4M3, Dtype::F32, &[0x38, 0x7E, 0x01], &mut out);
+        let f: Vec<f32> = out
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(f, vec![1.0, 448.0, 2f32.powi(-9)]);
     }
 }

@@ -264,7 +264,7 @@ pub fn consolidation_tensors(
         .map(|(name, t)| {
             let to = match dtype {
                 Some(d) if t.dtype.is_float() => d,
-                _ => t.dtype,
+                _ => t.value_dtype(),
             };
             crate::cast::check(t.dtype, to)?;
             Ok(OutTensor::whole(name.clone(), name, t, to))
@@ -320,6 +320,7 @@ mod tests {
             shape: vec![n],
             row_map: None,
             transpose: None,
+            side_by_side: None,
         }
     }
 

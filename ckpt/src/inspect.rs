@@ -8,7 +8,6 @@ use crate::assemble::{Layout, TensorReader};
 use crate::cast;
 use crate::error::Result;
 use crate::plan::{CheckpointPlan, Format, TensorPlan};
-use crate::storage::InFile;
 use crate::write::Progress;
 
 #[derive(Debug, Serialize)]
@@ -18,6 +17,21 @@ pub struct TensorInfo {
     pub shape: Vec<u64>,
     pub chunks: usize,
     pub bytes: u64,
+    /// A block-quantized float8 weight's scales.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_scales: Option<ScaleInfo>,
+}
+
+/// The block scales of a float8 weight, as `inspect` shows them.
+#[derive(Debug, Serialize)]
+pub struct ScaleInfo {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<u64>,
+    /// Rows x columns of the weight per scale.
+    pub block: [u64; 2],
+    /// Why the scales do not fit the weight, if they do not (`verify` fails on it).
+    pub problem: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -54,6 +68,15 @@ pub fn inspect(plan: &CheckpointPlan) -> InspectReport {
                 shape: t.shape.clone(),
                 chunks: t.chunks.len(),
                 bytes: t.nbytes(),
+                block_scales: t.scales.as_deref().map(|s| ScaleInfo {
+                    name: s.name.clone(),
+                    dtype: s.tensor.dtype.to_string(),
+                    shape: s.tensor.shape.clone(),
+                    block: s.block,
+                    problem: crate::fp8::check_shape(plan, n, t, s)
+                        .err()
+                        .map(|e| e.to_string()),
+                }),
             })
             .collect(),
         bytes_items: plan.bytes_items.keys().cloned().collect(),
@@ -108,6 +131,21 @@ impl InspectReport {
                 t.chunks,
                 human_bytes(t.bytes)
             ));
+            if let Some(b) = &t.block_scales {
+                s.push_str(&format!(
+                    "{:<w$}    scales {} {} {:?}, one per {}x{} block{}\n",
+                    "",
+                    b.name,
+                    b.dtype,
+                    b.shape,
+                    b.block[0],
+                    b.block[1],
+                    b.problem
+                        .as_ref()
+                        .map(|p| format!(": DOES NOT FIT: {p}"))
+                        .unwrap_or_default()
+                ));
+            }
         }
         if !self.bytes_items.is_empty() {
             s.push_str(&format!(
@@ -130,6 +168,8 @@ pub struct VerifyReport {
     pub format: Option<Format>,
     pub tensors: usize,
     pub chunks: usize,
+    /// Block-quantized float8 weights whose scales were checked.
+    pub block_scaled: usize,
     pub error: Option<String>,
 }
 
@@ -237,16 +277,8 @@ pub fn diff(
     workers: usize,
     progress: &dyn Progress,
 ) -> Result<DiffReport> {
-    let fa: Vec<InFile> = a
-        .files
-        .iter()
-        .map(|f| Ok(a.root.open(f)?))
-        .collect::<Result<_>>()?;
-    let fb: Vec<InFile> = b
-        .files
-        .iter()
-        .map(|f| Ok(b.root.open(f)?))
-        .collect::<Result<_>>()?;
+    let fa = a.open_files()?;
+    let fb = b.open_files()?;
     let mut names: Vec<&String> = a.tensors.keys().chain(b.tensors.keys()).collect();
     names.sort();
     names.dedup();

@@ -6,7 +6,8 @@
 //! plans: `consolidate` and `convert` plan output files and run the copy engine (`write`), which
 //! streams chunk bytes through bounded buffers (`assemble`, `cast`); `inspect`, `verify` and
 //! `diff` report on plans. The DCP format itself is the `titan-dcp` crate (read through
-//! `dcp_store`); files live wherever `titan-storage` reaches (`storage`).
+//! `dcp_store`); files live wherever `titan-storage` reaches (`storage`). Block-quantized float8
+//! weights carry their scales on their plan and are dequantized by the copy engine (`fp8`).
 
 pub mod adapter;
 pub mod assemble;
@@ -15,6 +16,7 @@ pub mod consolidate;
 pub mod dcp_store;
 pub mod error;
 pub mod formats;
+pub mod fp8;
 pub mod inspect;
 pub mod plan;
 pub mod safetensors;

@@ -13,7 +13,7 @@ use titan_ckpt::formats::{self, dcp_hf};
 use titan_ckpt::inspect::{self, VerifyReport};
 use titan_ckpt::plan::{Format, is_model_tensor};
 use titan_ckpt::write::{EngineOptions, OutFilePlan, OutTensor, Progress};
-use titan_ckpt::{Dtype, storage};
+use titan_ckpt::{Dtype, fp8, storage};
 
 /// Checkpoint tools for PyTorch Distributed Checkpoint (DCP) and Hugging Face safetensors.
 ///
@@ -326,6 +326,15 @@ impl CliValue for AdapterChoice {
                 "DeepSeek-V3: MLA with or without q-LoRA, routed and shared experts, expert bias, \
                  MTP layers after the main ones"
             }
+            AdapterChoice::Family(Family::KimiK27) => {
+                "Kimi K2.5/K2.7: a DeepSeek-V3 text model under `language_model.` and the MoonViT \
+                 vision encoder (fused qkv split, Conv2d patch embedding as a Linear, projector)"
+            }
+            AdapterChoice::Family(Family::Qwen35) => {
+                "Qwen3.5: full attention and GatedDeltaNet layers (fused q/k/v split), dense FFN or \
+                 fused gate/up experts, vision encoder (fused qkv, Conv3d patch embedding) and \
+                 merger"
+            }
             AdapterChoice::Family(Family::GptOss) => {
                 "gpt-oss: biased attention with sinks, router bias, stacked experts transposed per \
                  expert (unquantized; MXFP4 checkpoints need dequantizing first)"
@@ -480,7 +489,11 @@ fn verify(a: &InspectArgs) -> Result<Code> {
     let (loc, step) = resolve_input(&a.path)?;
     let report = match formats::open(&loc) {
         Ok(plan) => {
-            let err = formats::dcp_native::check_items(&plan).err();
+            let checked = formats::dcp_native::check_items(&plan).and_then(|()| fp8::verify(&plan));
+            let (block_scaled, err) = match checked {
+                Ok(n) => (n, None),
+                Err(e) => (0, Some(e)),
+            };
             VerifyReport {
                 path: a.path.clone(),
                 checked: step.clone(),
@@ -488,6 +501,7 @@ fn verify(a: &InspectArgs) -> Result<Code> {
                 format: Some(plan.format),
                 tensors: plan.tensors.len(),
                 chunks: plan.tensors.values().map(|t| t.chunks.len()).sum(),
+                block_scaled,
                 error: err.map(|e| e.to_string()),
             }
         }
@@ -499,6 +513,7 @@ fn verify(a: &InspectArgs) -> Result<Code> {
             format: None,
             tensors: 0,
             chunks: 0,
+            block_scaled: 0,
             error: Some(e.to_string()),
         },
     };
@@ -512,8 +527,14 @@ fn verify(a: &InspectArgs) -> Result<Code> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report).expect("json"));
     } else if report.ok {
+        let scales = match report.block_scaled {
+            0 => String::new(),
+            n => {
+                format!("; {n} FP8 weights' block scales fit their shapes, all finite and non-zero")
+            }
+        };
         println!(
-            "{what}: OK ({}, {} tensors, {} chunks tile exactly)",
+            "{what}: OK ({}, {} tensors, {} chunks tile exactly{scales})",
             report.format.map(|f| f.to_string()).unwrap_or_default(),
             report.tensors,
             report.chunks
@@ -628,6 +649,7 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
         refuse_existing_output(&out, &a.output)?;
     }
     let family = adapter_family(a, &plan)?;
+    let dequantized = note_dequantization(&plan, a.dtype);
     if a.model_only || family.is_some() {
         let before = plan.tensors.len() + plan.bytes_items.len();
         plan.tensors.retain(|n, _| is_model_tensor(n));
@@ -671,7 +693,7 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
             .map(|(name, t)| {
                 let to = match a.dtype {
                     Some(d) if t.dtype.is_float() => d,
-                    _ => t.dtype,
+                    _ => t.value_dtype(),
                 };
                 titan_ckpt::cast::check(t.dtype, to)?;
                 Ok(OutTensor::whole(name.clone(), name, t, to))
@@ -714,7 +736,7 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
             };
             consolidate::run(&plan, &out, &files, write_index, share, &opts)?;
             if rank == 0 {
-                write_config(a, config.as_ref(), dtype, &out)?;
+                write_config(a, &plan, config.as_ref(), dequantized, dtype, &out)?;
             }
         }
         Format::DcpHf => {
@@ -733,6 +755,9 @@ fn convert_cmd(a: &ConvertArgs, quiet: bool) -> Result<Code> {
     Ok(OK)
 }
 
+/// Every family's name, for messages saying none was found.
+const KNOWN_FAMILIES: &str = "llama3, qwen3, deepseek_v3, gpt_oss, kimi_k2_7 or qwen3_5";
+
 /// The family `convert` renames with (None: names kept), from `--adapter` or, without it,
 /// the default: `--to hf` is for transformers, which loads only HF names with a config.json,
 /// so torchtitan names of a known family are renamed as `auto` would; everything else keeps
@@ -743,9 +768,9 @@ fn adapter_family(a: &ConvertArgs, plan: &titan_ckpt::CheckpointPlan) -> Result<
         Some(AdapterChoice::Family(f)) => Ok(Some(f)),
         Some(AdapterChoice::Auto) => {
             let f = detected().ok_or_else(|| {
-                Error::usage(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor names found",
-                )
+                Error::usage(format!(
+                    "--adapter auto: no {KNOWN_FAMILIES} tensor names found"
+                ))
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f}"));
             Ok(Some(f))
@@ -768,12 +793,19 @@ fn adapter_family(a: &ConvertArgs, plan: &titan_ckpt::CheckpointPlan) -> Result<
                     TITAN_CKPT.note("tensor names kept as they are: they are HF's already");
                     Ok(None)
                 }
+                (Format::Hf, _, _) if plan.tensors.values().any(|t| t.scales.is_some()) => {
+                    TITAN_CKPT.note(format_args!(
+                        "tensor names kept as they are (no {KNOWN_FAMILIES} names found); float8 \
+                         weights are dequantized"
+                    ));
+                    Ok(None)
+                }
                 (Format::Hf, _, _) => {
-                    TITAN_CKPT.warning(
-                        "tensor names kept as they are: no llama3, qwen3, deepseek_v3 or gpt_oss \
-                         names found, so no config.json either (transformers will not load this \
-                         as a model; --adapter FAMILY renames)",
-                    );
+                    TITAN_CKPT.warning(format_args!(
+                        "tensor names kept as they are: no {KNOWN_FAMILIES} names found, so no \
+                         config.json either (transformers will not load this as a model; \
+                         --adapter FAMILY renames)"
+                    ));
                     Ok(None)
                 }
                 (_, Some(f), Some(Naming::Hf)) => {
@@ -830,7 +862,7 @@ fn diff_in_hf_names(
         None => {
             let f = adapter::detect_family(plan).ok_or_else(|| {
                 Error::usage(format!(
-                    "--adapter auto: no llama3, qwen3, deepseek_v3 or gpt_oss tensor names in {side}"
+                    "--adapter auto: no {KNOWN_FAMILIES} tensor names in {side}"
                 ))
             })?;
             TITAN_CKPT.note(format_args!("--adapter auto picked {f} for {side}"));
@@ -948,19 +980,76 @@ fn refuse_existing_output(out: &titan_ckpt::storage::Root, given: &str) -> Resul
     )))
 }
 
-/// config.json next to an HF output: copied from --hf-config, else written from the inferred
-/// arguments when the family's class can be described from them.
+/// Says on stderr which float8 weights `convert` dequantizes (and into what); returns whether
+/// any are.
+fn note_dequantization(plan: &titan_ckpt::CheckpointPlan, dtype: Option<Dtype>) -> bool {
+    let scaled: Vec<&titan_ckpt::TensorPlan> = plan
+        .tensors
+        .values()
+        .filter(|t| t.scales.is_some())
+        .collect();
+    let Some(s) = scaled.first().and_then(|t| t.scales.as_deref()) else {
+        return false;
+    };
+    TITAN_CKPT.note(format_args!(
+        "dequantizing {} block-quantized float8 weights ({}x{} blocks, from {}) to {}; their \
+         `{}` tensors are consumed",
+        scaled.len(),
+        s.block[0],
+        s.block[1],
+        s.block_from,
+        dtype
+            .unwrap_or(fp8::DEQUANT_DTYPE)
+            .to_string()
+            .to_lowercase(),
+        fp8::SCALE_SUFFIX
+    ));
+    true
+}
+
+/// config.json next to an HF output: copied from --hf-config, else (when float8 weights were
+/// dequantized) the input's own config.json, else written from the inferred arguments when the
+/// family's class can be described from them. A copied config of dequantized weights loses its
+/// `quantization_config` (transformers would otherwise quantize the model again on load) and
+/// says the output dtype.
 fn write_config(
     a: &ConvertArgs,
+    plan: &titan_ckpt::CheckpointPlan,
     args: Option<&adapter::ModelArgs>,
+    dequantized: bool,
     dtype: Dtype,
     out: &titan_ckpt::storage::Root,
 ) -> Result<()> {
-    if let Some(path) = &a.hf_config {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path.display(), e))?;
-        serde_json::from_slice::<serde_json::Value>(&bytes)
-            .map_err(|e| Error::usage(format!("--hf-config {}: not JSON: {e}", path.display())))?;
-        return Ok(out.write_small("config.json", &bytes)?);
+    let copied = match &a.hf_config {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| Error::io(path.display(), e))?;
+            Some((format!("--hf-config {}", path.display()), bytes))
+        }
+        None if dequantized && plan.root.list()?.iter().any(|(f, _)| f == "config.json") => {
+            let bytes = plan.root.read_small("config.json", 10 << 20)?;
+            Some((plan.root.display_file("config.json"), bytes))
+        }
+        None => None,
+    };
+    if let Some((from, bytes)) = copied {
+        let mut cfg: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::usage(format!("{from}: not JSON: {e}")))?;
+        if !dequantized {
+            return Ok(out.write_small("config.json", &bytes)?);
+        }
+        if let Some(o) = cfg.as_object_mut() {
+            o.remove("quantization_config");
+            for key in ["torch_dtype", "dtype"] {
+                if o.contains_key(key) {
+                    o.insert(key.into(), dtype.torch_name().into());
+                }
+            }
+        }
+        TITAN_CKPT.note(format_args!(
+            "config.json: {from} without its quantization_config"
+        ));
+        let json = serde_json::to_vec_pretty(&cfg).expect("json");
+        return Ok(out.write_small("config.json", &json)?);
     }
     let Some(args) = args else { return Ok(()) };
     match adapter::hf_config(args, dtype)? {

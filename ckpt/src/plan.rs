@@ -97,9 +97,13 @@ impl Chunk {
 /// One tensor of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorPlan {
+    /// The stored elements' dtype.
     pub dtype: Dtype,
     pub shape: Vec<u64>,
     pub chunks: Vec<Chunk>,
+    /// The block scales of a block-quantized float8 weight (`fp8::attach`), whose values are
+    /// the float8 elements times their block's scale.
+    pub scales: Option<Box<crate::fp8::BlockScales>>,
 }
 
 impl TensorPlan {
@@ -109,6 +113,16 @@ impl TensorPlan {
 
     pub fn nbytes(&self) -> u64 {
         self.numel() * self.dtype.size() as u64
+    }
+
+    /// The dtype of the tensor's values: a block-quantized weight's are
+    /// [`crate::fp8::DEQUANT_DTYPE`] (what its dequantized values are written in unless a dtype
+    /// is asked for), any other tensor's are its stored dtype.
+    pub fn value_dtype(&self) -> Dtype {
+        match self.scales {
+            Some(_) => crate::fp8::DEQUANT_DTYPE,
+            None => self.dtype,
+        }
     }
 }
 
@@ -149,6 +163,11 @@ impl CheckpointPlan {
             .filter(|(n, _)| is_model_tensor(n))
             .map(|(_, t)| t.numel())
             .sum()
+    }
+
+    /// Opens every data file, in [`CheckpointPlan::files`]' order (what a `TensorReader` reads).
+    pub fn open_files(&self) -> Result<Vec<crate::storage::InFile>> {
+        self.files.iter().map(|f| Ok(self.root.open(f)?)).collect()
     }
 
     /// Checks that every tensor's chunks tile it exactly: each chunk inside the global shape, no
@@ -311,6 +330,7 @@ mod tests {
             dtype: Dtype::F32,
             shape: shape.to_vec(),
             chunks,
+            scales: None,
         }
     }
 

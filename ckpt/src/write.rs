@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use crate::assemble::{self, Layout, TensorReader};
 use crate::cast;
 use crate::error::{Error, Result};
+use crate::fp8::Dequantizer;
 use crate::plan::{self, CheckpointPlan, Encoding, TensorPlan};
 use crate::safetensors::{self, OutEntry};
 use crate::storage::{InFile, OutFile, Root};
@@ -80,6 +81,10 @@ pub struct ExpertTranspose {
     pub rows: u64,
     /// Columns of one expert's input matrix.
     pub cols: u64,
+    /// The input columns transposed: `first_col..first_col + width` (all of them, or one half of
+    /// Qwen3.5's fused `gate_up_proj`).
+    pub first_col: u64,
+    pub width: u64,
 }
 
 impl ExpertTranspose {
@@ -89,6 +94,8 @@ impl ExpertTranspose {
             [_, rows, cols] => Ok(ExpertTranspose {
                 rows: *rows,
                 cols: *cols,
+                first_col: 0,
+                width: *cols,
             }),
             _ => Err(Error::usage(format!(
                 "`{tensor}`: stacked experts to transpose need an [E, rows, cols] shape, got \
@@ -99,7 +106,7 @@ impl ExpertTranspose {
 
     /// The output shape for an input of `[experts, rows, cols]`.
     pub fn out_shape(self, experts: u64) -> Vec<u64> {
-        vec![experts, self.cols, self.rows]
+        vec![experts, self.width, self.rows]
     }
 
     /// Fills `out` with the output elements `range` (whole output rows of `rows` elements) in
@@ -112,20 +119,22 @@ impl ExpertTranspose {
         out: &mut [u8],
         tile: &mut Vec<u8>,
     ) -> Result<()> {
-        let (rows, cols) = (self.rows, self.cols);
+        let (rows, cols, width) = (self.rows, self.cols, self.width);
         let es = src.dtype.size();
-        if rows == 0 || cols == 0 {
+        if rows == 0 || width == 0 {
             return Ok(());
         }
         debug_assert!(range.start.is_multiple_of(rows) && range.end.is_multiple_of(rows));
         let (mut k, k_end) = (range.start / rows, range.end / rows);
         while k < k_end {
-            let (expert, c0) = (k / cols, k % cols);
-            let c1 = cols.min(c0 + (k_end - k));
+            // Output row k is input column first_col + k % width of expert k / width.
+            let (expert, c0) = (k / width, k % width);
+            let c1 = width.min(c0 + (k_end - k));
             let w = c1 - c0;
             let base = expert * rows * cols;
             let row_bytes = (w as usize) * es;
             tile.resize(rows as usize * row_bytes, 0);
+            let (c0, c1) = (self.first_col + c0, self.first_col + c1);
             if w == cols {
                 reader.read_any(src, base..base + rows * cols, tile)?;
             } else {
@@ -137,7 +146,7 @@ impl ExpertTranspose {
             }
             let o = ((k - range.start / rows) * rows) as usize * es;
             transpose_bytes(tile, rows as usize, w as usize, es, &mut out[o..]);
-            k = expert * cols + c1;
+            k = expert * width + (c1 - self.first_col);
         }
         Ok(())
     }
@@ -181,6 +190,9 @@ pub struct OutTensor {
     pub row_map: Option<RowMap>,
     /// Per-expert transpose of a single-source stacked tensor (gpt-oss expert weights).
     pub transpose: Option<ExpertTranspose>,
+    /// Two stacked sources, each transposed per expert by this and the rows put side by side:
+    /// `[E, F, D]` twice -> `[E, D, 2F]` (Qwen3.5's `gate_up_proj` from torchtitan's w1, w3).
+    pub side_by_side: Option<ExpertTranspose>,
 }
 
 impl OutTensor {
@@ -197,6 +209,7 @@ impl OutTensor {
             shape: src.shape.clone(),
             row_map: None,
             transpose: None,
+            side_by_side: None,
         }
     }
 
@@ -403,11 +416,7 @@ pub fn write_files(
         return Ok(());
     }
     out.create_dir_all()?;
-    let inputs: Vec<InFile> = plan
-        .files
-        .iter()
-        .map(|f| Ok(plan.root.open(f)?))
-        .collect::<Result<_>>()?;
+    let inputs = plan.open_files()?;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(opts.workers.max(1))
         .build()
@@ -485,6 +494,10 @@ pub struct TensorCopier<'a> {
     reader: TensorReader<'a>,
     buf: Vec<u8>,
     converted: Vec<u8>,
+    /// float8 bytes of a block-quantized window, before dequantizing into `buf`.
+    raw: Vec<u8>,
+    /// The scales of the block-quantized weight being written (kept across its windows).
+    dequant: Option<Dequantizer>,
     window: u64,
     progress: Arc<dyn Progress>,
 }
@@ -497,6 +510,8 @@ impl<'a> TensorCopier<'a> {
             reader: TensorReader::new(plan, inputs),
             buf: Vec::new(),
             converted: Vec::new(),
+            raw: Vec::new(),
+            dequant: None,
             window: opts.window_bytes.max(1),
             progress: opts.progress.clone(),
         }
@@ -507,6 +522,16 @@ impl<'a> TensorCopier<'a> {
     pub fn write_tensor(&mut self, t: &OutTensor, sink: &mut dyn TensorSink) -> Result<()> {
         let sources = resolve_sources(self.plan, t)?;
         tracing::debug!(tensor = %t.name, "writing");
+        if let Some(tr) = t.side_by_side {
+            let [(a, _), (b, _)] = sources.as_slice() else {
+                return Err(Error::tensor(
+                    self.plan.root.display(),
+                    &t.name,
+                    "internal: side-by-side experts need exactly two sources",
+                ));
+            };
+            return self.write_side_by_side([a, b], t, tr, sink);
+        }
         if t.row_map.is_some() || t.transpose.is_some() {
             // Both reorder one input tensor.
             let [(src, _)] = sources.as_slice() else {
@@ -546,6 +571,7 @@ impl<'a> TensorCopier<'a> {
         let range = slice.offset..slice.offset + slice.numel;
         let layout = Layout::of(src);
         let direct = src.dtype == dtype
+            && src.scales.is_none()
             && layout.is_runs()
             && src
                 .chunks
@@ -570,15 +596,47 @@ impl<'a> TensorCopier<'a> {
             return Ok(());
         }
         let mut at = pos;
-        for w in assemble::windows_in(src, range, self.window) {
-            let n = self.read_window(src, w.clone())?;
-            let bytes = self.cast_window(src.dtype, dtype, n);
+        for w in assemble::windows_in(src, range, self.window_for(src)) {
+            let (from, n) = self.read_values(&slice.tensor, src, w.clone())?;
+            let bytes = self.cast_window(from, dtype, n);
             sink.put(at, bytes)?;
             at += bytes.len() as u64;
             self.progress
                 .inc((w.end - w.start) * src.dtype.size() as u64);
         }
         Ok(())
+    }
+
+    /// The bytes of stored elements one window reads: a block-quantized weight's float8 bytes
+    /// become fp32 values 4 times their size, so its windows are a quarter of the window size.
+    fn window_for(&self, src: &TensorPlan) -> u64 {
+        match src.scales {
+            Some(_) => (self.window / 4).max(1),
+            None => self.window,
+        }
+    }
+
+    /// Reads elements `w` of `src` (input tensor `name`) into `self.buf` as the values to cast:
+    /// the stored elements, or a block-quantized weight's dequantized fp32 values (its scales
+    /// read and checked on its first window). Returns their dtype and byte count.
+    fn read_values(
+        &mut self,
+        name: &str,
+        src: &TensorPlan,
+        w: Range<u64>,
+    ) -> Result<(Dtype, usize)> {
+        if src.scales.is_none() {
+            return Ok((src.dtype, self.read_window(src, w)?));
+        }
+        if self.dequant.as_ref().is_none_or(|d| d.weight != name) {
+            self.dequant = Some(Dequantizer::new(self.plan, &mut self.reader, name, src)?);
+        }
+        let n = (w.end - w.start) as usize;
+        self.raw.resize(n, 0);
+        self.reader.read(src, w.clone(), &mut self.raw[..n])?;
+        let d = self.dequant.as_ref().expect("set above");
+        d.dequantize(w.start, &self.raw[..n], &mut self.buf);
+        Ok((Dtype::F32, n * 4))
     }
 
     /// Reads elements `w` of `src` into `self.buf`; returns the byte count.
@@ -618,7 +676,8 @@ impl<'a> TensorCopier<'a> {
         let (rows, cols) = (src.shape[0], src.shape[1]);
         map.check(&t.name, rows)?;
         let (es, os) = (src.dtype.size() as u64, t.dtype.size() as u64);
-        let per_batch = (self.window / (cols * es).max(1)).max(1);
+        let per_batch = (self.window_for(src) / (cols * es).max(1)).max(1);
+        let name = &t.sources[0].tensor;
         let mut block = Vec::new();
         let mut r = 0;
         while r < rows {
@@ -626,8 +685,8 @@ impl<'a> TensorCopier<'a> {
             block.clear();
             for out_row in r..end {
                 let in_row = map.source_row(out_row, rows);
-                let n = self.read_window(src, in_row * cols..(in_row + 1) * cols)?;
-                let bytes = self.cast_window(src.dtype, t.dtype, n);
+                let (from, n) = self.read_values(name, src, in_row * cols..(in_row + 1) * cols)?;
+                let bytes = self.cast_window(from, t.dtype, n);
                 block.extend_from_slice(bytes);
             }
             sink.put(r * cols * os, &block)?;
@@ -646,9 +705,21 @@ impl<'a> TensorCopier<'a> {
         tr: ExpertTranspose,
         sink: &mut dyn TensorSink,
     ) -> Result<()> {
+        if let Some(s) = &src.scales {
+            // Only gpt-oss's experts are transposed, and they are not block-quantized.
+            return Err(Error::tensor(
+                self.plan.root.display(),
+                &s.name,
+                format!(
+                    "`{}` is a transposed expert stack: titan-ckpt does not dequantize those",
+                    t.name
+                ),
+            ));
+        }
         let es = src.dtype.size() as u64;
         let per = (self.window / (tr.rows * es).max(1)).max(1) * tr.rows;
-        let (total, os) = (src.numel(), t.dtype.size() as u64);
+        let total = plan::numel(&t.shape).unwrap_or(0);
+        let os = t.dtype.size() as u64;
         let mut buf = std::mem::take(&mut self.buf);
         let mut tile = Vec::new();
         let mut s = 0;
@@ -667,6 +738,61 @@ impl<'a> TensorCopier<'a> {
             s = e;
         }
         self.buf = buf;
+        Ok(())
+    }
+
+    /// Puts `t`, the two stacked `[E, F, D]` sources each transposed per expert (`tr`: rows F,
+    /// columns D) with their rows side by side (`[E, D, 2F]`), in tiles of whole output rows of
+    /// one expert, in order.
+    fn write_side_by_side(
+        &mut self,
+        srcs: [&TensorPlan; 2],
+        t: &OutTensor,
+        tr: ExpertTranspose,
+        sink: &mut dyn TensorSink,
+    ) -> Result<()> {
+        let (f, d) = (tr.rows, tr.width);
+        let es = srcs[0].dtype.size() as u64;
+        if srcs
+            .iter()
+            .any(|s| s.scales.is_some() || s.dtype != srcs[0].dtype)
+        {
+            return Err(Error::tensor(
+                self.plan.root.display(),
+                &t.name,
+                "side-by-side experts need two unquantized sources of one dtype",
+            ));
+        }
+        let experts = t.shape.first().copied().unwrap_or(0);
+        let per = (self.window / (2 * f * es).max(1)).clamp(1, d.max(1));
+        let os = t.dtype.size() as u64;
+        let (mut halves, mut tile, mut rows) = ([Vec::new(), Vec::new()], Vec::new(), Vec::new());
+        for e in 0..experts {
+            let mut d0 = 0;
+            while d0 < d {
+                let d1 = (d0 + per).min(d);
+                let range = (e * d + d0) * f..(e * d + d1) * f;
+                for (half, src) in halves.iter_mut().zip(srcs) {
+                    half.resize(((range.end - range.start) * es) as usize, 0);
+                    tr.read(&mut self.reader, src, range.clone(), half, &mut tile)?;
+                }
+                let row = (f * es) as usize;
+                rows.clear();
+                for j in 0..(d1 - d0) as usize {
+                    rows.extend_from_slice(&halves[0][j * row..(j + 1) * row]);
+                    rows.extend_from_slice(&halves[1][j * row..(j + 1) * row]);
+                }
+                let bytes: &[u8] = if srcs[0].dtype == t.dtype {
+                    &rows
+                } else {
+                    cast::convert(srcs[0].dtype, t.dtype, &rows, &mut self.converted);
+                    &self.converted
+                };
+                sink.put((e * d + d0) * 2 * f * os, bytes)?;
+                self.progress.inc(2 * (d1 - d0) * f * es);
+                d0 = d1;
+            }
+        }
         Ok(())
     }
 

@@ -3,8 +3,10 @@
 //! The tests run the real binaries (`cargo build --workspace --bins` first; `scripts/test.sh`
 //! does) and the Python from `.venv` that `scripts/setup.sh` creates.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The workspace root (the folder holding the top-level Cargo.toml).
 pub fn workspace_root() -> PathBuf {
@@ -205,6 +207,15 @@ print(json.dumps(counts))
         .collect()
 }
 
+/// Runs a check script to the end; panics with its output unless it exits 0 and its stdout
+/// starts with `ok` (how the Python checks report success). Returns that stdout.
+pub fn run_says_ok(cmd: &mut Command) -> String {
+    let o = run_ok(cmd);
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(stdout.starts_with("ok"), "{cmd:?}:\n{}", output_text(&o));
+    stdout
+}
+
 /// A TCP port on 127.0.0.1 that was free a moment ago (for servers a test starts).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -341,4 +352,25 @@ impl Drop for MotoServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The folder a fixture script's `make DIR FLAVOR` filled (`script()` is the script's command,
+/// before `make`), made on first use, once per test binary: one lock per flavor, so different
+/// flavors are made in parallel and one flavor once.
+pub fn fixture_made_once(flavor: &str, script: impl FnOnce() -> Command) -> PathBuf {
+    static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static MADE: Mutex<BTreeMap<String, Arc<OnceLock<PathBuf>>>> = Mutex::new(BTreeMap::new());
+    let root = ROOT.get_or_init(|| tempfile::tempdir().unwrap()).path();
+    let cell = MADE
+        .lock()
+        .unwrap()
+        .entry(flavor.to_string())
+        .or_default()
+        .clone();
+    cell.get_or_init(|| {
+        let d = root.join(flavor);
+        run_ok(script().arg("make").arg(&d).arg(flavor));
+        d
+    })
+    .clone()
 }

@@ -188,7 +188,7 @@ impl Shapes<'_> {
             }
             Naming::Hf => {
                 let (rule, caps) = find_tt(self.table, tt)?;
-                let hf = super::fill(rule.hf, caps);
+                let hf = super::hf_of(self.table, rule, caps);
                 self.plan.tensors.contains_key(&hf).then_some(hf)
             }
         }
@@ -228,15 +228,48 @@ pub fn infer(
     };
     let emb = s.need("tok_embeddings.weight", "the vocabulary size and model dim")?;
     let (vocab_size, dim) = (emb[0], emb.get(1).copied().unwrap_or(0));
-    let n_layers = main_layers(plan, naming);
+    let n_layers = main_layers(plan, naming, table.hf_layers);
+    let hf_layers = table.hf_layers;
     let family = table.family;
+    let tie_word_embeddings = match naming {
+        Naming::Hf => !plan.tensors.contains_key("lm_head.weight"),
+        Naming::Torchtitan => match s.name("lm_head.weight") {
+            Some(head) => super::same_contents(plan, "tok_embeddings.weight", &head)?,
+            None => true,
+        },
+    };
+    if family == Family::Qwen35 {
+        // Its mapping needs only the layers and the tying; its HF config (text and vision
+        // models) cannot be written from shapes (`hf_config` says --hf-config).
+        return Ok(ModelArgs {
+            family,
+            dim,
+            n_layers,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            vocab_size,
+            ffn_hidden: 0,
+            norm_eps: hints.norm_eps.unwrap_or(1e-6),
+            rope_theta: hints.rope_theta.unwrap_or(10_000_000.0),
+            rope_scaling: RopeScaling::None,
+            max_position_embeddings: hints.max_position_embeddings.unwrap_or(262_144),
+            tie_word_embeddings,
+            moe: None,
+            sliding_window: None,
+            mla: None,
+            assumed: Vec::new(),
+        });
+    }
     let mut assumed = Vec::new();
     let mla = match family {
-        Family::DeepseekV3 => Some(infer_mla(&s, dim, n_layers, hints, &mut assumed)?),
+        Family::DeepseekV3 | Family::KimiK27 => {
+            Some(infer_mla(&s, dim, n_layers, hints, &mut assumed)?)
+        }
         _ => None,
     };
     let q = match family {
-        Family::DeepseekV3 => None,
+        Family::DeepseekV3 | Family::KimiK27 => None,
         _ => Some(s.need(
             "layers.0.attention.qkv_linear.wq.weight",
             "the attention heads",
@@ -249,7 +282,7 @@ pub fn infer(
             (hints.n_heads.unwrap_or(rows / hd.max(1)), hd)
         }
         // MLA: HF's head_dim is the RoPE part of a head.
-        Family::DeepseekV3 => {
+        Family::DeepseekV3 | Family::KimiK27 => {
             let m = mla.as_ref().expect("inferred above");
             (m.1, m.0.qk_rope_head_dim)
         }
@@ -267,6 +300,7 @@ pub fn infer(
             }
             (n, rows / n)
         }
+        Family::Qwen35 => (0, 0),
         Family::Llama3 => {
             let n = hints
                 .n_heads
@@ -289,7 +323,7 @@ pub fn infer(
     };
     let n_kv_heads = match (hints.n_kv_heads, family) {
         (Some(k), _) => k,
-        (None, Family::DeepseekV3) => n_heads,
+        (None, Family::DeepseekV3 | Family::KimiK27) => n_heads,
         (None, _) => {
             s.need(
                 "layers.0.attention.qkv_linear.wk.weight",
@@ -327,11 +361,11 @@ pub fn infer(
             Naming::Hf => {
                 let e0 = plan
                     .tensors
-                    .get(&format!("model.layers.{l}.mlp.experts.0.gate_proj.weight"))?;
+                    .get(&format!("{hf_layers}{l}.mlp.experts.0.gate_proj.weight"))?;
                 let count = (0..)
                     .take_while(|e| {
                         plan.tensors.contains_key(&format!(
-                            "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"
+                            "{hf_layers}{l}.mlp.experts.{e}.gate_proj.weight"
                         ))
                     })
                     .count() as u64;
@@ -344,13 +378,6 @@ pub fn infer(
             experts_per_token: hints.experts_per_token,
         })
     });
-    let tie_word_embeddings = match naming {
-        Naming::Hf => !plan.tensors.contains_key("lm_head.weight"),
-        Naming::Torchtitan => match s.name("lm_head.weight") {
-            Some(head) => super::same_contents(plan, "tok_embeddings.weight", &head)?,
-            None => true,
-        },
-    };
     let llama3 = if hints.no_rope_scaling {
         RopeScaling::None
     } else {
@@ -358,8 +385,9 @@ pub fn infer(
     };
     let (theta, eps, scaling) = match family {
         Family::Llama3 => (500000.0, 1e-5, llama3),
+        Family::Qwen35 => (10_000_000.0, 1e-6, RopeScaling::None),
         Family::Qwen3 => (1000000.0, 1e-6, RopeScaling::None),
-        Family::DeepseekV3 => (
+        Family::DeepseekV3 | Family::KimiK27 => (
             10000.0,
             1e-6,
             RopeScaling::Yarn {
@@ -496,7 +524,8 @@ fn infer_mla(
             .plan
             .tensors
             .get(&format!(
-                "model.layers.{first_k_dense}.mlp.experts.0.gate_proj.weight"
+                "{}{first_k_dense}.mlp.experts.0.gate_proj.weight",
+                s.table.hf_layers
             ))
             .map(|t| t.shape[0]),
         (None, Naming::Torchtitan) => None,
@@ -522,7 +551,7 @@ fn infer_mla(
             s.plan
                 .tensors
                 .keys()
-                .filter_map(|k| super::tt_layer(k, "model.layers."))
+                .filter_map(|k| super::tt_layer(k, s.table.hf_layers))
                 .collect::<std::collections::BTreeSet<_>>()
                 .len() as u64
                 - n_layers
@@ -709,6 +738,8 @@ pub fn hf_config(args: &ModelArgs, dtype: Dtype) -> Result<Option<Value>> {
             o.insert("swiglu_limit".into(), json!(7.0));
             o.insert("swiglu_alpha".into(), json!(1.702));
         }
+        // Kimi K2.7's HF class is remote code with its own vision config: --hf-config.
+        (Family::KimiK27 | Family::Qwen35, _) => return Ok(None),
         (Family::DeepseekV3, moe) => {
             let (Some(m), Some(moe)) = (&args.mla, moe) else {
                 return Ok(None);

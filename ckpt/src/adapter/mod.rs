@@ -20,7 +20,6 @@ pub use tables::{Rule, TABLES, Table, Transform};
 use crate::assemble::TensorReader;
 use crate::error::{Error, Result};
 use crate::plan::{CheckpointPlan, TensorPlan};
-use crate::storage::InFile;
 use crate::write::{ExpertTranspose, OutTensor, RowMap, SourceSlice};
 use pattern::{Captures, fill, matches};
 use titan_dcp::Dtype;
@@ -45,6 +44,14 @@ pub enum Family {
     /// gpt-oss: biased attention with sinks, router bias, stacked experts transposed per expert
     /// (unquantized; MXFP4 checkpoints need dequantizing first).
     GptOss,
+    /// Kimi K2.5/K2.7 (torchtitan's `kimi_k2_7`): a DeepSeek-V3 text decoder under HF's
+    /// `language_model.` and the MoonViT vision encoder (fused qkv split, Conv2d patch embedding
+    /// as a Linear) with its projector.
+    KimiK27,
+    /// Qwen3.5 (torchtitan's `qwen3_5`): full attention and GatedDeltaNet layers (fused q/k/v
+    /// split), dense FFN or routed experts (HF's fused, per-expert transposed `gate_up_proj`) with
+    /// a gated shared expert, the vision encoder (fused qkv, Conv3d patch embedding) and merger.
+    Qwen35,
 }
 
 impl fmt::Display for Family {
@@ -55,11 +62,13 @@ impl fmt::Display for Family {
 
 impl Family {
     /// Every family, in `--adapter`'s order.
-    pub const ALL: [Family; 4] = [
+    pub const ALL: [Family; 6] = [
         Family::Llama3,
         Family::Qwen3,
         Family::DeepseekV3,
         Family::GptOss,
+        Family::KimiK27,
+        Family::Qwen35,
     ];
 
     /// The family's name (`--adapter`'s value, torchtitan's model name).
@@ -69,6 +78,8 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::DeepseekV3 => "deepseek_v3",
             Family::GptOss => "gpt_oss",
+            Family::KimiK27 => "kimi_k2_7",
+            Family::Qwen35 => "qwen3_5",
         }
     }
 
@@ -112,7 +123,7 @@ pub fn to_hf_name(name: &str) -> Option<String> {
 /// q and k weights).
 pub fn to_hf_rule(name: &str) -> Option<(String, Transform)> {
     let (rule, caps) = find_tt(&tables::LLAMA3, name)?;
-    Some((fill(rule.hf, caps), rule.transform))
+    Some((hf_of(&tables::LLAMA3, rule, caps), rule.transform))
 }
 
 /// The older torchtitan name (the table's `legacy` rules) of a current torchtitan name of
@@ -138,7 +149,13 @@ pub fn detect_naming<'a>(names: impl IntoIterator<Item = &'a String>) -> Option<
         if n == "tok_embeddings.weight" {
             return Some(Naming::Torchtitan);
         }
-        if n == "model.embed_tokens.weight" {
+        if [
+            "model.embed_tokens.weight",
+            "language_model.model.embed_tokens.weight",
+            "model.language_model.embed_tokens.weight",
+        ]
+        .contains(&n.as_str())
+        {
             return Some(Naming::Hf);
         }
     }
@@ -155,7 +172,7 @@ pub fn detect_family(plan: &CheckpointPlan) -> Option<Family> {
         let hit = t.signature.iter().any(|sig| {
             plan.tensors.contains_key(*sig)
                 || find_tt(t, sig)
-                    .map(|(r, c)| plan.tensors.contains_key(&fill(r.hf, c)))
+                    .map(|(r, c)| plan.tensors.contains_key(&hf_of(t, r, c)))
                     .unwrap_or(false)
         });
         if hit {
@@ -186,7 +203,24 @@ fn find_hf<'t>(table: &'t Table, name: &str, names: TtNames) -> Option<(&'t Rule
     first
         .iter()
         .chain(table.current())
-        .find_map(|r| matches(r.hf, name).map(|c| (r, c)))
+        .find_map(|r| match_hf(table, r, name).map(|c| (r, c)))
+}
+
+/// The HF name `rule` gives for `caps`: the table's HF prefix before it unless the rule is one
+/// of its unprefixed ones.
+pub(crate) fn hf_of(table: &Table, rule: &Rule, caps: Captures) -> String {
+    match table.is_prefixed(rule) {
+        true => format!("{}{}", table.hf_prefix, fill(rule.hf, caps)),
+        false => fill(rule.hf, caps),
+    }
+}
+
+/// `rule`'s HF pattern (with the table's prefix, as [`hf_of`]) matched against `name`.
+fn match_hf(table: &Table, rule: &Rule, name: &str) -> Option<Captures> {
+    match table.is_prefixed(rule) {
+        true => matches(rule.hf, name.strip_prefix(table.hf_prefix)?),
+        false => matches(rule.hf, name),
+    }
 }
 
 /// Layer index of a torchtitan name (`layers.N.` / `mtp_layers.N.`).
@@ -194,11 +228,12 @@ fn tt_layer(name: &str, prefix: &str) -> Option<u64> {
     name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
 }
 
-/// The number of main (non-MTP) transformer layers, from either naming.
-pub fn main_layers(plan: &CheckpointPlan, naming: Naming) -> u64 {
+/// The number of main (non-MTP) transformer layers, from either naming (`hf_layers`: the
+/// family's HF prefix of layer names, [`Table::hf_layers`]).
+pub fn main_layers(plan: &CheckpointPlan, naming: Naming, hf_layers: &str) -> u64 {
     let prefix = match naming {
         Naming::Torchtitan => "layers.",
-        Naming::Hf => "model.layers.",
+        Naming::Hf => hf_layers,
     };
     let layers: BTreeSet<u64> = plan
         .tensors
@@ -209,7 +244,7 @@ pub fn main_layers(plan: &CheckpointPlan, naming: Naming) -> u64 {
         // DeepSeek-V3 keeps its MTP layers after the main ones; they alone have `enorm`.
         if let Some(first_mtp) = layers.iter().find(|l| {
             plan.tensors
-                .contains_key(&format!("model.layers.{l}.enorm.weight"))
+                .contains_key(&format!("{prefix}{l}.enorm.weight"))
         }) {
             return *first_mtp;
         }
@@ -271,7 +306,12 @@ fn out_dtype(src: Dtype, to: Option<Dtype>) -> Result<Dtype> {
 }
 
 fn whole(name: String, source: &str, t: &TensorPlan, to: Option<Dtype>) -> Result<OutTensor> {
-    Ok(OutTensor::whole(name, source, t, out_dtype(t.dtype, to)?))
+    Ok(OutTensor::whole(
+        name,
+        source,
+        t,
+        out_dtype(t.value_dtype(), to)?,
+    ))
 }
 
 fn unknown(table: &Table, name: &str, naming: Naming) -> Error {
@@ -324,6 +364,10 @@ fn to_hf(
     out: &mut Planned,
 ) -> Result<()> {
     let n_layers = args.n_layers;
+    // Fused HF tensors: HF name -> (parts, side by side, (part index, torchtitan name) of each
+    // part seen).
+    type Fused = (u64, bool, Vec<(u64, String)>);
+    let mut fused: BTreeMap<String, Fused> = BTreeMap::new();
     for (name, t) in &plan.tensors {
         if args.tie_word_embeddings && (name == "lm_head.weight" || name == "output.weight") {
             out.dropped.push((
@@ -351,7 +395,22 @@ fn to_hf(
         }
         let (rule, caps) =
             find_tt(table, &lookup).ok_or_else(|| unknown(table, name, Naming::Torchtitan))?;
-        let dtype = out_dtype(t.dtype, opts.dtype)?;
+        let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
+        if let Transform::Part { index, .. }
+        | Transform::GdnPart { index }
+        | Transform::GateUp { index } = rule.transform
+        {
+            let (of, side) = match rule.transform {
+                Transform::Part { of, .. } => (of, false),
+                Transform::GateUp { .. } => (2, true),
+                _ => (3, false),
+            };
+            let parts = fused
+                .entry(hf_of(table, rule, caps))
+                .or_insert((of, side, Vec::new()));
+            parts.2.push((index, name.clone()));
+            continue;
+        }
         if rule.transform == Transform::Experts {
             let (&e, rest) = t.shape.split_first().ok_or_else(|| {
                 Error::tensor(
@@ -363,8 +422,9 @@ fn to_hf(
             let per: u64 = rest.iter().product();
             for expert in 0..e {
                 out.tensors.push(OutTensor {
-                    name: fill(
-                        rule.hf,
+                    name: hf_of(
+                        table,
+                        rule,
                         Captures {
                             expert: Some(expert),
                             ..caps
@@ -379,16 +439,122 @@ fn to_hf(
                     shape: rest.to_vec(),
                     row_map: None,
                     transpose: None,
+                    side_by_side: None,
                 });
             }
             continue;
         }
-        let mut o = OutTensor::whole(fill(rule.hf, caps), name, t, dtype);
+        let mut o = OutTensor::whole(hf_of(table, rule, caps), name, t, dtype);
         o.row_map = rope_map(rule, Naming::Hf, args);
         transposed(rule, name, t, &mut o)?;
+        if let Transform::PatchEmbed { channels, temporal } = rule.transform {
+            o.shape = conv_patch_shape(plan, name, &t.shape, channels, temporal)?;
+        }
         out.tensors.push(o);
     }
+    for (hf, (of, side, mut parts)) in fused {
+        parts.sort();
+        if parts.iter().map(|(i, _)| *i).ne(0..of) {
+            let names: Vec<&str> = parts.iter().map(|(_, n)| n.as_str()).collect();
+            return Err(Error::usage(format!(
+                "`{hf}` fuses {of} torchtitan tensors, but only {names:?} are in {}",
+                plan.root.display()
+            )));
+        }
+        let first = &plan.tensors[&parts[0].1];
+        let mut rows = 0;
+        let mut sources = Vec::with_capacity(parts.len());
+        for (_, name) in &parts {
+            let t = &plan.tensors[name];
+            if t.shape.get(1..) != first.shape.get(1..) || t.dtype != first.dtype {
+                return Err(Error::tensor(
+                    plan.root.display(),
+                    name,
+                    format!(
+                        "shape {:?} {} cannot be fused with `{}` {:?} {} into `{hf}`",
+                        t.shape, t.dtype, parts[0].1, first.shape, first.dtype
+                    ),
+                ));
+            }
+            rows += t.shape.first().copied().unwrap_or(1);
+            sources.push(SourceSlice {
+                tensor: name.clone(),
+                offset: 0,
+                numel: t.numel(),
+            });
+        }
+        let mut shape = first.shape.clone();
+        let mut side_by_side = None;
+        let same = parts
+            .iter()
+            .all(|(_, n)| plan.tensors[n].shape == first.shape);
+        match (side, &first.shape[..]) {
+            (true, &[e, f, d]) if same => {
+                shape = vec![e, d, 2 * f];
+                side_by_side = Some(ExpertTranspose {
+                    rows: f,
+                    cols: d,
+                    first_col: 0,
+                    width: d,
+                });
+            }
+            (true, _) => {
+                return Err(Error::tensor(
+                    plan.root.display(),
+                    &parts[0].1,
+                    format!("`{hf}` fuses two [E, F, D] expert stacks of one shape"),
+                ));
+            }
+            (false, _) => {
+                if let Some(r) = shape.first_mut() {
+                    *r = rows;
+                }
+            }
+        }
+        out.tensors.push(OutTensor {
+            name: hf,
+            sources,
+            dtype: out_dtype(first.value_dtype(), opts.dtype)?,
+            shape,
+            row_map: None,
+            transpose: None,
+            side_by_side,
+        });
+    }
     Ok(())
+}
+
+/// HF's Conv2d weight shape `[out, C, k, k]` (or Conv3d `[out, C, T, k, k]` when `temporal` T is
+/// over 1) of torchtitan's Linear patch embedding `[out, C T k k]` (`channels` = C).
+fn conv_patch_shape(
+    plan: &CheckpointPlan,
+    name: &str,
+    shape: &[u64],
+    channels: u64,
+    temporal: u64,
+) -> Result<Vec<u64>> {
+    let bad = || {
+        Error::tensor(
+            plan.root.display(),
+            name,
+            format!(
+                "shape {shape:?} is not a Linear patch embedding of {channels} channels x \
+                 {temporal} frames x a square patch"
+            ),
+        )
+    };
+    let [out, cols] = shape[..] else {
+        return Err(bad());
+    };
+    let area = cols / (channels * temporal).max(1);
+    let k = (area as f64).sqrt().round() as u64;
+    if k == 0 || k * k * channels * temporal != cols {
+        return Err(bad());
+    }
+    Ok(match temporal {
+        1 => vec![out, channels, k, k],
+        t => vec![out, channels, t, k, k],
+    })
 }
 
 fn from_hf(
@@ -405,6 +571,14 @@ fn from_hf(
         if table.hf_ignored.iter().any(|p| matches(p, name).is_some()) {
             continue;
         }
+        if let Some((_, why)) = table
+            .hf_dropped
+            .iter()
+            .find(|(p, _)| matches(p, name).is_some())
+        {
+            out.dropped.push((name.clone(), why.to_string()));
+            continue;
+        }
         let (rule, caps) =
             find_hf(table, name, opts.tt_names).ok_or_else(|| unknown(table, name, Naming::Hf))?;
         let mut tt = fill(
@@ -414,7 +588,9 @@ fn from_hf(
                 ..caps
             },
         );
+        // Only the text model's layers continue into MTP layers (not a vision encoder's).
         if table.mtp_layers
+            && tt.starts_with("layers.")
             && let Some(l) = caps.layer.filter(|l| *l >= n_layers)
         {
             let rest = tt.splitn(3, '.').nth(2).unwrap_or_default().to_string();
@@ -425,9 +601,21 @@ fn from_hf(
             stacks.entry(tt).or_default().insert(e, name.clone());
             continue;
         }
+        if let Transform::Part { .. } | Transform::GdnPart { .. } | Transform::GateUp { .. } =
+            rule.transform
+        {
+            split_fused(plan, table, rule, caps, name, t, opts, out)?;
+            continue;
+        }
         let mut o = whole(tt, name, t, opts.dtype)?;
         o.row_map = rope_map(rule, Naming::Torchtitan, args);
         transposed(rule, name, t, &mut o)?;
+        if let Transform::PatchEmbed { .. } = rule.transform {
+            o.shape = vec![
+                t.shape.first().copied().unwrap_or(1),
+                t.numel() / t.shape.first().copied().unwrap_or(1).max(1),
+            ];
+        }
         out.tensors.push(o);
     }
     // torchtitan's model holds lm_head even when HF ties it to the embedding.
@@ -435,17 +623,16 @@ fn from_hf(
         .tensors
         .iter()
         .any(|t| t.name == "lm_head.weight" || t.name == "output.weight");
-    if !has_head && let Some(emb) = plan.tensors.get("model.embed_tokens.weight") {
+    let emb_name = find_tt(table, "tok_embeddings.weight")
+        .map(|(r, c)| hf_of(table, r, c))
+        .unwrap_or_default();
+    if !has_head && let Some(emb) = plan.tensors.get(&emb_name) {
         let head = match opts.tt_names {
             TtNames::Current => "lm_head.weight",
             TtNames::Legacy => "output.weight",
         };
-        out.tensors.push(whole(
-            head.into(),
-            "model.embed_tokens.weight",
-            emb,
-            opts.dtype,
-        )?);
+        out.tensors
+            .push(whole(head.into(), &emb_name, emb, opts.dtype)?);
     }
     for (tt, experts) in stacks {
         let count = experts.len() as u64;
@@ -460,7 +647,10 @@ fn from_hf(
         let mut sources = Vec::with_capacity(experts.len());
         for hf in experts.values() {
             let t = &plan.tensors[hf];
-            if t.shape != t0.shape || t.dtype != t0.dtype {
+            if t.shape != t0.shape
+                || t.dtype != t0.dtype
+                || t.scales.is_some() != t0.scales.is_some()
+            {
                 return Err(Error::tensor(
                     plan.root.display(),
                     hf,
@@ -481,10 +671,127 @@ fn from_hf(
         out.tensors.push(OutTensor {
             name: tt,
             sources,
-            dtype: out_dtype(t0.dtype, opts.dtype)?,
+            dtype: out_dtype(t0.value_dtype(), opts.dtype)?,
             shape,
             row_map: None,
             transpose: None,
+            side_by_side: None,
+        });
+    }
+    Ok(())
+}
+
+/// The rows of each part of the fused HF tensor `name` (matched by `rule`): `of` equal blocks
+/// for a [`Transform::Part`]; k, k, v for a [`Transform::GdnPart`], v being the rows of the
+/// layer's `in_proj_z`.
+fn part_rows(
+    plan: &CheckpointPlan,
+    table: &Table,
+    rule: &Rule,
+    caps: Captures,
+    name: &str,
+    rows: u64,
+) -> Result<Vec<u64>> {
+    let bad = |why: String| Error::tensor(plan.root.display(), name, why);
+    match rule.transform {
+        Transform::Part { of, .. } if of > 0 && rows.is_multiple_of(of) => {
+            Ok(vec![rows / of; of as usize])
+        }
+        Transform::Part { of, .. } => Err(bad(format!(
+            "{rows} rows do not split into {of} equal parts"
+        ))),
+        _ => {
+            let z = format!(
+                "{}{}.linear_attn.in_proj_z.weight",
+                table.hf_layers,
+                caps.layer.unwrap_or_default()
+            );
+            let v = plan
+                .tensors
+                .get(&z)
+                .and_then(|t| t.shape.first().copied())
+                .ok_or_else(|| bad(format!("its q/k/v split needs `{z}`, which is missing")))?;
+            match rows.checked_sub(v).filter(|kk| kk.is_multiple_of(2)) {
+                Some(kk) => Ok(vec![kk / 2, kk / 2, v]),
+                None => Err(bad(format!(
+                    "{rows} rows are not k + k + v with v = {v} (`{z}`'s rows)"
+                ))),
+            }
+        }
+    }
+}
+
+/// `[E, D, 2F]` of HF's fused gate/up experts `name` as (E, D, F).
+fn gate_up_dims(plan: &CheckpointPlan, name: &str, t: &TensorPlan) -> Result<(u64, u64, u64)> {
+    match t.shape[..] {
+        [e, d, two_f] if two_f.is_multiple_of(2) => Ok((e, d, two_f / 2)),
+        _ => Err(Error::tensor(
+            plan.root.display(),
+            name,
+            format!(
+                "fused gate/up experts need an [E, D, 2F] shape, got {:?}",
+                t.shape
+            ),
+        )),
+    }
+}
+
+/// The torchtitan tensors of the fused HF tensor `name` (matched by `rule`), one per rule of the
+/// same HF name: blocks of its rows for a part transform ([`part_rows`]); for
+/// [`Transform::GateUp`] (`[E, D, 2F]`), one half of its columns transposed per expert, `[E, F,
+/// D]` each.
+#[allow(clippy::too_many_arguments)]
+fn split_fused(
+    plan: &CheckpointPlan,
+    table: &Table,
+    rule: &Rule,
+    caps: Captures,
+    name: &str,
+    t: &TensorPlan,
+    opts: MapOptions,
+    out: &mut Planned,
+) -> Result<()> {
+    let dtype = out_dtype(t.value_dtype(), opts.dtype)?;
+    let row_len: u64 = t.shape.iter().skip(1).product();
+    let (rows, gate_up) = match rule.transform {
+        Transform::GateUp { .. } => (Vec::new(), Some(gate_up_dims(plan, name, t)?)),
+        _ => {
+            let first_dim = t.shape.first().copied().unwrap_or(0);
+            (part_rows(plan, table, rule, caps, name, first_dim)?, None)
+        }
+    };
+    for r in table.current().filter(|r| r.hf == rule.hf) {
+        let (shape, offset, numel, transpose) = match (r.transform, gate_up) {
+            (Transform::Part { index, .. } | Transform::GdnPart { index }, None) => {
+                let mut shape = t.shape.clone();
+                shape[0] = rows[index as usize];
+                let first: u64 = rows[..index as usize].iter().sum();
+                (shape.clone(), first * row_len, shape[0] * row_len, None)
+            }
+            // The slice counts the half of the input read, through the column window.
+            (Transform::GateUp { index }, Some((e, d, f))) => {
+                let tr = ExpertTranspose {
+                    rows: d,
+                    cols: 2 * f,
+                    first_col: index * f,
+                    width: f,
+                };
+                (vec![e, f, d], 0, e * d * f, Some(tr))
+            }
+            _ => continue,
+        };
+        out.tensors.push(OutTensor {
+            name: fill(r.tt, caps),
+            sources: vec![SourceSlice {
+                tensor: name.to_string(),
+                offset,
+                numel,
+            }],
+            dtype,
+            shape,
+            row_map: None,
+            transpose,
+            side_by_side: None,
         });
     }
     Ok(())
@@ -498,11 +805,7 @@ pub fn same_contents(plan: &CheckpointPlan, a: &str, b: &str) -> Result<bool> {
     if ta.shape != tb.shape || ta.dtype != tb.dtype {
         return Ok(false);
     }
-    let files: Vec<InFile> = plan
-        .files
-        .iter()
-        .map(|f| Ok(plan.root.open(f)?))
-        .collect::<Result<_>>()?;
+    let files = plan.open_files()?;
     let mut ra = TensorReader::new(plan, &files);
     let mut rb = TensorReader::new(plan, &files);
     let es = ta.dtype.size() as u64;

@@ -137,6 +137,7 @@ pub fn read(root: &Root, only: Option<&str>) -> Result<CheckpointPlan> {
                             dtype: e.dtype,
                             shape: Vec::new(),
                             chunks: vec![chunk],
+                            scales: None,
                         },
                     );
                 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use crate::dcp_store::{DcpHandle, RootStore};
 use crate::error::{Error, Result};
 use crate::plan::{BytesItem, CheckpointPlan, Chunk, ChunkSource, Encoding, Format};
-use crate::storage::{InFile, Root};
+use crate::storage::Root;
 use crate::write::{EngineOptions, OutTensor, TensorCopier, TensorSink};
 use titan_dcp::{self, DcpReader, FileKey, PlannerData, ReadOptions, TensorChunk};
 
@@ -74,6 +74,7 @@ pub fn read(root: &Root) -> Result<CheckpointPlan> {
                 dtype,
                 shape: t.size.clone(),
                 chunks,
+                scales: None,
             },
         );
     }
@@ -145,11 +146,7 @@ pub fn write(
             staging.path()
         }
     };
-    let inputs: Vec<InFile> = plan
-        .files
-        .iter()
-        .map(|f| Ok(plan.root.open(f)?))
-        .collect::<Result<_>>()?;
+    let inputs = plan.open_files()?;
     let mut copier = TensorCopier::new(plan, &inputs, opts);
     let mut writer = titan_dcp::DcpWriter::create(
         dir,

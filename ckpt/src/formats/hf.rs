@@ -83,6 +83,7 @@ pub fn read(loc: &Location) -> Result<CheckpointPlan> {
                     dtype: e.dtype,
                     shape: e.shape,
                     chunks: vec![chunk],
+                    scales: None,
                 },
             );
         }

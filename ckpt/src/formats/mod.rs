@@ -85,7 +85,10 @@ pub fn open(loc: &Location) -> Result<CheckpointPlan> {
         Format::DcpHf => dcp_hf::read(&loc.root, loc.file.as_deref())?,
         Format::Dcp => dcp_native::read(&loc.root)?,
     };
+    let mut plan = plan;
     plan.check_coverage()?;
+    // FP8 releases: each float8 weight's `_scale_inv` tensor goes onto the weight's plan.
+    crate::fp8::attach(&mut plan)?;
     Ok(plan)
 }
 
