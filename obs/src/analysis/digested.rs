@@ -153,7 +153,7 @@ pub fn analyse_digest(
             let name = names.get(id as usize).cloned().unwrap_or_default();
             let stats = PhaseStats {
                 name: name.clone(),
-                depth: p.min_depth,
+                depth: p.shown_depth(),
                 stats: DurationStats {
                     count: p.count,
                     total_ns: p.sum_ns,

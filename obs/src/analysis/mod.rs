@@ -19,8 +19,7 @@ pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
 pub use stats::DurationStats;
 pub use summary::{
     Analysis, EndedEarly, ErrorRecord, PhaseStats, Straggler, StragglerOptions, Summary,
-    TaggedStep, analyse,
-    analyse_grouped, summary,
+    TaggedStep, analyse, analyse_grouped, summary,
 };
 pub use table::{OwnedSpans, RunShape, SpanTable};
 pub use waits::{StepWait, Wait, Waits};

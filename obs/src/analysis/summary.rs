@@ -41,7 +41,9 @@ impl Default for StragglerOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseStats {
     pub name: String,
-    /// Smallest nesting depth the phase was seen at (0 = top level).
+    /// Smallest nesting depth of the spans its `% step` counts (on the main thread, else on
+    /// other threads), else the smallest it was seen at anywhere (0 = top level): the
+    /// `optimizer` of a step is 1 deep, though the one built at init is top level.
     pub depth: u16,
     /// Count, total and order statistics of its spans' durations.
     #[serde(flatten)]
@@ -732,14 +734,6 @@ fn phase(
     let spans = t;
     let has_depth = t.has_depth();
     let mut durs: Vec<i64> = idx.iter().map(|&i| spans.dur_ns[i as usize]).collect();
-    let depth = if has_depth {
-        idx.iter()
-            .map(|&i| spans.depth[i as usize])
-            .min()
-            .unwrap_or(0)
-    } else {
-        0
-    };
     // Its share of the step time counts its main-thread time inside steps; its time on the
     // ranks' other threads is concurrent with the step, a share of its own.
     let (mut in_step_total, mut concurrent_total) = (0i64, 0i64);
@@ -755,12 +749,27 @@ fn phase(
         }
     }
     let any_in_step = idx.iter().any(|&i| spans.step[i as usize] != NO_STEP);
+    // The depth shown beside `% step`: where it was counted.
+    let depth_of = |keep: &dyn Fn(StepRole) -> bool| {
+        idx.iter()
+            .filter(|&&i| keep(roles[i as usize]))
+            .map(|&i| spans.depth[i as usize])
+            .min()
+    };
+    let depth = if has_depth {
+        depth_of(&|r| r.in_step_time())
+            .or_else(|| depth_of(&|r| r == StepRole::Concurrent))
+            .or_else(|| depth_of(&|_| true))
+            .unwrap_or(0)
+    } else {
+        0
+    };
     let st = DurationStats::compute(&mut durs);
     drop(durs);
-    let share = (any_in_step_time && step_total > 0)
-        .then(|| in_step_total as f64 / step_total as f64);
-    let concurrent_share = (any_concurrent && step_total > 0)
-        .then(|| concurrent_total as f64 / step_total as f64);
+    let share =
+        (any_in_step_time && step_total > 0).then(|| in_step_total as f64 / step_total as f64);
+    let concurrent_share =
+        (any_concurrent && step_total > 0).then(|| concurrent_total as f64 / step_total as f64);
     let name = t.names[id as usize].clone();
     let stats = PhaseStats {
         name: name.clone(),

@@ -452,6 +452,8 @@ impl Writer {
         self.i(p.in_step_ns);
         self.u(p.concurrent);
         self.i(p.concurrent_ns);
+        self.u(u64::from(p.main_depth));
+        self.u(u64::from(p.concurrent_depth));
         self.bytes(&p.sketch.to_java_bytes());
     }
 }
@@ -519,6 +521,8 @@ impl<'a> Reader<'a> {
         let in_step_ns = self.i()?;
         let concurrent = self.u()?;
         let concurrent_ns = self.i()?;
+        let main_depth = self.u16()?;
+        let concurrent_depth = self.u16()?;
         let sk = self.bytes()?;
         let mut sketch = crate::guard::guarded(|| DDSketch::from_java_bytes(sk))
             .map_err(|p| anyhow::anyhow!("sketch decoder failed: {p}"))?
@@ -538,6 +542,8 @@ impl<'a> Reader<'a> {
             in_step_ns,
             concurrent,
             concurrent_ns,
+            main_depth,
+            concurrent_depth,
             sketch,
         })
     }

@@ -121,6 +121,10 @@ pub struct PhaseDigest {
     /// summed duration.
     pub concurrent: u64,
     pub concurrent_ns: i64,
+    /// Smallest depth of the spans counted in `in_step_ns`, and in `concurrent_ns`
+    /// (`u16::MAX`: none): the depth the summary shows beside the phase's `% step`.
+    pub main_depth: u16,
+    pub concurrent_depth: u16,
     pub sketch: DDSketch,
 }
 
@@ -137,6 +141,8 @@ impl Default for PhaseDigest {
             in_step_ns: 0,
             concurrent: 0,
             concurrent_ns: 0,
+            main_depth: u16::MAX,
+            concurrent_depth: u16::MAX,
             sketch: new_sketch(),
         }
     }
@@ -156,9 +162,23 @@ impl PhaseDigest {
         if role.in_step_time() {
             self.in_step_main += 1;
             self.in_step_ns = self.in_step_ns.wrapping_add(dur);
+            self.main_depth = self.main_depth.min(depth);
         } else if role == StepRole::Concurrent {
             self.concurrent += 1;
             self.concurrent_ns = self.concurrent_ns.wrapping_add(dur);
+            self.concurrent_depth = self.concurrent_depth.min(depth);
+        }
+    }
+
+    /// The depth the summary shows: where its `% step` was counted (main thread, else other
+    /// threads), else its smallest depth anywhere.
+    pub fn shown_depth(&self) -> u16 {
+        if self.in_step_main > 0 {
+            self.main_depth
+        } else if self.concurrent > 0 {
+            self.concurrent_depth
+        } else {
+            self.min_depth
         }
     }
 
@@ -173,6 +193,8 @@ impl PhaseDigest {
         self.in_step_ns = self.in_step_ns.wrapping_add(o.in_step_ns);
         self.concurrent = self.concurrent.saturating_add(o.concurrent);
         self.concurrent_ns = self.concurrent_ns.wrapping_add(o.concurrent_ns);
+        self.main_depth = self.main_depth.min(o.main_depth);
+        self.concurrent_depth = self.concurrent_depth.min(o.concurrent_depth);
         // Every sketch has the same configuration (checked when read), so this cannot fail.
         let _ = self.sketch.merge(&o.sketch);
     }

@@ -831,9 +831,7 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
                 Line::from(dur(s.stats.p50_ns)),
                 Line::from(dur(s.stats.p95_ns)),
                 Line::from(dur(s.stats.max_ns)),
-                Line::from(
-                    s.share_label(""),
-                ),
+                Line::from(s.share_label("")),
                 Line::from(slow),
             ])
         })
