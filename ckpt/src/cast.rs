@@ -48,7 +48,7 @@ fn read(d: Dtype, b: &[u8]) -> Value {
         Dtype::BF16 => Value::F32(bf16::from_le_bytes([b[0], b[1]]).to_f32()),
         Dtype::F32 => Value::F32(f32::from_le_bytes(b[..4].try_into().unwrap())),
         Dtype::F64 => Value::F(f64::from_le_bytes(b[..8].try_into().unwrap())),
-        Dtype::F8E4M3 | Dtype::F8E5M2 => Value::F32(crate::fp8::decode(d, b[0])),
+        Dtype::F8E4M3 | Dtype::F8E5M2 => Value::F32(decode(d, b[0])),
     }
 }
 
@@ -153,6 +153,64 @@ pub fn element_i128(d: Dtype, b: &[u8], i: usize) -> i128 {
         Value::U(x) => x as i128,
         Value::F(x) => x as i128,
         Value::F32(x) => x as i128,
+    }
+}
+
+// The float8 dtypes' exact decode (fp8.rs dequantizes with it; casts read float8 through it).
+
+/// float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, only
+/// S.1111.111 is NaN) as the bits of the f32 torch's `.float()` gives: every finite value is
+/// exact, and NaN is 0x7FF00000 with the sign (what torch's decode yields, so that a NaN's bits
+/// survive a later multiply exactly as in torch).
+const fn e4m3fn_bits(b: u8) -> u32 {
+    let sign = ((b >> 7) as u32) << 31;
+    let exp = ((b >> 3) & 0xF) as u32;
+    let man = (b & 0x7) as u32;
+    if exp == 0xF && man == 0x7 {
+        return sign | 0x7FF0_0000;
+    }
+    if exp != 0 {
+        // Normal: (1 + man/8) * 2^(exp - 7), rebased to f32's bias of 127.
+        return sign | ((exp + 120) << 23) | (man << 20);
+    }
+    if man == 0 {
+        return sign;
+    }
+    // Subnormal: man * 2^-9. Normalise: shift the mantissa's leading one into the implicit bit.
+    let lead = 31 - man.leading_zeros(); // 0, 1 or 2
+    let frac = (man << (23 - lead)) & 0x7F_FFFF;
+    sign | ((127 - 9 + lead) << 23) | frac
+}
+
+const fn e4m3fn_table() -> [u32; 256] {
+    let mut t = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = e4m3fn_bits(i as u8);
+        i += 1;
+    }
+    t
+}
+
+/// Every e4m3fn byte's f32 bits.
+static E4M3FN: [u32; 256] = e4m3fn_table();
+
+/// One float8 e4m3fn value as f32 (exact; see [`E4M3FN`] for NaN).
+pub fn e4m3fn_to_f32(b: u8) -> f32 {
+    f32::from_bits(E4M3FN[b as usize])
+}
+
+/// One float8 e5m2 value as f32: e5m2 is the upper byte of an IEEE half, so the half's exact
+/// widening is the value.
+pub fn e5m2_to_f32(b: u8) -> f32 {
+    half::f16::from_bits((b as u16) << 8).to_f32()
+}
+
+/// A float8 element's f32 value, for the float8 dtypes.
+pub fn decode(d: Dtype, b: u8) -> f32 {
+    match d {
+        Dtype::F8E5M2 => e5m2_to_f32(b),
+        _ => e4m3fn_to_f32(b),
     }
 }
 

@@ -18,7 +18,9 @@ use serde_json::Value;
 
 use crate::assemble::TensorReader;
 use crate::cast;
+pub use crate::cast::{decode, e4m3fn_to_f32, e5m2_to_f32};
 use crate::error::{Error, Result};
+pub use crate::plan::{BlockScales, DEQUANT_DTYPE};
 use crate::plan::{CheckpointPlan, TensorPlan};
 use titan_dcp::Dtype;
 
@@ -28,84 +30,12 @@ pub const SCALE_SUFFIX: &str = "_scale_inv";
 /// The block of every released FP8 checkpoint, used when no `config.json` says otherwise.
 pub const DEFAULT_BLOCK: [u64; 2] = [128, 128];
 
-/// The dtype a dequantized weight is written in unless `--dtype` says otherwise: the released
-/// models were trained and published in bf16 (DeepSeek's own `fp8_cast_bf16.py` writes bf16).
-pub const DEQUANT_DTYPE: Dtype = Dtype::BF16;
-
 /// `config.json` files larger than this are refused.
 const MAX_CONFIG_BYTES: u64 = 10 << 20;
 
 /// A weight's scales are read whole (as f32): more than this is refused (a 128x128 block gives
 /// 7168 x 18432 weights 32 KiB of scales; a block size of 1 would give 4x the weight's bytes).
 const MAX_SCALE_BYTES: u64 = 256 << 20;
-
-/// The block scales of one float8 weight.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BlockScales {
-    /// The scale tensor's name in the checkpoint.
-    pub name: String,
-    pub tensor: TensorPlan,
-    /// Rows x columns of the weight one scale covers.
-    pub block: [u64; 2],
-    /// Where the block size came from (for messages).
-    pub block_from: &'static str,
-}
-
-/// float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, only
-/// S.1111.111 is NaN) as the bits of the f32 torch's `.float()` gives: every finite value is
-/// exact, and NaN is 0x7FF00000 with the sign (what torch's decode yields, so that a NaN's bits
-/// survive a later multiply exactly as in torch).
-const fn e4m3fn_bits(b: u8) -> u32 {
-    let sign = ((b >> 7) as u32) << 31;
-    let exp = ((b >> 3) & 0xF) as u32;
-    let man = (b & 0x7) as u32;
-    if exp == 0xF && man == 0x7 {
-        return sign | 0x7FF0_0000;
-    }
-    if exp != 0 {
-        // Normal: (1 + man/8) * 2^(exp - 7), rebased to f32's bias of 127.
-        return sign | ((exp + 120) << 23) | (man << 20);
-    }
-    if man == 0 {
-        return sign;
-    }
-    // Subnormal: man * 2^-9. Normalise: shift the mantissa's leading one into the implicit bit.
-    let lead = 31 - man.leading_zeros(); // 0, 1 or 2
-    let frac = (man << (23 - lead)) & 0x7F_FFFF;
-    sign | ((127 - 9 + lead) << 23) | frac
-}
-
-const fn e4m3fn_table() -> [u32; 256] {
-    let mut t = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = e4m3fn_bits(i as u8);
-        i += 1;
-    }
-    t
-}
-
-/// Every e4m3fn byte's f32 bits.
-static E4M3FN: [u32; 256] = e4m3fn_table();
-
-/// One float8 e4m3fn value as f32 (exact; see [`E4M3FN`] for NaN).
-pub fn e4m3fn_to_f32(b: u8) -> f32 {
-    f32::from_bits(E4M3FN[b as usize])
-}
-
-/// One float8 e5m2 value as f32: e5m2 is the upper byte of an IEEE half, so the half's exact
-/// widening is the value.
-pub fn e5m2_to_f32(b: u8) -> f32 {
-    half::f16::from_bits((b as u16) << 8).to_f32()
-}
-
-/// A float8 element's f32 value, for the float8 dtypes.
-pub fn decode(d: Dtype, b: u8) -> f32 {
-    match d {
-        Dtype::F8E5M2 => e5m2_to_f32(b),
-        _ => e4m3fn_to_f32(b),
-    }
-}
 
 /// The block size from `config.json` beside the checkpoint (`quantization_config.
 /// weight_block_size`), else [`DEFAULT_BLOCK`]; the second value says which.

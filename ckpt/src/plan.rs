@@ -19,6 +19,22 @@ pub fn numel(shape: &[u64]) -> Option<u64> {
     shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
 }
 
+/// The dtype a dequantized weight is written in unless `--dtype` says otherwise: the released
+/// models were trained and published in bf16 (DeepSeek's own `fp8_cast_bf16.py` writes bf16).
+pub const DEQUANT_DTYPE: Dtype = Dtype::BF16;
+
+/// The block scales of one float8 weight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockScales {
+    /// The scale tensor's name in the checkpoint.
+    pub name: String,
+    pub tensor: TensorPlan,
+    /// Rows x columns of the weight one scale covers.
+    pub block: [u64; 2],
+    /// Where the block size came from (for messages).
+    pub block_from: &'static str,
+}
+
 /// A checkpoint format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -103,7 +119,7 @@ pub struct TensorPlan {
     pub chunks: Vec<Chunk>,
     /// The block scales of a block-quantized float8 weight (`fp8::attach`), whose values are
     /// the float8 elements times their block's scale.
-    pub scales: Option<Box<crate::fp8::BlockScales>>,
+    pub scales: Option<Box<BlockScales>>,
 }
 
 impl TensorPlan {
@@ -116,11 +132,11 @@ impl TensorPlan {
     }
 
     /// The dtype of the tensor's values: a block-quantized weight's are
-    /// [`crate::fp8::DEQUANT_DTYPE`] (what its dequantized values are written in unless a dtype
+    /// [`DEQUANT_DTYPE`] (what its dequantized values are written in unless a dtype
     /// is asked for), any other tensor's are its stored dtype.
     pub fn value_dtype(&self) -> Dtype {
         match self.scales {
-            Some(_) => crate::fp8::DEQUANT_DTYPE,
+            Some(_) => DEQUANT_DTYPE,
             None => self.dtype,
         }
     }
