@@ -519,7 +519,7 @@ fn verify(a: &InspectArgs) -> Result<Code> {
     };
     let what = match &report.checked {
         Some(step) => format!(
-            "{} (checked {step}, the newest complete step only)",
+            "{} (checked {step}, the newest step whose save committed, only)",
             report.path
         ),
         None => report.path.clone(),
@@ -550,7 +550,12 @@ fn verify(a: &InspectArgs) -> Result<Code> {
 fn resolve_input(s: &str) -> Result<(storage::Location, Option<String>)> {
     let (loc, step) = formats::resolve_steps(storage::Location::parse(s)?)?;
     if let Some(step) = &step {
-        TITAN_CKPT.note(format_args!("using the newest complete checkpoint {step}"));
+        // "Committed", not "complete": `.metadata` is written last, so its save finished,
+        // but its shards are only checked when read (issue 39: a short shard was called
+        // "the newest complete checkpoint" just before the read failed on it).
+        TITAN_CKPT.note(format_args!(
+            "using {step}, the newest checkpoint whose save committed (.metadata written)"
+        ));
     }
     Ok((loc, step))
 }

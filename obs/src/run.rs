@@ -57,10 +57,11 @@ impl Columns {
         messages: true,
         pipeline: true,
     };
-    /// What `summary` needs: durations per rank/phase/step, depth and step tags.
+    /// What `summary` needs: durations per rank/phase/step, depth, thread (a step's time is
+    /// its rank's main thread's) and step tags.
     pub const SUMMARY: Columns = Columns {
         start: false,
-        thread: false,
+        thread: true,
         depth: true,
         links: false,
         tags: true,

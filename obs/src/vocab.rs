@@ -20,6 +20,10 @@ pub mod titan {
     pub const OPTIMIZER_STEP: &str = "optimizer_step";
     pub const LR: &str = "lr";
     pub const COLLECT_DIST_METRICS: &str = "collect_dist_metrics";
+    /// Error record of a failure a rank reported to the job (a collective that failed, a
+    /// peer that stopped answering), with the job's first failure when another rank's came
+    /// first: `titan-obs summary` names it.
+    pub const JOB_FAILURE: &str = "job_failure";
     /// Span and step tag of a garbage-collection pass.
     pub const GC: &str = "gc";
     /// Span and step tag of a checkpoint save.

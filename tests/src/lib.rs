@@ -374,3 +374,48 @@ pub fn fixture_made_once(flavor: &str, script: impl FnOnce() -> Command) -> Path
     })
     .clone()
 }
+
+/// The pids of `parent`'s child processes (Linux /proc): the ranks a titan-train launcher
+/// started.
+pub fn children(parent: u32) -> Vec<u32> {
+    let path = format!("/proc/{parent}/task/{parent}/children");
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// The RANK variable of process `pid`.
+pub fn rank_of(pid: u32) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"RANK="))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// Waits (at most `timeout`) until `ready()` while the titan-train `launcher` runs, then returns
+/// the pid of its rank `rank` (to stop or kill it mid-run).
+pub fn running_rank(
+    launcher: &mut std::process::Child,
+    rank: &str,
+    timeout: std::time::Duration,
+    ready: impl Fn() -> bool,
+) -> u32 {
+    let deadline = std::time::Instant::now() + timeout;
+    while !ready() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run was not ready within {timeout:?}"
+        );
+        assert!(
+            launcher.try_wait().unwrap().is_none(),
+            "launcher ended early"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    children(launcher.id())
+        .into_iter()
+        .find(|&p| rank_of(p).as_deref() == Some(rank))
+        .unwrap_or_else(|| panic!("rank {rank} among the launcher's children"))
+}

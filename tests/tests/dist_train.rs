@@ -763,24 +763,6 @@ fn torchrun_style_environment_launch_with_ddp() {
     assert_same_curve(&reference, &f.losses("ddp2"), "2 ranks by env, replicate");
 }
 
-/// The pids of `parent`'s child processes (Linux /proc).
-fn children(parent: u32) -> Vec<u32> {
-    let path = format!("/proc/{parent}/task/{parent}/children");
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
-/// The RANK variable of process `pid`.
-fn rank_of(pid: u32) -> Option<String> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0)
-        .find_map(|kv| kv.strip_prefix(b"RANK="))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-}
-
 #[test]
 fn killing_a_rank_ends_the_job_naming_it() {
     let f = Fixture::new();
@@ -793,19 +775,9 @@ fn killing_a_rank_ends_the_job_naming_it() {
         .unwrap();
     // Wait until training runs (rank 0 logged a step), then SIGKILL rank 1.
     let metrics = f.root.join("killed/metrics.jsonl");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !metrics.exists() {
-        assert!(Instant::now() < deadline, "training never logged a step");
-        assert!(
-            launcher.try_wait().unwrap().is_none(),
-            "launcher ended early"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let rank1 = children(launcher.id())
-        .into_iter()
-        .find(|&p| rank_of(p).as_deref() == Some("1"))
-        .expect("rank 1 among the launcher's children");
+    let rank1 = titan_tests::running_rank(&mut launcher, "1", Duration::from_secs(120), || {
+        metrics.exists()
+    });
     let killed_at = Instant::now();
     let kill = Command::new("kill")
         .args(["-9", &rank1.to_string()])

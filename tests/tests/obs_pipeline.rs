@@ -229,7 +229,13 @@ fn summary_reads_the_pipeline_of_torch_pipelining_profiler_traces() {
         assert_eq!(p["stages_per_rank"], 2, "{schedule}: {p:#}");
         assert_eq!(p["pipeline_ranks"], 2, "{schedule}: {p:#}");
         assert_eq!(p["microbatches"], 8, "{schedule}: {p:#}");
-        assert!((f(&p["ideal_bubble"]) - 1.0 / 17.0).abs() < 1e-12, "{p:#}");
+        // The zero-bubble schedule's weight passes fill the bubble (p-1)/(v*m+p-1) counts.
+        if schedule == "InterleavedZeroBubble" {
+            assert!(p["ideal_bubble"].is_null(), "{p:#}");
+            assert_eq!(p["split_backward"], true, "{p:#}");
+        } else {
+            assert!((f(&p["ideal_bubble"]) - 1.0 / 17.0).abs() < 1e-12, "{p:#}");
+        }
         let rows = p["per_stage"].as_array().unwrap();
         for (r, row) in rows.iter().enumerate() {
             assert_eq!(

@@ -229,7 +229,10 @@ fn recorded_run_is_readable_by_pyarrow_and_analysed() {
     assert!(fwd["p50_ns"].as_i64().unwrap() >= (FORWARD_MS * 1_000_000) as i64);
     assert!(fwd["p50_ns"].as_i64().unwrap() < (FORWARD_MS * 1_000_000 * 3) as i64);
     assert_eq!(phase("step")["count"], 2 * STEPS);
-    assert!((phase("step")["share_of_step"].as_f64().unwrap() - 1.0).abs() < 1e-9);
+    // A step's time is every top-level span of its main thread: the `step` spans, plus the
+    // microseconds of `teardown`, recorded in the last step after its `step` span ended.
+    let step_share = phase("step")["share_of_step"].as_f64().unwrap();
+    assert!(step_share < 1.0 && step_share > 0.999, "{step_share}");
     assert!(phase("tokenizer")["share_of_step"].is_null());
     assert_eq!(phase("prefetch")["count"], 6);
     let bwd_straggler = s["stragglers"]

@@ -181,6 +181,21 @@ impl Drop for LogLine {
 /// left and the last logged loss. Cleared when dropped.
 pub struct Steps {
     shown: bool,
+    /// The step it started at: until one more is done there is no rate to tell the time
+    /// left by (indicatif would say "~0s left").
+    started_at: u64,
+}
+
+/// The counter's line before its first step, and after it.
+const FIRST_STEP_TEMPLATE: &str =
+    "{spinner} step {pos}/{len} [{bar:30}] {elapsed} elapsed, first step running  {msg}";
+const TEMPLATE: &str =
+    "{spinner} step {pos}/{len} [{bar:30}] {elapsed} elapsed, ~{eta} left  {msg}";
+
+fn style(template: &str) -> ProgressStyle {
+    ProgressStyle::with_template(template)
+        .expect("valid template")
+        .progress_chars("=> ")
 }
 
 impl Steps {
@@ -188,27 +203,30 @@ impl Steps {
     /// is a terminal and `-q` was not given.
     pub fn start(done: u64, total: u64, draw: bool) -> Self {
         if !draw || NO_STEP_COUNTER.load(Ordering::Relaxed) || !std::io::stderr().is_terminal() {
-            return Steps { shown: false };
+            return Steps {
+                shown: false,
+                started_at: done,
+            };
         }
         let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} step {pos}/{len} [{bar:30}] {elapsed} elapsed, ~{eta} left  {msg}",
-            )
-            .expect("valid template")
-            .progress_chars("=> "),
-        );
+        bar.set_style(style(FIRST_STEP_TEMPLATE));
         bar.set_position(done);
         // Steps resumed from a checkpoint are not this process's rate.
         bar.reset_eta();
         bar.enable_steady_tick(Duration::from_millis(200));
         *BAR.lock().unwrap_or_else(|e| e.into_inner()) = Some(bar);
-        Steps { shown: true }
+        Steps {
+            shown: true,
+            started_at: done,
+        }
     }
 
     /// `step` is done.
     pub fn step(&self, step: u64) {
         if let Some(bar) = self.shown.then(bar).flatten() {
+            if step == self.started_at + 1 {
+                bar.set_style(style(TEMPLATE));
+            }
             bar.set_position(step);
         }
     }

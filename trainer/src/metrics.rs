@@ -1,9 +1,14 @@
 //! Step metrics: memory, throughput, FLOPs/MFU, and torchtitan's aggregated console line.
 //!
-//! The same [`StepMetrics`] values go to the console, to `metrics.jsonl` in the dump folder and
-//! to titan-obs scalars, so the three never disagree.
+//! The same [`StepMetrics`] values go to the console, to `metrics.jsonl` in the dump folder,
+//! to TensorBoard and to titan-obs scalars, so they never disagree. Each field has one scope
+//! (docs/training.md, "Metrics"): `tps`, `tflops`, `mfu_pct` per GPU as torchtitan computes
+//! them (a data-parallel rank's tokens over its model-parallel ranks), `tokens` the step's
+//! tokens over the whole job, each token counted once.
 
 use std::fmt::Write as _;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde::Serialize;
 use tch::Device;
@@ -99,6 +104,20 @@ pub fn peak_flops(device: Device, configured_tflops: f64) -> f64 {
     }
 }
 
+/// The tensor x pipeline parallel degree of this process's job: the ranks that share one
+/// data-parallel rank's batch. Set once by the device mesh (`DeviceMesh::single`/`connect`);
+/// a process is one rank of one job, so it is process-wide, as torchtitan's `parallel_dims`.
+static MODEL_PARALLEL_SIZE: AtomicUsize = AtomicUsize::new(1);
+
+/// Sets [`MODEL_PARALLEL_SIZE`] (the device mesh does, when it is made).
+pub fn set_model_parallel_size(n: usize) {
+    MODEL_PARALLEL_SIZE.store(n.max(1), Ordering::Relaxed);
+}
+
+fn model_parallel_size() -> usize {
+    MODEL_PARALLEL_SIZE.load(Ordering::Relaxed)
+}
+
 /// The tokens and the training time behind one logged throughput: the steps since the last
 /// logged step, minus the time spent outside training in between (validation), so tokens/s,
 /// TFLOPS and MFU cover the same tokens and the same training time.
@@ -128,12 +147,19 @@ impl ThroughputWindow {
         self.excluded += not_training;
     }
 
-    /// Tokens per second of training time up to `now`.
+    /// Tokens per second per GPU over the training time up to `now`, as torchtitan 0.3.0's
+    /// `MetricsProcessor.log` computes it: this rank's input tokens / (time x the
+    /// non-data-parallel size, tp x pp), so tensor- and pipeline-parallel ranks, which train
+    /// the same tokens, share them rather than each claiming them all.
     pub fn tokens_per_second(&self, now: std::time::Instant) -> f64 {
+        self.per_gpu(now, model_parallel_size())
+    }
+
+    fn per_gpu(&self, now: std::time::Instant, model_parallel: usize) -> f64 {
         let training = now
             .saturating_duration_since(self.start)
             .saturating_sub(self.excluded);
-        self.tokens as f64 / training.as_secs_f64().max(1e-9)
+        self.tokens as f64 / (training.as_secs_f64().max(1e-9) * model_parallel.max(1) as f64)
     }
 
     /// Starts the next window at `now` (after a logged step).
@@ -153,18 +179,33 @@ pub struct StepMetrics {
     pub memory_gib: f64,
     /// Peak RSS (GiB) of the process.
     pub peak_rss_gib: f64,
+    /// Tokens per second per GPU ([`ThroughputWindow::tokens_per_second`]); reduced: the mean
+    /// over every rank of the job.
     pub tps: f64,
     pub tflops: f64,
     pub mfu_pct: f64,
-    /// Valid label tokens of the step: all ranks' in the console line, this rank's in titan-obs
-    /// (summed across ranks by `titan-obs metrics`).
+    /// Valid label tokens of the step. Reduced (console, `metrics.jsonl`, TensorBoard): the
+    /// step's tokens over the whole job. One rank's: its data-parallel rank's tokens; what it
+    /// records for titan-obs is its share of them ([`Self::scalars`]), so `titan-obs
+    /// metrics`' `training/tokens_sum` over every rank is the same step's tokens.
     pub tokens: i64,
     pub on_cuda: bool,
 }
 
 impl StepMetrics {
-    /// The scalars with their cross-rank reductions, in console order.
+    /// One rank's values as the titan-obs scalars it records, with their cross-rank
+    /// reductions, in console order. `training/tokens` is the rank's share of its
+    /// data-parallel rank's tokens (tokens / tp x pp): its model-parallel ranks trained the
+    /// same tokens, so summed over every rank they count once (issue 39: TP2 trained 512
+    /// tokens and titan-obs said 1024).
     pub fn scalars(&self) -> [(&'static str, f64, Reduce); 8] {
+        let mut v = self.values();
+        v[7].1 /= model_parallel_size() as f64;
+        v
+    }
+
+    /// The values with their cross-rank reductions, in console order.
+    fn values(&self) -> [(&'static str, f64, Reduce); 8] {
         let mem = if self.on_cuda {
             "trainer_memory/reserved_gib"
         } else {
@@ -184,7 +225,7 @@ impl StepMetrics {
 
     /// Every scalar under its console name (`training/loss_mean`, ...): what TensorBoard gets.
     pub fn console_scalars(&self) -> Vec<(String, f64)> {
-        self.scalars()
+        self.values()
             .iter()
             .map(|(name, value, reduce)| (format!("{name}_{}", suffix(*reduce)), *value))
             .collect()
@@ -193,7 +234,7 @@ impl StepMetrics {
     /// torchtitan's aggregated console line (suffix = cross-rank reduction).
     pub fn console_line(&self) -> String {
         let mut line = format!("step: {:2}", self.step);
-        for (name, value, reduce) in &self.scalars()[..6] {
+        for (name, value, reduce) in &self.values()[..6] {
             let digits = match *name {
                 "training/loss" => 4,
                 "training/grad_norm" => 4,
@@ -264,6 +305,20 @@ mod tests {
         w.add_tokens(3000);
         let tps = w.tokens_per_second(t0 + Duration::from_secs(18));
         assert!((tps - 1000.0).abs() < 1e-6, "{tps}");
+    }
+
+    /// torchtitan 0.3.0's `tps = ntokens_since_last_log / (time_delta *
+    /// parallel_dims.non_data_parallel_size)`, computed here by hand.
+    #[test]
+    fn throughput_is_per_gpu_as_torchtitan() {
+        use std::time::{Duration, Instant};
+        let t0 = Instant::now();
+        let mut w = ThroughputWindow::new(t0);
+        w.add_tokens(4096);
+        let at = t0 + Duration::from_secs(2);
+        assert!((w.per_gpu(at, 1) - 4096.0 / 2.0).abs() < 1e-9);
+        // tp 2 x pp 2: the data-parallel rank's 4096 tokens over 4 GPUs for 2 s.
+        assert!((w.per_gpu(at, 4) - 4096.0 / (2.0 * 4.0)).abs() < 1e-9);
     }
 
     #[test]

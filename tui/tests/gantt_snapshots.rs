@@ -267,6 +267,9 @@ fn help_box_fits_and_explains_every_mark() {
         "d1 d2 d3",
         "G gc",
         "rN late",
+        "rN.tM",
+        "0F3",
+        "I/W",
         "C checkpoint",
         "V validation",
     ] {

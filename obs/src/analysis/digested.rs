@@ -50,7 +50,6 @@ pub fn analyse_digest(
     let steps: Vec<u64> = order.iter().map(|&(s, _)| s).collect();
     let rows: Vec<u32> = order.iter().map(|&(_, r)| r).collect();
     let n_steps = steps.len();
-    let step_name = names.iter().position(|n| n == crate::vocab::STEP);
 
     // Step row (first-seen order) -> position in `steps`.
     let mut si_of_row: Vec<Option<usize>> = vec![None; d.steps.len()];
@@ -63,16 +62,18 @@ pub fn analyse_digest(
         Some((si, ri))
     };
 
-    // Per step: the slowest rank's time in top-level spans inside the step (a rank without
-    // any counts as 0, as in the span path's matrix).
+    // Per step: the slowest rank's step time (a rank without any counts as 0, as in the
+    // span path's matrix).
     let mut wall_max = vec![i64::MIN; n_steps];
     let mut present = vec![0usize; n_steps];
     let mut wall_total = 0i64;
+    let mut last_step: Vec<Option<u64>> = vec![None; n_ranks];
     d.walls.each(|row, pos, v| {
-        if let Some((si, _)) = cell_at(row, pos) {
+        if let Some((si, ri)) = cell_at(row, pos) {
             wall_max[si] = wall_max[si].max(v);
             present[si] += 1;
             wall_total = wall_total.saturating_add(v);
+            last_step[ri] = last_step[ri].max(Some(steps[si]));
         }
     });
     for (m, &n) in wall_max.iter_mut().zip(&present) {
@@ -80,11 +81,8 @@ pub fn analyse_digest(
             *m = (*m).max(0);
         }
     }
-    let step_total: i64 = match step_name.and_then(|id| d.phases.get(id).cloned().flatten()) {
-        Some(p) => p.in_step_ns,
-        None if step_name.is_some() => 0,
-        None => wall_total,
-    };
+    // The step time is every rank's `StepRole::Step` spans: what the walls hold.
+    let step_total = wall_total;
 
     // Who waited for whom at collectives, one step at a time; the waits to take out of the
     // cells of the phases around them, by container set (a run has a few: one per set, not
@@ -155,7 +153,7 @@ pub fn analyse_digest(
             let name = names.get(id as usize).cloned().unwrap_or_default();
             let stats = PhaseStats {
                 name: name.clone(),
-                depth: p.min_depth,
+                depth: p.shown_depth(),
                 stats: DurationStats {
                     count: p.count,
                     total_ns: p.sum_ns,
@@ -165,8 +163,10 @@ pub fn analyse_digest(
                     min_ns: p.min_ns,
                     max_ns: p.max_ns,
                 },
-                share_of_step: (p.in_step > 0 && step_total > 0)
+                share_of_step: (p.in_step_main > 0 && step_total > 0)
                     .then(|| p.in_step_ns as f64 / step_total as f64),
+                concurrent_share_of_step: (p.concurrent > 0 && step_total > 0)
+                    .then(|| p.concurrent_ns as f64 / step_total as f64),
             };
             if p.in_step == 0 || n_ranks < 2 {
                 return (stats, Vec::new());
@@ -224,6 +224,7 @@ pub fn analyse_digest(
             tagged_phase,
             waits,
             grouped: !groups.is_empty(),
+            last_step: &last_step,
         },
         shape,
         opts,

@@ -18,8 +18,8 @@ pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary, stage_groups}
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
 pub use stats::DurationStats;
 pub use summary::{
-    Analysis, PhaseStats, Straggler, StragglerOptions, Summary, TaggedStep, analyse,
-    analyse_grouped, summary,
+    Analysis, EndedEarly, ErrorRecord, PhaseStats, Straggler, StragglerOptions, Summary,
+    TaggedStep, analyse, analyse_grouped, summary,
 };
 pub use table::{OwnedSpans, RunShape, SpanTable};
 pub use waits::{StepWait, Wait, Waits};

@@ -38,8 +38,14 @@ pub struct PipelineSummary {
     pub pipeline_ranks: u32,
     /// Microbatches per pipeline pass (`m`).
     pub microbatches: u32,
-    /// `(p-1)/(v*m+p-1)`: the bubble with equal stages and free communication.
-    pub ideal_bubble: f64,
+    /// `(p-1)/(v*m+p-1)`: the bubble of GPipe, 1F1B and Interleaved1F1B with equal stages
+    /// and free communication; None when the schedule split the backward into input and
+    /// weight passes (zero bubble), whose weight passes fill that bubble, so the formula is
+    /// not its ideal.
+    pub ideal_bubble: Option<f64>,
+    /// The backward ran as input- and weight-gradient passes (`backward_input` /
+    /// `backward_weight`, torch's `I` / `W`): a zero-bubble schedule.
+    pub split_backward: bool,
     /// One row per pipeline rank position (the ranks holding the same stages), by first stage.
     pub per_stage: Vec<StageBubble>,
     /// Index into `per_stage` of the stages with the most compute per step.
@@ -56,7 +62,9 @@ pub struct StageBubble {
     pub rank_steps: u64,
     /// Median of one microbatch's forward pass.
     pub forward_ns: f64,
-    /// Median of one microbatch's backward pass.
+    /// Median of one microbatch's backward: its backward pass, or under a zero-bubble
+    /// schedule its input and weight passes together (the microbatch's whole backward, as
+    /// GPipe's and 1F1B's `backward` is).
     pub backward_ns: f64,
     /// Median per rank-step: time in passes.
     pub busy_ns: f64,
@@ -233,20 +241,26 @@ fn each_schedule_span(
 /// carries a pipeline slot (not a pipeline run, or a file without the columns).
 pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
     if let Some(d) = &run.digest {
-        return digest_pipeline_summary(d);
+        return digest_pipeline_summary(d, &run.names);
     }
     let mut ranks: BTreeMap<u32, RankSchedule> = BTreeMap::new();
-    // Per-microbatch pass times, by rank.
-    let mut passes: BTreeMap<u32, (Vec<f64>, Vec<f64>)> = BTreeMap::new();
+    // Per-microbatch pass times, by rank: forwards, and backwards summed per microbatch.
+    let mut passes: BTreeMap<u32, (Vec<f64>, MicrobatchBackwards)> = BTreeMap::new();
     each_schedule_span(&run.spans, &run.names, |i, role, step, slot| {
         let (rank, dur) = (run.spans.rank[i], run.spans.dur_ns[i]);
         ranks.entry(rank).or_default().add(role, step, dur, slot);
-        if let Role::Forward | Role::Backward = role {
-            let (f, b) = passes.entry(rank).or_default();
-            if role == Role::Forward { f } else { b }.push(dur as f64);
+        let (f, b) = passes.entry(rank).or_default();
+        match role {
+            Role::Forward => f.push(dur as f64),
+            Role::Backward => add_backward(b, step, slot, dur),
+            _ => {}
         }
     })?;
-    summarise(&ranks, |position| {
+    let passes: BTreeMap<u32, (Vec<f64>, Vec<f64>)> = passes
+        .into_iter()
+        .map(|(r, (f, b))| (r, (f, b.into_values().map(|v| v as f64).collect())))
+        .collect();
+    summarise(&ranks, split_backward(&run.names), |position| {
         let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
         for rank in position {
             if let Some((f, b)) = passes.get(rank) {
@@ -258,19 +272,46 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
     })
 }
 
+/// A microbatch's backward time per (step, stage, microbatch): its backward pass, or its
+/// input and weight passes summed (issue 39: their median mixed 12.9 and 4.6 ms into 7.0).
+type MicrobatchBackwards = BTreeMap<(u64, u16, u16), i64>;
+
+fn add_backward(b: &mut MicrobatchBackwards, step: u64, slot: Option<PipelineSlot>, dur: i64) {
+    let key = slot.map_or((step, u16::MAX, u16::MAX), |s| {
+        (step, s.stage, s.microbatch)
+    });
+    let v = b.entry(key).or_default();
+    *v = v.saturating_add(dur);
+}
+
+/// Whether the run's names hold a split backward's passes (titan's `backward_input` /
+/// `backward_weight`, torch.distributed.pipelining's `I` / `W` actions).
+fn split_backward(names: &[String]) -> bool {
+    names.iter().any(|n| {
+        n == titan::BACKWARD_INPUT
+            || n == titan::BACKWARD_WEIGHT
+            || torch_pipelining::parse_action(n).is_some_and(|(_, c)| c == "I" || c == "W")
+    })
+}
+
 /// A part's pipeline digest (one rank): `None` when no span of it carries a pipeline slot.
 pub(crate) fn part_pipeline(d: &PartData) -> Option<PipelineDigest> {
+    use crate::analysis::table::StepRole;
     let mut sched = RankSchedule::default();
     let (mut forward, mut backward) = (PhaseDigest::default(), PhaseDigest::default());
+    let mut backwards = MicrobatchBackwards::new();
     each_schedule_span(&d.spans, &d.names, |i, role, step, slot| {
         let dur = d.spans.dur_ns[i];
         sched.add(role, step, dur, slot);
         match role {
-            Role::Forward => forward.add(dur, 0, true),
-            Role::Backward => backward.add(dur, 0, true),
+            Role::Forward => forward.add(dur, 0, true, StepRole::Main),
+            Role::Backward => add_backward(&mut backwards, step, slot, dur),
             _ => {}
         }
     })?;
+    for dur in backwards.into_values() {
+        backward.add(dur, 0, true, StepRole::Main);
+    }
     Some(PipelineDigest {
         stages: sched.stages.into_iter().collect(),
         microbatches: sched.microbatches,
@@ -283,7 +324,7 @@ pub(crate) fn part_pipeline(d: &PartData) -> Option<PipelineDigest> {
 /// The pipeline analysis from a run's merged summaries: the same as from its spans, but the
 /// per-microbatch pass medians come from the sketches (within
 /// [`crate::digest::SKETCH_ALPHA`]).
-fn digest_pipeline_summary(d: &RunDigest) -> Option<PipelineSummary> {
+fn digest_pipeline_summary(d: &RunDigest, names: &[String]) -> Option<PipelineSummary> {
     if d.pipeline.is_empty() {
         return None;
     }
@@ -301,7 +342,7 @@ fn digest_pipeline_summary(d: &RunDigest) -> Option<PipelineSummary> {
             )
         })
         .collect();
-    summarise(&ranks, |position| {
+    summarise(&ranks, split_backward(names), |position| {
         let median = |pass: fn(&RankPipeline) -> &PhaseDigest| {
             let mut m = PhaseDigest::default();
             for r in position {
@@ -319,6 +360,7 @@ fn digest_pipeline_summary(d: &RunDigest) -> Option<PipelineSummary> {
 /// backward pass of a pipeline position's ranks.
 fn summarise(
     ranks: &BTreeMap<u32, RankSchedule>,
+    split_backward: bool,
     pass_medians: impl Fn(&[u32]) -> (f64, f64),
 ) -> Option<PipelineSummary> {
     let stages_of_rank: BTreeMap<u32, &BTreeSet<u16>> = ranks
@@ -361,7 +403,7 @@ fn summarise(
         f64::from(stages_per_rank),
         f64::from(microbatches),
     );
-    let ideal_bubble = (p - 1.0) / (v * m + p - 1.0);
+    let ideal_bubble = (!split_backward).then(|| (p - 1.0) / (v * m + p - 1.0));
 
     let per_stage: Vec<StageBubble> = positions
         .into_iter()
@@ -407,6 +449,7 @@ fn summarise(
         pipeline_ranks,
         microbatches,
         ideal_bubble,
+        split_backward,
         per_stage,
         slowest,
     })

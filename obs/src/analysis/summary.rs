@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::pipeline::{PipelineSummary, pipeline_summary};
 use super::stats::{DurationStats, median_f64};
-use super::table::{RunShape, SpanTable};
+use super::table::{RunShape, SpanTable, StepRole, step_roles};
 use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
 use crate::record::NO_STEP;
 use crate::run::{BadLine, ClockAlignment, Damage, NameId, OpenSpan, Run, RunFormat};
@@ -41,14 +41,37 @@ impl Default for StragglerOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseStats {
     pub name: String,
-    /// Smallest nesting depth the phase was seen at (0 = top level).
+    /// Smallest nesting depth of the spans its `% step` counts (on the main thread, else on
+    /// other threads), else the smallest it was seen at anywhere (0 = top level): the
+    /// `optimizer` of a step is 1 deep, though the one built at init is top level.
     pub depth: u16,
     /// Count, total and order statistics of its spans' durations.
     #[serde(flatten)]
     pub stats: DurationStats,
-    /// Share of the step time spent in this phase (spans inside steps only); None for
-    /// phases outside steps (init, teardown) or when the run has no step time.
+    /// Share of the step time spent in this phase: its spans inside steps on the ranks'
+    /// main threads, over the step time (the main threads' top-level spans of steps). At
+    /// depth 0 these add up to 100%. None for phases outside steps (init, teardown) or when the run has no step
+    /// time.
     pub share_of_step: Option<f64>,
+    /// Its spans inside steps on the ranks' other threads (FSDP's and the pipeline's
+    /// background collectives), over the same step time: concurrent with the step, so not
+    /// part of the shares above (None when it never ran there).
+    pub concurrent_share_of_step: Option<f64>,
+}
+
+impl PhaseStats {
+    /// The `% step` cell: the main-thread share, then the share on other threads in
+    /// parentheses (concurrent with the step, so not adding to it); `-` for neither.
+    /// `unit` follows each number (`%`, or nothing under a `%` header).
+    pub fn share_label(&self, unit: &str) -> String {
+        let pct = |x: f64| format!("{:.1}{unit}", x * 100.0);
+        match (self.share_of_step, self.concurrent_share_of_step) {
+            (Some(m), Some(c)) => format!("{} ({})", pct(m), pct(c)),
+            (Some(m), None) => pct(m),
+            (None, Some(c)) => format!("({})", pct(c)),
+            (None, None) => "-".to_string(),
+        }
+    }
 }
 
 /// A rank that is consistently slower than the others in one phase.
@@ -72,7 +95,7 @@ pub struct Straggler {
 pub struct TaggedStep {
     pub step: u64,
     pub tags: Vec<String>,
-    /// Slowest rank's time in top-level spans of this step.
+    /// Slowest rank's step time (as its main thread saw it: see [`Summary::median_step_ns`]).
     pub wall_ns: i64,
     /// `wall_ns` minus the median wall time of untagged steps.
     pub extra_ns: i64,
@@ -81,6 +104,28 @@ pub struct TaggedStep {
     /// torchtitan's `checkpoint_save` span in a `checkpoint_save` step), nested or
     /// overlapping ones counted once.
     pub tagged_phase_ns: i64,
+}
+
+/// An error record (a span that failed, or a failure the trainer reported: a rank that
+/// stopped answering, a collective that failed), with its message.
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorRecord {
+    pub rank: u32,
+    pub step: Option<u64>,
+    /// The span it was recorded in (or the name it was recorded under).
+    pub name: String,
+    pub message: String,
+}
+
+/// A rank whose records end at an earlier step than the run's: it stopped, was killed or
+/// lost its last records, while the others went on.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EndedEarly {
+    pub rank: u32,
+    /// Its last step with step time (None: it recorded no step at all).
+    pub last_step: Option<u64>,
+    /// The last step of the other ranks.
+    pub run_last_step: u64,
 }
 
 /// The whole summary.
@@ -92,7 +137,14 @@ pub struct Summary {
     pub steps: u64,
     pub spans: u64,
     pub errors: u64,
-    /// Median over untagged steps of the slowest rank's step time.
+    /// The run's error records with their messages, by rank (the first
+    /// [`crate::digest::NAMED_ERRORS`] of each part when read from the per-part summaries).
+    pub error_records: Vec<ErrorRecord>,
+    /// Ranks whose records end at an earlier step than the others'.
+    pub ended_early: Vec<EndedEarly>,
+    /// Median over untagged steps of the slowest rank's step time: its main thread's
+    /// top-level spans of the step (its `step` span, in titan-train and torchtitan runs);
+    /// spans on a rank's other threads are concurrent, not more step time.
     pub median_step_ns: i64,
     pub phases: Vec<PhaseStats>,
     pub stragglers: Vec<Straggler>,
@@ -135,6 +187,7 @@ pub struct Analysis {
     pub stragglers: Vec<Straggler>,
     pub tagged_steps: Vec<TaggedStep>,
     pub waits: Waits,
+    pub ended_early: Vec<EndedEarly>,
 }
 
 impl Analysis {
@@ -193,6 +246,8 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         steps: a.steps,
         spans,
         errors,
+        error_records: error_records(run),
+        ended_early: a.ended_early,
         median_step_ns: a.median_step_ns,
         phases: a.phases,
         stragglers: a.stragglers,
@@ -216,6 +271,36 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         run_id: run.shown_run().map(|r| r.id).filter(|id| !id.is_empty()),
         other_runs: run.other_runs(),
     }
+}
+
+/// The error records of a loaded run with their messages, by rank then step.
+fn error_records(run: &Run) -> Vec<ErrorRecord> {
+    let name = |id: NameId| run.names.get(id as usize).cloned().unwrap_or_default();
+    let mut out: Vec<ErrorRecord> = match &run.digest {
+        Some(d) => d
+            .named_errors
+            .iter()
+            .map(|(rank, step, n, m)| ErrorRecord {
+                rank: *rank,
+                step: (*step != NO_STEP).then_some(*step),
+                name: name(*n),
+                message: m.clone(),
+            })
+            .collect(),
+        None => {
+            let e = &run.errors;
+            (0..e.rank.len())
+                .map(|i| ErrorRecord {
+                    rank: e.rank[i],
+                    step: (e.step[i] != NO_STEP).then_some(e.step[i]),
+                    name: name(e.name[i]),
+                    message: e.message.get(i).cloned().unwrap_or_default(),
+                })
+                .collect()
+        }
+    };
+    out.sort_by_key(|e| (e.rank, e.step));
+    out
 }
 
 /// The analysis of a span table: per-phase statistics, stragglers, tagged steps, waits.
@@ -244,7 +329,6 @@ pub fn analyse_grouped(
     opts: &StragglerOptions,
 ) -> Analysis {
     let n = t.len();
-    let has_depth = t.has_depth();
     let n_names = t.names.len();
 
     // Group span indices by name (counting sort): one u32 per span.
@@ -297,30 +381,21 @@ pub fn analyse_grouped(
         )
         .collect();
 
-    // Step time per (step, rank): top-level spans inside steps.
+    // Step time per (step, rank): the step as the rank's main thread saw it (`StepRole`).
     let n_ranks = ranks.len();
     let n_steps = steps.len();
     let mut wall = vec![0i64; n_steps * n_ranks];
     let step_name = t.name_id(crate::vocab::STEP);
+    let roles = step_roles(t.rank, t.step, t.name, t.thread, t.depth, step_name);
     let mut step_total = 0i64;
+    let mut last_step: Vec<Option<u64>> = vec![None; n_ranks];
     for (i, &cell) in cell_of.iter().enumerate() {
-        if cell == NO_CELL {
-            continue;
-        }
-        let top = if has_depth {
-            t.depth[i] == 0
-        } else {
-            Some(t.name[i]) == step_name
-        };
-        if top {
+        if cell != NO_CELL && roles[i] == StepRole::Step {
             wall[cell as usize] += t.dur_ns[i];
-        }
-        if Some(t.name[i]) == step_name {
             step_total += t.dur_ns[i];
+            let l = &mut last_step[cell as usize % n_ranks];
+            *l = (*l).max(Some(t.step[i]));
         }
-    }
-    if step_name.is_none() {
-        step_total = wall.iter().sum();
     }
     let wall_max = row_maxima(&wall, n_ranks);
     drop(wall);
@@ -340,6 +415,7 @@ pub fn analyse_grouped(
                 idx,
                 own_dur,
                 &cell_of,
+                &roles,
                 n_steps,
                 &ranks,
                 step_total,
@@ -358,6 +434,7 @@ pub fn analyse_grouped(
             tagged_phase,
             waits,
             grouped: !groups.is_empty(),
+            last_step: &last_step,
         },
         shape,
         opts,
@@ -371,7 +448,7 @@ pub(crate) struct Gathered<'a> {
     pub(crate) ranks: &'a [u32],
     /// Sorted, distinct: the steps that have spans.
     pub(crate) steps: &'a [u64],
-    /// Per step: the slowest rank's time in top-level spans of the step.
+    /// Per step: the slowest rank's step time ([`StepRole::Step`] spans).
     pub(crate) wall_max: &'a [i64],
     /// Per phase: its statistics and its stragglers (before the step-share rule).
     pub(crate) per_phase: Vec<(PhaseStats, Vec<Straggler>)>,
@@ -380,6 +457,8 @@ pub(crate) struct Gathered<'a> {
     pub(crate) waits: Waits,
     /// Stragglers were found among the ranks of each pipeline stage.
     pub(crate) grouped: bool,
+    /// Per rank (as `ranks`): its last step with step time.
+    pub(crate) last_step: &'a [Option<u64>],
 }
 
 /// Orders phases and stragglers, applies the step-share rule to stragglers and costs the
@@ -446,6 +525,23 @@ pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOption
         })
         .collect();
 
+    // A rank whose step times stop before the others' stopped early (killed, hung, or its
+    // last records lost): the step counts alone do not show it (issue 39).
+    let run_last = g.last_step.iter().copied().max().flatten();
+    let ended_early = match run_last {
+        Some(last) if g.ranks.len() > 1 => g
+            .ranks
+            .iter()
+            .zip(g.last_step)
+            .filter(|(_, l)| l.is_none_or(|l| l < last))
+            .map(|(&rank, &l)| EndedEarly {
+                rank,
+                last_step: l,
+                run_last_step: last,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
     Analysis {
         ranks: g.ranks.len() as u32,
         steps: g.steps.len() as u64,
@@ -454,6 +550,7 @@ pub(crate) fn assemble(g: Gathered<'_>, shape: &RunShape, opts: &StragglerOption
         stragglers,
         tagged_steps,
         waits: g.waits,
+        ended_early,
     }
 }
 
@@ -608,12 +705,12 @@ pub(crate) fn union_len(iv: &mut [(i64, i64)]) -> i64 {
 pub(crate) fn sort_phases(phases: &mut [PhaseStats]) {
     phases.sort_by(|a, b| {
         (
-            a.share_of_step.is_none(),
+            a.share_of_step.is_none() && a.concurrent_share_of_step.is_none(),
             std::cmp::Reverse(a.stats.total_ns),
             &a.name,
         )
             .cmp(&(
-                b.share_of_step.is_none(),
+                b.share_of_step.is_none() && b.concurrent_share_of_step.is_none(),
                 std::cmp::Reverse(b.stats.total_ns),
                 &b.name,
             ))
@@ -627,6 +724,7 @@ fn phase(
     idx: &[u32],
     own_dur: &[i64],
     cell_of: &[u32],
+    roles: &[StepRole],
     n_steps: usize,
     ranks: &[u32],
     step_total: i64,
@@ -636,29 +734,49 @@ fn phase(
     let spans = t;
     let has_depth = t.has_depth();
     let mut durs: Vec<i64> = idx.iter().map(|&i| spans.dur_ns[i as usize]).collect();
-    let depth = if has_depth {
+    // Its share of the step time counts its main-thread time inside steps; its time on the
+    // ranks' other threads is concurrent with the step, a share of its own.
+    let (mut in_step_total, mut concurrent_total) = (0i64, 0i64);
+    let (mut any_in_step_time, mut any_concurrent) = (false, false);
+    for &i in idx {
+        let i = i as usize;
+        if roles[i].in_step_time() {
+            in_step_total += spans.dur_ns[i];
+            any_in_step_time = true;
+        } else if roles[i] == StepRole::Concurrent {
+            concurrent_total += spans.dur_ns[i];
+            any_concurrent = true;
+        }
+    }
+    let any_in_step = idx.iter().any(|&i| spans.step[i as usize] != NO_STEP);
+    // The depth shown beside `% step`: where it was counted.
+    let depth_of = |keep: &dyn Fn(StepRole) -> bool| {
         idx.iter()
+            .filter(|&&i| keep(roles[i as usize]))
             .map(|&i| spans.depth[i as usize])
             .min()
+    };
+    let depth = if has_depth {
+        depth_of(&|r| r.in_step_time())
+            .or_else(|| depth_of(&|r| r == StepRole::Concurrent))
+            .or_else(|| depth_of(&|_| true))
             .unwrap_or(0)
     } else {
         0
     };
-    let in_step_total: i64 = idx
-        .iter()
-        .filter(|&&i| spans.step[i as usize] != NO_STEP)
-        .map(|&i| spans.dur_ns[i as usize])
-        .sum();
-    let any_in_step = idx.iter().any(|&i| spans.step[i as usize] != NO_STEP);
     let st = DurationStats::compute(&mut durs);
     drop(durs);
-    let share = (any_in_step && step_total > 0).then(|| in_step_total as f64 / step_total as f64);
+    let share =
+        (any_in_step_time && step_total > 0).then(|| in_step_total as f64 / step_total as f64);
+    let concurrent_share =
+        (any_concurrent && step_total > 0).then(|| concurrent_total as f64 / step_total as f64);
     let name = t.names[id as usize].clone();
     let stats = PhaseStats {
         name: name.clone(),
         depth,
         stats: st,
         share_of_step: share,
+        concurrent_share_of_step: concurrent_share,
     };
     if !any_in_step || ranks.len() < 2 {
         return (stats, Vec::new());
@@ -884,6 +1002,62 @@ mod tests {
         t.start_ns = &[];
         let a = analyse(&t, &shape, &opts);
         assert_eq!(a.tagged_steps[0].tagged_phase_ns, 45);
+    }
+
+    /// Two ranks x 3 steps, each a `step` span on the main thread (thread 0) with a nested
+    /// `forward_backward`, and FSDP-style collectives on a background thread (thread 1) at
+    /// depth 0 during the step, plus a checkpoint beside step 3's `step` span (as a synthetic
+    /// run writes it): the step time is the main thread's top-level spans (issue 39: it summed
+    /// every thread's) and the depth-0 shares add up to 100%, the background thread's apart.
+    #[test]
+    fn step_time_is_the_main_threads_step_span() {
+        let names: Vec<String> = ["step", "forward_backward", "all_gather", "checkpoint"]
+            .map(String::from)
+            .to_vec();
+        // (rank, thread, step, name, start, dur, depth)
+        let mut rows: Vec<(u32, u32, u64, NameId, i64, i64, u16)> = Vec::new();
+        let step_len = |rank: u32, step: u64| 100 + 10 * i64::from(rank) + step as i64;
+        for rank in 0..2u32 {
+            for step in 1..=3u64 {
+                let t0 = step as i64 * 1000;
+                let len = step_len(rank, step);
+                rows.push((rank, 0, step, 0, t0, len, 0));
+                rows.push((rank, 0, step, 1, t0 + 5, len - 10, 1));
+                rows.push((rank, 1, step, 2, t0 + 10, 60, 0));
+                rows.push((rank, 1, step, 2, t0 + 70, 50, 0));
+            }
+            rows.push((rank, 0, 3, 3, 4000, 500, 0));
+        }
+        let mut spans = OwnedSpans::default();
+        for &(rank, thread, step, name, start, dur, depth) in &rows {
+            spans.push_on(rank, thread, step, name, start, dur, depth);
+        }
+        let t = spans.table(&names);
+        let shape = RunShape {
+            ranks: vec![0, 1],
+            step_tags: Default::default(),
+        };
+        let a = analyse(&t, &shape, &StragglerOptions::default());
+        // By hand: the slowest rank (1) has steps of 111, 112, 113 + 500: median 112.
+        assert_eq!(a.median_step_ns, 112);
+        let step_total: i64 = (0..2)
+            .flat_map(|r| (1..=3).map(move |s| step_len(r, s)))
+            .sum::<i64>()
+            + 2 * 500;
+        let phase = |n: &str| a.phases.iter().find(|p| p.name == n).unwrap();
+        let steps_only = (step_total - 1000) as f64 / step_total as f64;
+        assert!((phase("step").share_of_step.unwrap() - steps_only).abs() < 1e-12);
+        // The background collectives: 110 per rank-step, concurrent, not in `% step`.
+        assert_eq!(phase("all_gather").share_of_step, None);
+        let c = phase("all_gather").concurrent_share_of_step.unwrap();
+        assert!((c - 6.0 * 110.0 / step_total as f64).abs() < 1e-12, "{c}");
+        let depth0: f64 = a
+            .phases
+            .iter()
+            .filter(|p| p.depth == 0)
+            .filter_map(|p| p.share_of_step)
+            .sum();
+        assert!((depth0 - 1.0).abs() < 1e-12, "{depth0}");
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::record::NO_STEP;
 use crate::run::{NameId, Run};
 
 /// Columns of one span table (row i of every column is span i). `start_ns` and `depth`
@@ -17,6 +18,9 @@ pub struct SpanTable<'a> {
     /// On rank 0's clock (the reader adds each rank's clock offset).
     pub start_ns: &'a [i64],
     pub depth: &'a [u16],
+    /// Process-local thread id; may be empty (then every span is taken for the rank's main
+    /// thread).
+    pub thread: &'a [u32],
     /// `names[name[i]]` is span i's phase.
     pub names: &'a [String],
 }
@@ -32,6 +36,7 @@ impl<'a> SpanTable<'a> {
             dur_ns: &s.dur_ns,
             start_ns: &s.start_ns,
             depth: &s.depth,
+            thread: &s.thread,
             names: &run.names,
         }
     }
@@ -52,6 +57,10 @@ impl<'a> SpanTable<'a> {
         self.depth.len() == self.len()
     }
 
+    pub fn has_thread(&self) -> bool {
+        self.thread.len() == self.len()
+    }
+
     pub fn name_id(&self, name: &str) -> Option<NameId> {
         self.names
             .iter()
@@ -70,6 +79,8 @@ pub struct OwnedSpans {
     pub dur_ns: Vec<i64>,
     pub start_ns: Vec<i64>,
     pub depth: Vec<u16>,
+    /// Left empty by [`Self::push`]; [`Self::push_on`] fills it.
+    pub thread: Vec<u32>,
 }
 
 impl OwnedSpans {
@@ -82,6 +93,7 @@ impl OwnedSpans {
             dur_ns: Vec::with_capacity(n),
             start_ns: Vec::with_capacity(n),
             depth: Vec::with_capacity(n),
+            thread: Vec::with_capacity(n),
         }
     }
 
@@ -103,6 +115,22 @@ impl OwnedSpans {
         self.depth.push(depth);
     }
 
+    /// Appends one span recorded on `thread` (use it for every span or for none).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_on(
+        &mut self,
+        rank: u32,
+        thread: u32,
+        step: u64,
+        name: NameId,
+        start_ns: i64,
+        dur_ns: i64,
+        depth: u16,
+    ) {
+        self.push(rank, step, name, start_ns, dur_ns, depth);
+        self.thread.push(thread);
+    }
+
     /// The columns as a table whose phases are `names`.
     pub fn table<'a>(&'a self, names: &'a [String]) -> SpanTable<'a> {
         SpanTable {
@@ -112,6 +140,7 @@ impl OwnedSpans {
             dur_ns: &self.dur_ns,
             start_ns: &self.start_ns,
             depth: &self.depth,
+            thread: &self.thread,
             names,
         }
     }
@@ -153,4 +182,87 @@ impl RunShape {
             .collect();
         RunShape { ranks, step_tags }
     }
+}
+
+/// Where a span's time counts in the step figures (median step, tagged-step cost, `% step`).
+///
+/// A step's time is the step as the rank's main thread saw it: the main thread's top-level
+/// spans of the step — its `step` span in titan-train and torchtitan runs, which hold the
+/// step's checkpoint and validation too (a synthetic run puts those beside it). Spans
+/// on a rank's other threads (FSDP's and the pipeline's background collectives) run
+/// concurrently with the step: they are not more step time, and summing them into it made a
+/// step look longer than it was and `% step` add up past 100% at depth 0 (issue 39).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepRole {
+    /// Outside steps: no step number.
+    Outside,
+    /// The step's time: a top-level span of the step on the main thread.
+    Step,
+    /// Nested inside the step on the main thread.
+    Main,
+    /// On another thread of the rank, during a step.
+    Concurrent,
+}
+
+impl StepRole {
+    /// Counted in the phase's share of the step time.
+    pub(crate) fn in_step_time(self) -> bool {
+        matches!(self, StepRole::Step | StepRole::Main)
+    }
+}
+
+/// Each span's [`StepRole`]. `thread` and `depth` may be empty (columns not read): without
+/// threads every span is on the main thread; without depth only `step` spans are top level.
+/// A rank's main thread is the thread of its first `step` span, else the lowest thread that
+/// recorded a span inside a step.
+pub(crate) fn step_roles(
+    rank: &[u32],
+    step: &[u64],
+    name: &[NameId],
+    thread: &[u32],
+    depth: &[u16],
+    step_name: Option<NameId>,
+) -> Vec<StepRole> {
+    use std::collections::HashMap;
+    let n = rank.len();
+    let has_thread = thread.len() == n;
+    let has_depth = depth.len() == n;
+    let is_step = |i: usize| Some(name[i]) == step_name;
+    // Per rank: (found its `step` spans' thread, the main thread so far).
+    let mut main: HashMap<u32, (bool, u32)> = HashMap::new();
+    for i in 0..n {
+        if step[i] == NO_STEP {
+            continue;
+        }
+        let th = if has_thread { thread[i] } else { 0 };
+        if is_step(i) {
+            let m = main.entry(rank[i]).or_insert((true, th));
+            if !m.0 {
+                *m = (true, th);
+            }
+        } else {
+            let m = main.entry(rank[i]).or_insert((false, th));
+            if !m.0 {
+                m.1 = m.1.min(th);
+            }
+        }
+    }
+    (0..n)
+        .map(|i| {
+            if step[i] == NO_STEP {
+                return StepRole::Outside;
+            }
+            if is_step(i) {
+                return StepRole::Step;
+            }
+            if has_thread && main.get(&rank[i]).is_some_and(|m| m.1 != thread[i]) {
+                return StepRole::Concurrent;
+            }
+            if has_depth && depth[i] == 0 {
+                StepRole::Step
+            } else {
+                StepRole::Main
+            }
+        })
+        .collect()
 }

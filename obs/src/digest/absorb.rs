@@ -66,6 +66,13 @@ impl PartDigest {
         );
         self.tag_spans
             .extend(o.tag_spans.iter().map(|&(s, n, a, e)| (s, g(n), a, e)));
+        let room = super::NAMED_ERRORS.saturating_sub(self.named_errors.len());
+        self.named_errors.extend(
+            o.named_errors
+                .iter()
+                .take(room)
+                .map(|(s, n, m)| (*s, g(*n), m.clone())),
+        );
 
         for c in &o.collectives {
             let mut c = c.clone();

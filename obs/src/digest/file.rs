@@ -21,7 +21,9 @@ use crate::schema::Reduce;
 const MAGIC: &[u8; 8] = b"TOBSSUM1";
 /// 2: varint body, collectives' containers without their (own) step, the pipeline and
 /// scalar sections.
-const VERSION: u32 = 2;
+// 3: step times and `% step` count the main thread only (issue 39); phases carry their
+// time on other threads apart.
+const VERSION: u32 = 3;
 /// magic, version, part length, body length, body CRC-32C.
 const HEADER: usize = 8 + 4 + 8 + 8 + 4;
 
@@ -153,6 +155,12 @@ pub fn encode(d: &PartDigest, part_len: u64) -> Result<Vec<u8>> {
         for v in [acc.sum, acc.min, acc.max] {
             w.0.extend_from_slice(&v.to_le_bytes());
         }
+    }
+    w.u(d.named_errors.len() as u64);
+    for (step, name, message) in &d.named_errors {
+        w.u(*step);
+        w.u(u64::from(*name));
+        w.bytes(message.as_bytes());
     }
     let body = w.0;
     let mut out = Vec::with_capacity(HEADER + body.len());
@@ -313,6 +321,11 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDigest> {
         };
         d.scalars.push((step, n, reduce, acc));
     }
+    for _ in 0..r.count(3)? {
+        let (step, n) = (r.u()?, name(&mut r)?);
+        let message = String::from_utf8_lossy(r.bytes()?).into_owned();
+        d.named_errors.push((step, n, message));
+    }
     ensure!(r.0.is_empty(), "{} bytes after the last section", r.0.len());
     Ok(d)
 }
@@ -435,7 +448,12 @@ impl Writer {
             self.i(v);
         }
         self.u(p.in_step);
+        self.u(p.in_step_main);
         self.i(p.in_step_ns);
+        self.u(p.concurrent);
+        self.i(p.concurrent_ns);
+        self.u(u64::from(p.main_depth));
+        self.u(u64::from(p.concurrent_depth));
         self.bytes(&p.sketch.to_java_bytes());
     }
 }
@@ -499,7 +517,12 @@ impl<'a> Reader<'a> {
         let count = self.u()?;
         let (sum_ns, min_ns, max_ns) = (self.i()?, self.i()?, self.i()?);
         let in_step = self.u()?;
+        let in_step_main = self.u()?;
         let in_step_ns = self.i()?;
+        let concurrent = self.u()?;
+        let concurrent_ns = self.i()?;
+        let main_depth = self.u16()?;
+        let concurrent_depth = self.u16()?;
         let sk = self.bytes()?;
         let mut sketch = crate::guard::guarded(|| DDSketch::from_java_bytes(sk))
             .map_err(|p| anyhow::anyhow!("sketch decoder failed: {p}"))?
@@ -515,7 +538,12 @@ impl<'a> Reader<'a> {
             min_ns,
             max_ns,
             in_step,
+            in_step_main,
             in_step_ns,
+            concurrent,
+            concurrent_ns,
+            main_depth,
+            concurrent_depth,
             sketch,
         })
     }

@@ -68,6 +68,9 @@ pub struct RunDigest {
     pub walls: Cells,
     /// (step, rank, name, start, end) on rank 0's clock.
     pub tag_spans: Vec<(u64, u32, NameId, i64, i64)>,
+    /// (rank, step, name, message) of the parts' named error records (up to
+    /// [`super::NAMED_ERRORS`] a part).
+    pub named_errors: Vec<(u32, u64, NameId, String)>,
     /// By step: its collectives, in merge order.
     pub collectives: FxHashMap<u64, Vec<RunCollective>>,
     /// The distinct contexts of the collectives.
@@ -142,6 +145,11 @@ impl RunDigest {
             let row = self.row(step);
             self.walls.add(row, pos, dur);
         }
+        self.named_errors.extend(
+            d.named_errors
+                .iter()
+                .map(|(s, n, m)| (rank, *s, g(*n), m.clone())),
+        );
         for &(step, name, a, e) in &d.tag_spans {
             self.tag_spans.push((
                 step,

@@ -33,6 +33,7 @@ use std::collections::{BTreeMap, HashMap};
 use sketches_ddsketch::{Config, DDSketch};
 
 use crate::analysis::metrics::Acc;
+use crate::analysis::table::{StepRole, step_roles};
 use crate::schema::Reduce;
 
 pub use file::{decode, encode, read_local, summary_file_name, summary_path, write_local};
@@ -110,9 +111,20 @@ pub struct PhaseDigest {
     pub sum_ns: i64,
     pub min_ns: i64,
     pub max_ns: i64,
-    /// Spans inside steps, and their summed duration.
+    /// Spans with a step number (what the straggler analysis compares).
     pub in_step: u64,
+    /// Spans counted in the step time's shares ([`StepRole::in_step_time`]: the main
+    /// thread's spans in the step), and their summed duration.
+    pub in_step_main: u64,
     pub in_step_ns: i64,
+    /// Spans on a rank's other threads during a step ([`StepRole::Concurrent`]), and their
+    /// summed duration.
+    pub concurrent: u64,
+    pub concurrent_ns: i64,
+    /// Smallest depth of the spans counted in `in_step_ns`, and in `concurrent_ns`
+    /// (`u16::MAX`: none): the depth the summary shows beside the phase's `% step`.
+    pub main_depth: u16,
+    pub concurrent_depth: u16,
     pub sketch: DDSketch,
 }
 
@@ -125,14 +137,19 @@ impl Default for PhaseDigest {
             min_ns: i64::MAX,
             max_ns: i64::MIN,
             in_step: 0,
+            in_step_main: 0,
             in_step_ns: 0,
+            concurrent: 0,
+            concurrent_ns: 0,
+            main_depth: u16::MAX,
+            concurrent_depth: u16::MAX,
             sketch: new_sketch(),
         }
     }
 }
 
 impl PhaseDigest {
-    pub(crate) fn add(&mut self, dur: i64, depth: u16, in_step: bool) {
+    pub(crate) fn add(&mut self, dur: i64, depth: u16, in_step: bool, role: StepRole) {
         self.min_depth = self.min_depth.min(depth);
         self.count += 1;
         self.sum_ns = self.sum_ns.wrapping_add(dur);
@@ -141,7 +158,27 @@ impl PhaseDigest {
         self.sketch.add(dur as f64);
         if in_step {
             self.in_step += 1;
+        }
+        if role.in_step_time() {
+            self.in_step_main += 1;
             self.in_step_ns = self.in_step_ns.wrapping_add(dur);
+            self.main_depth = self.main_depth.min(depth);
+        } else if role == StepRole::Concurrent {
+            self.concurrent += 1;
+            self.concurrent_ns = self.concurrent_ns.wrapping_add(dur);
+            self.concurrent_depth = self.concurrent_depth.min(depth);
+        }
+    }
+
+    /// The depth the summary shows: where its `% step` was counted (main thread, else other
+    /// threads), else its smallest depth anywhere.
+    pub fn shown_depth(&self) -> u16 {
+        if self.in_step_main > 0 {
+            self.main_depth
+        } else if self.concurrent > 0 {
+            self.concurrent_depth
+        } else {
+            self.min_depth
         }
     }
 
@@ -152,7 +189,12 @@ impl PhaseDigest {
         self.min_ns = self.min_ns.min(o.min_ns);
         self.max_ns = self.max_ns.max(o.max_ns);
         self.in_step = self.in_step.saturating_add(o.in_step);
+        self.in_step_main = self.in_step_main.saturating_add(o.in_step_main);
         self.in_step_ns = self.in_step_ns.wrapping_add(o.in_step_ns);
+        self.concurrent = self.concurrent.saturating_add(o.concurrent);
+        self.concurrent_ns = self.concurrent_ns.wrapping_add(o.concurrent_ns);
+        self.main_depth = self.main_depth.min(o.main_depth);
+        self.concurrent_depth = self.concurrent_depth.min(o.concurrent_depth);
         // Every sketch has the same configuration (checked when read), so this cannot fail.
         let _ = self.sketch.merge(&o.sketch);
     }
@@ -228,7 +270,7 @@ pub struct PartDigest {
     pub phases: Vec<(NameId, PhaseDigest)>,
     /// (step, name, summed duration) of the spans of each step.
     pub cells: Vec<(u64, NameId, i64)>,
-    /// (step, summed duration of its top-level spans).
+    /// (step, its step time on this rank: [`StepRole::Step`] spans).
     pub walls: Vec<(u64, i64)>,
     /// (step, tag bit mask over `tags`).
     pub step_tags: Vec<(u64, u64)>,
@@ -246,7 +288,14 @@ pub struct PartDigest {
     /// (step, name, reduce, values) of the part's scalars with a step, in the order each
     /// (step, name, reduce) was first recorded: what `metrics` aggregates.
     pub scalars: Vec<(u64, NameId, Reduce, Acc)>,
+    /// The first [`NAMED_ERRORS`] error records of the part, as (step, name, message):
+    /// `summary` names them (a failed run's error, such as the trainer's report of a rank
+    /// that stopped, says what happened; a count alone does not).
+    pub named_errors: Vec<(u64, NameId, String)>,
 }
+
+/// The error records a part's summary keeps with their messages (and a run's summary names).
+pub const NAMED_ERRORS: usize = 16;
 
 impl PartDigest {
     /// The digest of decoded records (decoded with start times, depth and tags).
@@ -277,18 +326,27 @@ impl PartDigest {
         let mut walls: BTreeMap<u64, i64> = BTreeMap::new();
         let mut tag_spans = Vec::new();
         let mut by_step: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
-        for i in 0..n {
+        let step_name = d.names.iter().position(|n| n == vocab::STEP);
+        let roles = step_roles(
+            &s.rank,
+            &s.step,
+            &s.name,
+            &s.thread,
+            &s.depth,
+            step_name.map(|i| i as NameId),
+        );
+        for (i, &role) in roles.iter().enumerate() {
             let (name, dur, step) = (s.name[i], s.dur_ns[i], s.step[i]);
             phases
                 .entry(name)
                 .or_default()
-                .add(dur, depth(i), step != NO_STEP);
+                .add(dur, depth(i), step != NO_STEP, role);
             if step == NO_STEP {
                 continue;
             }
             let cell = cells.entry((step, name)).or_default();
             *cell = cell.saturating_add(dur);
-            if depth(i) == 0 {
+            if role == StepRole::Step {
                 let wall = walls.entry(step).or_default();
                 *wall = wall.saturating_add(dur);
             }
@@ -356,6 +414,13 @@ impl PartDigest {
             last_ended,
             pipeline: crate::analysis::pipeline::part_pipeline(d),
             scalars: scalar_cells(&d.scalars),
+            named_errors: (0..d.errors.rank.len().min(NAMED_ERRORS))
+                .map(|i| {
+                    let e = &d.errors;
+                    let message = e.message.get(i).cloned().unwrap_or_default();
+                    (e.step[i], e.name[i], message)
+                })
+                .collect(),
         }
     }
 
@@ -409,10 +474,12 @@ fn scalar_cells(sc: &crate::run::Scalars) -> Vec<(u64, NameId, Reduce, Acc)> {
 /// The columns a summary is made of.
 pub(crate) const COLUMNS: crate::run::Columns = crate::run::Columns {
     start: true,
-    thread: false,
+    // The step time is the main thread's (`StepRole`).
+    thread: true,
     depth: true,
     links: false,
     tags: true,
-    messages: false,
+    // Error records' messages (`named_errors`).
+    messages: true,
     pipeline: true,
 };

@@ -14,7 +14,8 @@ use super::rank::{CoveredPart, RankDigest, Segment};
 pub const RANK_SUMMARY_FILE: &str = "rank.summary";
 
 const MAGIC: &[u8; 8] = b"TOBSRNK1";
-const VERSION: u32 = 1;
+// 2: the part summaries inside are version 3 (issue 39's step time).
+const VERSION: u32 = 2;
 /// magic, version, body length, body CRC-32C.
 const HEADER: usize = 8 + 4 + 8 + 4;
 

@@ -135,6 +135,9 @@ pub struct Parsed {
     pub parts: Vec<PartData>,
     pub open: Vec<OpenSpan>,
     pub events: usize,
+    /// The ranks are the trace's own (every process named with one, or `distributedInfo`
+    /// of a single process), not positions: two such files holding one rank are two runs.
+    pub ranked: bool,
 }
 
 fn us_to_ns(us: f64) -> i64 {
@@ -317,6 +320,7 @@ pub fn parse(bytes: &[u8], display: &str) -> Result<Parsed> {
         .collect();
     let all_labelled = labelled.iter().all(Option::is_some);
     let single = procs.len() == 1;
+    let ranked = !procs.is_empty() && (all_labelled || (single && dist_rank.is_some()));
     let mut parts = Vec::new();
     let mut open = Vec::new();
     for (i, (mut proc, label_rank)) in procs.into_iter().zip(labelled).enumerate() {
@@ -389,6 +393,7 @@ pub fn parse(bytes: &[u8], display: &str) -> Result<Parsed> {
         parts,
         open,
         events: n_events,
+        ranked,
     })
 }
 

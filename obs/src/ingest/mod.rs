@@ -10,6 +10,7 @@ pub(crate) mod chrome;
 pub(crate) mod jsonl;
 pub mod skew;
 
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -587,9 +588,24 @@ fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions)
     };
     let mut merger = Merger::default();
     let mut next_rank = 0u32;
+    // Files whose ranks are their own, by rank: one rank in two of them is two runs.
+    let mut owner: HashMap<u32, String> = HashMap::new();
+    let mut clashes: Vec<(String, String, u32)> = Vec::new();
     for (f, result) in parsed {
         match result {
             Ok(p) => {
+                if p.ranked {
+                    for part in &p.parts {
+                        match owner.get(&part.info.rank) {
+                            Some(other) if *other != f.display => {
+                                clashes.push((other.clone(), f.display.clone(), part.info.rank))
+                            }
+                            _ => {
+                                owner.insert(part.info.rank, f.display.clone());
+                            }
+                        }
+                    }
+                }
                 out.report.parts_read += 1;
                 out.report.rows_read += p.events;
                 out.report.open_spans.extend(p.open);
@@ -621,6 +637,24 @@ fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions)
         return Err(NotARun(format!(
             "{run} is not a Chrome trace ({}); {WHAT_TO_PASS}",
             why.join("; ")
+        ))
+        .into());
+    }
+    if let Some((a, b, rank)) = clashes.first() {
+        // Traces of several runs (each naming its ranks): merging them would show one run of
+        // every rank they hold, which never ran (issue 39: four 2-rank runs opened as one
+        // 8-rank run). Which one to read is the caller's choice, as `--run ID` is for titan
+        // runs; a trace file names no run id to pick by, so the file is what to pass.
+        let files: BTreeSet<&str> = clashes
+            .iter()
+            .flat_map(|(a, b, _)| [a.as_str(), b.as_str()])
+            .collect();
+        return Err(NotARun(format!(
+            "{run} holds Chrome traces of more than one run: {a} and {b} both hold rank {rank} \
+             ({} files hold the same ranks: {}); pass one trace file, or a folder holding one \
+             run's traces",
+            files.len(),
+            files.into_iter().collect::<Vec<_>>().join(", ")
         ))
         .into());
     }

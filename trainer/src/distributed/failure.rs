@@ -12,6 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use titan_obs_core::vocab;
+
 use super::store::TcpStore;
 
 /// Store key where the first failing rank describes the failure for everyone else.
@@ -32,6 +34,8 @@ pub struct FailureBoard {
     linger: Duration,
     /// Whether this process has posted already (it is counted, and lingers, once).
     posted: AtomicBool,
+    /// Whether its failure is in its titan-obs records.
+    recorded: AtomicBool,
 }
 
 /// What the board holds after this rank's notice was posted.
@@ -59,6 +63,7 @@ impl FailureBoard {
             hosts_store,
             linger: comm_timeout.min(MAX_LINGER),
             posted: AtomicBool::new(false),
+            recorded: AtomicBool::new(false),
         }
     }
 
@@ -73,9 +78,14 @@ impl FailureBoard {
         let posted = match self.store.compare_set(FAILURE_KEY, b"", own.as_bytes()) {
             Ok(first) if first == own.as_bytes() => Posted::First,
             Ok(first) => Posted::After(String::from_utf8_lossy(&first).into_owned()),
-            Err(e) => return Posted::Unreachable(e.to_string()),
+            Err(e) => Posted::Unreachable(e.to_string()),
         };
-        if self.posted.swap(true, Ordering::SeqCst) {
+        // The failure goes into this rank's titan-obs records too (once), so the run's
+        // summary names it: a run that failed no longer reads as "0 errors" (issue 39).
+        if !self.recorded.swap(true, Ordering::SeqCst) {
+            titan_obs_core::error(vocab::titan::JOB_FAILURE, &record_text(own, &posted));
+        }
+        if matches!(posted, Posted::Unreachable(_)) || self.posted.swap(true, Ordering::SeqCst) {
             return posted;
         }
         let counted = self.store.add(POSTED_KEY, 1);
@@ -102,6 +112,18 @@ impl FailureBoard {
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
         } else {
             None
+        }
+    }
+}
+
+/// What a rank records of its failure: its own message, and the job's first failure when
+/// another rank's came first.
+fn record_text(own: &str, posted: &Posted) -> String {
+    match posted {
+        Posted::First => own.to_string(),
+        Posted::After(first) => format!("{own} (first failure reported in the job: {first})"),
+        Posted::Unreachable(why) => {
+            format!("{own} (the job's failure notices could not be read: {why})")
         }
     }
 }

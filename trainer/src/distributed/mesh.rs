@@ -304,6 +304,7 @@ pub struct DeviceMesh {
 impl DeviceMesh {
     /// One process: every group is this rank alone.
     pub fn single() -> Self {
+        crate::metrics::set_model_parallel_size(1);
         DeviceMesh {
             mesh: Mesh::single(),
             tp: Group::solo(),
@@ -321,6 +322,7 @@ impl DeviceMesh {
     /// starts. The pipeline's point-to-point groups are made by the pipeline
     /// ([`DeviceMesh::new_group`]).
     pub fn connect(dist: Dist, mesh: Mesh) -> Result<Self, CommError> {
+        crate::metrics::set_model_parallel_size(mesh.tp * mesh.pp);
         let group = |dims: &[Dim], tag: &str| -> Result<Group, CommError> {
             let members = mesh.group_members(dims);
             let name = format!("{tag}/{}", members[0]);
@@ -414,10 +416,13 @@ impl DeviceMesh {
         Ok(sum[0].round() as i64)
     }
 
-    /// Reduces each metric over the data-parallel ranks in place with its reduction (tensor
-    /// parallel ranks hold the same values).
+    /// Reduces each metric in place with its reduction: a sum over the data-parallel ranks
+    /// (the loss, whose model-parallel ranks hold the same value), a mean, max or min over
+    /// every rank of the job — the ranks `titan-obs metrics` reduces the recorded scalars
+    /// over, so the console, `metrics.jsonl`, TensorBoard and titan-obs show one number
+    /// (before, the console's `tps_mean` was rank 0's data-parallel group's only).
     pub fn reduce_metrics(&self, metrics: &mut [(f64, Reduce)]) -> Result<(), CommError> {
-        let n = self.mesh.dp_degree() as f64;
+        let n = (self.mesh.dp_degree() * self.mesh.tp * self.mesh.pp) as f64;
         let sums: Vec<f64> = metrics
             .iter()
             .map(|&(v, r)| match r {
@@ -434,10 +439,22 @@ impl DeviceMesh {
             })
             .collect();
         let sums = self.reduce_scalars(&self.dp, &sums, ReduceOp::Sum)?;
-        let maxes = self.reduce_scalars(&self.dp, &maxes, ReduceOp::Max)?;
+        // The means' sums go on over the model-parallel groups (dp x tp x pp is the world:
+        // context parallelism is refused before the job starts); the loss's does not.
+        let means: Vec<f64> = metrics
+            .iter()
+            .zip(&sums)
+            .map(|(&(_, r), &s)| if r == Reduce::Mean { s } else { 0.0 })
+            .collect();
+        let means = self.reduce_scalars(&self.tp, &means, ReduceOp::Sum)?;
+        let means = self.reduce_scalars(&self.pp, &means, ReduceOp::Sum)?;
+        let mut maxes = self.reduce_scalars(&self.dp, &maxes, ReduceOp::Max)?;
+        for g in [&self.tp, &self.pp] {
+            maxes = self.reduce_scalars(g, &maxes, ReduceOp::Max)?;
+        }
         for (i, (v, r)) in metrics.iter_mut().enumerate() {
             *v = match r {
-                Reduce::Mean => sums[i] / n,
+                Reduce::Mean => means[i] / n,
                 Reduce::Sum => sums[i],
                 Reduce::Max => maxes[i],
                 Reduce::Min => -maxes[i],

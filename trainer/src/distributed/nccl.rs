@@ -520,6 +520,9 @@ fn watchdog(
             };
             *watch.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(own.clone());
             eprintln!("titan-train: error: {own}{context}");
+            // The board's post put the failure in this rank's titan-obs records: flush them
+            // before exiting, or the journal would lose it with the last interval.
+            let _ = titan_obs_core::finish();
             std::process::exit(1);
         }
         std::thread::sleep(Duration::from_millis(1));

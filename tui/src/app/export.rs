@@ -159,8 +159,15 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
         let late = t.late_rank().map(|(r, _)| r);
         t.lanes
             .iter()
-            .flat_map(|lane| {
-                let mark = if late == Some(lane.rank) { " late" } else { "" };
+            .enumerate()
+            .flat_map(|(ix, lane)| {
+                // Once per rank, on its first lane (not on each of its threads').
+                let first_lane = ix == 0 || t.lanes[ix - 1].rank != lane.rank;
+                let mark = if first_lane && late == Some(lane.rank) {
+                    " late"
+                } else {
+                    ""
+                };
                 lane.rows
                     .iter()
                     .filter(|r| opts.max_depth.is_none_or(|m| r.depth <= m))
@@ -418,10 +425,16 @@ pub fn scene(t: &Timeline, opts: &GanttImageOptions) -> anyhow::Result<Scene> {
     if let Some(w) = t.analysis.waits.table.first() {
         entries.push((
             format!(
-                "waiting on r{} (late from {}, last in {} steps, {} waited)",
+                "waiting on r{} (late from {}{}, {} waited)",
                 w.rank,
                 w.phase,
-                w.steps_last,
+                // A rank can cause the most wait over the run without being any one step's
+                // latest: "last in 0 steps" read as a contradiction.
+                if w.steps_last > 0 {
+                    format!(", last in {} steps", w.steps_last)
+                } else {
+                    String::new()
+                },
                 dur(w.wait_caused_ns)
             ),
             None,

@@ -481,10 +481,20 @@ impl TimelineBuilder {
     fn analyse(&self) -> (Analysis, titan_obs_core::analysis::RankTimes) {
         let n: usize = self.lanes.values().map(Vec::len).sum();
         let mut spans = OwnedSpans::with_capacity(n);
+        // A dense thread index per rank, in thread order (ids may be 64-bit): the analysis
+        // tells a rank's main thread from its background threads by it.
+        let mut last_rank = None;
+        let mut thread_index = 0u32;
         for (&(r, _), raw) in &self.lanes {
+            if last_rank == Some(r) {
+                thread_index += 1;
+            } else {
+                (last_rank, thread_index) = (Some(r), 0);
+            }
             for s in raw {
-                spans.push(
+                spans.push_on(
                     r,
+                    thread_index,
                     s.step,
                     u32::from(s.phase),
                     s.start,

@@ -313,8 +313,10 @@ fn row_label(t: &Timeline, row: RowRef) -> String {
                 } else {
                     format!("r{}", l.rank)
                 };
-                // The rank the others waited for at collectives.
-                if t.late_rank().is_some_and(|(r, _)| r == l.rank) {
+                // The rank the others waited for at collectives: marked once, on its first
+                // lane (not on each of its threads').
+                let first_lane = lane == 0 || t.lanes[lane as usize - 1].rank != l.rank;
+                if first_lane && t.late_rank().is_some_and(|(r, _)| r == l.rank) {
                     format!("{label} late")
                 } else {
                     label
@@ -829,11 +831,7 @@ fn draw_summary(f: &mut Frame, area: Rect, t: &Timeline) {
                 Line::from(dur(s.stats.p50_ns)),
                 Line::from(dur(s.stats.p95_ns)),
                 Line::from(dur(s.stats.max_ns)),
-                Line::from(
-                    s.share_of_step
-                        .map(|x| format!("{:.1}", x * 100.0))
-                        .unwrap_or_else(|| "-".into()),
-                ),
+                Line::from(s.share_label("")),
                 Line::from(slow),
             ])
         })
@@ -920,7 +918,9 @@ pub const HELP: &[(&str, &str)] = &[
 /// What the help box says below the keys: the marks on screen that no key explains.
 pub const HELP_NOTES: &[&str] = &[
     "rN: rank N's top-level spans; d1 d2 d3: its spans nested 1, 2, 3 deep",
+    "rN.tM: rank N's thread M (t0 main; other threads run beside the step)",
     "rN late: the rank the others waited for (title: waiting on rN)",
+    "0F3: stage 0's forward of microbatch 3; B backward, I/W halves, E eval",
     "▓ red: a straggler's span (as `titan-obs summary`), above the median",
     "step row: C checkpoint, V validation, G gc (garbage collection)",
 ];

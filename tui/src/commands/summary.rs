@@ -35,6 +35,8 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
     // Start times match collectives across ranks ("waiting on").
     let columns = Columns {
         start: true,
+        // The errors' messages.
+        messages: true,
         ..Columns::SUMMARY
     };
     let loaded = load_run_with(&args.run, columns, !args.exact)?;
@@ -71,6 +73,34 @@ pub fn render(s: &Summary, top: usize) -> String {
     );
     if !s.missing_ranks.is_empty() {
         let _ = writeln!(o, "missing ranks: {:?}", s.missing_ranks);
+    }
+    for e in &s.ended_early {
+        let _ = writeln!(
+            o,
+            "ended early: rank {}'s records end {}, the others' at step {} (it stopped, was \
+             killed or lost its last records)",
+            e.rank,
+            e.last_step
+                .map_or("before any step".to_string(), |l| format!("at step {l}")),
+            e.run_last_step
+        );
+    }
+    for e in s.error_records.iter().take(top) {
+        let _ = writeln!(
+            o,
+            "error: rank {}{} in {}: {}",
+            e.rank,
+            e.step.map(|s| format!(" step {s}")).unwrap_or_default(),
+            e.name,
+            e.message
+        );
+    }
+    if s.error_records.len() > top {
+        let _ = writeln!(
+            o,
+            "  ... {} more errors (--top or --json)",
+            s.error_records.len() - top
+        );
     }
     for (p, e) in &s.corrupt_parts {
         let _ = writeln!(o, "corrupt part (skipped): {p}: {e}");
@@ -132,7 +162,9 @@ pub fn render(s: &Summary, top: usize) -> String {
     // `all_reduce`).
     let _ = writeln!(
         o,
-        "\nphases (all ranks, all steps; by total time; depth 0 = top level)"
+        "\nphases (all ranks, all steps; by total time; depth 0 = top level; % step: of the \
+         step time, on the ranks' main threads; (in parentheses) on their other threads, \
+         concurrent with the step)"
     );
     let header = [
         "phase", "depth", "count", "total", "mean", "p50", "p95", "max", "% step",
@@ -148,8 +180,7 @@ pub fn render(s: &Summary, top: usize) -> String {
             human_ns(p.stats.p50_ns as f64),
             human_ns(p.stats.p95_ns as f64),
             human_ns(p.stats.max_ns as f64),
-            p.share_of_step
-                .map_or("-".into(), |x| format!("{:.1}%", x * 100.0)),
+            p.share_label("%"),
         ]);
     }
     table(
@@ -285,15 +316,17 @@ pub fn render(s: &Summary, top: usize) -> String {
 
 /// Per stage: pass times, the measured bubble and the schedule's ideal; the slowest stage.
 fn render_pipeline(o: &mut String, p: &PipelineSummary) {
+    let ideal = match p.ideal_bubble {
+        Some(b) => format!("ideal bubble {:.1}% = (p-1)/(v*m+p-1)", b * 100.0),
+        // The weight passes fill the bubble that formula counts.
+        None => "zero-bubble schedule (backward split into input and weight passes): the \
+                 ideal bubble (p-1)/(v*m+p-1) of GPipe/1F1B does not apply"
+            .to_string(),
+    };
     let _ = writeln!(
         o,
-        "\npipeline: {} stages on {} pipeline ranks ({} per rank), {} microbatches; ideal bubble \
-         {:.1}% = (p-1)/(v*m+p-1)",
-        p.stages,
-        p.pipeline_ranks,
-        p.stages_per_rank,
-        p.microbatches,
-        p.ideal_bubble * 100.0
+        "\npipeline: {} stages on {} pipeline ranks ({} per rank), {} microbatches; {ideal}",
+        p.stages, p.pipeline_ranks, p.stages_per_rank, p.microbatches,
     );
     let header = [
         "stages",
@@ -304,7 +337,7 @@ fn render_pipeline(o: &mut String, p: &PipelineSummary) {
         "pipeline/step",
         "recv wait",
         "bubble",
-        "",
+        "most compute",
     ];
     let list = |v: Vec<String>| v.join(",");
     let rows: Vec<[String; 9]> = p
@@ -322,7 +355,7 @@ fn render_pipeline(o: &mut String, p: &PipelineSummary) {
                 human_ns(st.recv_wait_ns),
                 format!("{:.1}%", st.bubble * 100.0),
                 if i == p.slowest {
-                    "slowest".into()
+                    "yes".into()
                 } else {
                     String::new()
                 },
@@ -335,6 +368,12 @@ fn render_pipeline(o: &mut String, p: &PipelineSummary) {
         &rows,
         &[false, false, true, true, true, true, true, true, false],
     );
+    if p.split_backward {
+        let _ = writeln!(
+            o,
+            "backward/mb: a microbatch's input and weight passes together"
+        );
+    }
     if let Some(st) = p.per_stage.get(p.slowest) {
         let stages: Vec<String> = st.stages.iter().map(u16::to_string).collect();
         let _ = writeln!(
