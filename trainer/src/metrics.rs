@@ -8,8 +8,6 @@
 
 use std::fmt::Write as _;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use serde::Serialize;
 use tch::Device;
 use titan_obs_core::Reduce;
@@ -104,20 +102,6 @@ pub fn peak_flops(device: Device, configured_tflops: f64) -> f64 {
     }
 }
 
-/// The tensor x pipeline parallel degree of this process's job: the ranks that share one
-/// data-parallel rank's batch. Set once by the device mesh (`DeviceMesh::single`/`connect`);
-/// a process is one rank of one job, so it is process-wide, as torchtitan's `parallel_dims`.
-static MODEL_PARALLEL_SIZE: AtomicUsize = AtomicUsize::new(1);
-
-/// Sets [`MODEL_PARALLEL_SIZE`] (the device mesh does, when it is made).
-pub fn set_model_parallel_size(n: usize) {
-    MODEL_PARALLEL_SIZE.store(n.max(1), Ordering::Relaxed);
-}
-
-fn model_parallel_size() -> usize {
-    MODEL_PARALLEL_SIZE.load(Ordering::Relaxed)
-}
-
 /// The tokens and the training time behind one logged throughput: the steps since the last
 /// logged step, minus the time spent outside training in between (validation), so tokens/s,
 /// TFLOPS and MFU cover the same tokens and the same training time.
@@ -151,11 +135,8 @@ impl ThroughputWindow {
     /// `MetricsProcessor.log` computes it: this rank's input tokens / (time x the
     /// non-data-parallel size, tp x pp), so tensor- and pipeline-parallel ranks, which train
     /// the same tokens, share them rather than each claiming them all.
-    pub fn tokens_per_second(&self, now: std::time::Instant) -> f64 {
-        self.per_gpu(now, model_parallel_size())
-    }
-
-    fn per_gpu(&self, now: std::time::Instant, model_parallel: usize) -> f64 {
+    /// `model_parallel` is the mesh's tp x pp.
+    pub fn tokens_per_second(&self, now: std::time::Instant, model_parallel: usize) -> f64 {
         let training = now
             .saturating_duration_since(self.start)
             .saturating_sub(self.excluded);
@@ -198,9 +179,9 @@ impl StepMetrics {
     /// data-parallel rank's tokens (tokens / tp x pp): its model-parallel ranks trained the
     /// same tokens, so summed over every rank they count once (issue 39: TP2 trained 512
     /// tokens and titan-obs said 1024).
-    pub fn scalars(&self) -> [(&'static str, f64, Reduce); 8] {
+    pub fn scalars(&self, model_parallel: usize) -> [(&'static str, f64, Reduce); 8] {
         let mut v = self.values();
-        v[7].1 /= model_parallel_size() as f64;
+        v[7].1 /= model_parallel.max(1) as f64;
         v
     }
 
@@ -299,11 +280,11 @@ mod tests {
         w.add_tokens(5000);
         w.exclude(Duration::from_secs(5));
         w.add_tokens(5000);
-        let tps = w.tokens_per_second(t0 + Duration::from_secs(15));
+        let tps = w.tokens_per_second(t0 + Duration::from_secs(15), 1);
         assert!((tps - 1000.0).abs() < 1e-6, "{tps}");
         w.restart(t0 + Duration::from_secs(15));
         w.add_tokens(3000);
-        let tps = w.tokens_per_second(t0 + Duration::from_secs(18));
+        let tps = w.tokens_per_second(t0 + Duration::from_secs(18), 1);
         assert!((tps - 1000.0).abs() < 1e-6, "{tps}");
     }
 
@@ -316,9 +297,9 @@ mod tests {
         let mut w = ThroughputWindow::new(t0);
         w.add_tokens(4096);
         let at = t0 + Duration::from_secs(2);
-        assert!((w.per_gpu(at, 1) - 4096.0 / 2.0).abs() < 1e-9);
+        assert!((w.tokens_per_second(at, 1) - 4096.0 / 2.0).abs() < 1e-9);
         // tp 2 x pp 2: the data-parallel rank's 4096 tokens over 4 GPUs for 2 s.
-        assert!((w.per_gpu(at, 4) - 4096.0 / (2.0 * 4.0)).abs() < 1e-9);
+        assert!((w.tokens_per_second(at, 4) - 4096.0 / (2.0 * 4.0)).abs() < 1e-9);
     }
 
     #[test]

@@ -640,7 +640,9 @@ impl<'a> Job<'a> {
         progress: &console::Steps,
     ) -> Result<f64> {
         let _s = titan_obs_core::span(titan::COLLECT_DIST_METRICS);
-        let tps = window.tokens_per_second(Instant::now());
+        // torchtitan's per-GPU figures: a data-parallel rank's tokens shared by its tp x pp ranks.
+        let model_parallel = self.mesh.mesh.tp * self.mesh.mesh.pp;
+        let tps = window.tokens_per_second(Instant::now(), model_parallel);
         let (rss, peak_rss) = metrics::rss_bytes();
         let on_cuda = self.device.is_cuda();
         let memory = if on_cuda {
@@ -668,7 +670,7 @@ impl<'a> Job<'a> {
         // them across ranks later; the console shows the cross-rank reductions now.
         let own_loss = f.local_loss * f.global_tokens as f64 / f.local_tokens.max(1) as f64;
         let own = per_rank(own_loss, f.grad_norm, memory as f64, tps, f.local_tokens);
-        for (name, value, reduce) in own.scalars() {
+        for (name, value, reduce) in own.scalars(model_parallel) {
             titan_obs_core::scalar(name, value, reduce);
         }
         let mut reduced = [

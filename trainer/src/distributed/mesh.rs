@@ -304,7 +304,6 @@ pub struct DeviceMesh {
 impl DeviceMesh {
     /// One process: every group is this rank alone.
     pub fn single() -> Self {
-        crate::metrics::set_model_parallel_size(1);
         DeviceMesh {
             mesh: Mesh::single(),
             tp: Group::solo(),
@@ -322,7 +321,6 @@ impl DeviceMesh {
     /// starts. The pipeline's point-to-point groups are made by the pipeline
     /// ([`DeviceMesh::new_group`]).
     pub fn connect(dist: Dist, mesh: Mesh) -> Result<Self, CommError> {
-        crate::metrics::set_model_parallel_size(mesh.tp * mesh.pp);
         let group = |dims: &[Dim], tag: &str| -> Result<Group, CommError> {
             let members = mesh.group_members(dims);
             let name = format!("{tag}/{}", members[0]);
