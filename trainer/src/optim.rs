@@ -42,6 +42,12 @@ impl From<&OptimizerConfig> for AdamWParams {
     }
 }
 
+/// What parameters share to step in one fused call: device, dtype and step count.
+type GroupKey = (tch::Device, Kind, u64);
+
+/// A parameter of a fused group: its fqn, the parameter and its gradient.
+type Member<'a> = (&'a str, &'a Tensor, Tensor);
+
 /// The state of one parameter, named as in PyTorch's optimizer state dict.
 #[derive(Debug)]
 pub struct ParamState {
@@ -111,7 +117,7 @@ impl AdamW {
             return Ok(());
         }
         // (device, dtype, step after this update) -> the group's parameters, in model order.
-        let mut groups: Vec<((tch::Device, Kind, u64), Vec<(&str, &Tensor, Tensor)>)> = Vec::new();
+        let mut groups: Vec<(GroupKey, Vec<Member<'_>>)> = Vec::new();
         for (name, param) in params {
             let grad = param.grad();
             if !grad.defined() {

@@ -718,10 +718,31 @@ impl<'a> Job<'a> {
         let tps = window.tokens_per_second(Instant::now(), model_parallel);
         let (rss, peak_rss) = metrics::rss_bytes();
         let on_cuda = self.device.is_cuda();
-        let memory = if on_cuda {
-            metrics::cuda_process_memory_bytes().unwrap_or(0)
-        } else {
-            rss
+        // On CUDA the caching allocator's peak reserved bytes since the last log (torchtitan's
+        // console figure); on CPU the process's resident memory (named `rss` where recorded).
+        let memory = match self.device {
+            Device::Cuda(index) => match metrics::cuda_memory(index) {
+                Ok(m) => {
+                    if m.alloc_retries > 0 {
+                        tracing::warn!("{} CUDA memory allocation retries", m.alloc_retries);
+                    }
+                    if m.ooms > 0 {
+                        tracing::warn!("{} CUDA OOM errors thrown", m.ooms);
+                    }
+                    tracing::debug!(
+                        max_active_gib = m.max_active as f64 / (1u64 << 30) as f64,
+                        max_reserved_gib = m.max_reserved as f64 / (1u64 << 30) as f64,
+                        max_reserved_pct = 100.0 * m.max_reserved as f64 / m.capacity.max(1) as f64,
+                        "CUDA memory"
+                    );
+                    m.max_reserved
+                }
+                Err(e) => {
+                    tracing::warn!("CUDA memory statistics: {e}");
+                    0
+                }
+            },
+            _ => rss,
         };
         let gib = (1u64 << 30) as f64;
         let (flops_per_token, peak_flops) = (self.flops_per_token, self.peak_flops);
