@@ -1,5 +1,6 @@
-//! Detail levels (`part-<N>.lod`, `titan_obs_core::lod`): every writer puts them beside every
-//! part, and they are exactly what a reader builds from the part; a run written before them
+//! Detail levels (`titan_obs_core::lod`): every writer puts them in every part's footer
+//! (`part-<N>.lod` beside it before issue 42, still read), and they are exactly what a
+//! reader builds from the part; a run written before them
 //! gets them on first open (cached when the folder is writable); a damaged one is named,
 //! left as evidence, and the part's own spans used instead.
 
@@ -56,7 +57,7 @@ fn every_part_has_the_detail_levels_a_reader_would_build() {
         let len = std::fs::metadata(p).unwrap().len();
         let written = lod::read_local(p, len)
             .unwrap()
-            .expect("a .lod beside the part");
+            .expect("the levels in the part's footer");
         assert_eq!(written, built(p, *rank), "{}", p.display());
         assert_eq!(written.rank, *rank);
         assert!(
@@ -88,6 +89,8 @@ fn a_run_written_before_gets_them_on_first_open_and_damage_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let run = synth(dir.path());
     let (rank, part) = parts(&run)[4].clone();
+    // The layout before issue 42: the levels in a file beside the part.
+    titan_obs_core::embedded::split_out(&part).unwrap();
     let file = lod::detail_path(&part);
     let original = std::fs::read(&file).unwrap();
 
