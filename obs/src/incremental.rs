@@ -930,16 +930,18 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
             // As a rank summary: only while every part it covers has the length it lists
             // (one stat a part; a part truncated or rewritten in place, which leaves the
             // folder's mtime alone, is read again and named if damaged).
-            Ok(digest) if crate::digest::local::covered_lengths_match(&digest, &dir) => Done::Rank {
-                rank,
-                dir,
-                parts: digest.covered_set(),
-                summarised: crate::digest::RankSummarised {
-                    digest,
-                    ..Default::default()
-                },
-                rolled: true,
-            },
+            Ok(digest) if crate::digest::local::covered_lengths_match(&digest, &dir) => {
+                Done::Rank {
+                    rank,
+                    dir,
+                    parts: digest.covered_set(),
+                    summarised: crate::digest::RankSummarised {
+                        digest,
+                        ..Default::default()
+                    },
+                    rolled: true,
+                }
+            }
             // The entry does not check out or no longer fits: the rank is read from its
             // folder, as without one.
             got => {
