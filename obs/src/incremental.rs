@@ -330,7 +330,7 @@ impl PartsReader {
         let ranks_read = &self.ranks_read;
         let whole_ranks = opts.digests && matches!(self.location, Location::Local(_));
         // The node rollups are read once, with the first refresh of a reader of summaries.
-        let rollups = whole_ranks && ranks_read.is_empty();
+        let rollups = whole_ranks && opts.node_rollups && ranks_read.is_empty();
         let listing = list_files(
             &self.location,
             &mut self.rank_dir_listings,

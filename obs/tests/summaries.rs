@@ -15,8 +15,10 @@ use titan_obs_core::synth::{Straggler, SynthConfig, write_run};
 use titan_obs_core::{ReadOptions, Run};
 
 fn load(run: &Path, digests: bool) -> Run {
+    // Reading summaries, through the node rollups where they describe the rank folders.
     let opts = ReadOptions {
         digests,
+        node_rollups: digests,
         ..Default::default()
     };
     titan_obs_core::load(run.to_str().unwrap(), &opts).unwrap()
@@ -459,6 +461,7 @@ fn read_counts(run: &Path) -> (titan_obs_core::read::ReadCounters, u64) {
     let mut reader = titan_obs_core::read::PartsReader::open(run.to_str().unwrap()).unwrap();
     let opts = ReadOptions {
         digests: true,
+        node_rollups: true,
         ..Default::default()
     };
     reader.refresh_with(&opts, true).unwrap();

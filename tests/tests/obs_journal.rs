@@ -188,6 +188,7 @@ fn a_short_run_leaves_one_part_per_rank() {
     let mut reader = PartsReader::open(run.to_str().unwrap()).unwrap();
     let digests = ReadOptions {
         digests: true,
+        node_rollups: true,
         ..Default::default()
     };
     reader.refresh_with(&digests, true).unwrap();
