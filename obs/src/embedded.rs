@@ -61,9 +61,9 @@ pub fn detail(kv: &HashMap<String, String>) -> Result<Option<PartDetail>> {
     let Some(bytes) = entry(kv, meta::DETAIL)? else {
         return Ok(None);
     };
-    crate::lod::decode(&bytes, 0)
-        .map(Some)
-        .with_context(|| format!("its footer's `{}`", meta::DETAIL))
+    // No context of its own: the TUI shows the message in its title bar, where it must stay
+    // short; callers name the part.
+    crate::lod::decode(&bytes, 0).map(Some)
 }
 
 fn entry(kv: &HashMap<String, String>, key: &str) -> Result<Option<Vec<u8>>> {

@@ -652,7 +652,7 @@ pub fn open(part: &PartFile) -> Result<Opened> {
     // object store); a part written before holds none, and has them beside it.
     let found = match part.footer_kv() {
         Ok(kv) if kv.contains_key(crate::schema::meta::DETAIL) => crate::embedded::detail(&kv)
-            .with_context(|| format!("the detail levels in {} are damaged", part.shown())),
+            .with_context(|| format!("{}: levels damaged", part.shown())),
         _ => part.read_beside("lod").and_then(|b| match b {
             Some(b) => decode(&b, len)
                 .map(Some)

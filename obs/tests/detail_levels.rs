@@ -194,3 +194,27 @@ fn keep_run_picks_the_newest_run_or_the_one_asked_for() {
         "{e}"
     );
 }
+
+/// Issue 42: the levels in a part's footer, damaged (one base64 character changed): named
+/// (the part and its footer's key), and the part's spans used instead.
+#[test]
+fn damaged_levels_in_a_footer_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth(dir.path());
+    let (rank, part) = parts(&run)[2].clone();
+    let bytes = std::fs::read(&part).unwrap();
+    let bad = titan_obs_core::embedded::reencode(bytes.into(), |kv| {
+        let lod = kv.iter_mut().find(|k| k.key == "titan.lod").unwrap();
+        let v = lod.value.as_mut().unwrap();
+        let at = v.len() / 2;
+        let c = if &v[at..=at] == "A" { "B" } else { "A" };
+        v.replace_range(at..=at, c);
+    })
+    .unwrap();
+    std::fs::write(&part, &bad).unwrap();
+    let o = lod::open(&PartFile::local(part.clone(), rank)).unwrap();
+    let why = o.damaged.expect("damage is named");
+    assert!(why.contains(&part.display().to_string()), "{why}");
+    assert!(why.contains("levels damaged"), "{why}");
+    assert_eq!(o.detail, built(&part, rank));
+}

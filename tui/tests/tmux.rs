@@ -611,7 +611,7 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
 
     let s = long_run_first_frame_and_summary(&tmux);
     assert!(
-        s.contains("part-000000.parquet are damaged"),
+        s.contains("part-000000.parquet: levels damaged"),
         "the damaged detail file is named:\n{s}"
     );
     let s = zoom_into_spans(&tmux);
