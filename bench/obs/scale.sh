@@ -180,9 +180,10 @@ one() {  # one LAYOUT RANKS HOURS
     tui_follow "tui follow $1 $2x$3h" "$run" "$2"
     return
   fi
-  # The summary from the node rollups (the default), from every span (--exact: what
-  # `summary` did before summaries), then without the rollups (each rank's `rank.summary`,
-  # its folder listed: issue 25's reader), and without rank summaries either (every part's
+  # The summary from the rank summaries (the default), from every span (--exact: what
+  # `summary` did before summaries), through the node rollups (opt-in:
+  # TITAN_OBS_NODE_ROLLUPS=1), then with the rollups moved aside (the default's path again,
+  # as a check), and without rank summaries either (every part's
   # summary read from its footer; they are rebuilt and cached, then the summary is the first
   # line's). The rollups are moved to $DIR/rollups and not put back (the rank summaries
   # rebuilt changed the rank folders, so they no longer describe them): the headless load,
@@ -190,6 +191,8 @@ one() {  # one LAYOUT RANKS HOURS
   # measures the TUI with its rollups.
   measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
   measure_json "summary --exact $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet --exact
+  TITAN_OBS_NODE_ROLLUPS=1 measure_json "summary through node rollups $1 $2x$3h" "$RUNS" \
+    "$BIN" summary "$run" --quiet
   # `metrics` reads the summaries' scalar sections the same way.
   measure_json "metrics $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet
   measure_json "metrics --exact $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet --exact
