@@ -16,6 +16,9 @@
 # summaries: the parts' and the ranks' built, cached, then summarised); `metrics` from the
 # summaries and with `--exact`.
 #
+# The run's files: all of them, rank 0's folder's (one per part and `rank.summary` since issue 42),
+# and the node rollups (`obs/node-<host>.summary`).
+#
 # Environment: OBS_SCALE_DIR (default /tmp/titan-obs-scale), RANKS (1024), HOURS ("1 6 24"),
 # PROFILE (release; dev: see below), SUMMARY_ONLY (0; 1: only the files, the three summaries and the two metrics, no load/TUI/follow),
 # TUI_ONLY (0; 1: only the TUI: its first frame, the time and peak RSS until its whole-run
@@ -163,7 +166,7 @@ tui_follow() {
 }
 
 describe() {
-  echo "{\"run\":\"$1\",\"files\":$(find "$1/obs" -type f | wc -l),\"bytes\":$(du -sb "$1/obs" | cut -f1)}"
+  echo "{\"run\":\"$1\",\"files\":$(find "$1/obs" -type f | wc -l),\"files_rank_0\":$(find "$1/obs/rank-0" -type f | wc -l),\"node_rollups\":$(find "$1/obs" -maxdepth 1 -name 'node-*.summary' | wc -l),\"bytes\":$(du -sb "$1/obs" | cut -f1)}"
 }
 
 one() {  # one LAYOUT RANKS HOURS
@@ -178,15 +181,26 @@ one() {  # one LAYOUT RANKS HOURS
     return
   fi
   # The summary from the rank summaries (the default), from every span (--exact: what
-  # `summary` did before), and the first open of a run written without any summary (they
-  # are built and cached next to the parts, then the summary is the first line's).
+  # `summary` did before summaries), through the node rollups (opt-in:
+  # TITAN_OBS_NODE_ROLLUPS=1), then with the rollups moved aside (the default's path again,
+  # as a check), and without rank summaries either (every part's
+  # summary read from its footer; they are rebuilt and cached, then the summary is the first
+  # line's). The rollups are moved to $DIR/rollups and not put back (the rank summaries
+  # rebuilt changed the rank folders, so they no longer describe them): the headless load,
+  # the TUI and `--follow` below then read the rank summaries; TUI_ONLY=1 on a fresh run
+  # measures the TUI with its rollups.
   measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
   measure_json "summary --exact $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet --exact
+  TITAN_OBS_NODE_ROLLUPS=1 measure_json "summary through node rollups $1 $2x$3h" "$RUNS" \
+    "$BIN" summary "$run" --quiet
   # `metrics` reads the summaries' scalar sections the same way.
   measure_json "metrics $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet
   measure_json "metrics --exact $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet --exact
+  mkdir -p "$DIR/rollups"
+  find "$run/obs" -maxdepth 1 -name 'node-*' -exec mv {} "$DIR/rollups/" \;
+  measure_json "summary without node rollups $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
   find "$run/obs" \( -name 'part-*.summary' -o -name rank.summary \) -delete
-  measure_json "summary, first open without summaries $1 $2x$3h" 1 "$BIN" summary "$run" --quiet
+  measure_json "summary, first open without rank summaries $1 $2x$3h" 1 "$BIN" summary "$run" --quiet
   if [ "$SUMMARY_ONLY" = 1 ]; then return; fi
   "$SCALE" load "$run" "$RUNS"
   tui_open "tui open $1 $2x$3h" "$run"

@@ -143,6 +143,26 @@ fn decode_part_unguarded(
     Ok(out)
 }
 
+/// Record batches about to be written as a part with `footer`, decoded as a reader decodes
+/// the part: what the summary and detail levels embedded in it are made of, without reading
+/// the encoded part back.
+pub(crate) fn decode_batches(
+    batches: &[RecordBatch],
+    footer: &Footer,
+    columns: Columns,
+) -> Result<PartData> {
+    let mut out = PartData {
+        info: rank_info(footer),
+        damage: footer.damage.clone(),
+        ..Default::default()
+    };
+    let mut dicts = Dicts::default();
+    for batch in batches {
+        decode_batch(batch, footer.header.rank, columns, &mut dicts, &mut out)?;
+    }
+    Ok(out)
+}
+
 /// What one journal read decoded.
 pub(crate) struct JournalRead {
     pub(crate) data: PartData,
@@ -153,15 +173,7 @@ pub(crate) struct JournalRead {
 
 /// A part's footer, from its Parquet key-value metadata.
 pub(crate) fn footer_of(meta: &FileMetaData) -> Result<Footer> {
-    let kv: HashMap<String, String> = meta
-        .key_value_metadata()
-        .map(|kvs| {
-            kvs.iter()
-                .filter_map(|k| Some((k.key.clone(), k.value.clone()?)))
-                .collect()
-        })
-        .unwrap_or_default();
-    Footer::parse(&kv)
+    Footer::parse(&crate::embedded::kv_map(meta))
 }
 
 /// A whole Parquet part as it was written: its footer and its record batches, every column

@@ -33,6 +33,14 @@ pub struct ReadCounters {
     pub bytes: u64,
     /// Records decoded.
     pub rows: u64,
+    /// Node rollups read (`obs/node-<host>.summary`, [`crate::digest::node`]).
+    pub rollups_read: u64,
+    /// Ranks whose summary came from a node rollup (their folders stat'ed, not listed).
+    pub ranks_rolled_up: u64,
+    /// Object stores: the requests made, GETs and LIST pages (a LIST answers with at most
+    /// 1 000 objects per request, S3's page size: counted as objects listed / 1 000, rounded
+    /// up).
+    pub requests: u64,
 }
 
 impl ReadCounters {
@@ -42,6 +50,9 @@ impl ReadCounters {
         self.journal_batches += o.journal_batches;
         self.bytes += o.bytes;
         self.rows += o.rows;
+        self.rollups_read += o.rollups_read;
+        self.ranks_rolled_up += o.ranks_rolled_up;
+        self.requests += o.requests;
     }
 }
 
@@ -71,6 +82,14 @@ struct Listing {
     /// folder and part indices, summarised from the rank summary ([`Work::Rank`], which
     /// checks the covered parts' lengths).
     named_parts: BTreeMap<u32, (PathBuf, BTreeSet<u64>)>,
+    /// Local rank folders that a node rollup still describes: their folder and entry (their
+    /// journal, if any, is in `files`).
+    rolled: BTreeMap<u32, (PathBuf, Rolled)>,
+    /// Node rollups read, and those that did not check out (file, error).
+    rollups_read: u64,
+    /// Object stores: LIST requests (pages of 1 000 objects).
+    list_requests: u64,
+    rollup_damage: Vec<(String, String)>,
     /// Local rank directories read (the others were unchanged since their last listing).
     dirs_read: u64,
 }
@@ -160,7 +179,17 @@ enum Work {
         rank: u32,
         dir: PathBuf,
         parts: BTreeSet<u64>,
+        /// The rank's entry of a node rollup, which still describes its folder: used instead
+        /// of `rank.summary` and the folder's listing (`parts` is then empty).
+        rolled: Option<Rolled>,
     },
+}
+
+/// A rank's entry of a node rollup: the rollup file (for messages) and the entry.
+#[derive(Clone)]
+struct Rolled {
+    file: PathBuf,
+    entry: crate::digest::node::Entry,
 }
 
 impl Work {
@@ -193,7 +222,10 @@ impl Work {
     /// Files this work stands for (for progress).
     fn files(&self) -> u64 {
         match self {
-            Work::Rank { parts, .. } => parts.len() as u64,
+            Work::Rank { parts, rolled, .. } => rolled
+                .as_ref()
+                .and_then(|r| r.entry.last_part)
+                .map_or(parts.len() as u64, |l| l + 1),
             _ => 1,
         }
     }
@@ -217,6 +249,8 @@ enum Done {
         dir: PathBuf,
         parts: BTreeSet<u64>,
         summarised: crate::digest::RankSummarised,
+        /// From a node rollup.
+        rolled: bool,
     },
 }
 
@@ -239,6 +273,8 @@ struct Fetched {
     digest: Option<crate::digest::PartDigest>,
     /// The part's summary file was there but damaged: why (its part is decoded instead).
     digest_damage: Option<String>,
+    /// Object-store requests made for it.
+    requests: u64,
 }
 
 impl PartsReader {
@@ -293,11 +329,14 @@ impl PartsReader {
         let seen = &self.seen;
         let ranks_read = &self.ranks_read;
         let whole_ranks = opts.digests && matches!(self.location, Location::Local(_));
+        // The node rollups are read once, with the first refresh of a reader of summaries.
+        let rollups = whole_ranks && opts.node_rollups && ranks_read.is_empty();
         let listing = list_files(
             &self.location,
             &mut self.rank_dir_listings,
             |rank, index| matches!(seen.get(&(rank, index)), Some(Seen::Part)),
             |rank| whole_ranks && !ranks_read.contains(&rank),
+            rollups,
         )?;
         self.rank_dirs.extend(listing.rank_dirs.iter().copied());
         self.last_dirs_read = listing.dirs_read;
@@ -310,8 +349,24 @@ impl PartsReader {
         let mut work = Vec::new();
         for (rank, (dir, parts)) in listing.named_parts {
             parts_listed.extend(parts.iter().map(|&i| (rank, i)));
-            work.push(Work::Rank { rank, dir, parts });
+            work.push(Work::Rank {
+                rank,
+                dir,
+                parts,
+                rolled: None,
+            });
         }
+        for (rank, (dir, rolled)) in listing.rolled {
+            work.push(Work::Rank {
+                rank,
+                dir,
+                parts: BTreeSet::new(),
+                rolled: Some(rolled),
+            });
+        }
+        let rollup_damage = listing.rollup_damage;
+        let rollups_read = listing.rollups_read;
+        let list_requests = listing.list_requests;
         for file in listing.files {
             let key = (file.rank, file.index);
             match (file.kind, self.seen.get(&key)) {
@@ -341,7 +396,20 @@ impl PartsReader {
         // Rank by rank; a rank's summary before its journals (a stable sort: files keep the
         // listing's order).
         work.sort_by_key(Work::order);
-        self.last = ReadCounters::default();
+        self.last = ReadCounters {
+            rollups_read,
+            requests: list_requests,
+            ..Default::default()
+        };
+        for (file, error) in rollup_damage {
+            self.run.report.damage.push(Damage {
+                bytes: std::fs::metadata(&file).map_or(0, |m| m.len()),
+                file,
+                offset: 0,
+                lost: "nothing: its ranks were read from their folders".into(),
+                error,
+            });
+        }
         // Decode in chunks: parallel within a chunk, merged (and freed) between chunks, so
         // peak memory is the tables plus one chunk of decoded files. A chunk holds at least
         // a few items per thread, and more while they are small (up to CHUNK_BYTES read):
@@ -365,6 +433,10 @@ impl PartsReader {
                 batch.extend(work.next());
             }
             let fetched = self.fetch(batch, opts.digests)?;
+            self.last.requests += fetched
+                .iter()
+                .map(|(_, f)| f.as_ref().map_or(0, |f| f.requests))
+                .sum::<u64>();
             let decoded: Vec<Done> = fetched
                 .into_par_iter()
                 .map(|(w, bytes)| {
@@ -432,6 +504,7 @@ impl PartsReader {
                                         checks: None,
                                         digest: Some(d),
                                         digest_damage: None,
+                                        requests: 0,
                                     });
                                 }
                                 Ok(None) => {}
@@ -448,6 +521,7 @@ impl PartsReader {
                             checks,
                             digest: None,
                             digest_damage,
+                            requests: 0,
                         })
                     })();
                     (w, fetched)
@@ -462,12 +536,35 @@ impl PartsReader {
                             let store = store.clone();
                             let r = range(&w);
                             let from = checks_from(&w);
+                            let whole_part = matches!(w, Work::Part { skip_rows: 0, .. });
                             async move {
                                 let Some(f) = w.file() else {
                                     return (w, Ok(Fetched::default()));
                                 };
                                 let path = f.object_path.clone().expect("object files have paths");
                                 let fetched = async {
+                                    let mut requests = 0;
+                                    let mut digest_damage = None;
+                                    // A part's summary is in its footer (issue 42): the end of
+                                    // the part, one request, instead of the whole part.
+                                    if digests && whole_part {
+                                        let (got, n) =
+                                            object_summary(store.as_ref(), &path, f.size).await;
+                                        requests += n;
+                                        match got {
+                                            Ok(Some(d)) => {
+                                                return Ok(Fetched {
+                                                    data: Bytes::new(),
+                                                    checks: None,
+                                                    digest: Some(d),
+                                                    digest_damage: None,
+                                                    requests,
+                                                });
+                                            }
+                                            Ok(None) => {}
+                                            Err(e) => digest_damage = Some(format!("{e:#}")),
+                                        }
+                                    }
                                     let checks = match from {
                                         Some(from) => {
                                             let name =
@@ -475,6 +572,7 @@ impl PartsReader {
                                             let cpath = object_store::path::Path::from(
                                                 name.to_string_lossy().as_ref(),
                                             );
+                                            requests += 1;
                                             match store.get(&cpath).await {
                                                 Ok(g) => {
                                                     let b = g.bytes().await.with_context(|| {
@@ -491,6 +589,7 @@ impl PartsReader {
                                         }
                                         None => None,
                                     };
+                                    requests += 1;
                                     let data = store
                                         .get_range(&path, r)
                                         .await
@@ -499,7 +598,8 @@ impl PartsReader {
                                         data,
                                         checks,
                                         digest: None,
-                                        digest_damage: None,
+                                        digest_damage,
+                                        requests,
                                     })
                                 }
                                 .await;
@@ -524,7 +624,11 @@ impl PartsReader {
                 dir,
                 parts,
                 summarised,
-            } => self.merge_rank(rank, &dir, parts, summarised, opts),
+                rolled,
+            } => {
+                self.last.ranks_rolled_up += u64::from(rolled);
+                self.merge_rank(rank, &dir, parts, summarised, opts)
+            }
             Done::Part {
                 file,
                 skip_rows,
@@ -790,8 +894,7 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
                 }
                 if let Some(e) = f.digest_damage {
                     let part = std::path::Path::new(&file.display);
-                    let summary = crate::digest::summary_path(part);
-                    digest_damage = Some((summary.display().to_string(), e));
+                    digest_damage = Some((crate::digest::summary_shown(part), e));
                 }
                 let b = f.data;
                 let n = b.len() as u64;
@@ -818,13 +921,60 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
                 digest_damage,
             }
         }
-        Work::Rank { rank, dir, parts } => {
+        Work::Rank {
+            rank,
+            dir,
+            rolled: Some(rolled),
+            ..
+        } => match crate::digest::rank_file::decode(&rolled.entry.summary) {
+            // As a rank summary: only while every part it covers has the length it lists
+            // (one stat a part; a part truncated or rewritten in place, which leaves the
+            // folder's mtime alone, is read again and named if damaged).
+            Ok(digest) if crate::digest::local::covered_lengths_match(&digest, &dir) => {
+                Done::Rank {
+                    rank,
+                    dir,
+                    parts: digest.covered_set(),
+                    summarised: crate::digest::RankSummarised {
+                        digest,
+                        ..Default::default()
+                    },
+                    rolled: true,
+                }
+            }
+            // The entry does not check out or no longer fits: the rank is read from its
+            // folder, as without one.
+            got => {
+                let listed = crate::digest::local::list_parts(&dir).unwrap_or_default();
+                let mut summarised = crate::digest::summarise_rank(&dir, rank, &listed, true);
+                if let Err(e) = got {
+                    summarised.damaged.push((
+                        format!("{} (rank {rank}'s entry)", rolled.file.display()),
+                        format!("{e:#}"),
+                    ));
+                }
+                Done::Rank {
+                    rank,
+                    dir,
+                    parts: listed,
+                    summarised,
+                    rolled: false,
+                }
+            }
+        },
+        Work::Rank {
+            rank,
+            dir,
+            parts,
+            rolled: None,
+        } => {
             let summarised = crate::digest::summarise_rank(&dir, rank, &parts, true);
             Done::Rank {
                 rank,
                 dir,
                 parts,
                 summarised,
+                rolled: false,
             }
         }
         Work::Journal { file, mut cursor } => {
@@ -887,10 +1037,15 @@ fn list_files(
     listings: &mut HashMap<u32, RankDirListing>,
     known: impl Fn(u32, u64) -> bool + Sync,
     by_name: impl Fn(u32) -> bool + Sync,
+    rollups: bool,
 ) -> Result<Listing> {
     let mut rank_dirs = BTreeSet::new();
     let mut files = Vec::new();
     let mut named_parts: BTreeMap<u32, (PathBuf, BTreeSet<u64>)> = BTreeMap::new();
+    let mut rolled = BTreeMap::new();
+    let mut rollups_read = 0;
+    let mut list_requests = 0;
+    let mut rollup_damage = Vec::new();
     let mut dirs_read = 0;
     match location {
         Location::Local(run) => {
@@ -906,27 +1061,57 @@ fn list_files(
                 );
             }
             let mut dirs = Vec::new();
+            let mut rollup_names = Vec::new();
             for entry in
                 std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))?
             {
                 let entry = entry?;
-                let Some(rank) = entry.file_name().to_str().and_then(parse_rank_dir_name) else {
+                let name = entry.file_name();
+                let Some(name) = name.to_str() else {
+                    continue;
+                };
+                if crate::digest::node::is_rollup_name(name) {
+                    rollup_names.push(name.to_string());
+                    continue;
+                }
+                let Some(rank) = parse_rank_dir_name(name) else {
                     continue;
                 };
                 rank_dirs.insert(rank);
                 dirs.push((rank, entry.path(), listings.remove(&rank)));
             }
+            let mut roll = crate::digest::node::Rollups::default();
+            if rollups && !rollup_names.is_empty() {
+                roll = crate::digest::node::read_all(&obs, &rollup_names);
+                rollups_read = roll.files;
+                rollup_damage = std::mem::take(&mut roll.damaged);
+            }
             // Rank folders in parallel: a refresh stats (and may list) every one of them.
             let listed: Vec<Result<RankDirListed>> = dirs
                 .into_par_iter()
-                .map(|(rank, dir, cached)| list_rank_dir(rank, dir, cached, &known, by_name(rank)))
+                .map(|(rank, dir, cached)| {
+                    let by_name = by_name(rank);
+                    let entry = roll
+                        .entries
+                        .get(&rank)
+                        .filter(|_| by_name && cached.is_none());
+                    if let Some((file, entry)) = entry
+                        && let Some(l) = rolled_rank_dir(rank, &dir, file, entry)
+                    {
+                        return Ok(l);
+                    }
+                    list_rank_dir(rank, dir, cached, &known, by_name)
+                })
                 .collect();
             for l in listed {
                 let l = l?;
                 dirs_read += u64::from(l.read);
                 files.extend(l.files);
                 if let Some(parts) = l.named {
-                    named_parts.insert(l.rank, (l.dir, parts));
+                    named_parts.insert(l.rank, (l.dir.clone(), parts));
+                }
+                if let Some(r) = l.rolled {
+                    rolled.insert(l.rank, (l.dir, r));
                 }
                 listings.insert(l.rank, l.listing);
             }
@@ -942,6 +1127,7 @@ fn list_files(
                     "{url}/obs/ holds no objects: not a titan run (or wrong credentials/endpoint)"
                 );
             }
+            list_requests = (metas.len() as u64).div_ceil(1000);
             for m in metas {
                 let parts_of: Vec<&str> = m.location.as_ref().rsplitn(3, '/').collect();
                 let [file, rank_dir, ..] = parts_of.as_slice() else {
@@ -973,7 +1159,62 @@ fn list_files(
         rank_dirs,
         files,
         named_parts,
+        rolled,
+        rollups_read,
+        list_requests,
+        rollup_damage,
         dirs_read,
+    })
+}
+
+/// A rank folder that its node rollup entry still describes, without listing it: the folder
+/// has the mtime the entry recorded and the next part does not exist (the rank's writer adds
+/// files in index order, so a part or journal made inside the timestamps' granularity is still
+/// seen); its open journal, if any, is the next index. `None`: read the folder as without one.
+fn rolled_rank_dir(
+    rank: u32,
+    dir: &std::path::Path,
+    file: &std::path::Path,
+    entry: &crate::digest::node::Entry,
+) -> Option<RankDirListed> {
+    let meta = std::fs::metadata(dir).ok()?;
+    if crate::digest::node::mtime_ns(&meta) != entry.dir_mtime_ns {
+        return None;
+    }
+    let next = entry.last_part.map_or(0, |l| l + 1);
+    if dir.join(crate::location::part_file_name(next)).exists() {
+        return None;
+    }
+    let journal_name = crate::location::journal_file_name(next);
+    let journal = dir.join(&journal_name);
+    let mut files = Vec::new();
+    let mut pending = Vec::new();
+    if let Ok(m) = std::fs::metadata(&journal) {
+        pending.push((journal_name, FileKind::Journal, next));
+        files.push(Listed {
+            rank,
+            index: next,
+            kind: FileKind::Journal,
+            size: m.len(),
+            display: journal.display().to_string(),
+            object_path: None,
+        });
+    }
+    Some(RankDirListed {
+        rank,
+        dir: dir.to_path_buf(),
+        listing: RankDirListing {
+            mtime: meta.modified().ok()?,
+            listed_at: std::time::SystemTime::now(),
+            pending,
+        },
+        read: false,
+        files,
+        named: None,
+        rolled: Some(Rolled {
+            file: file.to_path_buf(),
+            entry: entry.clone(),
+        }),
     })
 }
 
@@ -986,6 +1227,8 @@ struct RankDirListed {
     read: bool,
     files: Vec<Listed>,
     named: Option<BTreeSet<u64>>,
+    /// Described by its node rollup entry (not listed).
+    rolled: Option<Rolled>,
 }
 
 /// Lists the local rank folder `dir`: read again unless `cached` is still valid; parts
@@ -1059,7 +1302,37 @@ fn list_rank_dir(
         read,
         files,
         named,
+        rolled: None,
     })
+}
+
+/// The summary in the footer of the object-store part `path` (`len` bytes), and the requests
+/// it took: `Ok(None)` when the part has none (written before issue 42), `Err` when it is
+/// damaged. A footer that cannot be read counts as none: the part is then read whole, and
+/// named if it does not decode.
+async fn object_summary(
+    store: &dyn object_store::ObjectStore,
+    path: &object_store::path::Path,
+    len: u64,
+) -> (Result<Option<crate::digest::PartDigest>>, u64) {
+    use crate::embedded::{FOOTER_READ, Tail};
+    let mut want = len.min(FOOTER_READ);
+    let mut requests = 0;
+    loop {
+        requests += 1;
+        let Ok(tail) = store.get_range(path, len - want..len).await else {
+            return (Ok(None), requests);
+        };
+        match crate::embedded::parse_tail(&tail, len) {
+            Ok(Tail::Footer(kv)) => {
+                let got = crate::embedded::summary(&kv)
+                    .with_context(|| format!("the summary in {path} is damaged"));
+                return (got, requests);
+            }
+            Ok(Tail::NeedMore(n)) if n > want && n <= len => want = n,
+            _ => return (Ok(None), requests),
+        }
+    }
 }
 
 /// Loads every rank's parts (and open journals) of the titan run at `run` (local dir or

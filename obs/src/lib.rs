@@ -54,6 +54,7 @@ pub mod clock;
 pub mod convert;
 mod decode;
 pub mod digest;
+pub mod embedded;
 mod guard;
 mod incremental;
 pub mod ingest;

@@ -610,10 +610,17 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDetail> {
 
 /// Reads `part`'s detail file: `Ok(None)` when there is none, `Err` (naming the file) when it
 /// is damaged or does not describe the part.
+/// A part without a detail file beside it has its levels in its footer (issue 42); a part
+/// whose footer cannot be read counts as having none.
 pub fn read_local(part: &Path, part_len: u64) -> Result<Option<PartDetail>> {
     let path = detail_path(part);
     let Some(bytes) = crate::sidecar::read_if_present(&path)? else {
-        return Ok(None);
+        let file = PartFile::local(part.to_path_buf(), 0);
+        let Ok(kv) = file.footer_kv() else {
+            return Ok(None);
+        };
+        return crate::embedded::detail(&kv)
+            .with_context(|| format!("the detail levels in {} are damaged", part.display()));
     };
     decode(&bytes, part_len)
         .map(Some)
@@ -641,13 +648,19 @@ pub struct Opened {
 /// when the part itself cannot be read.
 pub fn open(part: &PartFile) -> Result<Opened> {
     let len = part.byte_len()?;
-    let file = part.read_beside("lod");
-    let damaged = match file.and_then(|b| match b {
-        Some(b) => decode(&b, len)
-            .map(Some)
-            .with_context(|| format!("{} is damaged", part.beside_shown("lod"))),
-        None => Ok(None),
-    }) {
+    // The footer first (issue 42: one read from the end of the part, one request on an
+    // object store); a part written before holds none, and has them beside it.
+    let found = match part.footer_kv() {
+        Ok(kv) if kv.contains_key(crate::schema::meta::DETAIL) => crate::embedded::detail(&kv)
+            .with_context(|| format!("{}: levels damaged", part.shown())),
+        _ => part.read_beside("lod").and_then(|b| match b {
+            Some(b) => decode(&b, len)
+                .map(Some)
+                .with_context(|| format!("{} is damaged", part.beside_shown("lod"))),
+            None => Ok(None),
+        }),
+    };
+    let damaged = match found {
         Ok(Some(detail)) => {
             return Ok(Opened {
                 detail,

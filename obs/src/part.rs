@@ -419,6 +419,19 @@ pub fn encode_batches_noting(
             serde_json::to_string(damage).context("recording the journal's damage")?,
         ));
     }
+    let schema = arrow_schema();
+    let batches = batches
+        .iter()
+        .map(|b| RecordBatch::try_new(schema.clone(), b.columns().to_vec()))
+        .collect::<Result<Vec<_>, _>>()
+        .context("a journal batch does not have the part schema")?;
+    // The part's summary and detail levels go into its own footer (one file per part).
+    let footer = Footer {
+        header: header.clone(),
+        part: Some(part),
+        damage: damage.to_vec(),
+    };
+    kv.extend(crate::embedded::key_values(&batches, &footer)?);
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
         .set_dictionary_enabled(true)
@@ -427,12 +440,9 @@ pub fn encode_batches_noting(
         .build();
     let size: usize = batches.iter().map(|b| b.get_array_memory_size()).sum();
     let mut out = Vec::with_capacity(size / 4 + 4096);
-    let schema = arrow_schema();
     let mut writer = ArrowWriter::try_new(&mut out, schema.clone(), Some(props))?;
-    for batch in batches {
-        let batch = RecordBatch::try_new(schema.clone(), batch.columns().to_vec())
-            .context("a journal batch does not have the part schema")?;
-        writer.write(&batch)?;
+    for batch in &batches {
+        writer.write(batch)?;
     }
     writer.close()?;
     Ok(out)
@@ -459,6 +469,8 @@ struct RankSummaryState {
     deferred: bool,
     /// Changed since last written.
     dirty: bool,
+    /// Written to the node rollup at least once.
+    rolled_up: bool,
 }
 
 /// The default spool folder of object-store runs' journals: `$TMPDIR/titan-obs-spool`.
@@ -494,17 +506,62 @@ impl PartSink {
         self
     }
 
-    /// Writes the rank summary if parts were put since it was last written.
+    /// Writes the rank summary if parts were put since it was last written, then this rank's
+    /// entry of its node's rollup (`obs/node-<host>.summary`, [`crate::digest::node`]); a
+    /// rollup that cannot be written is only logged (readers then read the rank's folder).
     pub fn finish_rank_summary(&self) -> Result<()> {
         let Location::Local(run) = &self.location else {
             return Ok(());
         };
         let mut st = self.lock_rank_summary();
+        let st = &mut *st;
         if let (true, Some(d)) = (st.dirty, &st.digest) {
-            crate::digest::rank_file::write_local(&rank_dir(run, self.rank), d)?;
+            let dir = rank_dir(run, self.rank);
+            let bytes = crate::digest::rank_file::encode(d)?;
+            let path = crate::digest::rank_file::rank_summary_path(&dir);
+            crate::sidecar::write_atomic(&path, &bytes)?;
+            self.roll_up(run, d, bytes);
             st.dirty = false;
+            st.rolled_up = true;
         }
         Ok(())
+    }
+
+    /// Records the rank folder's current state in the node rollup again: for a writer that
+    /// changed the folder after its last part (the recorder, which removes the compacted
+    /// journal after [`Self::put`]), so readers can trust the rollup for this rank without
+    /// listing its folder.
+    pub fn restamp_rollup(&self) {
+        let Location::Local(run) = &self.location else {
+            return;
+        };
+        let st = self.lock_rank_summary();
+        if let (true, false, Some(d)) = (st.rolled_up, st.dirty, &st.digest) {
+            match crate::digest::rank_file::encode(d) {
+                Ok(bytes) => self.roll_up(run, d, bytes),
+                Err(e) => tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank),
+            }
+        }
+    }
+
+    fn roll_up(&self, run: &Path, d: &crate::digest::RankDigest, encoded: Vec<u8>) {
+        use crate::digest::node;
+        let host = d
+            .segments
+            .last()
+            .map_or("", |s| s.digest.info.header.host.as_str());
+        let name = node::file_name(host, self.rank);
+        let dir = rank_dir(run, self.rank);
+        if let Err(e) = node::update(
+            &run.join("obs"),
+            &name,
+            self.rank,
+            &dir,
+            d.last_index(),
+            encoded,
+        ) {
+            tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank);
+        }
     }
 
     fn lock_rank_summary(&self) -> std::sync::MutexGuard<'_, RankSummaryState> {
@@ -600,14 +657,23 @@ impl PartSink {
         Ok(existing.max(journals).map_or(0, |n| n + 1))
     }
 
-    /// Writes part `index` atomically, then its summary (`part-<N>.summary`, see
-    /// [`crate::digest`]), the rank summary (`rank.summary`, local runs) and detail levels
-    /// (`part-<N>.lod`, see [`crate::lod`]); returns where the part went. A summary or detail
-    /// file that cannot be made or written is only logged: readers build what is missing
-    /// themselves.
+    /// Writes part `index` atomically, then the rank summary (`rank.summary`, local runs);
+    /// returns where the part went. A part made by [`encode`] holds its summary and detail
+    /// levels in its footer ([`crate::embedded`]); one without them (bytes made elsewhere)
+    /// gets them beside it, as before issue 42 (`part-<N>.summary`, `part-<N>.lod`). A
+    /// summary or detail file that cannot be made or written is only logged: readers build
+    /// what is missing themselves.
     pub fn put(&self, index: u64, bytes: Vec<u8>) -> Result<String> {
         let bytes = bytes::Bytes::from(bytes);
         let at = self.put_part(index, bytes.clone())?;
+        let embedded =
+            crate::embedded::key_values_of(&bytes).and_then(|kv| crate::embedded::summary(&kv));
+        if let Ok(Some(digest)) = embedded {
+            if let Err(e) = self.update_rank_summary(index, bytes.len() as u64, digest) {
+                tracing::warn!("no rank summary written for {at}: {e:#}");
+            }
+            return Ok(at);
+        }
         match self.put_summary(index, bytes.clone()) {
             Ok(digest) => {
                 if let Err(e) = self.update_rank_summary(index, bytes.len() as u64, digest) {

@@ -152,27 +152,36 @@ impl PartFile {
 
     /// The part's footer (rank, run id, clock offset, ...), reading only the end of the file.
     pub fn footer(&self) -> Result<Footer> {
-        use parquet::errors::ParquetError;
-        use parquet::file::metadata::ParquetMetaDataReader;
+        Footer::parse(&self.footer_kv()?)
+            .with_context(|| format!("reading the footer of {}", self.shown()))
+    }
+
+    /// The part's summary embedded in its footer ([`crate::embedded`]): `Ok(None)` when it
+    /// has none; `Err` naming the part when it is damaged. Reads only the end of the file.
+    pub fn embedded_summary(&self) -> Result<Option<crate::digest::PartDigest>> {
+        crate::embedded::summary(&self.footer_kv()?)
+            .with_context(|| format!("{}: its summary is damaged", self.shown()))
+    }
+
+    /// The part's detail levels embedded in its footer, as [`Self::embedded_summary`].
+    pub fn embedded_detail(&self) -> Result<Option<crate::lod::PartDetail>> {
+        crate::embedded::detail(&self.footer_kv()?)
+            .with_context(|| format!("{}: its detail levels are damaged", self.shown()))
+    }
+
+    /// The key-value metadata of the part's footer, reading only the end of the file.
+    pub fn footer_kv(&self) -> Result<std::collections::HashMap<String, String>> {
+        use crate::embedded::{FOOTER_READ, Tail};
         let len = self.byte_len()?;
-        // Footers are a few kB (more with a large run config in the metadata): one read from
-        // the end usually holds the whole of it, else parquet says how much more to read.
-        let mut want = len.min(16 << 10);
+        let mut want = len.min(FOOTER_READ);
         loop {
             let tail = self.read_range(len - want..len)?;
-            let mut reader = ParquetMetaDataReader::new();
-            match reader.try_parse_sized(&tail, len) {
-                Ok(()) => {
-                    let meta = reader
-                        .finish()
-                        .with_context(|| format!("{}: invalid Parquet footer", self.shown()))?;
-                    return crate::decode::footer_of(meta.file_metadata())
-                        .with_context(|| format!("reading the footer of {}", self.shown()));
-                }
-                Err(ParquetError::NeedMoreData(n)) if (n as u64) > want && (n as u64) <= len => {
-                    want = n as u64;
-                }
-                Err(e) => bail!("{}: invalid Parquet footer: {e}", self.shown()),
+            match crate::embedded::parse_tail(&tail, len)
+                .with_context(|| format!("{}: invalid Parquet footer", self.shown()))?
+            {
+                Tail::Footer(kv) => return Ok(kv),
+                Tail::NeedMore(n) if n > want && n <= len => want = n,
+                Tail::NeedMore(n) => bail!("{}: invalid Parquet footer ({n} bytes)", self.shown()),
             }
         }
     }
@@ -399,10 +408,10 @@ mod tests {
         let footer = part.footer().unwrap();
         assert_eq!(footer.header.run_id, "big-footer");
         assert_eq!(footer.header.run_metadata["config"], config.as_str());
-        assert!(
-            part.read_beside("lod").unwrap().is_some(),
-            "written beside it"
-        );
-        assert!(part.read_beside("nothing").unwrap().is_none());
+        // Its summary and detail levels are in that footer, none beside it (issue 42).
+        assert!(part.embedded_summary().unwrap().is_some());
+        assert!(part.embedded_detail().unwrap().is_some());
+        assert!(part.read_beside("lod").unwrap().is_none());
+        assert!(part.read_beside("summary").unwrap().is_none());
     }
 }

@@ -361,6 +361,7 @@ fn recover_journals(sink: &PartSink) -> Vec<String> {
                 if let Err(e) = crate::journal::remove(&path) {
                     tracing::warn!("removing {}: {e}", path.display());
                 }
+                sink.restamp_rollup();
                 done.extend(part);
             }
             Err(e) => tracing::warn!("leftover journal {} kept: {e:#}", path.display()),
@@ -845,6 +846,7 @@ impl Writer {
                 if let Err(e) = crate::journal::remove(&path) {
                     tracing::warn!("removing the compacted journal {}: {e}", path.display());
                 }
+                self.sink.restamp_rollup();
                 self.stats.parts += 1;
                 self.stats.part_paths.push(part);
             }
@@ -947,12 +949,7 @@ mod tests {
             if n.is_multiple_of(50) {
                 saw_journal |= journals() > 0;
                 let o = objects();
-                assert!(
-                    o.iter().all(|o| o.ends_with(".parquet")
-                        || o.ends_with(".summary")
-                        || o.ends_with(".lod")),
-                    "{o:?}"
-                );
+                assert!(o.iter().all(|o| o.ends_with(".parquet")), "{o:?}");
             }
         }
         let stats = finish_with_stats().unwrap();
@@ -965,12 +962,8 @@ mod tests {
         let objects = with(".parquet");
         assert!(objects.len() >= 2, "{objects:?}");
         assert_eq!(objects.len() as u64, stats.parts);
-        assert_eq!(all.len(), 3 * objects.len(), "{all:?}");
-        // Every part is uploaded with its summary and its detail levels.
-        for ext in [".summary", ".lod"] {
-            let want: Vec<String> = objects.iter().map(|o| o.replace(".parquet", ext)).collect();
-            assert_eq!(with(ext), want);
-        }
+        // Every part is one object: its summary and detail levels are in its footer.
+        assert_eq!(all, objects, "{all:?}");
         assert!(
             objects
                 .iter()
@@ -979,5 +972,15 @@ mod tests {
         let loaded = crate::read::load(url, &Default::default()).unwrap();
         assert_eq!(loaded.spans.len() as u64, n);
         assert_eq!(stats.records, n);
+        // `summary` reads each part's summary from the end of the part: one LIST page and
+        // one ranged GET a part, no part read whole.
+        let mut reader = crate::read::PartsReader::open(url).unwrap();
+        let digests = crate::read::ReadOptions {
+            digests: true,
+            ..Default::default()
+        };
+        reader.refresh_with(&digests, true).unwrap();
+        let c = reader.last();
+        assert_eq!((c.requests, c.bytes), (1 + stats.parts, 0), "{c:?}");
     }
 }

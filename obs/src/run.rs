@@ -93,6 +93,12 @@ pub struct ReadOptions {
     /// readable summary is decoded and summarised (and its summary written next to it when
     /// the location is writable). Other formats ignore it.
     pub digests: bool,
+    /// With `digests`, local runs: take each rank from its node's rollup
+    /// (`obs/node-<host>.summary`, [`crate::digest::node`]) where it still describes the rank's
+    /// folder. Off by default: as read now (every rollup read whole before the ranks are
+    /// merged) it measured slower and larger than the rank summaries at 4096 ranks x 6 h
+    /// (docs/benchmarks.md, issue 42).
+    pub node_rollups: bool,
 }
 
 impl Default for ReadOptions {
@@ -102,6 +108,7 @@ impl Default for ReadOptions {
             align_clocks: true,
             progress: None,
             digests: false,
+            node_rollups: false,
         }
     }
 }

@@ -195,6 +195,11 @@ pub mod meta {
     /// JSON array of the damaged journal ranges dropped when the part was compacted from its
     /// journal (`[{offset, bytes, lost, error}]`), so readers of the part still name them.
     pub const DAMAGE: &str = "titan.damage";
+    /// The part's summary (`obs/SCHEMA.md` "Per-part summaries", describing a part of length
+    /// 0: the file holding it), standard base64: a part is one file (issue 42).
+    pub const SUMMARY: &str = "titan.summary";
+    /// The part's detail levels (`obs/SCHEMA.md` "Detail levels", part length 0), base64.
+    pub const DETAIL: &str = "titan.lod";
 }
 
 fn dict_utf8() -> DataType {

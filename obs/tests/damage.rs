@@ -382,6 +382,12 @@ fn damaged_summary_cases(rel: &str, seed: u64, before_each: impl Fn(&Path)) {
     use titan_obs_core::analysis::{StragglerOptions, summary};
     let dir = tempfile::tempdir().unwrap();
     let (run, _) = run_with_journal(dir.path());
+    // The summary files damaged here are read only where no node rollup stands for them;
+    // per-part ones only in the layout before issue 42 (beside their parts), still read.
+    remove_rollups(&run);
+    if rel.ends_with("part-000000.summary") {
+        titan_obs_core::embedded::split_out(&run.join("obs/rank-0/part-000000.parquet")).unwrap();
+    }
     let opts = ReadOptions {
         digests: true,
         ..Default::default()
@@ -450,4 +456,17 @@ fn damaged_summaries_are_named_and_their_parts_decoded() {
 #[test]
 fn damaged_rank_summaries_are_named_and_their_parts_read() {
     damaged_summary_cases("obs/rank-0/rank.summary", 0x5EED_0009, |_| {});
+}
+
+/// Removes the run's node rollups (`obs/node-*`).
+fn remove_rollups(run: &Path) {
+    for e in std::fs::read_dir(run.join("obs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("node-"))
+        {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
 }

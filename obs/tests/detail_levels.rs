@@ -1,5 +1,6 @@
-//! Detail levels (`part-<N>.lod`, `titan_obs_core::lod`): every writer puts them beside every
-//! part, and they are exactly what a reader builds from the part; a run written before them
+//! Detail levels (`titan_obs_core::lod`): every writer puts them in every part's footer
+//! (`part-<N>.lod` beside it before issue 42, still read), and they are exactly what a
+//! reader builds from the part; a run written before them
 //! gets them on first open (cached when the folder is writable); a damaged one is named,
 //! left as evidence, and the part's own spans used instead.
 
@@ -56,7 +57,7 @@ fn every_part_has_the_detail_levels_a_reader_would_build() {
         let len = std::fs::metadata(p).unwrap().len();
         let written = lod::read_local(p, len)
             .unwrap()
-            .expect("a .lod beside the part");
+            .expect("the levels in the part's footer");
         assert_eq!(written, built(p, *rank), "{}", p.display());
         assert_eq!(written.rank, *rank);
         assert!(
@@ -88,6 +89,8 @@ fn a_run_written_before_gets_them_on_first_open_and_damage_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let run = synth(dir.path());
     let (rank, part) = parts(&run)[4].clone();
+    // The layout before issue 42: the levels in a file beside the part.
+    titan_obs_core::embedded::split_out(&part).unwrap();
     let file = lod::detail_path(&part);
     let original = std::fs::read(&file).unwrap();
 
@@ -190,4 +193,28 @@ fn keep_run_picks_the_newest_run_or_the_one_asked_for() {
         e.contains("third") && e.contains("first") && e.contains("second"),
         "{e}"
     );
+}
+
+/// Issue 42: the levels in a part's footer, damaged (one base64 character changed): named
+/// (the part and its footer's key), and the part's spans used instead.
+#[test]
+fn damaged_levels_in_a_footer_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth(dir.path());
+    let (rank, part) = parts(&run)[2].clone();
+    let bytes = std::fs::read(&part).unwrap();
+    let bad = titan_obs_core::embedded::reencode(bytes.into(), |kv| {
+        let lod = kv.iter_mut().find(|k| k.key == "titan.lod").unwrap();
+        let v = lod.value.as_mut().unwrap();
+        let at = v.len() / 2;
+        let c = if &v[at..=at] == "A" { "B" } else { "A" };
+        v.replace_range(at..=at, c);
+    })
+    .unwrap();
+    std::fs::write(&part, &bad).unwrap();
+    let o = lod::open(&PartFile::local(part.clone(), rank)).unwrap();
+    let why = o.damaged.expect("damage is named");
+    assert!(why.contains(&part.display().to_string()), "{why}");
+    assert!(why.contains("levels damaged"), "{why}");
+    assert_eq!(o.detail, built(&part, rank));
 }

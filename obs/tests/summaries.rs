@@ -15,8 +15,10 @@ use titan_obs_core::synth::{Straggler, SynthConfig, write_run};
 use titan_obs_core::{ReadOptions, Run};
 
 fn load(run: &Path, digests: bool) -> Run {
+    // Reading summaries, through the node rollups where they describe the rank folders.
     let opts = ReadOptions {
         digests,
+        node_rollups: digests,
         ..Default::default()
     };
     titan_obs_core::load(run.to_str().unwrap(), &opts).unwrap()
@@ -139,9 +141,14 @@ fn agree(run: &Path) -> Summary {
 }
 
 fn synth(dir: &Path) -> std::path::PathBuf {
+    synth_ranks(dir, 8)
+}
+
+/// `synth`'s run on `ranks` ranks (synth puts ranks 8n..8n+7 on host `node-<n>`).
+fn synth_ranks(dir: &Path, ranks: u32) -> std::path::PathBuf {
     let run = dir.join("run");
     let cfg = SynthConfig {
-        ranks: 8,
+        ranks,
         steps: 60,
         spans_per_step: 30,
         steps_per_part: 7,
@@ -185,11 +192,15 @@ fn summaries_agree_with_every_span() {
     assert!(!s.waits.is_empty());
 }
 
-/// The summary files of a run (`rank.summary` and `part-<N>.summary`), sorted.
+/// The summary files in a run's rank folders (`rank.summary` and `part-<N>.summary`), sorted.
 fn summaries(run: &Path) -> Vec<PathBuf> {
     let mut v = Vec::new();
     for r in std::fs::read_dir(run.join("obs")).unwrap() {
-        for f in std::fs::read_dir(r.unwrap().path()).unwrap() {
+        let r = r.unwrap().path();
+        if !r.is_dir() {
+            continue;
+        }
+        for f in std::fs::read_dir(r).unwrap() {
             let p = f.unwrap().path();
             if p.extension().is_some_and(|e| e == "summary") {
                 v.push(p);
@@ -223,6 +234,11 @@ fn covered_now(run: &Path, rank: u32) -> Vec<u64> {
 fn runs_written_before_summaries_get_them_on_first_open() {
     let dir = tempfile::tempdir().unwrap();
     let run = synth(dir.path());
+    // The layout before issue 42 (summaries beside the parts), then without any summary.
+    old_layout(&run);
+    remove_rollups(&run);
+    // The rank summaries brought up to date with the parts' new lengths.
+    load(&run, true);
     let written = summaries(&run);
     let parts = 60usize.div_ceil(7);
     assert_eq!(written.len(), 8 * (parts + 1), "one per part, one per rank");
@@ -258,13 +274,11 @@ fn parts_a_rank_summary_does_not_cover_are_still_counted() {
     // summary as it was before.
     let copy = |from: u64, to: u64| {
         let obs = run.join("obs/rank-2");
-        for ext in ["parquet", "summary", "lod"] {
-            std::fs::copy(
-                obs.join(format!("part-{from:06}.{ext}")),
-                obs.join(format!("part-{to:06}.{ext}")),
-            )
-            .unwrap();
-        }
+        std::fs::copy(
+            obs.join(format!("part-{from:06}.parquet")),
+            obs.join(format!("part-{to:06}.parquet")),
+        )
+        .unwrap();
     };
     copy(0, parts);
     std::fs::write(&file, &old).unwrap();
@@ -277,9 +291,7 @@ fn parts_a_rank_summary_does_not_cover_are_still_counted() {
     );
     // A part removed: the summary no longer fits; the rank is read from its parts.
     let obs = run.join("obs/rank-2");
-    for ext in ["parquet", "summary", "lod"] {
-        std::fs::remove_file(obs.join(format!("part-000003.{ext}"))).unwrap();
-    }
+    std::fs::remove_file(obs.join("part-000003.parquet")).unwrap();
     let s = agree(&run);
     assert!(s.spans < before);
     assert!(!covered(&run, 2).contains(&3));
@@ -297,6 +309,9 @@ fn parts_a_rank_summary_does_not_cover_are_still_counted() {
 fn summaries_of_an_older_version_are_rebuilt() {
     let dir = tempfile::tempdir().unwrap();
     let run = synth(dir.path());
+    // The rank summaries are read: no node rollup stands for them.
+    remove_rollups(&run);
+    titan_obs_core::embedded::split_out(&run.join("obs/rank-0/part-000000.parquet")).unwrap();
     let one = run.join("obs/rank-0/part-000000.summary");
     // Read through the per-part summaries: without rank 0's summary.
     std::fs::remove_file(rank_summary(&run, 0)).unwrap();
@@ -400,4 +415,225 @@ fn the_recorder_writes_the_rank_summary_at_each_compaction() {
     assert_eq!(covered(&run, 0), all);
     let s = agree(&run);
     assert_eq!(s.spans, n);
+}
+
+/// Every part of a run in the layout before issue 42: its summary and detail levels beside it.
+fn old_layout(run: &Path) {
+    for r in std::fs::read_dir(run.join("obs")).unwrap() {
+        let r = r.unwrap().path();
+        if !r.is_dir() {
+            continue;
+        }
+        for f in std::fs::read_dir(&r).unwrap() {
+            let p = f.unwrap().path();
+            if p.extension().is_some_and(|e| e == "parquet") {
+                titan_obs_core::embedded::split_out(&p).unwrap();
+            }
+        }
+    }
+}
+
+/// Removes a run's node rollups (a run written before them).
+fn remove_rollups(run: &Path) {
+    for f in std::fs::read_dir(run.join("obs")).unwrap() {
+        let p = f.unwrap().path();
+        if p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("node-"))
+        {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+}
+
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Reads `run` from its summaries once; the reader's counters and the folders it listed.
+fn read_counts(run: &Path) -> (titan_obs_core::read::ReadCounters, u64) {
+    let mut reader = titan_obs_core::read::PartsReader::open(run.to_str().unwrap()).unwrap();
+    let opts = ReadOptions {
+        digests: true,
+        node_rollups: true,
+        ..Default::default()
+    };
+    reader.refresh_with(&opts, true).unwrap();
+    (reader.last(), reader.dirs_read())
+}
+
+/// Issue 42: a part is one file (its summary and detail levels in its footer), a rank folder
+/// holds its parts and `rank.summary`, and each node's ranks are rolled up into one file
+/// beside the rank folders, which `summary` reads instead of the rank folders: 2 files for
+/// 16 ranks, the same figures as every span.
+#[test]
+fn a_part_is_one_file_and_summary_reads_one_rollup_per_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth_ranks(dir.path(), 16);
+    let parts = 60u64.div_ceil(7);
+    for rank in 0..16 {
+        let mut want: Vec<String> = (0..parts).map(|i| format!("part-{i:06}.parquet")).collect();
+        want.push(RANK_SUMMARY_FILE.into());
+        assert_eq!(names(&run.join(format!("obs/rank-{rank}"))), want);
+    }
+    let top: Vec<String> = names(&run.join("obs"))
+        .into_iter()
+        .filter(|n| !n.starts_with("rank-"))
+        .collect();
+    assert_eq!(
+        top,
+        [
+            "node-node-0.lock",
+            "node-node-0.summary",
+            "node-node-1.lock",
+            "node-node-1.summary"
+        ]
+    );
+    let (c, dirs) = read_counts(&run);
+    assert_eq!(
+        (c.rollups_read, c.ranks_rolled_up, dirs),
+        (2, 16, 0),
+        "{c:?}"
+    );
+    assert_eq!(c.parts_decoded, 0);
+    let s = agree(&run);
+    assert!(
+        s.stragglers.iter().any(|x| x.rank == 3),
+        "{:?}",
+        s.stragglers
+    );
+    assert!(!s.waits.is_empty());
+
+    // The layout before issue 42 (summaries and levels beside the parts, no rollups) reads
+    // the same.
+    let fast = format!(
+        "{:?}",
+        summary(&load(&run, true), &StragglerOptions::default())
+    );
+    old_layout(&run);
+    remove_rollups(&run);
+    assert_eq!(
+        names(&run.join("obs/rank-4")).len() as u64,
+        3 * parts + 1,
+        "part, summary and levels apart"
+    );
+    let (c, _) = read_counts(&run);
+    assert_eq!(
+        (c.rollups_read, c.ranks_rolled_up, c.parts_decoded),
+        (0, 0, 0)
+    );
+    let old = format!(
+        "{:?}",
+        summary(&load(&run, true), &StragglerOptions::default())
+    );
+    assert_eq!(fast, old);
+    agree(&run);
+}
+
+/// A rollup is used for a rank only while it describes the rank's folder: a part added behind
+/// the writer's back (even within the file system's timestamp granularity: the folder's mtime
+/// set back) makes that rank read from its folder; a damaged rollup is named and its ranks
+/// read from their folders; a writer's stray temporary file is ignored.
+#[test]
+fn a_rollup_stands_only_for_the_folders_it_describes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth_ranks(dir.path(), 16);
+    let parts = 60u64.div_ceil(7);
+    let spans = |run: &Path| summary(&load(run, true), &StragglerOptions::default()).spans;
+    let before = spans(&run);
+
+    // Rank 9 gets one more part (a copy of its first), its folder's mtime kept.
+    let rank9 = run.join("obs/rank-9");
+    let mtime = std::fs::metadata(&rank9).unwrap().modified().unwrap();
+    std::fs::copy(
+        rank9.join("part-000000.parquet"),
+        rank9.join(format!("part-{parts:06}.parquet")),
+    )
+    .unwrap();
+    std::fs::File::open(&rank9)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    assert_eq!(
+        std::fs::metadata(&rank9).unwrap().modified().unwrap(),
+        mtime
+    );
+    let (c, _) = read_counts(&run);
+    assert_eq!((c.rollups_read, c.ranks_rolled_up), (2, 15), "{c:?}");
+    agree(&run);
+    assert!(spans(&run) > before, "the added part is counted");
+
+    // A stray temporary (a writer killed while writing) changes nothing.
+    std::fs::write(run.join("obs/.node-node-0.summary.3.tmp"), b"half a file").unwrap();
+    let (c, _) = read_counts(&run);
+    assert_eq!((c.rollups_read, c.ranks_rolled_up), (2, 15), "{c:?}");
+
+    // A damaged rollup: named, its ranks read from their folders, the figures the same.
+    let file = run.join("obs/node-node-0.summary");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x01;
+    std::fs::write(&file, &bytes).unwrap();
+    let loaded = load(&run, true);
+    assert!(
+        loaded
+            .report
+            .damage
+            .iter()
+            .any(|d| d.file == file.display().to_string() && d.error.contains("checksum")),
+        "{:?}",
+        loaded.report.damage
+    );
+    let (c, _) = read_counts(&run);
+    assert_eq!((c.rollups_read, c.ranks_rolled_up), (2, 7), "{c:?}");
+    agree(&run);
+}
+
+/// The ranks of one node write their entries of its rollup at once (each after each of its
+/// parts): under the rollup's lock none is lost.
+#[test]
+fn ranks_of_a_node_writing_at_once_lose_no_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let obs = dir.path().join("obs");
+    let ranks = 8u32;
+    let writes = 40u64;
+    for r in 0..ranks {
+        std::fs::create_dir_all(obs.join(format!("rank-{r}"))).unwrap();
+    }
+    std::thread::scope(|s| {
+        for r in 0..ranks {
+            let obs = &obs;
+            s.spawn(move || {
+                for i in 0..writes {
+                    let body = vec![r as u8; 2000 + i as usize];
+                    titan_obs_core::digest::node::update(
+                        obs,
+                        "node-h.summary",
+                        r,
+                        &obs.join(format!("rank-{r}")),
+                        Some(i),
+                        body,
+                    )
+                    .unwrap();
+                }
+            });
+        }
+    });
+    let entries =
+        titan_obs_core::digest::node::decode(&std::fs::read(obs.join("node-h.summary")).unwrap())
+            .unwrap();
+    let got: Vec<(u32, Option<u64>, usize)> = entries
+        .iter()
+        .map(|e| (e.rank, e.last_part, e.summary.len()))
+        .collect();
+    let want: Vec<(u32, Option<u64>, usize)> = (0..ranks)
+        .map(|r| (r, Some(writes - 1), 2000 + writes as usize - 1))
+        .collect();
+    assert_eq!(got, want);
 }

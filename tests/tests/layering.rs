@@ -25,6 +25,7 @@ const KNOWN: &[(&str, &[&str])] = &[
             "analysis",
             "decode",
             "digest",
+            "embedded",
             "incremental",
             "ingest",
             "journal",

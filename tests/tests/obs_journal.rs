@@ -165,17 +165,37 @@ fn a_short_run_leaves_one_part_per_rank() {
     for k in &mut kids {
         assert!(k.wait().unwrap().success());
     }
+    // One file per part (its summary and detail levels in its footer) and the rank's
+    // summary; beside the rank folders, the node's rollup of both ranks' summaries and its
+    // lock (issue 42).
     for r in 0..2 {
         assert_eq!(
             files(&run.join(format!("obs/rank-{r}"))),
-            [
-                "part-000000.lod",
-                "part-000000.parquet",
-                "part-000000.summary",
-                "rank.summary"
-            ]
+            ["part-000000.parquet", "rank.summary"]
         );
     }
+    let top: Vec<String> = files(&run.join("obs"))
+        .into_iter()
+        .filter(|f| !f.starts_with("rank-"))
+        .collect();
+    assert_eq!(top.len(), 2, "{top:?}");
+    assert!(
+        top[0].starts_with("node-") && top[0].ends_with(".lock"),
+        "{top:?}"
+    );
+    assert!(top[1].ends_with(".summary"), "{top:?}");
+    // Both ranks wrote their entries at once; `summary` reads them instead of the folders.
+    let mut reader = PartsReader::open(run.to_str().unwrap()).unwrap();
+    let digests = ReadOptions {
+        digests: true,
+        node_rollups: true,
+        ..Default::default()
+    };
+    reader.refresh_with(&digests, true).unwrap();
+    let c = reader.last();
+    assert_eq!((c.rollups_read, c.ranks_rolled_up), (1, 2), "{c:?}");
+    assert_eq!(reader.dirs_read(), 0);
+    assert_eq!(reader.run().spans.len(), 0);
     let loaded = load(&run);
     assert!(loaded.report.is_complete());
     assert_eq!(loaded.spans.len(), 2 * 10 * 2);
@@ -292,15 +312,7 @@ fn kill_9_keeps_every_flushed_batch_and_the_next_process_compacts_it() {
     );
     assert_eq!(
         files(&rank_dir),
-        [
-            "part-000000.lod",
-            "part-000000.parquet",
-            "part-000000.summary",
-            "part-000001.lod",
-            "part-000001.parquet",
-            "part-000001.summary",
-            "rank.summary"
-        ]
+        ["part-000000.parquet", "part-000001.parquet", "rank.summary"]
     );
     let after = load(&run);
     assert!(after.report.is_complete(), "{:?}", after.report);
@@ -541,8 +553,8 @@ fn old_layout_parts_and_a_journal_load_together() {
         ..Default::default()
     };
     let stats = titan_obs_core::synth::write_run(run.to_str().unwrap(), &cfg).unwrap();
-    // 10 parts, each with its summary and detail levels, and the rank's summary.
-    assert_eq!(files(&run.join("obs/rank-0")).len(), 31);
+    // 10 parts (each holding its summary and detail levels) and the rank's summary.
+    assert_eq!(files(&run.join("obs/rank-0")).len(), 11);
     let old = load(&run);
     assert!(old.report.is_complete());
     assert_eq!(old.spans.len() as u64, stats.spans);

@@ -588,11 +588,18 @@ fn zoom_into_spans(tmux: &Tmux) -> String {
 fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     let dir = tempfile::tempdir().unwrap();
     let run = long_run(dir.path(), 3000);
-    // Rank 3's first detail file is damaged: named, and its part drawn from its spans.
-    let damaged = run.join("obs/rank-3/part-000000.lod");
-    let mut bytes = std::fs::read(&damaged).unwrap();
-    let at = bytes.len() - 3;
-    bytes[at] ^= 0x20;
+    // Rank 3's first part's detail levels (in its footer) are damaged: named, and the part
+    // drawn from its spans.
+    let damaged = run.join("obs/rank-3/part-000000.parquet");
+    let bytes = std::fs::read(&damaged).unwrap();
+    let bytes = titan_obs_core::embedded::reencode(bytes.into(), |kv| {
+        let lod = kv.iter_mut().find(|k| k.key == "titan.lod").unwrap();
+        let v = lod.value.as_mut().unwrap();
+        let at = v.len() / 2;
+        let c = if &v[at..=at] == "A" { "B" } else { "A" };
+        v.replace_range(at..=at, c);
+    })
+    .unwrap();
     std::fs::write(&damaged, &bytes).unwrap();
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
@@ -604,7 +611,7 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
 
     let s = long_run_first_frame_and_summary(&tmux);
     assert!(
-        s.contains("part-000000.lod is damaged"),
+        s.contains("part-000000.parquet: levels damaged"),
         "the damaged detail file is named:\n{s}"
     );
     let s = zoom_into_spans(&tmux);

@@ -374,17 +374,39 @@ pub(super) fn checked_body(bytes: &[u8], header: usize, len_at: usize) -> Result
 /// Reads `part`'s summary file: `Ok(None)` when there is none, or one of an older version
 /// (the part is then summarised and the summary rewritten); `Err` (naming the file) when it
 /// is damaged or does not describe the part.
+///
+/// A part without a summary file beside it has its summary in its footer (issue 42): read
+/// from the end of the part. A part whose footer cannot be read counts as having none (it is
+/// then decoded, and named corrupt if that fails too).
 pub fn read_local(part: &Path, part_len: u64) -> Result<Option<PartDigest>> {
     let path = summary_path(part);
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let file = crate::part_files::PartFile::local(part.to_path_buf(), 0);
+            let Ok(kv) = file.footer_kv() else {
+                return Ok(None);
+            };
+            return crate::embedded::summary(&kv)
+                .with_context(|| format!("the summary in {} is damaged", part.display()));
+        }
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
     match decode(&bytes, part_len) {
         Ok(d) => Ok(Some(d)),
         Err(e) if e.is::<Outdated>() => Ok(None),
         Err(e) => Err(e.context(format!("{} is damaged", path.display()))),
+    }
+}
+
+/// Where `part`'s summary is, for messages: its summary file when there is one, else the
+/// part (whose footer holds it).
+pub fn summary_shown(part: &Path) -> String {
+    let beside = summary_path(part);
+    if beside.exists() {
+        beside.display().to_string()
+    } else {
+        part.display().to_string()
     }
 }
 

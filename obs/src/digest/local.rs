@@ -83,7 +83,7 @@ pub fn summarise_rank(
 
 /// Whether every part `d` covers still has the length it was summarised at (one stat a part,
 /// in parallel: no part is opened).
-fn covered_lengths_match(d: &RankDigest, dir: &Path) -> bool {
+pub(crate) fn covered_lengths_match(d: &RankDigest, dir: &Path) -> bool {
     use rayon::prelude::*;
     let covered: Vec<_> = d.covered().collect();
     covered.par_iter().all(|p| {
@@ -128,10 +128,7 @@ pub fn part_digest(part: &Path, rank: u32) -> Result<PartSummarised> {
             });
         }
         Ok(None) => None,
-        Err(e) => Some((
-            super::summary_path(part).display().to_string(),
-            format!("{e:#}"),
-        )),
+        Err(e) => Some((super::summary_shown(part), format!("{e:#}"))),
     };
     let bytes = std::fs::read(part).with_context(|| format!("reading {}", part.display()))?;
     let data = crate::decode::decode_part(bytes.into(), rank, super::COLUMNS, 0)?;

@@ -25,6 +25,7 @@ pub mod cells;
 pub mod file;
 pub mod local;
 pub mod merged;
+pub mod node;
 pub mod rank;
 pub mod rank_file;
 
@@ -36,7 +37,9 @@ use crate::analysis::metrics::Acc;
 use crate::analysis::table::{StepRole, step_roles};
 use crate::schema::Reduce;
 
-pub use file::{decode, encode, read_local, summary_file_name, summary_path, write_local};
+pub use file::{
+    decode, encode, read_local, summary_file_name, summary_path, summary_shown, write_local,
+};
 pub use local::{RankSummarised, summarise_rank};
 pub use merged::{CollectiveContext, RunCollective, RunDigest};
 pub use rank::RankDigest;

@@ -70,6 +70,8 @@ pub fn load_run_with(args: &RunArgs, columns: Columns, digests: bool) -> Result<
         align_clocks: !args.no_clock_align,
         progress: Some(progress),
         digests,
+        // Opt-in for now: see `ReadOptions::node_rollups`.
+        node_rollups: std::env::var_os("TITAN_OBS_NODE_ROLLUPS").is_some_and(|v| v == "1"),
     };
     let started = std::time::Instant::now();
     let run = titan_obs_core::read::load(&args.run, &opts);

@@ -1,0 +1,301 @@
+//! The node rollup (issue 42, `obs/SCHEMA.md` "Node rollups"): `RUN/obs/node-<host>.summary`
+//! holds the rank summaries (`rank.summary`, [`super::rank_file`]) of every rank of one host,
+//! so `summary` and the TUI's whole-run results read one file per node instead of one per rank.
+//!
+//! Who writes it: every rank's part writer ([`crate::part::PartSink`]), after it rewrote its
+//! own `rank.summary`. The ranks of a node share the file, so each replaces its own entry under
+//! an exclusive `flock` of `node-<host>.lock` (the ranks of one host write it, so the lock only
+//! has to work within one machine — which `flock` does on any file system, Lustre and NFS
+//! included) and writes the whole file under a temporary name, renamed into place: a reader
+//! never sees half a file, and a rank killed while writing leaves the previous file and a
+//! stray temporary. A damaged rollup is rebuilt by the next writer from its own entry (the
+//! others' ranks are then read from their `rank.summary` until they write again).
+//!
+//! Each entry also records the rank folder's mtime after the writer's last change to it. A
+//! reader trusts an entry while the folder still has that mtime, the next part does not exist
+//! (what the rank's writer adds next: checked by name, so a part written inside the file
+//! system's timestamp granularity is still seen; the next journal is read if it is there) and
+//! every covered part has the length the entry lists; otherwise it reads the rank as before
+//! (its folder listed, `rank.summary` checked against it). So the rollup saves listing the
+//! folder and reading `rank.summary`, and never stands for a folder it does not describe.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, ensure};
+
+use super::file::{Reader, Writer, check_head, checked_body};
+
+const MAGIC: &[u8; 8] = b"TOBSNOD1";
+const VERSION: u32 = 1;
+/// magic, version, body length, body CRC-32C.
+const HEADER: usize = 8 + 4 + 8 + 4;
+const PREFIX: &str = "node-";
+const SUFFIX: &str = ".summary";
+
+/// One rank's entry.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub rank: u32,
+    /// The rank folder's mtime (ns since the epoch) after the writer's last change to it.
+    pub dir_mtime_ns: u64,
+    /// The last part its summary covers (the next part and journal are `last_part + 1`).
+    pub last_part: Option<u64>,
+    /// Its `rank.summary`, as encoded ([`super::rank_file::encode`]): decoded only when used.
+    pub summary: Arc<Vec<u8>>,
+}
+
+/// The rollup's file name for the ranks of `host` (a rank without a host name — a converted
+/// run — goes with the ranks of its group of 8).
+pub fn file_name(host: &str, rank: u32) -> String {
+    let clean: String = host
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(128)
+        .collect();
+    if clean.is_empty() || clean.starts_with('.') {
+        format!("{PREFIX}group{}{SUFFIX}", rank / 8)
+    } else {
+        format!("{PREFIX}{clean}{SUFFIX}")
+    }
+}
+
+/// Whether `name` is a rollup's file name.
+pub fn is_rollup_name(name: &str) -> bool {
+    name.starts_with(PREFIX) && name.ends_with(SUFFIX) && name.len() > PREFIX.len() + SUFFIX.len()
+}
+
+/// A folder's mtime in ns since the epoch.
+pub fn mtime_ns(m: &std::fs::Metadata) -> u64 {
+    (m.mtime() as u64)
+        .wrapping_mul(1_000_000_000)
+        .wrapping_add(m.mtime_nsec() as u64)
+}
+
+/// Encodes a rollup (entries in rank order).
+pub fn encode(entries: &[Entry]) -> Vec<u8> {
+    let mut w = Writer(Vec::with_capacity(
+        entries.iter().map(|e| e.summary.len() + 16).sum(),
+    ));
+    w.u(entries.len() as u64);
+    for e in entries {
+        w.u(u64::from(e.rank));
+        w.u(e.dir_mtime_ns);
+        w.u(e.last_part.map_or(0, |l| l.saturating_add(1)));
+        w.bytes(&e.summary);
+    }
+    let body = w.0;
+    let mut out = Vec::with_capacity(HEADER + body.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Decodes a rollup: every count checked against the bytes there are, ranks unique. The rank
+/// summaries inside are checked when decoded (each has its own checksum).
+pub fn decode(bytes: &[u8]) -> Result<Vec<Entry>> {
+    check_head(bytes, MAGIC, "node rollup", HEADER, VERSION)?;
+    let body = checked_body(bytes, HEADER, 12)?;
+    let mut r = Reader(body);
+    let mut out: Vec<Entry> = Vec::new();
+    for _ in 0..r.count(3)? {
+        let rank = u32::try_from(r.u()?).context("rank out of range")?;
+        ensure!(
+            out.last().is_none_or(|l| rank > l.rank),
+            "rank {rank} listed out of order"
+        );
+        let dir_mtime_ns = r.u()?;
+        let last_part = r.u()?.checked_sub(1);
+        let summary = Arc::new(r.bytes()?.to_vec());
+        out.push(Entry {
+            rank,
+            dir_mtime_ns,
+            last_part,
+            summary,
+        });
+    }
+    ensure!(r.0.is_empty(), "{} bytes after the last entry", r.0.len());
+    Ok(out)
+}
+
+/// Replaces rank `rank`'s entry of the rollup `obs/<name>` with `summary` (its encoded rank
+/// summary) and the mtime its folder `rank_dir` has now, under the rollup's lock.
+pub fn update(
+    obs: &Path,
+    name: &str,
+    rank: u32,
+    rank_dir: &Path,
+    last_part: Option<u64>,
+    summary: Vec<u8>,
+) -> Result<()> {
+    let path = obs.join(name);
+    let lock_path = path.with_extension("lock");
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("opening {}", lock_path.display()))?;
+    let _held =
+        Flock::exclusive(&lock).with_context(|| format!("locking {}", lock_path.display()))?;
+    let mut entries = match crate::sidecar::read_if_present(&path)? {
+        None => Vec::new(),
+        Some(b) => decode(&b).unwrap_or_else(|e| {
+            // Rebuilt from this rank's entry; the other ranks are read from their own
+            // folders until they write again.
+            tracing::warn!("{} is damaged ({e:#}): rewriting it", path.display());
+            Vec::new()
+        }),
+    };
+    let dir_mtime_ns = mtime_ns(
+        &std::fs::metadata(rank_dir).with_context(|| format!("reading {}", rank_dir.display()))?,
+    );
+    let entry = Entry {
+        rank,
+        dir_mtime_ns,
+        last_part,
+        summary: Arc::new(summary),
+    };
+    match entries.binary_search_by_key(&rank, |e| e.rank) {
+        Ok(i) => entries[i] = entry,
+        Err(i) => entries.insert(i, entry),
+    }
+    // A temporary name of this rank's own: should the lock not hold (a file system without
+    // flock), writers still never write into each other's temporary file.
+    let tmp = obs.join(format!(".{name}.{rank}.tmp"));
+    std::fs::write(&tmp, encode(&entries)).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
+/// An exclusive `flock` held until dropped (and released by the kernel if the process dies).
+struct Flock<'a>(&'a std::fs::File);
+
+impl<'a> Flock<'a> {
+    fn exclusive(f: &'a std::fs::File) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd as _;
+        loop {
+            // SAFETY: flock on a file descriptor this function borrows for the guard's life.
+            if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(Flock(f));
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+impl Drop for Flock<'_> {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd as _;
+        // SAFETY: as above; closing the file would release it too.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// The rollups of a local run, read: each rank's newest entry (a rank whose host changed
+/// between launches can be in two; the reader's checks tell which still describes its folder),
+/// and the rollups that did not check out, as (file, error).
+#[derive(Debug, Default)]
+pub struct Rollups {
+    pub entries: HashMap<u32, (PathBuf, Entry)>,
+    pub damaged: Vec<(String, String)>,
+    /// Rollup files read.
+    pub files: u64,
+}
+
+/// Reads the rollups `names` of the run's `obs` folder, in parallel.
+pub fn read_all(obs: &Path, names: &[String]) -> Rollups {
+    use rayon::prelude::*;
+    let read: Vec<(PathBuf, Result<Vec<Entry>>)> = names
+        .par_iter()
+        .map(|n| {
+            let path = obs.join(n);
+            let got = std::fs::read(&path)
+                .with_context(|| format!("reading {}", path.display()))
+                .and_then(|b| decode(&b));
+            (path, got)
+        })
+        .collect();
+    let mut out = Rollups::default();
+    for (path, got) in read {
+        out.files += 1;
+        match got {
+            Ok(entries) => {
+                for e in entries {
+                    match out.entries.get(&e.rank) {
+                        Some((_, have)) if have.dir_mtime_ns >= e.dir_mtime_ns => {}
+                        _ => {
+                            out.entries.insert(e.rank, (path.clone(), e));
+                        }
+                    }
+                }
+            }
+            // Another version is not damage: its ranks are read from their folders.
+            Err(e) if e.is::<super::file::Outdated>() => {}
+            Err(e) => out
+                .damaged
+                .push((path.display().to_string(), format!("{e:#}"))),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_refuses_damage() {
+        let entries = vec![
+            Entry {
+                rank: 3,
+                dir_mtime_ns: 17,
+                last_part: None,
+                summary: Arc::new(vec![1, 2, 3]),
+            },
+            Entry {
+                rank: 9,
+                dir_mtime_ns: u64::MAX,
+                last_part: Some(143),
+                summary: Arc::new(vec![]),
+            },
+        ];
+        let bytes = encode(&entries);
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back.len(), 2);
+        assert_eq!((back[1].rank, back[1].dir_mtime_ns), (9, u64::MAX));
+        assert_eq!((back[0].last_part, back[1].last_part), (None, Some(143)));
+        assert_eq!(*back[0].summary, vec![1, 2, 3]);
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 0x10;
+            assert!(decode(&b).is_err(), "a flip at byte {i} went unnoticed");
+        }
+        assert!(decode(&bytes[..bytes.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn names_are_safe_file_names() {
+        assert_eq!(file_name("gpu-node-17", 5), "node-gpu-node-17.summary");
+        assert_eq!(file_name("a/../b c", 5), "node-a_.._b_c.summary");
+        assert_eq!(file_name("", 17), "node-group2.summary");
+        assert_eq!(file_name("..", 17), "node-group2.summary");
+        assert!(is_rollup_name(&file_name("h", 0)));
+        assert!(!is_rollup_name("node-.summary"));
+        assert!(!is_rollup_name("rank.summary"));
+    }
+}
