@@ -375,7 +375,8 @@ fn verify_of_a_folder_names_the_step_it_checked() {
     assert_eq!(o.status.code(), Some(0), "{}", output_text(&o));
     let out = stdout(&o);
     assert!(
-        out.contains("(checked ") && out.contains("step-4, the newest step whose save committed, only): OK"),
+        out.contains("(checked ")
+            && out.contains("step-4, the newest step whose save committed, only): OK"),
         "{out}"
     );
     let o = ckpt(&["verify", "{}", "--json"], &[&run]);

@@ -128,6 +128,38 @@ fn two_fsdp_ranks_match_torchtitan_fsdp() {
     assert_eq!(back.len(), 6);
 }
 
+/// Dense qwen3 (`--module qwen3 --config qwen3_debugmodel`: q/k norms, head_dim 128 over dim
+/// 256, cos/sin RoPE at theta 1e6, GQA 16/8, embeddings tied to the output layer) from
+/// torchtitan's own qwen3 seed checkpoint: 1 process, with both trainers resuming each other's
+/// checkpoints (`lm_head.weight` written beside `tok_embeddings.weight`, AdamW state under the
+/// one tied parameter and the fused `wqkv`), and FSDP2 on 2 ranks.
+#[test]
+fn qwen3_dense_matches_torchtitan() {
+    let summary = compare(
+        &["qwen3:1:1:", "qwen3dp2:2:2:"],
+        4,
+        2,
+        1e-5,
+        1e-5,
+        &[
+            "--module",
+            "qwen3",
+            "--config",
+            "qwen3_debugmodel",
+            "--cross",
+            "--cross-back",
+        ],
+    );
+    assert_trained(&summary, "qwen3", 4);
+    assert_trained(&summary, "qwen3dp2", 4);
+    for layout in ["qwen3", "qwen3dp2"] {
+        for run in ["torchtitan_then_titan", "titan_then_torchtitan"] {
+            let rows = summary["layouts"][layout][run].as_array();
+            assert_eq!(rows.map(Vec::len), Some(4), "{layout} {run}");
+        }
+    }
+}
+
 /// Tensor parallelism with torchtitan's llama3 plan (sequence parallel, loss parallel).
 #[test]
 fn tensor_parallel_matches_torchtitan_tp() {
