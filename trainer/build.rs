@@ -8,7 +8,9 @@
 //! `autocast_shim.cpp` (torch.autocast for CPU and CUDA), `varlen_shim.cpp` (FlashAttention's
 //! varlen kernel for document-causal attention on CUDA), `recompute_shim.cpp` (activation
 //! checkpointing: a custom autograd Function that recomputes a region in backward) and
-//! `function_shim.cpp` (custom autograd Functions written in Rust), all with one error convention
+//! `function_shim.cpp` (custom autograd Functions written in Rust) and `memory_shim.cpp` (the
+//! CUDA caching allocator's statistics, through c10's device-generic interface, so it also
+//! compiles against a CPU-only libtorch), all with one error convention
 //! (`cpp/shim_error.h`); the recompute and function shims call Rust back through one ABI
 //! (`cpp/rust_callback.h`).
 //!
@@ -25,6 +27,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/recompute_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/varlen_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/function_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/memory_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/shim_error.h");
     println!("cargo:rerun-if-changed=cpp/rust_callback.h");
     // torch-sys reports the libtorch it links; without one the shims cannot be compiled and the
@@ -82,6 +85,7 @@ fn build_torch_shims(lib: &Path) {
         .file("cpp/recompute_shim.cpp")
         .file("cpp/varlen_shim.cpp")
         .file("cpp/function_shim.cpp")
+        .file("cpp/memory_shim.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

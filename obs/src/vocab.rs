@@ -20,6 +20,12 @@ pub mod titan {
     pub const OPTIMIZER_STEP: &str = "optimizer_step";
     pub const LR: &str = "lr";
     pub const COLLECT_DIST_METRICS: &str = "collect_dist_metrics";
+    /// Scalar, every step: the reads from a tensor to the host the trainer made in it (each
+    /// a wait for the device on a GPU); `titan-obs summary` reports it per step (`host_syncs`),
+    /// `metrics` leaves it out of its lines.
+    pub const HOST_SYNCS: &str = "trainer/host_syncs";
+    /// The scalar whose presence marks a step that logged its metrics.
+    pub const LOSS: &str = "training/loss";
     /// Error record of a failure a rank reported to the job (a collective that failed, a
     /// peer that stopped answering), with the job's first failure when another rank's came
     /// first: `titan-obs summary` names it.

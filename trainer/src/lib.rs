@@ -20,6 +20,7 @@
 //!   activation checkpointing (regions recomputed in backward), which [`model`] applies per
 //!   `[activation_checkpoint]`.
 //! - [`memory_estimate`]: `--memory_estimation.enable`, per-rank memory by arithmetic.
+//! - [`host_sync`]: the one, counted, way a value crosses from a tensor to the host.
 //! - [`train`]: the loop; [`metrics`]: console line, throughput, memory; [`tensorboard`]: event
 //!   files.
 
@@ -35,6 +36,7 @@ pub mod data;
 pub mod distributed;
 pub mod float8;
 pub mod hf;
+pub mod host_sync;
 pub mod lr_scheduler;
 pub mod memory_estimate;
 pub mod metrics;

@@ -28,20 +28,47 @@ pub fn rss_bytes() -> (u64, u64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-/// GPU memory used by this process in bytes, from `nvidia-smi` (libtorch's caching-allocator
-/// statistics are not reachable through tch); `None` when it cannot be read.
-pub fn cuda_process_memory_bytes() -> Option<u64> {
-    let out = std::process::Command::new("nvidia-smi")
-        .args([
-            "--query-compute-apps=pid,used_memory",
-            "--format=csv,noheader,nounits",
-        ])
-        .output()
-        .ok()?;
-    let pid = std::process::id().to_string();
-    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
-        let mut parts = l.split(',').map(str::trim);
-        (parts.next()? == pid).then(|| parts.next()?.parse::<u64>().ok().map(|mib| mib << 20))?
+/// A CUDA device's memory as its caching allocator counts it, since the last logged step
+/// (torchtitan's `DeviceMemoryMonitor.get_peak_stats`, read from the same statistics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceMemory {
+    /// Peak bytes in active blocks ("active_bytes.all.peak").
+    pub max_active: u64,
+    /// Peak bytes reserved from the device ("reserved_bytes.all.peak").
+    pub max_reserved: u64,
+    /// Allocations that failed and succeeded after the cache was freed (each a device sync).
+    pub alloc_retries: u64,
+    pub ooms: u64,
+    /// The device's memory in bytes (the percentages' base).
+    pub capacity: u64,
+}
+
+unsafe extern "C" {
+    fn titan_cuda_memory_stats(
+        index: i64,
+        reset_peak: i32,
+        out: *mut i64,
+        err: *mut *mut std::ffi::c_char,
+    ) -> i32;
+}
+
+/// CUDA device `index`'s [`DeviceMemory`] from libtorch's caching allocator (through
+/// `cpp/memory_shim.cpp`; no process is forked and no driver tool is asked), then its peaks
+/// reset as torchtitan resets them after each logged step. An error where there is no CUDA
+/// allocator (a CPU-only libtorch).
+pub fn cuda_memory(index: usize) -> Result<DeviceMemory, String> {
+    let mut out = [0i64; 5];
+    crate::shim::call(|err| {
+        // SAFETY: `out` has the 5 slots the shim writes; `err` is the shim's error slot.
+        unsafe { titan_cuda_memory_stats(index as i64, 1, out.as_mut_ptr(), err) }
+    })?;
+    let [max_active, max_reserved, alloc_retries, ooms, capacity] = out.map(|v| v.max(0) as u64);
+    Ok(DeviceMemory {
+        max_active,
+        max_reserved,
+        alloc_retries,
+        ooms,
+        capacity,
     })
 }
 
@@ -156,7 +183,8 @@ pub struct StepMetrics {
     pub loss: f64,
     pub grad_norm: f64,
     pub lr: f64,
-    /// GiB: RSS on CPU, process GPU memory on CUDA.
+    /// GiB: RSS on CPU; on CUDA the caching allocator's peak reserved memory since the last
+    /// logged step (torchtitan's `memory/max_reserved(GiB)`).
     pub memory_gib: f64,
     /// Peak RSS (GiB) of the process.
     pub peak_rss_gib: f64,
@@ -323,6 +351,14 @@ mod tests {
              trainer_memory/reserved_gib_max: 0.19  trainer_throughput/tps_mean: 361.4  \
              trainer_throughput/tflops_mean: 0.026  trainer_throughput/mfu_pct_mean: 0.0026"
         );
+    }
+
+    /// Without a GPU the allocator's statistics are an error, not a crash or a made-up zero.
+    #[test]
+    fn cuda_memory_is_an_error_without_cuda() {
+        if !tch::Cuda::is_available() {
+            assert!(cuda_memory(0).is_err());
+        }
     }
 
     #[test]

@@ -1,9 +1,15 @@
 //! AdamW over tch tensors with visible, checkpointable state, and total-norm gradient clipping.
 //!
-//! The update is PyTorch's `torch.optim.AdamW` (decoupled weight decay, bias correction), applied
-//! per parameter: through torch's fused kernel (`optimizer.implementation = "fused"`,
-//! torchtitan's default) or as its for-loop sequence of tensor ops, each rounding as torch's does; its state (`exp_avg`, `exp_avg_sq`, `step` per parameter fqn) is plain tensors
-//! that checkpointing can save and load by name.
+//! The update is PyTorch's `torch.optim.AdamW` (decoupled weight decay, bias correction): through
+//! torch's fused kernel (`optimizer.implementation = "fused"`, torchtitan's default), one call over
+//! all parameters of a (device, dtype) group as torch's optimizer makes it, or as its for-loop
+//! sequence of tensor ops per parameter, each rounding as torch's does; its state (`exp_avg`,
+//! `exp_avg_sq`, `step` per parameter fqn) is plain tensors that checkpointing can save and load
+//! by name.
+//!
+//! Clipping stays on the device, as `clip_grad_norm_` does: the total norm is a tensor, the clip
+//! coefficient is computed from it on the device and multiplied in; nothing here reads a value
+//! back to the host (a step that does not log makes no host sync).
 
 use std::collections::BTreeMap;
 
@@ -36,6 +42,12 @@ impl From<&OptimizerConfig> for AdamWParams {
     }
 }
 
+/// What parameters share to step in one fused call: device, dtype and step count.
+type GroupKey = (tch::Device, Kind, u64);
+
+/// A parameter of a fused group: its fqn, the parameter and its gradient.
+type Member<'a> = (&'a str, &'a Tensor, Tensor);
+
 /// The state of one parameter, named as in PyTorch's optimizer state dict.
 #[derive(Debug)]
 pub struct ParamState {
@@ -54,10 +66,9 @@ pub struct AdamW {
     /// torchtitan does; it differs from the schedule only when the schedule's settings or
     /// `training.steps` changed between the runs).
     pub resumed_lr: Option<f64>,
-    /// The fused kernel's step count for the parameter being updated: a 0-dim f32 on the
-    /// parameters' device, refilled from [`ParamState::step`] for each call (a fill kernel, not
-    /// a host-to-device copy per parameter per step).
-    fused_step: Option<Tensor>,
+    /// The fused kernel's step count, a 0-dim f32 per device, refilled from
+    /// [`ParamState::step`] before each group's call (a fill kernel, not a host-to-device copy).
+    fused_steps: Vec<Tensor>,
 }
 
 impl AdamW {
@@ -66,7 +77,7 @@ impl AdamW {
             hparams,
             state: BTreeMap::new(),
             resumed_lr: None,
-            fused_step: None,
+            fused_steps: Vec::new(),
         }
     }
 
@@ -92,9 +103,103 @@ impl AdamW {
         }
     }
 
-    /// One AdamW update of `param` (named `name`) with its current gradient, at learning rate `lr`.
-    /// Parameters without a gradient are skipped, as PyTorch does. A failed tensor operation
-    /// (a device or dtype mismatch, an out-of-memory) is an error naming the parameter.
+    /// One AdamW update of every parameter of `params` (fqn, tensor) that has a gradient, at
+    /// learning rate `lr`. With the fused kernel the parameters go to it in groups of one
+    /// device, dtype and step count, one call per group (torch's optimizer groups by device
+    /// and dtype the same way; the fused kernel rounds each element as it does per parameter);
+    /// the for-loop implementation updates them one by one. A failed call is an error naming
+    /// the parameter, or the group's first and last parameter.
+    pub fn step(&mut self, params: &[(String, Tensor)], lr: f64) -> Result<()> {
+        if !self.hparams.fused {
+            for (name, p) in params {
+                self.step_param(name, p, lr)?;
+            }
+            return Ok(());
+        }
+        // (device, dtype, step after this update) -> the group's parameters, in model order.
+        let mut groups: Vec<(GroupKey, Vec<Member<'_>>)> = Vec::new();
+        for (name, param) in params {
+            let grad = param.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let state = self
+                .state
+                .entry(name.clone())
+                .or_insert_with(|| ParamState {
+                    step: 0,
+                    exp_avg: param.zeros_like(),
+                    exp_avg_sq: param.zeros_like(),
+                });
+            state.step += 1;
+            let key = (param.device(), param.kind(), state.step);
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, members)) => members.push((name, param, grad)),
+                None => groups.push((key, vec![(name, param, grad)])),
+            }
+        }
+        for ((device, _, step), members) in &groups {
+            // Calls on one device run in order (one stream), so one step tensor per device
+            // serves every group there.
+            let at = match self.fused_steps.iter().position(|t| t.device() == *device) {
+                Some(at) => at,
+                None => {
+                    self.fused_steps
+                        .push(Tensor::zeros([], (Kind::Float, *device)));
+                    self.fused_steps.len() - 1
+                }
+            };
+            let step_t = &mut self.fused_steps[at];
+            let _ = step_t.fill_(*step as f64);
+            let raw = |t: &Tensor| t.as_ptr() as *mut std::ffi::c_void;
+            let (mut p, mut g, mut m, mut v) = (vec![], vec![], vec![], vec![]);
+            for (name, param, grad) in members {
+                let state = &self.state[*name];
+                p.push(raw(param));
+                g.push(raw(grad));
+                m.push(raw(&state.exp_avg));
+                v.push(raw(&state.exp_avg_sq));
+            }
+            let AdamWParams {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } = self.hparams;
+            crate::shim::call(|err| {
+                // SAFETY: tch's C_tensor is an `at::Tensor*`; every tensor is alive for the call
+                // (`members` and the state hold them) and each list has `members.len()` entries.
+                unsafe {
+                    titan_fused_adamw(
+                        p.as_mut_ptr(),
+                        g.as_mut_ptr(),
+                        m.as_mut_ptr(),
+                        v.as_mut_ptr(),
+                        raw(step_t),
+                        members.len() as i64,
+                        lr,
+                        beta1,
+                        beta2,
+                        weight_decay,
+                        eps,
+                        err,
+                    )
+                }
+            })
+            .map_err(anyhow::Error::msg)
+            .with_context(|| {
+                let (first, last) = (members[0].0, members[members.len() - 1].0);
+                format!("AdamW step of `{first}` .. `{last}`")
+            })?;
+        }
+        Ok(())
+    }
+
+    /// One AdamW update of `param` (named `name`) with its current gradient, at learning rate
+    /// `lr`: [`AdamW::step`] for one parameter. Parameters without a gradient are skipped, as
+    /// PyTorch does. A failed tensor operation (a device or dtype mismatch, an out-of-memory)
+    /// is an error naming the parameter.
     pub fn step_param(&mut self, name: &str, param: &Tensor, lr: f64) -> Result<()> {
         let grad = param.grad();
         if !grad.defined() {
@@ -107,13 +212,8 @@ impl AdamW {
             weight_decay,
             fused,
         } = self.hparams;
-        if fused
-            && self
-                .fused_step
-                .as_ref()
-                .is_none_or(|t| t.device() != param.device())
-        {
-            self.fused_step = Some(Tensor::zeros([], (Kind::Float, param.device())));
+        if fused {
+            return self.step(&[(name.to_string(), param.shallow_clone())], lr);
         }
         let state = self
             .state
@@ -125,21 +225,6 @@ impl AdamW {
             });
         // Each in-place op returns another handle to the tensor it changed: dropped; its error is
         // not.
-        if let Some(step) = self.fused_step.as_mut().filter(|_| fused) {
-            state.step += 1;
-            let _ = step.fill_(state.step as f64);
-            let p = param.shallow_clone();
-            let tensors = [&p, &grad, &state.exp_avg, &state.exp_avg_sq, &*step];
-            let [p, g, m, v, s] = tensors.map(|t| t.as_ptr() as *mut std::ffi::c_void);
-            return crate::shim::call(|err| {
-                // SAFETY: tch's C_tensor is an `at::Tensor*`; every tensor is alive for the call.
-                unsafe {
-                    titan_fused_adamw(p, g, m, v, s, lr, beta1, beta2, weight_decay, eps, err)
-                }
-            })
-            .map_err(anyhow::Error::msg)
-            .with_context(|| format!("AdamW step of `{name}`"));
-        }
         tch::no_grad(|| -> std::result::Result<(), tch::TchError> {
             state.step += 1;
             let mut p = param.shallow_clone();
@@ -179,16 +264,29 @@ unsafe extern "C" {
     ) -> i32;
     #[allow(clippy::too_many_arguments)]
     fn titan_fused_adamw(
-        param: *mut std::ffi::c_void,
-        grad: *mut std::ffi::c_void,
-        exp_avg: *mut std::ffi::c_void,
-        exp_avg_sq: *mut std::ffi::c_void,
+        params: *mut *mut std::ffi::c_void,
+        grads: *mut *mut std::ffi::c_void,
+        exp_avgs: *mut *mut std::ffi::c_void,
+        exp_avg_sqs: *mut *mut std::ffi::c_void,
         step: *mut std::ffi::c_void,
+        n: i64,
         lr: f64,
         beta1: f64,
         beta2: f64,
         weight_decay: f64,
         eps: f64,
+        err: *mut *mut std::ffi::c_char,
+    ) -> i32;
+    fn titan_foreach_norm(
+        tensors: *mut *mut std::ffi::c_void,
+        n: i64,
+        out: *mut *mut std::ffi::c_void,
+        err: *mut *mut std::ffi::c_char,
+    ) -> i32;
+    fn titan_foreach_mul_(
+        tensors: *mut *mut std::ffi::c_void,
+        n: i64,
+        scale: *mut std::ffi::c_void,
         err: *mut *mut std::ffi::c_char,
     ) -> i32;
 }
@@ -224,50 +322,87 @@ pub fn clear_grads(params: &[&Tensor]) {
 }
 
 /// The total 2-norm of `grads` (one per parameter, in parameter order), as
-/// `torch.nn.utils.clip_grad_norm_` computes it: the fp32 norm of the per-tensor fp32 norms. The
-/// order and grouping of the tensors change the last bits (the norms are summed in order), so
-/// callers pass the parameters as the model they mirror has them.
-pub fn total_grad_norm(grads: &[Tensor]) -> f64 {
-    tch::no_grad(|| {
-        let norms: Vec<Tensor> = grads
-            .iter()
-            .filter(|g| g.defined())
-            .map(|g| g.to_kind(Kind::Float).norm().reshape([1]))
-            .collect();
-        if norms.is_empty() {
-            return 0.0;
-        }
-        Tensor::cat(&norms, 0).norm().double_value(&[])
+/// `torch.nn.utils.clip_grad_norm_(foreach=True)` computes it: the fp32 norm of the per-tensor
+/// fp32 norms (`_foreach_norm`, stacked). The order and grouping of the tensors change the last
+/// bits (the norms are summed in order), so callers pass the parameters as the model they mirror
+/// has them. A 0-dim fp32 tensor on the gradients' device (0 on the CPU when there are none):
+/// read it only where it is logged.
+pub fn total_grad_norm(grads: &[Tensor]) -> Result<Tensor> {
+    let fp32: Vec<Tensor> = grads
+        .iter()
+        .filter(|g| g.defined())
+        .map(|g| g.to_kind(Kind::Float))
+        .collect();
+    if fp32.is_empty() {
+        return Ok(Tensor::zeros([], (Kind::Float, tch::Device::Cpu)));
+    }
+    let mut raw: Vec<*mut std::ffi::c_void> = fp32
+        .iter()
+        .map(|t| t.as_ptr() as *mut std::ffi::c_void)
+        .collect();
+    let mut out = std::ptr::null_mut();
+    crate::shim::call(|err| {
+        // SAFETY: tch's C_tensor is an `at::Tensor*`; `fp32` keeps every tensor alive for the
+        // call; on success `out` is a new `at::Tensor*` that we own.
+        unsafe { titan_foreach_norm(raw.as_mut_ptr(), raw.len() as i64, &mut out, err) }
     })
+    .map_err(anyhow::Error::msg)
+    .context("the gradients' norms")?;
+    // SAFETY: see above.
+    let norms = unsafe { Tensor::from_ptr(out.cast()) };
+    tch::no_grad(|| norms.f_norm())
+        .map_err(anyhow::Error::from)
+        .context("the gradients' total norm")
 }
 
 /// The factor `clip_grad_norm_` scales gradients by: `max_norm / (total_norm + 1e-6)` clamped
-/// to 1, in fp32 as torch computes it (`total_norm` is an fp32 tensor there, and `max_norm /
-/// t` is `t.reciprocal() * max_norm`), so the clipped gradients are torch's bit for bit.
-pub fn clip_coefficient(max_norm: f64, total_norm: f64) -> f32 {
-    let recip = 1.0f32 / (total_norm as f32 + 1e-6f32);
-    (recip * max_norm as f32).min(1.0)
+/// to 1, computed on the device in fp32 as torch computes it (`max_norm / t` is
+/// `t.reciprocal() * max_norm` there), so the clipped gradients are torch's bit for bit and no
+/// value crosses to the host. `total_norm` may be f64 (summed over ranks in f64): it is rounded
+/// to fp32 first, as the fp32 norm torch divides by.
+pub fn clip_coefficient(max_norm: f64, total_norm: &Tensor) -> Result<Tensor> {
+    tch::no_grad(|| {
+        total_norm
+            .f_to_kind(Kind::Float)?
+            .f_add_scalar(1e-6)?
+            .f_reciprocal()?
+            .f_mul_scalar(max_norm)?
+            .f_clamp_max(1.0)
+    })
+    .map_err(anyhow::Error::from)
+    .context("the clip coefficient")
 }
 
-/// Scales every gradient by [`clip_coefficient`] when that is below 1, as `clip_grad_norm_`
-/// does. The one clipping function; `total_norm` comes from [`total_grad_norm`] (summed over the
-/// ranks by the caller for sharded parameters).
-pub fn clip_grads(params: &[&Tensor], max_norm: f64, total_norm: f64) -> Result<()> {
-    let coef = clip_coefficient(max_norm, total_norm);
-    if coef >= 1.0 || !total_norm.is_finite() {
+/// Scales every gradient of `params` by `coef` ([`clip_coefficient`], a 0-dim tensor on their
+/// device) in one multi-tensor multiply, as `clip_grad_norm_` does whatever the coefficient: a
+/// coefficient of 1 leaves each gradient bit for bit as it was, and a non-finite norm makes the
+/// gradients non-finite as it does in torch. The one clipping function.
+pub fn clip_grads(params: &[&Tensor], coef: &Tensor) -> Result<()> {
+    let grads: Vec<Tensor> = params
+        .iter()
+        .map(|p| p.grad())
+        .filter(|g| g.defined())
+        .collect();
+    if grads.is_empty() {
         return Ok(());
     }
-    tch::no_grad(|| {
-        for p in params {
-            let mut g = p.grad();
-            if g.defined() {
-                g.f_mul_scalar_(f64::from(coef))
-                    .map(drop)
-                    .with_context(|| format!("clipping a gradient of shape {:?}", g.size()))?;
-            }
+    let mut raw: Vec<*mut std::ffi::c_void> = grads
+        .iter()
+        .map(|t| t.as_ptr() as *mut std::ffi::c_void)
+        .collect();
+    crate::shim::call(|err| {
+        // SAFETY: tch's C_tensor is an `at::Tensor*`; `grads` and `coef` are alive for the call.
+        unsafe {
+            titan_foreach_mul_(
+                raw.as_mut_ptr(),
+                raw.len() as i64,
+                coef.as_ptr() as *mut std::ffi::c_void,
+                err,
+            )
         }
-        Ok(())
     })
+    .map_err(anyhow::Error::msg)
+    .context("clipping the gradients")
 }
 
 #[cfg(test)]
@@ -334,13 +469,84 @@ mod tests {
         let b = Tensor::from_slice(&[4.0f32]).set_requires_grad(true);
         let loss = (&a * &a * 1.5 + &b * &b * 2.0).sum(Kind::Float);
         loss.backward(); // grads 3a = 9 and 4b = 16
-        let norm = total_grad_norm(&[a.grad(), b.grad()]);
+        let norm_t = total_grad_norm(&[a.grad(), b.grad()]).unwrap();
+        let norm = norm_t.double_value(&[]);
         assert!((norm - (81.0f64 + 256.0).sqrt()).abs() < 1e-4);
-        clip_grads(&[&a, &b], 1.0, norm).unwrap();
-        assert!((total_grad_norm(&[a.grad(), b.grad()]) - 1.0).abs() < 1e-5);
+        let coef = clip_coefficient(1.0, &norm_t).unwrap();
         // torch: (1 / (norm + 1e-6)) * max_norm in fp32, at most 1.
-        let coef = clip_coefficient(1.0, norm);
-        assert_eq!(coef, (1.0f32 / (norm as f32 + 1e-6f32)) * 1.0f32);
-        assert_eq!(clip_coefficient(100.0, norm), 1.0);
+        assert_eq!(
+            coef.double_value(&[]) as f32,
+            (1.0f32 / (norm as f32 + 1e-6f32)) * 1.0f32
+        );
+        clip_grads(&[&a, &b], &coef).unwrap();
+        let clipped = total_grad_norm(&[a.grad(), b.grad()]).unwrap();
+        assert!((clipped.double_value(&[]) - 1.0).abs() < 1e-5);
+        // Below max_norm the coefficient is 1 and the gradients stay bit for bit.
+        let before = Vec::<f32>::try_from(&a.grad()).unwrap();
+        let one = clip_coefficient(100.0, &clipped).unwrap();
+        assert_eq!(one.double_value(&[]), 1.0);
+        clip_grads(&[&a, &b], &one).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&a.grad()).unwrap(), before);
+    }
+
+    /// The norm is the fp32 norm of the per-tensor norms in order (what torch's foreach
+    /// `clip_grad_norm_` computes), not the norm of all elements at once.
+    #[test]
+    fn total_norm_is_the_norm_of_per_tensor_norms() {
+        let grads: Vec<Tensor> = (0..5)
+            .map(|i| Tensor::randn([97 + i], (Kind::Float, tch::Device::Cpu)))
+            .collect();
+        let got = total_grad_norm(&grads).unwrap();
+        let want = Tensor::stack(&grads.iter().map(|g| g.norm()).collect::<Vec<_>>(), 0).norm();
+        assert_eq!(got.kind(), Kind::Float);
+        assert_eq!(got.double_value(&[]), want.double_value(&[]));
+        assert_eq!(total_grad_norm(&[]).unwrap().double_value(&[]), 0.0);
+    }
+
+    /// One fused call over a group updates each parameter exactly as one call per parameter.
+    #[test]
+    fn grouped_fused_step_equals_per_parameter_steps() {
+        let hp = AdamWParams {
+            fused: true,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let make = || -> Vec<(String, Tensor)> {
+            tch::manual_seed(7);
+            (0..4)
+                .map(|i| {
+                    let t = Tensor::randn([33 + i], (Kind::Float, tch::Device::Cpu))
+                        .set_requires_grad(true);
+                    (format!("p{i}"), t)
+                })
+                .collect()
+        };
+        let (grouped, single) = (make(), make());
+        let (mut a, mut b) = (AdamW::new(hp), AdamW::new(hp));
+        for step in 0..3 {
+            for params in [&grouped, &single] {
+                for (i, (_, p)) in params.iter().enumerate() {
+                    p.shallow_clone().zero_grad();
+                    (p * (step as f64 + i as f64 + 0.5))
+                        .pow_tensor_scalar(2)
+                        .sum(Kind::Float)
+                        .backward();
+                }
+            }
+            a.step(&grouped, 1e-2).unwrap();
+            for (name, p) in &single {
+                b.step_param(name, p, 1e-2).unwrap();
+            }
+        }
+        for ((n, x), (_, y)) in grouped.iter().zip(&single) {
+            assert_eq!(
+                Vec::<f32>::try_from(&x.detach()).unwrap(),
+                Vec::<f32>::try_from(&y.detach()).unwrap(),
+                "{n}"
+            );
+            assert_eq!(a.state[n].step, 3);
+        }
     }
 }

@@ -22,6 +22,7 @@ use crate::console;
 use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
 use crate::distributed::{DeviceMesh, ReduceOp};
 use crate::float8::{self, Float8Training};
+use crate::host_sync;
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
 use crate::model::{Llama, ModelArgs};
@@ -92,10 +93,6 @@ pub fn set_determinism(debug: &config::Debug, device: Device) -> u64 {
         tch::Cuda::cudnn_set_benchmark(false);
     }
     seed
-}
-
-fn count_valid(labels: &Tensor) -> i64 {
-    labels.ne(IGNORE_INDEX).sum(Kind::Int64).int64_value(&[])
 }
 
 /// Writes `text` to `path` through a temporary file and a rename (never half-written).
@@ -183,7 +180,9 @@ fn validate(
 ) -> Result<ValidationMetrics> {
     let start = Instant::now();
     loader.reset();
-    let (mut loss_sum, mut tokens) = (0.0f64, 0i64);
+    // Summed on the device and read once at the end (torchtitan's validator reads once too).
+    let mut loss_sum = Tensor::zeros([], (Kind::Double, device));
+    let mut tokens = 0i64;
     let mut batches = 0u64;
     tch::no_grad(|| -> Result<()> {
         while max_steps.is_none_or(|max| batches < max) {
@@ -191,6 +190,9 @@ fn validate(
                 inputs,
                 labels,
                 positions,
+                valid_tokens,
+                document_offsets,
+                longest_document,
             }) = loader.next_batch(device)?
             else {
                 break;
@@ -200,11 +202,14 @@ fn validate(
                     let chunk = |t: &Tensor| t.split(microbatch_size, 0);
                     let (inputs, labels, positions) =
                         (chunk(&inputs), chunk(&labels), chunk(&positions));
+                    // The loader's document offsets are the whole batch's: each microbatch's
+                    // are found on the device (a read per forward; validation only).
                     let microbatches: Vec<Microbatch<'_>> = (0..inputs.len())
                         .map(|i| Microbatch {
                             inputs: &inputs[i],
                             labels: &labels[i],
                             positions: &positions[i],
+                            documents: None,
                         })
                         .collect();
                     pipeline
@@ -212,15 +217,18 @@ fn validate(
                         .with_context(|| format!("validation at step {step}"))?
                 }
                 None => forward_pass(step, || {
-                    model.summed_cross_entropy(&model.forward(&inputs, Some(&positions)), &labels)
+                    let documents = Some((&document_offsets, longest_document));
+                    let logits = model.forward_with(&inputs, Some(&positions), documents);
+                    model.summed_cross_entropy(&logits, &labels)
                 })?
-                .double_value(&[]),
+                .to_kind(Kind::Double),
             };
-            tokens += count_valid(&labels);
+            tokens += valid_tokens;
             batches += 1;
         }
         Ok(())
     })?;
+    let mut loss_sum = host_sync::read_f64(&loss_sum, "validation loss");
     if pipeline.is_some() {
         // The last stage computed the CE: every stage reports it.
         loss_sum = mesh.reduce_scalars(&mesh.pp, &[loss_sum], ReduceOp::Sum)?[0];
@@ -322,25 +330,36 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
     // A live step counter on rank 0's terminal; log lines print above it.
     let progress = console::Steps::start(job.resumed_step, cfg.training.steps, mesh.mesh.rank == 0);
 
+    // Reads before the first step (building, loading a checkpoint) belong to no step.
+    host_sync::take();
     for step in job.resumed_step + 1..=cfg.training.steps {
         titan_obs_core::set_step(step);
         let step_span = titan_obs_core::span(vocab::STEP);
         let lr = job.optimizer.next_lr(job.schedule.lr_for_step(step));
 
         let batches = job.load_batches()?;
-        let local_tokens: i64 = batches.iter().map(|b| count_valid(&b.labels)).sum();
-        let global_tokens = mesh.global_valid_tokens(local_tokens)?;
+        // Counted by the loader on the host: no read back from the device.
+        let local_tokens: i64 = batches.iter().map(|b| b.valid_tokens).sum();
+        let global_tokens = job.global_tokens(local_tokens)?;
         let step_input_tokens = batches.iter().map(|b| b.inputs.numel() as i64).sum::<i64>();
         window.add_tokens(step_input_tokens);
 
-        let local_loss = job.forward_backward(&batches, global_tokens, step)?;
+        // The loss and the norm stay on the device; only a step that logs reads them (as
+        // torchtitan, whose loop reads nothing on the others): the host runs ahead of the GPU.
+        let local_loss = job.forward_backward(&batches, &global_tokens.tensor, step)?;
         let grad_norm = job.optimizer_step(lr)?;
-        if !local_loss.is_finite() {
-            step_span.error(&format!("loss is {local_loss}"));
-            bail!("step {step}: loss is {local_loss}; lower optimizer.lr or check the data");
-        }
 
         if step == 1 || step % cfg.metrics.log_freq == 0 || step == cfg.training.steps {
+            let local_loss = job.read_loss(&local_loss)?;
+            if !local_loss.is_finite() {
+                step_span.error(&format!("loss is {local_loss}"));
+                bail!("step {step}: loss is {local_loss}; lower optimizer.lr or check the data");
+            }
+            let grad_norm = host_sync::read_f64(&grad_norm, "grad norm");
+            let global_tokens = match global_tokens.host {
+                Some(n) => n,
+                None => host_sync::read_i64(&global_tokens.tensor, "global tokens"),
+            };
             let logged = job.log_step(
                 StepFigures {
                     step,
@@ -374,6 +393,9 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
             cfg.training.steps,
             step_input_tokens as u64 * mesh.mesh.dp_degree() as u64,
         )?;
+        // This step's reads to the host, for `titan-obs summary` (0 unless it logged or
+        // validated).
+        titan_obs_core::scalar(host_sync::SCALAR, host_sync::take() as f64, Reduce::Max);
         summary.steps = step;
         progress.step(step);
         drop(step_span);
@@ -406,6 +428,15 @@ struct Job<'a> {
     /// Rank 0's `metrics.jsonl`.
     metrics_file: Option<MetricsFile>,
     tensorboard: Option<EventWriter>,
+}
+
+/// A step's valid-token count over the data-parallel ranks: the loss denominator.
+struct GlobalTokens {
+    /// A 0-dim int64 on the device, at least 1 (the loss is divided by it there, as
+    /// torchtitan divides by its device tensor).
+    tensor: Tensor,
+    /// The count, where the host knows it without a read (one data-parallel rank).
+    host: Option<i64>,
 }
 
 /// One step's figures before they are reduced over the mesh for the log.
@@ -541,11 +572,49 @@ impl<'a> Job<'a> {
             .collect()
     }
 
+    /// The step's valid tokens over the data-parallel ranks from this rank's `local` count:
+    /// summed on the device (an all-reduce of a device tensor, read nowhere), or known on the
+    /// host with one data-parallel rank.
+    fn global_tokens(&self, local: i64) -> Result<GlobalTokens> {
+        let dp = &self.mesh.dp;
+        if dp.size() == 1 {
+            return Ok(GlobalTokens {
+                tensor: host_sync::upload(&[local.max(1)], &[], self.device),
+                host: Some(local),
+            });
+        }
+        let tensor = host_sync::upload(&[local], &[], self.device);
+        dp.all_reduce(&tensor, ReduceOp::Sum)?;
+        Ok(GlobalTokens {
+            tensor: tensor.clamp_min(1),
+            host: None,
+        })
+    }
+
+    /// This rank's part of the step's mean loss, read to the host (a step that logs): under
+    /// pipeline parallelism the last stage's, which every stage then reports.
+    fn read_loss(&self, local_loss: &Tensor) -> Result<f64> {
+        let loss = host_sync::read_f64(local_loss, "loss");
+        if self.pipeline.is_none() {
+            return Ok(loss);
+        }
+        Ok(self
+            .mesh
+            .reduce_scalars(&self.mesh.pp, &[loss], ReduceOp::Sum)?[0])
+    }
+
     /// Forward and backward over the step's batches, then the gradients' reductions; returns
-    /// this rank's part of the step's mean loss.
-    fn forward_backward(&self, batches: &[Batch], global_tokens: i64, step: u64) -> Result<f64> {
+    /// this rank's part of the step's mean loss, a 0-dim f64 on the device (the microbatches'
+    /// losses summed there in f64, in order; 0 on pipeline ranks without the last stage).
+    /// `global_tokens` divides each microbatch's summed loss ([`GlobalTokens::tensor`]).
+    fn forward_backward(
+        &self,
+        batches: &[Batch],
+        global_tokens: &Tensor,
+        step: u64,
+    ) -> Result<Tensor> {
         let (model, mesh) = (&self.model, self.mesh);
-        let mut local_loss = 0.0f64;
+        let mut local_loss = Tensor::zeros([], (Kind::Double, self.device));
         if let Some((pipeline, _)) = &self.pipeline {
             let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
             for pass in batches.chunks(pipeline.microbatches) {
@@ -555,14 +624,13 @@ impl<'a> Job<'a> {
                         inputs: &b.inputs,
                         labels: &b.labels,
                         positions: &b.positions,
+                        documents: Some((&b.document_offsets, b.longest_document)),
                     })
                     .collect();
                 local_loss += pipeline
                     .run(model, &microbatches, global_tokens)
                     .with_context(|| format!("step {step}"))?;
             }
-            // The last stage computed the loss: every stage reports it (and stops on it).
-            local_loss = mesh.reduce_scalars(&mesh.pp, &[local_loss], ReduceOp::Sum)?[0];
         } else {
             let _s = titan_obs_core::span(titan::FORWARD_BACKWARD);
             for batch in batches {
@@ -572,9 +640,12 @@ impl<'a> Job<'a> {
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
                     forward_pass(step, || {
-                        let logits = model.forward(&batch.inputs, Some(&batch.positions));
-                        model.summed_cross_entropy(&logits, &batch.labels)
-                            / global_tokens.max(1) as f64
+                        let documents = Some((&batch.document_offsets, batch.longest_document));
+                        let logits =
+                            model.forward_with(&batch.inputs, Some(&batch.positions), documents);
+                        let ce = model.summed_cross_entropy(&logits, &batch.labels);
+                        let tokens = global_tokens.to_kind(ce.kind());
+                        ce / tokens
                     })?
                 };
                 {
@@ -583,7 +654,9 @@ impl<'a> Job<'a> {
                     loss.f_backward()
                         .map_err(|e| anyhow::anyhow!("step {step}: backward: {e}"))?;
                 }
-                local_loss += loss.double_value(&[]);
+                // In f64 and in order, as the host sum this replaces: the logged loss is the
+                // same to the last bit.
+                local_loss += loss.detach().to_kind(Kind::Double);
             }
         }
         // FSDP's gradient reductions ran behind backward: collect them (a failed collective
@@ -599,22 +672,22 @@ impl<'a> Job<'a> {
     }
 
     /// Clips the gradients by their norm over the mesh and steps AdamW at `lr`; returns the
-    /// norm before clipping.
-    fn optimizer_step(&mut self, lr: f64) -> Result<f64> {
+    /// norm before clipping, a 0-dim tensor on the device (clipping multiplies by a coefficient
+    /// computed there, so nothing is read).
+    fn optimizer_step(&mut self, lr: f64) -> Result<Tensor> {
         let cfg = self.cfg;
         let tensors: Vec<&Tensor> = self.params.iter().map(|(_, t)| t).collect();
         let _s = titan_obs_core::span(titan::OPTIMIZER);
         let grad_norm = {
             let _c = titan_obs_core::span(titan::CLIP);
-            let norm = grad_norm(self.mesh, &self.model)?;
-            optim::clip_grads(&tensors, cfg.training.max_norm, norm)?;
+            let norm = grad_norm(self.mesh, &self.model, self.device)?;
+            let coef = optim::clip_coefficient(cfg.training.max_norm, &norm)?;
+            optim::clip_grads(&tensors, &coef)?;
             norm
         };
         {
             let _o = titan_obs_core::span(titan::OPTIMIZER_STEP);
-            for (name, p) in &self.params {
-                self.optimizer.step_param(name, p, lr)?;
-            }
+            self.optimizer.step(&self.params, lr)?;
             optim::clear_grads(&tensors);
             if cfg.float8_enabled()
                 && cfg.float8.enable_fsdp_float8_all_gather
@@ -645,10 +718,31 @@ impl<'a> Job<'a> {
         let tps = window.tokens_per_second(Instant::now(), model_parallel);
         let (rss, peak_rss) = metrics::rss_bytes();
         let on_cuda = self.device.is_cuda();
-        let memory = if on_cuda {
-            metrics::cuda_process_memory_bytes().unwrap_or(0)
-        } else {
-            rss
+        // On CUDA the caching allocator's peak reserved bytes since the last log (torchtitan's
+        // console figure); on CPU the process's resident memory (named `rss` where recorded).
+        let memory = match self.device {
+            Device::Cuda(index) => match metrics::cuda_memory(index) {
+                Ok(m) => {
+                    if m.alloc_retries > 0 {
+                        tracing::warn!("{} CUDA memory allocation retries", m.alloc_retries);
+                    }
+                    if m.ooms > 0 {
+                        tracing::warn!("{} CUDA OOM errors thrown", m.ooms);
+                    }
+                    tracing::debug!(
+                        max_active_gib = m.max_active as f64 / (1u64 << 30) as f64,
+                        max_reserved_gib = m.max_reserved as f64 / (1u64 << 30) as f64,
+                        max_reserved_pct = 100.0 * m.max_reserved as f64 / m.capacity.max(1) as f64,
+                        "CUDA memory"
+                    );
+                    m.max_reserved
+                }
+                Err(e) => {
+                    tracing::warn!("CUDA memory statistics: {e}");
+                    0
+                }
+            },
+            _ => rss,
         };
         let gib = (1u64 << 30) as f64;
         let (flops_per_token, peak_flops) = (self.flops_per_token, self.peak_flops);
@@ -1029,26 +1123,47 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
 
 /// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
 /// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
-/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters).
-fn grad_norm(mesh: &DeviceMesh, model: &Llama) -> Result<f64> {
+/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters), then over the
+/// pipeline stages. A 0-dim tensor on `device` (fp32 on one process; f64 from the sums over
+/// ranks, which add the squares in f64 as the host sums this replaces did): the reductions are
+/// all-reduces of device tensors, and nothing is read to the host.
+fn grad_norm(mesh: &DeviceMesh, model: &Llama, device: Device) -> Result<Tensor> {
     let grads = model.grads_as_torchtitan_parameters();
-    let local = |split: bool| -> f64 {
+    let local = |split: bool| -> Result<Tensor> {
         let part: Vec<Tensor> = grads
             .iter()
             .filter(|(_, s)| *s == split)
             .map(|(g, _)| g.shallow_clone())
             .collect();
-        optim::total_grad_norm(&part).powi(2)
+        if part.iter().all(|g| !g.defined()) {
+            // Made on the device: a copy from the host could wait for the GPU.
+            return Ok(Tensor::zeros([1], (Kind::Double, device)));
+        }
+        Ok(optim::total_grad_norm(&part)?
+            .to_device(device)
+            .to_kind(Kind::Double)
+            .square()
+            .view([1]))
     };
     if mesh.mesh.world_size == 1 {
         let all: Vec<Tensor> = grads.into_iter().map(|(g, _)| g).collect();
-        return Ok(optim::total_grad_norm(&all));
+        return Ok(optim::total_grad_norm(&all)?.to_device(device));
     }
-    let sums = mesh.reduce_scalars(&mesh.dp_shard, &[local(true), local(false)], ReduceOp::Sum)?;
-    let split = mesh.reduce_scalars(&mesh.tp, &[sums[0]], ReduceOp::Sum)?;
+    let all_reduce = |group: &crate::distributed::Group, t: &Tensor| -> Result<()> {
+        if group.size() > 1 {
+            group.all_reduce(t, ReduceOp::Sum)?;
+        }
+        Ok(())
+    };
+    // [split, replicated] squares in one tensor, as one reduction over dp_shard.
+    let sums = Tensor::cat(&[local(true)?, local(false)?], 0);
+    all_reduce(&mesh.dp_shard, &sums)?;
+    let split = sums.narrow(0, 0, 1).copy();
+    all_reduce(&mesh.tp, &split)?;
     // Each pipeline stage's squared norm, summed over the stages (torchtitan's pp_mesh sum).
-    let stages = mesh.reduce_scalars(&mesh.pp, &[split[0] + sums[1]], ReduceOp::Sum)?;
-    Ok(stages[0].sqrt())
+    let stages = split + sums.narrow(0, 1, 1);
+    all_reduce(&mesh.pp, &stages)?;
+    Ok(stages.sqrt().view([]))
 }
 
 #[cfg(test)]
@@ -1078,6 +1193,5 @@ mod tests {
                 .double_value(&[]);
         let want = -(2.0f64.exp() / (1.0 + 1f64.exp() + 2f64.exp())).ln();
         assert!((got - want).abs() < 1e-6);
-        assert_eq!(count_valid(&labels), 1);
     }
 }

@@ -113,8 +113,14 @@ pub(crate) fn is_validation(name: &str) -> bool {
 /// read as per-part summaries from their scalar cells (means summed part by part rather
 /// than record by record: the same but for float rounding).
 pub fn metrics(run: &Run) -> Vec<MetricsLine> {
+    finish(&lines(run), &run.names)
+}
+
+/// The run's scalars per (step, name, reduce): the per-part summaries' cells, or gathered from
+/// the decoded scalars.
+fn lines(run: &Run) -> std::borrow::Cow<'_, Lines> {
     if let Some(d) = &run.digest {
-        return finish(&d.metrics, &run.names);
+        return std::borrow::Cow::Borrowed(&d.metrics);
     }
     let sc = &run.scalars;
     let mut lines = Lines::default();
@@ -134,7 +140,72 @@ pub fn metrics(run: &Run) -> Vec<MetricsLine> {
             &acc,
         );
     }
-    finish(&lines, &run.names)
+    std::borrow::Cow::Owned(lines)
+}
+
+/// How often the trainer read a tensor's value to the host per step (each read a wait for
+/// the GPU there): from its `trainer/host_syncs` scalar, the slowest rank's count per step.
+/// torchtitan reads only on the steps it logs; so should titan-train.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HostSyncs {
+    /// Steps with a count.
+    pub steps: u64,
+    pub median: f64,
+    pub max: f64,
+    /// Steps that logged their metrics (they hold a `training/loss` scalar).
+    pub log_steps: u64,
+    pub log_steps_median: f64,
+    pub log_steps_max: f64,
+    /// The largest count of a step that did not log (0 when none read anything; a step that
+    /// validated reads its validation loss).
+    pub other_steps_max: f64,
+}
+
+/// The run's [`HostSyncs`], or `None` when it recorded none (runs of older titan-trains and
+/// of other trainers).
+pub fn host_syncs(run: &Run) -> Option<HostSyncs> {
+    let lines = lines(run);
+    let id = |name: &str| run.names.iter().position(|n| n == name).map(|i| i as u32);
+    let syncs = id(crate::vocab::titan::HOST_SYNCS)?;
+    let loss = id(crate::vocab::titan::LOSS);
+    let (mut all, mut logged, mut other) = (Vec::new(), Vec::new(), Vec::new());
+    for (&(_, validation), (_, accs)) in &lines.0 {
+        if validation {
+            continue;
+        }
+        let Some(acc) = accs.get(&(syncs, Reduce::Max)) else {
+            continue;
+        };
+        let v = acc.get(Reduce::Max);
+        all.push(v);
+        let logs = loss.is_some_and(|l| accs.keys().any(|k| k.0 == l));
+        if logs { &mut logged } else { &mut other }.push(v);
+    }
+    if all.is_empty() {
+        return None;
+    }
+    let median = |v: &mut Vec<f64>| -> f64 {
+        if v.is_empty() {
+            return 0.0;
+        }
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        }
+    };
+    let max = |v: &[f64]| v.iter().copied().fold(0.0f64, f64::max);
+    Some(HostSyncs {
+        steps: all.len() as u64,
+        max: max(&all),
+        median: median(&mut all),
+        log_steps: logged.len() as u64,
+        log_steps_max: max(&logged),
+        log_steps_median: median(&mut logged),
+        other_steps_max: max(&other),
+    })
 }
 
 /// The lines, with `names` the run's names.
@@ -146,17 +217,26 @@ fn finish(lines: &Lines, names: &[String]) -> Vec<MetricsLine> {
     lines
         .0
         .iter()
-        .map(|(&(step, validation), (order, accs))| {
-            let mut order = order.clone();
+        .filter_map(|(&(step, validation), (order, accs))| {
+            // The trainer's per-step counters are `summary`'s ([`host_syncs`]), not metrics
+            // torchtitan would log: a line made of nothing else is no line.
+            let mut order: Vec<(u32, Reduce)> = order
+                .iter()
+                .copied()
+                .filter(|k| name(k.0) != crate::vocab::titan::HOST_SYNCS)
+                .collect();
+            if order.is_empty() {
+                return None;
+            }
             order.sort_by_key(|k| is_comm(k.0));
-            MetricsLine {
+            Some(MetricsLine {
                 step,
                 validation,
                 values: order
                     .into_iter()
                     .map(|k| (format!("{}_{}", name(k.0), k.1), accs[&k].get(k.1)))
                     .collect(),
-            }
+            })
         })
         .collect()
 }

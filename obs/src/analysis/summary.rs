@@ -173,6 +173,8 @@ pub struct Summary {
     pub run_id: Option<String>,
     /// The location's other runs, not summarised (`--run ID` picks one), oldest first.
     pub other_runs: Vec<RunBrief>,
+    /// titan-train runs: its reads from tensors to the host per step (None when not recorded).
+    pub host_syncs: Option<super::metrics::HostSyncs>,
 }
 
 /// What the analysis finds in a span table: everything `titan-obs summary`, the TUI and
@@ -270,6 +272,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         pipeline,
         run_id: run.shown_run().map(|r| r.id).filter(|id| !id.is_empty()),
         other_runs: run.other_runs(),
+        host_syncs: super::metrics::host_syncs(run),
     }
 }
 

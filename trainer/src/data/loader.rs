@@ -160,12 +160,43 @@ impl LoaderState {
     }
 }
 
-/// One batch: `inputs`, `labels` and `positions`, each (B, seq_len) int64.
+/// One batch: `inputs`, `labels` and `positions`, each (B, seq_len) int64, with what the loop
+/// and the model need to know of it counted on the host while the batch was still there, so
+/// that nothing is read back from the device for it.
 pub struct Batch {
     pub inputs: Tensor,
     pub labels: Tensor,
     /// Each token's position within its document (0 at every document start).
     pub positions: Tensor,
+    /// Labels that count towards the loss (not `IGNORE_INDEX`): the loss denominator's share.
+    pub valid_tokens: i64,
+    /// Where each document starts in the packed (B * seq_len) tokens, then B * seq_len (int32,
+    /// on the batch's device: the layout FlashAttention's varlen kernel takes).
+    pub document_offsets: Tensor,
+    /// The longest document's length (the varlen kernel's launch bound).
+    pub longest_document: i64,
+}
+
+/// The label value the loss ignores (torch's `CrossEntropyLoss` default, torchtitan's
+/// `IGNORE_INDEX`).
+const IGNORE_INDEX: i64 = -100;
+
+/// Document starts in the flat `positions` (where a position is 0), then their count, and the
+/// longest document: what [`Batch::document_offsets`] and [`Batch::longest_document`] hold.
+pub fn document_starts(positions: &[i64]) -> (Vec<i32>, i64) {
+    let mut offsets: Vec<i32> = positions
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| **p == 0)
+        .map(|(i, _)| i as i32)
+        .collect();
+    offsets.push(positions.len() as i32);
+    let longest = offsets
+        .windows(2)
+        .map(|w| i64::from(w[1] - w[0]))
+        .max()
+        .unwrap_or(0);
+    (offsets, longest)
 }
 
 /// One `seq_len` sample.
@@ -417,17 +448,26 @@ impl TextLoader {
         self.state.samples_yielded += samples.len() as u64;
         self.state.batches_yielded += 1;
         let shape = [samples.len() as i64, self.seq_len as i64];
-        let column = |pick: fn(&Sample) -> &Vec<u32>| {
-            let flat: Vec<i64> = samples
+        let column = |pick: fn(&Sample) -> &Vec<u32>| -> Vec<i64> {
+            samples
                 .iter()
-                .flat_map(|w| pick(w).iter().map(|&t| t as i64))
-                .collect();
-            Tensor::from_slice(&flat).view(shape).to_device(device)
+                .flat_map(|w| pick(w).iter().map(|&t| i64::from(t)))
+                .collect()
         };
+        let (inputs, labels, positions) = (
+            column(|w| &w.inputs),
+            column(|w| &w.labels),
+            column(|w| &w.positions),
+        );
+        let valid_tokens = labels.iter().filter(|&&l| l != IGNORE_INDEX).count() as i64;
+        let (offsets, longest_document) = document_starts(&positions);
         Ok(Some(Batch {
-            inputs: column(|w| &w.inputs),
-            labels: column(|w| &w.labels),
-            positions: column(|w| &w.positions),
+            inputs: crate::host_sync::upload(&inputs, &shape, device),
+            labels: crate::host_sync::upload(&labels, &shape, device),
+            positions: crate::host_sync::upload(&positions, &shape, device),
+            valid_tokens,
+            document_offsets: crate::host_sync::upload(&offsets, &[offsets.len() as i64], device),
+            longest_document,
         }))
     }
 }
@@ -463,6 +503,31 @@ mod tests {
             world,
             infinite,
         )
+    }
+
+    /// What the loader counts on the host is what the model would read back from the device.
+    #[test]
+    fn host_counts_match_the_batch_on_the_device() {
+        let mut l = loader(0, 1, true);
+        for _ in 0..3 {
+            let b = l.next_batch(Device::Cpu).unwrap().unwrap();
+            let (offsets, longest) = crate::model::document_offsets(&b.positions);
+            assert_eq!(
+                Vec::<i32>::try_from(&b.document_offsets).unwrap(),
+                Vec::<i32>::try_from(&offsets).unwrap()
+            );
+            assert_eq!(b.longest_document, longest);
+            assert_eq!(
+                b.valid_tokens,
+                b.labels
+                    .ne(IGNORE_INDEX)
+                    .sum(tch::Kind::Int64)
+                    .int64_value(&[])
+            );
+        }
+        assert_eq!(document_starts(&[0, 1, 2, 0, 1, 0]), (vec![0, 3, 5, 6], 3));
+        // A sample that continues a document from the previous one starts at position 0 too.
+        assert_eq!(document_starts(&[0, 0]), (vec![0, 1, 2], 1));
     }
 
     fn rows(t: &Tensor) -> Vec<Vec<i64>> {

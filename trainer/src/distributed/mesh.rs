@@ -392,7 +392,8 @@ impl DeviceMesh {
             .to_kind(Kind::Double)
             .to_device(self.scalar_device);
         group.all_reduce(&t, op)?;
-        Ok(Vec::<f64>::try_from(&t.to_device(Device::Cpu)).unwrap_or_default())
+        // A read to the host (a sync on a GPU): counted, and made only on steps that log.
+        Ok(crate::host_sync::read_f64s(&t, "reduce_scalars"))
     }
 
     /// Makes every rank use rank 0's `seed` (a seed drawn from the clock differs per rank; the

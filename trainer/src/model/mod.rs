@@ -143,11 +143,12 @@ pub fn document_offsets(positions: &Tensor) -> (Tensor, i64) {
     let starts = flat.eq(0).nonzero().reshape([-1]);
     let end = Tensor::from_slice(&[total]).to_device(positions.device());
     let offsets = Tensor::cat(&[starts, end], 0);
-    // One host read per forward pass, for the kernel's launch bounds.
-    let longest = offsets
-        .diff(1, 0, None::<Tensor>, None::<Tensor>)
-        .max()
-        .int64_value(&[]);
+    // A host read (counted) for the kernel's launch bounds: the loop passes the loader's
+    // host-counted offsets instead ([`Llama::forward_stage_with`]); this is the fallback.
+    let longest = crate::host_sync::read_i64(
+        &offsets.diff(1, 0, None::<Tensor>, None::<Tensor>).max(),
+        "longest document",
+    );
     (offsets.to_kind(Kind::Int), longest)
 }
 
@@ -892,12 +893,23 @@ impl Llama {
     /// document starting at position 0. Under tensor parallelism the logits are this rank's
     /// vocab columns (B, S, vocab / tp): take the loss with [`Llama::summed_cross_entropy`].
     pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
+        self.forward_with(tokens, positions, None)
+    }
+
+    /// [`Llama::forward`] with the documents as the loader counted them on the host
+    /// ([`Llama::forward_stage_with`]).
+    pub fn forward_with(
+        &self,
+        tokens: &Tensor,
+        positions: Option<&Tensor>,
+        documents: Option<(&Tensor, i64)>,
+    ) -> Tensor {
         let stage = self.stages[0].0;
         assert!(
             self.stages.len() == 1 && self.embeddings.is_some() && self.head.is_some(),
             "forward runs the whole model; under pipeline parallelism use forward_stage"
         );
-        self.forward_stage(stage, tokens, positions, None)
+        self.forward_stage_with(stage, tokens, positions, documents, None)
     }
 
     /// Runs pipeline stage `stage` of this rank: from token ids (B, S) on the stage holding
@@ -911,6 +923,20 @@ impl Llama {
         stage: usize,
         input: &Tensor,
         positions: Option<&Tensor>,
+        defer_weight_grads: Option<&WeightGradStash>,
+    ) -> Tensor {
+        self.forward_stage_with(stage, input, positions, None, defer_weight_grads)
+    }
+
+    /// [`Llama::forward_stage`] given the documents' offsets and longest length as the loader
+    /// counted them on the host ([`crate::data::Batch`]): the varlen kernel then needs no read
+    /// back from the device ([`document_offsets`] would make one per forward pass).
+    pub fn forward_stage_with(
+        &self,
+        stage: usize,
+        input: &Tensor,
+        positions: Option<&Tensor>,
+        documents: Option<(&Tensor, i64)>,
         defer_weight_grads: Option<&WeightGradStash>,
     ) -> Tensor {
         let modules = &self
@@ -927,10 +953,13 @@ impl Llama {
         };
         let attend = match positions.filter(|_| self.attn_backend.document_causal()) {
             None => Attend::Causal,
-            Some(p) if self.varlen_kernel => {
-                let (offsets, longest) = document_offsets(p);
-                Attend::Varlen(offsets, longest)
-            }
+            Some(p) if self.varlen_kernel => match documents {
+                Some((offsets, longest)) => Attend::Varlen(offsets.shallow_clone(), longest),
+                None => {
+                    let (offsets, longest) = document_offsets(p);
+                    Attend::Varlen(offsets, longest)
+                }
+            },
             Some(p) => Attend::Masked(document_causal_mask(p)),
         };
         let ctx = ForwardContext {

@@ -537,6 +537,9 @@ pub struct Microbatch<'a> {
     pub inputs: &'a Tensor,
     pub labels: &'a Tensor,
     pub positions: &'a Tensor,
+    /// The documents' offsets and longest length as the loader counted them on the host
+    /// (`None`: the model finds them on the device, with a read back where it needs them).
+    pub documents: Option<(&'a Tensor, i64)>,
 }
 
 /// A forward whose backward has not run yet.
@@ -648,14 +651,17 @@ impl Pipeline {
 
     /// Runs one step's forward and backward passes over `microbatches` in the schedule's order
     /// and returns the sum of this rank's microbatch losses (each `summed CE / global_tokens`;
-    /// 0 where this rank holds no last stage). Gradients accumulate into the parameters
-    /// (FSDP's reductions are collected by the caller).
+    /// 0 where this rank holds no last stage) as a 0-dim f64 tensor on the device, summed there
+    /// in microbatch order: nothing is read back to the host (the loop reads it on steps that
+    /// log). `global_tokens` is the step's valid-token count (a 0-dim tensor on the device, at
+    /// least 1). Gradients accumulate into the parameters (FSDP's reductions are collected by
+    /// the caller).
     pub fn run(
         &self,
         model: &Llama,
         microbatches: &[Microbatch<'_>],
-        global_tokens: i64,
-    ) -> Result<f64> {
+        global_tokens: &Tensor,
+    ) -> Result<Tensor> {
         if microbatches.len() != self.microbatches {
             bail!(
                 "the pipeline runs {} microbatches per step, got {}",
@@ -669,7 +675,7 @@ impl Pipeline {
         let mut parked: HashMap<(usize, usize), WeightGradStash> = HashMap::new();
         // Sends run in the background; their tensors stay alive until they are done.
         let mut sends: Vec<(Pending, Tensor)> = Vec::new();
-        let mut loss_sum = 0.0f64;
+        let mut loss_sum = Tensor::zeros([], (tch::Kind::Double, global_tokens.device()));
         for a in &self.actions {
             let mb = &microbatches[a.microbatch];
             // Schedules this long do not exist; saturate rather than wrap if one did.
@@ -699,22 +705,25 @@ impl Pipeline {
                     let weight_grads = self.schedule.splits_backward().then(WeightGradStash::new);
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
-                        let out = model.forward_stage(
+                        let out = model.forward_stage_with(
                             a.stage,
                             x,
                             Some(mb.positions),
+                            mb.documents,
                             weight_grads.as_ref(),
                         );
                         if a.stage == last {
-                            model.summed_cross_entropy(&out, mb.labels)
-                                / global_tokens.max(1) as f64
+                            let ce = model.summed_cross_entropy(&out, mb.labels);
+                            let tokens = global_tokens.to_kind(ce.kind());
+                            ce / tokens
                         } else {
                             out
                         }
                     })
                     .with_context(|| format!("stage {} forward", a.stage))?;
                     if a.stage == last {
-                        loss_sum += output.double_value(&[]);
+                        // Summed in f64 in microbatch order, as the loop's host sum was.
+                        loss_sum += output.detach().to_kind(tch::Kind::Double);
                     } else {
                         let sent = output.detach();
                         sends.push((self.send(&self.forward_links, a.stage, &sent), sent));
@@ -797,13 +806,17 @@ impl Pipeline {
 
     /// Forward passes only (validation; the caller disables autograd): every microbatch
     /// through this rank's stages in order, depth first. Returns the summed cross-entropy of
-    /// this rank's last-stage outputs (0 where it holds no last stage). Any number of
+    /// this rank's last-stage outputs (0 where it holds no last stage), a 0-dim f64 tensor on
+    /// the device that the caller reads once for the whole validation. Any number of
     /// microbatches of any size works: every rank sees the same batch, so receive shapes are
     /// known, and each boundary's sends and receives run in the same (microbatch) order.
-    pub fn evaluate(&self, model: &Llama, microbatches: &[Microbatch<'_>]) -> Result<f64> {
+    pub fn evaluate(&self, model: &Llama, microbatches: &[Microbatch<'_>]) -> Result<Tensor> {
         let last = self.stages.len() - 1;
         let mut sends: Vec<(Pending, Tensor)> = Vec::new();
-        let mut ce_sum = 0.0f64;
+        let device = microbatches
+            .first()
+            .map_or(tch::Device::Cpu, |mb| mb.inputs.device());
+        let mut ce_sum = Tensor::zeros([], (tch::Kind::Double, device));
         for (i, mb) in microbatches.iter().enumerate() {
             let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
             for &stage in &self.local_stages {
@@ -826,7 +839,8 @@ impl Pipeline {
                 let _span = titan_obs_core::pipeline_span(titan::EVAL_FORWARD, slot);
                 let out = catch(|| {
                     let x = input.as_ref().unwrap_or(mb.inputs);
-                    let out = model.forward_stage(stage, x, Some(mb.positions), None);
+                    let out =
+                        model.forward_stage_with(stage, x, Some(mb.positions), mb.documents, None);
                     if stage == last {
                         model.summed_cross_entropy(&out, mb.labels)
                     } else {
@@ -835,7 +849,7 @@ impl Pipeline {
                 })
                 .with_context(|| format!("stage {stage} forward"))?;
                 if stage == last {
-                    ce_sum += out.double_value(&[]);
+                    ce_sum += out.to_kind(tch::Kind::Double);
                 } else {
                     sends.push((self.send(&self.forward_links, stage, &out), out));
                 }
