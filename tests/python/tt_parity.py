@@ -108,12 +108,15 @@ def rank_main(args):
     train.main()
 
 
+MODULE = ["llama3"]
+
+
 def common_args(assets, steps, total_steps=None, config="llama3_debugmodel"):
     """The command line both trainers get (torchtitan 0.3.0's keys). `total_steps` fixes the lr
     schedule's length, so a run stopped early and resumed follows the unbroken run's schedule."""
     tok, data = assets
     return [
-        "--module", "llama3", "--config", config,
+        "--module", MODULE[0], "--config", config,
         "--hf_assets_path", tok, "--dataloader.dataset_path", data,
         "--training.seq_len", "128", "--training.local_batch_size", "2",
         "--training.steps", str(steps), "--training.mixed_precision_param", "float32",
@@ -157,12 +160,12 @@ def read_jsonl(path, kind=None):
     return rows
 
 
-def seed_checkpoint(workdir, assets):
+def seed_checkpoint(workdir, assets, config="llama3_debugmodel"):
     """torchtitan's seed checkpoint (one process, model only): both trainers start from it."""
     seed_dir = os.path.join(workdir, "seed")
     step0 = os.path.join(seed_dir, "checkpoint", "step-0")
     if not os.path.exists(os.path.join(step0, ".metadata")):
-        args = common_args(assets, 1) + [
+        args = common_args(assets, 1, config=config) + [
             "--dump_folder", seed_dir, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
             "--parallelism.data_parallel_shard_degree", "1",
         ]
@@ -193,6 +196,10 @@ def main():
                          "optimizer, lr, data position) and compare its steps with torchtitan's")
     ap.add_argument("--config", default="llama3_debugmodel",
                     help="the registry function both trainers start from")
+    ap.add_argument("--module", default="llama3", help="the model family (torchtitan's --module)")
+    ap.add_argument("--seed-config", default=None,
+                    help="the registry function the seed checkpoint is made from (default: --config, "
+                         "but llama3_debugmodel for llama3, whose float8 configs share its seed)")
     ap.add_argument("--titan-args", default="", help="arguments for titan-train only")
     ap.add_argument("--tt-float8", choices=["emulate", "emulate-fsdp-all-gather", "scaled"],
                     default=None,
@@ -209,7 +216,9 @@ def main():
         train = os.path.join(assets[1], "train.jsonl")
         lines = open(train).readlines()[: a.docs]
         open(train, "w").writelines(lines)
-    seed = seed_checkpoint(a.workdir, assets)
+    MODULE[0] = a.module
+    seed = seed_checkpoint(a.workdir, assets,
+                           a.seed_config or ("llama3_debugmodel" if a.module == "llama3" else a.config))
 
     summary = {"steps": a.steps, "resume_at": a.resume_at, "rtol": a.rtol, "layouts": {}}
     worst_loss = worst_grad = 0.0

@@ -315,7 +315,21 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("never");
     let dump = dump.to_str().unwrap();
-    let cases: [(&[&str], &str); 7] = [
+    let qwen3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"];
+    let qwen3_tp = [&qwen3[..], &["--nproc-per-node", "2"]].concat();
+    let qwen3_tp = [
+        &qwen3_tp[..],
+        &["--parallelism.tensor_parallel_degree", "2"],
+    ]
+    .concat();
+    let qwen3_pp = [&qwen3[..], &["--nproc-per-node", "2"]].concat();
+    let qwen3_pp = [
+        &qwen3_pp[..],
+        &["--parallelism.pipeline_parallel_degree", "2"],
+    ]
+    .concat();
+    let qwen3_hf = [&qwen3[..], &["--checkpoint.last_save_in_hf", "true"]].concat();
+    let cases: [(&[&str], &str); 11] = [
         // 16 heads over 3 tp ranks.
         (
             &[
@@ -379,6 +393,15 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
                 "true",
             ],
             "checkpoint.create_seed_checkpoint",
+        ),
+        // What titan-train does not build for qwen3 yet, and torchtitan's refusal of PP over
+        // tied embeddings; a MoE flavor is named as one.
+        (&qwen3_tp, "parallelism.tensor_parallel_degree"),
+        (&qwen3_pp, "parallelism.pipeline_parallel_degree"),
+        (&qwen3_hf, "checkpoint.last_save_in_hf"),
+        (
+            &["--model.name", "qwen3", "--model.flavor", "30B-A3B"],
+            "mixture of experts",
         ),
     ];
     for (extra, key) in cases {

@@ -201,7 +201,7 @@ fn help_shows_both_command_lines_and_the_values_a_bare_run_uses() {
         "--training.steps 50\n",
         "--training.seq_len 256\n",
         "--lr_scheduler.warmup_steps 2\n",
-        "--module llama3 --config NAME",
+        "--module llama3|qwen3 --config NAME",
         "llama3_debugmodel",
     ] {
         assert!(help.contains(line), "--help lacks {line:?}:\n{help}");

@@ -1,4 +1,4 @@
-//! `titan-train`: trains a Llama-3 model from a torchtitan-style TOML config plus
+//! `titan-train`: trains a Llama-3 or dense Qwen3 model from a torchtitan-style TOML config plus
 //! `--section.key value` overrides. Exit codes: [`TITAN_TRAIN`]. The arguments are parsed by
 //! hand, not with clap: torchtitan's `--section.key value` overrides are open-ended (every key
 //! of the config, checked against the config types), which clap cannot express as flags.
@@ -65,9 +65,9 @@ fn help() -> String {
         }
     }
     format!(
-        "titan-train: train a Llama-3 model (torchtitan's llama3 numerics, config names and metrics)\n\
+        "titan-train: train a Llama-3 or dense Qwen3 model (torchtitan 0.3.0's numerics, config names and metrics)\n\
          \n\
-         USAGE:\n  titan-train [-v|-vv|-q] [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE]...\n  titan-train [-v|-vv|-q] --module llama3 --config NAME [--key VALUE]...      (torchtitan 0.3.0's form)\n\
+         USAGE:\n  titan-train [-v|-vv|-q] [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE]...\n  titan-train [-v|-vv|-q] --module llama3|qwen3 --config NAME [--key VALUE]...  (torchtitan 0.3.0's form)\n\
          \n\
          Two command lines, one config. The TOML form (torchtitan before 0.3): defaults, then FILE\n\
          (default: the embedded copy of {default_file}, from any directory), then the overrides in\n\

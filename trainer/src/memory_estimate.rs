@@ -206,7 +206,7 @@ fn mib(bytes: u64) -> String {
 /// Estimates one rank's memory for `cfg` on `world_size` ranks.
 pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let layout = Layout::resolve(&cfg.parallelism, world_size)?;
-    let mut args = ModelArgs::flavor(&cfg.model.flavor)?;
+    let mut args = ModelArgs::of(&cfg.model.name, &cfg.model.flavor)?;
     let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
     args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
     let u = |v: i64| v as u64;

@@ -903,8 +903,8 @@ fn build_model(
     pipeline_cfg: Option<&PipelineConfig>,
 ) -> Result<Llama> {
     let world = mesh.mesh;
-    let mut args =
-        ModelArgs::flavor(&cfg.model.flavor).map_err(|e| config_error("model.flavor", e))?;
+    let mut args = ModelArgs::of(&cfg.model.name, &cfg.model.flavor)
+        .map_err(|e| config_error("model.flavor", e))?;
     if tokenizer.vocab_size() as i64 > args.vocab_size {
         bail!(
             "the tokenizer has {} ids but model flavor {} has vocab_size {}",

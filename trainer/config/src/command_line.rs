@@ -25,7 +25,7 @@ pub struct Registered {
     pub toml: &'static str,
 }
 
-/// torchtitan 0.3.0's llama3 config registry (`torchtitan/models/llama3/config_registry.py`).
+/// torchtitan 0.3.0's config registries titan implements (`torchtitan/models/*/config_registry.py`).
 /// The 405B entry asks for torch.compile, which titan-train refuses, naming the key.
 pub const REGISTRY: &[Registered] = &[
     Registered {
@@ -62,6 +62,11 @@ pub const REGISTRY: &[Registered] = &[
         module: "llama3",
         name: "llama3_405b",
         toml: include_str!("../../../configs/registry/llama3_405b.toml"),
+    },
+    Registered {
+        module: "qwen3",
+        name: "qwen3_debugmodel",
+        toml: include_str!("../../../configs/registry/qwen3_debugmodel.toml"),
     },
 ];
 
@@ -533,10 +538,17 @@ mod tests {
     fn registry_and_no_effect_errors_name_the_problem() {
         let err = parse_strs(&["--module", "llama3"]).unwrap_err().to_string();
         assert!(err.contains("--config is required"), "{err}");
-        let err = parse_strs(&["--module", "qwen3", "--config", "x"])
+        let err = parse_strs(&["--module", "mistral", "--config", "x"])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("qwen3") && err.contains("llama3"), "{err}");
+        assert!(
+            err.contains("mistral") && err.contains("llama3, qwen3"),
+            "{err}"
+        );
+        let err = parse_strs(&["--module", "qwen3", "--config", "qwen3_moe_debug"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("qwen3_debugmodel"), "{err}");
         let err = parse_strs(&["--module", "llama3", "--config", "llama3_1b"])
             .unwrap_err()
             .to_string();
@@ -617,7 +629,7 @@ mod tests {
                 ..Default::default()
             };
             match JobConfig::load(&cl) {
-                Ok(c) => assert_eq!(c.model.name, "llama3"),
+                Ok(c) => assert_eq!(c.model.name, entry.module),
                 Err(e) => assert!(
                     matches!(e, ConfigError::Unsupported { .. }),
                     "{}: {e}",

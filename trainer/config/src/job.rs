@@ -299,6 +299,9 @@ impl Default for Job {
     }
 }
 
+/// The `[model] name`s (torchtitan's `--module`s) titan-train trains.
+pub const MODEL_NAMES: &[&str] = &["llama3", "qwen3"];
+
 /// `[model]`: which model and tokenizer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -943,10 +946,14 @@ impl JobConfig {
                     .into(),
             );
         }
-        if self.model.name != "llama3" {
+        if !MODEL_NAMES.contains(&self.model.name.as_str()) {
             return bad(
                 "model.name",
-                format!("`{}` is not supported (only llama3)", self.model.name),
+                format!(
+                    "`{}` is not a model titan-train trains (it has: {})",
+                    self.model.name,
+                    MODEL_NAMES.join(", ")
+                ),
             );
         }
         for (key, v) in [

@@ -129,6 +129,10 @@ pub struct StageOptions {
     pub writes_dataloader: bool,
 }
 
+/// The parameter a tied model's output layer shares, and the name torch also gives it.
+const TIED_EMBEDDING: &str = "tok_embeddings.weight";
+const TIED_OUTPUT: &str = "lm_head.weight";
+
 /// Copies the state into host memory (the `stage` phase; the only part that must block training).
 pub fn stage(
     state: &TrainerState<'_>,
@@ -148,8 +152,16 @@ pub fn stage(
         }
         let t = HostTensor::from_tensor(p, opts.model_kind)
             .with_context(|| format!("staging model parameter `{fqn}`"))?;
+        // A tied embedding is also `lm_head.weight` in torch's state dict (both names, one
+        // tensor): torchtitan loads both keys, so both are written.
+        let tied_output = (model.args.tie_embeddings && fqn == TIED_EMBEDDING)
+            .then(|| StagedValue::Tensor(t.clone()));
         out.push(None, fqn.clone(), StagedValue::Tensor(t));
         out.items.last_mut().expect("pushed").chunk_of = chunk_of(placement);
+        if let Some(value) = tied_output {
+            out.push(None, TIED_OUTPUT.into(), value);
+            out.items.last_mut().expect("pushed").chunk_of = chunk_of(placement);
+        }
     }
     if opts.model_only {
         return Ok(out);

@@ -1,5 +1,6 @@
-//! The Llama-3 model's arguments and its parameters as data: every parameter's torchtitan 0.3.0
-//! fqn, global shape, initialisation and module, in registration order ([`ModelArgs::parameters`]).
+//! The decoder families' arguments (torchtitan's llama3 and dense qwen3) and their parameters as
+//! data: every parameter's torchtitan 0.3.0 fqn, global shape, initialisation and module, in
+//! registration order ([`ModelArgs::parameters`]).
 //! No libtorch: the model build draws these, the parallelism plan places them
 //! ([`crate::parallelize::plan`]), and the memory estimate counts them, from this one list.
 
@@ -25,9 +26,41 @@ impl Default for RopeScaling {
     }
 }
 
-/// Shape and numerics of a Llama-3 model (torchtitan's `TransformerModelArgs`).
+/// The model families titan-train builds: torchtitan's `--module`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Family {
+    /// Llama-3: complex RoPE with Llama-3.1 scaling, truncated-normal depth-scaled init.
+    Llama3,
+    /// Dense Qwen3: q/k RMSNorm, head_dim independent of dim, rotate-half (cos/sin) RoPE,
+    /// normal(0.02) init, tied embeddings in the small sizes.
+    Qwen3,
+}
+
+impl Family {
+    /// torchtitan's module name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama3 => "llama3",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// How RoPE rotates a head's features.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// torchtitan's `ComplexRoPE`: adjacent feature pairs (llama3).
+    Complex,
+    /// torchtitan's `CosSinRoPE`: the first half against the second half (qwen3, HF's
+    /// `rotate_half`).
+    CosSin,
+}
+
+/// Shape and numerics of a decoder (torchtitan's model config).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelArgs {
+    pub family: Family,
     pub dim: i64,
     pub n_layers: i64,
     pub n_heads: i64,
@@ -41,12 +74,31 @@ pub struct ModelArgs {
     pub rope_scaling: Option<RopeScaling>,
     /// RoPE tables are built for this many positions (torchtitan sets it to training.seq_len).
     pub max_seq_len: i64,
+    /// Features per attention head when it is not `dim / n_heads` (qwen3: 128 at every size).
+    pub explicit_head_dim: Option<i64>,
+    /// The feed-forward hidden size when given outright (qwen3), else llama's rule
+    /// ([`ModelArgs::ffn_hidden_dim`]).
+    pub explicit_hidden_dim: Option<i64>,
+    /// RMSNorm of each head's q and k before RoPE (qwen3's `q_norm`/`k_norm`, over head_dim).
+    pub qk_norm: bool,
+    /// `lm_head` is `tok_embeddings`' weight (torchtitan's `enable_weight_tying`).
+    pub tie_embeddings: bool,
 }
 
 impl ModelArgs {
+    /// `[model] name` / `flavor`: torchtitan's flavors of each family titan-train builds.
+    pub fn of(name: &str, flavor: &str) -> Result<Self> {
+        match name {
+            "llama3" => Self::flavor(flavor),
+            "qwen3" => Self::qwen3(flavor),
+            other => bail!("model `{other}` is not one titan-train builds (it has: llama3, qwen3)"),
+        }
+    }
+
     /// The flavors torchtitan ships for llama3.
     pub fn flavor(name: &str) -> Result<Self> {
         let base = Self {
+            family: Family::Llama3,
             dim: 4096,
             n_layers: 32,
             n_heads: 32,
@@ -58,6 +110,10 @@ impl ModelArgs {
             rope_theta: 500000.0,
             rope_scaling: Some(RopeScaling::default()),
             max_seq_len: 131072,
+            explicit_head_dim: None,
+            explicit_hidden_dim: None,
+            qk_norm: false,
+            tie_embeddings: false,
         };
         Ok(match name {
             "debugmodel" => Self {
@@ -90,17 +146,79 @@ impl ModelArgs {
         })
     }
 
+    /// The dense flavors torchtitan 0.3.0 ships for qwen3 (`torchtitan/models/qwen3`); its MoE
+    /// flavors are refused by name.
+    pub fn qwen3(name: &str) -> Result<Self> {
+        // (dim, layers, heads, kv heads, hidden, tied embeddings)
+        let (dim, n_layers, n_heads, kv, hidden, tie) = match name {
+            "debugmodel" => (256, 8, 16, 8, 3072, true),
+            "0.6B" => (1024, 28, 16, 8, 3072, true),
+            "1.7B" => (2048, 28, 16, 8, 6144, true),
+            "4B" => (2560, 36, 32, 8, 9728, true),
+            "8B" => (4096, 36, 32, 8, 12288, false),
+            "14B" => (5120, 40, 40, 8, 17408, false),
+            "32B" => (5120, 64, 64, 8, 25600, false),
+            "debugmodel_moe" | "30B-A3B" | "235B-A22B" => bail!(
+                "qwen3 flavor `{name}` is a mixture of experts, which titan-train does not train yet \
+                 (dense flavors: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B)"
+            ),
+            other => bail!(
+                "unknown qwen3 flavor `{other}` (known: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B)"
+            ),
+        };
+        Ok(Self {
+            family: Family::Qwen3,
+            dim,
+            n_layers,
+            n_heads,
+            n_kv_heads: Some(kv),
+            vocab_size: if name == "debugmodel" { 2048 } else { 151936 },
+            multiple_of: 1,
+            ffn_dim_multiplier: None,
+            norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_scaling: None,
+            max_seq_len: if name == "debugmodel" { 4096 } else { 40960 },
+            explicit_head_dim: Some(128),
+            explicit_hidden_dim: Some(hidden),
+            qk_norm: true,
+            tie_embeddings: tie,
+        })
+    }
+
     pub fn kv_heads(&self) -> i64 {
         self.n_kv_heads.unwrap_or(self.n_heads)
     }
 
     pub fn head_dim(&self) -> i64 {
-        self.dim / self.n_heads
+        self.explicit_head_dim.unwrap_or(self.dim / self.n_heads)
     }
 
-    /// torchtitan's SwiGLU hidden size: 2/3 of 4*dim, times the multiplier, rounded up to
-    /// `multiple_of`.
+    /// The width of all query heads together (`dim` unless head_dim is given outright).
+    pub fn q_dim(&self) -> i64 {
+        self.n_heads * self.head_dim()
+    }
+
+    /// How RoPE rotates features in this family.
+    pub fn rope_style(&self) -> RopeStyle {
+        match self.family {
+            Family::Llama3 => RopeStyle::Complex,
+            Family::Qwen3 => RopeStyle::CosSin,
+        }
+    }
+
+    /// Parameters of each transformer block ([`ModelArgs::parameters`] lists a block's
+    /// together): q, k, v, o, (q_norm, k_norm,) w1, w2, w3 and two norms.
+    pub fn block_params(&self) -> usize {
+        BLOCK_PARAMS + if self.qk_norm { 2 } else { 0 }
+    }
+
+    /// torchtitan's SwiGLU hidden size: given outright (qwen3), or 2/3 of 4*dim, times the
+    /// multiplier, rounded up to `multiple_of` (llama3).
     pub fn ffn_hidden_dim(&self) -> i64 {
+        if let Some(h) = self.explicit_hidden_dim {
+            return h;
+        }
         let mut hidden = 2 * (4 * self.dim) / 3;
         if let Some(m) = self.ffn_dim_multiplier {
             hidden = (m * hidden as f64) as i64;
@@ -109,7 +227,7 @@ impl ModelArgs {
     }
 
     /// Parameter count (total, of which the token embedding), from [`ModelArgs::parameters`]'
-    /// shapes (no tensors needed).
+    /// shapes (no tensors needed). A tied `lm_head` is the embedding and counts once.
     pub fn num_params(&self) -> (i64, i64) {
         let specs = self.parameters();
         let numel = |p: &ParamSpec| p.shape.iter().product::<i64>();
@@ -121,16 +239,25 @@ impl ModelArgs {
         (specs.iter().map(numel).sum(), embedding)
     }
 
-    /// torchtitan's training FLOPs per token (see DESIGN.md):
-    /// 6 * non-embedding params + 6 * layers * heads * head_dim * seq_len.
+    /// torchtitan 0.3.0's training FLOPs per token (`get_dense_model_nparams_and_flops`, and
+    /// qwen3's `get_moe_model_nparams_and_flops`, which agrees for a dense model):
+    /// `6 * matmul params + 6 * layers * heads * (2 * head_dim) * seq_len` — the attention
+    /// term counts the score and value matmuls together as `2 * head_dim`. The matmul params
+    /// leave the embedding out, unless it is tied to `lm_head` (then it is the output matmul).
     pub fn flops_per_token(&self, seq_len: i64) -> f64 {
         let (total, embedding) = self.num_params();
-        6.0 * (total - embedding) as f64
-            + 6.0 * (self.n_layers * self.n_heads * self.head_dim() * seq_len) as f64
+        let matmul_params = if self.tie_embeddings {
+            total
+        } else {
+            total - embedding
+        };
+        6.0 * matmul_params as f64
+            + 6.0 * (self.n_layers * self.n_heads * 2 * self.head_dim() * seq_len) as f64
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.dim % self.n_heads != 0 || self.head_dim() % 2 != 0 {
+        let splits = self.explicit_head_dim.is_some() || self.dim % self.n_heads == 0;
+        if !splits || self.head_dim() % 2 != 0 {
             bail!(
                 "model dim {} must split into {} heads of even size",
                 self.dim,
@@ -179,19 +306,24 @@ pub struct ParamSpec {
     pub module: Module,
 }
 
-/// Parameters per transformer block ([`ModelArgs::parameters`] lists each block's together).
+/// Parameters per llama3 transformer block ([`ModelArgs::block_params`] has every family's).
 pub const BLOCK_PARAMS: usize = 9;
 
 impl ModelArgs {
     /// Every parameter in torchtitan's registration order (the order its `init_weights` draws
-    /// them from the RNG): `tok_embeddings`, each block's attention q/k/v/o, feed-forward
-    /// w1/w2/w3 and two norms, the final `norm`, `lm_head`.
+    /// them from the RNG): `tok_embeddings`, each block's attention q/k/v/o (and qwen3's
+    /// q_norm/k_norm), feed-forward w1/w2/w3 and two norms, the final `norm`, `lm_head` — which
+    /// a tied model does not have: its output layer is `tok_embeddings.weight`, listed once,
+    /// as torch's `named_parameters` lists a shared parameter (and initialised as torchtitan
+    /// initialises `lm_head`, drawn first).
     pub fn parameters(&self) -> Vec<ParamSpec> {
-        let (d, hd, kv, v) = (
+        let (d, qd, hd, kv, v, hdim) = (
             self.dim,
+            self.q_dim(),
             self.ffn_hidden_dim(),
             self.kv_heads() * self.head_dim(),
             self.vocab_size,
+            self.head_dim(),
         );
         let spec = |fqn: String, shape: &[i64], init: Init, module: Module| ParamSpec {
             fqn,
@@ -199,32 +331,47 @@ impl ModelArgs {
             init,
             module,
         };
+        // torchtitan's qwen3 init: normal(0.02) for every linear, the embedding too.
+        let normal02 = Init::Normal { std: 0.02 };
+        let embedding_init = match self.family {
+            Family::Llama3 => Init::Normal { std: 1.0 },
+            Family::Qwen3 => normal02,
+        };
         let mut out = vec![spec(
             "tok_embeddings.weight".into(),
             &[v, d],
-            Init::Normal { std: 1.0 },
+            embedding_init,
             Module::Embeddings,
         )];
         for i in 0..self.n_layers as usize {
-            // Depth-scaled init for the output projections, as torchtitan's depth_init.
-            let depth_std = 0.02 / (2.0 * (i + 1) as f64).sqrt();
-            let std02 = Init::TruncNormal {
-                std: 0.02,
-                a: -2.0,
-                b: 2.0,
-            };
-            let depth = Init::TruncNormal {
-                std: depth_std,
-                a: -2.0,
-                b: 2.0,
+            let (std02, depth) = match self.family {
+                Family::Llama3 => {
+                    // Depth-scaled init for the output projections, as torchtitan's depth_init.
+                    let depth_std = 0.02 / (2.0 * (i + 1) as f64).sqrt();
+                    let trunc = |std| Init::TruncNormal {
+                        std,
+                        a: -2.0,
+                        b: 2.0,
+                    };
+                    (trunc(0.02), trunc(depth_std))
+                }
+                Family::Qwen3 => (normal02, normal02),
             };
             let layer = Module::Layer(i);
             let p = |n: &str| format!("layers.{i}.{n}");
             out.extend([
-                spec(p("attention.qkv_linear.wq.weight"), &[d, d], std02, layer),
+                spec(p("attention.qkv_linear.wq.weight"), &[qd, d], std02, layer),
                 spec(p("attention.qkv_linear.wk.weight"), &[kv, d], std02, layer),
                 spec(p("attention.qkv_linear.wv.weight"), &[kv, d], std02, layer),
-                spec(p("attention.wo.weight"), &[d, d], depth, layer),
+                spec(p("attention.wo.weight"), &[d, qd], depth, layer),
+            ]);
+            if self.qk_norm {
+                out.extend([
+                    spec(p("attention.q_norm.weight"), &[hdim], Init::Ones, layer),
+                    spec(p("attention.k_norm.weight"), &[hdim], Init::Ones, layer),
+                ]);
+            }
+            out.extend([
                 spec(p("feed_forward.w1.weight"), &[hd, d], std02, layer),
                 spec(p("feed_forward.w2.weight"), &[d, hd], depth, layer),
                 spec(p("feed_forward.w3.weight"), &[hd, d], depth, layer),
@@ -232,18 +379,26 @@ impl ModelArgs {
                 spec(p("ffn_norm.weight"), &[d], Init::Ones, layer),
             ]);
         }
-        let final_std = (d as f64).powf(-0.5);
         out.push(spec("norm.weight".into(), &[d], Init::Ones, Module::Head));
-        out.push(spec(
-            "lm_head.weight".into(),
-            &[v, d],
-            Init::TruncNormal {
-                std: final_std,
-                a: -3.0 * final_std,
-                b: 3.0 * final_std,
-            },
-            Module::Head,
-        ));
+        if !self.tie_embeddings {
+            let lm_head_init = match self.family {
+                Family::Llama3 => {
+                    let final_std = (d as f64).powf(-0.5);
+                    Init::TruncNormal {
+                        std: final_std,
+                        a: -3.0 * final_std,
+                        b: 3.0 * final_std,
+                    }
+                }
+                Family::Qwen3 => normal02,
+            };
+            out.push(spec(
+                "lm_head.weight".into(),
+                &[v, d],
+                lm_head_init,
+                Module::Head,
+            ));
+        }
         out
     }
 }
@@ -262,5 +417,27 @@ mod tests {
         }
         // The hand count torchtitan logs for the debug model.
         assert_eq!(args.num_params(), (6_163_712, 524_288));
+    }
+
+    /// Parameter counts and FLOPs per token at seq_len 2048 as torchtitan 0.3.0's
+    /// `get_nparams_and_flops` gives them for its meta-device models (tied qwen3 sizes count
+    /// the shared weight once, and as a matmul).
+    #[test]
+    fn counts_and_flops_are_torchtitans() {
+        for (name, flavor, params, flops) in [
+            ("llama3", "debugmodel", 6_163_712, 71_585_280.0),
+            ("llama3", "8B", 8_030_261_248, 48_250_773_504.0),
+            ("qwen3", "debugmodel", 31_987_968, 594_580_992.0),
+            ("qwen3", "0.6B", 596_049_920, 4_985_585_664.0),
+            ("qwen3", "8B", 8_190_735_360, 49_034_311_680.0),
+        ] {
+            let args = ModelArgs::of(name, flavor).unwrap();
+            assert_eq!(args.num_params().0, params, "{name} {flavor}");
+            assert_eq!(args.flops_per_token(2048), flops, "{name} {flavor}");
+        }
+        let qwen = ModelArgs::of("qwen3", "debugmodel").unwrap();
+        assert_eq!(qwen.parameters().len(), 2 + 11 * 8);
+        let err = ModelArgs::of("qwen3", "30B-A3B").unwrap_err().to_string();
+        assert!(err.contains("mixture of experts"), "{err}");
     }
 }

@@ -1,5 +1,6 @@
-//! The Llama-3 decoder with torchtitan's parameter names, GQA, RMSNorm, SwiGLU, RoPE with
-//! Llama-3.1 scaling and causal SDPA, initialised as torchtitan does.
+//! The decoder of torchtitan's llama3 and dense qwen3 families with torchtitan's parameter
+//! names: GQA, RMSNorm, SwiGLU, RoPE (complex with Llama-3.1 scaling, or qwen3's cos/sin with
+//! q/k norms and tied embeddings), causal SDPA, initialised as torchtitan does.
 //!
 //! Parameters live in one fqn-keyed list ([`Llama::named_parameters`]) in torchtitan's
 //! registration order, so checkpointing and the optimizer address them by name; the per-layer
@@ -24,7 +25,7 @@ use crate::parallelize::{ParallelPlan, Placement};
 use crate::recompute::{checkpoint, kept_linear};
 
 mod args;
-pub use args::{BLOCK_PARAMS, Init, ModelArgs, Module, ParamSpec, RopeScaling};
+pub use args::{BLOCK_PARAMS, Family, Init, ModelArgs, Module, ParamSpec, RopeScaling, RopeStyle};
 
 /// RoPE inverse frequencies with Llama-3.1 scaling, as torchtitan's `precompute_freqs_cis`.
 fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
@@ -56,12 +57,33 @@ fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
     freqs
 }
 
-/// The complex rotations `exp(i * t * freq)` for positions `0..max_seq_len`, shape (S, head_dim/2).
+/// The RoPE table for positions `0..max_seq_len`, one row per position: the complex rotations
+/// `exp(i * t * freq)` (S, head_dim/2) for [`RopeStyle::Complex`], or `[cos | sin]` of the
+/// angles repeated over both halves (S, 2 * head_dim) for [`RopeStyle::CosSin`].
 pub fn precompute_freqs_cis(args: &ModelArgs, device: Device) -> Tensor {
+    if args.rope_style() == RopeStyle::CosSin {
+        return cos_sin_table(args).to_device(device);
+    }
     let freqs = Tensor::from_slice(&rope_frequencies(args)).to_kind(Kind::Float);
     let t = Tensor::arange(args.max_seq_len, (Kind::Float, Device::Cpu));
     let angles = t.outer(&freqs);
     Tensor::polar(&angles.ones_like(), &angles).to_device(device)
+}
+
+/// torchtitan's `CosSinRoPE` cache, built with the same tensor operations in float32 (so the
+/// same rounding): `inv_freq = 1 / theta^(2i/d)`, angles `t * inv_freq` for both halves.
+fn cos_sin_table(args: &ModelArgs) -> Tensor {
+    let dim = args.head_dim();
+    let cpu = (Kind::Float, Device::Cpu);
+    let exponents = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, Device::Cpu))
+        .narrow(0, 0, dim / 2)
+        .to_kind(Kind::Float)
+        / dim as f64;
+    let inv_freq = Tensor::pow_scalar(args.rope_theta, &exponents).reciprocal();
+    let t = Tensor::arange(args.max_seq_len, cpu);
+    let freqs = t.outer(&inv_freq);
+    let angles = Tensor::cat(&[&freqs, &freqs], -1);
+    Tensor::cat(&[angles.cos(), angles.sin()], -1)
 }
 
 /// The rotations for each token, shape (B or 1, S, 1, head_dim/2): the table's rows for the
@@ -81,9 +103,17 @@ fn rope_for(freqs_cis: &Tensor, seq_len: i64, positions: Option<&Tensor>) -> Ten
     }
 }
 
-/// Rotates `x` (B, S, H, head_dim) by `rope` (from [`rope_for`]), pairing adjacent features.
-fn apply_rotary_emb(x: &Tensor, rope: &Tensor) -> Tensor {
+/// Rotates `x` (B, S, H, head_dim) by `rope` (from [`rope_for`]) in `style`.
+fn apply_rotary_emb(x: &Tensor, rope: &Tensor, style: RopeStyle) -> Tensor {
     let (b, s, h, d) = x.size4().expect("attention input is (B, S, H, D)");
+    if style == RopeStyle::CosSin {
+        // x * cos + rotate_half(x) * sin in float32, rotate_half(x) = [-x2, x1].
+        let (cos, sin) = (rope.narrow(3, 0, d), rope.narrow(3, d, d));
+        let xf = x.to_kind(Kind::Float);
+        let (x1, x2) = (xf.narrow(3, 0, d / 2), xf.narrow(3, d / 2, d / 2));
+        let rotated = Tensor::cat(&[&x2.neg(), &x1], -1);
+        return (&xf * cos + rotated * sin).to_kind(x.kind());
+    }
     let xc = x
         .to_kind(Kind::Float)
         .reshape([b, s, h, d / 2, 2])
@@ -212,13 +242,16 @@ struct Layer {
     w1: Weight,
     w2: Weight,
     w3: Weight,
+    /// qwen3's RMSNorm weights over each head's q and k.
+    qk_norm: Option<(Tensor, Tensor)>,
     attention_norm: Tensor,
     ffn_norm: Tensor,
 }
 
 impl Layer {
-    /// A block's parameters in registration order (as its FSDP unit gathers them).
-    fn from_params(g: Gathered) -> Layer {
+    /// A block's parameters in registration order (as its FSDP unit gathers them), with the
+    /// q/k norms after `wo` when `qk_norm`.
+    fn from_params(g: Gathered, qk_norm: bool) -> Layer {
         let mut weights = g
             .params
             .into_iter()
@@ -229,12 +262,15 @@ impl Layer {
                 .next()
                 .expect("a transformer block has 9 parameters")
         };
-        let (wq, wk, wv, wo, w1, w2, w3) = (next(), next(), next(), next(), next(), next(), next());
+        let (wq, wk, wv, wo) = (next(), next(), next(), next());
+        let qk_norm = qk_norm.then(|| (next().value, next().value));
+        let (w1, w2, w3) = (next(), next(), next());
         Layer {
             wq,
             wk,
             wv,
             wo,
+            qk_norm,
             w1,
             w2,
             w3,
@@ -252,6 +288,12 @@ struct BlockShape {
     kv_heads: i64,
     head_dim: i64,
     norm_eps: f64,
+    rope: RopeStyle,
+    /// The attention scale torchtitan passes when head_dim is given outright (`head_dim^-0.5`),
+    /// else SDPA's default.
+    scale: Option<f64>,
+    /// The block has q/k norms.
+    qk_norm: bool,
 }
 
 impl BlockShape {
@@ -263,6 +305,9 @@ impl BlockShape {
             kv_heads: args.kv_heads() / tp,
             head_dim: args.head_dim(),
             norm_eps: args.norm_eps,
+            rope: args.rope_style(),
+            scale: args.explicit_head_dim.map(|hd| (hd as f64).powf(-0.5)),
+            qk_norm: args.qk_norm,
         }
     }
 }
@@ -507,7 +552,9 @@ impl Llama {
             params.push((spec.fqn, local.set_requires_grad(true)));
             placements.push(placement);
         }
-        // FSDP units as torchtitan wraps them: the embeddings, each block, norm + output.
+        // FSDP units as torchtitan wraps them: the embeddings, each block, norm + output. A
+        // tied embedding is also the output layer: its unit stays gathered until the head has
+        // run (torchtitan's tied unit reshards only under `reshard_after_forward = always`).
         let unit = |range: std::ops::Range<usize>, last: bool| {
             FsdpUnit::new(
                 &plan.fsdp,
@@ -521,16 +568,22 @@ impl Llama {
         };
         let n = params.len();
         let first = usize::from(has_embeddings);
-        let embeddings = has_embeddings.then(|| unit(0..1, false));
+        let tied = args.tie_embeddings;
+        if tied && has_embeddings != has_head {
+            bail!("tied embeddings need the embeddings and the output layer on one pipeline stage");
+        }
+        let embeddings = has_embeddings.then(|| unit(0..1, tied));
+        let per_block = args.block_params();
         let layers = (0..args.n_layers as usize)
             .filter(|&i| has_layer(i))
             .enumerate()
             .map(|(k, i)| {
-                let start = first + BLOCK_PARAMS * k;
-                (i, unit(start..start + BLOCK_PARAMS, false))
+                let start = first + per_block * k;
+                (i, unit(start..start + per_block, false))
             })
             .collect();
-        let head = has_head.then(|| unit(n - 2..n, true));
+        let head_params = if tied { 1 } else { 2 };
+        let head = has_head.then(|| unit(n - head_params..n, true));
         let freqs_cis = precompute_freqs_cis(&args, device);
         Ok(Self {
             args,
@@ -630,13 +683,14 @@ impl Llama {
     pub fn grads_as_torchtitan_parameters(&self) -> Vec<(Tensor, bool)> {
         let grad = |i: usize| (self.params[i].1.grad(), self.placements[i].tp_dim.is_some());
         let first_layer = usize::from(self.embeddings.is_some());
-        let layers_end = first_layer + BLOCK_PARAMS * self.layers.len();
+        let per_block = self.args.block_params();
+        let layers_end = first_layer + per_block * self.layers.len();
         let kv_heads = self.args.kv_heads() / self.tp.size() as i64;
         let mut out = Vec::with_capacity(self.params.len());
         let mut i = 0;
         while i < self.params.len() {
             let starts_block =
-                (first_layer..layers_end).contains(&i) && (i - first_layer) % BLOCK_PARAMS == 0;
+                (first_layer..layers_end).contains(&i) && (i - first_layer) % per_block == 0;
             if !starts_block {
                 out.push(grad(i));
                 i += 1;
@@ -928,6 +982,8 @@ impl Llama {
         for unit in &units {
             unit.drop_prefetch();
         }
+        // A tied embedding weight, gathered once for the embedding and the output layer.
+        let mut tied_output = None;
         let mut h = match embeddings {
             Some(unit) => {
                 let [weight]: [Tensor; 1] = unit.gather().params.try_into().expect("one weight");
@@ -935,7 +991,12 @@ impl Llama {
                     next.prefetch();
                 }
                 let h = self.tp.embedding(&weight, input);
-                unit.after_forward(h, None)
+                if self.args.tie_embeddings {
+                    tied_output = Some((unit, weight));
+                    h
+                } else {
+                    unit.after_forward(h, None)
+                }
             }
             None => input.shallow_clone(),
         };
@@ -957,7 +1018,7 @@ impl Llama {
             let forward_pass = Arc::new(AtomicBool::new(true));
             let in_forward = forward_pass.clone();
             let gather = move || {
-                let layer = Layer::from_params(unit_.gather());
+                let layer = Layer::from_params(unit_.gather(), shape.qk_norm);
                 if in_forward.swap(false, Ordering::Relaxed)
                     && let Some(next) = &next
                 {
@@ -1002,8 +1063,16 @@ impl Llama {
             return h;
         };
         let Gathered { params, float8 } = head.gather();
-        let [norm, lm_head]: [Tensor; 2] = params.try_into().expect("two weights");
-        let lm_head_float8 = float8.into_iter().nth(1).flatten();
+        let (norm, lm_head, lm_head_float8) = match &tied_output {
+            Some((_, embedding)) => {
+                let [norm]: [Tensor; 1] = params.try_into().expect("the final norm");
+                (norm, embedding.shallow_clone(), None)
+            }
+            None => {
+                let [norm, lm_head]: [Tensor; 2] = params.try_into().expect("two weights");
+                (norm, lm_head, float8.into_iter().nth(1).flatten())
+            }
+        };
         let h = self
             .tp
             .enter(&h.rms_norm([shape.dim], Some(&norm), shape.norm_eps));
@@ -1019,7 +1088,13 @@ impl Llama {
                 None => h.linear::<&Tensor>(&lm_head, None),
             },
         };
-        logits.to_kind(Kind::Float)
+        let logits = logits.to_kind(Kind::Float);
+        match tied_output {
+            // The tied unit's forward ends here: backward regathers it (when it reshards)
+            // before the output layer's backward needs it.
+            Some((unit, _)) => unit.after_forward(logits, None),
+            None => logits,
+        }
     }
 
     /// Shape and dtype of the hidden states between blocks for `batch` rows of `seq_len`
@@ -1200,8 +1275,16 @@ fn attention(
     let q = q.view([b, s, h, hd]);
     let k = k.view([b, s, kvh, hd]);
     let v = v.view([b, s, kvh, hd]);
-    let q = apply_rotary_emb(&q, &ctx.rope);
-    let k = apply_rotary_emb(&k, &ctx.rope);
+    // qwen3 normalises each head's q and k before RoPE.
+    let (q, k) = match &layer.qk_norm {
+        Some((q_norm, k_norm)) => (
+            q.rms_norm([hd], Some(q_norm), shape.norm_eps),
+            k.rms_norm([hd], Some(k_norm), shape.norm_eps),
+        ),
+        None => (q, k),
+    };
+    let q = apply_rotary_emb(&q, &ctx.rope, shape.rope);
+    let k = apply_rotary_emb(&k, &ctx.rope, shape.rope);
     if let Attend::Varlen(offsets, longest) = &ctx.attend {
         // The packed tokens: rows are whole documents' runs (each row starts a document).
         let pack = |t: &Tensor, heads: i64| t.reshape([b * s, heads, hd]);
@@ -1243,7 +1326,7 @@ fn attention(
         mask,
         0.0,
         mask.is_none(),
-        None,
+        shape.scale,
         false,
     );
     mm.linear(

@@ -6,7 +6,7 @@ use anyhow::{Result, bail};
 
 use crate::config::{self, ConfigError, JobConfig};
 use crate::float8::Float8Training;
-use crate::model::ModelArgs;
+use crate::model::{Family, ModelArgs};
 use crate::parallel::Mesh;
 use crate::parallelize::pipeline::{self, PipelineConfig, Schedule};
 use crate::parallelize::plan::{tp_local_shape, tp_style};
@@ -30,11 +30,13 @@ pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConf
             ),
         ));
     }
-    let args = ModelArgs::flavor(&cfg.model.flavor).map_err(|e| invalid("model.flavor", e))?;
+    let args = ModelArgs::of(&cfg.model.name, &cfg.model.flavor)
+        .map_err(|e| invalid("model.flavor", e))?;
     args.validate().map_err(|e| invalid("model.flavor", e))?;
     // A schedule name is checked even where no pipeline runs: a typo is never meant.
     let schedule = Schedule::parse(&cfg.parallelism.pipeline_parallel_schedule)
         .map_err(|e| invalid("parallelism.pipeline_parallel_schedule", e))?;
+    check_family(cfg, &args, world)?;
     check_tensor_parallel(cfg, &args, world.tp)?;
     microbatches(&cfg.training, world.dp_degree())
         .map_err(|e| invalid("training.global_batch_size", format!("{e:#}")))?;
@@ -48,6 +50,47 @@ pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConf
         refuse_with_split_backward(cfg, world.dp_degree(), schedule)?;
     }
     Ok(Some(p))
+}
+
+/// What titan-train does not build for a family yet, and torchtitan's own refusal of pipeline
+/// parallelism over tied embeddings.
+fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), ConfigError> {
+    if args.family == Family::Llama3 {
+        return Ok(());
+    }
+    let model = format!("{} {}", cfg.model.name, cfg.model.flavor);
+    if args.tie_embeddings && world.pp > 1 {
+        return Err(invalid(
+            "parallelism.pipeline_parallel_degree",
+            format!(
+                "{model} ties its embeddings to the output layer, and weight tying is not \
+                 supported with pipeline parallelism (as in torchtitan)"
+            ),
+        ));
+    }
+    let not_yet = [
+        ("parallelism.tensor_parallel_degree", world.tp > 1),
+        ("parallelism.pipeline_parallel_degree", world.pp > 1),
+        ("model.converters", cfg.float8_enabled()),
+        ("checkpoint.last_save_in_hf", cfg.checkpoint.last_save_in_hf),
+        (
+            "checkpoint.initial_load_in_hf",
+            cfg.checkpoint.initial_load_in_hf,
+        ),
+    ];
+    if let Some((key, _)) = not_yet.iter().find(|(_, on)| *on) {
+        return Err(invalid(
+            key,
+            format!(
+                "titan-train trains {model} on data-parallel layouts only (FSDP, HSDP, DDP), \
+                 in torchtitan's DCP checkpoints: its tensor/pipeline parallel plans, float8 \
+                 and HF checkpoints are llama3's so far (`titan-ckpt convert --adapter {}` \
+                 converts a {} DCP checkpoint to and from HF)",
+                cfg.model.name, cfg.model.name
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Tensor parallelism splits attention by heads and every other split weight evenly, takes the

@@ -41,6 +41,10 @@ pub const LLAMA3_TP_PLAN: &[(&str, TpStyle)] = &[
     // torchtitan 0.3.0's fused q/k/v as one float8 linear: the three column-wise weights stacked.
     ("attention.qkv_linear.wqkv.weight", TpStyle::Rows),
     ("attention.wo.weight", TpStyle::Cols),
+    // qwen3's per-head q/k norms (over head_dim: whole on every rank, as torchtitan's qwen3
+    // plan leaves them).
+    ("attention.q_norm.weight", TpStyle::Replicated),
+    ("attention.k_norm.weight", TpStyle::Replicated),
     ("feed_forward.w1.weight", TpStyle::Rows),
     ("feed_forward.w2.weight", TpStyle::Cols),
     ("feed_forward.w3.weight", TpStyle::Rows),
