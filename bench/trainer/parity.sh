@@ -45,7 +45,6 @@ layouts=(
 .venv-tt/bin/python tests/python/tt_parity.py compare "$work/llama3" "$titan" "${layouts[@]}" \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
 # Dense qwen3 on the layouts titan-train trains it on (data parallel; its TP/PP/float8 are refused).
-# Its FSDP grad norms differ by up to 7.9e-6 (docs/training.md "Model families"): QWEN3_GRAD_RTOL.
 qwen3_layouts=(
   "qwen3_single:1:1:"
   "qwen3_dp2:2:2:"
@@ -57,4 +56,4 @@ qwen3_layouts=(
 )
 .venv-tt/bin/python tests/python/tt_parity.py compare "$work/qwen3" "$titan" "${qwen3_layouts[@]}" \
   --module qwen3 --config qwen3_debugmodel \
-  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "${QWEN3_GRAD_RTOL:-3e-5}"
+  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"

@@ -134,9 +134,7 @@ fn two_fsdp_ranks_match_torchtitan_fsdp() {
 /// torchtitan's own qwen3 seed checkpoint: 1 process, with both trainers resuming each other's
 /// checkpoints (`lm_head.weight` written beside `tok_embeddings.weight`, AdamW state under the
 /// one tied parameter and the fused `wqkv`), and FSDP2 on 2 ranks. Measured (6 steps, resume at
-/// 3): losses within 1.4e-7 on both layouts, grad norms within 2.9e-7 on 1 process (held to 1e-5
-/// here) and 7.9e-6 on FSDP2 (held to 3e-5; llama3's FSDP2 is within 3.2e-7, see
-/// docs/training.md "Model families").
+/// 3): losses within 1.4e-7, grad norms within 2.9e-7 (docs/training.md "Model families").
 #[test]
 fn qwen3_dense_matches_torchtitan() {
     let summary = compare(
@@ -144,7 +142,7 @@ fn qwen3_dense_matches_torchtitan() {
         4,
         2,
         1e-5,
-        3e-5,
+        1e-5,
         &[
             "--module",
             "qwen3",
@@ -156,22 +154,6 @@ fn qwen3_dense_matches_torchtitan() {
     );
     assert_trained(&summary, "qwen3", 4);
     assert_trained(&summary, "qwen3dp2", 4);
-    // One process: grad norms to 1e-5 as every llama3 layout.
-    let runs = &summary["layouts"]["qwen3"];
-    let norms = |run: &str| -> Vec<f64> {
-        let rows = runs[run].as_array().unwrap();
-        rows.iter()
-            .map(|r| r["grad_norm"].as_f64().unwrap())
-            .collect()
-    };
-    for run in ["titan_unbroken", "titan_resumed"] {
-        for (a, b) in norms(run).iter().zip(norms("torchtitan_unbroken")) {
-            assert!(
-                (a - b).abs() <= 1e-5 * a.abs().max(b.abs()),
-                "{run}: {a} vs {b}"
-            );
-        }
-    }
     for layout in ["qwen3", "qwen3dp2"] {
         for run in ["torchtitan_then_titan", "titan_then_torchtitan"] {
             let rows = summary["layouts"][layout][run].as_array();

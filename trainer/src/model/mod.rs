@@ -702,16 +702,43 @@ impl Llama {
                     let p = &self.placements[j];
                     p.local.first() == Some(&p.tp_local_rows)
                 });
-                let wqkv = if whole {
-                    crate::names::fuse_qkv(&qkv[0], &qkv[1], &qkv[2], kv_heads)
+                let groups = if whole {
+                    Some(kv_heads)
                 } else {
-                    Tensor::cat(&qkv.each_ref().map(|g| g.reshape([-1])), 0)
+                    self.whole_kv_groups([i, i + 1, i + 2])
+                };
+                let wqkv = match groups {
+                    Some(groups) => crate::names::fuse_qkv(&qkv[0], &qkv[1], &qkv[2], groups),
+                    None => Tensor::cat(&qkv.each_ref().map(|g| g.reshape([-1])), 0),
                 };
                 out.push((wqkv, split));
             }
             i += 3;
         }
         out
+    }
+
+    /// How many whole kv groups this rank's FSDP shards of a block's q, k and v (parameters
+    /// `qkv`) cover, when they cover the same ones: then, fused, they are the rows of
+    /// torchtitan's fused `wqkv` that its dim-0 shard on this rank holds (the data-parallel
+    /// degree divides the kv heads), in its order — so their norm rounds as torchtitan's
+    /// does. `None` under tensor parallelism or when the shards cut through a group.
+    fn whole_kv_groups(&self, qkv: [usize; 3]) -> Option<i64> {
+        if self.tp.size() > 1 {
+            return None;
+        }
+        let [q, k, v] = qkv.map(|j| &self.placements[j]);
+        let (hd, per_kv) = (
+            self.args.head_dim(),
+            self.args.n_heads / self.args.kv_heads(),
+        );
+        let (start, rows) = (k.offsets[0], k.local[0]);
+        let aligned = rows > 0
+            && rows % hd == 0
+            && start % hd == 0
+            && (v.offsets[0], v.local[0]) == (start, rows)
+            && (q.offsets[0], q.local[0]) == (start * per_kv, rows * per_kv);
+        aligned.then_some(rows / hd)
     }
 
     /// Waits for the FSDP gradient reductions the backward passes started and puts their results
