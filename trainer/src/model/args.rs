@@ -27,10 +27,11 @@ impl Default for RopeScaling {
 }
 
 /// The model families titan-train builds: torchtitan's `--module`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Family {
     /// Llama-3: complex RoPE with Llama-3.1 scaling, truncated-normal depth-scaled init.
+    #[default]
     Llama3,
     /// Dense Qwen3: q/k RMSNorm, head_dim independent of dim, rotate-half (cos/sin) RoPE,
     /// normal(0.02) init, tied embeddings in the small sizes.
@@ -57,9 +58,12 @@ pub enum RopeStyle {
     CosSin,
 }
 
-/// Shape and numerics of a decoder (torchtitan's model config).
+/// Shape and numerics of a decoder (torchtitan's model config). The fields after
+/// `max_seq_len` came with qwen3: args written without them (llama3's, as tests and older
+/// tools write them) read as llama3.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelArgs {
+    #[serde(default)]
     pub family: Family,
     pub dim: i64,
     pub n_layers: i64,
@@ -75,13 +79,17 @@ pub struct ModelArgs {
     /// RoPE tables are built for this many positions (torchtitan sets it to training.seq_len).
     pub max_seq_len: i64,
     /// Features per attention head when it is not `dim / n_heads` (qwen3: 128 at every size).
+    #[serde(default)]
     pub explicit_head_dim: Option<i64>,
     /// The feed-forward hidden size when given outright (qwen3), else llama's rule
     /// ([`ModelArgs::ffn_hidden_dim`]).
+    #[serde(default)]
     pub explicit_hidden_dim: Option<i64>,
     /// RMSNorm of each head's q and k before RoPE (qwen3's `q_norm`/`k_norm`, over head_dim).
+    #[serde(default)]
     pub qk_norm: bool,
     /// `lm_head` is `tok_embeddings`' weight (torchtitan's `enable_weight_tying`).
+    #[serde(default)]
     pub tie_embeddings: bool,
 }
 
