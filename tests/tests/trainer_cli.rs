@@ -329,7 +329,8 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
     ]
     .concat();
     let qwen3_hf = [&qwen3[..], &["--checkpoint.last_save_in_hf", "true"]].concat();
-    let cases: [(&[&str], &str); 11] = [
+    let qwen3_f8 = [&qwen3[..], &["--float8.enable_float8_linear", "true"]].concat();
+    let cases: [(&[&str], &str); 12] = [
         // 16 heads over 3 tp ranks.
         (
             &[
@@ -399,6 +400,7 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
         (&qwen3_tp, "parallelism.tensor_parallel_degree"),
         (&qwen3_pp, "parallelism.pipeline_parallel_degree"),
         (&qwen3_hf, "checkpoint.last_save_in_hf"),
+        (&qwen3_f8, "float8.enable_float8_linear"),
         (
             &["--model.name", "qwen3", "--model.flavor", "30B-A3B"],
             "mixture of experts",

@@ -38,16 +38,6 @@ pub enum Family {
     Qwen3,
 }
 
-impl Family {
-    /// torchtitan's module name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Llama3 => "llama3",
-            Family::Qwen3 => "qwen3",
-        }
-    }
-}
-
 /// How RoPE rotates a head's features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeStyle {

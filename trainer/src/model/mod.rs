@@ -144,7 +144,7 @@ pub fn document_offsets(positions: &Tensor) -> (Tensor, i64) {
     let end = Tensor::from_slice(&[total]).to_device(positions.device());
     let offsets = Tensor::cat(&[starts, end], 0);
     // A host read (counted) for the kernel's launch bounds: the loop passes the loader's
-    // host-counted offsets instead ([`Llama::forward_stage_with`]); this is the fallback.
+    // host-counted offsets instead ([`Llama::forward_stage`]); this is the fallback.
     let longest = crate::host_sync::read_i64(
         &offsets.diff(1, 0, None::<Tensor>, None::<Tensor>).max(),
         "longest document",
@@ -924,7 +924,7 @@ impl Llama {
     }
 
     /// [`Llama::forward`] with the documents as the loader counted them on the host
-    /// ([`Llama::forward_stage_with`]).
+    /// ([`Llama::forward_stage`]).
     pub fn forward_with(
         &self,
         tokens: &Tensor,
@@ -936,7 +936,7 @@ impl Llama {
             self.stages.len() == 1 && self.embeddings.is_some() && self.head.is_some(),
             "forward runs the whole model; under pipeline parallelism use forward_stage"
         );
-        self.forward_stage_with(stage, tokens, positions, documents, None)
+        self.forward_stage(stage, tokens, positions, documents, None)
     }
 
     /// Runs pipeline stage `stage` of this rank: from token ids (B, S) on the stage holding
@@ -944,21 +944,10 @@ impl Llama {
     /// ([`Llama::hidden_shape`]); returns hidden states, or the logits (as
     /// [`Llama::forward`]) on the stage holding the output. With `defer_weight_grads`, the
     /// linears' backward computes only input gradients and parks their weight gradients there
-    /// (a zero-bubble schedule runs them later).
-    pub fn forward_stage(
-        &self,
-        stage: usize,
-        input: &Tensor,
-        positions: Option<&Tensor>,
-        defer_weight_grads: Option<&WeightGradStash>,
-    ) -> Tensor {
-        self.forward_stage_with(stage, input, positions, None, defer_weight_grads)
-    }
-
-    /// [`Llama::forward_stage`] given the documents' offsets and longest length as the loader
-    /// counted them on the host ([`crate::data::Batch`]): the varlen kernel then needs no read
+    /// (a zero-bubble schedule runs them later). `documents`: the documents' offsets and
+    /// longest length as the loader counted them on the host ([`crate::data::Batch`]): the varlen kernel then needs no read
     /// back from the device ([`document_offsets`] would make one per forward pass).
-    pub fn forward_stage_with(
+    pub fn forward_stage(
         &self,
         stage: usize,
         input: &Tensor,

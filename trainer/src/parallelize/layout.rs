@@ -71,7 +71,15 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
     let not_yet = [
         ("parallelism.tensor_parallel_degree", world.tp > 1),
         ("parallelism.pipeline_parallel_degree", world.pp > 1),
-        ("model.converters", cfg.float8_enabled()),
+        // The key that turned float8 on: a converter, or the older switch.
+        (
+            if cfg.model.converters.is_empty() {
+                "float8.enable_float8_linear"
+            } else {
+                "model.converters"
+            },
+            cfg.float8_enabled(),
+        ),
         ("checkpoint.last_save_in_hf", cfg.checkpoint.last_save_in_hf),
         (
             "checkpoint.initial_load_in_hf",

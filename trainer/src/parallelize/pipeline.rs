@@ -705,7 +705,7 @@ impl Pipeline {
                     let weight_grads = self.schedule.splits_backward().then(WeightGradStash::new);
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
-                        let out = model.forward_stage_with(
+                        let out = model.forward_stage(
                             a.stage,
                             x,
                             Some(mb.positions),
@@ -839,8 +839,7 @@ impl Pipeline {
                 let _span = titan_obs_core::pipeline_span(titan::EVAL_FORWARD, slot);
                 let out = catch(|| {
                     let x = input.as_ref().unwrap_or(mb.inputs);
-                    let out =
-                        model.forward_stage_with(stage, x, Some(mb.positions), mb.documents, None);
+                    let out = model.forward_stage(stage, x, Some(mb.positions), mb.documents, None);
                     if stage == last {
                         model.summed_cross_entropy(&out, mb.labels)
                     } else {
