@@ -356,6 +356,18 @@ pub(super) fn le(bytes: &[u8], r: std::ops::Range<usize>) -> u64 {
         .fold(0u64, |a, &b| (a << 8) | u64::from(b))
 }
 
+/// `magic`, `version` (u32 LE), the body's length (u64 LE) and CRC-32C (u32 LE), then `body`:
+/// the framing [`check_head`] and [`checked_body`] read back (`len_at` 12).
+pub(super) fn framed(magic: &[u8; 8], version: u32, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + 4 + 8 + 4 + body.len());
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
+    out.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
 /// The body after a header of `header` bytes, checked against the body length (u64 LE at
 /// `len_at`) and CRC-32C (u32 LE after it) the header gives.
 pub(super) fn checked_body(bytes: &[u8], header: usize, len_at: usize) -> Result<&[u8]> {

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
 
-use super::file::{Reader, Writer, check_head, checked_body};
+use super::file::{Reader, Writer, check_head, checked_body, framed};
 
 const MAGIC: &[u8; 8] = b"TOBSNOD1";
 const VERSION: u32 = 1;
@@ -92,14 +92,7 @@ pub fn encode(entries: &[Entry]) -> Vec<u8> {
         w.u(e.last_part.map_or(0, |l| l.saturating_add(1)));
         w.bytes(&e.summary);
     }
-    let body = w.0;
-    let mut out = Vec::with_capacity(HEADER + body.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-    out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
-    out.extend_from_slice(&body);
-    out
+    framed(MAGIC, VERSION, &w.0)
 }
 
 /// Decodes a rollup: every count checked against the bytes there are, ranks unique. The rank

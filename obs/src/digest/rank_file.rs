@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, ensure};
 
-use super::file::{Outdated, Reader, Writer, check_head, checked_body};
+use super::file::{Outdated, Reader, Writer, check_head, checked_body, framed};
 use super::rank::{CoveredPart, RankDigest, Segment};
 
 /// The rank summary's name in its rank folder (not a part's: listings do not take it for one).
@@ -43,14 +43,7 @@ pub fn encode(d: &RankDigest) -> Result<Vec<u8>> {
         }
         w.bytes(&super::file::encode(&s.digest, 0)?);
     }
-    let body = w.0;
-    let mut out = Vec::with_capacity(HEADER + body.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&(body.len() as u64).to_le_bytes());
-    out.extend_from_slice(&crc32c::crc32c(&body).to_le_bytes());
-    out.extend_from_slice(&body);
-    Ok(out)
+    Ok(framed(MAGIC, VERSION, &w.0))
 }
 
 /// Decodes a rank summary. Every count is checked against the bytes there are and part
