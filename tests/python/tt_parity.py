@@ -14,6 +14,7 @@ Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
 
   tt_parity.py compare WORKDIR TITAN_TRAIN LAYOUT [LAYOUT ...] [--steps N] [--resume-at K] [--rtol R]
       [--cross] [--cross-back] [--config NAME] [--titan-args ARGS] [--tt-float8 emulate|scaled]
+      [--clean] [--buffers PATTERN]
       LAYOUT is `name:torchtitan_nproc:titan_nproc:extra args`, e.g. `dp2:2:2:` (FSDP on 2 ranks
       against titan's 2 data-parallel ranks) or `tp2:2:2:--parallelism.tensor_parallel_degree 2`.
       Prints one line per step and a JSON summary as the last line; exits 1 when a loss or grad
@@ -36,6 +37,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -173,6 +175,29 @@ def seed_checkpoint(workdir, assets, config="llama3_debugmodel"):
     return step0
 
 
+def saved_buffers(dump, pattern):
+    """The tensors whose keys contain PATTERN (e.g. a MoE model's `expert_bias_E`) in every
+    checkpoint under DUMP, as {step: {key: [values]}}: read with torch's DCP reader."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    out = {}
+    root = os.path.join(dump, "checkpoint")
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not name.startswith("step-"):
+            continue
+        path = os.path.join(root, name)
+        meta = dcp.FileSystemReader(path).read_metadata()
+        keys = [k for k, m in meta.state_dict_metadata.items()
+                if pattern in k and hasattr(m, "size")]
+        sd = {k: torch.empty(meta.state_dict_metadata[k].size,
+                             dtype=meta.state_dict_metadata[k].properties.dtype) for k in keys}
+        if sd:
+            dcp.load(sd, checkpoint_id=path, no_dist=True)
+        out[name.split("-", 1)[1]] = {k: v.float().tolist() for k, v in sd.items()}
+    return out
+
+
 def rel(a, b):
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
@@ -204,6 +229,12 @@ def main():
     ap.add_argument("--tt-float8", choices=["emulate", "emulate-fsdp-all-gather", "scaled"],
                     default=None,
                     help="how torchtitan's float8 converter runs on a CPU")
+    ap.add_argument("--clean", action="store_true",
+                    help="delete each run's checkpoints once its losses are read (a large model's "
+                         "checkpoints would otherwise fill the disk)")
+    ap.add_argument("--buffers", default=None, metavar="PATTERN",
+                    help="also compare the checkpointed tensors whose keys contain PATTERN "
+                         "(a MoE model's expert_bias_E) at every saved step: they must be equal")
     ap.add_argument("--docs", type=int, default=None,
                     help="keep only the first N documents (a small N makes the runs re-loop the data)")
     a = ap.parse_args(sys.argv[2:])
@@ -221,7 +252,8 @@ def main():
                            a.seed_config or ("llama3_debugmodel" if a.module == "llama3" else a.config))
 
     summary = {"steps": a.steps, "resume_at": a.resume_at, "rtol": a.rtol, "layouts": {}}
-    worst_loss = worst_grad = 0.0
+    worst_loss = worst_grad = worst_buffer = 0.0
+    compared_buffers = 0
     for spec in a.layouts:
         try:
             name, tt_n, titan_n, extra = spec.split(":", 3)
@@ -231,6 +263,7 @@ def main():
             sys.exit(2)
         extra = shlex.split(extra)
         result = {}
+        buffers = {}
         for who in ("torchtitan", "titan"):
             if a.only not in ("both", who):
                 continue
@@ -248,6 +281,10 @@ def main():
                         titan(a.titan_train, titan_n, args)
                 rows = read_jsonl(losses) if who == "torchtitan" else read_jsonl(os.path.join(dump, "metrics.jsonl"), "train")
                 result[f"{who}_{mode}"] = rows
+                if a.buffers:
+                    buffers[f"{who}_{mode}"] = saved_buffers(dump, a.buffers)
+                if a.clean:
+                    shutil.rmtree(os.path.join(dump, "checkpoint"), ignore_errors=True)
         if a.cross and a.only == "both":
             # torchtitan trains to RESUME_AT and saves; titan-train resumes from that checkpoint in
             # the same folder and trains on: its steps must be torchtitan's unbroken run's.
@@ -260,6 +297,10 @@ def main():
             first = [r for r in read_jsonl(losses) if r["step"] <= a.resume_at]
             rest = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] > a.resume_at]
             result["torchtitan_then_titan"] = first + rest
+            if a.buffers:
+                buffers["torchtitan_then_titan"] = saved_buffers(dump, a.buffers)
+            if a.clean:
+                shutil.rmtree(os.path.join(dump, "checkpoint"), ignore_errors=True)
         if a.cross_back and a.only == "both":
             # titan-train trains to RESUME_AT and saves; torchtitan resumes from that checkpoint
             # in the same folder and trains on: its steps must be its own unbroken run's.
@@ -272,7 +313,27 @@ def main():
             first = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] <= a.resume_at]
             rest = [r for r in read_jsonl(losses) if r["step"] > a.resume_at]
             result["titan_then_torchtitan"] = first + rest
+            if a.buffers:
+                buffers["titan_then_torchtitan"] = saved_buffers(dump, a.buffers)
+            if a.clean:
+                shutil.rmtree(os.path.join(dump, "checkpoint"), ignore_errors=True)
         summary["layouts"][name] = result
+        if a.buffers:
+            # Every run's saved buffers against torchtitan's unbroken run's at the same step.
+            ref_buffers = buffers.get("torchtitan_unbroken") or buffers.get("titan_unbroken") or {}
+            for key, steps in buffers.items():
+                for step, tensors in steps.items():
+                    want = ref_buffers.get(step)
+                    if want is None:
+                        continue
+                    if set(tensors) != set(want) or not tensors:
+                        print(f"{name} {key} step {step}: saved {sorted(tensors)[:3]}..., "
+                              f"torchtitan {sorted(want)[:3]}...", file=sys.stderr)
+                        sys.exit(1)
+                    for k, v in tensors.items():
+                        d = max(abs(x - y) for x, y in zip(v, want[k]))
+                        worst_buffer = max(worst_buffer, d)
+                        compared_buffers += 1
 
         # Every run against torchtitan's unbroken run: each logged every step once (a resumed
         # run's file holds both segments), with losses and grad norms within the tolerances.
@@ -293,11 +354,14 @@ def main():
             print(" | ".join(line))
     grad_rtol = a.rtol if a.grad_rtol is None else a.grad_rtol
     summary.update(worst_loss_rel=worst_loss, worst_grad_norm_rel=worst_grad, grad_rtol=grad_rtol)
+    if a.buffers:
+        summary.update(buffers_compared=compared_buffers, worst_buffer_abs=worst_buffer)
     print(json.dumps(summary))
-    ok = worst_loss <= a.rtol and worst_grad <= grad_rtol
+    ok = worst_loss <= a.rtol and worst_grad <= grad_rtol and worst_buffer == 0.0
     if not ok:
         print(f"parity failed: worst loss rel {worst_loss:.2e} (rtol {a.rtol}), worst grad norm rel "
-              f"{worst_grad:.2e} (rtol {grad_rtol})", file=sys.stderr)
+              f"{worst_grad:.2e} (rtol {grad_rtol}), worst saved buffer difference "
+              f"{worst_buffer:.2e} (must be 0)", file=sys.stderr)
     sys.exit(0 if ok else 1)
 
 

@@ -330,7 +330,7 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
     .concat();
     let qwen3_hf = [&qwen3[..], &["--checkpoint.last_save_in_hf", "true"]].concat();
     let qwen3_f8 = [&qwen3[..], &["--float8.enable_float8_linear", "true"]].concat();
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 13] = [
         // 16 heads over 3 tp ranks.
         (
             &[
@@ -396,14 +396,18 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
             "checkpoint.create_seed_checkpoint",
         ),
         // What titan-train does not build for qwen3 yet, and torchtitan's refusal of PP over
-        // tied embeddings; a MoE flavor is named as one.
+        // tied embeddings; forced expert balance on a model without experts.
         (&qwen3_tp, "parallelism.tensor_parallel_degree"),
         (&qwen3_pp, "parallelism.pipeline_parallel_degree"),
         (&qwen3_hf, "checkpoint.last_save_in_hf"),
         (&qwen3_f8, "float8.enable_float8_linear"),
         (
-            &["--model.name", "qwen3", "--model.flavor", "30B-A3B"],
-            "mixture of experts",
+            &[&qwen3[..], &["--debug.moe_force_load_balance", "true"]].concat(),
+            "debug.moe_force_load_balance",
+        ),
+        (
+            &["--model.name", "qwen3", "--model.flavor", "30B"],
+            "debugmodel_moe",
         ),
     ];
     for (extra, key) in cases {

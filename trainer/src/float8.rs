@@ -267,6 +267,10 @@ fn operand_splits(style: TpStyle) -> Splits {
         // Row-wise: W's columns (input features) split, and the input with them.
         // x (M,K/tp), Wᵀ (K/tp,N); go whole, W (N,K/tp); goᵀ whole, x (M,K/tp).
         TpStyle::Cols => [(Some(1), Some(0)), (None, Some(1)), (None, Some(1))],
+        // float8 converts linears (`Float8Training::converts`), never grouped experts.
+        TpStyle::ExpertRows | TpStyle::ExpertCols => {
+            unreachable!("float8 converts linears, not grouped experts")
+        }
     }
 }
 

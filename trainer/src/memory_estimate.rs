@@ -47,13 +47,20 @@
 //! - `none`: the two norm inputs `2 T d / t` (twice that with `training.device = cpu`: libtorch's
 //!   CPU `rms_norm` is the composite op and also saves the normalised input); the two norm outputs all-gathered for the
 //!   column-wise matmuls `2 T d` (saved by `wq`/`wk`/`wv` and `w1`/`w3`); `q` `T h_l e`; `k`, `v`
-//!   `2 T k_l e` (the varlen kernel, or `2 T h_l e` when titan's SDPA path repeats them to every
-//!   query head); the attention output `T h_l e` (also `wo`'s input); the FFN's `w1` output, its
+//!   `2 T k_l e` (at the kv heads: the varlen kernel, or SDPA with `enable_gqa`); the attention
+//!   output `T h_l e` (also `wo`'s input); the FFN's `w1` output, its
 //!   SiLU, the `w3` output and the product `4 T F_l`; plus fp32 `rstd` `2 T / t` and the
-//!   attention log-sum-exp `T h_l` (x 4 bytes).
+//!   attention log-sum-exp `T h_l` (x 4 bytes). A mixture of experts (`E` experts, top `K`,
+//!   hidden `F`, `R = T K` routed tokens) saves instead of the FFN's products: the router's
+//!   scores `T E` (fp32), the grouped matmuls' bf16 inputs and outputs (`2 R d + 4 R F`, 2
+//!   bytes), the experts' weights cast to bf16 (`3 E F d`, 2 bytes, unless the parameters are
+//!   bf16), the fp32 expert outputs the scores weight (`R d`) and the scores (`R`); its
+//!   parameters are counted whole (every expert: the memory is the total, not the active,
+//!   parameters).
 //! - `full`: the block input `T d / t`.
 //! - `selective`, `op` (titan's rule: the 1st, 3rd, 5th, 7th matmul): the block input `T d / t`,
-//!   `wq` `T h_l e`, `wv` `T k_l e`, `w1` `T F_l`, `w2` `T d` (torchtitan also keeps the SDPA
+//!   `wq` `T h_l e`, `wv` `T k_l e`, `w1` `T F_l`, `w2` `T d` (a mixture of experts' matmuls
+//!   are recomputed; torchtitan also keeps the SDPA
 //!   output, `T h_l e` more).
 //! - `selective`, `N`: layers N, 2N, ... as `full`, the others as `none`.
 //!
@@ -176,6 +183,8 @@ fn ceil_div(a: u64, b: u64) -> u64 {
 #[derive(Debug, Clone, Copy)]
 struct Shape {
     rows: u64,
+    /// The product of every dimension after the first (a grouped expert weight (E, F, D) is E
+    /// rows of F x D).
     cols: u64,
 }
 
@@ -206,9 +215,7 @@ fn mib(bytes: u64) -> String {
 /// Estimates one rank's memory for `cfg` on `world_size` ranks.
 pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let layout = Layout::resolve(&cfg.parallelism, world_size)?;
-    let mut args = ModelArgs::of(&cfg.model.name, &cfg.model.flavor)?;
-    let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
-    args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
+    let args = ModelArgs::for_job(cfg)?;
     let u = |v: i64| v as u64;
     let (d, layers, heads, kv_heads, e, f, v) = (
         u(args.dim),
@@ -239,7 +246,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
                 let shape = tp_local_shape(&p.shape, tp_style(&p.fqn)?, t as i64)?;
                 Ok(Shape {
                     rows: u(shape[0]),
-                    cols: shape.get(1).copied().map_or(1, u),
+                    cols: shape[1..].iter().copied().map(u).product(),
                 })
             })
             .collect()
@@ -415,24 +422,51 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let device_cpu = cfg.training.device == crate::config::DeviceChoice::Cpu;
     let document_causal = cfg.model.attn_backend.document_causal();
     // titan's model runs FlashAttention's varlen kernel for document-causal attention with
-    // bf16/fp16 activations on CUDA (kv heads as they are, no mask); otherwise SDPA, with k and v
-    // repeated to every query head and, when document-causal, a (B, 1, S, S) boolean mask.
+    // bf16/fp16 activations on CUDA (no mask); otherwise SDPA, with a (B, 1, S, S) boolean mask
+    // when document-causal.
     let varlen = document_causal && ab == 2 && !device_cpu;
-    let kv_saved = if varlen { k_l } else { h_l };
+    // Both attention paths take k and v at the kv heads (SDPA with `enable_gqa`).
+    let kv_saved = k_l;
     // libtorch's CPU rms_norm is the composite one: it also saves the normalised input (one more
     // `T d / t` per norm); CUDA's fused kernel saves the input and rstd only.
     let norm_saves = if device_cpu { 2 } else { 1 };
+    // The feed-forward's saved tensors and its backward's gradients: a SwiGLU's four (B, S, F)
+    // products, or a mixture of experts' (below).
+    let (ffn_saved, ffn_ws) = match args.moe_layer(0) {
+        None => (4 * tokens * f_l * ab, 3 * tokens * f_l * ab),
+        Some(moe) => {
+            let (experts, k, f) = (u(moe.num_experts), u(moe.top_k), u(moe.hidden_dim));
+            let routed = tokens * k;
+            // Router: the softmax/sigmoid output (fp32, T x E). Grouped matmuls in bf16: the
+            // routed tokens cast twice (w1's and w3's input), the w1 and w3 outputs and SiLU
+            // (3 R F), their product (w2's input, R F); the weights' bf16 copies (3 E F D)
+            // unless the parameters are bf16 already. The combine: fp32 outputs (R D) and
+            // scores.
+            let weights = if pb == 2 { 0 } else { 3 * experts * f * d * 2 };
+            let saved = tokens * experts * 4
+                + (2 * routed * d + 4 * routed * f) * 2
+                + weights
+                + routed * d * 4
+                + routed * 4;
+            (saved, 3 * routed * f * 2 + routed * d * 4)
+        }
+    };
     let none_elems = 2 * norm_saves * sp(tokens * d)
         + 2 * tokens * d
         + tokens * h_l * e
         + 2 * tokens * kv_saved * e
-        + tokens * h_l * e
-        + 4 * tokens * f_l;
+        + tokens * h_l * e;
     let none_fp32 = 2 * sp(tokens) + tokens * h_l;
-    let none_bytes = none_elems * ab + none_fp32 * 4;
+    let none_bytes = none_elems * ab + none_fp32 * 4 + ffn_saved;
     let input_bytes = sp(tokens * d) * ab;
-    let op_bytes =
-        (sp(tokens * d) + tokens * h_l * e + tokens * k_l * e + tokens * f_l + tokens * d) * ab;
+    // Selective op AC keeps every other linear's output (wq, wv, w1, w2); a mixture of experts'
+    // grouped matmuls are recomputed.
+    let ffn_kept = if args.moe.is_some() {
+        0
+    } else {
+        tokens * f_l + tokens * d
+    };
+    let op_bytes = (sp(tokens * d) + tokens * h_l * e + tokens * k_l * e + ffn_kept) * ab;
     let policy_ac = cfg.activation_checkpoint.policy();
     let (saved_per_stage, kept_when_recomputed, ac_name) = match policy_ac {
         ActivationCheckpointing::None => (stage_layers * none_bytes, none_bytes, "none".into()),
@@ -461,10 +495,10 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             } else {
                 String::new()
             },
-            if varlen {
-                ", k/v at kv heads (varlen kernel)"
+            if args.moe.is_some() {
+                ", a mixture of experts in each"
             } else {
-                ", k/v repeated to every head (SDPA)"
+                ""
             }
         ),
     );
@@ -489,7 +523,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     };
     let loss_ws = 3 * tokens * v_loss * 4;
     let recompute = none_bytes.saturating_sub(kept_when_recomputed);
-    let grad_ws = (2 * tokens * d + 3 * tokens * f_l) * ab;
+    let grad_ws = 2 * tokens * d * ab + ffn_ws;
     let layer_ws = match policy_ac {
         ActivationCheckpointing::None => grad_ws,
         _ => recompute + grad_ws,
@@ -500,7 +534,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         loss_ws.max(layer_ws),
         format!(
             "max(logits + cross-entropy 3 x T x {v_loss} x 4 B = {}, one layer's recompute {} + \
-             activation gradients (2 T d + 3 T F / t) x {ab} B = {})",
+             activation gradients (2 T d x {ab} B + the feed-forward's) = {})",
             mib(loss_ws),
             mib(if policy_ac == ActivationCheckpointing::None {
                 0
@@ -713,7 +747,8 @@ mod tests {
     }
 
     fn registry(name: &str, extra: &[&str]) -> JobConfig {
-        let mut args = vec!["--module", "llama3", "--config", name];
+        let module = name.split('_').next().unwrap_or(name);
+        let mut args = vec!["--module", module, "--config", name];
         args.extend_from_slice(extra);
         args.push("--memory_estimation.enable");
         config(&args)
@@ -770,6 +805,17 @@ mod tests {
             est.activations_bytes(),
             saved + head + loss.max(grads) + other
         );
+    }
+
+    /// A mixture of experts holds every expert (total, not active, parameters): each grouped
+    /// weight (E, F, D) is E rows of F x D for FSDP's dim-0 chunks.
+    #[test]
+    fn moe_parameters_are_counted_whole() {
+        let cfg = registry("qwen3_moe_debug", &[]);
+        let est = estimate(&cfg, 2).unwrap();
+        assert_eq!(est.num_params, 315_758_848);
+        assert_eq!(est.params_per_rank, 315_758_848 / 2);
+        assert_eq!(est.rows[0].bytes, 315_758_848 / 2 * 4);
     }
 
     #[test]

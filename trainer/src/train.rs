@@ -184,7 +184,9 @@ fn validate(
     let mut loss_sum = Tensor::zeros([], (Kind::Double, device));
     let mut tokens = 0i64;
     let mut batches = 0u64;
-    tch::no_grad(|| -> Result<()> {
+    // torchtitan's `model.eval()`: what only training does (the experts' token counts) is off.
+    model.set_training(false);
+    let passes = tch::no_grad(|| -> Result<()> {
         while max_steps.is_none_or(|max| batches < max) {
             let Some(Batch {
                 inputs,
@@ -227,7 +229,9 @@ fn validate(
             batches += 1;
         }
         Ok(())
-    })?;
+    });
+    model.set_training(true);
+    passes?;
     let mut loss_sum = host_sync::read_f64(&loss_sum, "validation loss");
     if pipeline.is_some() {
         // The last stage computed the CE: every stage reports it.
@@ -687,6 +691,15 @@ impl<'a> Job<'a> {
         };
         {
             let _o = titan_obs_core::span(titan::OPTIMIZER_STEP);
+            // torchtitan's step pre-hook: the experts' token counts of every data-parallel
+            // rank move their routing biases.
+            let dp = &self.mesh.dp;
+            self.model.update_expert_bias(|counts| {
+                if dp.size() > 1 {
+                    dp.all_reduce(counts, ReduceOp::Sum)?;
+                }
+                Ok(())
+            })?;
             self.optimizer.step(&self.params, lr)?;
             optim::clear_grads(&tensors);
             if cfg.float8_enabled()
@@ -903,8 +916,7 @@ fn build_model(
     pipeline_cfg: Option<&PipelineConfig>,
 ) -> Result<Llama> {
     let world = mesh.mesh;
-    let mut args = ModelArgs::of(&cfg.model.name, &cfg.model.flavor)
-        .map_err(|e| config_error("model.flavor", e))?;
+    let args = ModelArgs::for_job(cfg)?;
     if tokenizer.vocab_size() as i64 > args.vocab_size {
         bail!(
             "the tokenizer has {} ids but model flavor {} has vocab_size {}",
@@ -913,8 +925,6 @@ fn build_model(
             args.vocab_size
         );
     }
-    let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
-    args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
     let plan = ParallelPlan::new(
         mesh,
         &cfg.parallelism,

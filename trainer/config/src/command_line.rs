@@ -68,6 +68,11 @@ pub const REGISTRY: &[Registered] = &[
         name: "qwen3_debugmodel",
         toml: include_str!("../../../configs/registry/qwen3_debugmodel.toml"),
     },
+    Registered {
+        module: "qwen3",
+        name: "qwen3_moe_debug",
+        toml: include_str!("../../../configs/registry/qwen3_moe_debug.toml"),
+    },
 ];
 
 /// torchtitan 0.3.0 key -> titan's key for the same setting.
@@ -189,11 +194,6 @@ const NO_EFFECT: &[(&str, Accepts, &str)] = &[
         "",
     ),
     ("debug.spmd_typechecking", Accepts::Only(&["false"]), ""),
-    (
-        "debug.moe_force_load_balance",
-        Accepts::Only(&["false"]),
-        "",
-    ),
     ("debug.detect_anomaly", Accepts::Only(&["false"]), ""),
     ("debug.batch_invariant", Accepts::Only(&["false"]), ""),
     (
@@ -545,10 +545,10 @@ mod tests {
             err.contains("mistral") && err.contains("llama3, qwen3"),
             "{err}"
         );
-        let err = parse_strs(&["--module", "qwen3", "--config", "qwen3_moe_debug"])
+        let err = parse_strs(&["--module", "qwen3", "--config", "qwen3_moe_deepep"])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("qwen3_debugmodel"), "{err}");
+        assert!(err.contains("qwen3_moe_debug"), "{err}");
         let err = parse_strs(&["--module", "llama3", "--config", "llama3_1b"])
             .unwrap_err()
             .to_string();

@@ -607,13 +607,16 @@ impl Default for Validation {
     }
 }
 
-/// `[debug]`: seeding and determinism.
+/// `[debug]`: seeding, determinism and forced expert balance.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Debug {
     pub seed: Option<u64>,
     pub deterministic: bool,
     pub deterministic_warn_only: bool,
+    /// Mixture-of-experts routers pick experts round-robin instead of by score (every expert
+    /// gets the same number of tokens; the weights are still the scores of those experts).
+    pub moe_force_load_balance: bool,
 }
 
 /// `[observability]`: titan-obs recording of spans and scalars under `job.dump_folder`.

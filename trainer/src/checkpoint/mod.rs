@@ -360,7 +360,7 @@ impl Checkpointer {
                     model_only,
                     model_kind: model_only.then_some(self.export_kind),
                     owns_replicated: self.world.rank == 0,
-                    owns_param_groups: crate::parallel::Dim::ALL
+                    first_of_stage: crate::parallel::Dim::ALL
                         .iter()
                         .all(|&d| d == crate::parallel::Dim::Pp || self.world.coord(d) == 0),
                     dp_rank: self.world.dp_rank() as u64,

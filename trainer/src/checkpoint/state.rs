@@ -117,9 +117,10 @@ pub struct StageOptions {
     pub model_kind: Option<Kind>,
     /// This rank writes the replicated state (lr_scheduler, train_state, the loader's world).
     pub owns_replicated: bool,
-    /// This rank writes the optimizer's `step`s and param_groups of its parameters (the first
-    /// rank of each pipeline stage: every other rank holding the stage has the same ones).
-    pub owns_param_groups: bool,
+    /// This rank is the first of the ranks holding its pipeline stage: it writes what they
+    /// all hold alike, the model's buffers (`expert_bias_E`) and the optimizer's `step`s and
+    /// param_groups of its parameters.
+    pub first_of_stage: bool,
     /// Global rank (names this rank's RNG state).
     pub rank: u64,
     pub dp_rank: u64,
@@ -163,11 +164,18 @@ pub fn stage(
             out.items.last_mut().expect("pushed").chunk_of = chunk_of(placement);
         }
     }
+    if opts.first_of_stage {
+        for (fqn, b) in model.named_buffers() {
+            let t = HostTensor::from_tensor(&b, opts.model_kind)
+                .with_context(|| format!("staging model buffer `{fqn}`"))?;
+            out.push(None, fqn, StagedValue::Tensor(t));
+        }
+    }
     if opts.model_only {
         return Ok(out);
     }
     stage_optimizer_state(&mut out, state)?;
-    if opts.owns_param_groups {
+    if opts.first_of_stage {
         stage_optimizer(&mut out, state, counters)?;
     }
     if opts.owns_replicated {
@@ -396,6 +404,29 @@ pub fn apply(
             t
         };
         state.model.set_parameter(fqn, &t)?;
+    }
+    for (fqn, mut b) in state.model.named_buffers() {
+        if opts.excluded(&fqn, MODEL) {
+            continue;
+        }
+        if !src.has(&fqn) {
+            bail!(
+                "the checkpoint has no model buffer `{fqn}` (the experts' routing bias torchtitan \
+                 saves with a mixture-of-experts model: is it a checkpoint of this model flavor?)"
+            );
+        }
+        let t = src
+            .tensor(&fqn)?
+            .to_tensor(device)
+            .with_context(|| format!("model buffer `{fqn}`"))?;
+        if t.size() != b.size() {
+            bail!(
+                "model buffer `{fqn}` has shape {:?} but the checkpoint's has {:?}",
+                b.size(),
+                t.size()
+            );
+        }
+        tch::no_grad(|| b.copy_(&t.to_kind(b.kind())));
     }
     let mut counters = TrainCounters::default();
     if opts.model_only {

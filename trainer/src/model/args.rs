@@ -38,6 +38,36 @@ pub enum Family {
     Qwen3,
 }
 
+/// How a router turns gate logits into expert scores (torchtitan's `score_func`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScoreFunc {
+    Softmax,
+    Sigmoid,
+}
+
+/// A mixture-of-experts feed-forward (torchtitan 0.3.0's `MoE.Config` with its
+/// `TokenChoiceTopKRouter` and `GroupedExperts`): every token goes to its `top_k` experts of
+/// `num_experts`, each a SwiGLU of hidden size `hidden_dim`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MoeArgs {
+    pub num_experts: i64,
+    pub top_k: i64,
+    /// Each routed expert's hidden size.
+    pub hidden_dim: i64,
+    pub score_func: ScoreFunc,
+    /// The chosen experts' scores divided by their sum.
+    pub route_norm: bool,
+    /// The chosen experts' scores multiplied by this.
+    pub route_scale: f64,
+    /// Auxiliary-loss-free load balancing: each optimizer step moves `expert_bias` by this
+    /// much per expert ([`crate::model::moe`]); `None`: no bias.
+    pub load_balance_coeff: Option<f64>,
+    /// `debug.moe_force_load_balance`: experts chosen round-robin, not by score.
+    #[serde(default)]
+    pub force_load_balance: bool,
+}
+
 /// How RoPE rotates a head's features.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopeStyle {
@@ -81,6 +111,9 @@ pub struct ModelArgs {
     /// `lm_head` is `tok_embeddings`' weight (torchtitan's `enable_weight_tying`).
     #[serde(default)]
     pub tie_embeddings: bool,
+    /// Every block's feed-forward is a mixture of experts (qwen3's MoE flavors).
+    #[serde(default)]
+    pub moe: Option<MoeArgs>,
 }
 
 impl ModelArgs {
@@ -91,6 +124,33 @@ impl ModelArgs {
             "qwen3" => Self::qwen3(flavor),
             other => bail!("model `{other}` is not one titan-train builds (it has: llama3, qwen3)"),
         }
+    }
+
+    /// The model a job trains: `[model] name`/`flavor`, with RoPE tables for the longest
+    /// sequence it runs (training or validation, as torchtitan sets `max_seq_len`) and
+    /// `debug.moe_force_load_balance`, which needs a mixture of experts.
+    pub fn for_job(cfg: &crate::config::JobConfig) -> Result<Self, crate::config::ConfigError> {
+        let invalid = |key: &str, message: String| crate::config::ConfigError::Invalid {
+            key: key.into(),
+            message,
+        };
+        let mut args = Self::of(&cfg.model.name, &cfg.model.flavor)
+            .map_err(|e| invalid("model.flavor", format!("{e:#}")))?;
+        let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);
+        args.max_seq_len = cfg.training.seq_len.max(val_seq_len as i64);
+        if cfg.debug.moe_force_load_balance {
+            let Some(moe) = &mut args.moe else {
+                return Err(invalid(
+                    "debug.moe_force_load_balance",
+                    format!(
+                        "{} {} has no mixture of experts to balance",
+                        cfg.model.name, cfg.model.flavor
+                    ),
+                ));
+            };
+            moe.force_load_balance = true;
+        }
+        Ok(args)
     }
 
     /// The flavors torchtitan ships for llama3.
@@ -112,6 +172,7 @@ impl ModelArgs {
             explicit_hidden_dim: None,
             qk_norm: false,
             tie_embeddings: false,
+            moe: None,
         };
         Ok(match name {
             "debugmodel" => Self {
@@ -144,44 +205,73 @@ impl ModelArgs {
         })
     }
 
-    /// The dense flavors torchtitan 0.3.0 ships for qwen3 (`torchtitan/models/qwen3`); its MoE
-    /// flavors are refused by name.
+    /// The flavors torchtitan 0.3.0 ships for qwen3 (`torchtitan/models/qwen3`): dense, and
+    /// the mixtures of experts (`debugmodel_moe`, `30B-A3B`, `235B-A22B`).
     pub fn qwen3(name: &str) -> Result<Self> {
         // (dim, layers, heads, kv heads, hidden, tied embeddings)
-        let (dim, n_layers, n_heads, kv, hidden, tie) = match name {
-            "debugmodel" => (256, 8, 16, 8, 3072, true),
-            "0.6B" => (1024, 28, 16, 8, 3072, true),
-            "1.7B" => (2048, 28, 16, 8, 6144, true),
-            "4B" => (2560, 36, 32, 8, 9728, true),
-            "8B" => (4096, 36, 32, 8, 12288, false),
-            "14B" => (5120, 40, 40, 8, 17408, false),
-            "32B" => (5120, 64, 64, 8, 25600, false),
-            "debugmodel_moe" | "30B-A3B" | "235B-A22B" => bail!(
-                "qwen3 flavor `{name}` is a mixture of experts, which titan-train does not train yet \
-                 (dense flavors: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B)"
-            ),
-            other => bail!(
-                "unknown qwen3 flavor `{other}` (known: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B)"
-            ),
+        let dense = match name {
+            "debugmodel" => Some((256, 8, 16, 8, 3072, true)),
+            "0.6B" => Some((1024, 28, 16, 8, 3072, true)),
+            "1.7B" => Some((2048, 28, 16, 8, 6144, true)),
+            "4B" => Some((2560, 36, 32, 8, 9728, true)),
+            "8B" => Some((4096, 36, 32, 8, 12288, false)),
+            "14B" => Some((5120, 40, 40, 8, 17408, false)),
+            "32B" => Some((5120, 64, 64, 8, 25600, false)),
+            _ => None,
         };
-        Ok(Self {
+        // (dim, layers, heads, kv heads, expert hidden, experts, rope theta); top-8 softmax
+        // routing with the chosen scores renormalised, no shared experts, untied embeddings.
+        let moe = match name {
+            "debugmodel_moe" => Some((256, 8, 16, 8, 768, 64, 1e6)),
+            "30B-A3B" => Some((2048, 48, 32, 4, 768, 128, 1e6)),
+            "235B-A22B" => Some((4096, 94, 64, 4, 1536, 128, 5e6)),
+            _ => None,
+        };
+        let debug = name.starts_with("debugmodel");
+        let base = |dim, n_layers, n_heads, kv| Self {
             family: Family::Qwen3,
             dim,
             n_layers,
             n_heads,
             n_kv_heads: Some(kv),
-            vocab_size: if name == "debugmodel" { 2048 } else { 151936 },
+            vocab_size: if debug { 2048 } else { 151936 },
             multiple_of: 1,
             ffn_dim_multiplier: None,
             norm_eps: 1e-6,
             rope_theta: 1_000_000.0,
             rope_scaling: None,
-            max_seq_len: if name == "debugmodel" { 4096 } else { 40960 },
+            max_seq_len: if debug { 4096 } else { 40960 },
             explicit_head_dim: Some(128),
-            explicit_hidden_dim: Some(hidden),
+            explicit_hidden_dim: None,
             qk_norm: true,
-            tie_embeddings: tie,
-        })
+            tie_embeddings: false,
+            moe: None,
+        };
+        match (dense, moe) {
+            (Some((dim, layers, heads, kv, hidden, tie)), _) => Ok(Self {
+                explicit_hidden_dim: Some(hidden),
+                tie_embeddings: tie,
+                ..base(dim, layers, heads, kv)
+            }),
+            (None, Some((dim, layers, heads, kv, hidden, experts, theta))) => Ok(Self {
+                rope_theta: theta,
+                moe: Some(MoeArgs {
+                    num_experts: experts,
+                    top_k: 8,
+                    hidden_dim: hidden,
+                    score_func: ScoreFunc::Softmax,
+                    route_norm: true,
+                    route_scale: 1.0,
+                    load_balance_coeff: Some(1e-3),
+                    force_load_balance: false,
+                }),
+                ..base(dim, layers, heads, kv)
+            }),
+            (None, None) => bail!(
+                "unknown qwen3 flavor `{name}` (known: debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B, \
+                 debugmodel_moe, 30B-A3B, 235B-A22B)"
+            ),
+        }
     }
 
     pub fn kv_heads(&self) -> i64 {
@@ -205,10 +295,18 @@ impl ModelArgs {
         }
     }
 
-    /// Parameters of each transformer block ([`ModelArgs::parameters`] lists a block's
-    /// together): q, k, v, o, (q_norm, k_norm,) w1, w2, w3 and two norms.
-    pub fn block_params(&self) -> usize {
-        BLOCK_PARAMS + if self.qk_norm { 2 } else { 0 }
+    /// Parameters of transformer block `layer` ([`ModelArgs::parameters`] lists a block's
+    /// together): q, k, v, o, (q_norm, k_norm,) the feed-forward's w1, w2, w3 (a mixture of
+    /// experts' grouped w1, w2, w3 and its router's gate) and two norms.
+    pub fn layer_params(&self, layer: usize) -> usize {
+        BLOCK_PARAMS
+            + if self.qk_norm { 2 } else { 0 }
+            + usize::from(self.moe_layer(layer).is_some())
+    }
+
+    /// The mixture of experts block `layer` has in place of a dense feed-forward, if any.
+    pub fn moe_layer(&self, _layer: usize) -> Option<&MoeArgs> {
+        self.moe.as_ref()
     }
 
     /// torchtitan's SwiGLU hidden size: given outright (qwen3), or 2/3 of 4*dim, times the
@@ -238,17 +336,30 @@ impl ModelArgs {
     }
 
     /// torchtitan 0.3.0's training FLOPs per token (`get_dense_model_nparams_and_flops`, and
-    /// qwen3's `get_moe_model_nparams_and_flops`, which agrees for a dense model):
+    /// `get_moe_model_nparams_and_flops`, which agrees for a dense model):
     /// `6 * matmul params + 6 * layers * heads * (2 * head_dim) * seq_len` — the attention
     /// term counts the score and value matmuls together as `2 * head_dim`. The matmul params
-    /// leave the embedding out, unless it is tied to `lm_head` (then it is the output matmul).
+    /// leave the embedding out, unless it is tied to `lm_head` (then it is the output matmul),
+    /// and count the routed experts' active share only: all experts' parameters times
+    /// `top_k / num_experts` (rounded down, as torchtitan's integer division), routers whole.
     pub fn flops_per_token(&self, seq_len: i64) -> f64 {
         let (total, embedding) = self.num_params();
+        let experts: i64 = self
+            .parameters()
+            .iter()
+            .filter(|p| p.fqn.contains(".moe.routed_experts."))
+            .map(|p| p.shape.iter().product::<i64>())
+            .sum();
+        let active_experts = match &self.moe {
+            Some(m) => experts * m.top_k / m.num_experts,
+            None => 0,
+        };
         let matmul_params = if self.tie_embeddings {
             total
         } else {
             total - embedding
-        };
+        } - experts
+            + active_experts;
         6.0 * matmul_params as f64
             + 6.0 * (self.n_layers * self.n_heads * 2 * self.head_dim() * seq_len) as f64
     }
@@ -267,6 +378,16 @@ impl ModelArgs {
                 "n_heads {} must be a multiple of n_kv_heads {}",
                 self.n_heads,
                 self.kv_heads()
+            );
+        }
+        if let Some(m) = &self.moe
+            && !(1..=m.num_experts).contains(&m.top_k)
+        {
+            bail!(
+                "a token goes to top_k = {} of num_experts = {} experts: top_k must be 1..={}",
+                m.top_k,
+                m.num_experts,
+                m.num_experts
             );
         }
         Ok(())
@@ -353,6 +474,14 @@ impl ModelArgs {
                     };
                     (trunc(0.02), trunc(depth_std))
                 }
+                // The MoE flavors scale the residual outputs (wo, the experts' w2) by depth, as
+                // Megatron does; the dense ones do not.
+                Family::Qwen3 if self.moe.is_some() => (
+                    normal02,
+                    Init::Normal {
+                        std: 0.02 / (2.0 * self.n_layers as f64).sqrt(),
+                    },
+                ),
                 Family::Qwen3 => (normal02, normal02),
             };
             let layer = Module::Layer(i);
@@ -369,10 +498,26 @@ impl ModelArgs {
                     spec(p("attention.k_norm.weight"), &[hdim], Init::Ones, layer),
                 ]);
             }
+            match self.moe_layer(i) {
+                // torchtitan's `MoE`: its routed experts (one [E, F, D] / [E, D, F] tensor per
+                // SwiGLU weight), then its router's gate.
+                Some(m) => {
+                    let (e, f) = (m.num_experts, m.hidden_dim);
+                    let experts = |n: &str| p(&format!("moe.routed_experts.inner_experts.{n}"));
+                    out.extend([
+                        spec(experts("w1_EFD"), &[e, f, d], std02, layer),
+                        spec(experts("w2_EDF"), &[e, d, f], depth, layer),
+                        spec(experts("w3_EFD"), &[e, f, d], std02, layer),
+                        spec(p("moe.router.gate.weight"), &[e, d], std02, layer),
+                    ]);
+                }
+                None => out.extend([
+                    spec(p("feed_forward.w1.weight"), &[hd, d], std02, layer),
+                    spec(p("feed_forward.w2.weight"), &[d, hd], depth, layer),
+                    spec(p("feed_forward.w3.weight"), &[hd, d], depth, layer),
+                ]),
+            }
             out.extend([
-                spec(p("feed_forward.w1.weight"), &[hd, d], std02, layer),
-                spec(p("feed_forward.w2.weight"), &[d, hd], depth, layer),
-                spec(p("feed_forward.w3.weight"), &[hd, d], depth, layer),
                 spec(p("attention_norm.weight"), &[d], Init::Ones, layer),
                 spec(p("ffn_norm.weight"), &[d], Init::Ones, layer),
             ]);
@@ -435,7 +580,32 @@ mod tests {
         }
         let qwen = ModelArgs::of("qwen3", "debugmodel").unwrap();
         assert_eq!(qwen.parameters().len(), 2 + 11 * 8);
-        let err = ModelArgs::of("qwen3", "30B-A3B").unwrap_err().to_string();
-        assert!(err.contains("mixture of experts"), "{err}");
+        let err = ModelArgs::of("qwen3", "30B").unwrap_err().to_string();
+        assert!(err.contains("30B-A3B"), "{err}");
+    }
+
+    /// The MoE flavors as torchtitan 0.3.0's meta-device models count them: every expert in
+    /// the parameters, the active share (top_k of num_experts) in the FLOPs per token.
+    #[test]
+    fn moe_counts_and_flops_are_torchtitans() {
+        let args = ModelArgs::of("qwen3", "debugmodel_moe").unwrap();
+        assert_eq!(args.num_params().0, 315_758_848);
+        assert_eq!(args.flops_per_token(4096), 1_111_266_816.0);
+        assert_eq!(args.flops_per_token(128), 331_126_272.0);
+        let specs = args.parameters();
+        assert_eq!(specs.len(), 3 + 12 * 8);
+        assert_eq!((0..8).map(|i| args.layer_params(i)).sum::<usize>(), 12 * 8);
+        let names: Vec<&str> = specs[1..13].iter().map(|p| p.fqn.as_str()).collect();
+        assert_eq!(
+            names[6..10],
+            [
+                "layers.0.moe.routed_experts.inner_experts.w1_EFD",
+                "layers.0.moe.routed_experts.inner_experts.w2_EDF",
+                "layers.0.moe.routed_experts.inner_experts.w3_EFD",
+                "layers.0.moe.router.gate.weight",
+            ]
+        );
+        assert_eq!(specs[7].shape, [64, 768, 256]);
+        assert_eq!(specs[8].shape, [64, 256, 768]);
     }
 }

@@ -1,6 +1,7 @@
-//! The decoder of torchtitan's llama3 and dense qwen3 families with torchtitan's parameter
-//! names: GQA, RMSNorm, SwiGLU, RoPE (complex with Llama-3.1 scaling, or qwen3's cos/sin with
-//! q/k norms and tied embeddings), causal SDPA, initialised as torchtitan does.
+//! The decoder of torchtitan's llama3 and qwen3 families with torchtitan's parameter
+//! names: GQA, RMSNorm, SwiGLU or a mixture of experts ([`moe`]), RoPE (complex with Llama-3.1
+//! scaling, or qwen3's cos/sin with q/k norms and tied embeddings), causal SDPA, initialised as
+//! torchtitan does.
 //!
 //! Parameters live in one fqn-keyed list ([`Llama::named_parameters`]) in torchtitan's
 //! registration order, so checkpointing and the optimizer address them by name; the per-layer
@@ -25,7 +26,12 @@ use crate::parallelize::{ParallelPlan, Placement};
 use crate::recompute::{checkpoint, kept_linear};
 
 mod args;
-pub use args::{BLOCK_PARAMS, Family, Init, ModelArgs, Module, ParamSpec, RopeScaling, RopeStyle};
+pub mod moe;
+pub use args::{
+    BLOCK_PARAMS, Family, Init, ModelArgs, Module, MoeArgs, ParamSpec, RopeScaling, RopeStyle,
+    ScoreFunc,
+};
+use moe::{MoeBuffers, MoeWeights};
 
 /// RoPE inverse frequencies with Llama-3.1 scaling, as torchtitan's `precompute_freqs_cis`.
 fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
@@ -239,19 +245,24 @@ struct Layer {
     wk: Weight,
     wv: Weight,
     wo: Weight,
-    w1: Weight,
-    w2: Weight,
-    w3: Weight,
+    ffn: FeedForward,
     /// qwen3's RMSNorm weights over each head's q and k.
     qk_norm: Option<(Tensor, Tensor)>,
     attention_norm: Tensor,
     ffn_norm: Tensor,
 }
 
+/// A block's feed-forward: a SwiGLU, or a mixture of experts.
+enum FeedForward {
+    Dense { w1: Weight, w2: Weight, w3: Weight },
+    Moe(MoeWeights),
+}
+
 impl Layer {
     /// A block's parameters in registration order (as its FSDP unit gathers them), with the
-    /// q/k norms after `wo` when `qk_norm`.
-    fn from_params(g: Gathered, qk_norm: bool) -> Layer {
+    /// q/k norms after `wo` when `qk_norm`, and a mixture of experts' four parameters in place
+    /// of w1, w2, w3 when `moe`.
+    fn from_params(g: Gathered, qk_norm: bool, moe: bool) -> Layer {
         let mut weights = g
             .params
             .into_iter()
@@ -260,20 +271,28 @@ impl Layer {
         let mut next = || {
             weights
                 .next()
-                .expect("a transformer block has 9 parameters")
+                .expect("a transformer block has its parameters")
         };
         let (wq, wk, wv, wo) = (next(), next(), next(), next());
         let qk_norm = qk_norm.then(|| (next().value, next().value));
-        let (w1, w2, w3) = (next(), next(), next());
+        let ffn = if moe {
+            FeedForward::Moe(MoeWeights {
+                w1: next().value,
+                w2: next().value,
+                w3: next().value,
+                gate: next().value,
+            })
+        } else {
+            let (w1, w2, w3) = (next(), next(), next());
+            FeedForward::Dense { w1, w2, w3 }
+        };
         Layer {
             wq,
             wk,
             wv,
             wo,
             qk_norm,
-            w1,
-            w2,
-            w3,
+            ffn,
             attention_norm: next().value,
             ffn_norm: next().value,
         }
@@ -294,6 +313,8 @@ struct BlockShape {
     scale: Option<f64>,
     /// The block has q/k norms.
     qk_norm: bool,
+    /// How the model's mixtures of experts route (the blocks that have one).
+    moe: Option<MoeArgs>,
 }
 
 impl BlockShape {
@@ -308,6 +329,7 @@ impl BlockShape {
             rope: args.rope_style(),
             scale: args.explicit_head_dim.map(|hd| (hd as f64).powf(-0.5)),
             qk_norm: args.qk_norm,
+            moe: args.moe,
         }
     }
 }
@@ -338,6 +360,11 @@ pub struct Llama {
     varlen_kernel: bool,
     /// The linears that multiply in float8 (`[float8]`); `None`: none.
     float8: Option<Arc<ModelFloat8>>,
+    /// This rank's mixtures of experts' buffers by global layer index, ascending.
+    moe: Vec<(usize, MoeBuffers)>,
+    /// Training forward passes count the tokens each expert gets (torchtitan's
+    /// `module.training`; validation turns it off).
+    training: AtomicBool,
 }
 
 /// Which linears of the model multiply in float8.
@@ -573,14 +600,18 @@ impl Llama {
             bail!("tied embeddings need the embeddings and the output layer on one pipeline stage");
         }
         let embeddings = has_embeddings.then(|| unit(0..1, tied));
-        let per_block = args.block_params();
+        let mut start = first;
         let layers = (0..args.n_layers as usize)
             .filter(|&i| has_layer(i))
-            .enumerate()
-            .map(|(k, i)| {
-                let start = first + per_block * k;
-                (i, unit(start..start + per_block, false))
+            .map(|i| {
+                let range = start..start + args.layer_params(i);
+                start = range.end;
+                (i, unit(range, false))
             })
+            .collect();
+        let moe = (0..args.n_layers as usize)
+            .filter(|&i| has_layer(i))
+            .filter_map(|i| Some((i, MoeBuffers::new(args.moe_layer(i)?, device))))
             .collect();
         let head_params = if tied { 1 } else { 2 };
         let head = has_head.then(|| unit(n - head_params..n, true));
@@ -600,6 +631,8 @@ impl Llama {
             attn_backend: AttnBackend::default(),
             varlen_kernel: false,
             float8: None,
+            moe,
+            training: AtomicBool::new(true),
         })
     }
 
@@ -682,16 +715,21 @@ impl Llama {
     /// norms are summed in this order, so one process's norm is torchtitan's bit for bit.
     pub fn grads_as_torchtitan_parameters(&self) -> Vec<(Tensor, bool)> {
         let grad = |i: usize| (self.params[i].1.grad(), self.placements[i].tp_dim.is_some());
-        let first_layer = usize::from(self.embeddings.is_some());
-        let per_block = self.args.block_params();
-        let layers_end = first_layer + per_block * self.layers.len();
+        // Where each of this rank's blocks starts in the parameter list.
+        let mut at = usize::from(self.embeddings.is_some());
+        let block_starts: Vec<usize> = self
+            .layers
+            .iter()
+            .map(|(index, _)| {
+                at += self.args.layer_params(*index);
+                at - self.args.layer_params(*index)
+            })
+            .collect();
         let kv_heads = self.args.kv_heads() / self.tp.size() as i64;
         let mut out = Vec::with_capacity(self.params.len());
         let mut i = 0;
         while i < self.params.len() {
-            let starts_block =
-                (first_layer..layers_end).contains(&i) && (i - first_layer) % per_block == 0;
-            if !starts_block {
+            if !block_starts.contains(&i) {
                 out.push(grad(i));
                 i += 1;
                 continue;
@@ -1033,8 +1071,9 @@ impl Llama {
             let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
             let forward_pass = Arc::new(AtomicBool::new(true));
             let in_forward = forward_pass.clone();
+            let moe_layer = self.args.moe_layer(index).is_some();
             let gather = move || {
-                let layer = Layer::from_params(unit_.gather(), shape.qk_norm);
+                let layer = Layer::from_params(unit_.gather(), shape.qk_norm, moe_layer);
                 if in_forward.swap(false, Ordering::Relaxed)
                     && let Some(next) = &next
                 {
@@ -1042,6 +1081,10 @@ impl Llama {
                 }
                 layer
             };
+            // A mixture of experts counts its tokens in a training forward pass, once: not in
+            // the recompute activation checkpointing runs in backward.
+            let moe = self.moe_state(index);
+            let moe_ = moe.as_ref().map(|m| m.share());
             h = if self.checkpointing == ActivationCheckpointing::Op {
                 // The first run (forward) records the kept matmul outputs, the second (the
                 // recompute in backward) replays them. Each run gathers the block's parameters.
@@ -1050,7 +1093,7 @@ impl Llama {
                     let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
                     let matmuls = Matmuls::new(kept.take(), f8.clone());
                     let layer = gather();
-                    let out = block(&layer, shape, &ctx_, &tp_, &i[0], &matmuls);
+                    let out = block(&layer, shape, &ctx_, &tp_, &i[0], &matmuls, moe_.as_ref());
                     *kept = matmuls.into_recorded();
                     [out]
                 });
@@ -1064,13 +1107,14 @@ impl Llama {
                         &tp_,
                         &i[0],
                         &Matmuls::plain(f8.clone()),
+                        moe_.as_ref(),
                     )]
                 });
                 out
             } else {
                 let layer = gather();
                 let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
-                let out = block(&layer, shape, &ctx, &self.tp, &h, &matmuls);
+                let out = block(&layer, shape, &ctx, &self.tp, &h, &matmuls, moe.as_ref());
                 drop(layer);
                 unit.after_forward(out, previous)
             };
@@ -1111,6 +1155,52 @@ impl Llama {
             Some((unit, _)) => unit.after_forward(logits, None),
             None => logits,
         }
+    }
+
+    /// Layer `index`'s mixture-of-experts state for one forward pass (counting only in
+    /// training), if it has one.
+    fn moe_state(&self, index: usize) -> Option<MoeRun> {
+        let (_, buffers) = self.moe.iter().find(|(i, _)| *i == index)?;
+        Some(MoeRun {
+            buffers: buffers.share(),
+            count: Arc::new(AtomicBool::new(self.training.load(Ordering::Relaxed))),
+        })
+    }
+
+    /// Training (the default) or evaluation mode, as torch's `module.train()`/`eval()`: only
+    /// training forward passes count the tokens each expert gets.
+    pub fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+
+    /// The persistent buffers checkpoints hold beside the parameters (torchtitan's
+    /// `layers.N.moe.expert_bias_E`), whole on every rank holding the layer.
+    pub fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        self.moe
+            .iter()
+            .filter_map(|(i, b)| {
+                let bias = b.expert_bias.as_ref()?;
+                Some((
+                    format!("layers.{i}.moe.expert_bias_E"),
+                    bias.shallow_clone(),
+                ))
+            })
+            .collect()
+    }
+
+    /// Auxiliary-loss-free load balancing before the optimizer step (torchtitan's step
+    /// pre-hook): the token counts summed over the data-parallel ranks by `sum_over_dp` move
+    /// each layer's `expert_bias` ([`moe::update_expert_bias`]). Nothing without experts.
+    pub fn update_expert_bias(
+        &self,
+        sum_over_dp: impl FnOnce(&Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let layers: Vec<(&MoeBuffers, f64)> = self
+            .moe
+            .iter()
+            .filter_map(|(i, b)| Some((b, self.args.moe_layer(*i)?.load_balance_coeff?)))
+            .collect();
+        moe::update_expert_bias(&layers, sum_over_dp)
     }
 
     /// Shape and dtype of the hidden states between blocks for `batch` rows of `seq_len`
@@ -1254,7 +1344,24 @@ impl Matmuls {
     }
 }
 
-/// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))`.
+/// What a block's mixture of experts needs of one forward run besides its weights.
+struct MoeRun {
+    buffers: MoeBuffers,
+    /// Set until the first run of the block in this forward pass has counted its tokens.
+    count: Arc<AtomicBool>,
+}
+
+impl MoeRun {
+    fn share(&self) -> MoeRun {
+        MoeRun {
+            buffers: self.buffers.share(),
+            count: self.count.clone(),
+        }
+    }
+}
+
+/// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))` (a SwiGLU,
+/// or the mixture of experts `moe` holds the state of).
 ///
 /// Under tensor parallelism `h` is this rank's sequence block (sequence parallel) or the whole
 /// replicated sequence; each linear region is entered and left through `tp`.
@@ -1265,6 +1372,7 @@ fn block(
     tp: &TensorParallel,
     h: &Tensor,
     mm: &Matmuls,
+    moe: Option<&MoeRun>,
 ) -> Tensor {
     let (d, eps) = (shape.dim, shape.norm_eps);
     let x = tp.enter(&h.rms_norm([d], Some(&layer.attention_norm), eps));
@@ -1273,9 +1381,19 @@ fn block(
     let h = h + tp.exit(&attention(layer, shape, ctx, &x, mm));
     let x = tp.enter(&h.rms_norm([d], Some(&layer.ffn_norm), eps));
     let f8 = &mm.float8;
-    let gate = mm.linear(&x, &layer.w1, f8.w1.as_ref()).silu();
-    let up = mm.linear(&x, &layer.w3, f8.w3.as_ref());
-    h + tp.exit(&mm.linear(&(gate * up), &layer.w2, f8.w2.as_ref()))
+    let out = match (&layer.ffn, moe, &shape.moe) {
+        (FeedForward::Dense { w1, w2, w3 }, _, _) => {
+            let gate = mm.linear(&x, w1, f8.w1.as_ref()).silu();
+            let up = mm.linear(&x, w3, f8.w3.as_ref());
+            mm.linear(&(gate * up), w2, f8.w2.as_ref())
+        }
+        (FeedForward::Moe(weights), Some(run), Some(args)) => {
+            let count = run.count.swap(false, Ordering::Relaxed);
+            moe::forward(&x, weights, args, &run.buffers, count)
+        }
+        (FeedForward::Moe(_), _, _) => unreachable!("a mixture of experts has its state"),
+    };
+    h + tp.exit(&out)
 }
 
 fn attention(
@@ -1323,18 +1441,9 @@ fn attention(
         Attend::Masked(m) => Some(m),
         Attend::Causal | Attend::Varlen(..) => None,
     };
-    let (k, v) = if kvh == h {
-        (k, v)
-    } else {
-        // repeat_kv: each kv head serves n_rep consecutive query heads.
-        let n_rep = h / kvh;
-        let rep = |t: Tensor| {
-            t.unsqueeze(3)
-                .expand([b, s, kvh, n_rep, hd], false)
-                .reshape([b, s, h, hd])
-        };
-        (rep(k), rep(v))
-    };
+    // Grouped-query attention as torchtitan asks SDPA for it (`enable_gqa`: each kv head
+    // serves n_heads / kv_heads consecutive query heads), not with k and v repeated first:
+    // torch picks another CPU kernel for the repeated form, which rounds differently.
     let out = Tensor::scaled_dot_product_attention::<&Tensor>(
         &q.transpose(1, 2),
         &k.transpose(1, 2),
@@ -1343,7 +1452,7 @@ fn attention(
         0.0,
         mask.is_none(),
         shape.scale,
-        false,
+        kvh != h,
     );
     mm.linear(
         &out.transpose(1, 2).reshape([b, s, h * hd]),

@@ -30,8 +30,7 @@ pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConf
             ),
         ));
     }
-    let args = ModelArgs::of(&cfg.model.name, &cfg.model.flavor)
-        .map_err(|e| invalid("model.flavor", e))?;
+    let args = ModelArgs::for_job(cfg)?;
     args.validate().map_err(|e| invalid("model.flavor", e))?;
     // A schedule name is checked even where no pipeline runs: a typo is never meant.
     let schedule = Schedule::parse(&cfg.parallelism.pipeline_parallel_schedule)

@@ -14,8 +14,13 @@ pub enum TpStyle {
     Rows,
     /// Split dim 1: row-wise parallel linears (input features).
     Cols,
-    /// Whole on every tp rank (norms).
+    /// Whole on every tp rank (norms, routers).
     Replicated,
+    /// Grouped experts' w1/w3 (E, F, D) split along F, dim 1: torchtitan's expert tensor
+    /// parallelism when expert parallelism is off (`moe_sharding.py`).
+    ExpertRows,
+    /// Grouped experts' w2 (E, D, F) split along F, dim 2.
+    ExpertCols,
 }
 
 impl TpStyle {
@@ -23,7 +28,8 @@ impl TpStyle {
     pub fn dim(self) -> Option<usize> {
         match self {
             TpStyle::Rows => Some(0),
-            TpStyle::Cols => Some(1),
+            TpStyle::Cols | TpStyle::ExpertRows => Some(1),
+            TpStyle::ExpertCols => Some(2),
             TpStyle::Replicated => None,
         }
     }
@@ -48,6 +54,21 @@ pub const LLAMA3_TP_PLAN: &[(&str, TpStyle)] = &[
     ("feed_forward.w1.weight", TpStyle::Rows),
     ("feed_forward.w2.weight", TpStyle::Cols),
     ("feed_forward.w3.weight", TpStyle::Rows),
+    // A mixture of experts (qwen3's MoE flavors) in place of the feed-forward: the experts'
+    // hidden features split as one column-/row-wise pair, the router whole.
+    (
+        "moe.routed_experts.inner_experts.w1_EFD",
+        TpStyle::ExpertRows,
+    ),
+    (
+        "moe.routed_experts.inner_experts.w2_EDF",
+        TpStyle::ExpertCols,
+    ),
+    (
+        "moe.routed_experts.inner_experts.w3_EFD",
+        TpStyle::ExpertRows,
+    ),
+    ("moe.router.gate.weight", TpStyle::Replicated),
     ("attention_norm.weight", TpStyle::Replicated),
     ("ffn_norm.weight", TpStyle::Replicated),
     ("norm.weight", TpStyle::Replicated),
@@ -92,8 +113,14 @@ mod tests {
 
     #[test]
     fn every_parameter_has_a_style() {
-        for spec in ModelArgs::flavor("debugmodel").unwrap().parameters() {
-            tp_style(&spec.fqn).unwrap();
+        for (name, flavor) in [
+            ("llama3", "debugmodel"),
+            ("qwen3", "debugmodel"),
+            ("qwen3", "debugmodel_moe"),
+        ] {
+            for spec in ModelArgs::of(name, flavor).unwrap().parameters() {
+                tp_style(&spec.fqn).unwrap();
+            }
         }
         assert_eq!(
             tp_style("layers.12.attention.wo.weight").unwrap(),
