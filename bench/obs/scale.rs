@@ -20,9 +20,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use rayon::prelude::*;
+use titan_obs_core::footer::PartHeader;
 use titan_obs_core::journal::JournalWriter;
 use titan_obs_core::location::Location;
-use titan_obs_core::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use titan_obs_core::part::{PartBuilder, PartSink, Row, encode};
 use titan_obs_core::read::{PartsReader, ReadOptions};
 use titan_obs_core::{Kind, Reduce};
 

@@ -5,11 +5,13 @@
 use anyhow::{Result, bail};
 use rayon::prelude::*;
 
+use crate::footer::PartHeader;
 use crate::location::Location;
-use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use crate::part::{PartBuilder, PartSink, Row, encode};
 use crate::record::NO_STEP;
-use crate::run::{RecordTable, Run, SharedFields};
+use crate::run::Run;
 use crate::schema::Kind;
+use crate::tables::{RecordTable, SharedFields};
 
 /// What [`write_parts`] wrote.
 #[derive(Debug, Clone, Copy, Default)]

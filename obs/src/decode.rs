@@ -17,11 +17,11 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ParquetRecordBatchReaderBuilder, RowSelection, RowSelector};
 use parquet::file::metadata::FileMetaData;
 
+use crate::footer::Footer;
 use crate::journal::{JournalCursor, SkippedRange, thread_names};
-use crate::part::Footer;
 use crate::record::NO_STEP;
-use crate::run::{Columns, PartData, RankInfo, RecordTable, SharedColumns};
 use crate::schema::{Kind, PipelineSlot, Reduce, col};
+use crate::tables::{Columns, PartData, RankInfo, RecordTable, SharedColumns};
 
 /// The reader's view of a footer.
 pub(crate) fn rank_info(footer: &Footer) -> RankInfo {
@@ -173,7 +173,7 @@ pub(crate) struct JournalRead {
 
 /// A part's footer, from its Parquet key-value metadata.
 pub(crate) fn footer_of(meta: &FileMetaData) -> Result<Footer> {
-    Footer::parse(&crate::embedded::kv_map(meta))
+    Footer::parse(&crate::footer::kv_map(meta))
 }
 
 /// A whole Parquet part as it was written: its footer and its record batches, every column
@@ -404,7 +404,7 @@ impl<'a> BatchColumns<'a> {
             .context("`tags` items are not utf8")?;
         let mut mask = 0u64;
         for t in list.iter().flatten() {
-            let id = crate::run::intern(tags_out, &mut dicts.tag_ids, t);
+            let id = crate::tables::intern(tags_out, &mut dicts.tag_ids, t);
             if id < 64 {
                 mask |= 1 << id;
             }
@@ -530,7 +530,7 @@ fn dict_to_local(
         .as_string_opt::<i32>()
         .context("dictionary values are not utf8")?;
     let map: Vec<u32> = (0..values.len())
-        .map(|i| crate::run::intern(values_out, ids, values.value(i)))
+        .map(|i| crate::tables::intern(values_out, ids, values.value(i)))
         .collect();
     let keys = dict.keys();
     let mut out = Vec::with_capacity(keys.len());

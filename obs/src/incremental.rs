@@ -18,7 +18,8 @@ use crate::journal::checks_path;
 use crate::location::{
     Location, parse_journal_file_name, parse_part_file_name, parse_rank_dir_name,
 };
-use crate::run::{CorruptPart, Damage, Merger, PartData, ReadOptions, Run, RunFormat};
+use crate::run::{CorruptPart, Damage, Merger, PartRead, ReadOptions, Run, RunFormat};
+use crate::tables::PartData;
 
 /// What was read: by one refresh ([`PartsReader::last`]) or in total ([`PartsReader::total`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -235,7 +236,7 @@ enum Done {
     Part {
         file: Listed,
         skip_rows: u64,
-        result: Result<(PartData, u64)>,
+        result: Result<(PartRead, u64)>,
         /// A damaged summary file of the part, ignored: (file, error).
         digest_damage: Option<(String, String)>,
     },
@@ -256,7 +257,7 @@ enum Done {
 
 /// A journal read: what it decoded, its bytes, its batches and the damage it skipped.
 struct JournalDone {
-    data: PartData,
+    data: PartRead,
     bytes: u64,
     batches: u64,
     damage: Vec<crate::journal::SkippedRange>,
@@ -648,15 +649,15 @@ impl PartsReader {
                 let had_journal = matches!(self.seen.get(&key), Some(Seen::Journal { .. }));
                 self.seen.insert(key, Seen::Part);
                 match result {
-                    Ok((mut data, bytes)) => {
+                    Ok((mut part, bytes)) => {
                         self.last.parts_decoded += 1;
                         self.last.part_rows_skipped += skip_rows;
                         self.last.bytes += bytes;
-                        self.last.rows += data.rows as u64;
+                        self.last.rows += part.data.rows as u64;
                         // Damage its journal had when compacted; already reported when this
                         // reader read that journal.
                         let journal = crate::location::journal_file_name(file.index);
-                        let damage = std::mem::take(&mut data.damage);
+                        let damage = std::mem::take(&mut part.data.damage);
                         let damage = if had_journal { Vec::new() } else { damage };
                         self.run
                             .report
@@ -670,11 +671,11 @@ impl PartsReader {
                             }));
                         if had_journal {
                             // Counted when its journal was first read.
-                            data.info.parts = 0;
+                            part.data.info.parts = 0;
                         } else {
                             self.run.report.parts_read += 1;
                         }
-                        self.add(data, opts);
+                        self.add(part, opts);
                     }
                     Err(e) => self.run.report.corrupt_parts.push(CorruptPart {
                         path: file.display,
@@ -690,7 +691,7 @@ impl PartsReader {
                 let key = (file.rank, file.index);
                 match result {
                     Ok(JournalDone {
-                        mut data,
+                        data: mut part,
                         bytes,
                         batches,
                         damage,
@@ -708,14 +709,14 @@ impl PartsReader {
                         let first = cursor.batches == batches && batches > 0;
                         self.last.journal_batches += batches;
                         self.last.bytes += bytes;
-                        self.last.rows += data.rows as u64;
+                        self.last.rows += part.data.rows as u64;
                         if first {
                             self.run.report.parts_read += 1;
                         } else {
-                            data.info.parts = 0;
+                            part.data.info.parts = 0;
                         }
                         if batches > 0 {
-                            self.add(data, opts);
+                            self.add(part, opts);
                         }
                         self.seen.insert(
                             key,
@@ -788,25 +789,26 @@ impl PartsReader {
                     }));
             }
             self.run.report.parts_read += segment.parts.len();
-            let data = segment.digest.into_part_data();
-            self.last.rows += data.rows as u64;
-            self.add(data, opts);
+            let part = PartRead::from(segment.digest);
+            self.last.rows += part.data.rows as u64;
+            self.add(part, opts);
         }
     }
 
-    fn add(&mut self, mut data: PartData, opts: &ReadOptions) {
+    fn add(&mut self, mut part: PartRead, opts: &ReadOptions) {
         // `metrics` (none of the span columns) needs only the summaries' scalars: their span
         // sections are not merged (the largest part of a merged run's memory and time).
-        if opts.columns == crate::run::Columns::METRICS
-            && let Some(d) = &mut data.digest
+        if opts.columns == crate::tables::Columns::METRICS
+            && let Some(d) = &mut part.digest
         {
             d.keep_only_scalars();
         }
-        self.world_size = self.world_size.max(data.info.world_size);
-        self.ok_ranks.insert(data.info.rank);
-        self.rank_dirs.insert(data.info.rank);
-        self.run.report.rows_read += data.rows;
-        self.merger.merge(&mut self.run, data, opts.align_clocks);
+        let info = &part.data.info;
+        self.world_size = self.world_size.max(info.world_size);
+        self.ok_ranks.insert(info.rank);
+        self.rank_dirs.insert(info.rank);
+        self.run.report.rows_read += part.data.rows;
+        self.merger.merge(&mut self.run, part, opts.align_clocks);
     }
 
     /// Brings the run's dictionaries and report up to date.
@@ -878,11 +880,11 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
     } else {
         opts.columns
     };
-    let summarise = |data: PartData| -> PartData {
+    let summarise = |data: PartData| -> PartRead {
         if opts.digests {
-            crate::digest::PartDigest::of_data(&data).into_part_data()
+            crate::digest::PartDigest::of_data(&data).into()
         } else {
-            data
+            data.into()
         }
     };
     match work {
@@ -890,7 +892,7 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
             let mut digest_damage = None;
             let result = fetched.and_then(|f| {
                 if let Some(d) = f.digest {
-                    return Ok((d.into_part_data(), 0));
+                    return Ok((d.into(), 0));
                 }
                 if let Some(e) = f.digest_damage {
                     let part = std::path::Path::new(&file.display);
@@ -900,7 +902,7 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
                 let n = b.len() as u64;
                 let data = decode_part(b, file.rank, columns, skip_rows)?;
                 if !opts.digests {
-                    return Ok((data, n));
+                    return Ok((data.into(), n));
                 }
                 let digest = crate::digest::PartDigest::of_data(&data);
                 // Cache it next to a local part read whole (a run written before summaries
@@ -912,7 +914,7 @@ fn decode(work: Work, fetched: Result<Fetched>, opts: &ReadOptions, at_end: bool
                         tracing::debug!("not caching the summary of {}: {e:#}", file.display);
                     }
                 }
-                Ok((digest.into_part_data(), n))
+                Ok((digest.into(), n))
             });
             Done::Part {
                 file,
@@ -1315,7 +1317,7 @@ async fn object_summary(
     path: &object_store::path::Path,
     len: u64,
 ) -> (Result<Option<crate::digest::PartDigest>>, u64) {
-    use crate::embedded::{FOOTER_READ, Tail};
+    use crate::footer::{FOOTER_READ, Tail};
     let mut want = len.min(FOOTER_READ);
     let mut requests = 0;
     loop {
@@ -1323,9 +1325,9 @@ async fn object_summary(
         let Ok(tail) = store.get_range(path, len - want..len).await else {
             return (Ok(None), requests);
         };
-        match crate::embedded::parse_tail(&tail, len) {
+        match crate::footer::parse_tail(&tail, len) {
             Ok(Tail::Footer(kv)) => {
-                let got = crate::embedded::summary(&kv)
+                let got = crate::digest::from_footer(&kv)
                     .with_context(|| format!("the summary in {path} is damaged"));
                 return (got, requests);
             }

@@ -22,10 +22,10 @@ use arrow::ipc::writer::{
 };
 use arrow::record_batch::RecordBatch;
 
+use crate::footer::{Footer, PartHeader};
 use crate::guard::guarded;
 use crate::ipc_check::{Message, MessageKind, next_message};
 use crate::location::journal_file_name;
-use crate::part::{CompactedDamage, Footer, PartHeader, encode_batches_noting};
 use crate::schema::{arrow_schema, col};
 
 /// First bytes of a journal's checks file (`journal-<N>.checks`).
@@ -816,27 +816,6 @@ pub fn read_journal(path: &Path) -> Result<JournalContents> {
     })
 }
 
-/// Compacts a journal's batches into one Parquet part (same schema and footer as parts
-/// written directly); thread names come from the records themselves. Damaged ranges that
-/// were skipped are recorded in the part's footer.
-pub fn compact(contents: &JournalContents, index: u64) -> Result<Vec<u8>> {
-    let mut header = contents.footer.header.clone();
-    for batch in &contents.batches {
-        thread_names(batch, &mut header.threads);
-    }
-    let damage: Vec<CompactedDamage> = contents
-        .damage
-        .iter()
-        .map(|d| CompactedDamage {
-            offset: d.offset,
-            bytes: d.bytes,
-            lost: d.lost.clone(),
-            error: d.reason.clone(),
-        })
-        .collect();
-    encode_batches_noting(&contents.batches, &header, index, &damage)
-}
-
 /// Adds the (thread id -> name) pairs a batch's `thread_name` dictionary uses.
 pub fn thread_names(batch: &RecordBatch, out: &mut BTreeMap<u32, String>) {
     let Some(dict) = batch
@@ -948,7 +927,7 @@ mod tests {
         assert_eq!(contents.footer.part, Some(5));
         assert_eq!(contents.footer.header.clock_offset_ns, -42);
         assert_eq!(logical(&contents.batches), logical(&written));
-        let part = compact(&contents, 5).unwrap();
+        let part = crate::part::compact(&contents, 5).unwrap();
         // The same footer as a part written directly, with the threads the records name.
         let (f, from_part) = crate::read::read_part(bytes::Bytes::from(part)).unwrap();
         assert_eq!(logical(&from_part), logical(&written));

@@ -48,6 +48,17 @@
 //! [`analysis`] computes what the `titan-obs` commands print: [`analysis::summary`] (per-phase
 //! statistics, stragglers, tagged steps), [`analysis::metrics`] (torchtitan's aggregated
 //! per-step lines) and [`analysis::chrome`] (Chrome Trace Event JSON for Perfetto).
+//!
+//! # Layers
+//! The modules import downward only (`tests/tests/layering.rs` checks it), bottom first:
+//! 1. vocabulary: `schema`, `record`, `vocab`, `location`, `sidecar`, `guard`, `ipc_check`,
+//!    `clock`, `ring`, `stats`, `metric_lines`;
+//! 2. the part's footer and the record tables: `footer`, `tables`, `roles`;
+//! 3. bytes to tables: `journal`, `decode`, `part_files`;
+//! 4. summaries of a part: `digest`, `lod`;
+//! 5. writing parts: `embedded`, `part`;
+//! 6. the loaded run and its readers: `runs`, `run`, `incremental`, `ingest`, `read`;
+//! 7. what stands on all of it: `analysis`, `convert`, `synth`, `recorder`.
 
 pub mod analysis;
 pub mod clock;
@@ -55,6 +66,7 @@ pub mod convert;
 mod decode;
 pub mod digest;
 pub mod embedded;
+pub mod footer;
 mod guard;
 mod incremental;
 pub mod ingest;
@@ -62,17 +74,21 @@ mod ipc_check;
 pub mod journal;
 pub mod location;
 pub mod lod;
+pub mod metric_lines;
 pub mod part;
 pub mod part_files;
 pub mod read;
 mod record;
 mod recorder;
 mod ring;
+mod roles;
 mod run;
 pub mod runs;
 pub mod schema;
 mod sidecar;
+pub mod stats;
 pub mod synth;
+mod tables;
 pub mod vocab;
 
 pub use read::{Columns, LoadReport, ReadOptions, Run, RunFormat, load};

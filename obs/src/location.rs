@@ -113,6 +113,25 @@ pub fn parse_rank_dir_name(name: &str) -> Option<u32> {
     name.strip_prefix("rank-")?.parse().ok()
 }
 
+/// The error of a location that holds no run titan-obs can read (a README, a checkpoint, a
+/// run's `obs/` folder): the command line named the wrong thing, so the CLI exits with its
+/// usage code. The message says what was found and what to pass instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotARun(pub String);
+
+impl std::fmt::Display for NotARun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NotARun {}
+
+/// Whether `e` (or an error it wraps) is [`NotARun`].
+pub fn is_not_a_run(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<NotARun>())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

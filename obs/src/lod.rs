@@ -26,7 +26,7 @@ use anyhow::{Context, Result, ensure};
 
 use crate::part_files::PartFile;
 use crate::record::NO_STEP;
-use crate::run::{Columns, PartData};
+use crate::tables::{Columns, PartData};
 
 /// Bucket widths, finest first: 2^30 ns (~1.07 s), 2^33 (~8.6 s), 2^36 (~69 s), 2^39 (~9.2 min).
 pub const LEVEL_SHIFTS: [u32; 4] = [30, 33, 36, 39];
@@ -608,6 +608,17 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDetail> {
     Ok(d)
 }
 
+/// The detail levels embedded in a part footer's key-values (issue 42, see `embedded.rs`):
+/// `Ok(None)` when it has none; `Err` when they are damaged.
+pub fn from_footer(kv: &HashMap<String, String>) -> Result<Option<PartDetail>> {
+    let Some(bytes) = crate::footer::embedded(kv, crate::schema::meta::DETAIL)? else {
+        return Ok(None);
+    };
+    // No context of its own: the TUI shows the message in its title bar, where it must stay
+    // short; callers name the part.
+    decode(&bytes, 0).map(Some)
+}
+
 /// Reads `part`'s detail file: `Ok(None)` when there is none, `Err` (naming the file) when it
 /// is damaged or does not describe the part.
 /// A part without a detail file beside it has its levels in its footer (issue 42); a part
@@ -619,7 +630,7 @@ pub fn read_local(part: &Path, part_len: u64) -> Result<Option<PartDetail>> {
         let Ok(kv) = file.footer_kv() else {
             return Ok(None);
         };
-        return crate::embedded::detail(&kv)
+        return from_footer(&kv)
             .with_context(|| format!("the detail levels in {} are damaged", part.display()));
     };
     decode(&bytes, part_len)
@@ -651,8 +662,9 @@ pub fn open(part: &PartFile) -> Result<Opened> {
     // The footer first (issue 42: one read from the end of the part, one request on an
     // object store); a part written before holds none, and has them beside it.
     let found = match part.footer_kv() {
-        Ok(kv) if kv.contains_key(crate::schema::meta::DETAIL) => crate::embedded::detail(&kv)
-            .with_context(|| format!("{}: levels damaged", part.shown())),
+        Ok(kv) if kv.contains_key(crate::schema::meta::DETAIL) => {
+            from_footer(&kv).with_context(|| format!("{}: levels damaged", part.shown()))
+        }
         _ => part.read_beside("lod").and_then(|b| match b {
             Some(b) => decode(&b, len)
                 .map(Some)
@@ -713,7 +725,7 @@ impl Names {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run::{RecordTable, SharedFields};
+    use crate::tables::{RecordTable, SharedFields};
 
     fn data(spans: &[(u32, u16, i64, i64, &str, u64)]) -> PartData {
         let mut d = PartData::default();

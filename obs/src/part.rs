@@ -1,14 +1,14 @@
-//! Building and writing one Parquet part file: typed rows -> Arrow columns -> zstd Parquet,
-//! written under a temporary name and renamed into place (or uploaded in one PUT), so a reader
-//! never sees half a part. [`PartHeader`] is the one footer type: written into every part's
-//! (and journal's) key-value metadata and parsed back by the reader.
+//! Building and writing one Parquet part file: typed rows -> Arrow columns -> zstd Parquet
+//! whose footer ([`crate::footer`]) also holds the part's summary and detail levels
+//! ([`crate::embedded`]), written under a temporary name and renamed into place (or uploaded in
+//! one PUT), so a reader never sees half a part; a journal is compacted into its part here
+//! ([`compact`]), and [`PartSink`] keeps the rank summary and the node rollup of what it puts.
 
-use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use arrow::array::{
     ArrayRef, DictionaryArray, Float64Builder, Int32Array, Int64Builder, ListBuilder, StringArray,
     StringBuilder, StringDictionaryBuilder, UInt16Builder, UInt32Array, UInt32Builder,
@@ -23,146 +23,12 @@ use parquet::file::properties::WriterProperties;
 
 use object_store::ObjectStoreExt as _;
 
+use crate::footer::{CompactedDamage, Footer, PartHeader};
+use crate::journal::JournalContents;
 use crate::location::{
     Location, parse_journal_file_name, part_file_name, rank_dir, spool_rank_dir,
 };
-use crate::schema::{Kind, PipelineSlot, Reduce, SCHEMA_VERSION, arrow_schema, meta};
-
-/// Who wrote a part: constant columns plus footer metadata.
-#[derive(Debug, Clone, Default)]
-pub struct PartHeader {
-    pub run_id: String,
-    pub source: String,
-    pub host: String,
-    pub rank: u32,
-    pub local_rank: u32,
-    pub world_size: u32,
-    pub pid: u32,
-    /// Add to this rank's start_ns to get rank 0's clock.
-    pub clock_offset_ns: i64,
-    pub threads: BTreeMap<u32, String>,
-    /// Free-form run metadata (JSON object), e.g. the config the run was started with.
-    pub run_metadata: serde_json::Map<String, serde_json::Value>,
-}
-
-impl PartHeader {
-    /// The footer as Parquet key-value metadata (also the journal's schema metadata).
-    pub fn key_values(&self, part: u64) -> Vec<KeyValue> {
-        let threads: serde_json::Map<String, serde_json::Value> = self
-            .threads
-            .iter()
-            .map(|(k, v)| (k.to_string(), serde_json::Value::String(v.clone())))
-            .collect();
-        [
-            (meta::SCHEMA_VERSION, SCHEMA_VERSION.to_string()),
-            (meta::RUN_ID, self.run_id.clone()),
-            (meta::SOURCE, self.source.clone()),
-            (meta::HOST, self.host.clone()),
-            (meta::RANK, self.rank.to_string()),
-            (meta::LOCAL_RANK, self.local_rank.to_string()),
-            (meta::WORLD_SIZE, self.world_size.to_string()),
-            (meta::PID, self.pid.to_string()),
-            (meta::PART, part.to_string()),
-            (meta::CLOCK_OFFSET_NS, self.clock_offset_ns.to_string()),
-            (
-                meta::THREADS,
-                serde_json::Value::Object(threads).to_string(),
-            ),
-            (
-                meta::RUN_METADATA,
-                serde_json::Value::Object(self.run_metadata.clone()).to_string(),
-            ),
-        ]
-        .into_iter()
-        .map(|(k, v)| KeyValue::new(k.to_string(), v))
-        .collect()
-    }
-}
-
-/// A damaged range of the journal a part was compacted from, recorded in the part's footer
-/// (`titan.damage`): its records are not in the part.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct CompactedDamage {
-    pub offset: u64,
-    pub bytes: u64,
-    pub lost: String,
-    pub error: String,
-}
-
-/// A footer parsed from key-value metadata: who wrote the records and which part they are.
-#[derive(Debug, Clone)]
-pub struct Footer {
-    pub header: PartHeader,
-    /// `titan.part`, when present.
-    pub part: Option<u64>,
-    /// Journal damage dropped at compaction (`titan.damage`; empty when absent).
-    pub damage: Vec<CompactedDamage>,
-}
-
-impl Footer {
-    /// Parses a part footer (or journal schema metadata). Required: rank, run id, source and
-    /// world size; the rest default when absent or unreadable (older writers).
-    pub fn parse(kv: &HashMap<String, String>) -> Result<Footer> {
-        fn required<'a>(kv: &'a HashMap<String, String>, key: &str) -> Result<&'a str> {
-            kv.get(key).map(String::as_str).with_context(|| {
-                format!("footer metadata key `{key}` is missing (not a titan part?)")
-            })
-        }
-        fn number<T: std::str::FromStr>(kv: &HashMap<String, String>, key: &str) -> Result<T> {
-            required(kv, key)?
-                .parse()
-                .map_err(|_| anyhow::anyhow!("footer `{key}` is not a number"))
-        }
-        fn optional<T: std::str::FromStr + Default>(kv: &HashMap<String, String>, key: &str) -> T {
-            kv.get(key).and_then(|v| v.parse().ok()).unwrap_or_default()
-        }
-        if let Some(v) = kv.get(meta::SCHEMA_VERSION)
-            && v.parse::<u32>().is_ok_and(|v| v > SCHEMA_VERSION)
-        {
-            bail!("schema version {v} is newer than this titan-obs reads ({SCHEMA_VERSION})");
-        }
-        let header = PartHeader {
-            run_id: required(kv, meta::RUN_ID)?.to_string(),
-            source: required(kv, meta::SOURCE)?.to_string(),
-            host: kv.get(meta::HOST).cloned().unwrap_or_default(),
-            rank: number(kv, meta::RANK)?,
-            local_rank: optional(kv, meta::LOCAL_RANK),
-            world_size: number(kv, meta::WORLD_SIZE)?,
-            pid: optional(kv, meta::PID),
-            clock_offset_ns: optional(kv, meta::CLOCK_OFFSET_NS),
-            threads: kv
-                .get(meta::THREADS)
-                .and_then(|v| serde_json::from_str::<BTreeMap<String, String>>(v).ok())
-                .map(|m| {
-                    m.into_iter()
-                        .filter_map(|(k, v)| Some((k.parse().ok()?, v)))
-                        .collect()
-                })
-                .unwrap_or_default(),
-            run_metadata: kv
-                .get(meta::RUN_METADATA)
-                .and_then(|v| serde_json::from_str(v).ok())
-                .unwrap_or_default(),
-        };
-        let damage = match kv.get(meta::DAMAGE) {
-            None => Vec::new(),
-            Some(v) => serde_json::from_str(v).unwrap_or_else(|e| {
-                // The record of the damage is itself unreadable: still name it.
-                vec![CompactedDamage {
-                    offset: 0,
-                    bytes: 0,
-                    lost: "unknown (the footer's record of it is unreadable)".into(),
-                    error: format!("`{}` does not parse: {e}", meta::DAMAGE),
-                }]
-            }),
-        };
-        Ok(Footer {
-            header,
-            part: kv.get(meta::PART).and_then(|v| v.parse().ok()),
-            damage,
-        })
-    }
-}
+use crate::schema::{Kind, PipelineSlot, Reduce, arrow_schema, meta};
 
 /// One row, borrowed: what the recorder and the synthetic generator both produce.
 #[derive(Debug, Clone, Copy)]
@@ -448,6 +314,27 @@ pub fn encode_batches_noting(
     Ok(out)
 }
 
+/// Compacts a journal's batches into one Parquet part (same schema and footer as parts
+/// written directly); thread names come from the records themselves. Damaged ranges that
+/// were skipped are recorded in the part's footer.
+pub fn compact(contents: &JournalContents, index: u64) -> Result<Vec<u8>> {
+    let mut header = contents.footer.header.clone();
+    for batch in &contents.batches {
+        crate::journal::thread_names(batch, &mut header.threads);
+    }
+    let damage: Vec<CompactedDamage> = contents
+        .damage
+        .iter()
+        .map(|d| CompactedDamage {
+            offset: d.offset,
+            bytes: d.bytes,
+            lost: d.lost.clone(),
+            error: d.reason.clone(),
+        })
+        .collect();
+    encode_batches_noting(&contents.batches, &header, index, &damage)
+}
+
 /// Writes encoded parts of one rank to the run location, and knows where its journal lives.
 pub struct PartSink {
     location: Location,
@@ -667,7 +554,7 @@ impl PartSink {
         let bytes = bytes::Bytes::from(bytes);
         let at = self.put_part(index, bytes.clone())?;
         let embedded =
-            crate::embedded::key_values_of(&bytes).and_then(|kv| crate::embedded::summary(&kv));
+            crate::footer::key_values_of(&bytes).and_then(|kv| crate::digest::from_footer(&kv));
         if let Ok(Some(digest)) = embedded {
             if let Err(e) = self.update_rank_summary(index, bytes.len() as u64, digest) {
                 tracing::warn!("no rank summary written for {at}: {e:#}");

@@ -13,8 +13,8 @@ use bytes::Bytes;
 use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
+use crate::footer::Footer;
 use crate::location::{Location, parse_part_file_name, parse_rank_dir_name};
-use crate::part::Footer;
 
 /// Where a part file is.
 #[derive(Clone)]
@@ -156,27 +156,14 @@ impl PartFile {
             .with_context(|| format!("reading the footer of {}", self.shown()))
     }
 
-    /// The part's summary embedded in its footer ([`crate::embedded`]): `Ok(None)` when it
-    /// has none; `Err` naming the part when it is damaged. Reads only the end of the file.
-    pub fn embedded_summary(&self) -> Result<Option<crate::digest::PartDigest>> {
-        crate::embedded::summary(&self.footer_kv()?)
-            .with_context(|| format!("{}: its summary is damaged", self.shown()))
-    }
-
-    /// The part's detail levels embedded in its footer, as [`Self::embedded_summary`].
-    pub fn embedded_detail(&self) -> Result<Option<crate::lod::PartDetail>> {
-        crate::embedded::detail(&self.footer_kv()?)
-            .with_context(|| format!("{}: its detail levels are damaged", self.shown()))
-    }
-
     /// The key-value metadata of the part's footer, reading only the end of the file.
     pub fn footer_kv(&self) -> Result<std::collections::HashMap<String, String>> {
-        use crate::embedded::{FOOTER_READ, Tail};
+        use crate::footer::{FOOTER_READ, Tail};
         let len = self.byte_len()?;
         let mut want = len.min(FOOTER_READ);
         loop {
             let tail = self.read_range(len - want..len)?;
-            match crate::embedded::parse_tail(&tail, len)
+            match crate::footer::parse_tail(&tail, len)
                 .with_context(|| format!("{}: invalid Parquet footer", self.shown()))?
             {
                 Tail::Footer(kv) => return Ok(kv),
@@ -336,7 +323,7 @@ pub fn keep_run(
     let wanted = match id {
         Some(id) if seen.iter().any(|s| s == id) => id.to_string(),
         Some(id) => {
-            return Err(crate::ingest::NotARun(format!(
+            return Err(crate::location::NotARun(format!(
                 "{run} holds no run `{id}`; its runs: {}",
                 if seen.is_empty() {
                     "none".to_string()
@@ -375,7 +362,8 @@ pub fn keep_run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+    use crate::footer::PartHeader;
+    use crate::part::{PartBuilder, PartSink, Row, encode};
 
     /// A part whose footer is larger than the first read from its end (a big run config in
     /// its metadata): the footer is still read whole, from the end only.
@@ -409,8 +397,9 @@ mod tests {
         assert_eq!(footer.header.run_id, "big-footer");
         assert_eq!(footer.header.run_metadata["config"], config.as_str());
         // Its summary and detail levels are in that footer, none beside it (issue 42).
-        assert!(part.embedded_summary().unwrap().is_some());
-        assert!(part.embedded_detail().unwrap().is_some());
+        let kv = part.footer_kv().unwrap();
+        assert!(crate::digest::from_footer(&kv).unwrap().is_some());
+        assert!(crate::lod::from_footer(&kv).unwrap().is_some());
         assert!(part.read_beside("lod").unwrap().is_none());
         assert!(part.read_beside("summary").unwrap().is_none());
     }

@@ -15,6 +15,7 @@ use anyhow::Result;
 pub use crate::decode::read_part;
 pub use crate::incremental::{PartsReader, ReadCounters, load_parts};
 pub use crate::run::*;
+pub use crate::tables::*;
 
 /// Loads a run in any format titan-obs reads: titan parts, torchtitan structured logs or
 /// Chrome traces, local or on an object store (detected by [`crate::ingest::detect`]).

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::clock::{EpochAnchor, monotonic_ns};
-use crate::journal::{JournalWriter, compact, read_journal};
+use crate::footer::PartHeader;
+use crate::journal::{JournalWriter, read_journal};
 use crate::location::Location;
-use crate::part::{PartBuilder, PartHeader, PartSink, Row};
+use crate::part::{PartBuilder, PartSink, Row, compact};
 use crate::record::{NO_STEP, RawRecord};
 use crate::ring::Ring;
 use crate::schema::{Kind, PipelineSlot, Reduce, Source};

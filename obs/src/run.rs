@@ -1,84 +1,20 @@
-//! The in-memory model of a loaded run, whatever its format: typed columnar tables ([`Spans`],
-//! [`Instants`], [`Scalars`], [`Errors`]) with names and tags interned into run-wide
-//! dictionaries, per-rank [`RankInfo`], the [`LoadReport`] of what could not be read, and the
-//! [`Merger`] every reader appends decoded [`PartData`] through. Public as `titan_obs_core::read::*`.
+//! The in-memory model of a loaded run, whatever its format: the record tables of
+//! [`crate::tables`] with names and tags interned into run-wide dictionaries, the run's
+//! merged part summaries when read as summaries, the runs its location holds
+//! ([`crate::runs`]), the [`LoadReport`] of what could not be read, and the [`Merger`] every
+//! reader appends decoded parts ([`PartRead`]) through, keeping each run id's records apart.
+//! Public as `titan_obs_core::read::*`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::part::PartHeader;
-use crate::schema::{PipelineSlot, Reduce};
-
-/// Index into [`Run::names`].
-pub type NameId = u32;
-
-/// A set of step tags: bit i = [`Run::tags`]`[i]`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct TagSet(pub u64);
-
-impl TagSet {
-    pub fn contains(self, tag: u32) -> bool {
-        tag < 64 && self.0 & (1 << tag) != 0
-    }
-    pub fn is_empty(self) -> bool {
-        self.0 == 0
-    }
-    pub fn iter(self) -> impl Iterator<Item = u32> {
-        (0..64u32).filter(move |i| self.0 & (1 << i) != 0)
-    }
-}
-
-/// Which optional columns to decode. Rank, kind, name, step, duration and value are always read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Columns {
-    /// `start_ns` (needed for timelines and exports).
-    pub start: bool,
-    /// `thread`.
-    pub thread: bool,
-    /// `depth`.
-    pub depth: bool,
-    /// `seq`, `parent` (the exact span tree).
-    pub links: bool,
-    /// `tags` (step tags; needed for checkpoint/validation step costs).
-    pub tags: bool,
-    /// `message` of error records.
-    pub messages: bool,
-    /// `microbatch`, `stage` of pipeline passes (null in files written before they existed).
-    pub pipeline: bool,
-}
-
-impl Columns {
-    pub const ALL: Columns = Columns {
-        start: true,
-        thread: true,
-        depth: true,
-        links: true,
-        tags: true,
-        messages: true,
-        pipeline: true,
-    };
-    /// What `summary` needs: durations per rank/phase/step, depth, thread (a step's time is
-    /// its rank's main thread's) and step tags.
-    pub const SUMMARY: Columns = Columns {
-        start: false,
-        thread: true,
-        depth: true,
-        links: false,
-        tags: true,
-        messages: false,
-        pipeline: true,
-    };
-    /// What `metrics` needs: scalars and step tags.
-    pub const METRICS: Columns = Columns {
-        start: false,
-        thread: false,
-        depth: false,
-        links: false,
-        tags: false,
-        messages: false,
-        pipeline: false,
-    };
-}
+use crate::digest::{PartDigest, RunDigest};
+use crate::location::NotARun;
+use crate::runs::{RunBrief, Runs, Tables, step_range};
+use crate::tables::{
+    Columns, Errors, Instants, NameId, PartData, RankInfo, RecordTable, Scalars, Spans, TagSet,
+    intern,
+};
 
 /// Reading options.
 #[derive(Clone)]
@@ -119,231 +55,6 @@ impl ReadOptions {
             columns,
             ..Default::default()
         }
-    }
-}
-
-/// Span records, one entry per span in every column (columns not asked for stay empty).
-#[derive(Debug, Default, Clone)]
-pub struct Spans {
-    pub rank: Vec<u32>,
-    pub name: Vec<NameId>,
-    /// [`NO_STEP`] when recorded before the first step.
-    pub step: Vec<u64>,
-    pub dur_ns: Vec<i64>,
-    pub start_ns: Vec<i64>,
-    pub thread: Vec<u32>,
-    pub depth: Vec<u16>,
-    pub seq: Vec<u64>,
-    /// Seq of the enclosing span in the same thread; 0 for top-level spans.
-    pub parent: Vec<u64>,
-    /// The pipeline schedule slot of a pipeline pass; `None` for every other span.
-    pub pipeline: Vec<Option<PipelineSlot>>,
-}
-
-impl Spans {
-    /// Grows every column already in use to hold `n` spans in total.
-    pub(crate) fn reserve(&mut self, n: usize) {
-        fn r<T>(v: &mut Vec<T>, n: usize) {
-            if !v.is_empty() {
-                v.reserve_exact(n.saturating_sub(v.len()));
-            }
-        }
-        r(&mut self.rank, n);
-        r(&mut self.name, n);
-        r(&mut self.step, n);
-        r(&mut self.dur_ns, n);
-        r(&mut self.start_ns, n);
-        r(&mut self.thread, n);
-        r(&mut self.depth, n);
-        r(&mut self.seq, n);
-        r(&mut self.parent, n);
-        r(&mut self.pipeline, n);
-    }
-
-    pub fn len(&self) -> usize {
-        self.rank.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.rank.is_empty()
-    }
-}
-
-/// Instant (point event) records.
-#[derive(Debug, Default, Clone)]
-pub struct Instants {
-    pub rank: Vec<u32>,
-    pub name: Vec<NameId>,
-    pub step: Vec<u64>,
-    pub start_ns: Vec<i64>,
-    pub thread: Vec<u32>,
-    pub depth: Vec<u16>,
-    pub parent: Vec<u64>,
-}
-
-/// Scalar records.
-#[derive(Debug, Default, Clone)]
-pub struct Scalars {
-    pub rank: Vec<u32>,
-    pub name: Vec<NameId>,
-    pub step: Vec<u64>,
-    pub value: Vec<f64>,
-    pub reduce: Vec<Reduce>,
-    pub start_ns: Vec<i64>,
-}
-
-/// Error records.
-#[derive(Debug, Default, Clone)]
-pub struct Errors {
-    pub rank: Vec<u32>,
-    pub name: Vec<NameId>,
-    pub step: Vec<u64>,
-    pub start_ns: Vec<i64>,
-    pub thread: Vec<u32>,
-    pub parent: Vec<u64>,
-    pub message: Vec<String>,
-}
-
-/// The columns the four record tables share, for one record: who recorded it, what, in which
-/// step, when, on which thread, how deep and under which span (its seq; 0: none). A table
-/// without one of them ([`Scalars`]: thread, depth, parent; [`Errors`]: depth) leaves it out.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SharedFields {
-    pub rank: u32,
-    pub name: NameId,
-    pub step: u64,
-    pub start_ns: i64,
-    pub thread: u32,
-    pub depth: u16,
-    pub parent: u64,
-}
-
-/// One table's shared columns, to append to (`None`: the table has no such column).
-pub(crate) struct SharedColumns<'a> {
-    pub rank: &'a mut Vec<u32>,
-    pub name: &'a mut Vec<NameId>,
-    pub step: &'a mut Vec<u64>,
-    pub start_ns: &'a mut Vec<i64>,
-    pub thread: Option<&'a mut Vec<u32>>,
-    pub depth: Option<&'a mut Vec<u16>>,
-    pub parent: Option<&'a mut Vec<u64>>,
-}
-
-impl SharedColumns<'_> {
-    /// Moves `from`'s shared columns onto the ends of these (a table of the same kind), names
-    /// through `name_map` (part-local to run-wide ids), start times shifted by `offset_ns`.
-    pub(crate) fn append(self, from: SharedColumns, name_map: &[u32], offset_ns: i64) {
-        self.rank.append(from.rank);
-        self.name
-            .extend(from.name.drain(..).map(|i| name_map[i as usize]));
-        self.step.append(from.step);
-        if offset_ns == 0 {
-            self.start_ns.append(from.start_ns);
-        } else {
-            self.start_ns
-                .extend(from.start_ns.drain(..).map(|t| t + offset_ns));
-        }
-        if let (Some(to), Some(from)) = (self.thread, from.thread) {
-            to.append(from);
-        }
-        if let (Some(to), Some(from)) = (self.depth, from.depth) {
-            to.append(from);
-        }
-        if let (Some(to), Some(from)) = (self.parent, from.parent) {
-            to.append(from);
-        }
-    }
-
-    /// Appends a record's shared fields to every shared column the table has.
-    pub(crate) fn push(self, r: SharedFields) {
-        self.rank.push(r.rank);
-        self.name.push(r.name);
-        self.step.push(r.step);
-        self.start_ns.push(r.start_ns);
-        if let Some(c) = self.thread {
-            c.push(r.thread);
-        }
-        if let Some(c) = self.depth {
-            c.push(r.depth);
-        }
-        if let Some(c) = self.parent {
-            c.push(r.parent);
-        }
-    }
-}
-
-/// A record table: its shared columns, to append to or to read one record's.
-pub(crate) trait RecordTable {
-    fn shared_columns(&mut self) -> SharedColumns<'_>;
-    /// Record `i`'s shared fields (0 for columns not read or not in the table).
-    fn shared_at(&self, i: usize) -> SharedFields;
-}
-
-/// Implements [`RecordTable`] for a table with the named optional columns.
-macro_rules! record_table {
-    ($table:ty, thread: $thread:tt, depth: $depth:tt, parent: $parent:tt) => {
-        impl RecordTable for $table {
-            fn shared_columns(&mut self) -> SharedColumns<'_> {
-                SharedColumns {
-                    rank: &mut self.rank,
-                    name: &mut self.name,
-                    step: &mut self.step,
-                    start_ns: &mut self.start_ns,
-                    thread: record_table!(@mut self, thread, $thread),
-                    depth: record_table!(@mut self, depth, $depth),
-                    parent: record_table!(@mut self, parent, $parent),
-                }
-            }
-
-            fn shared_at(&self, i: usize) -> SharedFields {
-                SharedFields {
-                    rank: self.rank[i],
-                    name: self.name[i],
-                    step: self.step[i],
-                    start_ns: self.start_ns.get(i).copied().unwrap_or(0),
-                    thread: record_table!(@at self, thread, $thread, i),
-                    depth: record_table!(@at self, depth, $depth, i),
-                    parent: record_table!(@at self, parent, $parent, i),
-                }
-            }
-        }
-    };
-    (@mut $s:ident, $col:ident, true) => {
-        Some(&mut $s.$col)
-    };
-    (@mut $s:ident, $col:ident, false) => {
-        None
-    };
-    (@at $s:ident, $col:ident, true, $i:ident) => {
-        $s.$col.get($i).copied().unwrap_or(0)
-    };
-    (@at $s:ident, $col:ident, false, $i:ident) => {
-        0
-    };
-}
-
-record_table!(Spans, thread: true, depth: true, parent: true);
-record_table!(Instants, thread: true, depth: true, parent: true);
-record_table!(Scalars, thread: false, depth: false, parent: false);
-record_table!(Errors, thread: true, depth: false, parent: true);
-
-/// Who a rank was, from its parts' footers: the footer's header (its fields read through
-/// `Deref`: `info.run_id`), and how many of its parts were read.
-#[derive(Debug, Clone, Default)]
-pub struct RankInfo {
-    pub header: PartHeader,
-    pub parts: usize,
-}
-
-impl std::ops::Deref for RankInfo {
-    type Target = PartHeader;
-    fn deref(&self) -> &PartHeader {
-        &self.header
-    }
-}
-
-impl std::ops::DerefMut for RankInfo {
-    fn deref_mut(&mut self) -> &mut PartHeader {
-        &mut self.header
     }
 }
 
@@ -495,9 +206,9 @@ pub struct Run {
     pub step_tags: BTreeMap<(u32, u64), TagSet>,
     pub report: LoadReport,
     /// The parts' summaries merged, when read with [`ReadOptions::digests`].
-    pub digest: Option<crate::digest::RunDigest>,
+    pub digest: Option<RunDigest>,
     /// The runs the location holds: the tables above hold one of them (see [`crate::runs`]).
-    pub runs: crate::runs::Runs,
+    pub runs: Runs,
 }
 
 impl Run {
@@ -533,24 +244,29 @@ impl Run {
     }
 }
 
-/// One decoded part (or a slice of another format's file) with part-local name/tag ids:
-/// what [`Merger`] appends to a [`Run`].
+/// A part as the reader merges it: its records, or, read with [`ReadOptions::digests`], its
+/// summary (the tables then hold none).
 #[derive(Default)]
-pub(crate) struct PartData {
-    pub(crate) info: RankInfo,
-    pub(crate) rows: usize,
-    pub(crate) names: Vec<String>,
-    pub(crate) tags: Vec<String>,
-    pub(crate) spans: Spans,
-    pub(crate) instants: Instants,
-    pub(crate) scalars: Scalars,
-    pub(crate) errors: Errors,
-    /// Step -> bit mask over `tags`.
-    pub(crate) step_tags: HashMap<u64, u64>,
-    /// Damage the file records about itself (a part's journal ranges dropped at compaction).
-    pub(crate) damage: Vec<crate::part::CompactedDamage>,
-    /// Read with [`ReadOptions::digests`]: the part's summary (the tables stay empty).
-    pub(crate) digest: Option<Box<crate::digest::PartDigest>>,
+pub(crate) struct PartRead {
+    pub(crate) data: PartData,
+    pub(crate) digest: Option<Box<PartDigest>>,
+}
+
+impl From<PartData> for PartRead {
+    fn from(data: PartData) -> Self {
+        PartRead { data, digest: None }
+    }
+}
+
+impl From<PartDigest> for PartRead {
+    /// The summary with what the reader merges besides it (rank info, damage, step tags,
+    /// dictionaries).
+    fn from(digest: PartDigest) -> Self {
+        PartRead {
+            data: digest.part_data(),
+            digest: Some(Box::new(digest)),
+        }
+    }
 }
 
 /// Run-wide interning of names and tags while parts are appended.
@@ -562,34 +278,27 @@ pub(crate) struct Merger {
     tag_ids: HashMap<String, u32>,
 }
 
-/// Id of `v` in `values`, appending it when new.
-pub(crate) fn intern(values: &mut Vec<String>, ids: &mut HashMap<String, u32>, v: &str) -> u32 {
-    if let Some(&id) = ids.get(v) {
-        return id;
-    }
-    let id = values.len() as u32;
-    values.push(v.to_string());
-    ids.insert(v.to_string(), id);
-    id
-}
-
 impl Merger {
     /// Copies the run-wide dictionaries into `run` (after the last merge).
     pub(crate) fn publish(&self, run: &mut Run) {
         run.names.clone_from(&self.names);
         run.tags.clone_from(&self.tags);
-        crate::runs::settle(run);
+        settle(run);
     }
 
     /// Appends `part` to the tables of its run (a location may hold several).
-    pub(crate) fn merge(&mut self, run: &mut Run, part: PartData, align: bool) {
-        let (rank, run_id) = (part.info.rank, part.info.run_id.clone());
-        crate::runs::merge_into_its_run(run, rank, &run_id, |run| {
+    pub(crate) fn merge(&mut self, run: &mut Run, part: PartRead, align: bool) {
+        let (rank, run_id) = (part.data.info.rank, part.data.info.run_id.clone());
+        merge_into_its_run(run, rank, &run_id, |run| {
             self.merge_tables(run, part, align)
         });
     }
 
-    fn merge_tables(&mut self, run: &mut Run, mut part: PartData, align: bool) {
+    fn merge_tables(&mut self, run: &mut Run, part: PartRead, align: bool) {
+        let PartRead {
+            data: mut part,
+            digest,
+        } = part;
         let name_map: Vec<u32> = part
             .names
             .iter()
@@ -602,7 +311,7 @@ impl Merger {
             .collect();
         let offset = if align { part.info.clock_offset_ns } else { 0 };
         let rank = part.info.rank;
-        if let Some(d) = &part.digest {
+        if let Some(d) = &digest {
             run.digest
                 .get_or_insert_with(Default::default)
                 .merge(d, &name_map, offset);
@@ -649,5 +358,155 @@ impl Merger {
                 run.ranks.insert(rank, part.info);
             }
         }
+    }
+}
+
+/// Exchanges the record tables of `run` with `t`.
+fn swap_tables(run: &mut Run, t: &mut Tables) {
+    std::mem::swap(&mut run.spans, &mut t.spans);
+    std::mem::swap(&mut run.instants, &mut t.instants);
+    std::mem::swap(&mut run.scalars, &mut t.scalars);
+    std::mem::swap(&mut run.errors, &mut t.errors);
+    std::mem::swap(&mut run.ranks, &mut t.ranks);
+    std::mem::swap(&mut run.step_tags, &mut t.step_tags);
+    std::mem::swap(&mut run.digest, &mut t.digest);
+}
+
+/// Merges one part's records through `merge` into the tables of the part's run: the shown
+/// tables when it is the shown run, else that run's set-aside tables (swapped in and out).
+pub(crate) fn merge_into_its_run(
+    run: &mut Run,
+    rank: u32,
+    run_id: &str,
+    merge: impl FnOnce(&mut Run),
+) {
+    let runs = &mut run.runs;
+    if !runs.ids.iter().any(|id| id == run_id) {
+        runs.ids.push(run_id.to_string());
+    }
+    match &runs.latest {
+        Some((lowest, _)) if rank > *lowest => {}
+        _ => runs.latest = Some((rank, run_id.to_string())),
+    }
+    let current = runs.current.get_or_insert_with(|| run_id.to_string());
+    if current == run_id {
+        merge(run);
+        return;
+    }
+    let mut t = runs.others.remove(run_id).unwrap_or_default();
+    swap_tables(run, &mut t);
+    merge(run);
+    swap_tables(run, &mut t);
+    run.runs.others.insert(run_id.to_string(), t);
+}
+
+/// Shows `id` in the tables of `run` (the others are set aside).
+fn show(run: &mut Run, id: &str) {
+    let Some(current) = run.runs.current.clone() else {
+        return;
+    };
+    if current == id {
+        return;
+    }
+    let Some(mut t) = run.runs.others.remove(id) else {
+        return;
+    };
+    swap_tables(run, &mut t);
+    run.runs.others.insert(current, t);
+    run.runs.current = Some(id.to_string());
+}
+
+/// Makes the report's world size and missing ranks the shown run's (a reader counts every
+/// run's ranks).
+fn fit_report(run: &mut Run) {
+    let present: BTreeSet<u32> = run.ranks.keys().copied().collect();
+    let world = run
+        .ranks
+        .values()
+        .map(|i| i.world_size)
+        .chain(present.last().map(|r| r + 1))
+        .max()
+        .unwrap_or(0);
+    run.report.world_size = world;
+    run.report.missing_ranks = (0..world).filter(|r| !present.contains(r)).collect();
+}
+
+/// After a read: shows the selected run, else the newest.
+pub(crate) fn settle(run: &mut Run) {
+    if !run.runs.several() {
+        return;
+    }
+    let wanted = run
+        .runs
+        .pinned
+        .clone()
+        .or_else(|| run.runs.newest().map(str::to_string));
+    if let Some(id) = wanted {
+        show(run, &id);
+    }
+    fit_report(run);
+}
+
+impl Run {
+    /// Shows the run `id` of this location (and keeps showing it after refreshes). Fails,
+    /// naming the runs there are, when the location holds no run `id`.
+    pub fn select_run(&mut self, id: &str) -> anyhow::Result<()> {
+        if !self.runs.ids.iter().any(|r| r == id) {
+            let known: Vec<&str> = self.runs.ids.iter().map(String::as_str).collect();
+            return Err(NotARun(format!(
+                "{} holds no run `{id}`; its runs (oldest first): {}",
+                self.location,
+                if known.is_empty() {
+                    "none".to_string()
+                } else {
+                    known.join(", ")
+                }
+            ))
+            .into());
+        }
+        self.runs.pinned = Some(id.to_string());
+        show(self, id);
+        if self.runs.several() {
+            fit_report(self);
+        }
+        Ok(())
+    }
+
+    /// When the location holds several runs, which one is shown and which others there are:
+    /// `RUN holds 2 runs; showing B (steps 1-3), the newest; the other: A (steps 1-5)`.
+    pub fn runs_note(&self) -> Option<String> {
+        if !self.runs.several() {
+            return None;
+        }
+        let shown = self.shown_run()?;
+        let others: Vec<String> = self.runs.others().iter().map(RunBrief::describe).collect();
+        Some(format!(
+            "{} holds {} runs; showing {}{}; the other{}: {}",
+            self.location,
+            self.runs.ids.len(),
+            shown.describe(),
+            if self.runs.pinned.is_some() {
+                ""
+            } else {
+                ", the newest"
+            },
+            if others.len() == 1 { "" } else { "s" },
+            others.join(", ")
+        ))
+    }
+
+    /// The location's other runs (not shown), oldest first.
+    pub fn other_runs(&self) -> Vec<RunBrief> {
+        self.runs.others()
+    }
+
+    /// The run the tables hold, for messages.
+    pub fn shown_run(&self) -> Option<RunBrief> {
+        let id = self.runs.current()?;
+        Some(RunBrief {
+            id: id.to_string(),
+            ranks: self.ranks.len(),
+            steps: step_range(&self.spans.step, &self.scalars.step),
+        })
     }
 }

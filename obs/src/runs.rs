@@ -2,17 +2,19 @@
 //! footer carries (`titan.run_id`) and titan-train also writes into every `metrics.jsonl` line.
 //! A folder can hold several runs (a second launch in the same dump folder, without a
 //! checkpoint to resume from). The one rule, for every reader and writer: records of different
-//! run ids are never mixed. A loaded [`Run`]'s tables hold one run, the newest unless
-//! [`Run::select_run`] picks another, and [`Run::runs`] names them all.
+//! run ids are never mixed. A loaded [`Run`](crate::Run)'s tables hold one run, the newest
+//! unless [`Run::select_run`](crate::Run::select_run) picks another, and [`Runs`] names them
+//! all. This module holds the run ids and that bookkeeping; `run.rs` merges each part into
+//! the tables of its run and selects the run shown.
 //!
 //! Newest means the run whose records the lowest rank wrote last: a rank numbers its parts in
 //! the order it writes them, and every run has a rank 0.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 
-use crate::ingest::NotARun;
+use crate::digest::RunDigest;
 use crate::record::NO_STEP;
-use crate::run::{Errors, Instants, RankInfo, Run, Scalars, Spans, TagSet};
+use crate::tables::{Errors, Instants, RankInfo, Scalars, Spans, TagSet};
 
 /// A fresh run id: the start time in UTC and 16 bits of entropy (`20261125-154958-3fa2`), so
 /// ids sort by start and two launches in the same second still differ.
@@ -60,28 +62,17 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
-/// The record tables of one run (the fields of [`Run`] that hold records).
+/// The record tables of one run (the fields of a loaded `Run` that hold records).
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Tables {
-    spans: Spans,
-    instants: Instants,
-    scalars: Scalars,
-    errors: Errors,
-    ranks: BTreeMap<u32, RankInfo>,
-    step_tags: BTreeMap<(u32, u64), TagSet>,
+    pub(crate) spans: Spans,
+    pub(crate) instants: Instants,
+    pub(crate) scalars: Scalars,
+    pub(crate) errors: Errors,
+    pub(crate) ranks: BTreeMap<u32, RankInfo>,
+    pub(crate) step_tags: BTreeMap<(u32, u64), TagSet>,
     /// The run's part summaries, when read as summaries.
-    digest: Option<crate::digest::RunDigest>,
-}
-
-/// Exchanges the record tables of `run` with `t`.
-fn swap_tables(run: &mut Run, t: &mut Tables) {
-    std::mem::swap(&mut run.spans, &mut t.spans);
-    std::mem::swap(&mut run.instants, &mut t.instants);
-    std::mem::swap(&mut run.scalars, &mut t.scalars);
-    std::mem::swap(&mut run.errors, &mut t.errors);
-    std::mem::swap(&mut run.ranks, &mut t.ranks);
-    std::mem::swap(&mut run.step_tags, &mut t.step_tags);
-    std::mem::swap(&mut run.digest, &mut t.digest);
+    pub(crate) digest: Option<RunDigest>,
 }
 
 /// One run of a location, for messages (and `summary --json`).
@@ -110,19 +101,19 @@ impl RunBrief {
     }
 }
 
-/// The runs a location holds and which one a [`Run`]'s tables show.
+/// The runs a location holds and which one a loaded `Run`'s tables show.
 #[derive(Debug, Default, Clone)]
 pub struct Runs {
     /// Every run id found, in the order the lowest rank wrote them (oldest first).
-    ids: Vec<String>,
+    pub(crate) ids: Vec<String>,
     /// The run the tables hold (`None` before the first record).
-    current: Option<String>,
-    /// The run asked for with [`Run::select_run`]; otherwise the newest is shown.
-    pinned: Option<String>,
+    pub(crate) current: Option<String>,
+    /// The run asked for with `Run::select_run`; otherwise the newest is shown.
+    pub(crate) pinned: Option<String>,
     /// The tables of the runs not shown.
-    others: HashMap<String, Tables>,
+    pub(crate) others: HashMap<String, Tables>,
     /// The lowest rank seen and the run of its last merged part: the newest run.
-    latest: Option<(u32, String)>,
+    pub(crate) latest: Option<(u32, String)>,
 }
 
 impl Runs {
@@ -165,7 +156,7 @@ fn brief(id: &str, t: &Tables) -> RunBrief {
 }
 
 /// First and last step of the span and scalar records.
-fn step_range(spans: &[u64], scalars: &[u64]) -> Option<(u64, u64)> {
+pub(crate) fn step_range(spans: &[u64], scalars: &[u64]) -> Option<(u64, u64)> {
     spans
         .iter()
         .chain(scalars)
@@ -175,145 +166,6 @@ fn step_range(spans: &[u64], scalars: &[u64]) -> Option<(u64, u64)> {
             None => Some((s, s)),
             Some((a, b)) => Some((a.min(s), b.max(s))),
         })
-}
-
-/// Merges one part's records through `merge` into the tables of the part's run: the shown
-/// tables when it is the shown run, else that run's set-aside tables (swapped in and out).
-pub(crate) fn merge_into_its_run(
-    run: &mut Run,
-    rank: u32,
-    run_id: &str,
-    merge: impl FnOnce(&mut Run),
-) {
-    let runs = &mut run.runs;
-    if !runs.ids.iter().any(|id| id == run_id) {
-        runs.ids.push(run_id.to_string());
-    }
-    match &runs.latest {
-        Some((lowest, _)) if rank > *lowest => {}
-        _ => runs.latest = Some((rank, run_id.to_string())),
-    }
-    let current = runs.current.get_or_insert_with(|| run_id.to_string());
-    if current == run_id {
-        merge(run);
-        return;
-    }
-    let mut t = runs.others.remove(run_id).unwrap_or_default();
-    swap_tables(run, &mut t);
-    merge(run);
-    swap_tables(run, &mut t);
-    run.runs.others.insert(run_id.to_string(), t);
-}
-
-/// Shows `id` in the tables of `run` (the others are set aside).
-fn show(run: &mut Run, id: &str) {
-    let Some(current) = run.runs.current.clone() else {
-        return;
-    };
-    if current == id {
-        return;
-    }
-    let Some(mut t) = run.runs.others.remove(id) else {
-        return;
-    };
-    swap_tables(run, &mut t);
-    run.runs.others.insert(current, t);
-    run.runs.current = Some(id.to_string());
-}
-
-/// Makes the report's world size and missing ranks the shown run's (a reader counts every
-/// run's ranks).
-fn fit_report(run: &mut Run) {
-    let present: BTreeSet<u32> = run.ranks.keys().copied().collect();
-    let world = run
-        .ranks
-        .values()
-        .map(|i| i.world_size)
-        .chain(present.last().map(|r| r + 1))
-        .max()
-        .unwrap_or(0);
-    run.report.world_size = world;
-    run.report.missing_ranks = (0..world).filter(|r| !present.contains(r)).collect();
-}
-
-/// After a read: shows the selected run, else the newest.
-pub(crate) fn settle(run: &mut Run) {
-    if !run.runs.several() {
-        return;
-    }
-    let wanted = run
-        .runs
-        .pinned
-        .clone()
-        .or_else(|| run.runs.newest().map(str::to_string));
-    if let Some(id) = wanted {
-        show(run, &id);
-    }
-    fit_report(run);
-}
-
-impl Run {
-    /// Shows the run `id` of this location (and keeps showing it after refreshes). Fails,
-    /// naming the runs there are, when the location holds no run `id`.
-    pub fn select_run(&mut self, id: &str) -> anyhow::Result<()> {
-        if !self.runs.ids.iter().any(|r| r == id) {
-            let known: Vec<&str> = self.runs.ids.iter().map(String::as_str).collect();
-            return Err(NotARun(format!(
-                "{} holds no run `{id}`; its runs (oldest first): {}",
-                self.location,
-                if known.is_empty() {
-                    "none".to_string()
-                } else {
-                    known.join(", ")
-                }
-            ))
-            .into());
-        }
-        self.runs.pinned = Some(id.to_string());
-        show(self, id);
-        if self.runs.several() {
-            fit_report(self);
-        }
-        Ok(())
-    }
-
-    /// When the location holds several runs, which one is shown and which others there are:
-    /// `RUN holds 2 runs; showing B (steps 1-3), the newest; the other: A (steps 1-5)`.
-    pub fn runs_note(&self) -> Option<String> {
-        if !self.runs.several() {
-            return None;
-        }
-        let shown = self.shown_run()?;
-        let others: Vec<String> = self.runs.others().iter().map(RunBrief::describe).collect();
-        Some(format!(
-            "{} holds {} runs; showing {}{}; the other{}: {}",
-            self.location,
-            self.runs.ids.len(),
-            shown.describe(),
-            if self.runs.pinned.is_some() {
-                ""
-            } else {
-                ", the newest"
-            },
-            if others.len() == 1 { "" } else { "s" },
-            others.join(", ")
-        ))
-    }
-
-    /// The location's other runs (not shown), oldest first.
-    pub fn other_runs(&self) -> Vec<RunBrief> {
-        self.runs.others()
-    }
-
-    /// The run the tables hold, for messages.
-    pub fn shown_run(&self) -> Option<RunBrief> {
-        let id = self.runs.current()?;
-        Some(RunBrief {
-            id: id.to_string(),
-            ranks: self.ranks.len(),
-            steps: step_range(&self.spans.step, &self.scalars.step),
-        })
-    }
 }
 
 #[cfg(test)]
@@ -371,7 +223,7 @@ mod tests {
         assert_eq!(loaded.report.world_size, 2);
         assert_eq!(loaded.shown_run().unwrap().steps, Some((1, 4)));
         let err = loaded.select_run("c").unwrap_err();
-        assert!(crate::ingest::is_not_a_run(&err), "{err:#}");
+        assert!(crate::location::is_not_a_run(&err), "{err:#}");
         assert!(format!("{err}").contains("a, b"), "{err}");
     }
 }

@@ -16,8 +16,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::{Context, Result, bail};
 use rayon::prelude::*;
 
+use crate::footer::PartHeader;
 use crate::location::Location;
-use crate::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use crate::part::{PartBuilder, PartSink, Row, encode};
 use crate::schema::{Kind, Reduce};
 use crate::vocab;
 

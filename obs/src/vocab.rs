@@ -199,6 +199,14 @@ pub mod torch_pipelining {
 pub const PROFILER_STEP_PREFIX: &str = "ProfilerStep#";
 pub const PROFILER_STEP: &str = "ProfilerStep";
 
+/// Whether span name `name` is the work of step tag `tag`: the span named like the tag, or
+/// one of its sub-phases `<tag>_...`. titan-train tags a step `checkpoint` and records
+/// `checkpoint_stage`/`checkpoint_save`; torchtitan tags and names both `checkpoint_save`.
+pub(crate) fn is_tag_phase(name: &str, tag: &str) -> bool {
+    name.strip_prefix(tag)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -357,7 +357,7 @@ fn damage_dropped_at_compaction_is_named_by_the_part() {
     // What the next process of the rank does with a journal left behind.
     let contents = titan_obs_core::journal::read_journal(&journal).unwrap();
     assert_eq!(contents.damage.len(), 1);
-    let part = titan_obs_core::journal::compact(&contents, 1).unwrap();
+    let part = titan_obs_core::part::compact(&contents, 1).unwrap();
     std::fs::write(run.join("obs/rank-0/part-000001.parquet"), part).unwrap();
     titan_obs_core::journal::remove(&journal).unwrap();
     let loaded = load(&run).unwrap();

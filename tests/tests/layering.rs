@@ -18,24 +18,6 @@ const KNOWN: &[(&str, &[&str])] = &[
     // The model still builds its own FSDP units, TP regions and float8 linears (issue #34: a
     // model that knows nothing of parallelism, with the plan applying them from above).
     ("titan-train", &["float8", "model", "parallelize"]),
-    // The reader, digests and analyses of titan-obs-core call each other in one circle.
-    (
-        "titan-obs-core",
-        &[
-            "analysis",
-            "decode",
-            "digest",
-            "embedded",
-            "incremental",
-            "ingest",
-            "journal",
-            "lod",
-            "part",
-            "part_files",
-            "run",
-            "runs",
-        ],
-    ),
 ];
 
 /// The crates checked: (name, source folder).

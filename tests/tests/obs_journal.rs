@@ -389,8 +389,9 @@ fn rotation_makes_parts_equal_to_the_journal_and_follow_reads_only_new_data() {
 
 #[test]
 fn follow_counters_match_appended_batches_and_compaction_is_not_double_counted() {
-    use titan_obs_core::journal::{JournalWriter, compact, read_journal};
-    use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+    use titan_obs_core::footer::PartHeader;
+    use titan_obs_core::journal::{JournalWriter, read_journal};
+    use titan_obs_core::part::{PartBuilder, Row, compact};
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let rank_dir = run.join("obs/rank-0");

@@ -81,7 +81,7 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));
-            let code = if titan_obs_core::ingest::is_not_a_run(&e) {
+            let code = if titan_obs_core::location::is_not_a_run(&e) {
                 USAGE
             } else {
                 FAILED

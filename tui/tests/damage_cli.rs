@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use titan_obs_core::footer::PartHeader;
 use titan_obs_core::journal::{JournalWriter, checks_path};
-use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+use titan_obs_core::part::{PartBuilder, Row};
 use titan_obs_core::schema::Kind;
 
 fn titan_obs_core(args: &[&str]) -> Output {

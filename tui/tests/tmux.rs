@@ -651,8 +651,9 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
 
 #[test]
 fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
+    use titan_obs_core::footer::PartHeader;
     use titan_obs_core::journal::JournalWriter;
-    use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+    use titan_obs_core::part::{PartBuilder, Row};
     let dir = tempfile::tempdir().unwrap();
     let run = long_run(dir.path(), 300);
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
@@ -1040,8 +1041,9 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
         s.contains("3000 steps") && s.contains("metrics")
     });
     let journal = |rank: u32, run_id: &str, spans: u64| {
+        use titan_obs_core::footer::PartHeader;
         use titan_obs_core::journal::JournalWriter;
-        use titan_obs_core::part::{PartBuilder, PartHeader, Row};
+        use titan_obs_core::part::{PartBuilder, Row};
         let header = PartHeader {
             run_id: run_id.into(),
             source: "trainer".into(),

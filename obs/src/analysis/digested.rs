@@ -11,16 +11,17 @@
 
 use std::collections::HashMap;
 
-use super::stats::DurationStats;
 use super::summary::{
-    Analysis, Gathered, PhaseStats, Straggler, StragglerOptions, assemble, is_tag_phase,
-    phase_stragglers, union_len,
+    Analysis, Gathered, PhaseStats, Straggler, StragglerOptions, assemble, phase_stragglers,
+    union_len,
 };
 use super::table::RunShape;
 use super::waits::{Arrival, Call, account, match_arrivals};
 use crate::digest::cells::Cells;
 use crate::digest::{RunCollective, RunDigest, sketch_quantile};
-use crate::run::NameId;
+use crate::stats::DurationStats;
+use crate::tables::NameId;
+use crate::vocab::is_tag_phase;
 
 /// [`super::analyse_grouped`] over merged summaries; `names` are the run's names.
 pub fn analyse_digest(

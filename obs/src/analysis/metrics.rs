@@ -4,11 +4,11 @@
 //! `training/loss_mean`: the mean over ranks (and over repeated records of one rank in a step).
 //! Scalars named `validation/...` form separate `validate step:` lines.
 
-use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use serde::Serialize;
 
+use crate::metric_lines::{Acc, Lines, is_validation};
 use crate::record::NO_STEP;
 use crate::run::Run;
 use crate::schema::Reduce;
@@ -20,93 +20,6 @@ pub struct MetricsLine {
     pub validation: bool,
     /// `(name_reduce, value)` in first-recorded order.
     pub values: Vec<(String, f64)>,
-}
-
-/// The values of one (step, name, reduce) cell: what any reduce needs.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Acc {
-    pub sum: f64,
-    pub count: u64,
-    pub min: f64,
-    pub max: f64,
-}
-
-impl Acc {
-    pub(crate) fn add(&mut self, v: f64) {
-        self.merge(&Acc {
-            sum: v,
-            count: 1,
-            min: v,
-            max: v,
-        });
-    }
-    /// Adds another cell's values (a later part's, or a later rank's).
-    pub(crate) fn merge(&mut self, o: &Acc) {
-        if o.count == 0 {
-            return;
-        }
-        if self.count == 0 {
-            *self = *o;
-            return;
-        }
-        self.min = self.min.min(o.min);
-        self.max = self.max.max(o.max);
-        self.sum += o.sum;
-        self.count = self.count.saturating_add(o.count);
-    }
-    fn get(&self, r: Reduce) -> f64 {
-        match r {
-            Reduce::Mean => self.sum / self.count as f64,
-            Reduce::Sum => self.sum,
-            Reduce::Min => self.min,
-            Reduce::Max => self.max,
-        }
-    }
-}
-
-/// Column order (first recorded first) and accumulators of one line.
-type LineAcc = (Vec<(u32, Reduce)>, BTreeMap<(u32, Reduce), Acc>);
-
-/// The metric lines being gathered: from the scalars, or from the per-part summaries' cells
-/// merged in the same (rank, part) order.
-#[derive(Debug, Clone, Default)]
-pub struct Lines(BTreeMap<(u64, bool), LineAcc>);
-
-impl Lines {
-    /// Merges `acc` into (step, name, reduce); `validation`: the name is `validation/...`.
-    pub(crate) fn add(
-        &mut self,
-        step: u64,
-        validation: bool,
-        name: u32,
-        reduce: Reduce,
-        acc: &Acc,
-    ) {
-        let (order, accs) = self.0.entry((step, validation)).or_default();
-        let key = (name, reduce);
-        accs.entry(key)
-            .or_insert_with(|| {
-                order.push(key);
-                Acc::default()
-            })
-            .merge(acc);
-    }
-}
-
-impl Lines {
-    /// Every (step, name id, reduce, reduced value), in step order.
-    pub fn values(&self) -> impl Iterator<Item = (u64, u32, Reduce, f64)> + '_ {
-        self.0.iter().flat_map(|(&(step, _), (order, accs))| {
-            order
-                .iter()
-                .filter_map(move |k| Some((step, k.0, k.1, accs.get(k)?.get(k.1))))
-        })
-    }
-}
-
-/// Whether scalar `name` goes on `validate step:` lines.
-pub(crate) fn is_validation(name: &str) -> bool {
-    name.starts_with("validation/")
 }
 
 /// Aggregates the run's scalars per step (steps without a step number are skipped); a run

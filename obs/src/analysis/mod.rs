@@ -7,7 +7,6 @@ pub mod digested;
 pub mod metrics;
 pub mod pipeline;
 pub mod spread;
-pub mod stats;
 pub mod summary;
 pub mod table;
 pub mod waits;
@@ -16,7 +15,6 @@ pub use chrome::{ChromeStats, write_chrome};
 pub use metrics::{HostSyncs, MetricsLine, format_line, format_value, host_syncs, metrics, to_csv};
 pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary, stage_groups};
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
-pub use stats::DurationStats;
 pub use summary::{
     Analysis, EndedEarly, ErrorRecord, PhaseStats, Straggler, StragglerOptions, Summary,
     TaggedStep, analyse, analyse_grouped, summary,

@@ -19,13 +19,14 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use super::stats::median_f64;
 use crate::digest::merged::RankPipeline;
-use crate::digest::{PhaseDigest, PipelineDigest, PipelineStep, RunDigest};
-use crate::record::NO_STEP;
-use crate::run::{PartData, Run, Spans};
-use crate::schema::PipelineSlot;
-use crate::vocab::{PROFILER_STEP, titan, torch_pipelining};
+use crate::digest::schedule::{
+    MicrobatchBackwards, RankSchedule, Role, add_backward, each_schedule_span,
+};
+use crate::digest::{PhaseDigest, PipelineStep, RunDigest};
+use crate::run::Run;
+use crate::stats::median_f64;
+use crate::vocab::{titan, torch_pipelining};
 
 /// The pipeline of a run, as its records show it.
 #[derive(Debug, Clone, Serialize)]
@@ -77,114 +78,6 @@ pub struct StageBubble {
     pub bubble: f64,
 }
 
-/// What a span is to the pipeline analysis.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    /// The rank's pipeline window (`forward_backward`).
-    Window,
-    /// A profiler step (the window of a PyTorch trace, which has no `forward_backward`).
-    ProfilerStep,
-    /// Waiting to receive from a neighbouring stage.
-    Recv,
-    /// One microbatch's pass: forward, or backward (whole, or a zero-bubble half).
-    Forward,
-    Backward,
-    Other,
-}
-
-/// The roles of a name table's names.
-struct Roles {
-    window: Option<usize>,
-    profiler_step: Option<usize>,
-    recv: Option<usize>,
-    forward: Option<usize>,
-    backwards: Vec<Option<usize>>,
-    /// Per name: a torch compute action, and whether it is a forward.
-    torch_pass: Vec<Option<bool>>,
-    torch_recv: Vec<bool>,
-}
-
-impl Roles {
-    fn of(names: &[String]) -> Roles {
-        let id = |name: &str| names.iter().position(|n| n == name);
-        Roles {
-            window: id(titan::FORWARD_BACKWARD),
-            profiler_step: id(PROFILER_STEP),
-            recv: id(titan::PIPELINE_RECV),
-            forward: id(titan::FORWARD),
-            backwards: titan::PIPELINE_PASSES[1..].iter().map(|n| id(n)).collect(),
-            torch_pass: names
-                .iter()
-                .map(|n| {
-                    torch_pipelining::parse_action(n)
-                        .filter(|(_, c)| torch_pipelining::is_pass(c))
-                        .map(|(_, c)| c == "F")
-                })
-                .collect(),
-            torch_recv: names
-                .iter()
-                .map(|n| {
-                    torch_pipelining::parse_action(n).is_some_and(|(_, c)| c.starts_with("RECV"))
-                })
-                .collect(),
-        }
-    }
-
-    /// The role of a span named `name`; `slotted`: it carries a pipeline slot (receives and
-    /// passes without one are not the schedule's).
-    fn role(&self, name: usize, slotted: bool) -> Role {
-        let n = Some(name);
-        if n == self.window {
-            Role::Window
-        } else if n == self.profiler_step {
-            Role::ProfilerStep
-        } else if !slotted {
-            Role::Other
-        } else if n == self.recv || self.torch_recv.get(name).copied().unwrap_or(false) {
-            Role::Recv
-        } else if n == self.forward || self.torch_pass.get(name) == Some(&Some(true)) {
-            Role::Forward
-        } else if self.backwards.contains(&n) || self.torch_pass.get(name) == Some(&Some(false)) {
-            Role::Backward
-        } else {
-            Role::Other
-        }
-    }
-}
-
-/// One rank's schedule: the stages it ran passes of, its microbatches and per step its
-/// window, passes and receives.
-#[derive(Debug, Clone, Default)]
-pub struct RankSchedule {
-    pub stages: BTreeSet<u16>,
-    /// Largest microbatch + 1.
-    pub microbatches: u32,
-    pub steps: BTreeMap<u64, PipelineStep>,
-}
-
-impl RankSchedule {
-    /// Adds a span of `role` (with its slot, for passes) in `step`.
-    fn add(&mut self, role: Role, step: u64, dur: i64, slot: Option<PipelineSlot>) {
-        let e = self.steps.entry(step).or_insert(PipelineStep {
-            step,
-            ..Default::default()
-        });
-        match role {
-            Role::Window => e.window += dur,
-            Role::ProfilerStep => e.profiler_step += dur,
-            Role::Recv => e.recv += dur,
-            Role::Forward | Role::Backward => {
-                e.busy += dur;
-                if let Some(slot) = slot {
-                    self.stages.insert(slot.stage);
-                    self.microbatches = self.microbatches.max(u32::from(slot.microbatch) + 1);
-                }
-            }
-            Role::Other => {}
-        }
-    }
-}
-
 /// The rank's pipeline window in a step: `forward_backward`, else the profiler step.
 fn window(s: &PipelineStep) -> i64 {
     if s.window > 0 {
@@ -209,32 +102,6 @@ pub fn stage_groups(run: &Run) -> Vec<Vec<u32>> {
     pipeline_summary(run)
         .map(|p| p.stage_groups())
         .unwrap_or_default()
-}
-
-/// Calls `f(i, role, step, slot)` for every span `i` in a step that the pipeline analysis
-/// reads (windows, receives, passes); `None` when no span carries a pipeline slot (not a
-/// pipeline run, or read without the `pipeline` columns).
-fn each_schedule_span(
-    s: &Spans,
-    names: &[String],
-    mut f: impl FnMut(usize, Role, u64, Option<PipelineSlot>),
-) -> Option<()> {
-    if s.pipeline.len() != s.len() || s.pipeline.iter().all(Option::is_none) {
-        return None;
-    }
-    let roles = Roles::of(names);
-    for i in 0..s.len() {
-        let step = s.step[i];
-        if step == NO_STEP {
-            continue;
-        }
-        let slot = s.pipeline[i];
-        let role = roles.role(s.name[i] as usize, slot.is_some());
-        if role != Role::Other {
-            f(i, role, step, slot);
-        }
-    }
-    Some(())
 }
 
 /// The pipeline analysis of a run loaded with the `pipeline` columns; `None` when no span
@@ -272,18 +139,6 @@ pub fn pipeline_summary(run: &Run) -> Option<PipelineSummary> {
     })
 }
 
-/// A microbatch's backward time per (step, stage, microbatch): its backward pass, or its
-/// input and weight passes summed (issue 39: their median mixed 12.9 and 4.6 ms into 7.0).
-type MicrobatchBackwards = BTreeMap<(u64, u16, u16), i64>;
-
-fn add_backward(b: &mut MicrobatchBackwards, step: u64, slot: Option<PipelineSlot>, dur: i64) {
-    let key = slot.map_or((step, u16::MAX, u16::MAX), |s| {
-        (step, s.stage, s.microbatch)
-    });
-    let v = b.entry(key).or_default();
-    *v = v.saturating_add(dur);
-}
-
 /// Whether the run's names hold a split backward's passes (titan's `backward_input` /
 /// `backward_weight`, torch.distributed.pipelining's `I` / `W` actions).
 fn split_backward(names: &[String]) -> bool {
@@ -291,33 +146,6 @@ fn split_backward(names: &[String]) -> bool {
         n == titan::BACKWARD_INPUT
             || n == titan::BACKWARD_WEIGHT
             || torch_pipelining::parse_action(n).is_some_and(|(_, c)| c == "I" || c == "W")
-    })
-}
-
-/// A part's pipeline digest (one rank): `None` when no span of it carries a pipeline slot.
-pub(crate) fn part_pipeline(d: &PartData) -> Option<PipelineDigest> {
-    use crate::analysis::table::StepRole;
-    let mut sched = RankSchedule::default();
-    let (mut forward, mut backward) = (PhaseDigest::default(), PhaseDigest::default());
-    let mut backwards = MicrobatchBackwards::new();
-    each_schedule_span(&d.spans, &d.names, |i, role, step, slot| {
-        let dur = d.spans.dur_ns[i];
-        sched.add(role, step, dur, slot);
-        match role {
-            Role::Forward => forward.add(dur, 0, true, StepRole::Main),
-            Role::Backward => add_backward(&mut backwards, step, slot, dur),
-            _ => {}
-        }
-    })?;
-    for dur in backwards.into_values() {
-        backward.add(dur, 0, true, StepRole::Main);
-    }
-    Some(PipelineDigest {
-        stages: sched.stages.into_iter().collect(),
-        microbatches: sched.microbatches,
-        forward,
-        backward,
-        steps: sched.steps.into_values().collect(),
     })
 }
 

@@ -3,16 +3,16 @@
 
 use std::collections::HashMap;
 
-use super::stats::quantile_in_place;
 use super::table::SpanTable;
-use crate::run::NameId;
+use crate::stats::quantile_in_place;
+use crate::tables::NameId;
 
 /// One phase at one step across ranks; a rank's value is its total time in the phase at that
 /// step (summed over threads and repeats).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Spread {
     pub min: i64,
-    /// Nearest-rank median, like [`super::DurationStats::p50_ns`].
+    /// Nearest-rank median, like [`crate::stats::DurationStats::p50_ns`].
     pub median: i64,
     pub max: i64,
     pub min_rank: u32,

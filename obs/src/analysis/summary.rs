@@ -7,13 +7,15 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::pipeline::{PipelineSummary, pipeline_summary};
-use super::stats::{DurationStats, median_f64};
-use super::table::{RunShape, SpanTable, StepRole, step_roles};
+use super::table::{RunShape, SpanTable};
 use super::waits::{Wait, Waits, collective_waits, durations_without_waits};
 use crate::record::NO_STEP;
-use crate::run::{BadLine, ClockAlignment, Damage, NameId, OpenSpan, Run, RunFormat};
+use crate::roles::{StepRole, step_roles};
+use crate::run::{BadLine, ClockAlignment, Damage, OpenSpan, Run, RunFormat};
 use crate::runs::RunBrief;
-use crate::vocab::titan;
+use crate::stats::{DurationStats, median_f64};
+use crate::tables::NameId;
+use crate::vocab::{is_tag_phase, titan};
 
 /// Straggler detection thresholds.
 #[derive(Debug, Clone, Copy)]
@@ -612,14 +614,6 @@ pub(crate) fn phase_stragglers(
         out.extend(found(&sub, columns));
     }
     out
-}
-
-/// Whether span name `name` is the work of step tag `tag`: the span named like the tag, or
-/// one of its sub-phases `<tag>_...`. titan-train tags a step `checkpoint` and records
-/// `checkpoint_stage`/`checkpoint_save`; torchtitan tags and names both `checkpoint_save`.
-pub(crate) fn is_tag_phase(name: &str, tag: &str) -> bool {
-    name.strip_prefix(tag)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('_'))
 }
 
 /// Per (tagged step, rank): the time that rank spent in its step's tag phases

@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use super::table::SpanTable;
 use crate::record::NO_STEP;
-use crate::run::NameId;
+use crate::tables::NameId;
 use crate::vocab;
 
 /// One row of the "waiting on" table: a rank that arrived last at collectives after a phase.

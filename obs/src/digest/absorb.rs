@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use super::{PartDigest, PipelineDigest};
-use crate::run::NameId;
+use crate::tables::NameId;
 
 /// The latest steps whose last-ended span is kept for the next part (as the run merge does).
 const LAST_ENDED_STEPS: usize = 64;

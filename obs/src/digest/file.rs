@@ -6,6 +6,7 @@
 //! A file that does not check out is an error naming what is wrong (never a panic); one of an
 //! older version is [`Outdated`], which the reader rebuilds from its part like a missing one.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -14,9 +15,9 @@ use sketches_ddsketch::DDSketch;
 use super::{
     CollectiveDigest, PartDigest, PhaseDigest, PipelineDigest, PipelineStep, sketch_config_ok,
 };
-use crate::analysis::metrics::Acc;
-use crate::run::{NameId, RankInfo};
-use crate::schema::Reduce;
+use crate::metric_lines::Acc;
+use crate::schema::{Reduce, meta};
+use crate::tables::{NameId, RankInfo};
 
 const MAGIC: &[u8; 8] = b"TOBSSUM1";
 /// 2: varint body, collectives' containers without their (own) step, the pipeline and
@@ -192,7 +193,7 @@ pub fn decode(bytes: &[u8], part_len: u64) -> Result<PartDigest> {
     let text = |k: &str| field(k).as_str().unwrap_or_default().to_string();
     let mut d = PartDigest {
         info: RankInfo {
-            header: crate::part::PartHeader {
+            header: crate::footer::PartHeader {
                 rank: num("rank") as u32,
                 run_id: text("run_id"),
                 source: text("source"),
@@ -383,6 +384,20 @@ pub(super) fn checked_body(bytes: &[u8], header: usize, len_at: usize) -> Result
     Ok(body)
 }
 
+/// The summary embedded in a part footer's key-values (issue 42, see `embedded.rs`):
+/// `Ok(None)` when it has none (a part written before them) or one of an older version
+/// (rebuilt from the part, as a missing one); `Err` when it is damaged.
+pub fn from_footer(kv: &HashMap<String, String>) -> Result<Option<PartDigest>> {
+    let Some(bytes) = crate::footer::embedded(kv, meta::SUMMARY)? else {
+        return Ok(None);
+    };
+    match decode(&bytes, 0) {
+        Ok(d) => Ok(Some(d)),
+        Err(e) if e.is::<Outdated>() => Ok(None),
+        Err(e) => Err(e.context(format!("its footer's `{}`", meta::SUMMARY))),
+    }
+}
+
 /// Reads `part`'s summary file: `Ok(None)` when there is none, or one of an older version
 /// (the part is then summarised and the summary rewritten); `Err` (naming the file) when it
 /// is damaged or does not describe the part.
@@ -399,7 +414,7 @@ pub fn read_local(part: &Path, part_len: u64) -> Result<Option<PartDigest>> {
             let Ok(kv) = file.footer_kv() else {
                 return Ok(None);
             };
-            return crate::embedded::summary(&kv)
+            return from_footer(&kv)
                 .with_context(|| format!("the summary in {} is damaged", part.display()));
         }
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),

@@ -6,7 +6,7 @@ use rustc_hash::FxHashMap;
 
 use super::cells::Cells;
 use super::{PartDigest, PhaseDigest, PipelineStep};
-use crate::run::NameId;
+use crate::tables::NameId;
 
 /// One collective of the run (its step is its key in [`RunDigest::collectives`]), on rank
 /// 0's clock: 16 bytes, a day-long 1024-rank job has millions.
@@ -80,7 +80,7 @@ pub struct RunDigest {
     pub container_sets: Vec<Vec<NameId>>,
     container_ids: FxHashMap<Vec<NameId>, u32>,
     /// The metric lines of the run's scalars (`titan-obs metrics`).
-    pub metrics: crate::analysis::metrics::Lines,
+    pub metrics: crate::metric_lines::Lines,
     /// By rank: the pipeline schedule of ranks whose parts carry pipeline slots.
     pub pipeline: BTreeMap<u32, RankPipeline>,
     /// The rank merged last and its latest part's `last_ended` (run-wide names, rank 0's
@@ -225,7 +225,7 @@ impl RunDigest {
             let validation = d
                 .names
                 .get(*name as usize)
-                .is_some_and(|n| crate::analysis::metrics::is_validation(n));
+                .is_some_and(|n| crate::metric_lines::is_validation(n));
             self.metrics.add(*step, validation, g(*name), *reduce, acc);
         }
         if let Some(p) = &d.pipeline {

@@ -28,26 +28,28 @@ pub mod merged;
 pub mod node;
 pub mod rank;
 pub mod rank_file;
+pub(crate) mod schedule;
 
 use std::collections::{BTreeMap, HashMap};
 
 use sketches_ddsketch::{Config, DDSketch};
 
-use crate::analysis::metrics::Acc;
-use crate::analysis::table::{StepRole, step_roles};
+use crate::metric_lines::Acc;
+use crate::roles::{StepRole, step_roles};
 use crate::schema::Reduce;
 
 pub use file::{
-    decode, encode, read_local, summary_file_name, summary_path, summary_shown, write_local,
+    decode, encode, from_footer, read_local, summary_file_name, summary_path, summary_shown,
+    write_local,
 };
 pub use local::{RankSummarised, summarise_rank};
 pub use merged::{CollectiveContext, RunCollective, RunDigest};
 pub use rank::RankDigest;
 pub use rank_file::RANK_SUMMARY_FILE;
 
-use crate::part::CompactedDamage;
+use crate::footer::CompactedDamage;
 use crate::record::NO_STEP;
-use crate::run::{NameId, PartData, RankInfo};
+use crate::tables::{NameId, PartData, RankInfo};
 use crate::vocab;
 
 /// Relative error of the duration quantiles: a quantile read from the sketches is within
@@ -74,11 +76,11 @@ pub fn sketch_quantile(s: &DDSketch, n: u64, q: f64, min: i64, max: i64) -> i64 
     if n == 0 {
         return 0;
     }
-    let k = crate::analysis::stats::nearest_rank_index(n as usize, q) as u64;
+    let k = crate::stats::nearest_rank_index(n as usize, q) as u64;
     sketch_at_rank(s, n, k, min, max)
 }
 
-/// The median as [`crate::analysis::stats::median_f64`] defines it (the mean of the two
+/// The median as [`crate::stats::median_f64`] defines it (the mean of the two
 /// middle values for an even count) from a sketch of `n` values; NaN when empty.
 pub fn sketch_median(s: &DDSketch, n: u64, min: i64, max: i64) -> f64 {
     match n {
@@ -229,7 +231,7 @@ pub struct CollectiveDigest {
     pub containers: Vec<NameId>,
 }
 
-/// One step of a rank's pipeline schedule (see [`crate::analysis::pipeline`]).
+/// One step of a rank's pipeline schedule (see `schedule.rs`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PipelineStep {
     pub step: u64,
@@ -317,11 +319,7 @@ impl PartDigest {
         let is_tag_phase: Vec<bool> = d
             .names
             .iter()
-            .map(|n| {
-                d.tags
-                    .iter()
-                    .any(|t| crate::analysis::summary::is_tag_phase(n, t))
-            })
+            .map(|n| d.tags.iter().any(|t| crate::vocab::is_tag_phase(n, t)))
             .collect();
 
         let mut phases: BTreeMap<NameId, PhaseDigest> = BTreeMap::new();
@@ -415,7 +413,7 @@ impl PartDigest {
             tag_spans,
             collectives,
             last_ended,
-            pipeline: crate::analysis::pipeline::part_pipeline(d),
+            pipeline: schedule::part_pipeline(d),
             scalars: scalar_cells(&d.scalars),
             named_errors: (0..d.errors.rank.len().min(NAMED_ERRORS))
                 .map(|i| {
@@ -439,8 +437,8 @@ impl PartDigest {
     }
 
     /// The digest as a [`PartData`] holding no records: what the reader merges into a run
-    /// (rank info, damage, step tags, dictionaries) with the digest attached.
-    pub(crate) fn into_part_data(self) -> PartData {
+    /// beside the digest (rank info, damage, step tags, dictionaries).
+    pub(crate) fn part_data(&self) -> PartData {
         PartData {
             info: self.info.clone(),
             rows: self.rows as usize,
@@ -448,7 +446,6 @@ impl PartDigest {
             tags: self.tags.clone(),
             step_tags: self.step_tags.iter().copied().collect(),
             damage: self.damage.clone(),
-            digest: Some(Box::new(self)),
             ..Default::default()
         }
     }
@@ -456,7 +453,7 @@ impl PartDigest {
 
 /// A part's scalars per (step, name, reduce), in first-recorded order (as `metrics` reads
 /// them: steps without a number and NaN values left out).
-fn scalar_cells(sc: &crate::run::Scalars) -> Vec<(u64, NameId, Reduce, Acc)> {
+fn scalar_cells(sc: &crate::tables::Scalars) -> Vec<(u64, NameId, Reduce, Acc)> {
     let mut at: HashMap<(u64, NameId, Reduce), usize> = HashMap::new();
     let mut out: Vec<(u64, NameId, Reduce, Acc)> = Vec::new();
     for i in 0..sc.rank.len() {
@@ -475,7 +472,7 @@ fn scalar_cells(sc: &crate::run::Scalars) -> Vec<(u64, NameId, Reduce, Acc)> {
 }
 
 /// The columns a summary is made of.
-pub(crate) const COLUMNS: crate::run::Columns = crate::run::Columns {
+pub(crate) const COLUMNS: crate::tables::Columns = crate::tables::Columns {
     start: true,
     // The step time is the main thread's (`StepRole`).
     thread: true,

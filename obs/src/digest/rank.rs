@@ -10,7 +10,7 @@
 use std::collections::BTreeSet;
 
 use super::PartDigest;
-use crate::part::CompactedDamage;
+use crate::footer::CompactedDamage;
 
 /// One part a rank summary covers.
 #[derive(Debug, Clone, PartialEq, Eq)]

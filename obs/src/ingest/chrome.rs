@@ -19,10 +19,11 @@ use anyhow::{Context, Result};
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
-use crate::part::PartHeader;
+use crate::footer::PartHeader;
 use crate::record::NO_STEP;
-use crate::run::{OpenSpan, PartData, RankInfo, RecordTable, Scalars, SharedFields};
+use crate::run::OpenSpan;
 use crate::schema::Reduce;
+use crate::tables::{PartData, RankInfo, RecordTable, Scalars, SharedFields};
 use crate::vocab::{PROFILER_STEP, PROFILER_STEP_PREFIX, torch_pipelining, torchtitan as tt};
 
 /// A pid or tid: a number, or a string in profiler traces (`"Spans"`, `"Traces"`).

@@ -17,12 +17,11 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
-use crate::part::PartHeader;
+use crate::footer::PartHeader;
 use crate::record::NO_STEP;
-use crate::run::{
-    BadLine, LoadReport, OpenSpan, PartData, RankInfo, RecordTable, SharedFields, Spans, intern,
-};
+use crate::run::{BadLine, LoadReport, OpenSpan};
 use crate::schema::Reduce;
+use crate::tables::{PartData, RankInfo, RecordTable, SharedFields, Spans, intern};
 use crate::vocab::torchtitan as tt;
 
 /// The fields titan-obs uses of one record; the rest (`caller`, `delta_ms`, ...) are skipped.

@@ -17,8 +17,9 @@ use anyhow::{Context, Result, bail};
 use object_store::ObjectStoreExt as _;
 use rayon::prelude::*;
 
-use crate::location::Location;
-use crate::run::{LoadReport, Merger, PartData, ReadOptions, Run, RunFormat};
+use crate::location::{Location, NotARun};
+use crate::run::{LoadReport, Merger, ReadOptions, Run, RunFormat};
+use crate::tables::PartData;
 use crate::vocab::torchtitan as tt;
 
 /// What a run location holds and where its files are.
@@ -30,25 +31,6 @@ pub enum Detected {
     Torchtitan(Source),
     /// One trace file, or a folder of them.
     ChromeTrace(Source),
-}
-
-/// The error of a location that holds no run titan-obs can read (a README, a checkpoint, a
-/// run's `obs/` folder): the command line named the wrong thing, so the CLI exits with its
-/// usage code. The message says what was found and what to pass instead.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NotARun(pub String);
-
-impl std::fmt::Display for NotARun {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for NotARun {}
-
-/// Whether `e` (or an error it wraps) is [`NotARun`].
-pub fn is_not_a_run(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| c.is::<NotARun>())
 }
 
 /// What every "not a run" message ends with: the three inputs titan-obs reads.
@@ -512,7 +494,7 @@ impl TorchtitanReader {
                         r.truncated_tails.push(t);
                     }
                 }
-                self.merger.merge(&mut self.run, data, false);
+                self.merger.merge(&mut self.run, data.into(), false);
             }
         }
         self.run.report.bytes_parsed = stats.bytes;
@@ -540,7 +522,7 @@ impl TorchtitanReader {
         for c in &self.cursors {
             let (data, open) = c.open_spans();
             if !open.is_empty() {
-                merger.merge(run, data, false);
+                merger.merge(run, data.into(), false);
                 run.report.open_spans.extend(open);
             }
         }
@@ -616,7 +598,7 @@ fn load_chrome(run: &str, location: &Location, src: &Source, opts: &ReadOptions)
                         relabel(&mut part, r);
                     }
                     next_rank = next_rank.max(part.info.rank + 1);
-                    merger.merge(&mut out, part, false);
+                    merger.merge(&mut out, part.into(), false);
                 }
             }
             Err(e) => out.report.corrupt_parts.push(crate::run::CorruptPart {

@@ -10,9 +10,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::analysis::stats::median_f64;
 use crate::record::NO_STEP;
 use crate::run::{ClockAlignment, HostOffset, Run};
+use crate::stats::median_f64;
 use crate::vocab::STEP;
 
 /// Aligns hosts in place and says how; `None` when there was nothing to align.

@@ -8,6 +8,11 @@
 //! process group of its own, sends in the background (in issue order) and receives into buffers
 //! whose shapes are known ahead (no metadata round trip).
 //!
+//! [`simulate`] runs the orders as [`Pipeline::run`] issues their transfers. On the `nccl`
+//! backend a send can wait for its receive ([`Sends::Blocking`]); there 1F1B, Interleaved1F1B
+//! and InterleavedZeroBubble deadlock with two or more microbatches (a rank sends an activation
+//! before it receives a gradient while its peer does the opposite), GPipe does not (issue #34).
+//!
 //! The numerics are the one-process ones: every microbatch's loss is its summed cross entropy
 //! over the step's global valid-token count, and each stage's gradients accumulate over the
 //! microbatches in microbatch order (every schedule runs a stage's backward passes in that
@@ -427,86 +432,197 @@ pub fn rank_actions(
     }
 }
 
-/// Checks that a schedule's per-rank orders can run: whether every rank can finish when each
-/// receive blocks until the sending pass ran and sends never block. Returns the makespan and
-/// each rank's busy time with forward cost 1 and backward cost 2 (the classic bubble model; a
-/// split backward's input and weight passes 1 each).
+/// How a rank's sends hold up what it issues after them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sends {
+    /// A send never holds up its rank: the `cpu` backend, where [`Pipeline::run`]'s sends run
+    /// on background threads that the step waits for only at its end.
+    Buffered,
+    /// A send holds up everything its rank issues after it until the peer has issued the
+    /// matching receive: the `nccl` backend, where every collective makes the rank's default
+    /// stream wait for its completion (the next receive's stream waits for that stream), the
+    /// background thread may launch a send before the main thread's next receive, and NCCL
+    /// completes a send without its receiver only while it fits NCCL's buffers.
+    Blocking,
+}
+
+/// What a point-to-point transfer carries across a stage boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Carries {
+    /// From stage `boundary` to `boundary + 1`.
+    Activations,
+    /// From stage `boundary + 1` back to `boundary`.
+    Gradients,
+}
+
+/// One direction of one stage boundary: a process group of its own, whose transfers pair up
+/// in issue order (the k-th send with the k-th receive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct P2pLink {
+    carries: Carries,
+    /// The lower stage of the boundary.
+    boundary: usize,
+}
+
+/// One operation of a rank's step, in the order [`Pipeline::run`] issues them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    /// Microbatch `.1`'s tensor, received right before the pass that reads it.
+    Recv(P2pLink, usize),
+    Compute(Action),
+    /// Microbatch `.1`'s tensor, sent right after the pass that made it.
+    Send(P2pLink, usize),
+}
+
+/// A rank's actions as [`Pipeline::run`] issues them: a forward receives its input from the
+/// previous stage (unless it is stage 0) and sends its output on (unless it is the last); a
+/// (input) backward receives its output's gradient (unless it is the last stage) and sends its
+/// input's gradient back (unless it is stage 0); a weight pass only computes.
+fn issued_ops(actions: &[Action], stages: usize) -> Vec<Op> {
+    let last = stages - 1;
+    let link = |carries, boundary| P2pLink { carries, boundary };
+    let mut ops = Vec::with_capacity(3 * actions.len());
+    for &a in actions {
+        let (recv, send) = match a.pass {
+            Pass::Forward => (
+                (a.stage > 0).then(|| link(Carries::Activations, a.stage - 1)),
+                (a.stage < last).then(|| link(Carries::Activations, a.stage)),
+            ),
+            Pass::Backward | Pass::BackwardInput => (
+                (a.stage < last).then(|| link(Carries::Gradients, a.stage)),
+                (a.stage > 0).then(|| link(Carries::Gradients, a.stage - 1)),
+            ),
+            Pass::BackwardWeight => (None, None),
+        };
+        ops.extend(recv.map(|l| Op::Recv(l, a.microbatch)));
+        ops.push(Op::Compute(a));
+        ops.extend(send.map(|l| Op::Send(l, a.microbatch)));
+    }
+    ops
+}
+
+/// `rank r waits to send microbatch 1's activations from stage 0 to stage 1`, for messages.
+fn describe_wait(rank: usize, op: Op) -> String {
+    let (verb, link, mb) = match op {
+        Op::Send(l, mb) => ("send", l, mb),
+        Op::Recv(l, mb) => ("receive", l, mb),
+        Op::Compute(a) => return format!("rank {rank} at {a:?}"),
+    };
+    let (what, from, to) = match link.carries {
+        Carries::Activations => ("activations", link.boundary, link.boundary + 1),
+        Carries::Gradients => ("gradients", link.boundary + 1, link.boundary),
+    };
+    format!("rank {rank} waits to {verb} microbatch {mb}'s {what} from stage {from} to stage {to}")
+}
+
+/// Checks that a schedule's per-rank orders can run as [`Pipeline::run`] issues them:
+/// whether every rank can finish when each receive blocks until its send was issued and, with
+/// [`Sends::Blocking`], each send blocks until its receive was issued. Returns the makespan
+/// and each rank's busy time with forward cost 1 and backward cost 2 (the classic bubble
+/// model; a split backward's input and weight passes 1 each; transfers free).
 pub fn simulate(
     schedule: Schedule,
     pp: usize,
     stages: usize,
     microbatches: usize,
+    sends: Sends,
 ) -> Result<(u64, Vec<u64>), String> {
     let orders: Vec<Vec<Action>> = (0..pp)
         .map(|r| rank_actions(schedule, pp, r, stages, microbatches))
         .collect();
-    let mut done: HashMap<Action, u64> = HashMap::new();
-    let mut next = vec![0usize; pp];
-    let mut clock = vec![0u64; pp];
-    let mut busy = vec![0u64; pp];
+    simulate_orders(&orders, stages, sends)
+}
+
+/// [`simulate`] for given per-rank orders (rank r runs `orders[r]`).
+fn simulate_orders(
+    orders: &[Vec<Action>],
+    stages: usize,
+    sends: Sends,
+) -> Result<(u64, Vec<u64>), String> {
+    let ranks = orders.len();
+    let ops: Vec<Vec<Op>> = orders.iter().map(|o| issued_ops(o, stages)).collect();
+    // Each transfer's place on its link: the k-th send of a link pairs with its k-th receive.
+    let places: Vec<Vec<usize>> = ops
+        .iter()
+        .map(|ops| {
+            let mut count: HashMap<(P2pLink, bool), usize> = HashMap::new();
+            ops.iter()
+                .map(|op| match *op {
+                    Op::Send(l, _) | Op::Recv(l, _) => {
+                        let n = count.entry((l, matches!(op, Op::Send(..)))).or_insert(0);
+                        *n += 1;
+                        *n - 1
+                    }
+                    Op::Compute(_) => 0,
+                })
+                .collect()
+        })
+        .collect();
+    // Per (link, is a send): when each of its transfers was issued, and for which microbatch.
+    let mut issued: HashMap<(P2pLink, bool), Vec<(u64, usize)>> = HashMap::new();
+    let mut next = vec![0usize; ranks];
+    let mut clock = vec![0u64; ranks];
+    let mut busy = vec![0u64; ranks];
     loop {
         let mut progressed = false;
-        for r in 0..pp {
-            while let Some(&a) = orders[r].get(next[r]) {
-                let dep_f = (a.stage > 0).then(|| Action {
-                    pass: Pass::Forward,
-                    stage: a.stage - 1,
-                    microbatch: a.microbatch,
-                });
-                // The next stage's gradient comes from its whole or its input backward.
-                let later = |pass| {
-                    (a.stage + 1 < stages).then_some(Action {
-                        pass,
-                        stage: a.stage + 1,
-                        microbatch: a.microbatch,
-                    })
-                };
-                let own = |pass| Action { pass, ..a };
-                let deps: Vec<Vec<Action>> = match a.pass {
-                    Pass::Forward => dep_f.into_iter().map(|d| vec![d]).collect(),
-                    Pass::Backward | Pass::BackwardInput => {
-                        std::iter::once(vec![own(Pass::Forward)])
-                            .chain(later(Pass::Backward).map(|b| {
-                                vec![
-                                    b,
-                                    Action {
-                                        pass: Pass::BackwardInput,
-                                        ..b
-                                    },
-                                ]
-                            }))
-                            .collect()
+        for r in 0..ranks {
+            while let Some(&op) = ops[r].get(next[r]) {
+                match op {
+                    Op::Compute(a) => {
+                        let cost = match a.pass {
+                            Pass::Forward | Pass::BackwardInput | Pass::BackwardWeight => 1,
+                            Pass::Backward => 2,
+                        };
+                        clock[r] += cost;
+                        busy[r] += cost;
                     }
-                    Pass::BackwardWeight => vec![vec![own(Pass::BackwardInput)]],
-                };
-                // Each dependency is met by any one of its alternatives.
-                let Some(ready) = deps
-                    .iter()
-                    .map(|alts| alts.iter().find_map(|d| done.get(d).copied()))
-                    .try_fold(0u64, |t, d| d.map(|d| t.max(d)))
-                else {
-                    break;
-                };
-                let cost = match a.pass {
-                    Pass::Forward | Pass::BackwardInput | Pass::BackwardWeight => 1,
-                    Pass::Backward => 2,
-                };
-                let start = clock[r].max(ready);
-                clock[r] = start + cost;
-                busy[r] += cost;
-                done.insert(a, clock[r]);
+                    Op::Send(link, mb) | Op::Recv(link, mb) => {
+                        let is_send = matches!(op, Op::Send(..));
+                        let k = places[r][next[r]];
+                        let mine = issued.entry((link, is_send)).or_default();
+                        if mine.len() == k {
+                            mine.push((clock[r], mb));
+                        }
+                        if !(is_send && sends == Sends::Buffered) {
+                            // Wait for the other end of the pair to be issued.
+                            let Some(&(at, theirs)) =
+                                issued.get(&(link, !is_send)).and_then(|v| v.get(k))
+                            else {
+                                break;
+                            };
+                            if theirs != mb {
+                                return Err(format!(
+                                    "the schedule pairs the wrong microbatches: {} while the \
+                                     other end is at microbatch {theirs}",
+                                    describe_wait(r, op)
+                                ));
+                            }
+                            clock[r] = clock[r].max(at);
+                        }
+                    }
+                }
                 next[r] += 1;
                 progressed = true;
             }
         }
-        if next.iter().zip(&orders).all(|(n, o)| *n == o.len()) {
+        if next.iter().zip(&ops).all(|(n, o)| *n == o.len()) {
+            // Every send was received (a send without its receive would hang the step's end).
+            for ((link, is_send), v) in &issued {
+                let other = issued.get(&(*link, !is_send)).map_or(0, Vec::len);
+                if *is_send && v.len() != other {
+                    return Err(format!(
+                        "{} sends on {link:?} but {other} receives",
+                        v.len()
+                    ));
+                }
+            }
             return Ok((clock.into_iter().max().unwrap_or(0), busy));
         }
         if !progressed {
-            let stuck: Vec<String> = (0..pp)
-                .filter_map(|r| orders[r].get(next[r]).map(|a| format!("rank {r} at {a:?}")))
+            let stuck: Vec<String> = (0..ranks)
+                .filter_map(|r| ops[r].get(next[r]).map(|&op| describe_wait(r, op)))
                 .collect();
-            return Err(format!("the schedule deadlocks: {}", stuck.join(", ")));
+            return Err(format!("the schedule deadlocks: {}", stuck.join("; ")));
         }
     }
 }
@@ -966,16 +1082,19 @@ mod tests {
         assert!(split_stages(&c, 1).is_err(), "no head");
     }
 
+    /// Every schedule with the stages per rank the tests run it with.
+    const SCHEDULES: [(Schedule, usize); 6] = [
+        (Schedule::GPipe, 1),
+        (Schedule::OneFOneB, 1),
+        (Schedule::Interleaved1F1B, 2),
+        (Schedule::Interleaved1F1B, 3),
+        (Schedule::InterleavedZeroBubble, 2),
+        (Schedule::InterleavedZeroBubble, 3),
+    ];
+
     #[test]
     fn schedules_run_every_pass_once_in_microbatch_order() {
-        for (schedule, per_rank) in [
-            (Schedule::GPipe, 1),
-            (Schedule::OneFOneB, 1),
-            (Schedule::Interleaved1F1B, 2),
-            (Schedule::Interleaved1F1B, 3),
-            (Schedule::InterleavedZeroBubble, 2),
-            (Schedule::InterleavedZeroBubble, 3),
-        ] {
+        for (schedule, per_rank) in SCHEDULES {
             let passes: &[Pass] = if schedule.splits_backward() {
                 &[Pass::Forward, Pass::BackwardInput, Pass::BackwardWeight]
             } else {
@@ -1009,7 +1128,7 @@ mod tests {
                             }
                         }
                     }
-                    simulate(schedule, pp, stages, m)
+                    simulate(schedule, pp, stages, m, Sends::Buffered)
                         .unwrap_or_else(|e| panic!("{schedule:?} pp{pp} m{m}: {e}"));
                 }
             }
@@ -1021,7 +1140,7 @@ mod tests {
         // Equal stages, F = 1 and B = 2: GPipe and 1F1B idle (p-1)/(m+p-1) of the makespan.
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
             for (pp, m) in [(2, 4), (4, 8), (4, 4)] {
-                let (span, busy) = simulate(schedule, pp, pp, m).unwrap();
+                let (span, busy) = simulate(schedule, pp, pp, m, Sends::Buffered).unwrap();
                 let bubble = 1.0 - busy[0] as f64 / span as f64;
                 let ideal = schedule.ideal_bubble(pp, m, 1);
                 assert!(
@@ -1032,13 +1151,97 @@ mod tests {
         }
         // Interleaving shrinks it, and splitting the backward shrinks it further.
         let bubble = |schedule| {
-            let (span, busy) = simulate(schedule, 4, 8, 8).unwrap();
+            let (span, busy) = simulate(schedule, 4, 8, 8, Sends::Buffered).unwrap();
             1.0 - busy[0] as f64 / span as f64
         };
         let interleaved = bubble(Schedule::Interleaved1F1B);
         assert!(interleaved < Schedule::OneFOneB.ideal_bubble(4, 8, 1));
         let zero_bubble = bubble(Schedule::InterleavedZeroBubble);
         assert!(zero_bubble < interleaved, "{zero_bubble} vs {interleaved}");
+    }
+
+    /// Per-rank orders written as `<stage><pass><microbatch>` (`0F1`: stage 0's forward of
+    /// microbatch 1; passes F, B, I, W), as torch prints them.
+    fn orders(ranks: &[&str]) -> Vec<Vec<Action>> {
+        let action = |a: &str| {
+            let at = a
+                .find(|c: char| c.is_ascii_alphabetic())
+                .expect("a pass letter");
+            let pass = match &a[at..=at] {
+                "F" => Pass::Forward,
+                "B" => Pass::Backward,
+                "I" => Pass::BackwardInput,
+                "W" => Pass::BackwardWeight,
+                other => panic!("no pass {other}"),
+            };
+            Action {
+                pass,
+                stage: a[..at].parse().unwrap(),
+                microbatch: a[at + 1..].parse().unwrap(),
+            }
+        };
+        ranks
+            .iter()
+            .map(|r| r.split_whitespace().map(action).collect())
+            .collect()
+    }
+
+    /// 1F1B's order on 2 ranks, 2 microbatches, written out: rank 0 sends microbatch 1's
+    /// activations before it receives microbatch 0's gradients, and rank 1 sends those
+    /// gradients before it receives microbatch 1's activations. It finishes only when a send
+    /// does not wait for its receive.
+    #[test]
+    fn a_send_that_waits_for_its_receive_can_deadlock() {
+        let one_f_one_b = orders(&["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]);
+        simulate_orders(&one_f_one_b, 2, Sends::Buffered).unwrap();
+        let err = simulate_orders(&one_f_one_b, 2, Sends::Blocking).unwrap_err();
+        assert_eq!(
+            err,
+            "the schedule deadlocks: rank 0 waits to send microbatch 1's activations from stage \
+             0 to stage 1; rank 1 waits to send microbatch 0's gradients from stage 1 to stage 0"
+        );
+        // GPipe's order on the same ranks finishes either way: each rank's receives come in
+        // the order its peer sends.
+        let gpipe = orders(&["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"]);
+        simulate_orders(&gpipe, 2, Sends::Blocking).unwrap();
+    }
+
+    /// Receives pair with sends in issue order on each link: an order whose receives come in
+    /// another microbatch order than the sends is not run with the wrong tensors.
+    #[test]
+    fn transfers_pair_in_issue_order() {
+        let swapped = orders(&["0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1"]);
+        let err = simulate_orders(&swapped, 2, Sends::Buffered).unwrap_err();
+        assert!(err.contains("pairs the wrong microbatches"), "{err}");
+    }
+
+    /// What titan's schedules do on the `nccl` backend, where a send can wait for its receive
+    /// (issue #34): GPipe always finishes; 1F1B, Interleaved1F1B and InterleavedZeroBubble
+    /// finish only with one microbatch: with two or more, a rank sends an activation before it
+    /// receives a gradient while its peer does the opposite (see
+    /// `a_send_that_waits_for_its_receive_can_deadlock`), and the step hangs once the tensors
+    /// no longer fit NCCL's buffers. This records that finding; it changes when the runtime
+    /// posts its transfers otherwise (torch batches each step's sends and receives).
+    #[test]
+    fn blocking_sends_deadlock_every_schedule_but_gpipe_past_one_microbatch() {
+        for (schedule, per_rank) in SCHEDULES {
+            for pp in 2..=4 {
+                for m in [1, 2, 4, 8] {
+                    if !schedule.single_stage() && m > pp && m % pp != 0 {
+                        continue;
+                    }
+                    let got = simulate(schedule, pp, pp * per_rank, m, Sends::Blocking);
+                    let deadlocks = schedule != Schedule::GPipe && m > 1;
+                    match got {
+                        Err(e) => assert!(
+                            deadlocks && e.starts_with("the schedule deadlocks: "),
+                            "{schedule:?} pp{pp} m{m}: {e}"
+                        ),
+                        Ok(_) => assert!(!deadlocks, "{schedule:?} pp{pp} m{m} finishes"),
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -126,7 +126,7 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         .and_then(|l| titan_obs_core::ingest::detect(&l));
     if let Err(e) = detected {
         TITAN_OBS.error(format_args!("{e:#}"));
-        return if titan_obs_core::ingest::is_not_a_run(&e) {
+        return if titan_obs_core::location::is_not_a_run(&e) {
             USAGE.as_i32()
         } else {
             FAILED.as_i32()
@@ -151,7 +151,7 @@ pub fn open(run: &str, args: &OpenArgs) -> i32 {
         Err(e) => {
             TITAN_OBS.error(format_args!("{e:#}"));
             // `--run` naming no run of the location is a usage error, as in the other commands.
-            if titan_obs_core::ingest::is_not_a_run(&e) {
+            if titan_obs_core::location::is_not_a_run(&e) {
                 USAGE.as_i32()
             } else {
                 FAILED.as_i32()
@@ -167,7 +167,8 @@ pub fn gantt(args: &GanttArgs, quiet: bool) -> i32 {
         Ok(_) => OK.as_i32(),
         Err(e) => {
             TITAN_OBS.error(format_args!("gantt: {e:#}"));
-            if e.downcast_ref::<UsageError>().is_some() || titan_obs_core::ingest::is_not_a_run(&e)
+            if e.downcast_ref::<UsageError>().is_some()
+                || titan_obs_core::location::is_not_a_run(&e)
             {
                 USAGE.as_i32()
             } else {

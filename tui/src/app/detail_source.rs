@@ -454,7 +454,7 @@ pub(super) fn analysis(
                 continue;
             };
             v.sort_unstable();
-            let median = v[titan_obs_core::analysis::stats::nearest_rank_index(v.len(), 0.5)].0;
+            let median = v[titan_obs_core::stats::nearest_rank_index(v.len(), 0.5)].0;
             let (min, max) = (v[0], v[v.len() - 1]);
             spread.push((
                 phase.clone(),
@@ -477,7 +477,7 @@ pub(super) fn analysis(
 /// The metric lines of the summaries as one series per scalar name (NaN values and steps
 /// without a number left out, as `titan-obs metrics` does).
 fn metric_series(
-    lines: &titan_obs_core::analysis::metrics::Lines,
+    lines: &titan_obs_core::metric_lines::Lines,
     names: &[String],
 ) -> Vec<MetricSeries> {
     let mut series: BTreeMap<String, MetricSeries> = BTreeMap::new();

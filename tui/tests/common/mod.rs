@@ -2,8 +2,9 @@
 
 use std::collections::BTreeMap;
 
+use titan_obs_core::footer::PartHeader;
 use titan_obs_core::location::Location;
-use titan_obs_core::part::{PartBuilder, PartHeader, PartSink, Row, encode};
+use titan_obs_core::part::{PartBuilder, PartSink, Row, encode};
 use titan_obs_core::schema::PipelineSlot;
 
 /// Writes a pipeline run: per rank (rank, stage, slowdown of its passes), `steps` steps of 2
