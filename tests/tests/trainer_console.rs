@@ -1,6 +1,7 @@
 //! titan-train's console on the real binary: piped, its lines fit in 100 columns and carry no
 //! colour codes; on a terminal (a pty from `script`), a live step counter is drawn between the
-//! log lines without breaking them.
+//! log lines without breaking them, and under the launcher (`--nproc-per-node 2`) the launcher
+//! draws rank 0's counter from the steps rank 0 reports.
 
 use std::process::Command;
 
@@ -76,6 +77,15 @@ fn a_terminal_shows_a_step_counter_between_intact_log_lines() {
         tty.contains("/3 [") && tty.contains(" step "),
         "no step counter on the terminal:\n{tty}"
     );
+    // Under the launcher rank 0's stderr is a pipe: it reports its steps and the launcher,
+    // on the terminal, draws the counter (the events themselves never show).
+    let launched = on_a_terminal("--nproc-per-node 2");
+    assert!(
+        launched.contains("/3 [") && launched.contains(" step "),
+        "no step counter under the launcher:\n{launched}"
+    );
+    assert!(!launched.contains("titan-steps"), "{launched}");
+    assert!(launched.contains("[rank0]:"), "{launched}");
     // Log lines print whole above the counter: the counter's clearing never lands inside one.
     let logged = tty
         .split("\r\n")

@@ -177,10 +177,21 @@ impl Drop for LogLine {
     }
 }
 
+/// Set by titan-train's launcher for global rank 0 when the launcher's stderr is a terminal:
+/// that rank's stderr is then the launcher's pipe, so instead of drawing the step counter it
+/// reports it in [`STEP_EVENT`] lines, which the launcher draws ([`follow_step_event`]).
+pub const STEP_EVENTS_ENV: &str = "TITAN_STEP_EVENTS";
+
+/// The start of a step-counter event line (`start DONE TOTAL`, `step N`, `loss X`, `end`). An
+/// APC escape: a terminal that got one anyway would show nothing.
+pub const STEP_EVENT: &str = "\x1b_titan-steps ";
+
 /// The live step counter of rank 0 on a terminal (stderr): steps done of the total, rate, time
 /// left and the last logged loss. Cleared when dropped.
 pub struct Steps {
     shown: bool,
+    /// Reported to the launcher as [`STEP_EVENT`] lines instead of drawn.
+    events: bool,
     /// The step it started at: until one more is done there is no rate to tell the time
     /// left by (indicatif would say "~0s left").
     started_at: u64,
@@ -202,9 +213,19 @@ impl Steps {
     /// Starts counting at `done` steps of `total`; draws only when `draw` (rank 0), stderr
     /// is a terminal and `-q` was not given.
     pub fn start(done: u64, total: u64, draw: bool) -> Self {
-        if !draw || NO_STEP_COUNTER.load(Ordering::Relaxed) || !std::io::stderr().is_terminal() {
+        let wanted = draw && !NO_STEP_COUNTER.load(Ordering::Relaxed);
+        if wanted && std::env::var_os(STEP_EVENTS_ENV).is_some() {
+            step_event(&format!("start {done} {total}"));
             return Steps {
                 shown: false,
+                events: true,
+                started_at: done,
+            };
+        }
+        if !wanted || !std::io::stderr().is_terminal() {
+            return Steps {
+                shown: false,
+                events: false,
                 started_at: done,
             };
         }
@@ -217,12 +238,16 @@ impl Steps {
         *BAR.lock().unwrap_or_else(|e| e.into_inner()) = Some(bar);
         Steps {
             shown: true,
+            events: false,
             started_at: done,
         }
     }
 
     /// `step` is done.
     pub fn step(&self, step: u64) {
+        if self.events {
+            step_event(&format!("step {step}"));
+        }
         if let Some(bar) = self.shown.then(bar).flatten() {
             if step == self.started_at + 1 {
                 bar.set_style(style(TEMPLATE));
@@ -233,6 +258,9 @@ impl Steps {
 
     /// The last logged training loss, shown after the counter.
     pub fn loss(&self, loss: f64) {
+        if self.events {
+            step_event(&format!("loss {loss:.4}"));
+        }
         if let Some(bar) = self.shown.then(bar).flatten() {
             bar.set_message(format!("loss {loss:.4}"));
         }
@@ -241,9 +269,68 @@ impl Steps {
 
 impl Drop for Steps {
     fn drop(&mut self) {
+        if self.events {
+            step_event("end");
+        }
         if let Some(bar) = BAR.lock().unwrap_or_else(|e| e.into_inner()).take() {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// One [`STEP_EVENT`] line on stderr, whole.
+fn step_event(what: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "{STEP_EVENT}{what}").and_then(|()| err.flush());
+}
+
+/// The step counter the launcher draws for rank 0.
+static FOLLOWED: Mutex<Option<Steps>> = Mutex::new(None);
+
+/// The launcher's side of [`STEP_EVENTS_ENV`]: when `line` (of rank 0's stderr) is a
+/// [`STEP_EVENT`], draws it on this process's stderr and returns true (the line is not to be
+/// printed); other lines return false.
+pub fn follow_step_event(line: &str) -> bool {
+    let Some(event) = line.strip_prefix(STEP_EVENT) else {
+        return false;
+    };
+    let mut followed = FOLLOWED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut words = event.split_whitespace();
+    let number = |w: Option<&str>| w.and_then(|w| w.parse::<u64>().ok());
+    match words.next() {
+        Some("start") => {
+            if let (Some(done), Some(total)) = (number(words.next()), number(words.next())) {
+                *followed = Some(Steps::start(done, total, true));
+            }
+        }
+        Some("step") => {
+            if let (Some(steps), Some(n)) = (followed.as_ref(), number(words.next())) {
+                steps.step(n);
+            }
+        }
+        Some("loss") => {
+            let loss = words.next().and_then(|w| w.parse::<f64>().ok());
+            if let (Some(steps), Some(loss)) = (followed.as_ref(), loss) {
+                steps.loss(loss);
+            }
+        }
+        _ => *followed = None,
+    }
+    true
+}
+
+/// Writes `bytes` to stdout or stderr whole, above the step counter if one is drawn.
+pub fn write_above(to_stderr: bool, bytes: &[u8]) {
+    let write = || {
+        let _ = if to_stderr {
+            std::io::stderr().lock().write_all(bytes)
+        } else {
+            std::io::stdout().lock().write_all(bytes)
+        };
+    };
+    match bar() {
+        Some(bar) => bar.suspend(write),
+        None => write(),
     }
 }
 

@@ -30,7 +30,7 @@
 //! | tok_embeddings kept | unsharded in the param dtype when blocks are not resharded after forward |
 //! | gradient shards | the parameter shards' size in `training.dtype` (FSDP2 casts the reduced gradient to the sharded parameter's dtype) |
 //! | unsharded gradients | the largest FSDP unit (a block, or `norm`+`lm_head`, or `tok_embeddings`) unsharded, in the param dtype: what backward produces before the reduce-scatter |
-//! | reduce-scatter input | the same unit in `mixed_precision_reduce` (fp32): FSDP2 copies the gradients into it |
+//! | reduce-scatter inputs | `2 x` the same unit in `mixed_precision_reduce` (fp32): FSDP copies the gradients into one per unit's backward, and keeps at most two reductions in flight (`fsdp::REDUCTIONS_IN_FLIGHT`, FSDP2's rule) |
 //! | AdamW state | `2 x` the parameter shards (`exp_avg`, `exp_avg_sq`, in `training.dtype`) |
 //! | saved activations | per layer and mode (below) `x` layers `x` microbatches in flight, in the param dtype |
 //! | output head inputs | final norm input `T d / t` + `lm_head` input `T d` (gathered by SP), param dtype, + `rstd` |
@@ -85,6 +85,7 @@ use crate::config::ActivationCheckpointing;
 use crate::config::{DtypeName, JobConfig, ReshardAfterForward};
 use crate::model::{ModelArgs, Module};
 use crate::parallel::Mesh;
+use crate::parallelize::fsdp::REDUCTIONS_IN_FLIGHT;
 use crate::parallelize::layout::check_tensor_parallel;
 use crate::parallelize::plan::{tp_local_shape, tp_style};
 
@@ -382,15 +383,16 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let copies_in = n > 1 || pb != rb;
     row(
         Term::Grads,
-        "reduce-scatter input",
+        "reduce-scatter inputs",
         if gathers && copies_in {
-            largest_unit * rb
+            REDUCTIONS_IN_FLIGHT as u64 * largest_unit * rb
         } else {
             0
         },
         if gathers && copies_in {
             format!(
-                "{largest_unit} elements x {rb} B ({}, mixed_precision_reduce)",
+                "{REDUCTIONS_IN_FLIGHT} reductions in flight x {largest_unit} elements x {rb} B \
+                 ({}, mixed_precision_reduce)",
                 reduce.name()
             )
         } else {

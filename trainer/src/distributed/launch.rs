@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Command, ExitStatus, Stdio};
@@ -238,13 +238,12 @@ fn pump(
         }
         let text = String::from_utf8_lossy(&line);
         let text = text.trim_end_matches(['\n', '\r']);
+        // Rank 0's step counter, reported to be drawn here (console::STEP_EVENTS_ENV).
+        if rank == 0 && to_stderr && crate::console::follow_step_event(text) {
+            continue;
+        }
         if show {
-            let out = format!("[rank{rank}]:{text}\n");
-            if to_stderr {
-                let _ = std::io::stderr().lock().write_all(out.as_bytes());
-            } else {
-                let _ = std::io::stdout().lock().write_all(out.as_bytes());
-            }
+            crate::console::write_above(to_stderr, format!("[rank{rank}]:{text}\n").as_bytes());
         }
         if to_stderr {
             let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
@@ -317,6 +316,10 @@ pub fn run(
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        if rank == 0 && std::io::stderr().is_terminal() {
+            // Its stderr is our pipe: it reports its step counter for us to draw.
+            cmd.env(crate::console::STEP_EVENTS_ENV, "1");
+        }
         if std::env::var_os("OMP_NUM_THREADS").is_none() && launch.nproc_per_node > 1 {
             // As torchrun: N ranks on one node should not each use every core.
             let cores = std::thread::available_parallelism()

@@ -28,6 +28,7 @@
 //! gather's backward through a placeholder of the weight's shape that holds no memory. Every
 //! parameter of a unit is gathered in one collective, packed as bytes.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use tch::{Kind, Tensor};
@@ -47,6 +48,59 @@ pub struct FsdpMesh {
     pub param_kind: Kind,
     /// `mixed_precision_reduce`: the dtype gradients are reduced in.
     pub reduce_kind: Kind,
+    /// Every unit's gradient reductions in flight, oldest first (one queue per model).
+    pub reductions: Reductions,
+}
+
+/// How many gradient reductions may be in flight at once: the one a unit's backward just
+/// started and the one before it, as FSDP2 keeps about two reduce-scatter states. Each holds its
+/// unit's whole gradients in the reduce dtype (its send buffer), so holding every unit's until
+/// the step ends costs a model's worth of fp32 gradients.
+pub const REDUCTIONS_IN_FLIGHT: usize = 2;
+
+/// The gradient reductions of a model's units in issue order. A finished one is added to its
+/// unit's shards' gradients and its buffers freed as soon as a later unit starts one (or the
+/// step's [`FsdpUnit::finish_gradients`]); past [`REDUCTIONS_IN_FLIGHT`] the oldest is waited
+/// for. Issue order is kept, so each shard's gradient sums its microbatches in order.
+#[derive(Clone, Default)]
+pub struct Reductions(Arc<Mutex<VecDeque<(Arc<UnitState>, Reduction)>>>);
+
+impl Reductions {
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<(Arc<UnitState>, Reduction)>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `reduction` of `unit`, then settles what has finished or is over the bound.
+    fn push(&self, unit: Arc<UnitState>, reduction: Reduction) {
+        let mut queue = self.queue();
+        queue.push_back((unit, reduction));
+        loop {
+            let over = queue.len() > REDUCTIONS_IN_FLIGHT;
+            let Some((_, oldest)) = queue.front_mut() else {
+                break;
+            };
+            let done = match oldest.pending.try_result() {
+                Some(result) => Some(result),
+                None if over => None,
+                None => break,
+            };
+            let (unit, r) = queue.pop_front().expect("the front was just seen");
+            match done {
+                Some(result) => panic_on(result),
+                None => panic_on(r.pending.wait()),
+            }
+            unit.apply_reduced(&r.recv);
+        }
+    }
+
+    /// Waits for every reduction in flight and adds each to its unit's shards' gradients.
+    fn drain(&self) {
+        let mut queue = self.queue();
+        while let Some((unit, r)) = queue.pop_front() {
+            panic_on(r.pending.wait());
+            unit.apply_reduced(&r.recv);
+        }
+    }
 }
 
 /// Where one parameter's shard sits in a unit's per-rank buffer.
@@ -136,8 +190,6 @@ struct UnitTensors {
     gathered: Vec<Tensor>,
     /// An all-gather of the shards running in the background.
     prefetched: Option<Prefetch>,
-    /// Gradient reductions running in the background, one per backward through the unit.
-    reducing: Vec<Reduction>,
     /// Float8 all-gather: the scales of the shards' current values (one per scale group),
     /// computed by the first gather after they changed, or precomputed after the optimizer step.
     scales: Option<Tensor>,
@@ -146,6 +198,7 @@ struct UnitTensors {
     gathered_float8: Vec<Option<Float8Weight>>,
 }
 
+/// A gradient reduction running in the background.
 struct Reduction {
     pending: Pending,
     /// This rank's reduced shards, packed as the gather packs them.
@@ -334,7 +387,7 @@ impl UnitState {
     /// Starts reducing the unsharded gradients in the background: cast to the reduce dtype,
     /// summed over the shard group (each rank keeps its rows), then over the replicas. The
     /// shards get them in [`FsdpUnit::finish_gradients`].
-    fn start_reduction(&self, grads: &[Tensor]) {
+    fn start_reduction(self: &Arc<Self>, grads: &[Tensor]) {
         let kind = self.mesh.reduce_kind;
         let size = self.mesh.shard.size() as i64;
         let device = grads[0].device();
@@ -354,35 +407,34 @@ impl UnitState {
             .mesh
             .shard
             .reduce_scatter_async(&recv, &send.view([-1]), replicas);
-        self.tensors().reducing.push(Reduction {
+        let reduction = Reduction {
             pending,
             recv,
             _send: send,
-        });
+        };
+        self.mesh.reductions.push(Arc::clone(self), reduction);
     }
 
-    /// Waits for the background reductions and adds their results to the shards' gradients.
-    fn finish_reductions(&self) {
-        let (reducing, shards) = {
-            let mut t = self.tensors();
-            let shards: Vec<Tensor> = t.shards.iter().map(|s| s.shallow_clone()).collect();
-            (std::mem::take(&mut t.reducing), shards)
-        };
-        for r in reducing {
-            panic_on(r.pending.wait());
-            tch::no_grad(|| {
-                for (slot, shard) in self.slots.iter().zip(&shards) {
-                    let mut shape = slot.full.clone();
-                    shape[0] = slot.local_rows;
-                    let g = r
-                        .recv
-                        .narrow(0, slot.offset, slot.local_rows * slot.row_elems)
-                        .view(shape.as_slice())
-                        .to_kind(shard.kind());
-                    crate::optim::accumulate_grad(shard, &g);
-                }
-            });
-        }
+    /// Adds a finished reduction's result (this rank's rows of every parameter, packed as the
+    /// gather packs them) to the shards' gradients.
+    fn apply_reduced(&self, recv: &Tensor) {
+        let shards: Vec<Tensor> = self
+            .tensors()
+            .shards
+            .iter()
+            .map(|s| s.shallow_clone())
+            .collect();
+        tch::no_grad(|| {
+            for (slot, shard) in self.slots.iter().zip(&shards) {
+                let mut shape = slot.full.clone();
+                shape[0] = slot.local_rows;
+                let g = recv
+                    .narrow(0, slot.offset, slot.local_rows * slot.row_elems)
+                    .view(shape.as_slice())
+                    .to_kind(shard.kind());
+                crate::optim::accumulate_grad(shard, &g);
+            }
+        });
     }
 }
 
@@ -512,7 +564,6 @@ impl FsdpUnit {
                     shards,
                     gathered: Vec::new(),
                     prefetched: None,
-                    reducing: Vec::new(),
                     scales: None,
                     precomputed: None,
                     gathered_float8: Vec::new(),
@@ -618,10 +669,11 @@ impl FsdpUnit {
         self.state.prefetch();
     }
 
-    /// Waits for the gradient reductions the backward passes started and adds them to the
-    /// shards' gradients. Call after the last backward of a step, before reading gradients.
+    /// Waits for the gradient reductions the backward passes started (every unit's: they share
+    /// one queue) and adds them to the shards' gradients. Call after the last backward of a
+    /// step, before reading gradients.
     pub fn finish_gradients(&self) {
-        self.state.finish_reductions();
+        self.state.mesh.reductions.drain();
     }
 
     /// Waits for and drops a prefetch no gather took, and the float8 scales computed for it

@@ -86,6 +86,7 @@ impl ParallelPlan {
                 replicate: mesh.dp_replicate.clone(),
                 param_kind,
                 reduce_kind,
+                reductions: fsdp::Reductions::default(),
             },
             reshard_after_forward: cfg.fsdp_reshard_after_forward,
             pipelined: cfg.pipeline_parallel_degree > 1,
