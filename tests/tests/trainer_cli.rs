@@ -330,7 +330,17 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
     .concat();
     let qwen3_hf = [&qwen3[..], &["--checkpoint.last_save_in_hf", "true"]].concat();
     let qwen3_f8 = [&qwen3[..], &["--float8.enable_float8_linear", "true"]].concat();
-    let cases: [(&[&str], &str); 13] = [
+    let dsv3_tp = [
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        "debugmodel",
+        "--nproc-per-node",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ];
+    let cases: [(&[&str], &str); 15] = [
         // 16 heads over 3 tp ranks.
         (
             &[
@@ -408,6 +418,12 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
         (
             &["--model.name", "qwen3", "--model.flavor", "30B"],
             "debugmodel_moe",
+        ),
+        // deepseek_v3 trains on data-parallel layouts only, as qwen3; its flavors are named.
+        (&dsv3_tp, "parallelism.tensor_parallel_degree"),
+        (
+            &["--model.name", "deepseek_v3", "--model.flavor", "7B"],
+            "671B",
         ),
     ];
     for (extra, key) in cases {

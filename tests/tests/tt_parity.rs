@@ -14,7 +14,8 @@
 //! ranks), TP2 (`--parallelism.spmd_backend partial_dtensor` for torchtitan on CPU), FSDP2 x TP2
 //! and HSDP 2x2 (4 ranks); dense qwen3 (`--module qwen3 --config qwen3_debugmodel`, from
 //! torchtitan's qwen3 seed checkpoint) and qwen3 MoE (`qwen3_moe_debug`, its `expert_bias_E`
-//! equal to the bit) on 1 process and FSDP2; 1 process in bf16 mixed precision; float8 (`llama3_debugmodel_float8`:
+//! equal to the bit) on 1 process and FSDP2; DeepSeek-V3 (`deepseek_v3_debugmodel`, the same
+//! checks); 1 process in bf16 mixed precision; float8 (`llama3_debugmodel_float8`:
 //! tensorwise emulated, and rowwise through `_scaled_mm`) on 1 process. The full matrix is
 //! `bash bench/trainer/parity.sh`.
 //!
@@ -28,6 +29,11 @@ use titan_tests::{bin, output_text, tt_python_script};
 /// qwen3_moe_debug's tolerances (relative), from the measured differences (docs/training.md).
 const MOE_LOSS_RTOL: f64 = 3e-5;
 const MOE_GRAD_RTOL: f64 = 1e-3;
+
+/// deepseek_v3_debugmodel's tolerances (relative): fp32's, as for the dense models (measured
+/// 7.1e-8 for losses and 2.4e-7 for grad norms over both layouts, docs/training.md).
+const DSV3_LOSS_RTOL: f64 = 1e-5;
+const DSV3_GRAD_RTOL: f64 = 1e-5;
 
 /// Runs the comparison for `layouts`; returns the JSON summary (the script's last line).
 fn compare(
@@ -182,17 +188,38 @@ fn assert_trained_and_cross_resumed(summary: &serde_json::Value, layouts: &[&str
 /// 2.15's, and that bf16 ulp grows through later layers.
 #[test]
 fn qwen3_moe_matches_torchtitan() {
+    moe_matches_torchtitan(
+        ["moe", "moedp2"],
+        ["qwen3", "qwen3_moe_debug"],
+        (MOE_LOSS_RTOL, MOE_GRAD_RTOL),
+        8,
+    );
+}
+
+/// A mixture-of-experts model `module`/`config` against torchtitan on `layouts` (1 process,
+/// FSDP2 on 2 ranks), 4 steps with a resume at 2 and both cross-resumes, within `rtol` (loss,
+/// grad norm): every run logged every step, and the `expert_bias_E` of its `moe_layers` layers,
+/// saved at steps 2 and 4 in every run, equal to torchtitan's to the bit.
+fn moe_matches_torchtitan(
+    layouts: [&str; 2],
+    [module, config]: [&str; 2],
+    (loss_rtol, grad_rtol): (f64, f64),
+    moe_layers: u64,
+) {
     let summary = compare(
-        &["moe:1:1:", "moedp2:2:2:"],
+        &[
+            &format!("{}:1:1:", layouts[0]),
+            &format!("{}:2:2:", layouts[1]),
+        ],
         4,
         2,
-        MOE_LOSS_RTOL,
-        MOE_GRAD_RTOL,
+        loss_rtol,
+        grad_rtol,
         &[
             "--module",
-            "qwen3",
+            module,
             "--config",
-            "qwen3_moe_debug",
+            config,
             "--cross",
             "--cross-back",
             "--clean",
@@ -200,10 +227,27 @@ fn qwen3_moe_matches_torchtitan() {
             "expert_bias_E",
         ],
     );
-    assert_trained_and_cross_resumed(&summary, &["moe", "moedp2"], 4);
-    // 8 layers' biases at steps 2 and 4, in every run of both layouts.
-    assert!(summary["buffers_compared"].as_u64().unwrap() >= 2 * 8 * 2 * 4);
+    assert_trained_and_cross_resumed(&summary, &layouts, 4);
+    // Each layer's bias at steps 2 and 4, in the 4 runs of both layouts.
+    assert!(summary["buffers_compared"].as_u64().unwrap() >= 2 * moe_layers * 2 * 4);
     assert_eq!(summary["worst_buffer_abs"].as_f64(), Some(0.0));
+}
+
+/// DeepSeek-V3 (`--module deepseek_v3 --config deepseek_v3_debugmodel`: 6 blocks of multi-head
+/// latent attention with YaRN RoPE, block 0 a dense SwiGLU, blocks 1-5 a mixture of 8 experts,
+/// top-3 softmax, plus 2 shared experts; 33 M parameters) from torchtitan's own seed checkpoint,
+/// 1 process and FSDP2 on 2 ranks, with a resume in the middle and both cross-resumes on each.
+/// Every MoE layer's `expert_bias_E`, as each trainer saved it at steps 2 and 4, must be equal
+/// to the bit; losses and grad norms are held to what was measured (docs/training.md "Model
+/// families": within 7.1e-8 and 2.4e-7, the first step equal to the bit).
+#[test]
+fn deepseek_v3_matches_torchtitan() {
+    moe_matches_torchtitan(
+        ["dsv3", "dsv3dp2"],
+        ["deepseek_v3", "deepseek_v3_debugmodel"],
+        (DSV3_LOSS_RTOL, DSV3_GRAD_RTOL),
+        5,
+    );
 }
 
 /// Tensor parallelism with torchtitan's llama3 plan (sequence parallel, loss parallel).

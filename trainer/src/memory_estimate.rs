@@ -238,7 +238,10 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     // Activation widths under TP: heads and features split as the plan splits q/k/v, w1/w3 and
     // lm_head's outputs.
     let (h_l, k_l, f_l, v_l) = (heads / t, kv_heads / t, ceil_div(f, t), ceil_div(v, t));
-    // Parameters' TP-local shapes by the one TP plan: a block's (layer 0's), the embedding's, the head's.
+    // Parameters' TP-local shapes by the one TP plan: a block's (the first with a mixture of
+    // experts, the largest, when some come after dense ones as in deepseek_v3; else layer 0's),
+    // the embedding's, the head's.
+    let largest_block = (args.n_dense_layers as usize).min(args.n_layers as usize - 1);
     let local = |module: Module| -> Result<Vec<Shape>> {
         args.parameters()
             .into_iter()
@@ -253,7 +256,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             .collect()
     };
     let (block, embed, head) = (
-        local(Module::Layer(0))?,
+        local(Module::Layer(largest_block))?,
         local(Module::Embeddings)?,
         local(Module::Head)?,
     );
@@ -434,7 +437,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let norm_saves = if device_cpu { 2 } else { 1 };
     // The feed-forward's saved tensors and its backward's gradients: a SwiGLU's four (B, S, F)
     // products, or a mixture of experts' (below).
-    let (ffn_saved, ffn_ws) = match args.moe_layer(0) {
+    let (ffn_saved, ffn_ws) = match args.moe_layer(largest_block) {
         None => (4 * tokens * f_l * ab, 3 * tokens * f_l * ab),
         Some(moe) => {
             let (experts, k, f) = (u(moe.num_experts), u(moe.top_k), u(moe.hidden_dim));

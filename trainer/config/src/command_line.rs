@@ -73,6 +73,11 @@ pub const REGISTRY: &[Registered] = &[
         name: "qwen3_moe_debug",
         toml: include_str!("../../../configs/registry/qwen3_moe_debug.toml"),
     },
+    Registered {
+        module: "deepseek_v3",
+        name: "deepseek_v3_debugmodel",
+        toml: include_str!("../../../configs/registry/deepseek_v3_debugmodel.toml"),
+    },
 ];
 
 /// torchtitan 0.3.0 key -> titan's key for the same setting.

@@ -300,7 +300,7 @@ impl Default for Job {
 }
 
 /// The `[model] name`s (torchtitan's `--module`s) titan-train trains.
-pub const MODEL_NAMES: &[&str] = &["llama3", "qwen3"];
+pub const MODEL_NAMES: &[&str] = &["llama3", "qwen3", "deepseek_v3"];
 
 /// `[model]`: which model and tokenizer.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

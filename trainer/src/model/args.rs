@@ -1,4 +1,4 @@
-//! The decoder families' arguments (torchtitan's llama3 and dense qwen3) and their parameters as
+//! The decoder families' arguments (torchtitan's llama3, qwen3 and deepseek_v3) and their parameters as
 //! data: every parameter's torchtitan 0.3.0 fqn, global shape, initialisation and module, in
 //! registration order ([`ModelArgs::parameters`]).
 //! No libtorch: the model build draws these, the parallelism plan places them
@@ -36,6 +36,52 @@ pub enum Family {
     /// Dense Qwen3: q/k RMSNorm, head_dim independent of dim, rotate-half (cos/sin) RoPE,
     /// normal(0.02) init, tied embeddings in the small sizes.
     Qwen3,
+    /// DeepSeek-V3: multi-head latent attention ([`MlaArgs`]) with YaRN RoPE on its rope
+    /// features, dense feed-forwards in the first `n_dense_layers` blocks and mixtures of
+    /// experts with shared experts after, truncated-normal depth-scaled init as llama3's.
+    #[serde(rename = "deepseek_v3")]
+    DeepseekV3,
+}
+
+/// DeepSeek-V3's multi-head latent attention (torchtitan 0.3.0's `deepseek_v3.model.Attention`)
+/// and the YaRN scaling of its RoPE (`ComplexRoPE` with `scaling="yarn"`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MlaArgs {
+    /// 0: queries through one `wq`; else `wq_a` down to this rank, `q_norm`, `wq_b` up.
+    pub q_lora_rank: i64,
+    /// Keys and values come up from this rank (`wkv_a` down, `kv_norm`, `wkv_b` up).
+    pub kv_lora_rank: i64,
+    /// Each head's query/key features without RoPE.
+    pub qk_nope_head_dim: i64,
+    /// Each head's query/key features with RoPE (the key's are shared by every head).
+    pub qk_rope_head_dim: i64,
+    pub v_head_dim: i64,
+    /// YaRN's attention temperature factor (folded into the softmax scale).
+    pub mscale: f64,
+    /// YaRN: the frequencies past the original context are divided by this.
+    pub rope_factor: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub original_seq_len: i64,
+}
+
+impl MlaArgs {
+    /// A head's query/key width.
+    pub fn qk_head_dim(&self) -> i64 {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// torchtitan's `softmax_scale`: `qk_head_dim^-0.5`, times YaRN's
+    /// `(0.1 * mscale * ln(rope_factor) + 1)^2` when the rope is scaled.
+    pub fn softmax_scale(&self) -> f64 {
+        let scale = (self.qk_head_dim() as f64).powf(-0.5);
+        if self.rope_factor > 1.0 {
+            let m = 0.1 * self.mscale * self.rope_factor.ln() + 1.0;
+            scale * m * m
+        } else {
+            scale
+        }
+    }
 }
 
 /// How a router turns gate logits into expert scores (torchtitan's `score_func`).
@@ -66,6 +112,17 @@ pub struct MoeArgs {
     /// `debug.moe_force_load_balance`: experts chosen round-robin, not by score.
     #[serde(default)]
     pub force_load_balance: bool,
+    /// Shared experts: one SwiGLU of hidden size `num_shared_experts * hidden_dim` every token
+    /// goes through, added to the routed output (deepseek_v3).
+    #[serde(default)]
+    pub num_shared_experts: i64,
+    /// Node-limited routing: the experts in this many groups, of which each token picks its
+    /// experts from the `num_limited_groups` with the best two scores (deepseek_v3's large
+    /// flavors).
+    #[serde(default)]
+    pub num_expert_groups: Option<i64>,
+    #[serde(default)]
+    pub num_limited_groups: Option<i64>,
 }
 
 /// How RoPE rotates a head's features.
@@ -111,9 +168,16 @@ pub struct ModelArgs {
     /// `lm_head` is `tok_embeddings`' weight (torchtitan's `enable_weight_tying`).
     #[serde(default)]
     pub tie_embeddings: bool,
-    /// Every block's feed-forward is a mixture of experts (qwen3's MoE flavors).
+    /// Every block's feed-forward is a mixture of experts (qwen3's MoE flavors), but the first
+    /// `n_dense_layers` (deepseek_v3).
     #[serde(default)]
     pub moe: Option<MoeArgs>,
+    /// Blocks with a dense feed-forward before the mixtures of experts start.
+    #[serde(default)]
+    pub n_dense_layers: i64,
+    /// Multi-head latent attention in place of grouped-query attention (deepseek_v3).
+    #[serde(default)]
+    pub mla: Option<MlaArgs>,
 }
 
 impl ModelArgs {
@@ -122,7 +186,10 @@ impl ModelArgs {
         match name {
             "llama3" => Self::flavor(flavor),
             "qwen3" => Self::qwen3(flavor),
-            other => bail!("model `{other}` is not one titan-train builds (it has: llama3, qwen3)"),
+            "deepseek_v3" => Self::deepseek_v3(flavor),
+            other => bail!(
+                "model `{other}` is not one titan-train builds (it has: llama3, qwen3, deepseek_v3)"
+            ),
         }
     }
 
@@ -173,6 +240,8 @@ impl ModelArgs {
             qk_norm: false,
             tie_embeddings: false,
             moe: None,
+            n_dense_layers: 0,
+            mla: None,
         };
         Ok(match name {
             "debugmodel" => Self {
@@ -246,6 +315,8 @@ impl ModelArgs {
             qk_norm: true,
             tie_embeddings: false,
             moe: None,
+            n_dense_layers: 0,
+            mla: None,
         };
         match (dense, moe) {
             (Some((dim, layers, heads, kv, hidden, tie)), _) => Ok(Self {
@@ -264,6 +335,9 @@ impl ModelArgs {
                     route_scale: 1.0,
                     load_balance_coeff: Some(1e-3),
                     force_load_balance: false,
+                    num_shared_experts: 0,
+                    num_expert_groups: None,
+                    num_limited_groups: None,
                 }),
                 ..base(dim, layers, heads, kv)
             }),
@@ -274,12 +348,87 @@ impl ModelArgs {
         }
     }
 
+    /// The flavors torchtitan 0.3.0 ships for deepseek_v3 (`torchtitan/models/deepseek_v3`):
+    /// `debugmodel`, `16B`, `236B`, `671B`. Every block has multi-head latent attention with
+    /// 128 + 64 query/key features (the 64 with YaRN RoPE, factor 40 over 4096 positions) and
+    /// 128 value features per head; the first blocks a dense SwiGLU, the others a mixture of
+    /// experts with shared experts.
+    pub fn deepseek_v3(name: &str) -> Result<Self> {
+        // (dim, layers, vocab, heads, q_lora_rank, expert hidden, shared experts, dense hidden,
+        //  experts, dense layers, top_k, mscale)
+        let (dim, layers, vocab, heads, q_lora, hidden, shared, dense, experts, n_dense, k, mscale) =
+            match name {
+                "debugmodel" => (256, 6, 2048, 16, 0, 256, 2, 1024, 8, 1, 3, 0.70),
+                "16B" => (2048, 27, 102400, 16, 0, 1408, 2, 10944, 64, 1, 6, 0.70),
+                "236B" => (5120, 60, 102400, 128, 1536, 1536, 2, 12288, 160, 1, 6, 1.0),
+                "671B" => (7168, 61, 129280, 128, 1536, 2048, 1, 18432, 256, 3, 8, 1.0),
+                other => bail!(
+                    "unknown deepseek_v3 flavor `{other}` (known: debugmodel, 16B, 236B, 671B)"
+                ),
+            };
+        // (score function, expert groups, limited groups, route scale, route norm)
+        let (score_func, groups, limited, route_scale, route_norm) = match name {
+            "236B" => (ScoreFunc::Softmax, Some(8), Some(3), 16.0, false),
+            "671B" => (ScoreFunc::Sigmoid, Some(8), Some(4), 2.5, true),
+            _ => (ScoreFunc::Softmax, None, None, 1.0, false),
+        };
+        Ok(Self {
+            family: Family::DeepseekV3,
+            dim,
+            n_layers: layers,
+            n_heads: heads,
+            n_kv_heads: None,
+            vocab_size: vocab,
+            multiple_of: 1,
+            ffn_dim_multiplier: None,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            max_seq_len: 4096 * 4,
+            explicit_head_dim: None,
+            explicit_hidden_dim: Some(dense),
+            qk_norm: false,
+            tie_embeddings: false,
+            moe: Some(MoeArgs {
+                num_experts: experts,
+                top_k: k,
+                hidden_dim: hidden,
+                score_func,
+                route_norm,
+                route_scale,
+                load_balance_coeff: Some(1e-3),
+                force_load_balance: false,
+                num_shared_experts: shared,
+                num_expert_groups: groups,
+                num_limited_groups: limited,
+            }),
+            n_dense_layers: n_dense,
+            mla: Some(MlaArgs {
+                q_lora_rank: q_lora,
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+                mscale,
+                rope_factor: 40.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                original_seq_len: 4096,
+            }),
+        })
+    }
+
     pub fn kv_heads(&self) -> i64 {
         self.n_kv_heads.unwrap_or(self.n_heads)
     }
 
+    /// Features per attention head RoPE rotates and the attention kernels see (a latent
+    /// attention's rope features: [`MlaArgs`] has its other widths).
     pub fn head_dim(&self) -> i64 {
-        self.explicit_head_dim.unwrap_or(self.dim / self.n_heads)
+        match &self.mla {
+            Some(m) => m.qk_rope_head_dim,
+            None => self.explicit_head_dim.unwrap_or(self.dim / self.n_heads),
+        }
     }
 
     /// The width of all query heads together (`dim` unless head_dim is given outright).
@@ -292,21 +441,35 @@ impl ModelArgs {
         match self.family {
             Family::Llama3 => RopeStyle::Complex,
             Family::Qwen3 => RopeStyle::CosSin,
+            Family::DeepseekV3 => RopeStyle::Complex,
         }
     }
 
     /// Parameters of transformer block `layer` ([`ModelArgs::parameters`] lists a block's
     /// together): q, k, v, o, (q_norm, k_norm,) the feed-forward's w1, w2, w3 (a mixture of
     /// experts' grouped w1, w2, w3 and its router's gate) and two norms.
+    /// A latent attention has wq (or wq_a, q_norm, wq_b), wkv_a, kv_norm, wkv_b, wo, and a
+    /// mixture of experts with shared experts their w1, w2, w3 too.
     pub fn layer_params(&self, layer: usize) -> usize {
-        BLOCK_PARAMS
-            + if self.qk_norm { 2 } else { 0 }
-            + usize::from(self.moe_layer(layer).is_some())
+        let moe = self.moe_layer(layer);
+        let attention = match &self.mla {
+            Some(m) if m.q_lora_rank > 0 => 7,
+            Some(_) => 5,
+            None => 4 + if self.qk_norm { 2 } else { 0 },
+        };
+        let ffn = match moe {
+            Some(m) => 4 + if m.num_shared_experts > 0 { 3 } else { 0 },
+            None => 3,
+        };
+        attention + ffn + 2
     }
 
-    /// The mixture of experts block `layer` has in place of a dense feed-forward, if any.
-    pub fn moe_layer(&self, _layer: usize) -> Option<&MoeArgs> {
-        self.moe.as_ref()
+    /// The mixture of experts block `layer` has in place of a dense feed-forward, if any (none
+    /// in the first `n_dense_layers`).
+    pub fn moe_layer(&self, layer: usize) -> Option<&MoeArgs> {
+        self.moe
+            .as_ref()
+            .filter(|_| layer as i64 >= self.n_dense_layers)
     }
 
     /// torchtitan's SwiGLU hidden size: given outright (qwen3), or 2/3 of 4*dim, times the
@@ -341,7 +504,9 @@ impl ModelArgs {
     /// term counts the score and value matmuls together as `2 * head_dim`. The matmul params
     /// leave the embedding out, unless it is tied to `lm_head` (then it is the output matmul),
     /// and count the routed experts' active share only: all experts' parameters times
-    /// `top_k / num_experts` (rounded down, as torchtitan's integer division), routers whole.
+    /// `top_k / num_experts` (rounded down, as torchtitan's integer division), routers and
+    /// shared experts whole. A latent attention's term counts `qk_nope + qk_rope + v` features
+    /// per head in place of `2 * head_dim`.
     pub fn flops_per_token(&self, seq_len: i64) -> f64 {
         let (total, embedding) = self.num_params();
         let experts: i64 = self
@@ -360,12 +525,17 @@ impl ModelArgs {
             total - embedding
         } - experts
             + active_experts;
+        let head_dims = match &self.mla {
+            Some(m) => m.qk_head_dim() + m.v_head_dim,
+            None => 2 * self.head_dim(),
+        };
         6.0 * matmul_params as f64
-            + 6.0 * (self.n_layers * self.n_heads * 2 * self.head_dim() * seq_len) as f64
+            + 6.0 * (self.n_layers * self.n_heads * head_dims * seq_len) as f64
     }
 
     pub fn validate(&self) -> Result<()> {
-        let splits = self.explicit_head_dim.is_some() || self.dim % self.n_heads == 0;
+        let splits =
+            self.explicit_head_dim.is_some() || self.mla.is_some() || self.dim % self.n_heads == 0;
         if !splits || self.head_dim() % 2 != 0 {
             bail!(
                 "model dim {} must split into {} heads of even size",
@@ -453,7 +623,7 @@ impl ModelArgs {
         // torchtitan's qwen3 init: normal(0.02) for every linear, the embedding too.
         let normal02 = Init::Normal { std: 0.02 };
         let embedding_init = match self.family {
-            Family::Llama3 => Init::Normal { std: 1.0 },
+            Family::Llama3 | Family::DeepseekV3 => Init::Normal { std: 1.0 },
             Family::Qwen3 => normal02,
         };
         let mut out = vec![spec(
@@ -462,9 +632,10 @@ impl ModelArgs {
             embedding_init,
             Module::Embeddings,
         )];
+        let dsv3 = self.family == Family::DeepseekV3;
         for i in 0..self.n_layers as usize {
             let (std02, depth) = match self.family {
-                Family::Llama3 => {
+                Family::Llama3 | Family::DeepseekV3 => {
                     // Depth-scaled init for the output projections, as torchtitan's depth_init.
                     let depth_std = 0.02 / (2.0 * (i + 1) as f64).sqrt();
                     let trunc = |std| Init::TruncNormal {
@@ -486,30 +657,81 @@ impl ModelArgs {
             };
             let layer = Module::Layer(i);
             let p = |n: &str| format!("layers.{i}.{n}");
-            out.extend([
-                spec(p("attention.qkv_linear.wq.weight"), &[qd, d], std02, layer),
-                spec(p("attention.qkv_linear.wk.weight"), &[kv, d], std02, layer),
-                spec(p("attention.qkv_linear.wv.weight"), &[kv, d], std02, layer),
-                spec(p("attention.wo.weight"), &[d, qd], depth, layer),
-            ]);
+            match &self.mla {
+                // torchtitan's deepseek_v3 `Attention`: queries straight (`wq`) or through a
+                // low rank (`wq_a`, `q_norm`, `wq_b`); keys and values down to the latent
+                // rank plus the shared rope key (`wkv_a`), normalised, up per head (`wkv_b`).
+                Some(m) => {
+                    let (h, qk, r) = (self.n_heads, m.qk_head_dim(), m.q_lora_rank);
+                    if r == 0 {
+                        out.push(spec(p("attention.wq.weight"), &[h * qk, d], std02, layer));
+                    } else {
+                        out.extend([
+                            spec(p("attention.wq_a.weight"), &[r, d], std02, layer),
+                            spec(p("attention.q_norm.weight"), &[r], Init::Ones, layer),
+                            spec(p("attention.wq_b.weight"), &[h * qk, r], std02, layer),
+                        ]);
+                    }
+                    let (kvr, vd) = (m.kv_lora_rank, m.v_head_dim);
+                    let kv_b = h * (m.qk_nope_head_dim + vd);
+                    out.extend([
+                        spec(
+                            p("attention.wkv_a.weight"),
+                            &[kvr + m.qk_rope_head_dim, d],
+                            std02,
+                            layer,
+                        ),
+                        spec(p("attention.kv_norm.weight"), &[kvr], Init::Ones, layer),
+                        spec(p("attention.wkv_b.weight"), &[kv_b, kvr], std02, layer),
+                        spec(p("attention.wo.weight"), &[d, h * vd], depth, layer),
+                    ]);
+                }
+                None => out.extend([
+                    spec(p("attention.qkv_linear.wq.weight"), &[qd, d], std02, layer),
+                    spec(p("attention.qkv_linear.wk.weight"), &[kv, d], std02, layer),
+                    spec(p("attention.qkv_linear.wv.weight"), &[kv, d], std02, layer),
+                    spec(p("attention.wo.weight"), &[d, qd], depth, layer),
+                ]),
+            }
             if self.qk_norm {
                 out.extend([
                     spec(p("attention.q_norm.weight"), &[hdim], Init::Ones, layer),
                     spec(p("attention.k_norm.weight"), &[hdim], Init::Ones, layer),
                 ]);
             }
+            let norms = [
+                spec(p("attention_norm.weight"), &[d], Init::Ones, layer),
+                spec(p("ffn_norm.weight"), &[d], Init::Ones, layer),
+            ];
+            // deepseek_v3's block registers its norms before its feed-forward.
+            let norms_after = if dsv3 {
+                out.extend(norms);
+                None
+            } else {
+                Some(norms)
+            };
+            // deepseek_v3 scales the experts' w3 and the router by depth too.
+            let (w3_init, gate_init) = if dsv3 { (depth, depth) } else { (std02, std02) };
             match self.moe_layer(i) {
                 // torchtitan's `MoE`: its routed experts (one [E, F, D] / [E, D, F] tensor per
-                // SwiGLU weight), then its router's gate.
+                // SwiGLU weight), its router's gate, then its shared experts' SwiGLU.
                 Some(m) => {
                     let (e, f) = (m.num_experts, m.hidden_dim);
                     let experts = |n: &str| p(&format!("moe.routed_experts.inner_experts.{n}"));
                     out.extend([
                         spec(experts("w1_EFD"), &[e, f, d], std02, layer),
                         spec(experts("w2_EDF"), &[e, d, f], depth, layer),
-                        spec(experts("w3_EFD"), &[e, f, d], std02, layer),
-                        spec(p("moe.router.gate.weight"), &[e, d], std02, layer),
+                        spec(experts("w3_EFD"), &[e, f, d], w3_init, layer),
+                        spec(p("moe.router.gate.weight"), &[e, d], gate_init, layer),
                     ]);
+                    if m.num_shared_experts > 0 {
+                        let sf = m.num_shared_experts * f;
+                        out.extend([
+                            spec(p("moe.shared_experts.w1.weight"), &[sf, d], std02, layer),
+                            spec(p("moe.shared_experts.w2.weight"), &[d, sf], depth, layer),
+                            spec(p("moe.shared_experts.w3.weight"), &[sf, d], depth, layer),
+                        ]);
+                    }
                 }
                 None => out.extend([
                     spec(p("feed_forward.w1.weight"), &[hd, d], std02, layer),
@@ -517,15 +739,12 @@ impl ModelArgs {
                     spec(p("feed_forward.w3.weight"), &[hd, d], depth, layer),
                 ]),
             }
-            out.extend([
-                spec(p("attention_norm.weight"), &[d], Init::Ones, layer),
-                spec(p("ffn_norm.weight"), &[d], Init::Ones, layer),
-            ]);
+            out.extend(norms_after.into_iter().flatten());
         }
         out.push(spec("norm.weight".into(), &[d], Init::Ones, Module::Head));
         if !self.tie_embeddings {
             let lm_head_init = match self.family {
-                Family::Llama3 => {
+                Family::Llama3 | Family::DeepseekV3 => {
                     let final_std = (d as f64).powf(-0.5);
                     Init::TruncNormal {
                         std: final_std,
@@ -607,5 +826,96 @@ mod tests {
         );
         assert_eq!(specs[7].shape, [64, 768, 256]);
         assert_eq!(specs[8].shape, [64, 256, 768]);
+    }
+
+    /// deepseek_v3's flavors as torchtitan 0.3.0's meta-device models count them
+    /// (`get_nparams_and_flops`: the attention term with qk_nope + qk_rope + v features per
+    /// head, routers and shared experts whole, the routed experts' active share), and its
+    /// parameters' names and order: a latent attention, the norms, then the dense
+    /// feed-forward (block 0) or the mixture of experts with its shared experts.
+    #[test]
+    fn deepseek_v3_counts_flops_and_names_are_torchtitans() {
+        for (flavor, params, flops_2048) in [
+            ("debugmodel", 33_014_016, 542_934_528.0),
+            ("16B", 15_706_484_224, 16_407_303_168.0),
+            ("236B", 235_741_434_880, 155_308_062_720.0),
+            ("671B", 671_026_404_352, 250_455_926_784.0),
+        ] {
+            let args = ModelArgs::of("deepseek_v3", flavor).unwrap();
+            args.validate().unwrap();
+            assert_eq!(args.num_params().0, params, "{flavor}");
+            assert_eq!(args.flops_per_token(2048), flops_2048, "{flavor}");
+            let specs = args.parameters();
+            let per_layer: usize = (0..args.n_layers as usize)
+                .map(|i| args.layer_params(i))
+                .sum();
+            assert_eq!(specs.len(), 3 + per_layer, "{flavor}");
+        }
+        let args = ModelArgs::of("deepseek_v3", "debugmodel").unwrap();
+        assert_eq!(args.flops_per_token(128), 189_040_128.0);
+        assert_eq!(args.flops_per_token(4096), 920_421_888.0);
+        let specs = args.parameters();
+        let names: Vec<&str> = specs.iter().map(|p| p.fqn.as_str()).collect();
+        assert_eq!(
+            names[..30],
+            [
+                "tok_embeddings.weight",
+                "layers.0.attention.wq.weight",
+                "layers.0.attention.wkv_a.weight",
+                "layers.0.attention.kv_norm.weight",
+                "layers.0.attention.wkv_b.weight",
+                "layers.0.attention.wo.weight",
+                "layers.0.attention_norm.weight",
+                "layers.0.ffn_norm.weight",
+                "layers.0.feed_forward.w1.weight",
+                "layers.0.feed_forward.w2.weight",
+                "layers.0.feed_forward.w3.weight",
+                "layers.1.attention.wq.weight",
+                "layers.1.attention.wkv_a.weight",
+                "layers.1.attention.kv_norm.weight",
+                "layers.1.attention.wkv_b.weight",
+                "layers.1.attention.wo.weight",
+                "layers.1.attention_norm.weight",
+                "layers.1.ffn_norm.weight",
+                "layers.1.moe.routed_experts.inner_experts.w1_EFD",
+                "layers.1.moe.routed_experts.inner_experts.w2_EDF",
+                "layers.1.moe.routed_experts.inner_experts.w3_EFD",
+                "layers.1.moe.router.gate.weight",
+                "layers.1.moe.shared_experts.w1.weight",
+                "layers.1.moe.shared_experts.w2.weight",
+                "layers.1.moe.shared_experts.w3.weight",
+                "layers.2.attention.wq.weight",
+                "layers.2.attention.wkv_a.weight",
+                "layers.2.attention.kv_norm.weight",
+                "layers.2.attention.wkv_b.weight",
+                "layers.2.attention.wo.weight",
+            ]
+        );
+        assert_eq!(names[names.len() - 2..], ["norm.weight", "lm_head.weight"]);
+        let shape = |i: usize| specs[i].shape.as_slice();
+        assert_eq!(
+            [shape(1), shape(2), shape(4), shape(5)],
+            [&[3072, 256][..], &[576, 256], &[4096, 512], &[256, 2048]]
+        );
+        assert_eq!(shape(18), [8, 256, 256]);
+        assert_eq!(shape(22), [512, 256]);
+        // Depth-scaled truncated normals for the residual outputs, the experts' w3 and the
+        // router of block 1 (std 0.02 / sqrt(4)).
+        let depth = Init::TruncNormal {
+            std: 0.01,
+            a: -2.0,
+            b: 2.0,
+        };
+        for i in [15, 19, 20, 21, 23, 24] {
+            assert_eq!(specs[i].init, depth, "{}", specs[i].fqn);
+        }
+        // 671B: low-rank queries, three dense blocks, sigmoid routing in 4 of 8 groups.
+        let big = ModelArgs::of("deepseek_v3", "671B").unwrap();
+        assert!(big.moe_layer(2).is_none() && big.moe_layer(3).is_some());
+        assert_eq!(big.layer_params(3), 7 + 7 + 2);
+        assert_eq!(big.moe.unwrap().num_limited_groups, Some(4));
+        let mla = args.mla.unwrap();
+        // 192^-0.5 * (0.1 * 0.7 * ln 40 + 1)^2.
+        assert!((mla.softmax_scale() - 0.114_251_95).abs() < 1e-8);
     }
 }

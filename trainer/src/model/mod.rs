@@ -1,7 +1,7 @@
-//! The decoder of torchtitan's llama3 and qwen3 families with torchtitan's parameter
-//! names: GQA, RMSNorm, SwiGLU or a mixture of experts ([`moe`]), RoPE (complex with Llama-3.1
-//! scaling, or qwen3's cos/sin with q/k norms and tied embeddings), causal SDPA, initialised as
-//! torchtitan does.
+//! The decoder of torchtitan's llama3, qwen3 and deepseek_v3 families with torchtitan's
+//! parameter names: GQA or DeepSeek-V3's multi-head latent attention ([`mla`]), RMSNorm, SwiGLU
+//! or a mixture of experts ([`moe`]), RoPE (complex with Llama-3.1 or YaRN scaling, or qwen3's
+//! cos/sin with q/k norms and tied embeddings), causal SDPA, initialised as torchtitan does.
 //!
 //! Parameters live in one fqn-keyed list ([`Llama::named_parameters`]) in torchtitan's
 //! registration order, so checkpointing and the optimizer address them by name; the per-layer
@@ -26,10 +26,11 @@ use crate::parallelize::{ParallelPlan, Placement};
 use crate::recompute::{checkpoint, kept_linear};
 
 mod args;
+mod mla;
 pub mod moe;
 pub use args::{
-    BLOCK_PARAMS, Family, Init, ModelArgs, Module, MoeArgs, ParamSpec, RopeScaling, RopeStyle,
-    ScoreFunc,
+    BLOCK_PARAMS, Family, Init, MlaArgs, ModelArgs, Module, MoeArgs, ParamSpec, RopeScaling,
+    RopeStyle, ScoreFunc,
 };
 use moe::{MoeBuffers, MoeWeights};
 
@@ -67,6 +68,9 @@ fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
 /// `exp(i * t * freq)` (S, head_dim/2) for [`RopeStyle::Complex`], or `[cos | sin]` of the
 /// angles repeated over both halves (S, 2 * head_dim) for [`RopeStyle::CosSin`].
 pub fn precompute_freqs_cis(args: &ModelArgs, device: Device) -> Tensor {
+    if let Some(m) = &args.mla {
+        return mla::yarn_table(args, m, device);
+    }
     if args.rope_style() == RopeStyle::CosSin {
         return cos_sin_table(args).to_device(device);
     }
@@ -76,17 +80,21 @@ pub fn precompute_freqs_cis(args: &ModelArgs, device: Device) -> Tensor {
     Tensor::polar(&angles.ones_like(), &angles).to_device(device)
 }
 
-/// torchtitan's `CosSinRoPE` cache, built with the same tensor operations in float32 (so the
-/// same rounding): `inv_freq = 1 / theta^(2i/d)`, angles `t * inv_freq` for both halves.
-fn cos_sin_table(args: &ModelArgs) -> Tensor {
-    let dim = args.head_dim();
-    let cpu = (Kind::Float, Device::Cpu);
+/// RoPE's inverse frequencies `1 / theta^(2i/dim)` (dim/2 of them) on the CPU as torchtitan's
+/// `CosSinRoPE` and YaRN compute them: with torch's float32 tensor operations.
+fn inverse_frequencies(dim: i64, theta: f64) -> Tensor {
     let exponents = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, Device::Cpu))
         .narrow(0, 0, dim / 2)
         .to_kind(Kind::Float)
         / dim as f64;
-    let inv_freq = Tensor::pow_scalar(args.rope_theta, &exponents).reciprocal();
-    let t = Tensor::arange(args.max_seq_len, cpu);
+    Tensor::pow_scalar(theta, &exponents).reciprocal()
+}
+
+/// torchtitan's `CosSinRoPE` cache, built with the same tensor operations in float32 (so the
+/// same rounding): `inv_freq = 1 / theta^(2i/d)`, angles `t * inv_freq` for both halves.
+fn cos_sin_table(args: &ModelArgs) -> Tensor {
+    let inv_freq = inverse_frequencies(args.head_dim(), args.rope_theta);
+    let t = Tensor::arange(args.max_seq_len, (Kind::Float, Device::Cpu));
     let freqs = t.outer(&inv_freq);
     let angles = Tensor::cat(&[&freqs, &freqs], -1);
     Tensor::cat(&[angles.cos(), angles.sin()], -1)
@@ -241,15 +249,25 @@ struct Weight {
 }
 
 struct Layer {
+    attention: Attention,
+    ffn: FeedForward,
+    attention_norm: Tensor,
+    ffn_norm: Tensor,
+}
+
+/// A block's attention: grouped-query (llama3, qwen3), or latent (deepseek_v3).
+enum Attention {
+    Gqa(GqaWeights),
+    Mla(mla::MlaWeights),
+}
+
+struct GqaWeights {
     wq: Weight,
     wk: Weight,
     wv: Weight,
     wo: Weight,
-    ffn: FeedForward,
     /// qwen3's RMSNorm weights over each head's q and k.
     qk_norm: Option<(Tensor, Tensor)>,
-    attention_norm: Tensor,
-    ffn_norm: Tensor,
 }
 
 /// A block's feed-forward: a SwiGLU, or a mixture of experts.
@@ -260,9 +278,10 @@ enum FeedForward {
 
 impl Layer {
     /// A block's parameters in registration order (as its FSDP unit gathers them), with the
-    /// q/k norms after `wo` when `qk_norm`, and a mixture of experts' four parameters in place
-    /// of w1, w2, w3 when `moe`.
-    fn from_params(g: Gathered, qk_norm: bool, moe: bool) -> Layer {
+    /// q/k norms after `wo` when `qk_norm`, and a mixture of experts' four parameters (seven
+    /// with shared experts) in place of w1, w2, w3 when `moe`. A latent attention's block
+    /// ([`mla::MlaWeights::take`]) has its two norms before its feed-forward.
+    fn from_params(g: Gathered, shape: &BlockShape, moe: Option<&MoeArgs>) -> Layer {
         let mut weights = g
             .params
             .into_iter()
@@ -273,28 +292,48 @@ impl Layer {
                 .next()
                 .expect("a transformer block has its parameters")
         };
-        let (wq, wk, wv, wo) = (next(), next(), next(), next());
-        let qk_norm = qk_norm.then(|| (next().value, next().value));
-        let ffn = if moe {
-            FeedForward::Moe(MoeWeights {
-                w1: next().value,
-                w2: next().value,
-                w3: next().value,
-                gate: next().value,
-            })
-        } else {
-            let (w1, w2, w3) = (next(), next(), next());
-            FeedForward::Dense { w1, w2, w3 }
+        let (attention, norms) = match &shape.mla {
+            Some(m) => {
+                let attention = Attention::Mla(mla::MlaWeights::take(m, &mut next));
+                (attention, Some((next().value, next().value)))
+            }
+            None => {
+                let (wq, wk, wv, wo) = (next(), next(), next(), next());
+                let qk_norm = shape.qk_norm.then(|| (next().value, next().value));
+                let gqa = GqaWeights {
+                    wq,
+                    wk,
+                    wv,
+                    wo,
+                    qk_norm,
+                };
+                (Attention::Gqa(gqa), None)
+            }
         };
+        let ffn = match moe {
+            Some(args) => {
+                let (w1, w2, w3, gate) = (next().value, next().value, next().value, next().value);
+                let shared = (args.num_shared_experts > 0)
+                    .then(|| [next().value, next().value, next().value]);
+                FeedForward::Moe(MoeWeights {
+                    w1,
+                    w2,
+                    w3,
+                    gate,
+                    shared,
+                })
+            }
+            None => {
+                let (w1, w2, w3) = (next(), next(), next());
+                FeedForward::Dense { w1, w2, w3 }
+            }
+        };
+        let (attention_norm, ffn_norm) = norms.unwrap_or_else(|| (next().value, next().value));
         Layer {
-            wq,
-            wk,
-            wv,
-            wo,
-            qk_norm,
+            attention,
             ffn,
-            attention_norm: next().value,
-            ffn_norm: next().value,
+            attention_norm,
+            ffn_norm,
         }
     }
 }
@@ -315,6 +354,8 @@ struct BlockShape {
     qk_norm: bool,
     /// How the model's mixtures of experts route (the blocks that have one).
     moe: Option<MoeArgs>,
+    /// The model's latent attention (deepseek_v3).
+    mla: Option<MlaArgs>,
 }
 
 impl BlockShape {
@@ -330,6 +371,7 @@ impl BlockShape {
             scale: args.explicit_head_dim.map(|hd| (hd as f64).powf(-0.5)),
             qk_norm: args.qk_norm,
             moe: args.moe,
+            mla: args.mla,
         }
     }
 }
@@ -715,6 +757,10 @@ impl Llama {
     /// norms are summed in this order, so one process's norm is torchtitan's bit for bit.
     pub fn grads_as_torchtitan_parameters(&self) -> Vec<(Tensor, bool)> {
         let grad = |i: usize| (self.params[i].1.grad(), self.placements[i].tp_dim.is_some());
+        if self.args.mla.is_some() {
+            // A latent attention's parameters are torchtitan's as they are.
+            return (0..self.params.len()).map(grad).collect();
+        }
         // Where each of this rank's blocks starts in the parameter list.
         let mut at = usize::from(self.embeddings.is_some());
         let block_starts: Vec<usize> = self
@@ -943,7 +989,9 @@ impl Llama {
     /// (FlashAttention's varlen kernel takes bf16/fp16 only).
     pub fn with_attn_backend(mut self, backend: AttnBackend, activations: Kind) -> Self {
         self.attn_backend = backend;
+        // A latent attention's q/k and v widths differ: it runs SDPA (with the document mask).
         self.varlen_kernel = backend.document_causal()
+            && self.args.mla.is_none()
             && matches!(activations, Kind::BFloat16 | Kind::Half)
             && probe_varlen_kernel(self.device());
         self
@@ -1071,9 +1119,9 @@ impl Llama {
             let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
             let forward_pass = Arc::new(AtomicBool::new(true));
             let in_forward = forward_pass.clone();
-            let moe_layer = self.args.moe_layer(index).is_some();
+            let moe_layer = self.args.moe_layer(index).copied();
             let gather = move || {
-                let layer = Layer::from_params(unit_.gather(), shape.qk_norm, moe_layer);
+                let layer = Layer::from_params(unit_.gather(), &shape, moe_layer.as_ref());
                 if in_forward.swap(false, Ordering::Relaxed)
                     && let Some(next) = &next
                 {
@@ -1296,7 +1344,7 @@ impl Matmuls {
 
     /// q, k and v of `x` (each (B, S, heads * head_dim)): three linears, or with float8 on all
     /// three one linear over torchtitan 0.3.0's fused `wqkv` (counted as one matmul).
-    fn qkv(&self, x: &Tensor, layer: &Layer, shape: BlockShape) -> (Tensor, Tensor, Tensor) {
+    fn qkv(&self, x: &Tensor, layer: &GqaWeights, shape: BlockShape) -> (Tensor, Tensor, Tensor) {
         match &self.float8.qkv {
             Qkv::Fused(f8) => {
                 let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
@@ -1378,7 +1426,17 @@ fn block(
     let x = tp.enter(&h.rms_norm([d], Some(&layer.attention_norm), eps));
     // `h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h` for the
     // rms_norm backward, so an in-place add breaks the backward pass.
-    let h = h + tp.exit(&attention(layer, shape, ctx, &x, mm));
+    let attended = match &layer.attention {
+        Attention::Gqa(gqa) => attention(gqa, shape, ctx, &x, mm),
+        Attention::Mla(weights) => {
+            let m = shape
+                .mla
+                .as_ref()
+                .expect("a latent attention has its arguments");
+            mla::attention(weights, m, shape, ctx, &x, mm)
+        }
+    };
+    let h = h + tp.exit(&attended);
     let x = tp.enter(&h.rms_norm([d], Some(&layer.ffn_norm), eps));
     let f8 = &mm.float8;
     let out = match (&layer.ffn, moe, &shape.moe) {
@@ -1397,7 +1455,7 @@ fn block(
 }
 
 fn attention(
-    layer: &Layer,
+    layer: &GqaWeights,
     shape: BlockShape,
     ctx: &ForwardContext,
     x: &Tensor,
@@ -1437,28 +1495,43 @@ fn attention(
             mm.float8.wo.as_ref(),
         );
     }
-    let mask = match &ctx.attend {
-        Attend::Masked(m) => Some(m),
-        Attend::Causal | Attend::Varlen(..) => None,
-    };
     // Grouped-query attention as torchtitan asks SDPA for it (`enable_gqa`: each kv head
     // serves n_heads / kv_heads consecutive query heads), not with k and v repeated first:
     // torch picks another CPU kernel for the repeated form, which rounds differently.
-    let out = Tensor::scaled_dot_product_attention::<&Tensor>(
+    let out = sdpa(&q, &k, &v, &ctx.attend, shape.scale, kvh != h);
+    mm.linear(
+        &out.reshape([b, s, h * hd]),
+        &layer.wo,
+        mm.float8.wo.as_ref(),
+    )
+}
+
+/// Causal SDPA, or with the document-causal mask, over heads laid out (B, S, H, D) as
+/// torchtitan's attention modules hold them (its flex attention runs SDPA with the mask on a
+/// CPU): the output (B, S, H, D_v). `attend` is not [`Attend::Varlen`], which has its kernel.
+fn sdpa(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    attend: &Attend,
+    scale: Option<f64>,
+    gqa: bool,
+) -> Tensor {
+    let mask = match attend {
+        Attend::Masked(m) => Some(m),
+        Attend::Causal | Attend::Varlen(..) => None,
+    };
+    Tensor::scaled_dot_product_attention::<&Tensor>(
         &q.transpose(1, 2),
         &k.transpose(1, 2),
         &v.transpose(1, 2),
         mask,
         0.0,
         mask.is_none(),
-        shape.scale,
-        kvh != h,
-    );
-    mm.linear(
-        &out.transpose(1, 2).reshape([b, s, h * hd]),
-        &layer.wo,
-        mm.float8.wo.as_ref(),
+        scale,
+        gqa,
     )
+    .transpose(1, 2)
 }
 
 #[cfg(test)]

@@ -26,6 +26,8 @@ pub(super) struct MoeWeights {
     pub w3: Tensor,
     /// The router's gate (E, D).
     pub gate: Tensor,
+    /// The shared experts' SwiGLU `w1`, `w2`, `w3` (deepseek_v3), if any.
+    pub shared: Option<[Tensor; 3]>,
 }
 
 /// A MoE layer's state besides its parameters: torchtitan's buffers.
@@ -55,7 +57,8 @@ impl MoeBuffers {
     }
 }
 
-/// The MoE feed-forward of `x` (B, S, D): the routed experts' outputs added per token. With
+/// The MoE feed-forward of `x` (B, S, D): the routed experts' outputs added per token, plus the
+/// shared experts' output when there are shared experts (added after, as torchtitan). With
 /// `count`, the tokens sent to each expert are added to its `tokens_per_expert` (a training
 /// forward pass; not its recompute in backward, which would count them twice).
 pub(super) fn forward(
@@ -88,9 +91,17 @@ pub(super) fn forward(
     // (torchtitan's deterministic scatter-add).
     let out = (out.to_kind(Kind::Float) * sorted_scores.reshape([-1, 1])).to_kind(out.kind());
     let index = token_of.reshape([-1, 1]).expand([-1, d], false);
-    x_td.zeros_like()
+    let routed = x_td
+        .zeros_like()
         .scatter_add(0, &index, &out)
-        .view([b, s, d])
+        .view([b, s, d]);
+    match &weights.shared {
+        Some([w1, w2, w3]) => {
+            let up = x.linear::<&Tensor>(w1, None).silu() * x.linear::<&Tensor>(w3, None);
+            routed + up.linear::<&Tensor>(w2, None)
+        }
+        None => routed,
+    }
 }
 
 /// The router: (the chosen experts' weights (B, S, K), their indices (B, S, K)).
@@ -123,6 +134,10 @@ fn route(
             Some(bias) => &scores + bias,
             None => scores.shallow_clone(),
         };
+        let choice = match (args.num_expert_groups, args.num_limited_groups) {
+            (Some(groups), Some(limited)) => limit_to_groups(&choice, groups, limited),
+            _ => choice,
+        };
         choice.topk(args.top_k, -1, true, false).1
     };
     let mut chosen = scores.gather(-1, &experts, false);
@@ -130,6 +145,26 @@ fn route(
         chosen = &chosen / (chosen.sum_dim_intlist(-1, true, None::<Kind>) + 1e-20);
     }
     (chosen * args.route_scale, experts)
+}
+
+/// Node-limited routing (torchtitan's `_get_node_limited_routing_scores`): the experts in
+/// `groups` equal groups, each scored by its two best experts' `choice` scores; the experts
+/// outside the `limited` best groups are not chosen (their scores become -inf).
+fn limit_to_groups(choice: &Tensor, groups: i64, limited: i64) -> Tensor {
+    let (b, s, e) = choice.size3().expect("scores are (B, S, E)");
+    let grouped = choice.view([b, s, groups, e / groups]);
+    let group_scores = grouped
+        .topk(2, -1, true, true)
+        .0
+        .sum_dim_intlist(-1, false, None::<Kind>);
+    let chosen = group_scores.topk(limited, -1, true, false).1;
+    let dropped = group_scores
+        .ones_like()
+        .to_kind(Kind::Bool)
+        .scatter_value(-1, &chosen, 0);
+    grouped
+        .masked_fill(&dropped.unsqueeze(-1), f64::NEG_INFINITY)
+        .view([b, s, e])
 }
 
 /// Every expert's SwiGLU over its run of `routed` tokens (R, D), `per_expert` (E,) tokens

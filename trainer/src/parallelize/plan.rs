@@ -69,6 +69,20 @@ pub const LLAMA3_TP_PLAN: &[(&str, TpStyle)] = &[
         TpStyle::ExpertRows,
     ),
     ("moe.router.gate.weight", TpStyle::Replicated),
+    // deepseek_v3's shared experts: a SwiGLU beside the routed experts, split as the
+    // feed-forward is.
+    ("moe.shared_experts.w1.weight", TpStyle::Rows),
+    ("moe.shared_experts.w2.weight", TpStyle::Cols),
+    ("moe.shared_experts.w3.weight", TpStyle::Rows),
+    // deepseek_v3's latent attention (`set_deepseek_v3_sharding_config`): the down-projections
+    // to the low ranks and their norms whole, the up-projections per head column-wise (wo is
+    // row-wise, as above).
+    ("attention.wq.weight", TpStyle::Rows),
+    ("attention.wq_a.weight", TpStyle::Replicated),
+    ("attention.wq_b.weight", TpStyle::Rows),
+    ("attention.wkv_a.weight", TpStyle::Replicated),
+    ("attention.kv_norm.weight", TpStyle::Replicated),
+    ("attention.wkv_b.weight", TpStyle::Rows),
     ("attention_norm.weight", TpStyle::Replicated),
     ("ffn_norm.weight", TpStyle::Replicated),
     ("norm.weight", TpStyle::Replicated),
@@ -117,6 +131,9 @@ mod tests {
             ("llama3", "debugmodel"),
             ("qwen3", "debugmodel"),
             ("qwen3", "debugmodel_moe"),
+            ("deepseek_v3", "debugmodel"),
+            ("deepseek_v3", "236B"),
+            ("deepseek_v3", "671B"),
         ] {
             for spec in ModelArgs::of(name, flavor).unwrap().parameters() {
                 tp_style(&spec.fqn).unwrap();
