@@ -63,10 +63,13 @@ pub const REDUCTIONS_IN_FLIGHT: usize = 2;
 /// step's [`FsdpUnit::finish_gradients`]); past [`REDUCTIONS_IN_FLIGHT`] the oldest is waited
 /// for. Issue order is kept, so each shard's gradient sums its microbatches in order.
 #[derive(Clone, Default)]
-pub struct Reductions(Arc<Mutex<VecDeque<(Arc<UnitState>, Reduction)>>>);
+pub struct Reductions(Arc<Mutex<ReductionQueue>>);
+
+/// Reductions in flight, oldest first, each with the unit whose shards it reduces.
+type ReductionQueue = VecDeque<(Arc<UnitState>, Reduction)>;
 
 impl Reductions {
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<(Arc<UnitState>, Reduction)>> {
+    fn queue(&self) -> std::sync::MutexGuard<'_, ReductionQueue> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
