@@ -12,4 +12,5 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 cargo build --workspace --bins --tests --locked
 # The NCCL backend (cudarc, dynamic loading) must compile even though CI has no GPU.
 cargo check -p titan-train --features nccl --lib --locked
-cargo test --workspace --locked
+# Every test binary runs even after one fails: a failure early on must not hide the others'.
+cargo test --workspace --locked --no-fail-fast
