@@ -163,12 +163,14 @@ def read_jsonl(path, kind=None):
 
 
 def seed_checkpoint(workdir, assets, config="llama3_debugmodel"):
-    """torchtitan's seed checkpoint (one process, model only): both trainers start from it."""
+    """torchtitan's seed checkpoint (one process, model only, fp32: some registry configs save
+    the optimizer and export fp16 at the last step): both trainers start from it."""
     seed_dir = os.path.join(workdir, "seed")
     step0 = os.path.join(seed_dir, "checkpoint", "step-0")
     if not os.path.exists(os.path.join(step0, ".metadata")):
         args = common_args(assets, 1, config=config) + [
             "--dump_folder", seed_dir, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+            "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32",
             "--parallelism.data_parallel_shard_degree", "1",
         ]
         torchtitan(1, args, os.path.join(workdir, "unused.jsonl"))
@@ -196,6 +198,19 @@ def saved_buffers(dump, pattern):
             dcp.load(sd, checkpoint_id=path, no_dist=True)
         out[name.split("-", 1)[1]] = {k: v.float().tolist() for k, v in sd.items()}
     return out
+
+
+def checkpoint_args(a, seed, steps):
+    """Checkpointing for a run that stops at STEPS: from the seed, a full save every RESUME_AT
+    steps (a resume needs the optimizer, lr and data position). The run's last save is full
+    too, unless --clean asks to spare the disk and the run trains to the end: then it holds
+    only the model and its buffers, in fp32 (nothing resumes from it; a MoE model's biases are
+    still compared), a third of a full save."""
+    args = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
+            "--checkpoint.interval", str(a.resume_at)]
+    if a.clean and steps == a.steps:
+        return args + ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32"]
+    return args + ["--checkpoint.no-last-save-model-only"]
 
 
 def rel(a, b):
@@ -230,8 +245,9 @@ def main():
                     default=None,
                     help="how torchtitan's float8 converter runs on a CPU")
     ap.add_argument("--clean", action="store_true",
-                    help="delete each run's checkpoints once its losses are read (a large model's "
-                         "checkpoints would otherwise fill the disk)")
+                    help="delete each run's checkpoints once its losses are read, and make a run's "
+                         "final save model-only (a large model's checkpoints would otherwise "
+                         "fill the disk)")
     ap.add_argument("--buffers", default=None, metavar="PATTERN",
                     help="also compare the checkpointed tensors whose keys contain PATTERN "
                          "(a MoE model's expert_bias_E) at every saved step: they must be equal")
@@ -269,12 +285,11 @@ def main():
                 continue
             for mode in ("unbroken", "resumed"):
                 dump = os.path.join(a.workdir, f"{name}-{who}-{mode}")
-                ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
-                        "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
                 stops = [a.resume_at, a.steps] if mode == "resumed" else [a.steps]
                 losses = os.path.join(dump, "parity_losses.jsonl")
                 for steps in stops:
-                    args = common_args(assets, steps, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra
+                    args = (common_args(assets, steps, a.steps, a.config) + ["--dump_folder", dump]
+                            + checkpoint_args(a, seed, steps) + extra)
                     if who == "torchtitan":
                         torchtitan(tt_n, args, losses)
                     else:
@@ -289,11 +304,11 @@ def main():
             # torchtitan trains to RESUME_AT and saves; titan-train resumes from that checkpoint in
             # the same folder and trains on: its steps must be torchtitan's unbroken run's.
             dump = os.path.join(a.workdir, f"{name}-cross")
-            ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
-                    "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
             losses = os.path.join(dump, "parity_losses.jsonl")
-            torchtitan(tt_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra, losses)
-            titan(a.titan_train, titan_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra)
+            torchtitan(tt_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump]
+                       + checkpoint_args(a, seed, a.resume_at) + extra, losses)
+            titan(a.titan_train, titan_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump]
+                  + checkpoint_args(a, seed, a.steps) + extra)
             first = [r for r in read_jsonl(losses) if r["step"] <= a.resume_at]
             rest = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] > a.resume_at]
             result["torchtitan_then_titan"] = first + rest
@@ -305,11 +320,11 @@ def main():
             # titan-train trains to RESUME_AT and saves; torchtitan resumes from that checkpoint
             # in the same folder and trains on: its steps must be its own unbroken run's.
             dump = os.path.join(a.workdir, f"{name}-cross-back")
-            ckpt = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
-                    "--checkpoint.interval", str(a.resume_at), "--checkpoint.no-last-save-model-only"]
             losses = os.path.join(dump, "parity_losses.jsonl")
-            titan(a.titan_train, titan_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra)
-            torchtitan(tt_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump] + ckpt + extra, losses)
+            titan(a.titan_train, titan_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump]
+                  + checkpoint_args(a, seed, a.resume_at) + extra)
+            torchtitan(tt_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump]
+                       + checkpoint_args(a, seed, a.steps) + extra, losses)
             first = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] <= a.resume_at]
             rest = [r for r in read_jsonl(losses) if r["step"] > a.resume_at]
             result["titan_then_torchtitan"] = first + rest

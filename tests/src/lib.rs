@@ -354,13 +354,50 @@ impl Drop for MotoServer {
     }
 }
 
+static BINARY_TEMPDIR: OnceLock<PathBuf> = OnceLock::new();
+
+unsafe extern "C" {
+    /// libc's: libtest ends a test binary with `std::process::exit`, which runs these.
+    fn atexit(callback: extern "C" fn()) -> std::ffi::c_int;
+}
+
+extern "C" fn remove_binary_tempdir() {
+    if let Some(dir) = BINARY_TEMPDIR.get() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// A temporary folder for the fixtures a test binary's tests share, removed when the binary
+/// exits. (A `TempDir` held in a static is never dropped: fixtures kept that way stayed in
+/// /tmp after every run, gigabytes a day on a CI machine.)
+pub fn binary_tempdir() -> &'static Path {
+    BINARY_TEMPDIR.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("titan-tests-")
+            .tempdir()
+            .expect("a temporary folder")
+            .keep();
+        // SAFETY: registers a plain function; it only reads a set OnceLock and removes files.
+        if unsafe { atexit(remove_binary_tempdir) } != 0 {
+            eprintln!("note: {} will not be removed at exit", dir.display());
+        }
+        dir
+    })
+}
+
+/// A new empty folder `name` inside [`binary_tempdir`] (one per shared fixture).
+pub fn binary_subdir(name: &str) -> PathBuf {
+    let dir = binary_tempdir().join(name);
+    std::fs::create_dir_all(&dir).expect("a fixture folder");
+    dir
+}
+
 /// The folder a fixture script's `make DIR FLAVOR` filled (`script()` is the script's command,
 /// before `make`), made on first use, once per test binary: one lock per flavor, so different
 /// flavors are made in parallel and one flavor once.
 pub fn fixture_made_once(flavor: &str, script: impl FnOnce() -> Command) -> PathBuf {
-    static ROOT: OnceLock<tempfile::TempDir> = OnceLock::new();
     static MADE: Mutex<BTreeMap<String, Arc<OnceLock<PathBuf>>>> = Mutex::new(BTreeMap::new());
-    let root = ROOT.get_or_init(|| tempfile::tempdir().unwrap()).path();
+    let root = binary_tempdir();
     let cell = MADE
         .lock()
         .unwrap()

@@ -7,20 +7,20 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use titan_tests::{
-    ckpt, output_text, python_script, run_ok, tf4_python_script, tt_python_script, workspace_root,
+    binary_subdir, ckpt, output_text, python_script, run_ok, tf4_python_script, tt_python_script,
+    workspace_root,
 };
 
 const SCRIPT: &str = "tests/python/tt_ckpt_llama3.py";
 
 /// The torchtitan fixtures, made once per test binary.
 fn fixtures() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
-        run_ok(tt_python_script(SCRIPT).arg("make").arg(d.path()));
+        let d = binary_subdir("torchtitan");
+        run_ok(tt_python_script(SCRIPT).arg("make").arg(&d));
         d
     })
-    .path()
 }
 
 fn check_hf(hf: &Path, tf4: bool) -> String {

@@ -16,11 +16,7 @@ use titan_tests::python_script;
 fn torch_out() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("dcp-torch-")
-            .tempdir()
-            .unwrap()
-            .keep();
+        let dir = titan_tests::binary_subdir("dcp-torch");
         let out = python_script("tests/python/dcp_torch_save.py")
             .arg(&dir)
             .output()

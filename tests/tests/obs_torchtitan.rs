@@ -18,7 +18,7 @@ const STRAGGLER: u64 = 1;
 fn fixture() -> &'static (PathBuf, Value) {
     static F: OnceLock<(PathBuf, Value)> = OnceLock::new();
     F.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("tempdir").keep();
+        let dir = titan_tests::binary_subdir("run");
         let run = dir.join("run");
         let expected = dir.join("expected.json");
         run_ok(

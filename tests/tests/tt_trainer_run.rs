@@ -9,28 +9,27 @@
 //!   checkpoints (`initial_load_path`) and,
 //!   taking one step at learning rate 0, save exactly the weights they loaded.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
 use titan_tests::{
-    SMALL_DETERMINISTIC_RUN, bin, python_script, run_ok, tf4_python_script, titan_ckpt,
-    titan_train, tt_python_script,
+    SMALL_DETERMINISTIC_RUN, bin, binary_subdir, python_script, run_ok, tf4_python_script,
+    titan_ckpt, titan_train, tt_python_script,
 };
 
 /// The Trainer's run folder (`run/`) and the references next to it.
 fn trainer_run() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let d = tempfile::tempdir().unwrap();
+        let d = binary_subdir("trainer");
         run_ok(
             tt_python_script("tests/python/tt_ckpt_trainer.py")
                 .arg("make")
-                .arg(d.path()),
+                .arg(&d),
         );
         d
     })
-    .path()
 }
 
 const CHECKS: &str = "tests/python/tt_ckpt_llama3.py";
