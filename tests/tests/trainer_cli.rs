@@ -316,12 +316,6 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
     let dump = dir.path().join("never");
     let dump = dump.to_str().unwrap();
     let qwen3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel"];
-    let qwen3_tp = [&qwen3[..], &["--nproc-per-node", "2"]].concat();
-    let qwen3_tp = [
-        &qwen3_tp[..],
-        &["--parallelism.tensor_parallel_degree", "2"],
-    ]
-    .concat();
     let qwen3_pp = [&qwen3[..], &["--nproc-per-node", "2"]].concat();
     let qwen3_pp = [
         &qwen3_pp[..],
@@ -330,17 +324,7 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
     .concat();
     let qwen3_hf = [&qwen3[..], &["--checkpoint.last_save_in_hf", "true"]].concat();
     let qwen3_f8 = [&qwen3[..], &["--float8.enable_float8_linear", "true"]].concat();
-    let dsv3_tp = [
-        "--model.name",
-        "deepseek_v3",
-        "--model.flavor",
-        "debugmodel",
-        "--nproc-per-node",
-        "2",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-    ];
-    let cases: [(&[&str], &str); 15] = [
+    let cases: [(&[&str], &str); 13] = [
         // 16 heads over 3 tp ranks.
         (
             &[
@@ -407,7 +391,6 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
         ),
         // What titan-train does not build for qwen3 yet, and torchtitan's refusal of PP over
         // tied embeddings; forced expert balance on a model without experts.
-        (&qwen3_tp, "parallelism.tensor_parallel_degree"),
         (&qwen3_pp, "parallelism.pipeline_parallel_degree"),
         (&qwen3_hf, "checkpoint.last_save_in_hf"),
         (&qwen3_f8, "float8.enable_float8_linear"),
@@ -419,8 +402,7 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
             &["--model.name", "qwen3", "--model.flavor", "30B"],
             "debugmodel_moe",
         ),
-        // deepseek_v3 trains on data-parallel layouts only, as qwen3; its flavors are named.
-        (&dsv3_tp, "parallelism.tensor_parallel_degree"),
+        // deepseek_v3's flavors are named.
         (
             &["--model.name", "deepseek_v3", "--model.flavor", "7B"],
             "671B",

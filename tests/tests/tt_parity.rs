@@ -13,11 +13,12 @@
 //! Layouts in CI, in fp32, both trainers on the same layout: 1 process, FSDP2 (2 ranks), DDP (2
 //! ranks), TP2 (`--parallelism.spmd_backend partial_dtensor` for torchtitan on CPU), FSDP2 x TP2
 //! and HSDP 2x2 (4 ranks); dense qwen3 (`--module qwen3 --config qwen3_debugmodel`, from
-//! torchtitan's qwen3 seed checkpoint) and qwen3 MoE (`qwen3_moe_debug`, its `expert_bias_E`
-//! equal to the bit) on 1 process and FSDP2; DeepSeek-V3 (`deepseek_v3_debugmodel`, the same
-//! checks); 1 process in bf16 mixed precision; float8 (`llama3_debugmodel_float8`:
-//! tensorwise emulated, and rowwise through `_scaled_mm`) on 1 process. The full matrix is
-//! `bash bench/trainer/parity.sh`.
+//! torchtitan's qwen3 seed checkpoint; TP2 with and without sequence parallelism too) and qwen3
+//! MoE (`qwen3_moe_debug`, its `expert_bias_E` equal to the bit) on 1 process and FSDP2;
+//! DeepSeek-V3 (`deepseek_v3_debugmodel`, the same checks, PP2 with 1F1B, TP2 with and
+//! without sequence parallelism); 1 process in bf16 mixed precision; float8
+//! (`llama3_debugmodel_float8`: tensorwise emulated, and rowwise through `_scaled_mm`) on 1
+//! process. The full matrix is `bash bench/trainer/parity.sh`.
 //!
 //! Tolerances, from measurements (docs/training.md, "Parity with torchtitan"): fp32 losses and
 //! grad norms 1e-5 on every layout (measured <= 1.2e-7 and <= 2.2e-7); bf16 losses and grad
@@ -169,6 +170,31 @@ fn qwen3_dense_matches_torchtitan() {
     assert_trained_and_cross_resumed(&summary, &["qwen3", "qwen3dp2"], 4);
 }
 
+/// Dense qwen3 under tensor parallelism with torchtitan's qwen3 plan, TP2 with sequence
+/// parallelism (torchtitan's default) and without: its per-head q/k norms are whole on each
+/// rank over that rank's heads, so their gradients are summed over tp on both (without
+/// sequence parallelism nothing else is). The tied embedding is split by vocabulary for the
+/// lookup and the output layer alike. Measured 2026-11-27 with sequence parallelism: losses
+/// within 6.9e-8, grad norms within 2.4e-6; with the q/k norms' gradients left unsummed the
+/// run without it was off by 9.0e-5 in grad norm.
+#[test]
+fn qwen3_tensor_parallel_matches_torchtitan() {
+    let tp = "--parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor";
+    let s = compare(
+        &[
+            &format!("qwen3tp2:2:2:{tp}"),
+            &format!("qwen3tp2nosp:2:2:{tp} --parallelism.no-enable-sequence-parallel"),
+        ],
+        4,
+        2,
+        1e-5,
+        1e-5,
+        &["--module", "qwen3", "--config", "qwen3_debugmodel"],
+    );
+    assert_trained(&s, "qwen3tp2", 4);
+    assert_trained(&s, "qwen3tp2nosp", 4);
+}
+
 /// Every layout trained, and switched trainers mid-run both ways, logging all `steps`.
 fn assert_trained_and_cross_resumed(summary: &serde_json::Value, layouts: &[&str], steps: u64) {
     for layout in layouts {
@@ -241,21 +267,7 @@ fn moe_matches_torchtitan(
 /// saved biases equal.
 #[test]
 fn forced_expert_balance_matches_torchtitan() {
-    let s = compare(
-        &["balanced:1:1:--debug.moe_force_load_balance"],
-        3,
-        2,
-        DSV3_LOSS_RTOL,
-        DSV3_GRAD_RTOL,
-        &[
-            "--module",
-            "deepseek_v3",
-            "--config",
-            "deepseek_v3_debugmodel",
-            "--buffers",
-            "expert_bias_E",
-        ],
-    );
+    let s = deepseek_v3_layouts(&["balanced:1:1:--debug.moe_force_load_balance"], 3);
     assert_trained(&s, "balanced", 3);
     assert!(s["buffers_compared"].as_u64().unwrap() > 0);
     assert_eq!(s["worst_buffer_abs"].as_f64(), Some(0.0));
@@ -276,6 +288,67 @@ fn deepseek_v3_matches_torchtitan() {
         (DSV3_LOSS_RTOL, DSV3_GRAD_RTOL),
         5,
     );
+}
+
+/// DeepSeek-V3's debug model under pipeline parallelism (PP2, 1F1B: the dense first block and
+/// two MoE blocks on stage 0, three MoE blocks and the output on stage 1) against torchtitan's
+/// own PP, with a resume at step 2: each stage's `expert_bias_E`, moved by the token counts of
+/// every microbatch of the step and saved by that stage's rank, equal to the bit. Measured
+/// 2026-11-27: losses within 1.8e-7, grad norms within 9.4e-8.
+#[test]
+fn deepseek_v3_pipeline_parallel_matches_torchtitan() {
+    let s = deepseek_v3_layouts(
+        &["dsv3pp2:2:2:--parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs"],
+        4,
+    );
+    assert_trained(&s, "dsv3pp2", 4);
+    // 5 MoE layers, saved at steps 2 and 4, in the unbroken and resumed titan runs.
+    assert!(s["buffers_compared"].as_u64().unwrap() >= 5 * 2 * 2);
+    assert_eq!(s["worst_buffer_abs"].as_f64(), Some(0.0));
+}
+
+/// DeepSeek-V3's debug model against torchtitan on `layouts`, `steps` steps with a resume at
+/// 2, at fp32's tolerances, every saved `expert_bias_E` compared.
+fn deepseek_v3_layouts(layouts: &[&str], steps: u32) -> serde_json::Value {
+    compare(
+        layouts,
+        steps,
+        2,
+        DSV3_LOSS_RTOL,
+        DSV3_GRAD_RTOL,
+        &[
+            "--module",
+            "deepseek_v3",
+            "--config",
+            "deepseek_v3_debugmodel",
+            "--buffers",
+            "expert_bias_E",
+        ],
+    )
+}
+
+/// DeepSeek-V3's debug model under TP2 with torchtitan's deepseek_v3 plan, with and without
+/// sequence parallelism: latent attention's up-projections per head (its low-rank projection
+/// and norm whole, their gradients partial and summed over tp), the dense block's and the
+/// shared experts' FFNs column/row-wise, the routed experts' hidden features split (`w1`/`w3`
+/// along F, `w2` along F), the router whole with a partial gradient, every tp rank routing the
+/// same tokens; `expert_bias_E` equal to the bit. Measured 2026-11-27: losses within 7.7e-8,
+/// grad norms within 4.4e-7; with those gradients left unsummed the run without sequence
+/// parallelism was off by 5.9e-2 in grad norm.
+#[test]
+fn deepseek_v3_tensor_parallel_matches_torchtitan() {
+    let tp = "--parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor";
+    let s = deepseek_v3_layouts(
+        &[
+            &format!("dsv3tp2:2:2:{tp}"),
+            &format!("dsv3tp2nosp:2:2:{tp} --parallelism.no-enable-sequence-parallel"),
+        ],
+        4,
+    );
+    assert_trained(&s, "dsv3tp2", 4);
+    assert_trained(&s, "dsv3tp2nosp", 4);
+    assert!(s["buffers_compared"].as_u64().unwrap() >= 2 * 5 * 2 * 2);
+    assert_eq!(s["worst_buffer_abs"].as_f64(), Some(0.0));
 }
 
 /// Tensor parallelism with torchtitan's llama3 plan (sequence parallel, loss parallel).

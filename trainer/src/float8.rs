@@ -260,7 +260,7 @@ type Splits = [(Option<i64>, Option<i64>); 3];
 /// The matmul operands' splits of a linear whose weight the TP plan places as `style`.
 fn operand_splits(style: TpStyle) -> Splits {
     match style {
-        TpStyle::Replicated => [(None, None); 3],
+        TpStyle::Replicated | TpStyle::ReplicatedPartialGrad => [(None, None); 3],
         // Column-wise: W's rows (output features) split, the input whole.
         // x (M,K) whole, Wᵀ (K,N/tp); go (M,N/tp), W (N/tp,K); goᵀ (N/tp,M), x whole.
         TpStyle::Rows => [(None, Some(1)), (Some(1), Some(0)), (Some(0), None)],

@@ -1098,17 +1098,16 @@ fn forward_pass(step: u64, f: impl FnOnce() -> Tensor) -> Result<Tensor> {
     })
 }
 
-/// Sums over the tp ranks the gradients that are partial there: the norms' under sequence
-/// parallelism (each rank normalised its part of the sequence).
+/// Sums over the tp ranks the gradients that are partial there: every replicated weight's under
+/// sequence parallelism (each rank normalised its part of the sequence), and on every tp layout
+/// those applied to a rank's own heads (qwen3's q/k norms).
 fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
-    if !model.sequence_parallel() {
-        return Ok(());
-    }
+    let sequence_parallel = model.sequence_parallel();
     let grads: Vec<Tensor> = model
         .named_parameters()
         .iter()
         .zip(model.placements())
-        .filter(|(_, p)| p.tp_dim.is_none())
+        .filter(|(_, p)| p.tp_dim.is_none() && (sequence_parallel || p.tp_partial_grad))
         .map(|((_, t), _)| t.grad())
         .filter(|g| g.defined())
         .collect();

@@ -68,8 +68,6 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
         ));
     }
     let not_yet = [
-        ("parallelism.tensor_parallel_degree", world.tp > 1),
-        ("parallelism.pipeline_parallel_degree", world.pp > 1),
         // The key that turned float8 on: a converter, or the older switch.
         (
             if cfg.model.converters.is_empty() {
@@ -89,10 +87,10 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
         return Err(invalid(
             key,
             format!(
-                "titan-train trains {model} on data-parallel layouts only (FSDP, HSDP, DDP), \
-                 in torchtitan's DCP checkpoints: its tensor/pipeline parallel plans, float8 \
-                 and HF checkpoints are llama3's so far (`titan-ckpt convert --adapter {}` \
-                 converts a {} DCP checkpoint to and from HF)",
+                "titan-train trains {model} with FSDP, HSDP, DDP, tensor and pipeline \
+                 parallelism, in torchtitan's DCP checkpoints: float8 and HF checkpoints are \
+                 llama3's so far (`titan-ckpt convert --adapter {}` converts a {} DCP \
+                 checkpoint to and from HF)",
                 cfg.model.name, cfg.model.name
             ),
         ));
@@ -116,9 +114,9 @@ pub fn check_tensor_parallel(
             return Err(invalid(
                 key,
                 format!(
-                    "{tp} does not divide llama3 {}'s {what} = {n}: torchtitan's plan splits \
+                    "{tp} does not divide {} {}'s {what} = {n}: torchtitan's plan splits \
                      attention by heads",
-                    cfg.model.flavor
+                    cfg.model.name, cfg.model.flavor
                 ),
             ));
         }

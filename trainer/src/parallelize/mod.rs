@@ -35,6 +35,8 @@ pub struct Placement {
     pub local: Vec<i64>,
     /// The dimension tensor parallelism splits (None: replicated over `tp`).
     pub tp_dim: Option<usize>,
+    /// Replicated over `tp` with a partial gradient on every rank ([`TpStyle::grad_partial_over_tp`]).
+    pub tp_partial_grad: bool,
     /// Rows of the TP-local tensor FSDP splits, and rows per FSDP shard (padded).
     pub tp_local_rows: i64,
     pub rows_per_shard: i64,
@@ -135,6 +137,7 @@ impl ParallelPlan {
             offsets,
             local,
             tp_dim,
+            tp_partial_grad: tp > 1 && style.grad_partial_over_tp(),
             tp_local_rows,
             rows_per_shard,
             writes: self.replicate_rank == 0 && (tp_dim.is_some() || self.tp_rank == 0),

@@ -14,8 +14,16 @@ pub enum TpStyle {
     Rows,
     /// Split dim 1: row-wise parallel linears (input features).
     Cols,
-    /// Whole on every tp rank (norms, routers).
+    /// Whole on every tp rank, applied where activations are whole or, under sequence
+    /// parallelism, split by sequence (the blocks' norms): its gradient is partial over tp
+    /// only under sequence parallelism.
     Replicated,
+    /// Whole on every tp rank and applied inside a block's tp region, where what it feeds is
+    /// split (qwen3's q/k norms over each rank's heads; deepseek_v3's low-rank projections and
+    /// their norms, whose outputs meet each rank's heads; the router, whose scores weight each
+    /// rank's part of the experts' outputs): torchtitan's `Replicate` weight with a `Partial`
+    /// gradient, summed over tp on every tp layout.
+    ReplicatedPartialGrad,
     /// Grouped experts' w1/w3 (E, F, D) split along F, dim 1: torchtitan's expert tensor
     /// parallelism when expert parallelism is off (`moe_sharding.py`).
     ExpertRows,
@@ -30,8 +38,14 @@ impl TpStyle {
             TpStyle::Rows => Some(0),
             TpStyle::Cols | TpStyle::ExpertRows => Some(1),
             TpStyle::ExpertCols => Some(2),
-            TpStyle::Replicated => None,
+            TpStyle::Replicated | TpStyle::ReplicatedPartialGrad => None,
         }
+    }
+
+    /// Whether a tp rank's gradient of a weight placed so is partial even without sequence
+    /// parallelism (with it, every replicated weight's is).
+    pub fn grad_partial_over_tp(self) -> bool {
+        self == TpStyle::ReplicatedPartialGrad
     }
 }
 
@@ -47,10 +61,11 @@ pub const LLAMA3_TP_PLAN: &[(&str, TpStyle)] = &[
     // torchtitan 0.3.0's fused q/k/v as one float8 linear: the three column-wise weights stacked.
     ("attention.qkv_linear.wqkv.weight", TpStyle::Rows),
     ("attention.wo.weight", TpStyle::Cols),
-    // qwen3's per-head q/k norms (over head_dim: whole on every rank, as torchtitan's qwen3
-    // plan leaves them).
-    ("attention.q_norm.weight", TpStyle::Replicated),
-    ("attention.k_norm.weight", TpStyle::Replicated),
+    // qwen3's per-head q/k norms (over head_dim: whole on every rank, their input sharded on
+    // heads, as torchtitan's qwen3 plan places them).
+    // (deepseek_v3's q-LoRA norm has the same name and the same gradient: partial.)
+    ("attention.q_norm.weight", TpStyle::ReplicatedPartialGrad),
+    ("attention.k_norm.weight", TpStyle::ReplicatedPartialGrad),
     ("feed_forward.w1.weight", TpStyle::Rows),
     ("feed_forward.w2.weight", TpStyle::Cols),
     ("feed_forward.w3.weight", TpStyle::Rows),
@@ -68,7 +83,7 @@ pub const LLAMA3_TP_PLAN: &[(&str, TpStyle)] = &[
         "moe.routed_experts.inner_experts.w3_EFD",
         TpStyle::ExpertRows,
     ),
-    ("moe.router.gate.weight", TpStyle::Replicated),
+    ("moe.router.gate.weight", TpStyle::ReplicatedPartialGrad),
     // deepseek_v3's shared experts: a SwiGLU beside the routed experts, split as the
     // feed-forward is.
     ("moe.shared_experts.w1.weight", TpStyle::Rows),
@@ -78,10 +93,10 @@ pub const LLAMA3_TP_PLAN: &[(&str, TpStyle)] = &[
     // to the low ranks and their norms whole, the up-projections per head column-wise (wo is
     // row-wise, as above).
     ("attention.wq.weight", TpStyle::Rows),
-    ("attention.wq_a.weight", TpStyle::Replicated),
+    ("attention.wq_a.weight", TpStyle::ReplicatedPartialGrad),
     ("attention.wq_b.weight", TpStyle::Rows),
-    ("attention.wkv_a.weight", TpStyle::Replicated),
-    ("attention.kv_norm.weight", TpStyle::Replicated),
+    ("attention.wkv_a.weight", TpStyle::ReplicatedPartialGrad),
+    ("attention.kv_norm.weight", TpStyle::ReplicatedPartialGrad),
     ("attention.wkv_b.weight", TpStyle::Rows),
     ("attention_norm.weight", TpStyle::Replicated),
     ("ffn_norm.weight", TpStyle::Replicated),
