@@ -83,6 +83,9 @@ def fsdp_rank(rank, world, d, port):
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     state["optimizer"] = osd
     dcp.save(state, checkpoint_id=os.path.join(d, "dcp2"))
+    # Both ranks done with every collective before either tears the group down (rank 0 once
+    # died in teardown with "terminate called without an active exception", SIGABRT).
+    dist.barrier()
     dist.destroy_process_group()
 
 

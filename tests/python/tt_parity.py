@@ -162,17 +162,20 @@ def read_jsonl(path, kind=None):
     return rows
 
 
-def seed_checkpoint(workdir, assets, config="llama3_debugmodel"):
-    """torchtitan's seed checkpoint (one process, model only, fp32: some registry configs save
-    the optimizer and export fp16 at the last step): both trainers start from it."""
+def seed_checkpoint(workdir, assets, config="llama3_debugmodel", model_only=False):
+    """torchtitan's seed checkpoint (one process): both trainers start from it. As the config
+    saves its last step (llama3's and qwen3's registry configs: the optimizer too), or with
+    MODEL_ONLY only the model in fp32 (qwen3 MoE's full seed is 3.6 GB; titan-train's
+    `create_seed_checkpoint` is checked against the full one, tt_seed_init.py)."""
     seed_dir = os.path.join(workdir, "seed")
     step0 = os.path.join(seed_dir, "checkpoint", "step-0")
     if not os.path.exists(os.path.join(step0, ".metadata")):
         args = common_args(assets, 1, config=config) + [
             "--dump_folder", seed_dir, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-            "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32",
             "--parallelism.data_parallel_shard_degree", "1",
         ]
+        if model_only:
+            args += ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32"]
         torchtitan(1, args, os.path.join(workdir, "unused.jsonl"))
     return step0
 
@@ -246,8 +249,8 @@ def main():
                     help="how torchtitan's float8 converter runs on a CPU")
     ap.add_argument("--clean", action="store_true",
                     help="delete each run's checkpoints once its losses are read, and make a run's "
-                         "final save model-only (a large model's checkpoints would otherwise "
-                         "fill the disk)")
+                         "final save and the seed model-only fp32 (a large model's checkpoints "
+                         "would otherwise fill the disk)")
     ap.add_argument("--buffers", default=None, metavar="PATTERN",
                     help="also compare the checkpointed tensors whose keys contain PATTERN "
                          "(a MoE model's expert_bias_E) at every saved step: they must be equal")
@@ -265,7 +268,8 @@ def main():
         open(train, "w").writelines(lines)
     MODULE[0] = a.module
     seed = seed_checkpoint(a.workdir, assets,
-                           a.seed_config or ("llama3_debugmodel" if a.module == "llama3" else a.config))
+                           a.seed_config or ("llama3_debugmodel" if a.module == "llama3" else a.config),
+                           model_only=a.clean)
 
     summary = {"steps": a.steps, "resume_at": a.resume_at, "rtol": a.rtol, "layouts": {}}
     worst_loss = worst_grad = worst_buffer = 0.0

@@ -385,9 +385,14 @@ pub fn binary_tempdir() -> &'static Path {
     })
 }
 
-/// A new empty folder `name` inside [`binary_tempdir`] (one per shared fixture).
+/// A new empty folder `name` inside [`binary_tempdir`] (one per shared fixture): emptied first,
+/// so a fixture whose first making failed (a test's `OnceLock` init panicked, and the next test
+/// tries again) starts over.
 pub fn binary_subdir(name: &str) -> PathBuf {
     let dir = binary_tempdir().join(name);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).expect("emptying a fixture folder");
+    }
     std::fs::create_dir_all(&dir).expect("a fixture folder");
     dir
 }
@@ -406,6 +411,10 @@ pub fn fixture_made_once(flavor: &str, script: impl FnOnce() -> Command) -> Path
         .clone();
     cell.get_or_init(|| {
         let d = root.join(flavor);
+        // What a failed first try left (its test panicked; this is the next one's try).
+        if d.exists() {
+            std::fs::remove_dir_all(&d).expect("emptying a fixture folder");
+        }
         run_ok(script().arg("make").arg(&d).arg(flavor));
         d
     })
