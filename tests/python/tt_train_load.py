@@ -11,7 +11,10 @@ With HF_DIR (titan-train's HF export of the same weights), torchtitan's own
 `Llama3StateDictAdapter.to_hf` of the loaded model must equal that export bit for bit: the q/k
 rows titan wrote are where torchtitan's RoPE expects them, not only under the right names.
 
-usage: tt_train_load.py CHECKPOINT_DIR FLAVOR [HF_DIR]
+FLAVOR is llama3's (`debugmodel`), or MODULE:FLAVOR for another family (`qwen3:debugmodel`,
+`qwen3:debugmodel_moe`): its own model and state-dict adapter.
+
+usage: tt_train_load.py CHECKPOINT_DIR [MODULE:]FLAVOR [HF_DIR]
 """
 
 import json
@@ -23,14 +26,20 @@ import torch.distributed.checkpoint as dcp
 import torchtitan
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from safetensors.torch import load_file
-from torchtitan.models.llama3 import Llama3StateDictAdapter, llama3_configs
 
 warnings.filterwarnings("ignore")
 ckpt_dir, flavor = sys.argv[1], sys.argv[2]
 hf_dir = sys.argv[3] if len(sys.argv) > 3 else None
+module, _, flavor = flavor.rpartition(":")
+if module in ("", "llama3"):
+    from torchtitan.models.llama3 import Llama3StateDictAdapter as Adapter, llama3_configs as configs
+elif module == "qwen3":
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter as Adapter, qwen3_configs as configs
+else:
+    sys.exit(f"tt_train_load.py: no module {module}")
 
 torch.manual_seed(0)
-model = llama3_configs[flavor](attn_backend="flex").build()
+model = configs[flavor](attn_backend="flex").build()
 want_keys = set(model.state_dict().keys())
 
 md = dcp.FileSystemReader(ckpt_dir).read_metadata()
@@ -57,8 +66,8 @@ assert not differs, f"weights differ after loading into torchtitan's model: {dif
 
 hf_checked = 0
 if hf_dir is not None:
-    config = llama3_configs[flavor](attn_backend="flex")
-    hf = Llama3StateDictAdapter(config, None).to_hf(dict(model.state_dict()))
+    config = configs[flavor](attn_backend="flex")
+    hf = Adapter(config, None).to_hf(dict(model.state_dict()))
     exported = {}
     for f in sorted(__import__("glob").glob(f"{hf_dir}/*.safetensors")):
         exported.update(load_file(f))

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use titan_tests::{output_text, run_ok, small_run, tt_python_script};
+use titan_tests::{output_text, run_ok, small_run, titan_ckpt, tt_python_script};
 
 fn train(dump: &Path, extra: &[&str]) {
     run_ok(&mut small_run(dump, extra));
@@ -68,4 +68,65 @@ fn torchtitan_0_3_loads_a_pp2_checkpoint_bit_for_bit() {
         &[SAVE_AT_3, PP2, &["--checkpoint.last_save_in_hf"]].concat(),
     );
     assert_torchtitan_loads(dcp_run.path(), hf_run.path());
+}
+
+/// qwen3's HF checkpoints, dense (tied embeddings) and MoE: the same deterministic run saved as
+/// a DCP checkpoint and as HF safetensors; torchtitan's qwen3 model loads the DCP one bit for bit
+/// and its `Qwen3StateDictAdapter.to_hf` of it equals titan-train's HF export (the tied
+/// `lm_head.weight` and the MoE's `expert_bias_E` left out as torchtitan leaves them, each
+/// expert's weights split out of the stacked tensors). The export then loads back
+/// (`initial_load_in_hf`, the experts stacked again) and, one step at learning rate 0 later,
+/// exports again equal to the bit (`titan-ckpt diff`).
+#[test]
+fn qwen3_hf_export_is_torchtitans_to_hf_and_loads_back() {
+    for (flavor, dcp_weights, hf_weights) in [("debugmodel", 91, 90), ("debugmodel_moe", 107, 1611)]
+    {
+        let model = ["--model.name", "qwen3", "--model.flavor", flavor];
+        let save_at_3 = [&model[..], &SAVE_AT_3[..SAVE_AT_3.len() - 1]].concat();
+        let dcp_run = tempfile::tempdir().unwrap();
+        train(dcp_run.path(), &save_at_3);
+        let hf_run = tempfile::tempdir().unwrap();
+        train(
+            hf_run.path(),
+            &[&save_at_3[..], &["--checkpoint.last_save_in_hf"]].concat(),
+        );
+        let step = |run: &Path, n: u32| run.join(format!("checkpoint/step-{n}"));
+        let out = run_ok(tt_python_script("tests/python/tt_train_load.py").args([
+            step(dcp_run.path(), 3).to_str().unwrap(),
+            &format!("qwen3:{flavor}"),
+            step(hf_run.path(), 3).to_str().unwrap(),
+        ]));
+        let report: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
+        assert_eq!(report["weights"], dcp_weights, "{flavor}: {report}");
+        assert_eq!(report["hf_checked"], hf_weights, "{flavor}: {report}");
+
+        let back = tempfile::tempdir().unwrap();
+        let hf = step(hf_run.path(), 3);
+        train(
+            back.path(),
+            &[
+                &model[..],
+                &[
+                    "--training.steps",
+                    "1",
+                    "--optimizer.lr",
+                    "0",
+                    "--checkpoint.enable",
+                    "--checkpoint.initial_load_path",
+                    hf.to_str().unwrap(),
+                    "--checkpoint.initial_load_in_hf",
+                    "--checkpoint.last_save_in_hf",
+                ],
+            ]
+            .concat(),
+        );
+        let diff = titan_ckpt()
+            .arg("diff")
+            .arg(&hf)
+            .arg(step(back.path(), 1))
+            .output()
+            .unwrap();
+        assert!(diff.status.success(), "{flavor}: {}", output_text(&diff));
+    }
 }

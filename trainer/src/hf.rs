@@ -1,15 +1,19 @@
-//! Hugging Face Llama checkpoints <-> torchtitan names, with the q/k row permutation between
-//! HF's rotate-half RoPE and torchtitan's interleaved (complex) RoPE, on tch tensors (the name
-//! table is titan-ckpt's, shared with `titan-ckpt convert`: its names, both torchtitan
-//! generations, and its `RopeQ`/`RopeK` roles pick the permuted weights).
+//! Hugging Face checkpoints <-> torchtitan names on tch tensors, for llama3 and qwen3 (dense and
+//! MoE): the name tables are titan-ckpt's, shared with `titan-ckpt convert` (its families'
+//! rules, both torchtitan generations for llama3). A rule's transform says what a tensor goes
+//! through: llama3's q/k rows permuted between HF's rotate-half RoPE and torchtitan's
+//! interleaved (complex) RoPE (`RopeQ`/`RopeK`), a MoE layer's experts stacked in one
+//! `[E, ...]` tensor in torchtitan and one tensor each in HF (`Experts`).
+
+use std::collections::BTreeMap;
 
 use anyhow::{Result, bail};
 use tch::Tensor;
 
-use titan_ckpt::adapter::{Transform, from_hf_name, to_hf_rule};
+use titan_ckpt::adapter::pattern::{fill, matches};
+use titan_ckpt::adapter::{Table, Transform, TtNames, find_hf, find_tt, hf_of};
 
-use crate::model::ModelArgs;
-
+use crate::model::{Family, ModelArgs};
 /// Heads of a weight the table marks RoPE-permuted (`RopeQ`: the q heads, `RopeK`: the key/value
 /// heads); `None` for every other tensor.
 fn rope_heads(transform: Transform, args: &ModelArgs) -> Option<i64> {
@@ -36,47 +40,128 @@ pub fn permute_to_hf(w: &Tensor, heads: i64) -> Tensor {
         .reshape([d1, d2])
 }
 
-/// Converts an HF state dict to torchtitan names and layouts for a model of shape `args`.
+/// titan-ckpt's name table for the family of `args`; deepseek_v3 has none here yet (its
+/// config.json needs the YaRN and routing settings titan-ckpt infers from a checkpoint).
+pub fn table(args: &ModelArgs) -> Result<&'static Table> {
+    use titan_ckpt::adapter::Family as Ckpt;
+    Ok(match args.family {
+        Family::Llama3 => Ckpt::Llama3.table(),
+        Family::Qwen3 => Ckpt::Qwen3.table(),
+        Family::DeepseekV3 => bail!(
+            "titan-train's HF checkpoints are llama3's and qwen3's so far: `titan-ckpt convert \
+             --adapter deepseek_v3` converts a deepseek_v3 DCP checkpoint to and from HF"
+        ),
+    })
+}
+
+/// The HF name torchtitan tensor `name` sorts by (its first expert's, for stacked experts), or
+/// `None` when it has no HF counterpart.
+pub fn hf_sort_name(name: &str, table: &Table) -> Option<String> {
+    let (rule, mut caps) = find_tt(table, name)?;
+    if rule.transform == Transform::Experts {
+        caps.expert = Some(0);
+    }
+    Some(hf_of(table, rule, caps))
+}
+
+/// Whether torchtitan tensor `name` has no HF counterpart by the table's own account (qwen3's
+/// `expert_bias_E`: transformers' Qwen3-MoE has no load-balancing bias), or is the output
+/// layer of a model whose HF config ties it to the embedding.
+fn left_out_of_hf(name: &str, table: &Table, args: &ModelArgs) -> bool {
+    (args.tie_embeddings && name == "lm_head.weight")
+        || table
+            .no_hf_home
+            .iter()
+            .any(|(p, _)| matches(p, name).is_some())
+}
+
+/// Converts an HF state dict to torchtitan names and layouts for a model of shape `args`: each
+/// expert's tensors stacked in expert order (every expert present once), derived buffers
+/// (`rotary_emb.inv_freq`) and a tied output layer's copy skipped.
 pub fn from_hf(tensors: Vec<(String, Tensor)>, args: &ModelArgs) -> Result<Vec<(String, Tensor)>> {
+    let table = table(args)?;
     let mut out = Vec::with_capacity(tensors.len());
+    let mut experts: BTreeMap<String, BTreeMap<u64, Tensor>> = BTreeMap::new();
     for (name, t) in tensors {
-        let Some(titan) = from_hf_name(&name) else {
-            if name.ends_with("rotary_emb.inv_freq") {
-                continue;
+        if table.hf_ignored.iter().any(|p| matches(p, &name).is_some())
+            || (args.tie_embeddings && name == "lm_head.weight")
+        {
+            continue;
+        }
+        let Some((rule, caps)) = find_hf(table, &name, TtNames::Current) else {
+            bail!(
+                "HF tensor `{name}` has no torchtitan {} counterpart",
+                table.family
+            );
+        };
+        let titan = fill(rule.tt, caps);
+        match rule.transform {
+            Transform::Copy => out.push((titan, t)),
+            Transform::RopeQ | Transform::RopeK => {
+                let heads = rope_heads(rule.transform, args).expect("a RoPE rule");
+                out.push((titan, permute_from_hf(&t, heads)));
             }
-            bail!("HF tensor `{name}` has no torchtitan llama3 counterpart");
-        };
-        let transform = to_hf_rule(&titan).map(|(_, t)| t);
-        let t = match transform.and_then(|tr| rope_heads(tr, args)) {
-            Some(h) => permute_from_hf(&t, h),
-            None => t,
-        };
-        out.push((titan, t));
+            Transform::Experts => {
+                let e = caps.expert.expect("an experts rule captures the expert");
+                if experts.entry(titan).or_default().insert(e, t).is_some() {
+                    bail!("HF tensor `{name}` appears twice");
+                }
+            }
+            other => bail!("HF tensor `{name}`: titan-train does not load {other:?} tensors"),
+        }
+    }
+    for (titan, per_expert) in experts {
+        let n = per_expert.len() as u64;
+        if per_expert.keys().copied().ne(0..n) {
+            bail!(
+                "`{titan}`: the HF checkpoint holds experts {:?}, not 0..{n}",
+                per_expert.keys()
+            );
+        }
+        let stacked = Tensor::stack(&per_expert.into_values().collect::<Vec<_>>(), 0);
+        out.push((titan, stacked));
     }
     Ok(out)
 }
 
-/// Converts torchtitan-named tensors to HF names and layouts.
+/// Converts torchtitan-named tensors to HF names and layouts (stacked experts split, one tensor
+/// each); tensors HF has no place for (see `left_out_of_hf`) are left out.
 pub fn to_hf(tensors: &[(String, Tensor)], args: &ModelArgs) -> Result<Vec<(String, Tensor)>> {
-    tensors
-        .iter()
-        .map(|(name, t)| {
-            let Some((hf, transform)) = to_hf_rule(name) else {
-                bail!("torchtitan tensor `{name}` has no HF Llama counterpart");
-            };
-            let t = match rope_heads(transform, args) {
-                Some(h) => permute_to_hf(t, h),
-                None => t.shallow_clone(),
-            };
-            Ok((hf, t))
-        })
-        .collect()
+    let table = table(args)?;
+    let mut out = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        if left_out_of_hf(name, table, args) {
+            continue;
+        }
+        let Some((rule, caps)) = find_tt(table, name) else {
+            bail!(
+                "torchtitan tensor `{name}` has no HF {} counterpart",
+                table.family
+            );
+        };
+        match rule.transform {
+            Transform::Copy => out.push((hf_of(table, rule, caps), t.shallow_clone())),
+            Transform::RopeQ | Transform::RopeK => {
+                let heads = rope_heads(rule.transform, args).expect("a RoPE rule");
+                out.push((hf_of(table, rule, caps), permute_to_hf(t, heads)));
+            }
+            Transform::Experts => {
+                for e in 0..t.size()[0] {
+                    let mut caps = caps;
+                    caps.expert = Some(e as u64);
+                    out.push((hf_of(table, rule, caps), t.get(e)));
+                }
+            }
+            other => bail!("`{name}`: titan-train does not write {other:?} tensors"),
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use titan_ckpt::adapter::to_hf_name;
+    use titan_ckpt::adapter::{from_hf_name, to_hf_name};
 
     #[test]
     fn names_round_trip() {

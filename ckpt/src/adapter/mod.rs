@@ -188,14 +188,20 @@ pub fn detect_family(plan: &CheckpointPlan) -> Option<Family> {
         .then_some(Family::Llama3)
 }
 
-fn find_tt<'t>(table: &'t Table, name: &str) -> Option<(&'t Rule, Captures)> {
+/// The rule of `table` for torchtitan tensor `name` (current names, then the older ones) and
+/// what its pattern captured: [`hf_of`] gives the HF name (an [`Transform::Experts`] rule's
+/// names take each expert's index in `Captures::expert`).
+pub fn find_tt<'t>(table: &'t Table, name: &str) -> Option<(&'t Rule, Captures)> {
     table
         .current()
         .chain(table.legacy)
         .find_map(|r| matches(r.tt, name).map(|c| (r, c)))
 }
 
-fn find_hf<'t>(table: &'t Table, name: &str, names: TtNames) -> Option<(&'t Rule, Captures)> {
+/// The rule of `table` for HF tensor `name` (the older torchtitan rules first with
+/// [`TtNames::Legacy`]) and what its pattern captured: `fill(rule.tt, captures)` is the
+/// torchtitan name, `captures.expert` the expert of a [`Transform::Experts`] rule.
+pub fn find_hf<'t>(table: &'t Table, name: &str, names: TtNames) -> Option<(&'t Rule, Captures)> {
     let first: &[Rule] = match names {
         TtNames::Legacy => table.legacy,
         TtNames::Current => &[],
@@ -208,7 +214,7 @@ fn find_hf<'t>(table: &'t Table, name: &str, names: TtNames) -> Option<(&'t Rule
 
 /// The HF name `rule` gives for `caps`: the table's HF prefix before it unless the rule is one
 /// of its unprefixed ones.
-pub(crate) fn hf_of(table: &Table, rule: &Rule, caps: Captures) -> String {
+pub fn hf_of(table: &Table, rule: &Rule, caps: Captures) -> String {
     match table.is_prefixed(rule) {
         true => format!("{}{}", table.hf_prefix, fill(rule.hf, caps)),
         false => fill(rule.hf, caps),

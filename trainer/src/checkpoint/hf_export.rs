@@ -3,8 +3,8 @@
 //! HF names, q/k permuted, `export_dtype`), then the output files are consolidated with
 //! titan-ckpt's consolidate, the files split across ranks, rank 0 writing the index. The layout
 //! is the `fqn_to_index_mapping` of `model.hf_assets_path/model.safetensors.index.json` when it
-//! exists, else files of at most 5 GB. A `config.json` for transformers' LlamaForCausalLM is
-//! written next to the weights.
+//! exists, else files of at most 5 GB. A `config.json` for transformers (LlamaForCausalLM,
+//! Qwen3ForCausalLM, Qwen3MoeForCausalLM) is written next to the weights.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -93,10 +93,11 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
     // Rank r takes every n-th tensor in HF name order; only that share is permuted,
     // copied to host memory and cast. (A name without an HF counterpart sorts first and makes
     // `to_hf` fail on the rank that takes it.)
+    let table = hf::table(&model.args)?;
     let mut titan: Vec<(Option<String>, &String)> = model
         .named_parameters()
         .iter()
-        .map(|(n, _)| (titan_ckpt::adapter::to_hf_name(n), n))
+        .map(|(n, _)| (hf::hf_sort_name(n, table), n))
         .collect();
     titan.sort();
     // The ranks holding the same pipeline stages share out their names (every rank, without
@@ -191,8 +192,9 @@ fn consolidate_shards(out_dir: &Path, world: Mesh, hf_assets: Option<&Path>) -> 
     Ok(())
 }
 
-/// transformers' `config.json` for this model (LlamaForCausalLM, llama3 RoPE scaling), written
-/// by titan-ckpt's [`titan_ckpt::adapter::hf_config`], as `titan-ckpt convert` writes it.
+/// transformers' `config.json` for this model (LlamaForCausalLM with llama3 RoPE scaling,
+/// Qwen3ForCausalLM or Qwen3MoeForCausalLM), written by titan-ckpt's
+/// [`titan_ckpt::adapter::hf_config`], as `titan-ckpt convert` writes it.
 pub fn hf_config(args: &ModelArgs, kind: Kind) -> Result<serde_json::Value> {
     use titan_ckpt::adapter::args::{Llama3Rope, RopeScaling};
     let rope_scaling = match args.rope_scaling {
@@ -205,7 +207,7 @@ pub fn hf_config(args: &ModelArgs, kind: Kind) -> Result<serde_json::Value> {
         None => RopeScaling::None,
     };
     let hf = titan_ckpt::adapter::ModelArgs {
-        family: titan_ckpt::adapter::Family::Llama3,
+        family: hf::table(args)?.family,
         dim: args.dim as u64,
         n_layers: args.n_layers as u64,
         n_heads: args.n_heads as u64,
@@ -217,12 +219,19 @@ pub fn hf_config(args: &ModelArgs, kind: Kind) -> Result<serde_json::Value> {
         rope_theta: args.rope_theta,
         rope_scaling,
         max_position_embeddings: args.max_seq_len.max(8192) as u64,
-        tie_word_embeddings: false,
-        moe: None,
+        tie_word_embeddings: args.tie_embeddings,
+        moe: args
+            .moe
+            .as_ref()
+            .map(|m| titan_ckpt::adapter::args::MoeArgs {
+                num_experts: m.num_experts as u64,
+                expert_hidden: m.hidden_dim as u64,
+                experts_per_token: Some(m.top_k as u64),
+            }),
         sliding_window: None,
         mla: None,
         assumed: Vec::new(),
     };
     titan_ckpt::adapter::hf_config(&hf, super::host::dtype_of(kind)?)?
-        .context("titan-ckpt writes a Llama-3 config.json")
+        .context("titan-ckpt writes this family's config.json")
 }

@@ -77,10 +77,15 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
             },
             cfg.float8_enabled(),
         ),
-        ("checkpoint.last_save_in_hf", cfg.checkpoint.last_save_in_hf),
+        // HF checkpoints: llama3's and qwen3's (crate::hf); deepseek_v3's config.json needs
+        // what titan-ckpt infers.
+        (
+            "checkpoint.last_save_in_hf",
+            cfg.checkpoint.last_save_in_hf && args.family == Family::DeepseekV3,
+        ),
         (
             "checkpoint.initial_load_in_hf",
-            cfg.checkpoint.initial_load_in_hf,
+            cfg.checkpoint.initial_load_in_hf && args.family == Family::DeepseekV3,
         ),
     ];
     if let Some((key, _)) = not_yet.iter().find(|(_, on)| *on) {
@@ -88,9 +93,9 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
             key,
             format!(
                 "titan-train trains {model} with FSDP, HSDP, DDP, tensor and pipeline \
-                 parallelism, in torchtitan's DCP checkpoints: float8 and HF checkpoints are \
-                 llama3's so far (`titan-ckpt convert --adapter {}` converts a {} DCP \
-                 checkpoint to and from HF)",
+                 parallelism: float8 is llama3's so far, and HF checkpoints llama3's and \
+                 qwen3's (`titan-ckpt convert --adapter {}` converts a {} DCP checkpoint to \
+                 and from HF)",
                 cfg.model.name, cfg.model.name
             ),
         ));
