@@ -12,7 +12,7 @@ With HF_DIR (titan-train's HF export of the same weights), torchtitan's own
 rows titan wrote are where torchtitan's RoPE expects them, not only under the right names.
 
 FLAVOR is llama3's (`debugmodel`), or MODULE:FLAVOR for another family (`qwen3:debugmodel`,
-`qwen3:debugmodel_moe`): its own model and state-dict adapter.
+`qwen3:debugmodel_moe`, `deepseek_v3:debugmodel`): its own model and state-dict adapter.
 
 usage: tt_train_load.py CHECKPOINT_DIR [MODULE:]FLAVOR [HF_DIR]
 """
@@ -35,11 +35,19 @@ if module in ("", "llama3"):
     from torchtitan.models.llama3 import Llama3StateDictAdapter as Adapter, llama3_configs as configs
 elif module == "qwen3":
     from torchtitan.models.qwen3 import Qwen3StateDictAdapter as Adapter, qwen3_configs as configs
+elif module == "deepseek_v3":
+    from torchtitan.models.deepseek_v3 import (DeepSeekV3StateDictAdapter as Adapter,
+                                               deepseekv3_configs as configs)
 else:
     sys.exit(f"tt_train_load.py: no module {module}")
 
+# deepseek_v3's flavors also take the MoE token dispatch backend.
+kwargs = {"attn_backend": "flex"}
+if module == "deepseek_v3":
+    kwargs["moe_comm_backend"] = "standard"
+
 torch.manual_seed(0)
-model = configs[flavor](attn_backend="flex").build()
+model = configs[flavor](**kwargs).build()
 want_keys = set(model.state_dict().keys())
 
 md = dcp.FileSystemReader(ckpt_dir).read_metadata()
@@ -66,7 +74,7 @@ assert not differs, f"weights differ after loading into torchtitan's model: {dif
 
 hf_checked = 0
 if hf_dir is not None:
-    config = configs[flavor](attn_backend="flex")
+    config = configs[flavor](**kwargs)
     hf = Adapter(config, None).to_hf(dict(model.state_dict()))
     exported = {}
     for f in sorted(__import__("glob").glob(f"{hf_dir}/*.safetensors")):

@@ -70,18 +70,24 @@ fn torchtitan_0_3_loads_a_pp2_checkpoint_bit_for_bit() {
     assert_torchtitan_loads(dcp_run.path(), hf_run.path());
 }
 
-/// qwen3's HF checkpoints, dense (tied embeddings) and MoE: the same deterministic run saved as
-/// a DCP checkpoint and as HF safetensors; torchtitan's qwen3 model loads the DCP one bit for bit
-/// and its `Qwen3StateDictAdapter.to_hf` of it equals titan-train's HF export (the tied
-/// `lm_head.weight` and the MoE's `expert_bias_E` left out as torchtitan leaves them, each
+/// The families' HF checkpoints: qwen3 dense (tied embeddings) and MoE, and deepseek_v3. The
+/// same deterministic run saved as a DCP checkpoint and as HF safetensors; torchtitan's own
+/// model of the family loads the DCP one bit for bit and its state-dict adapter's `to_hf` of it
+/// equals titan-train's HF export (the tied `lm_head.weight` and qwen3's `expert_bias_E` left
+/// out as torchtitan leaves them, deepseek_v3's written as `e_score_correction_bias`, each
 /// expert's weights split out of the stacked tensors). The export then loads back
-/// (`initial_load_in_hf`, the experts stacked again) and, one step at learning rate 0 later,
-/// exports again equal to the bit (`titan-ckpt diff`).
+/// (`initial_load_in_hf`: the experts stacked again, the routing biases into their buffers)
+/// and, one step at learning rate 0 later (with round-robin routing on the MoE models, which
+/// leaves the biases where they are), exports again equal to the bit (`titan-ckpt diff`).
 #[test]
-fn qwen3_hf_export_is_torchtitans_to_hf_and_loads_back() {
-    for (flavor, dcp_weights, hf_weights) in [("debugmodel", 91, 90), ("debugmodel_moe", 107, 1611)]
-    {
-        let model = ["--model.name", "qwen3", "--model.flavor", flavor];
+fn family_hf_exports_are_torchtitans_to_hf_and_load_back() {
+    for (module, flavor, dcp_weights, hf_weights) in [
+        ("qwen3", "debugmodel", 91, 90),
+        ("qwen3", "debugmodel_moe", 107, 1611),
+        ("deepseek_v3", "debugmodel", 88, 193),
+    ] {
+        let model = ["--model.name", module, "--model.flavor", flavor];
+        let what = format!("{module}:{flavor}");
         let save_at_3 = [&model[..], &SAVE_AT_3[..SAVE_AT_3.len() - 1]].concat();
         let dcp_run = tempfile::tempdir().unwrap();
         train(dcp_run.path(), &save_at_3);
@@ -93,20 +99,25 @@ fn qwen3_hf_export_is_torchtitans_to_hf_and_loads_back() {
         let step = |run: &Path, n: u32| run.join(format!("checkpoint/step-{n}"));
         let out = run_ok(tt_python_script("tests/python/tt_train_load.py").args([
             step(dcp_run.path(), 3).to_str().unwrap(),
-            &format!("qwen3:{flavor}"),
+            &what,
             step(hf_run.path(), 3).to_str().unwrap(),
         ]));
         let report: serde_json::Value =
             serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
-        assert_eq!(report["weights"], dcp_weights, "{flavor}: {report}");
-        assert_eq!(report["hf_checked"], hf_weights, "{flavor}: {report}");
+        assert_eq!(report["weights"], dcp_weights, "{what}: {report}");
+        assert_eq!(report["hf_checked"], hf_weights, "{what}: {report}");
 
         let back = tempfile::tempdir().unwrap();
         let hf = step(hf_run.path(), 3);
+        let moe: &[&str] = match flavor {
+            "debugmodel" if module == "qwen3" => &[],
+            _ => &["--debug.moe_force_load_balance"],
+        };
         train(
             back.path(),
             &[
                 &model[..],
+                moe,
                 &[
                     "--training.steps",
                     "1",
@@ -127,6 +138,6 @@ fn qwen3_hf_export_is_torchtitans_to_hf_and_loads_back() {
             .arg(step(back.path(), 1))
             .output()
             .unwrap();
-        assert!(diff.status.success(), "{flavor}: {}", output_text(&diff));
+        assert!(diff.status.success(), "{what}: {}", output_text(&diff));
     }
 }

@@ -322,13 +322,13 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
         &["--parallelism.pipeline_parallel_degree", "2"],
     ]
     .concat();
-    let dsv3_hf = [
+    let dsv3_f8 = [
         "--model.name",
         "deepseek_v3",
         "--model.flavor",
         "debugmodel",
-        "--checkpoint.last_save_in_hf",
-        "true",
+        "--model.converters",
+        "float8",
     ];
     let qwen3_f8 = [&qwen3[..], &["--float8.enable_float8_linear", "true"]].concat();
     let cases: [(&[&str], &str); 13] = [
@@ -396,11 +396,11 @@ fn layout_errors_name_their_key_before_any_rank_starts() {
             ],
             "checkpoint.create_seed_checkpoint",
         ),
-        // What titan-train does not build for these families yet (float8, deepseek_v3's HF
-        // checkpoints), and torchtitan's refusal of PP over tied embeddings; forced expert
-        // balance on a model without experts.
+        // What titan-train does not build for these families yet (float8, by either key), and
+        // torchtitan's refusal of PP over tied embeddings; forced expert balance on a model
+        // without experts.
         (&qwen3_pp, "parallelism.pipeline_parallel_degree"),
-        (&dsv3_hf, "checkpoint.last_save_in_hf"),
+        (&dsv3_f8, "model.converters"),
         (&qwen3_f8, "float8.enable_float8_linear"),
         (
             &[&qwen3[..], &["--debug.moe_force_load_balance", "true"]].concat(),

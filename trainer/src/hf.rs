@@ -1,5 +1,5 @@
-//! Hugging Face checkpoints <-> torchtitan names on tch tensors, for llama3 and qwen3 (dense and
-//! MoE): the name tables are titan-ckpt's, shared with `titan-ckpt convert` (its families'
+//! Hugging Face checkpoints <-> torchtitan names on tch tensors, for llama3, qwen3 (dense and
+//! MoE) and deepseek_v3: the name tables are titan-ckpt's, shared with `titan-ckpt convert` (its families'
 //! rules, both torchtitan generations for llama3). A rule's transform says what a tensor goes
 //! through: llama3's q/k rows permuted between HF's rotate-half RoPE and torchtitan's
 //! interleaved (complex) RoPE (`RopeQ`/`RopeK`), a MoE layer's experts stacked in one
@@ -40,18 +40,14 @@ pub fn permute_to_hf(w: &Tensor, heads: i64) -> Tensor {
         .reshape([d1, d2])
 }
 
-/// titan-ckpt's name table for the family of `args`; deepseek_v3 has none here yet (its
-/// config.json needs the YaRN and routing settings titan-ckpt infers from a checkpoint).
-pub fn table(args: &ModelArgs) -> Result<&'static Table> {
+/// titan-ckpt's name table for the family of `args`.
+pub fn table(args: &ModelArgs) -> &'static Table {
     use titan_ckpt::adapter::Family as Ckpt;
-    Ok(match args.family {
+    match args.family {
         Family::Llama3 => Ckpt::Llama3.table(),
         Family::Qwen3 => Ckpt::Qwen3.table(),
-        Family::DeepseekV3 => bail!(
-            "titan-train's HF checkpoints are llama3's and qwen3's so far: `titan-ckpt convert \
-             --adapter deepseek_v3` converts a deepseek_v3 DCP checkpoint to and from HF"
-        ),
-    })
+        Family::DeepseekV3 => Ckpt::DeepseekV3.table(),
+    }
 }
 
 /// The HF name torchtitan tensor `name` sorts by (its first expert's, for stacked experts), or
@@ -67,7 +63,7 @@ pub fn hf_sort_name(name: &str, table: &Table) -> Option<String> {
 /// Whether torchtitan tensor `name` has no HF counterpart by the table's own account (qwen3's
 /// `expert_bias_E`: transformers' Qwen3-MoE has no load-balancing bias), or is the output
 /// layer of a model whose HF config ties it to the embedding.
-fn left_out_of_hf(name: &str, table: &Table, args: &ModelArgs) -> bool {
+pub fn left_out_of_hf(name: &str, table: &Table, args: &ModelArgs) -> bool {
     (args.tie_embeddings && name == "lm_head.weight")
         || table
             .no_hf_home
@@ -79,7 +75,7 @@ fn left_out_of_hf(name: &str, table: &Table, args: &ModelArgs) -> bool {
 /// expert's tensors stacked in expert order (every expert present once), derived buffers
 /// (`rotary_emb.inv_freq`) and a tied output layer's copy skipped.
 pub fn from_hf(tensors: Vec<(String, Tensor)>, args: &ModelArgs) -> Result<Vec<(String, Tensor)>> {
-    let table = table(args)?;
+    let table = table(args);
     let mut out = Vec::with_capacity(tensors.len());
     let mut experts: BTreeMap<String, BTreeMap<u64, Tensor>> = BTreeMap::new();
     for (name, t) in tensors {
@@ -127,7 +123,7 @@ pub fn from_hf(tensors: Vec<(String, Tensor)>, args: &ModelArgs) -> Result<Vec<(
 /// Converts torchtitan-named tensors to HF names and layouts (stacked experts split, one tensor
 /// each); tensors HF has no place for (see `left_out_of_hf`) are left out.
 pub fn to_hf(tensors: &[(String, Tensor)], args: &ModelArgs) -> Result<Vec<(String, Tensor)>> {
-    let table = table(args)?;
+    let table = table(args);
     let mut out = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
         if left_out_of_hf(name, table, args) {

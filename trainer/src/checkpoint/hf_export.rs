@@ -4,7 +4,7 @@
 //! titan-ckpt's consolidate, the files split across ranks, rank 0 writing the index. The layout
 //! is the `fqn_to_index_mapping` of `model.hf_assets_path/model.safetensors.index.json` when it
 //! exists, else files of at most 5 GB. A `config.json` for transformers (LlamaForCausalLM,
-//! Qwen3ForCausalLM, Qwen3MoeForCausalLM) is written next to the weights.
+//! Qwen3ForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM) is written next to the weights.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -93,11 +93,22 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
     // Rank r takes every n-th tensor in HF name order; only that share is permuted,
     // copied to host memory and cast. (A name without an HF counterpart sorts first and makes
     // `to_hf` fail on the rank that takes it.)
-    let table = hf::table(&model.args)?;
+    let table = hf::table(&model.args);
+    // The parameters, and the buffers HF has a place for (deepseek_v3's `expert_bias_E` is its
+    // `e_score_correction_bias`; whole on every rank of their stage).
+    let buffers: Vec<(String, tch::Tensor)> = model
+        .named_buffers()
+        .into_iter()
+        .filter(|(n, _)| {
+            hf::hf_sort_name(n, table).is_some() && !hf::left_out_of_hf(n, table, &model.args)
+        })
+        .collect();
     let mut titan: Vec<(Option<String>, &String)> = model
         .named_parameters()
         .iter()
-        .map(|(n, _)| (hf::hf_sort_name(n, table), n))
+        .map(|(n, _)| n)
+        .chain(buffers.iter().map(|(n, _)| n))
+        .map(|n| (hf::hf_sort_name(n, table), n))
         .collect();
     titan.sort();
     // The ranks holding the same pipeline stages share out their names (every rank, without
@@ -115,7 +126,13 @@ fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<(
         .filter(|(i, _)| i % peers.len() == me)
         .map(|(_, (_, n))| n.as_str())
         .collect();
-    let share = tch::no_grad(|| model.full_parameters(|name| mine.contains(name)));
+    let mut share = tch::no_grad(|| model.full_parameters(|name| mine.contains(name)));
+    share.extend(
+        buffers
+            .iter()
+            .filter(|(n, _)| mine.contains(n.as_str()))
+            .map(|(n, b)| (n.clone(), b.shallow_clone())),
+    );
     let hf_named = tch::no_grad(|| hf::to_hf(&share, &model.args))?;
     let staged: Vec<(String, HostTensor)> = hf_named
         .iter()
@@ -193,21 +210,53 @@ fn consolidate_shards(out_dir: &Path, world: Mesh, hf_assets: Option<&Path>) -> 
 }
 
 /// transformers' `config.json` for this model (LlamaForCausalLM with llama3 RoPE scaling,
-/// Qwen3ForCausalLM or Qwen3MoeForCausalLM), written by titan-ckpt's
+/// Qwen3ForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM with YaRN), written by
+/// titan-ckpt's
 /// [`titan_ckpt::adapter::hf_config`], as `titan-ckpt convert` writes it.
 pub fn hf_config(args: &ModelArgs, kind: Kind) -> Result<serde_json::Value> {
-    use titan_ckpt::adapter::args::{Llama3Rope, RopeScaling};
-    let rope_scaling = match args.rope_scaling {
-        Some(s) => RopeScaling::Llama3(Llama3Rope {
+    use titan_ckpt::adapter::args::{Dsv3Routing, Llama3Rope, MlaArgs, RopeScaling};
+    let rope_scaling = match (args.rope_scaling, &args.mla) {
+        (Some(s), _) => RopeScaling::Llama3(Llama3Rope {
             factor: s.factor,
             low_freq_factor: s.low_freq_factor,
             high_freq_factor: s.high_freq_factor,
             original_max_position_embeddings: s.original_max_position_embeddings as u64,
         }),
-        None => RopeScaling::None,
+        // deepseek_v3's YaRN, as `mla::yarn_table` applies it (whenever the factor is over 1;
+        // its correction range floored and ceiled: HF's `truncate`).
+        (None, Some(m)) if m.rope_factor > 1.0 => RopeScaling::Yarn {
+            factor: m.rope_factor,
+            beta_fast: m.beta_fast,
+            beta_slow: m.beta_slow,
+            truncate: true,
+            original_max_position_embeddings: m.original_seq_len as u64,
+            mscale: Some(m.mscale),
+        },
+        (None, _) => RopeScaling::None,
+    };
+    let mla = match (&args.mla, &args.moe) {
+        (Some(m), Some(moe)) => Some(MlaArgs {
+            q_lora_rank: (m.q_lora_rank > 0).then_some(m.q_lora_rank as u64),
+            kv_lora_rank: m.kv_lora_rank as u64,
+            qk_nope_head_dim: m.qk_nope_head_dim as u64,
+            qk_rope_head_dim: m.qk_rope_head_dim as u64,
+            v_head_dim: m.v_head_dim as u64,
+            first_k_dense: args.n_dense_layers as u64,
+            n_shared_experts: moe.num_shared_experts as u64,
+            mtp_layers: 0,
+            routing: Dsv3Routing {
+                top_k: moe.top_k as u64,
+                n_group: moe.num_expert_groups.unwrap_or(1) as u64,
+                topk_group: moe.num_limited_groups.unwrap_or(1) as u64,
+                route_scale: moe.route_scale,
+                route_norm: moe.route_norm,
+                mscale: m.mscale,
+            },
+        }),
+        _ => None,
     };
     let hf = titan_ckpt::adapter::ModelArgs {
-        family: hf::table(args)?.family,
+        family: hf::table(args).family,
         dim: args.dim as u64,
         n_layers: args.n_layers as u64,
         n_heads: args.n_heads as u64,
@@ -229,7 +278,7 @@ pub fn hf_config(args: &ModelArgs, kind: Kind) -> Result<serde_json::Value> {
                 experts_per_token: Some(m.top_k as u64),
             }),
         sliding_window: None,
-        mla: None,
+        mla,
         assumed: Vec::new(),
     };
     titan_ckpt::adapter::hf_config(&hf, super::host::dtype_of(kind)?)?

@@ -111,7 +111,20 @@ pub fn load_hf_model(dir: &Path, model: &Llama) -> Result<()> {
     if !missing.is_empty() {
         bail!("the HF checkpoint in {} lacks {missing:?}", dir.display());
     }
+    let buffers = model.named_buffers();
     for (name, t) in &titan {
+        // deepseek_v3's `e_score_correction_bias` is the routing bias buffer `expert_bias_E`.
+        if let Some((_, b)) = buffers.iter().find(|(n, _)| n == name) {
+            if b.size() != t.size() {
+                bail!(
+                    "HF tensor for `{name}` has shape {:?}, the model's {:?}",
+                    t.size(),
+                    b.size()
+                );
+            }
+            tch::no_grad(|| b.shallow_clone().copy_(t));
+            continue;
+        }
         let p = model
             .parameter(name)
             .with_context(|| format!("HF weight `{name}` has no parameter in this model flavor"))?;

@@ -51,8 +51,8 @@ pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConf
     Ok(Some(p))
 }
 
-/// What titan-train does not build for a family yet, and torchtitan's own refusal of pipeline
-/// parallelism over tied embeddings.
+/// What titan-train does not build for a family yet (float8), and torchtitan's own refusal of
+/// pipeline parallelism over tied embeddings.
 fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), ConfigError> {
     if args.family == Family::Llama3 {
         return Ok(());
@@ -67,36 +67,18 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
             ),
         ));
     }
-    let not_yet = [
+    if cfg.float8_enabled() {
         // The key that turned float8 on: a converter, or the older switch.
-        (
-            if cfg.model.converters.is_empty() {
-                "float8.enable_float8_linear"
-            } else {
-                "model.converters"
-            },
-            cfg.float8_enabled(),
-        ),
-        // HF checkpoints: llama3's and qwen3's (crate::hf); deepseek_v3's config.json needs
-        // what titan-ckpt infers.
-        (
-            "checkpoint.last_save_in_hf",
-            cfg.checkpoint.last_save_in_hf && args.family == Family::DeepseekV3,
-        ),
-        (
-            "checkpoint.initial_load_in_hf",
-            cfg.checkpoint.initial_load_in_hf && args.family == Family::DeepseekV3,
-        ),
-    ];
-    if let Some((key, _)) = not_yet.iter().find(|(_, on)| *on) {
+        let key = if cfg.model.converters.is_empty() {
+            "float8.enable_float8_linear"
+        } else {
+            "model.converters"
+        };
         return Err(invalid(
             key,
             format!(
                 "titan-train trains {model} with FSDP, HSDP, DDP, tensor and pipeline \
-                 parallelism: float8 is llama3's so far, and HF checkpoints llama3's and \
-                 qwen3's (`titan-ckpt convert --adapter {}` converts a {} DCP checkpoint to \
-                 and from HF)",
-                cfg.model.name, cfg.model.name
+                 parallelism, in DCP and HF checkpoints: float8 is llama3's so far"
             ),
         ));
     }
