@@ -79,6 +79,11 @@ fn torchtitan_0_3_loads_a_pp2_checkpoint_bit_for_bit() {
 /// (`initial_load_in_hf`: the experts stacked again, the routing biases into their buffers)
 /// and, one step at learning rate 0 later (with round-robin routing on the MoE models, which
 /// leaves the biases where they are), exports again equal to the bit (`titan-ckpt diff`).
+/// transformers loads each export from its config.json and computes torchtitan's logits
+/// (tests/python/tt_hf_logits.py: measured 3.1e-7 qwen3 dense and MoE, 4.4e-5 deepseek_v3, of the
+/// largest logit; deepseek_v3's debug model routes with softmax scores, which transformers'
+/// DeepseekV3 cannot be told, so the check gives its router a softmax: with its sigmoid the
+/// logits were 1.8e-2 apart).
 #[test]
 fn family_hf_exports_are_torchtitans_to_hf_and_load_back() {
     for (module, flavor, dcp_weights, hf_weights) in [
@@ -106,6 +111,18 @@ fn family_hf_exports_are_torchtitans_to_hf_and_load_back() {
             serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
         assert_eq!(report["weights"], dcp_weights, "{what}: {report}");
         assert_eq!(report["hf_checked"], hf_weights, "{what}: {report}");
+        // transformers runs the export (its config.json alone) as torchtitan runs the DCP one.
+        let out = run_ok(tt_python_script("tests/python/tt_hf_logits.py").args([
+            step(dcp_run.path(), 3).to_str().unwrap(),
+            &what,
+            step(hf_run.path(), 3).to_str().unwrap(),
+        ]));
+        let logits: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
+        assert!(
+            logits["logits_rel"].as_f64().unwrap() <= 1e-4,
+            "{what}: {logits}"
+        );
 
         let back = tempfile::tempdir().unwrap();
         let hf = step(hf_run.path(), 3);

@@ -62,6 +62,7 @@ pub fn export(
         if world.rank == 0 {
             std::fs::remove_dir_all(partial.join(SHARDED))
                 .context("removing the sharded HF files")?;
+            warn_if_transformers_routes_otherwise(&model.args);
             let config = hf_config(&model.args, kind)?;
             std::fs::write(
                 partial.join("config.json"),
@@ -207,6 +208,23 @@ fn consolidate_shards(out_dir: &Path, world: Mesh, hf_assets: Option<&Path>) -> 
     )
     .context("consolidating the HF export")?;
     Ok(())
+}
+
+/// transformers' DeepseekV3 router scores with a sigmoid (DeepSeek-V3's, torchtitan's 671B);
+/// torchtitan's other deepseek_v3 flavors score with a softmax, which no config.json can say:
+/// their export loads in transformers but routes otherwise (tests/python/tt_hf_logits.py).
+fn warn_if_transformers_routes_otherwise(args: &ModelArgs) {
+    let softmax = args
+        .moe
+        .as_ref()
+        .is_some_and(|m| m.score_func == crate::model::ScoreFunc::Softmax);
+    if args.mla.is_some() && softmax {
+        tracing::warn!(
+            "this deepseek_v3 model routes with softmax scores; transformers' \
+             DeepseekV3ForCausalLM routes with sigmoid scores, so the HF export loads there but \
+             picks and weights experts otherwise (torchtitan's to_hf writes the same)"
+        );
+    }
 }
 
 /// transformers' `config.json` for this model (LlamaForCausalLM with llama3 RoPE scaling,
