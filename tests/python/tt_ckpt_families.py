@@ -271,6 +271,13 @@ def fsdp_rank(rank, world, d, name, store):
     # aborts the process ("terminate called without an active exception").
     dist.barrier()
     dist.destroy_process_group()
+    # Even so, torch 2.15's rank 0 sometimes aborted the same way during interpreter
+    # finalization (twice in 2026-11-27's full suites): gloo's worker threads can still hold
+    # work objects whose tensors reach into Python then (pytorch/pytorch#179291). Everything is
+    # written (dcp.save returns once its files are closed), so the rank leaves without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make(d, name):

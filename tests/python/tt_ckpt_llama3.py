@@ -83,10 +83,17 @@ def fsdp_rank(rank, world, d, port):
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
     state["optimizer"] = osd
     dcp.save(state, checkpoint_id=os.path.join(d, "dcp2"))
-    # Both ranks done with every collective before either tears the group down (rank 0 once
-    # died in teardown with "terminate called without an active exception", SIGABRT).
+    # Both ranks leave gloo together: a rank exiting while the other is still in a collective
+    # aborts the process ("terminate called without an active exception").
     dist.barrier()
     dist.destroy_process_group()
+    # Even so, torch 2.15's rank 0 sometimes aborted the same way during interpreter
+    # finalization (twice in 2026-11-27's full suites): gloo's worker threads can still hold
+    # work objects whose tensors reach into Python then (pytorch/pytorch#179291). Everything is
+    # written (dcp.save returns once its files are closed), so the rank leaves without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make(d):
