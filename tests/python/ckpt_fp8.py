@@ -367,21 +367,23 @@ def fp32_experts(self, x_RD, num_tokens_per_expert_E):
     return out
 
 
-def tt_logits(model, experts_in_fp32=False):
-    """torchtitan's own forward on CPU in fp32 (flex attention eager: compiled flex needs a
-    compiler CI does not have); with EXPERTS_IN_FP32 its routed experts compute in fp32."""
+def tt_logits(model, experts_in_fp32=False, tokens=None):
+    """torchtitan's own forward on CPU in fp32 of TOKENS (default this module's; flex attention
+    eager: compiled flex needs a compiler CI does not have); with EXPERTS_IN_FP32 its routed
+    experts compute in fp32."""
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.common.attention import FlexAttention
     from torchtitan.models.common.moe import GroupedExperts
 
     FlexAttention._compiled_flex_attn = flex_attention
-    positions = torch.arange(TOKENS.shape[1]).unsqueeze(0)
+    tokens = TOKENS if tokens is None else tokens
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
     shipped = GroupedExperts.forward
     if experts_in_fp32:
         GroupedExperts.forward = fp32_experts
     try:
         with torch.no_grad():
-            out = model(TOKENS, positions, model.get_attention_masks(positions))
+            out = model(tokens, positions, model.get_attention_masks(positions))
     finally:
         GroupedExperts.forward = shipped
     # With MTP layers the model returns the main logits first, then each MTP layer's.

@@ -50,9 +50,7 @@ if module == "qwen3":
     sd = {k: (v.zero_() if k.endswith("expert_bias_E") else v) for k, v in sd.items()}
 model.load_state_dict(sd, strict=True)
 model.eval()
-# ckpt_fp8.tt_logits runs torchtitan's forward on its module's TOKENS.
-ckpt_fp8.TOKENS = TOKENS
-tt = ckpt_fp8.tt_logits(model, experts_in_fp32=True)
+tt = ckpt_fp8.tt_logits(model, experts_in_fp32=True, tokens=TOKENS)
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 

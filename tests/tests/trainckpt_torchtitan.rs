@@ -102,23 +102,20 @@ fn family_hf_exports_are_torchtitans_to_hf_and_load_back() {
             &[&save_at_3[..], &["--checkpoint.last_save_in_hf"]].concat(),
         );
         let step = |run: &Path, n: u32| run.join(format!("checkpoint/step-{n}"));
-        let out = run_ok(tt_python_script("tests/python/tt_train_load.py").args([
-            step(dcp_run.path(), 3).to_str().unwrap(),
-            &what,
-            step(hf_run.path(), 3).to_str().unwrap(),
-        ]));
-        let report: serde_json::Value =
-            serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
+        // `script DCP MODULE:FLAVOR HF`'s JSON report.
+        let check = |script: &str| -> serde_json::Value {
+            let out = run_ok(tt_python_script(script).args([
+                step(dcp_run.path(), 3).to_str().unwrap(),
+                &what,
+                step(hf_run.path(), 3).to_str().unwrap(),
+            ]));
+            serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)))
+        };
+        let report = check("tests/python/tt_train_load.py");
         assert_eq!(report["weights"], dcp_weights, "{what}: {report}");
         assert_eq!(report["hf_checked"], hf_weights, "{what}: {report}");
         // transformers runs the export (its config.json alone) as torchtitan runs the DCP one.
-        let out = run_ok(tt_python_script("tests/python/tt_hf_logits.py").args([
-            step(dcp_run.path(), 3).to_str().unwrap(),
-            &what,
-            step(hf_run.path(), 3).to_str().unwrap(),
-        ]));
-        let logits: serde_json::Value =
-            serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)));
+        let logits = check("tests/python/tt_hf_logits.py");
         assert!(
             logits["logits_rel"].as_f64().unwrap() <= 1e-4,
             "{what}: {logits}"

@@ -114,7 +114,9 @@ pub fn from_hf(tensors: Vec<(String, Tensor)>, args: &ModelArgs) -> Result<Vec<(
                 per_expert.keys()
             );
         }
-        let stacked = Tensor::stack(&per_expert.into_values().collect::<Vec<_>>(), 0);
+        // A damaged checkpoint's experts may differ in shape: an error naming them, not a panic.
+        let stacked = Tensor::f_stack(&per_expert.into_values().collect::<Vec<_>>(), 0)
+            .map_err(|e| anyhow::anyhow!("`{titan}`: its HF experts do not stack: {e}"))?;
         out.push((titan, stacked));
     }
     Ok(out)
