@@ -15,7 +15,7 @@ use std::time::Instant;
 use tch::{Device, Kind};
 use titan_train::checkpoint::{Checkpointer, TrainerState};
 use titan_train::config::{AsyncModeName, Checkpoint, LrScheduler};
-use titan_train::data::{Dataset, TextLoader, TextTokenizer};
+use titan_train::data::{Dataset, PrefetchLoader, TextLoader, TextTokenizer};
 use titan_train::lr_scheduler::LrSchedule;
 use titan_train::model::{Llama, ModelArgs};
 use titan_train::optim::{AdamW, AdamWParams};
@@ -70,14 +70,17 @@ fn main() {
             fused: true,
         });
         let schedule = LrSchedule::new(&LrScheduler::default(), 1e-3, 1000);
-        let mut loader = TextLoader::new(
-            Dataset::resolve("default", None, "training").unwrap(),
-            Arc::new(TextTokenizer::embedded().unwrap()),
-            32,
-            1,
+        let mut loader = PrefetchLoader::new(
+            TextLoader::new(
+                Dataset::resolve("default", None, "training").unwrap(),
+                Arc::new(TextTokenizer::embedded().unwrap()),
+                32,
+                1,
+                0,
+                1,
+                true,
+            ),
             0,
-            1,
-            true,
         );
         let tokens = tch::Tensor::randint(1000, [1, 33], (Kind::Int64, Device::Cpu));
         let logits = model.forward(&tokens.narrow(1, 0, 32), None);

@@ -11,6 +11,9 @@ pub const STEP: &str = "step";
 /// titan-train's phase and tag names.
 pub mod titan {
     pub const DATA_LOADING: &str = "data_loading";
+    /// A batch built on titan-train's background loader thread (`training.prefetch_batches`),
+    /// overlapping the step; `data_loading` is then only the training thread's wait for it.
+    pub const DATA_PREFETCH: &str = "data_prefetch";
     pub const FORWARD_BACKWARD: &str = "forward_backward";
     pub const MICROBATCH: &str = "microbatch";
     pub const FORWARD: &str = "forward";

@@ -326,20 +326,44 @@ fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSum
     };
     let world = Mesh::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size)
         .map_err(|e| invalid("parallelism.data_parallel_shard_degree", e))?;
-    let device = train::select_device(&cfg.training, env.local_rank)
+    let device = train::select_device(&cfg.training, &cfg.comm, env.local_rank)
         .map_err(|e| invalid("training.device", e))?;
-    let opts = CommOptions {
-        backend: if device.is_cuda() {
-            Backend::Nccl
-        } else {
+    let backend = match (cfg.comm.backend, device) {
+        (config::CommBackend::Cpu, _) | (config::CommBackend::Auto, tch::Device::Cpu) => {
             Backend::Cpu
-        },
+        }
+        (config::CommBackend::Nccl | config::CommBackend::Auto, tch::Device::Cuda(_)) => {
+            Backend::Nccl
+        }
+        (config::CommBackend::Nccl, _) => {
+            return Err(invalid(
+                "comm.backend",
+                anyhow::anyhow!(
+                    "nccl runs collectives on CUDA tensors, but this rank trains on {device:?}: \
+                     set training.device = \"cuda\" on a GPU machine, or comm.backend = \"cpu\""
+                ),
+            ));
+        }
+        (_, other) => {
+            return Err(invalid(
+                "training.device",
+                anyhow::anyhow!("{other:?} is not a device titan-train trains on"),
+            ));
+        }
+    };
+    let device_index = match device {
+        tch::Device::Cuda(i) => i,
+        _ => env.local_rank,
+    };
+    let opts = CommOptions {
+        backend,
         init_timeout: Duration::from_secs(cfg.comm.init_timeout_seconds as u64),
         timeout: Duration::from_secs(cfg.comm.train_timeout_seconds as u64),
         ..CommOptions::default()
     };
     let rank = env.rank;
-    let dist = Dist::init(env, opts).context("joining the distributed job")?;
+    let mut dist = Dist::init(env, opts).context("joining the distributed job")?;
+    dist.device_index = device_index;
     // Rank timelines in titan-obs line up on rank 0's clock.
     titan_obs_core::set_clock_offset_ns(dist.clock_offset_ns);
     let mesh = DeviceMesh::connect(dist, world).context("creating the device mesh's groups")?;

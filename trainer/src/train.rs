@@ -19,7 +19,7 @@ use titan_obs_core::vocab::{self, titan};
 use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
 use crate::console;
-use crate::data::{Batch, Dataset, TextLoader, TextTokenizer};
+use crate::data::{Batch, Dataset, PrefetchLoader, TextLoader, TextTokenizer};
 use crate::distributed::{DeviceMesh, ReduceOp};
 use crate::float8::{self, Float8Training};
 use crate::host_sync;
@@ -57,20 +57,37 @@ fn config_error(key: &str, e: anyhow::Error) -> anyhow::Error {
     .into()
 }
 
-/// Picks the device: CUDA `local_rank` when available (or demanded), else CPU.
-pub fn select_device(training: &config::Training, local_rank: usize) -> Result<Device> {
+/// Picks the device: CUDA `local_rank` when available (or demanded), else CPU. Over the cpu
+/// backend (`comm.backend = "cpu"`) ranks beyond the node's GPUs share them round-robin; NCCL
+/// needs a GPU per rank.
+pub fn select_device(
+    training: &config::Training,
+    comm: &config::Comm,
+    local_rank: usize,
+) -> Result<Device> {
     let cuda = tch::Cuda::is_available();
+    let gpu = || -> Result<Device> {
+        let count = tch::Cuda::device_count().max(1) as usize;
+        if local_rank < count {
+            Ok(Device::Cuda(local_rank))
+        } else if comm.backend == config::CommBackend::Cpu {
+            Ok(Device::Cuda(local_rank % count))
+        } else {
+            bail!(
+                "local rank {local_rank} has no GPU of its own: this node has {count}; run at \
+                 most {count} ranks per node, or set comm.backend = \"cpu\" to let ranks share \
+                 GPUs (host-staged collectives)"
+            )
+        }
+    };
     match training.device {
         DeviceChoice::Cpu => Ok(Device::Cpu),
         DeviceChoice::Cuda if !cuda => {
             bail!("training.device = cuda, but no CUDA device is available")
         }
-        DeviceChoice::Cuda => Ok(Device::Cuda(local_rank)),
-        DeviceChoice::Auto => Ok(if cuda {
-            Device::Cuda(local_rank)
-        } else {
-            Device::Cpu
-        }),
+        DeviceChoice::Cuda => gpu(),
+        DeviceChoice::Auto if cuda => gpu(),
+        DeviceChoice::Auto => Ok(Device::Cpu),
     }
 }
 
@@ -172,14 +189,14 @@ fn keep_freed_tensor_memory() {
 fn validate(
     model: &Llama,
     pipeline: Option<(&Pipeline, i64)>,
-    loader: &mut TextLoader,
+    loader: &mut PrefetchLoader,
     max_steps: Option<u64>,
     mesh: &DeviceMesh,
     step: u64,
     device: Device,
 ) -> Result<ValidationMetrics> {
     let start = Instant::now();
-    loader.reset();
+    loader.reset()?;
     // Summed on the device and read once at the end (torchtitan's validator reads once too).
     let mut loss_sum = Tensor::zeros([], (Kind::Double, device));
     let mut tokens = 0i64;
@@ -421,8 +438,8 @@ struct Job<'a> {
     params: Vec<(String, Tensor)>,
     optimizer: AdamW,
     schedule: LrSchedule,
-    train_loader: TextLoader,
-    val_loader: Option<TextLoader>,
+    train_loader: PrefetchLoader,
+    val_loader: Option<PrefetchLoader>,
     checkpointer: Checkpointer,
     resumed_step: u64,
     /// Gradient-accumulation microbatches per step (each a pipeline pass under PP).
@@ -834,7 +851,7 @@ impl<'a> Job<'a> {
 /// dump folder, with the resolved config written there by rank 0.
 fn prepare_process(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<(Device, PathBuf)> {
     let world = mesh.mesh;
-    let device = select_device(&cfg.training, world.local_rank)
+    let device = select_device(&cfg.training, &cfg.comm, world.local_rank)
         .map_err(|e| config_error("training.device", e))?;
     keep_freed_tensor_memory();
     let seed = set_determinism(&cfg.debug, device);
@@ -873,7 +890,7 @@ fn build_loaders(
     mesh: &DeviceMesh,
     tokenizer: &Arc<TextTokenizer>,
     batch: usize,
-) -> Result<(TextLoader, Option<TextLoader>)> {
+) -> Result<(PrefetchLoader, Option<PrefetchLoader>)> {
     let (dp_rank, dp_degree) = (mesh.mesh.dp_rank() as u64, mesh.mesh.dp_degree() as u64);
     let t = &cfg.training;
     let train_set = Dataset::resolve(&t.dataset, t.dataset_path.as_deref(), "training")
@@ -887,6 +904,8 @@ fn build_loaders(
         dp_degree,
         true,
     );
+    let ahead = t.prefetch_batches as usize;
+    let train_loader = PrefetchLoader::new(train_loader, ahead);
     let v = &cfg.validation;
     if !v.enable {
         return Ok((train_loader, None));
@@ -903,7 +922,7 @@ fn build_loaders(
         dp_degree,
         false,
     );
-    Ok((train_loader, Some(val_loader)))
+    Ok((train_loader, Some(PrefetchLoader::new(val_loader, ahead))))
 }
 
 /// This rank's part of the model: its pipeline stages, split by the plan over the mesh, with

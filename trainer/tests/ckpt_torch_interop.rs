@@ -13,7 +13,7 @@ use tch::{Device, Kind, Tensor};
 use titan_tests::{python_script, run_ok, tf4_python_script};
 use titan_train::checkpoint::{Checkpointer, TrainerState};
 use titan_train::config::{Checkpoint, LrScheduler};
-use titan_train::data::{Dataset, TextLoader, TextTokenizer};
+use titan_train::data::{Dataset, PrefetchLoader, TextLoader, TextTokenizer};
 use titan_train::lr_scheduler::LrSchedule;
 use titan_train::model::{Llama, ModelArgs};
 use titan_train::names;
@@ -29,7 +29,7 @@ fn python(mut cmd: Command, args: &[&Path]) -> String {
 struct Run {
     model: Llama,
     optimizer: AdamW,
-    loader: TextLoader,
+    loader: PrefetchLoader,
     schedule: LrSchedule,
 }
 
@@ -56,6 +56,7 @@ fn setup(total_steps: u64) -> Run {
         1,
         true,
     );
+    let loader = PrefetchLoader::new(loader, 2);
     Run {
         model: Llama::new(small_args(), Device::Cpu, &ParallelPlan::single()).unwrap(),
         optimizer: AdamW::new(AdamWParams {

@@ -147,7 +147,7 @@ const NO_EFFECT: &[(&str, Accepts, &str)] = &[
     (
         "dataloader.num_workers",
         Accepts::Only(&["0"]),
-        "titan-train reads data in the training process",
+        "titan-train reads data on a thread of the training process (training.prefetch_batches)",
     ),
     (
         "dataloader.persistent_workers",

@@ -126,6 +126,19 @@ pub enum DeviceChoice {
     Cuda,
 }
 
+/// `comm.backend` (titan-train's own key: torchtitan picks NCCL for CUDA and gloo for CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CommBackend {
+    /// NCCL when training on CUDA, the CPU backend otherwise.
+    Auto,
+    /// NCCL (CUDA devices only; one GPU per rank).
+    Nccl,
+    /// The TCP ring on host memory, as gloo: CUDA tensors are staged through the host, and
+    /// ranks on a node with fewer GPUs than ranks share them (`local_rank % GPUs`).
+    Cpu,
+}
+
 /// `checkpoint.async_mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -402,6 +415,10 @@ pub struct Training {
     #[serde(with = "minus_one_is_none")]
     pub global_batch_size: Option<u64>,
     pub seq_len: i64,
+    /// Batches read, tokenized and packed ahead of the step on a background thread, so the
+    /// training thread (and on a GPU, the kernels it queues) does not wait for them; 0 loads
+    /// each batch on the training thread when the step asks for it. The batches are the same.
+    pub prefetch_batches: u64,
     pub max_norm: f64,
     pub steps: u64,
     pub enable_cpu_offload: bool,
@@ -427,6 +444,7 @@ impl Default for Training {
             local_batch_size: 8,
             global_batch_size: None,
             seq_len: 2048,
+            prefetch_batches: 2,
             max_norm: 1.0,
             steps: 10000,
             enable_cpu_offload: false,
@@ -650,6 +668,8 @@ pub struct Comm {
     pub train_timeout_seconds: i64,
     /// Accepted for torchtitan config compatibility (its NCCL flight-recorder size); unused.
     pub trace_buf_size: i64,
+    /// Which collectives backend the ranks use.
+    pub backend: CommBackend,
 }
 
 impl Default for Comm {
@@ -658,6 +678,7 @@ impl Default for Comm {
             init_timeout_seconds: 300,
             train_timeout_seconds: 100,
             trace_buf_size: 20000,
+            backend: CommBackend::Auto,
         }
     }
 }
@@ -979,6 +1000,24 @@ impl JobConfig {
             return bad(
                 "checkpoint.create_seed_checkpoint",
                 "Must enable checkpointing when creating a seed checkpoint (set checkpoint.enable)"
+                    .into(),
+            );
+        }
+        if self.training.prefetch_batches > 64 {
+            return bad(
+                "training.prefetch_batches",
+                format!(
+                    "{} batches ahead holds that many batches in memory; at most 64 (2 keeps \
+                     the step fed)",
+                    self.training.prefetch_batches
+                ),
+            );
+        }
+        if self.comm.backend == CommBackend::Nccl && self.training.device == DeviceChoice::Cpu {
+            return bad(
+                "comm.backend",
+                "nccl runs collectives on CUDA tensors, but training.device is cpu: set \
+                 comm.backend = \"cpu\" (or \"auto\"), or train on cuda"
                     .into(),
             );
         }
@@ -1401,6 +1440,51 @@ mod tests {
         assert_eq!(c.checkpoint.export_dtype, DtypeName::Float32);
         assert_eq!(c.training.mixed_precision_param, DtypeName::Bfloat16);
         assert_eq!(c.lr_scheduler.decay_ratio, None);
+    }
+
+    /// The loader's read-ahead and the collectives backend: titan-train's own keys, with what
+    /// they cannot be refused naming the key.
+    #[test]
+    fn prefetch_and_backend_keys() {
+        let c = JobConfig::from_parts(None, &[]).unwrap();
+        assert_eq!(
+            (c.training.prefetch_batches, c.comm.backend),
+            (2, CommBackend::Auto)
+        );
+        let c = JobConfig::from_parts(
+            None,
+            &ov(&[
+                "--training.prefetch_batches",
+                "0",
+                "--comm.backend",
+                "cpu",
+                "--training.device",
+                "cuda",
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.training.prefetch_batches, c.comm.backend),
+            (0, CommBackend::Cpu)
+        );
+        for (args, key) in [
+            (
+                &["--training.prefetch_batches", "65"][..],
+                "training.prefetch_batches",
+            ),
+            (
+                &["--comm.backend", "nccl", "--training.device", "cpu"][..],
+                "comm.backend",
+            ),
+        ] {
+            let err = JobConfig::from_parts(None, &ov(args)).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::Invalid { key: k, .. } if k == key),
+                "{args:?}: {err}"
+            );
+        }
+        let err = JobConfig::from_parts(None, &ov(&["--comm.backend", "gloo"])).unwrap_err();
+        assert!(err.to_string().contains("comm.backend"), "{err}");
     }
 
     #[test]

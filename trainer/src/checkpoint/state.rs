@@ -23,7 +23,7 @@ use titan_dcp::PathPart;
 use titan_dcp::pickle::Value;
 
 use super::host::HostTensor;
-use crate::data::{LoaderState, TextLoader};
+use crate::data::{LoaderState, PrefetchLoader};
 use crate::lr_scheduler::LrSchedule;
 use crate::model::Llama;
 use crate::names;
@@ -43,7 +43,7 @@ pub const MODEL: &str = "model";
 pub struct TrainerState<'a> {
     pub model: &'a Llama,
     pub optimizer: &'a mut AdamW,
-    pub loader: &'a mut TextLoader,
+    pub loader: &'a mut PrefetchLoader,
     pub schedule: &'a LrSchedule,
 }
 

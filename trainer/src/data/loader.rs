@@ -17,9 +17,11 @@
 //! The position ([`LoaderState`]) holds torchtitan's fields (`sample_idx`, `epoch`, the three
 //! buffers), as plain serde data so a checkpoint resumes the stream exactly.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use anyhow::{Result, bail};
+use rayon::prelude::*;
 use tch::{Device, Tensor};
 
 use super::source::{Dataset, DocStream};
@@ -249,7 +251,29 @@ pub struct TextLoader {
     shard: Option<OpenShard>,
     /// The dataset's document count, read once (a pass over its files).
     total_docs: Option<u64>,
+    /// Where reading is: ahead of `state` by the documents in `tokenized`.
+    read: Cursor,
+    /// Documents read and tokenized ahead (in parallel), not yet packed into samples.
+    tokenized: VecDeque<TokenizedDoc>,
 }
+
+/// A document position in this rank's shard: torchtitan's `sample_idx` and `epoch`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Cursor {
+    sample_idx: u64,
+    epoch: u64,
+}
+
+/// A document's tokens, with where reading was once it was read (the loader's position once
+/// it is packed).
+struct TokenizedDoc {
+    tokens: Vec<u32>,
+    after: Cursor,
+}
+
+/// Documents tokenized together on the loader's thread pool: enough that a step's batch
+/// rarely waits for one document, few enough that a resume re-reads little.
+const TOKENIZE_AHEAD: usize = 64;
 
 impl TextLoader {
     pub fn new(
@@ -274,7 +298,19 @@ impl TextLoader {
             },
             shard: None,
             total_docs: None,
+            read: Cursor::default(),
+            tokenized: VecDeque::new(),
         }
+    }
+
+    /// Reading restarts at `state`'s position (what was read ahead is dropped).
+    fn reread_from_state(&mut self) {
+        self.read = Cursor {
+            sample_idx: self.state.sample_idx,
+            epoch: self.state.epoch,
+        };
+        self.tokenized.clear();
+        self.shard = None;
     }
 
     /// The resumable position.
@@ -303,7 +339,7 @@ impl TextLoader {
             );
         }
         self.state = state;
-        self.shard = None;
+        self.reread_from_state();
         Ok(())
     }
 
@@ -315,7 +351,7 @@ impl TextLoader {
             dp_world: w,
             ..LoaderState::default()
         };
-        self.shard = None;
+        self.reread_from_state();
     }
 
     /// Opens this rank's shard at `sample_idx` of the current epoch.
@@ -332,15 +368,15 @@ impl TextLoader {
                 "the dataset ended before its counted {total} documents (changed on disk?)"
             )
         };
-        let skip = if self.state.epoch == 0 {
-            start + self.state.sample_idx.min(len)
+        let skip = if self.read.epoch == 0 {
+            start + self.read.sample_idx.min(len)
         } else {
             start
         };
         for _ in 0..skip {
             stream.next_doc()?.ok_or_else(changed)?;
         }
-        let order = if self.state.epoch == 0 {
+        let order = if self.read.epoch == 0 {
             ShardOrder::Stored(stream)
         } else {
             let mut docs = Vec::with_capacity(len as usize);
@@ -349,7 +385,7 @@ impl TextLoader {
             }
             ShardOrder::Shuffled {
                 docs,
-                order: super::shuffle::permutation(shuffle_seed(self.state.epoch), len),
+                order: super::shuffle::permutation(shuffle_seed(self.read.epoch), len),
             }
         };
         Ok(OpenShard { order, len })
@@ -363,7 +399,7 @@ impl TextLoader {
                 self.shard = Some(self.open_shard()?);
             }
             let shard = self.shard.as_mut().expect("opened above");
-            if self.state.sample_idx < shard.len {
+            if self.read.sample_idx < shard.len {
                 let doc = match &mut shard.order {
                     ShardOrder::Stored(stream) => stream.next_doc()?.ok_or_else(|| {
                         anyhow::anyhow!(
@@ -373,10 +409,10 @@ impl TextLoader {
                     })?,
                     // Each index comes once per epoch: the text can be moved out.
                     ShardOrder::Shuffled { docs, order } => {
-                        std::mem::take(&mut docs[order[self.state.sample_idx as usize] as usize])
+                        std::mem::take(&mut docs[order[self.read.sample_idx as usize] as usize])
                     }
                 };
-                self.state.sample_idx += 1;
+                self.read.sample_idx += 1;
                 return Ok(Some(doc));
             }
             if !self.infinite {
@@ -389,27 +425,58 @@ impl TextLoader {
                     self.state.dp_world
                 );
             }
-            relooped_empty = self.state.sample_idx == 0;
-            self.state.epoch += 1;
-            self.state.sample_idx = 0;
+            relooped_empty = self.read.sample_idx == 0;
+            self.read.epoch += 1;
+            self.read.sample_idx = 0;
             self.shard = None;
             tracing::warn!(
-                epoch = self.state.epoch,
+                epoch = self.read.epoch,
                 "dataset exhausted; re-looping in torchtitan's order for this epoch \
                  (shuffle seed {})",
-                shuffle_seed(self.state.epoch)
+                shuffle_seed(self.read.epoch)
             );
         }
+    }
+
+    /// The next document's tokens (moving the loader's position past it), or `None` when a
+    /// finite dataset ends. Documents are read [`TOKENIZE_AHEAD`] at a time and tokenized in
+    /// parallel: one thread tokenizing a batch of 2048-token samples takes longer than a GPU
+    /// step on small models.
+    fn next_tokens(&mut self) -> Result<Option<Vec<u32>>> {
+        if self.tokenized.is_empty() {
+            let mut docs = Vec::with_capacity(TOKENIZE_AHEAD);
+            while docs.len() < TOKENIZE_AHEAD {
+                let Some(doc) = self.next_doc()? else { break };
+                docs.push((doc, self.read));
+            }
+            let tokenizer = &self.tokenizer;
+            let tokenized: Vec<Result<TokenizedDoc>> = docs
+                .into_par_iter()
+                .map(|(doc, after)| {
+                    Ok(TokenizedDoc {
+                        tokens: tokenizer.encode(&doc)?,
+                        after,
+                    })
+                })
+                .collect();
+            for doc in tokenized {
+                self.tokenized.push_back(doc?);
+            }
+        }
+        let Some(doc) = self.tokenized.pop_front() else {
+            return Ok(None);
+        };
+        (self.state.sample_idx, self.state.epoch) = (doc.after.sample_idx, doc.after.epoch);
+        Ok(Some(doc.tokens))
     }
 
     /// The next `seq_len` sample, or `None` when a finite dataset ends.
     fn next_sample(&mut self) -> Result<Option<Sample>> {
         let s = self.seq_len;
         while self.state.inputs_buffer.len() < s {
-            let Some(doc) = self.next_doc()? else {
+            let Some(tokens) = self.next_tokens()? else {
                 return Ok(None);
             };
-            let tokens = self.tokenizer.encode(&doc)?;
             if tokens.len() < 2 {
                 continue;
             }
@@ -435,6 +502,12 @@ impl TextLoader {
 
     /// The next batch on `device`; a finite dataset's last batch may be smaller, then `None`.
     pub fn next_batch(&mut self, device: Device) -> Result<Option<Batch>> {
+        Ok(self.next_host_batch()?.map(|b| b.to_device(device)))
+    }
+
+    /// The next batch, still on the host (no tch call: a background thread builds these, see
+    /// [`super::PrefetchLoader`]), with this loader's position after it.
+    pub fn next_host_batch(&mut self) -> Result<Option<HostBatch>> {
         let mut samples = Vec::with_capacity(self.batch_size);
         while samples.len() < self.batch_size {
             match self.next_sample()? {
@@ -447,7 +520,6 @@ impl TextLoader {
         }
         self.state.samples_yielded += samples.len() as u64;
         self.state.batches_yielded += 1;
-        let shape = [samples.len() as i64, self.seq_len as i64];
         let column = |pick: fn(&Sample) -> &Vec<u32>| -> Vec<i64> {
             samples
                 .iter()
@@ -460,15 +532,51 @@ impl TextLoader {
             column(|w| &w.positions),
         );
         let valid_tokens = labels.iter().filter(|&&l| l != IGNORE_INDEX).count() as i64;
-        let (offsets, longest_document) = document_starts(&positions);
-        Ok(Some(Batch {
-            inputs: crate::host_sync::upload(&inputs, &shape, device),
-            labels: crate::host_sync::upload(&labels, &shape, device),
-            positions: crate::host_sync::upload(&positions, &shape, device),
+        let (document_offsets, longest_document) = document_starts(&positions);
+        Ok(Some(HostBatch {
+            shape: [samples.len() as i64, self.seq_len as i64],
+            inputs,
+            labels,
+            positions,
             valid_tokens,
-            document_offsets: crate::host_sync::upload(&offsets, &[offsets.len() as i64], device),
+            document_offsets,
             longest_document,
+            state_after: self.state.clone(),
         }))
+    }
+}
+
+/// A batch as the loader builds it on the host, before it goes to the device.
+pub struct HostBatch {
+    /// (B, seq_len).
+    shape: [i64; 2],
+    inputs: Vec<i64>,
+    labels: Vec<i64>,
+    positions: Vec<i64>,
+    valid_tokens: i64,
+    document_offsets: Vec<i32>,
+    longest_document: i64,
+    /// The loader's position once this batch is handed out: what a checkpoint taken after
+    /// training on it must store, however far ahead a background loader has read since.
+    pub state_after: LoaderState,
+}
+
+impl HostBatch {
+    /// The batch on `device`: pinned, non-blocking copies on CUDA ([`crate::host_sync::upload`]).
+    pub fn to_device(self, device: Device) -> Batch {
+        let upload = |v: &[i64]| crate::host_sync::upload(v, &self.shape, device);
+        Batch {
+            inputs: upload(&self.inputs),
+            labels: upload(&self.labels),
+            positions: upload(&self.positions),
+            valid_tokens: self.valid_tokens,
+            document_offsets: crate::host_sync::upload(
+                &self.document_offsets,
+                &[self.document_offsets.len() as i64],
+                device,
+            ),
+            longest_document: self.longest_document,
+        }
     }
 }
 
@@ -689,7 +797,11 @@ mod tests {
         let (start, end) = contiguous_shard(all.len() as u64, 2, 1);
         let shard = &all[start as usize..end as usize];
         let mut l = loader(1, 2, true);
-        l.state.epoch = 1;
+        l.load_state(LoaderState {
+            epoch: 1,
+            ..l.state().clone()
+        })
+        .unwrap();
         let order = crate::data::shuffle::permutation(43, shard.len() as u64);
         let shuffled: Vec<String> = order.iter().map(|&i| shard[i as usize].clone()).collect();
         let want = reference(&l, &shuffled, 32);

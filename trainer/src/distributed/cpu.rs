@@ -85,20 +85,20 @@ impl CpuGroup {
     }
 }
 
-/// Runs `f` on the bytes of `t` (a CPU tensor), through a contiguous copy if needed.
+/// Runs `f` on the bytes of `t`, through a contiguous host copy if needed. A CUDA tensor is
+/// staged through host memory as gloo stages it (the copy out waits for the kernels that wrote
+/// it, the copy back is ordered before the kernels that read it): so ranks that share a GPU, or
+/// have no NCCL, still train on CUDA tensors.
 fn with_bytes<R>(
     op: &'static str,
     t: &Tensor,
     f: impl FnOnce(&mut [u8], Elem) -> Result<R, CommError>,
 ) -> Result<R, CommError> {
-    if t.device() != Device::Cpu {
-        return Err(CommError::BadArgument {
-            op,
-            message: format!(
-                "the cpu backend needs CPU tensors, got one on {:?}",
-                t.device()
-            ),
-        });
+    if t.device().is_cuda() {
+        let host = t.to_device(Device::Cpu);
+        let result = with_bytes(op, &host, f)?;
+        t.shallow_clone().copy_(&host);
+        return Ok(result);
     }
     let elem = Elem::from_kind(t.kind()).ok_or_else(|| CommError::BadArgument {
         op,

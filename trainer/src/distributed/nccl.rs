@@ -91,8 +91,8 @@ impl NcclGroup {
         // cudarc panics on its first call when libcuda is missing: ask libtorch first.
         if !tch::Cuda::is_available() {
             return Err(setup(
-                "comm.backend = \"nccl\" needs CUDA, but no CUDA device is available; use \
-                 comm.backend = \"cpu\""
+                "comm.backend = \"nccl\" needs CUDA, but no CUDA device is available; set \
+                 training.device = \"cpu\" (or comm.backend = \"cpu\")"
                     .into(),
             ));
         }
@@ -166,10 +166,10 @@ impl NcclGroup {
             stop: AtomicBool::new(false),
         });
         let watchdog = {
-            let (watch, ctx) = (watch.clone(), ctx.clone());
+            let (watch, ctx, group) = (watch.clone(), ctx.clone(), key.to_string());
             std::thread::Builder::new()
                 .name(format!("titan-nccl-watchdog-{key}"))
-                .spawn(move || watchdog(&watch, &ctx, failures.as_deref(), rank, timeout))
+                .spawn(move || watchdog(&watch, &ctx, failures.as_deref(), rank, &group, timeout))
                 .map_err(|e| setup(format!("starting the NCCL watchdog: {e}")))?
         };
         Ok(NcclGroup {
@@ -442,14 +442,13 @@ impl Collectives for NcclGroup {
 }
 
 /// The watchdog of one group: retires completed collectives, and when one makes no progress
-/// within `timeout` or NCCL reports an async error, aborts the communicator, posts the failure
-/// to the store (first writer wins) and ends the process naming it: the default stream may be
-/// blocked behind the collective, so no later host call can be trusted to return.
+/// within `timeout` or NCCL reports an async error, ends the process ([`fail`]).
 fn watchdog(
     watch: &Watch,
     ctx: &CudaContext,
     failures: Option<&FailureBoard>,
     rank: usize,
+    group: &str,
     timeout: Duration,
 ) {
     if ctx.bind_to_thread().is_err() {
@@ -498,36 +497,77 @@ fn watchdog(
                 .then(|| format!("NCCL async error: {async_err:?}"))
         });
         if let Some(message) = failure {
-            {
-                let mut comm = watch.comm.lock().unwrap_or_else(|e| e.into_inner());
-                if !comm.is_null() {
-                    // SAFETY: live communicator; abort makes pending operations return.
-                    unsafe { sys::ncclCommAbort(*comm) };
-                    *comm = std::ptr::null_mut();
-                }
-            }
-            let own = format!("rank {rank}: {message}");
-            // What the board adds to this rank's own message (as the cpu backend's errors do).
-            let context = match failures.map(|f| f.post(&own)) {
-                Some(Posted::After(first)) => {
-                    format!("\n  first failure reported in the job: {first}")
-                }
-                Some(Posted::Unreachable(why)) => format!(
-                    "\n  the job's failure notices could not be read ({why}): the store's host \
-                     has exited or is unreachable; the other ranks' logs say which failed first"
-                ),
-                Some(Posted::First) | None => String::new(),
-            };
-            *watch.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(own.clone());
-            eprintln!("titan-train: error: {own}{context}");
-            // The board's post put the failure in this rank's titan-obs records: flush them
-            // before exiting, or the journal would lose it with the last interval.
-            let _ = titan_obs_core::finish();
-            std::process::exit(1);
+            fail(
+                watch,
+                failures,
+                &format!("rank {rank}: {message} (group {group})"),
+            );
         }
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// Ends the process for a failed collective, in the order that keeps the failure visible even
+/// when the device is wedged: the message (naming rank, collective and group) goes to stderr,
+/// the job's failure board and this rank's titan-obs journal first; then the communicator is
+/// aborted (no later call uses it: [`NcclGroup::live`] sees it gone), with a deadline, since
+/// NCCL's abort frees memory and can itself wait on a default stream blocked behind the
+/// collective; then the process leaves with `_exit(1)`: exit handlers would tear CUDA down and
+/// may wait on the same stream (torch's watchdog aborts the process for the same reason).
+fn fail(watch: &Watch, failures: Option<&FailureBoard>, own: &str) -> ! {
+    *watch.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(own.to_string());
+    // What the board adds to this rank's own message (as the cpu backend's errors do).
+    let context = match failures.map(|f| f.post(own)) {
+        Some(Posted::After(first)) => format!("\n  first failure reported in the job: {first}"),
+        Some(Posted::Unreachable(why)) => format!(
+            "\n  the job's failure notices could not be read ({why}): the store's host has exited \
+             or is unreachable; the other ranks' logs say which failed first"
+        ),
+        Some(Posted::First) | None => String::new(),
+    };
+    eprintln!("titan-train: error: {own}{context}");
+    // The board's post put the failure in this rank's titan-obs records: flush them now, or the
+    // journal would lose it with the last interval.
+    let _ = titan_obs_core::finish();
+    let comm = std::mem::replace(
+        &mut *watch.comm.lock().unwrap_or_else(|e| e.into_inner()),
+        std::ptr::null_mut(),
+    );
+    if !comm.is_null() {
+        struct Aborting(sys::ncclComm_t);
+        // SAFETY: the handle moves to the thread that aborts it; nothing else holds it now.
+        unsafe impl Send for Aborting {}
+        impl Aborting {
+            // A method call moves the whole wrapper (and its Send) into the thread.
+            fn into_inner(self) -> sys::ncclComm_t {
+                self.0
+            }
+        }
+        let aborting = Aborting(comm);
+        let (done, aborted) = std::sync::mpsc::channel();
+        let _ = std::thread::Builder::new()
+            .name("titan-nccl-abort".into())
+            .spawn(move || {
+                let comm = aborting.into_inner();
+                // SAFETY: a live communicator, aborted once; abort makes pending work return.
+                unsafe { sys::ncclCommAbort(comm) };
+                let _ = done.send(());
+            });
+        if aborted.recv_timeout(ABORT_DEADLINE).is_err() {
+            eprintln!(
+                "titan-train: the NCCL abort did not return within {ABORT_DEADLINE:?} (the device \
+                 is wedged); leaving without it"
+            );
+        }
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    // SAFETY: ends the process at once; everything that must survive was written above.
+    unsafe { libc::_exit(1) }
+}
+
+/// How long [`fail`] waits for NCCL's abort before leaving without it.
+const ABORT_DEADLINE: Duration = Duration::from_secs(10);
 
 impl Drop for NcclGroup {
     fn drop(&mut self) {

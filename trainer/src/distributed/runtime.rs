@@ -100,7 +100,7 @@ pub struct Dist {
     pub clock_offset_ns: i64,
     /// Round trip of the clock sample used (ns): the offset is good to half of it.
     pub clock_rtt_ns: i64,
-    /// CUDA device index for the nccl backend (the local rank).
+    /// CUDA device index of this rank (the local rank unless ranks share GPUs).
     pub device_index: usize,
 }
 
@@ -247,7 +247,8 @@ impl Dist {
         Err(CommError::Setup {
             rank: self.rank(),
             message: "this titan-train was built without the nccl backend; rebuild with \
-                      `--features nccl` or set comm.backend = \"cpu\""
+                      `--features nccl`, or set comm.backend = \"cpu\" (host-staged collectives) or \
+                      training.device = \"cpu\""
                 .into(),
         })
     }
