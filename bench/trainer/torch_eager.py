@@ -81,14 +81,19 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab=2048, multiple_of=256, seq_len=256):
+    def __init__(self, dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab=2048, multiple_of=256, seq_len=256,
+                 ffn_dim_multiplier=None, tie=False):
         super().__init__()
         hidden = int(2 * 4 * dim / 3)
+        if ffn_dim_multiplier is not None:
+            hidden = int(ffn_dim_multiplier * hidden)
         hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, n_heads, n_kv_heads, hidden, 1e-5) for _ in range(n_layers))
         self.norm = nn.RMSNorm(dim, eps=1e-5)
         self.output = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.output.weight = self.tok_embeddings.weight
         self.full_ac = False
         self.register_buffer("freqs_cis", freqs(dim // n_heads, seq_len), persistent=False)
 
@@ -103,6 +108,14 @@ class Llama(nn.Module):
         return self.output(self.norm(h)).float()
 
 
+# torchtitan 0.3.0's llama3 flavors as this model's arguments.
+FLAVORS = {
+    "debugmodel": {},
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab=128256, multiple_of=1024,
+               ffn_dim_multiplier=1.5, tie=True),
+}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=8)
@@ -113,17 +126,20 @@ def main():
     p.add_argument("--autocast", action="store_true", help="bf16 autocast forward (fp32 weights)")
     p.add_argument("--full_ac", action="store_true", help="recompute every block in backward")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU baseline)")
+    p.add_argument("--flavor", default="debugmodel", choices=sorted(FLAVORS),
+                   help="torchtitan's llama3 flavor of the same name")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model = Llama(seq_len=a.seq_len).to(a.device)
+    model = Llama(seq_len=a.seq_len, **FLAVORS[a.flavor]).to(a.device)
+    vocab = model.output.weight.shape[0]
     model.full_ac = a.full_ac
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     start = None
     for step in range(1, a.steps + 1):
         if step == a.warmup + 1:
             start = time.perf_counter()
-        window = torch.randint(0, 2048, (a.batch, a.seq_len + 1), device=a.device)
+        window = torch.randint(0, vocab, (a.batch, a.seq_len + 1), device=a.device)
         inputs, labels = window[:, :-1], window[:, 1:]
         ntokens = (labels != -100).sum()
         with torch.autocast(a.device, dtype=torch.bfloat16, enabled=a.autocast):
@@ -144,6 +160,8 @@ def main():
         "threads": torch.get_num_threads(),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "device": a.device,
+        "flavor": a.flavor,
+        "peak_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else None,
     }))
 
 

@@ -121,6 +121,9 @@ impl Fixture {
             s("--training.mixed_precision_param"),
             s("float32"),
         ]
+        .into_iter()
+        .chain(cuda_args())
+        .collect()
     }
 
     fn losses(&self, name: &str) -> Vec<f64> {
@@ -140,6 +143,18 @@ impl Fixture {
             .filter(|v| v["kind"] == kind)
             .map(|v| v[field].as_f64().expect("a number"))
             .collect()
+    }
+}
+
+/// With `TITAN_TEST_CUDA=1` (a GPU machine, bench/trainer/cuda_checks.sh) every run trains on
+/// CUDA tensors, its ranks sharing the GPU over the cpu backend: the same curves must come out.
+fn cuda_args() -> Vec<String> {
+    if std::env::var("TITAN_TEST_CUDA").is_ok_and(|v| v == "1") {
+        ["--training.device", "cuda", "--comm.backend", "cpu"]
+            .map(String::from)
+            .to_vec()
+    } else {
+        Vec::new()
     }
 }
 

@@ -254,6 +254,16 @@ impl ModelArgs {
                 ffn_dim_multiplier: None,
                 ..base
             },
+            // torchtitan's 1B: tied embeddings, 128k vocabulary (the output layer is a third
+            // of the parameters).
+            "1B" => Self {
+                dim: 2048,
+                n_layers: 16,
+                n_heads: 32,
+                ffn_dim_multiplier: Some(1.5),
+                tie_embeddings: true,
+                ..base
+            },
             "8B" => base,
             "70B" => Self {
                 dim: 8192,
@@ -270,7 +280,9 @@ impl ModelArgs {
                 ffn_dim_multiplier: Some(1.2),
                 ..base
             },
-            other => bail!("unknown llama3 flavor `{other}` (known: debugmodel, 8B, 70B, 405B)"),
+            other => {
+                bail!("unknown llama3 flavor `{other}` (known: debugmodel, 1B, 8B, 70B, 405B)")
+            }
         })
     }
 
@@ -622,7 +634,17 @@ impl ModelArgs {
         };
         // torchtitan's qwen3 init: normal(0.02) for every linear, the embedding too.
         let normal02 = Init::Normal { std: 0.02 };
+        // llama3's output init: truncated normal with std dim^-0.5.
+        let final_std = (d as f64).powf(-0.5);
+        let lm_head_trunc = Init::TruncNormal {
+            std: final_std,
+            a: -3.0 * final_std,
+            b: 3.0 * final_std,
+        };
         let embedding_init = match self.family {
+            // torchtitan's tied llama3 (1B) skips the embedding's init: the shared weight is
+            // the output layer's.
+            Family::Llama3 if self.tie_embeddings => lm_head_trunc,
             Family::Llama3 | Family::DeepseekV3 => Init::Normal { std: 1.0 },
             Family::Qwen3 => normal02,
         };
@@ -744,14 +766,7 @@ impl ModelArgs {
         out.push(spec("norm.weight".into(), &[d], Init::Ones, Module::Head));
         if !self.tie_embeddings {
             let lm_head_init = match self.family {
-                Family::Llama3 | Family::DeepseekV3 => {
-                    let final_std = (d as f64).powf(-0.5);
-                    Init::TruncNormal {
-                        std: final_std,
-                        a: -3.0 * final_std,
-                        b: 3.0 * final_std,
-                    }
-                }
+                Family::Llama3 | Family::DeepseekV3 => lm_head_trunc,
                 Family::Qwen3 => normal02,
             };
             out.push(spec(
@@ -788,6 +803,7 @@ mod tests {
     fn counts_and_flops_are_torchtitans() {
         for (name, flavor, params, flops) in [
             ("llama3", "debugmodel", 6_163_712, 71_585_280.0),
+            ("llama3", "1B", 1_235_814_400, 8_220_192_768.0),
             ("llama3", "8B", 8_030_261_248, 48_250_773_504.0),
             ("qwen3", "debugmodel", 31_987_968, 594_580_992.0),
             ("qwen3", "0.6B", 596_049_920, 4_985_585_664.0),

@@ -1,0 +1,286 @@
+//! The nccl backend on a real GPU: every collective titan-train uses, through NCCL on a 1-rank
+//! communicator (a lent machine has one GPU, and NCCL will not put two ranks on one device),
+//! ordered on the GPU by events and not by the host, and the watchdog's timeout path.
+//!
+//! Needs `--features nccl` and a CUDA device; without a device each test says so and passes
+//! (CI has none: bench/trainer/cuda_checks.sh runs these on a GPU machine).
+#![cfg(feature = "nccl")]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind, Tensor};
+use titan_train::distributed::nccl::NcclGroup;
+use titan_train::distributed::{Collectives, ReduceOp};
+
+fn gpu() -> Option<Device> {
+    let found = tch::Cuda::is_available().then_some(Device::Cuda(0));
+    if found.is_none() {
+        eprintln!("no CUDA device: nothing to run (this test needs a GPU)");
+    }
+    found
+}
+
+fn group(timeout: Duration) -> NcclGroup {
+    NcclGroup::connect(None, "test", vec![0], 0, 0, timeout).expect("a 1-rank NCCL communicator")
+}
+
+fn host(t: &Tensor) -> Vec<f64> {
+    Vec::<f64>::try_from(&t.to_kind(Kind::Double).to_device(Device::Cpu).reshape([-1])).unwrap()
+}
+
+/// Each collective on each dtype titan-train sends: the output holds the input (one rank),
+/// written where the collective writes it (outputs start as NaN or -1, so a short count or a
+/// wrong pointer shows).
+#[test]
+fn every_collective_on_a_one_rank_communicator() {
+    let Some(dev) = gpu() else { return };
+    let mut g = group(Duration::from_secs(60));
+    assert_eq!((g.rank(), g.size(), g.backend()), (0, 1, "nccl"));
+    for kind in [
+        Kind::Float,
+        Kind::BFloat16,
+        Kind::Half,
+        Kind::Double,
+        Kind::Int64,
+        Kind::Int,
+        Kind::Uint8,
+    ] {
+        let x = Tensor::arange_start(1, 4097, (Kind::Int64, Device::Cpu))
+            .remainder(200)
+            .to_kind(kind)
+            .to_device(dev);
+        let want = host(&x);
+        let filled = || Tensor::full([4096], -1, (kind, dev));
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            let t = x.copy();
+            g.all_reduce(&t, op).unwrap();
+            assert_eq!(host(&t), want, "all_reduce {op:?} {kind:?}");
+            let out = filled();
+            g.reduce_scatter(&out, &x, op).unwrap();
+            assert_eq!(host(&out), want, "reduce_scatter {op:?} {kind:?}");
+        }
+        let out = filled();
+        g.all_gather(&out, &x).unwrap();
+        assert_eq!(host(&out), want, "all_gather {kind:?}");
+        let t = x.copy();
+        g.broadcast(&t, 0).unwrap();
+        assert_eq!(host(&t), want, "broadcast {kind:?}");
+    }
+    g.barrier().unwrap();
+    // What NCCL cannot do is refused before it is asked, naming why.
+    let x = Tensor::ones([8], (Kind::Float, dev));
+    let err = g.broadcast(&x, 1).unwrap_err().to_string();
+    assert!(err.contains("root 1"), "{err}");
+    let err = g
+        .all_reduce(
+            &Tensor::ones([8], (Kind::Float, Device::Cpu)),
+            ReduceOp::Sum,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("needs tensors on cuda:0"), "{err}");
+    let strided = Tensor::ones([8, 8], (Kind::Float, dev)).tr();
+    let err = g
+        .all_reduce(&strided, ReduceOp::Sum)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("contiguous"), "{err}");
+}
+
+/// Holds the legacy default stream (where tch's kernels run) until [`StreamGate::open`]: a
+/// stream-wait on a device flag, as a GPU busy with earlier work would hold it, but for as long
+/// as the test needs. Opened from a non-blocking stream of its own.
+struct StreamGate {
+    _flag: Tensor,
+    opener: GateOpener,
+}
+
+/// What opens a [`StreamGate`], from another thread.
+#[derive(Clone)]
+struct GateOpener {
+    flag: u64,
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+}
+
+impl StreamGate {
+    fn close(dev: Device) -> StreamGate {
+        use cudarc::driver::sys as cuda;
+        let flag = Tensor::zeros([1], (Kind::Int, dev));
+        tch::Cuda::synchronize(0);
+        let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+        // SAFETY: live device memory of the primary context; waits until it reads >= 1.
+        let rc = unsafe {
+            cuda::cuStreamWaitValue32_v2(
+                std::ptr::null_mut(),
+                flag.data_ptr() as cuda::CUdeviceptr,
+                1,
+                0, // CU_STREAM_WAIT_VALUE_GEQ
+            )
+        };
+        assert_eq!(rc, cuda::CUresult::CUDA_SUCCESS);
+        let opener = GateOpener {
+            flag: flag.data_ptr() as u64,
+            ctx,
+        };
+        StreamGate {
+            _flag: flag,
+            opener,
+        }
+    }
+}
+
+impl GateOpener {
+    /// Opens the gate.
+    fn open(&self) {
+        use cudarc::driver::sys as cuda;
+        self.ctx.bind_to_thread().unwrap();
+        let mut stream: cuda::CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and flag address; the stream does not wait on the legacy
+        // stream, so it runs while that one is held.
+        unsafe {
+            let flags = cuda::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32;
+            assert_eq!(
+                cuda::cuStreamCreate(&mut stream, flags),
+                cuda::CUresult::CUDA_SUCCESS
+            );
+            let addr = self.flag as cuda::CUdeviceptr;
+            assert_eq!(
+                cuda::cuStreamWriteValue32_v2(stream, addr, 1, 0),
+                cuda::CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                cuda::cuStreamSynchronize(stream),
+                cuda::CUresult::CUDA_SUCCESS
+            );
+            cuda::cuStreamDestroy_v2(stream);
+        }
+    }
+}
+
+/// Each collective, called while the stream that wrote its input is held: the call returns at
+/// once (the host does not wait for the GPU), the collective runs after the kernels that wrote
+/// its input, and the kernels after it see its output.
+#[test]
+fn collectives_are_ordered_on_the_gpu_without_a_host_wait() {
+    let Some(dev) = gpu() else { return };
+    let mut g = group(Duration::from_secs(60));
+    let base = Tensor::arange_start(1, 1025, (Kind::Float, dev));
+    // The first call of each collective sets NCCL's kernels up: not what is timed.
+    let scratch = Tensor::empty([1024], (Kind::Float, dev));
+    g.all_reduce(&scratch.copy(), ReduceOp::Sum).unwrap();
+    g.all_gather(&scratch, &base).unwrap();
+    g.reduce_scatter(&scratch, &base, ReduceOp::Sum).unwrap();
+    g.broadcast(&scratch, 0).unwrap();
+    tch::Cuda::synchronize(0);
+    type Call = fn(&mut NcclGroup, &Tensor, &Tensor);
+    let calls: [(&str, Call); 4] = [
+        ("all_reduce", |g, out, input| {
+            out.shallow_clone().copy_(input);
+            g.all_reduce(out, ReduceOp::Sum).unwrap()
+        }),
+        ("all_gather", |g, out, input| {
+            g.all_gather(out, input).unwrap()
+        }),
+        ("reduce_scatter", |g, out, input| {
+            g.reduce_scatter(out, input, ReduceOp::Sum).unwrap()
+        }),
+        ("broadcast", |g, out, input| {
+            out.shallow_clone().copy_(input);
+            g.broadcast(out, 0).unwrap()
+        }),
+    ];
+    for (name, call) in calls {
+        let out = Tensor::full([1024], f64::NAN, (Kind::Float, dev));
+        tch::Cuda::synchronize(0);
+        let gate = StreamGate::close(dev);
+        // Written on the held stream: only once the gate opens.
+        let input = &base * 3.0;
+        let (call_returned, gate_waits) = std::sync::mpsc::channel::<()>();
+        let waited = std::thread::scope(|scope| {
+            // Opens the gate when the call returns, or after 3 s if the call waits for it.
+            let opener = gate.opener.clone();
+            scope.spawn(move || {
+                let _ = gate_waits.recv_timeout(Duration::from_secs(3));
+                opener.open();
+            });
+            let start = Instant::now();
+            call(&mut g, &out, &input);
+            let took = start.elapsed();
+            let _ = call_returned.send(());
+            took
+        });
+        let doubled = host(&(&out * 2.0));
+        let want: Vec<f64> = host(&base).iter().map(|v| v * 6.0).collect();
+        assert_eq!(
+            doubled, want,
+            "{name}: ran before its input was written, or was read before it ran"
+        );
+        eprintln!("{name}: the call returned after {waited:?} with the stream held");
+        assert!(
+            waited < Duration::from_secs(2),
+            "{name} waited on the host for the GPU ({waited:?})"
+        );
+    }
+}
+
+const CHILD: &str = "TITAN_NCCL_WATCHDOG_CHILD";
+
+/// A collective that never completes (its stream waits on a flag nobody sets, as it would wait
+/// on a dead peer) ends the process within the timeout, naming the rank and the collective.
+#[test]
+fn the_watchdog_ends_a_hung_collective_naming_it() {
+    if std::env::var_os(CHILD).is_some() {
+        return hang_forever();
+    }
+    if gpu().is_none() {
+        return;
+    }
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "the_watchdog_ends_a_hung_collective_naming_it",
+            "--nocapture",
+        ])
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(90) {
+            child.kill().unwrap();
+            panic!("the hung collective was not ended within 90 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("rank 0: NCCL all_reduce made no progress for 2s")
+            && stderr.contains("(group test)"),
+        "{stderr}"
+    );
+    eprintln!(
+        "the hung child ended after {:?}:\n{stderr}",
+        start.elapsed()
+    );
+}
+
+fn hang_forever() {
+    let dev = Device::Cuda(0);
+    let mut g = group(Duration::from_secs(2));
+    // Never opened: the collective waits for the held stream as it would for a dead peer.
+    let _gate = StreamGate::close(dev);
+    let x = Tensor::ones([1024], (Kind::Float, dev));
+    g.all_reduce(&x, ReduceOp::Sum).unwrap();
+    // The watchdog exits the process; reaching the end is the failure the parent reports.
+    std::thread::sleep(Duration::from_secs(60));
+    eprintln!("the watchdog did not end the process");
+    std::process::exit(3);
+}
