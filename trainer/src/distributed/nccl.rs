@@ -96,6 +96,20 @@ impl NcclGroup {
                     .into(),
             ));
         }
+        // cudarc also panics when it finds no NCCL library; its names are libnccl.so and
+        // libnccl.so.<CUDA major>, while pip's NCCL wheel (what torch installs) ships only
+        // libnccl.so.2.
+        // SAFETY: only tries to open the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(setup(
+                "the NCCL library was not found: titan-train opens libnccl.so (or \
+                 libnccl.so.13) from the library path, and pip's NCCL wheel ships only \
+                 libnccl.so.2; link it under that name in a folder on LD_LIBRARY_PATH (ln -s \
+                 <site-packages>/nvidia/nccl/lib/libnccl.so.2 <dir>/libnccl.so), or set \
+                 comm.backend = \"cpu\""
+                    .into(),
+            ));
+        }
         let count = tch::Cuda::device_count() as usize;
         if device >= count {
             return Err(setup(format!(
