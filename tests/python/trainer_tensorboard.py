@@ -28,6 +28,7 @@ for line in (dump / "metrics.jsonl").read_text().splitlines():
         want[("trainer_throughput/tps_mean", row["step"])] = row["tps"]
         want[("training/lr_max", row["step"])] = row["lr"]
         want[("training/tokens_sum", row["step"])] = row["tokens"]
+        want[("trainer_memory/tensor_peak_gib_max", row["step"])] = row["tensor_peak_gib"]
     elif row["kind"] == "validation":
         want[("validation/loss_mean", row["step"])] = row["loss"]
         want[("validation/tokens_sum", row["step"])] = row["tokens"]

@@ -303,8 +303,8 @@ fn tensorboard_events_read_back_in_tensorboard_and_tbparse() {
             .arg(&runs[0]),
     );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    // 4 steps x 5 train scalars + 2 validations x 2.
-    assert_eq!(report["checked"], 24, "{report}");
+    // 4 steps x 6 train scalars + 2 validations x 2.
+    assert_eq!(report["checked"], 28, "{report}");
 }
 
 /// A layout the model cannot be split into is refused before anything is built, naming its own

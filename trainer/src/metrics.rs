@@ -44,6 +44,8 @@ pub struct DeviceMemory {
 }
 
 unsafe extern "C" {
+    fn titan_cpu_count_tensor_bytes(err: *mut *mut std::ffi::c_char) -> i32;
+    fn titan_cpu_tensor_bytes(reset_peak: i32, out: *mut i64);
     fn titan_cuda_memory_stats(
         index: i64,
         reset_peak: i32,
@@ -70,6 +72,25 @@ pub fn cuda_memory(index: usize) -> Result<DeviceMemory, String> {
         ooms,
         capacity,
     })
+}
+
+/// Makes libtorch count the bytes of every CPU tensor allocated from now on
+/// (`cpp/memory_shim.cpp`'s allocator over c10's default): what [`cpu_tensor_bytes`] reads.
+/// Idempotent; call before the model is built.
+pub fn count_cpu_tensor_bytes() -> Result<(), String> {
+    // SAFETY: `err` is the shim's error slot.
+    crate::shim::call(|err| unsafe { titan_cpu_count_tensor_bytes(err) })
+}
+
+/// Live bytes of CPU tensors and their peak since the last call, then the peak starts again
+/// (as [`cuda_memory`]'s peaks after each logged step): the measured counterpart of the
+/// memory estimate on CPU, free of what RSS also holds (memory the C library keeps after a
+/// free, libtorch's own).
+pub fn cpu_tensor_bytes() -> (u64, u64) {
+    let mut out = [0i64; 2];
+    // SAFETY: `out` has the 2 slots the shim writes.
+    unsafe { titan_cpu_tensor_bytes(1, out.as_mut_ptr()) };
+    (out[0].max(0) as u64, out[1].max(0) as u64)
 }
 
 /// Name of CUDA device `index` from `nvidia-smi`.
@@ -188,6 +209,10 @@ pub struct StepMetrics {
     pub memory_gib: f64,
     /// Peak RSS (GiB) of the process.
     pub peak_rss_gib: f64,
+    /// GiB: the peak of live tensor bytes since the last logged step: CPU tensors as the
+    /// counting allocator sees them ([`cpu_tensor_bytes`]), on CUDA the caching allocator's
+    /// active bytes (torchtitan's `max_active`). What the memory estimate predicts.
+    pub tensor_peak_gib: f64,
     /// Tokens per second per GPU ([`ThroughputWindow::tokens_per_second`]); reduced: the mean
     /// over every rank of the job.
     pub tps: f64,
@@ -207,14 +232,14 @@ impl StepMetrics {
     /// data-parallel rank's tokens (tokens / tp x pp): its model-parallel ranks trained the
     /// same tokens, so summed over every rank they count once (issue 39: TP2 trained 512
     /// tokens and titan-obs said 1024).
-    pub fn scalars(&self, model_parallel: usize) -> [(&'static str, f64, Reduce); 8] {
+    pub fn scalars(&self, model_parallel: usize) -> [(&'static str, f64, Reduce); 9] {
         let mut v = self.values();
-        v[7].1 /= model_parallel.max(1) as f64;
+        v[8].1 /= model_parallel.max(1) as f64;
         v
     }
 
     /// The values with their cross-rank reductions, in console order.
-    fn values(&self) -> [(&'static str, f64, Reduce); 8] {
+    fn values(&self) -> [(&'static str, f64, Reduce); 9] {
         let mem = if self.on_cuda {
             "trainer_memory/reserved_gib"
         } else {
@@ -224,6 +249,11 @@ impl StepMetrics {
             ("training/loss", self.loss, Reduce::Mean),
             ("training/grad_norm", self.grad_norm, Reduce::Max),
             (mem, self.memory_gib, Reduce::Max),
+            (
+                "trainer_memory/tensor_peak_gib",
+                self.tensor_peak_gib,
+                Reduce::Max,
+            ),
             ("trainer_throughput/tps", self.tps, Reduce::Mean),
             ("trainer_throughput/tflops", self.tflops, Reduce::Mean),
             ("trainer_throughput/mfu_pct", self.mfu_pct, Reduce::Mean),
@@ -243,7 +273,7 @@ impl StepMetrics {
     /// torchtitan's aggregated console line (suffix = cross-rank reduction).
     pub fn console_line(&self) -> String {
         let mut line = format!("step: {:2}", self.step);
-        for (name, value, reduce) in &self.values()[..6] {
+        for (name, value, reduce) in &self.values()[..7] {
             let digits = match *name {
                 "training/loss" => 4,
                 "training/grad_norm" => 4,
@@ -339,6 +369,7 @@ mod tests {
             lr: 8e-4,
             memory_gib: 0.19,
             peak_rss_gib: 0.2,
+            tensor_peak_gib: 0.1,
             tps: 361.4,
             tflops: 0.026,
             mfu_pct: 0.0026,
@@ -348,7 +379,8 @@ mod tests {
         assert_eq!(
             m.console_line(),
             "step:  1  training/loss_mean: 8.0280  training/grad_norm_max: 50810.5000  \
-             trainer_memory/reserved_gib_max: 0.19  trainer_throughput/tps_mean: 361.4  \
+             trainer_memory/reserved_gib_max: 0.19  trainer_memory/tensor_peak_gib_max: 0.10  \
+             trainer_throughput/tps_mean: 361.4  \
              trainer_throughput/tflops_mean: 0.026  trainer_throughput/mfu_pct_mean: 0.0026"
         );
     }

@@ -272,6 +272,8 @@ fn validate(
 /// `observability.enable`), trains, and flushes the records, also when training fails.
 pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
     let world = mesh.mesh;
+    // Before the model and the data exist: every tensor they allocate is counted.
+    metrics::count_cpu_tensor_bytes().map_err(|e| anyhow::anyhow!("counting tensor bytes: {e}"))?;
     let run_id = run_id(cfg, mesh)?;
     if cfg.observability.enable {
         titan_obs_core::init_with(
@@ -750,6 +752,7 @@ impl<'a> Job<'a> {
         let on_cuda = self.device.is_cuda();
         // On CUDA the caching allocator's peak reserved bytes since the last log (torchtitan's
         // console figure); on CPU the process's resident memory (named `rss` where recorded).
+        let mut tensor_peak = 0;
         let memory = match self.device {
             Device::Cuda(index) => match metrics::cuda_memory(index) {
                 Ok(m) => {
@@ -765,6 +768,7 @@ impl<'a> Job<'a> {
                         max_reserved_pct = 100.0 * m.max_reserved as f64 / m.capacity.max(1) as f64,
                         "CUDA memory"
                     );
+                    tensor_peak = m.max_active;
                     m.max_reserved
                 }
                 Err(e) => {
@@ -772,28 +776,41 @@ impl<'a> Job<'a> {
                     0
                 }
             },
-            _ => rss,
+            _ => {
+                tensor_peak = metrics::cpu_tensor_bytes().1;
+                rss
+            }
         };
         let gib = (1u64 << 30) as f64;
         let (flops_per_token, peak_flops) = (self.flops_per_token, self.peak_flops);
         let per_rank =
-            |loss: f64, grad_norm: f64, memory: f64, tps: f64, tokens: i64| StepMetrics {
-                step: f.step,
-                loss,
-                grad_norm,
-                lr: f.lr,
-                memory_gib: memory / gib,
-                peak_rss_gib: peak_rss as f64 / gib,
-                tps,
-                tflops: flops_per_token * tps / 1e12,
-                mfu_pct: 100.0 * flops_per_token * tps / peak_flops,
-                tokens,
-                on_cuda,
+            |loss: f64, grad_norm: f64, memory: f64, tensor_peak: f64, tps: f64, tokens: i64| {
+                StepMetrics {
+                    step: f.step,
+                    loss,
+                    grad_norm,
+                    lr: f.lr,
+                    memory_gib: memory / gib,
+                    peak_rss_gib: peak_rss as f64 / gib,
+                    tensor_peak_gib: tensor_peak / gib,
+                    tps,
+                    tflops: flops_per_token * tps / 1e12,
+                    mfu_pct: 100.0 * flops_per_token * tps / peak_flops,
+                    tokens,
+                    on_cuda,
+                }
             };
         // titan-obs gets this rank's values (its own mean loss, tps, memory) and reduces
         // them across ranks later; the console shows the cross-rank reductions now.
         let own_loss = f.local_loss * f.global_tokens as f64 / f.local_tokens.max(1) as f64;
-        let own = per_rank(own_loss, f.grad_norm, memory as f64, tps, f.local_tokens);
+        let own = per_rank(
+            own_loss,
+            f.grad_norm,
+            memory as f64,
+            tensor_peak as f64,
+            tps,
+            f.local_tokens,
+        );
         for (name, value, reduce) in own.scalars(model_parallel) {
             titan_obs_core::scalar(name, value, reduce);
         }
@@ -801,11 +818,12 @@ impl<'a> Job<'a> {
             (f.local_loss, Reduce::Sum),
             (f.grad_norm, Reduce::Max),
             (memory as f64, Reduce::Max),
+            (tensor_peak as f64, Reduce::Max),
             (tps, Reduce::Mean),
         ];
         self.mesh.reduce_metrics(&mut reduced)?;
-        let [loss, grad_norm, memory, tps] = reduced.map(|(v, _)| v);
-        let m = per_rank(loss, grad_norm, memory, tps, f.global_tokens);
+        let [loss, grad_norm, memory, tensor_peak, tps] = reduced.map(|(v, _)| v);
+        let m = per_rank(loss, grad_norm, memory, tensor_peak, tps, f.global_tokens);
         if let Some(file) = self.metrics_file.as_mut() {
             tracing::info!("{}", m.console_line());
             file.push("train", &m)?;
