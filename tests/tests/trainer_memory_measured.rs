@@ -30,7 +30,9 @@ const SHAPE: &[&str] = &[
     "sdpa",
 ];
 
-fn estimate(layout: &[&str]) -> f64 {
+/// The estimate's peak, and the model state every rank holds all the time (its parameter shards
+/// and AdamW's two moments, from the shapes alone): a floor the measured peak must clear.
+fn estimate(layout: &[&str]) -> (f64, f64) {
     let o = run_ok(
         titan_train()
             .args(SHAPE)
@@ -43,7 +45,15 @@ fn estimate(layout: &[&str]) -> f64 {
         .find(|l| l.starts_with('{'))
         .unwrap_or_else(|| panic!("no JSON estimate:\n{}", text(&o)));
     let v: Value = serde_json::from_str(line).unwrap();
-    v["peak_bytes"].as_f64().unwrap()
+    let shards = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["what"] == "parameter shards")
+        .and_then(|r| r["bytes"].as_f64())
+        .expect("a parameter shards row");
+    let states = shards + v["optimizer_bytes"].as_f64().unwrap();
+    (v["peak_bytes"].as_f64().unwrap(), states)
 }
 
 /// The largest `tensor_peak_gib` of a 3-step run (step 1 has no AdamW state yet), in bytes.
@@ -131,8 +141,13 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
     ];
     let mut report = String::new();
     for (i, (name, layout, bound)) in layouts.into_iter().enumerate() {
-        let est = estimate(layout);
+        let (est, states) = estimate(layout);
         let got = measured(&dir.path().join(i.to_string()), layout);
+        // The counter sees at least the tensors that live through the whole run.
+        assert!(
+            got > states,
+            "{name}: measured {got} B, below the {states} B of parameters and AdamW state"
+        );
         let ratio = est / got;
         report += &format!(
             "{name}: estimate {:.1} MiB, measured {:.1} MiB, {ratio:.3}\n",

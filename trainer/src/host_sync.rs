@@ -48,6 +48,17 @@ pub fn read_f64s(t: &Tensor, why: &'static str) -> Vec<f64> {
     .unwrap_or_default()
 }
 
+/// `t` copied to host memory (a CPU tensor is returned as it is, uncounted): from a CUDA
+/// device this waits for the kernels that write `t`, as gloo's staging of CUDA tensors does
+/// (the cpu backend's collectives on CUDA tensors).
+pub fn to_host(t: &Tensor, why: &'static str) -> Tensor {
+    if t.device() == tch::Device::Cpu {
+        return t.shallow_clone();
+    }
+    counted(why);
+    t.to_device(tch::Device::Cpu)
+}
+
 /// `values` as a tensor of `shape` on `device`: the other direction, which must not wait
 /// either. On CUDA it goes from pinned host memory with a non-blocking copy (a copy from
 /// pageable memory waits for the GPU's queue, so the host could not run ahead of it); libtorch's

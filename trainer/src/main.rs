@@ -351,19 +351,18 @@ fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSum
             ));
         }
     };
-    let device_index = match device {
-        tch::Device::Cuda(i) => i,
-        _ => env.local_rank,
-    };
     let opts = CommOptions {
         backend,
         init_timeout: Duration::from_secs(cfg.comm.init_timeout_seconds as u64),
         timeout: Duration::from_secs(cfg.comm.train_timeout_seconds as u64),
+        cuda_device: match device {
+            tch::Device::Cuda(i) => Some(i),
+            _ => None,
+        },
         ..CommOptions::default()
     };
     let rank = env.rank;
-    let mut dist = Dist::init(env, opts).context("joining the distributed job")?;
-    dist.device_index = device_index;
+    let dist = Dist::init(env, opts).context("joining the distributed job")?;
     // Rank timelines in titan-obs line up on rank 0's clock.
     titan_obs_core::set_clock_offset_ns(dist.clock_offset_ns);
     let mesh = DeviceMesh::connect(dist, world).context("creating the device mesh's groups")?;

@@ -752,8 +752,8 @@ impl<'a> Job<'a> {
         let on_cuda = self.device.is_cuda();
         // On CUDA the caching allocator's peak reserved bytes since the last log (torchtitan's
         // console figure); on CPU the process's resident memory (named `rss` where recorded).
-        let mut tensor_peak = 0;
-        let memory = match self.device {
+        // Then the peak of live tensor bytes: active blocks on CUDA, counted CPU tensors.
+        let (memory, tensor_peak) = match self.device {
             Device::Cuda(index) => match metrics::cuda_memory(index) {
                 Ok(m) => {
                     if m.alloc_retries > 0 {
@@ -768,18 +768,14 @@ impl<'a> Job<'a> {
                         max_reserved_pct = 100.0 * m.max_reserved as f64 / m.capacity.max(1) as f64,
                         "CUDA memory"
                     );
-                    tensor_peak = m.max_active;
-                    m.max_reserved
+                    (m.max_reserved, m.max_active)
                 }
                 Err(e) => {
                     tracing::warn!("CUDA memory statistics: {e}");
-                    0
+                    (0, 0)
                 }
             },
-            _ => {
-                tensor_peak = metrics::cpu_tensor_bytes().1;
-                rss
-            }
+            _ => (rss, metrics::cpu_tensor_bytes().1),
         };
         let gib = (1u64 << 30) as f64;
         let (flops_per_token, peak_flops) = (self.flops_per_token, self.peak_flops);

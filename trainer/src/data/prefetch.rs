@@ -72,10 +72,10 @@ impl PrefetchLoader {
 
     /// The next batch on `device`; `None` once a finite dataset has ended.
     pub fn next_batch(&mut self, device: Device) -> Result<Option<Batch>> {
-        let Some(batch) = self.next_host_batch()? else {
+        let Some(mut batch) = self.next_host_batch()? else {
             return Ok(None);
         };
-        self.state = batch.state_after.clone();
+        self.state = std::mem::take(&mut batch.state_after);
         Ok(Some(batch.to_device(device)))
     }
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use super::comm::{Collectives, CommError, ReduceOp, check_split};
 use super::connect::{SocketOptions, connect_ring};
@@ -95,7 +95,7 @@ fn with_bytes<R>(
     f: impl FnOnce(&mut [u8], Elem) -> Result<R, CommError>,
 ) -> Result<R, CommError> {
     if t.device().is_cuda() {
-        let host = t.to_device(Device::Cpu);
+        let host = crate::host_sync::to_host(t, op);
         let result = with_bytes(op, &host, f)?;
         t.shallow_clone().copy_(&host);
         return Ok(result);

@@ -77,6 +77,9 @@ pub struct CommOptions {
     /// A collective whose peer makes no progress for this long fails.
     pub timeout: Duration,
     pub socket: SocketOptions,
+    /// This rank's CUDA device when it is not its local rank (ranks sharing GPUs over the cpu
+    /// backend: `train::select_device`).
+    pub cuda_device: Option<usize>,
 }
 
 impl Default for CommOptions {
@@ -86,6 +89,7 @@ impl Default for CommOptions {
             init_timeout: Duration::from_secs(300),
             timeout: Duration::from_secs(100),
             socket: SocketOptions::default(),
+            cuda_device: None,
         }
     }
 }
@@ -109,7 +113,7 @@ impl Dist {
     pub fn init(env: LaunchEnv, opts: CommOptions) -> Result<Dist, CommError> {
         let rank = env.rank;
         let mut dist = Dist {
-            device_index: env.local_rank,
+            device_index: opts.cuda_device.unwrap_or(env.local_rank),
             env,
             failures: None,
             opts,
