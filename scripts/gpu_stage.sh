@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Packs what bench/trainer/cuda_checks.sh needs on a lent GPU machine whose own torch is not the
 # libtorch 2.13 titan-train links: libtorch 2.13's libraries (libtorch_cuda.so cut to sm_90 by
-# scripts/strip_fatbins.py), release titan-train (--features nccl) and titan-obs, the nccl_cuda
-# and dist_train test binaries, zstd to unpack them. The device tool carries at most 64 MiB a
+# scripts/strip_fatbins.py), release titan-train (--features nccl) and titan-obs, the nccl_cuda,
+# dist_train and gpu_timing test binaries, zstd to unpack them. The device tool carries at most 64 MiB a
 # call, so the pack is split into parts in .gpu1, .gpu2, ... (git-ignored through
 # .git/info/exclude), one part per call; .gpuN (the last) also holds unpack.sh and zstd.
 #
@@ -30,12 +30,17 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "nccl_cuda" and m.get("executable"):
         print(m["executable"])')"
-dist_test="$(cargo test --workspace --locked --test dist_train --no-run --message-format json 2>/dev/null |
-  .venv/bin/python -c 'import json, sys
+# The end-to-end tests that have a CUDA mode (TITAN_TEST_CUDA=1), debug builds as CI runs them.
+tests_bin() {
+  cargo test --workspace --locked --test "$1" --no-run --message-format json 2>/dev/null |
+    .venv/bin/python -c 'import json, sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "dist_train" and m.get("executable"):
-        print(m["executable"])')"
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$1"
+}
+dist_test="$(tests_bin dist_train)"
+timing_test="$(tests_bin gpu_timing)"
 mkdir -p "$stage/lib" "$stage/bin"
 for f in libtorch_cpu.so libc10.so libc10_cuda.so libtorch.so libtorch_global_deps.so \
   libtorch_nvshmem.so libgomp.so.1 libshm.so libcaffe2_nvrtc.so; do
@@ -45,6 +50,7 @@ done
 cp "$rel/release/titan-train" "$rel/release/titan-obs" "$stage/bin/"
 cp "$nccl_test" "$stage/bin/nccl_cuda"
 cp "$dist_test" "$stage/bin/dist_train"
+cp "$timing_test" "$stage/bin/gpu_timing"
 strip "$stage/bin/"*
 (cd "$stage" && tar cf - lib bin | zstd -19 -T0 -q -o pack.tar.zst)
 grep -qx '/.gpu\*/' .git/info/exclude 2>/dev/null || echo '/.gpu*/' >> .git/info/exclude

@@ -10,7 +10,8 @@
 //! checkpointing: a custom autograd Function that recomputes a region in backward) and
 //! `function_shim.cpp` (custom autograd Functions written in Rust) and `memory_shim.cpp` (the
 //! CUDA caching allocator's statistics, through c10's device-generic interface, so it also
-//! compiles against a CPU-only libtorch), all with one error convention
+//! compiles against a CPU-only libtorch) and `event_shim.cpp` (timing CUDA events, the same
+//! way), all with one error convention
 //! (`cpp/shim_error.h`); the recompute and function shims call Rust back through one ABI
 //! (`cpp/rust_callback.h`).
 //!
@@ -28,6 +29,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cpp/varlen_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/function_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/memory_shim.cpp");
+    println!("cargo:rerun-if-changed=cpp/event_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/shim_error.h");
     println!("cargo:rerun-if-changed=cpp/rust_callback.h");
     // torch-sys reports the libtorch it links; without one the shims cannot be compiled and the
@@ -86,6 +88,7 @@ fn build_torch_shims(lib: &Path) {
         .file("cpp/varlen_shim.cpp")
         .file("cpp/function_shim.cpp")
         .file("cpp/memory_shim.cpp")
+        .file("cpp/event_shim.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

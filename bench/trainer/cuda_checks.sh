@@ -7,9 +7,13 @@
 #      llama3 1B at b2 x s4096; host syncs and phases of an observed run (titan-obs summary);
 #   3. FSDP2, HSDP, TP2 (+SP), PP2 (four schedules) as processes sharing the one GPU over the cpu
 #      backend with CUDA tensors: the same loss curves as one GPU process
-#      (tests/tests/dist_train.rs with TITAN_TEST_CUDA=1).
+#      (tests/tests/dist_train.rs with TITAN_TEST_CUDA=1);
+#   4. titan-obs's GPU clock: CUDA-event twins placed where the device ran them, and the
+#      caching allocator's tensor peak (tests/tests/gpu_timing.rs with TITAN_TEST_CUDA=1);
+#   5. what recording costs on the GPU: the debug model at b8 x s2048 with titan-obs (and its
+#      GPU clock) off and on, interleaved, REPEATS times (default 3).
 #
-# Usage: BIN=<folder with titan-train, titan-obs, nccl_cuda, dist_train> LIBTORCH=<torch 2.13
+# Usage: BIN=<folder with titan-train, titan-obs, nccl_cuda, dist_train, gpu_timing> LIBTORCH=<torch 2.13
 # lib folder> bash bench/trainer/cuda_checks.sh. python3's own torch runs the eager baseline and
 # lends its NVIDIA libraries. Summaries go to $OUT, run folders to $WORK (default: temporary folders).
 set -uo pipefail
@@ -27,7 +31,7 @@ ln -sf "$(find "$sp/nvidia" -name 'libnccl.so.2' | head -1)" "$nccl_dir/libnccl.
 export LD_LIBRARY_PATH="${LIBTORCH:?set LIBTORCH}:$nccl_dir:$(ls -d "$sp"/nvidia/*/lib "$sp"/nvidia/*/*/lib 2>/dev/null | tr '\n' ':')"
 log() { printf '\n== %s (%s s)\n' "$*" "$SECONDS"; }
 # CHECKS picks sections (default all); DIST_TESTS the dist_train tests of section 3.
-checks="${CHECKS:-1 2 3}"
+checks="${CHECKS:-1 2 3 4}"
 want() { [[ " $checks " == *" $1 "* ]]; }
 
 log "device"
@@ -37,7 +41,7 @@ ldd "$bin/titan-train" | grep 'not found' && echo "titan-train: libraries missin
 
 if want 1; then
 log "1. nccl backend, 1-rank communicator"
-timeout 150 "$bin/nccl_cuda" --test-threads 1 --nocapture 2>&1 | tail -40
+timeout 90 "$bin/nccl_cuda" --test-threads 1 --nocapture 2>&1 | tail -40
 fi
 
 want 2 && log "2. tokens/s: titan-train vs PyTorch eager autocast"
@@ -81,26 +85,44 @@ except Exception as e:
     print("summary unreadable:", e, open(sys.argv[1]).read()[:2000]); sys.exit()
 print("host_syncs:", json.dumps(s.get("host_syncs")))
 print("median step ms:", (s.get("median_step_ns") or 0) / 1e6)
-for p in s.get("phases", [])[:16]:
+for p in s.get("phases", [])[:24]:
     share = p.get("share_of_step") or p.get("concurrent_share_of_step") or 0
-    print("%-22s depth %d count %4d p50 %9.3f ms share %.3f" % (
-        p["name"], p["depth"], p["count"], p["p50_ns"] / 1e6, share))
+    print("%-22s %-4s depth %d count %4d p50 %9.3f ms share %.3f" % (
+        p["name"], p.get("clock", "?"), p["depth"], p["count"], p["p50_ns"] / 1e6, share))
 PY
 titan 1B_sdpa 30 --model.flavor 1B --training.local_batch_size 2 --training.seq_len 4096 \
   --model.attn_backend sdpa --observability.enable=false
 eager 1B --flavor 1B --batch 2 --seq_len 4096 --steps 30 --warmup 10
 fi
 
+# titan_tests finds titan-train and titan-obs beside its test folder and runs from the
+# workspace root the test binary was built in.
+mkdir -p /tmp/tt/p/deps && cp "$bin/titan-train" "$bin/titan-obs" /tmp/tt/p/
+mkdir -p /work && [ -e /work/main ] || ln -s "$root" /work/main
 if want 3; then
 log "3. layouts sharing the GPU over the cpu backend (CUDA tensors)"
-# titan_tests finds titan-train beside its test folder and runs from the workspace root the
-# test binary was built in.
-mkdir -p /tmp/tt/p/deps && cp "$bin/dist_train" /tmp/tt/p/deps/ && cp "$bin/titan-train" /tmp/tt/p/
-mkdir -p /work && [ -e /work/main ] || ln -s "$root" /work/main
+cp "$bin/dist_train" /tmp/tt/p/deps/
 # pyarrow (for the span counts) is the machine's.
 TITAN_PYTHON="$(command -v python3)" TITAN_TEST_CUDA=1 timeout 240 /tmp/tt/p/deps/dist_train \
   --test-threads 1 ${DIST_TESTS:-multi_rank_loss_curves_match_one_rank \
   tensor_parallel_loss_curves_match_one_rank pipeline_parallel_loss_curves_match_one_rank} \
   2>&1 | tail -40
+fi
+if want 4; then
+log "4. GPU clock: CUDA-event twins in titan-obs"
+cp "$bin/gpu_timing" /tmp/tt/p/deps/
+TITAN_TEST_CUDA=1 timeout 120 /tmp/tt/p/deps/gpu_timing --test-threads 1 --nocapture 2>&1 | tail -30
+titan b8_sdpa_observed_again 40 --training.local_batch_size 8 --training.seq_len 2048 \
+  --model.attn_backend sdpa
+"$bin/titan-obs" summary "$work/run-b8_sdpa_observed_again" | sed -n '/^phases/,/^stragglers/p' | head -30
+fi
+if want 5; then
+log "5. titan-obs on (with the GPU clock) vs off, b8 x s2048, interleaved"
+for r in $(seq "${REPEATS:-3}"); do
+  titan "b8_obs_off_$r" 40 --training.local_batch_size 8 --training.seq_len 2048 \
+    --model.attn_backend sdpa --observability.enable=false
+  titan "b8_obs_on_$r" 40 --training.local_batch_size 8 --training.seq_len 2048 \
+    --model.attn_backend sdpa
+done
 fi
 log "done"

@@ -94,8 +94,8 @@ pub mod vocab;
 pub use read::{Columns, LoadReport, ReadOptions, Run, RunFormat, load};
 pub use record::NO_STEP;
 pub use recorder::{
-    InitOptions, SpanGuard, Tuning, WriterStats, add_step_tag, error, finish, finish_with_stats,
-    init, init_with, instant, pipeline_span, scalar, set_clock_offset_ns, set_step, span,
-    wait_drained,
+    InitOptions, SpanGuard, StepStamp, TimedSpan, Tuning, WriterStats, add_step_tag, error, finish,
+    finish_with_stats, init, init_with, instant, pipeline_span, record_timed_span, scalar,
+    set_clock_offset_ns, set_step, span, step_stamp, wait_drained,
 };
 pub use schema::{Kind, PipelineSlot, Reduce, Source};

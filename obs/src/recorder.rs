@@ -594,6 +594,69 @@ pub fn scalar(name: &'static str, value: f64, reduce: Reduce) {
     point(Kind::Scalar, name, value, reduce, None, None);
 }
 
+/// The step and step tags a record made now carries: taken when a span timed by another
+/// clock ends on the host, and given to [`record_timed_span`] when its times are known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepStamp {
+    step: u64,
+    tags: u64,
+}
+
+/// The current step and step tags (see [`StepStamp`]).
+#[inline]
+pub fn step_stamp() -> StepStamp {
+    StepStamp {
+        step: STEP.load(Ordering::Relaxed),
+        tags: STEP_TAGS.load(Ordering::Relaxed),
+    }
+}
+
+/// A span timed by another clock than the host's (a GPU's CUDA events), recorded after the
+/// fact by [`record_timed_span`]. Its times are already on this process's monotonic clock.
+#[derive(Debug, Clone, Copy)]
+pub struct TimedSpan {
+    pub name: &'static str,
+    /// In the order the spans were opened, from 1, unique on the recording thread: the
+    /// recording thread makes no other records (its `seq` would collide).
+    pub seq: u64,
+    /// `seq` of the enclosing timed span; 0 at top level.
+    pub parent: u64,
+    pub depth: u16,
+    pub start_mono: u64,
+    pub dur_ns: u64,
+    pub stamp: StepStamp,
+    pub pipeline: Option<PipelineSlot>,
+}
+
+/// Records a span whose times another clock gave (see [`TimedSpan`]) on the calling thread's
+/// lane, which should be one that records nothing else (titan-train's `cuda:<index>` thread).
+pub fn record_timed_span(span: TimedSpan) {
+    if !ACTIVE.load(Ordering::Relaxed) {
+        return;
+    }
+    let _ = LOCAL.try_with(|l| {
+        let mut l = l.borrow_mut();
+        if !l.ensure_ring() {
+            return;
+        }
+        l.push(RawRecord {
+            kind: Kind::Span,
+            reduce: Reduce::Mean,
+            depth: span.depth,
+            name: span.name,
+            seq: span.seq,
+            parent: span.parent,
+            step: span.stamp.step,
+            tags: span.stamp.tags,
+            start_mono: span.start_mono,
+            dur_ns: span.dur_ns,
+            value: 0.0,
+            message: None,
+            pipeline: span.pipeline,
+        });
+    });
+}
+
 /// Sets the current training step attached to subsequent records (process-wide, so data
 /// loader threads see it too). A new step clears the step tags.
 pub fn set_step(step: u64) {

@@ -104,6 +104,75 @@ pub mod collective {
     }
 }
 
+/// GPU time: on CUDA, titan-train also times its device work with CUDA events, as spans of
+/// their own named `gpu:<phase>` (the GPU's twin of the host span of that phase) on a thread
+/// of their own named `cuda:<device index>` (trainer/src/gpu_clock.rs). A host span covers
+/// the host's call, which on a GPU returns once the work is enqueued; its twin covers the
+/// device's stream from reaching the work to finishing it (waiting included).
+pub mod gpu {
+    /// Prefix of the twins' names.
+    pub const PREFIX: &str = "gpu:";
+    /// Prefix of the name of the thread that records them.
+    pub const THREAD_PREFIX: &str = "cuda:";
+    pub const FORWARD: &str = "gpu:forward";
+    pub const BACKWARD: &str = "gpu:backward";
+    pub const BACKWARD_INPUT: &str = "gpu:backward_input";
+    pub const BACKWARD_WEIGHT: &str = "gpu:backward_weight";
+    pub const EVAL_FORWARD: &str = "gpu:eval_forward";
+    pub const OPTIMIZER: &str = "gpu:optimizer";
+    pub const ALL_REDUCE: &str = "gpu:all_reduce";
+    pub const REDUCE_SCATTER: &str = "gpu:reduce_scatter";
+    pub const ALL_GATHER: &str = "gpu:all_gather";
+    pub const BROADCAST: &str = "gpu:broadcast";
+
+    /// The GPU twin of a host phase, for the phases that are timed on the GPU too.
+    pub fn twin(host_phase: &str) -> Option<&'static str> {
+        use super::{collective as c, titan as t};
+        Some(match host_phase {
+            t::FORWARD => FORWARD,
+            t::BACKWARD => BACKWARD,
+            t::BACKWARD_INPUT => BACKWARD_INPUT,
+            t::BACKWARD_WEIGHT => BACKWARD_WEIGHT,
+            t::EVAL_FORWARD => EVAL_FORWARD,
+            t::OPTIMIZER => OPTIMIZER,
+            c::ALL_REDUCE => ALL_REDUCE,
+            c::REDUCE_SCATTER => REDUCE_SCATTER,
+            c::ALL_GATHER => ALL_GATHER,
+            c::BROADCAST => BROADCAST,
+            _ => return None,
+        })
+    }
+}
+
+/// The clock a span's times come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Clock {
+    /// The host's monotonic clock around the call (what every span of torchtitan's logs and
+    /// titan's host spans use).
+    Host,
+    /// CUDA events on the device's stream ([`gpu`]).
+    Gpu,
+}
+
+impl Clock {
+    /// The clock of spans named `name`.
+    pub fn of(name: &str) -> Clock {
+        if name.starts_with(gpu::PREFIX) {
+            Clock::Gpu
+        } else {
+            Clock::Host
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Clock::Host => "host",
+            Clock::Gpu => "gpu",
+        }
+    }
+}
+
 /// torchtitan 0.3.0: its structured logger (`torchtitan/observability/structured_logger/`)
 /// and the names its trainer logs (`torchtitan/trainer.py`, `components/`).
 pub mod torchtitan {

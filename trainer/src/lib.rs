@@ -20,7 +20,9 @@
 //!   activation checkpointing (regions recomputed in backward), which [`model`] applies per
 //!   `[activation_checkpoint]`.
 //! - [`memory_estimate`]: `--memory_estimation.enable`, per-rank memory by arithmetic.
-//! - [`host_sync`]: the one, counted, way a value crosses from a tensor to the host.
+//! - [`host_sync`]: the one, counted, way a value crosses from a tensor to the host;
+//!   [`gpu_clock`]: on CUDA, the device work's spans also timed with CUDA events (titan-obs's
+//!   GPU lane).
 //! - [`train`]: the loop; [`metrics`]: console line, throughput, memory; [`tensorboard`]: event
 //!   files.
 
@@ -35,6 +37,7 @@ pub mod console;
 pub mod data;
 pub mod distributed;
 pub mod float8;
+pub mod gpu_clock;
 pub mod hf;
 pub mod host_sync;
 pub mod lr_scheduler;

@@ -22,6 +22,7 @@ use crate::console;
 use crate::data::{Batch, Dataset, PrefetchLoader, TextLoader, TextTokenizer};
 use crate::distributed::{DeviceMesh, ReduceOp};
 use crate::float8::{self, Float8Training};
+use crate::gpu_clock;
 use crate::host_sync;
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
@@ -298,6 +299,8 @@ pub fn run(cfg: &JobConfig, mesh: &DeviceMesh) -> Result<TrainSummary> {
         .context("starting titan-obs recording (observability.enable)")?;
     }
     let result = train(cfg, mesh, &run_id);
+    // The GPU lane's last spans, once the device has run them, before the parts close.
+    gpu_clock::finish();
     if cfg.observability.enable {
         let _s = titan_obs_core::span("teardown");
         drop(_s);
@@ -659,7 +662,7 @@ impl<'a> Job<'a> {
             for batch in batches {
                 let _m = titan_obs_core::span(titan::MICROBATCH);
                 let loss = {
-                    let _f = titan_obs_core::span(titan::FORWARD);
+                    let _f = gpu_clock::span(titan::FORWARD);
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
                     forward_pass(step, || {
@@ -672,7 +675,7 @@ impl<'a> Job<'a> {
                     })?
                 };
                 {
-                    let _b = titan_obs_core::span(titan::BACKWARD);
+                    let _b = gpu_clock::span(titan::BACKWARD);
                     // A collective that fails in backward (a rank died) fails the pass.
                     loss.f_backward()
                         .map_err(|e| anyhow::anyhow!("step {step}: backward: {e}"))?;
@@ -700,7 +703,7 @@ impl<'a> Job<'a> {
     fn optimizer_step(&mut self, lr: f64) -> Result<Tensor> {
         let cfg = self.cfg;
         let tensors: Vec<&Tensor> = self.params.iter().map(|(_, t)| t).collect();
-        let _s = titan_obs_core::span(titan::OPTIMIZER);
+        let _s = gpu_clock::span(titan::OPTIMIZER);
         let grad_norm = {
             let _c = titan_obs_core::span(titan::CLIP);
             let norm = grad_norm(self.mesh, &self.model, self.device)?;
@@ -868,6 +871,13 @@ fn prepare_process(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<(
     let device = select_device(&cfg.training, &cfg.comm, world.local_rank)
         .map_err(|e| config_error("training.device", e))?;
     keep_freed_tensor_memory();
+    if let (Device::Cuda(index), true) = (device, cfg.observability.enable) {
+        // titan-obs's GPU lane: the device work's spans timed with CUDA events too. A device
+        // whose events fail loses the lane, not the run.
+        if let Err(e) = gpu_clock::start(index) {
+            tracing::warn!("GPU timing (titan-obs's GPU lane) is off: {e}");
+        }
+    }
     let seed = set_determinism(&cfg.debug, device);
     // Every rank draws the model from rank 0's seed and keeps its part.
     let seed = mesh.agree_seed(seed)?;

@@ -1,6 +1,7 @@
 //! The nccl backend on a real GPU: every collective titan-train uses, through NCCL on a 1-rank
 //! communicator (a lent machine has one GPU, and NCCL will not put two ranks on one device),
-//! ordered on the GPU by events and not by the host, and the watchdog's timeout path.
+//! ordered on the GPU by events and not by the host, queued collectives waited for only when
+//! asked, and the watchdog's timeout path.
 //!
 //! Needs `--features nccl` and a CUDA device; without a device each test says so and passes
 //! (CI has none: bench/trainer/cuda_checks.sh runs these on a GPU machine).
@@ -10,6 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
+use titan_train::distributed::comm::{CollectiveOp, Issued, QueuedWork};
 use titan_train::distributed::nccl::NcclGroup;
 use titan_train::distributed::{Collectives, ReduceOp};
 
@@ -231,6 +233,144 @@ fn collectives_are_ordered_on_the_gpu_without_a_host_wait() {
             }
         }
     }
+}
+
+/// A device flag a collective's stream is held on (`NcclGroup::hold_stream_until`), opened from
+/// another thread after `after` unless the test opens it first.
+fn held_flag(dev: Device) -> (Tensor, GateOpener) {
+    let flag = Tensor::zeros([1], (Kind::Int, dev));
+    tch::Cuda::synchronize(0);
+    let opener = GateOpener {
+        flag: flag.data_ptr() as u64,
+        ctx: cudarc::driver::CudaContext::new(0).unwrap(),
+    };
+    (flag, opener)
+}
+
+fn queued(issued: Issued) -> Box<dyn QueuedWork> {
+    match issued {
+        Issued::Queued(w) => w,
+        Issued::Done => panic!("nccl runs a queued collective on the host"),
+    }
+}
+
+/// Whether the legacy default stream (where tch's kernels run) gets past everything queued on
+/// it so far within `within`: an event recorded there, polled from the host (never a blocking
+/// read, which would hang the test if the stream waited for a held collective).
+fn legacy_stream_passes(within: Duration) -> bool {
+    use cudarc::driver::sys as cuda;
+    let mut ev: cuda::CUevent = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the caller's thread has the primary context bound (tch).
+    unsafe {
+        let flags = cuda::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
+        assert_eq!(
+            cuda::cuEventCreate(&mut ev, flags),
+            cuda::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            cuda::cuEventRecord(ev, std::ptr::null_mut()),
+            cuda::CUresult::CUDA_SUCCESS
+        );
+    }
+    let start = Instant::now();
+    let passed = loop {
+        // SAFETY: a live event.
+        match unsafe { cuda::cuEventQuery(ev) } {
+            cuda::CUresult::CUDA_SUCCESS => break true,
+            cuda::CUresult::CUDA_ERROR_NOT_READY if start.elapsed() < within => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            cuda::CUresult::CUDA_ERROR_NOT_READY => break false,
+            other => panic!("cuEventQuery: {other:?}"),
+        }
+    };
+    // SAFETY: destroyed once (released by CUDA once it completes).
+    unsafe { cuda::cuEventDestroy_v2(ev) };
+    passed
+}
+
+/// A queued collective (`Collectives::queue`: FSDP's prefetches and reductions, the pipeline's
+/// sends) holds nothing back until its work is waited for: with its stream held, the default
+/// stream gets past the kernels queued after it; a collective chained behind it on another
+/// group waits for it on the device; once it runs and is waited for, the kernels after the wait
+/// see its output.
+#[test]
+fn a_queued_collective_is_waited_for_only_when_asked() {
+    let Some(dev) = gpu() else { return };
+    let t0 = Instant::now();
+    let say = |what: &str| eprintln!("queued: {what} at {:?}", t0.elapsed());
+    let mut g = group(Duration::from_secs(20));
+    let mut g2 = NcclGroup::connect(None, "test2", vec![0], 0, 0, Duration::from_secs(20))
+        .expect("a second 1-rank NCCL communicator");
+    let base = Tensor::arange_start(1, 1025, (Kind::Float, dev));
+    let scratch = Tensor::empty([1024], (Kind::Float, dev));
+    // Kernels loaded before anything is held (CUDA loads a kernel at its first launch).
+    g.all_gather(&scratch, &base).unwrap();
+    g2.all_reduce(&scratch, ReduceOp::Sum).unwrap();
+    let _ = host(&(&base * 2.0));
+    let want: Vec<f64> = host(&base).iter().map(|v| v * 6.0).collect();
+
+    // Not held: queued, waited for, read.
+    let out = Tensor::full([1024], f64::NAN, (Kind::Float, dev));
+    let input = &base * 3.0;
+    let gather = CollectiveOp::AllGather {
+        output: &out,
+        input: &input,
+    };
+    let mut w = queued(g.queue(gather, None).unwrap());
+    w.wait().unwrap();
+    assert_eq!(host(&(&out * 2.0)), want, "a queued all_gather, waited for");
+    drop(w);
+    say("unheld queued all_gather read back");
+
+    // Held on its stream.
+    let (flag, opener) = held_flag(dev);
+    g.hold_stream_until(&flag).unwrap();
+    say("g's stream held");
+    let out = Tensor::full([1024], f64::NAN, (Kind::Float, dev));
+    let input = &base * 3.0;
+    let gather = CollectiveOp::AllGather {
+        output: &out,
+        input: &input,
+    };
+    let mut first = queued(g.queue(gather, None).unwrap());
+    say("all_gather queued");
+    let chained = CollectiveOp::AllReduce {
+        tensor: &out,
+        op: ReduceOp::Sum,
+    };
+    let mut second = queued(g2.queue(chained, Some(first.as_ref())).unwrap());
+    say("all_reduce chained");
+    let later = &base * 2.0;
+    let passed = legacy_stream_passes(Duration::from_secs(2));
+    say(&format!("default stream passed: {passed}"));
+    let first_ran = first.is_done().unwrap();
+    let second_ran = second.is_done().unwrap();
+    opener.open();
+    say("gate opened");
+    first.wait().unwrap();
+    second.wait().unwrap();
+    assert!(
+        passed,
+        "the default stream waited for a queued collective nobody waited for"
+    );
+    assert!(!first_ran, "the held collective ran");
+    assert!(
+        !second_ran,
+        "the chained collective ran before the one it reads"
+    );
+    assert_eq!(
+        host(&later),
+        host(&base).iter().map(|v| v * 2.0).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        host(&(&out * 2.0)),
+        want,
+        "kernels after the wait see the output"
+    );
+    assert!(first.is_done().unwrap() && second.is_done().unwrap());
+    say("done");
+    drop(flag);
 }
 
 const CHILD: &str = "TITAN_NCCL_WATCHDOG_CHILD";

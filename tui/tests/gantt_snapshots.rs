@@ -268,6 +268,7 @@ fn help_box_fits_and_explains_every_mark() {
         "G gc",
         "rN late",
         "rN.tM",
+        "rN.gpu",
         "0F3",
         "I/W",
         "C checkpoint",

@@ -21,7 +21,7 @@ use crate::digest::cells::Cells;
 use crate::digest::{RunCollective, RunDigest, sketch_quantile};
 use crate::stats::DurationStats;
 use crate::tables::NameId;
-use crate::vocab::is_tag_phase;
+use crate::vocab::{Clock, is_tag_phase};
 
 /// [`super::analyse_grouped`] over merged summaries; `names` are the run's names.
 pub fn analyse_digest(
@@ -153,6 +153,7 @@ pub fn analyse_digest(
         .map(|(id, p)| {
             let name = names.get(id as usize).cloned().unwrap_or_default();
             let stats = PhaseStats {
+                clock: Clock::of(&name),
                 name: name.clone(),
                 depth: p.shown_depth(),
                 stats: DurationStats {

@@ -15,7 +15,7 @@ use crate::run::{BadLine, ClockAlignment, Damage, OpenSpan, Run, RunFormat};
 use crate::runs::RunBrief;
 use crate::stats::{DurationStats, median_f64};
 use crate::tables::NameId;
-use crate::vocab::{is_tag_phase, titan};
+use crate::vocab::{Clock, is_tag_phase, titan};
 
 /// Straggler detection thresholds.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +43,9 @@ impl Default for StragglerOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseStats {
     pub name: String,
+    /// The clock its spans' times come from: `host`, or `gpu` for titan-train's CUDA-event
+    /// twins (`gpu:<phase>`, [`crate::vocab::gpu`]).
+    pub clock: Clock,
     /// Smallest nesting depth of the spans its `% step` counts (on the main thread, else on
     /// other threads), else the smallest it was seen at anywhere (0 = top level): the
     /// `optimizer` of a step is 1 deep, though the one built at init is top level.
@@ -769,6 +772,7 @@ fn phase(
         (any_concurrent && step_total > 0).then(|| concurrent_total as f64 / step_total as f64);
     let name = t.names[id as usize].clone();
     let stats = PhaseStats {
+        clock: Clock::of(&name),
         name: name.clone(),
         depth,
         stats: st,

@@ -81,6 +81,79 @@ impl CommError {
     }
 }
 
+/// One collective of a group, as [`Collectives::queue`] takes it.
+#[derive(Clone, Copy)]
+pub enum CollectiveOp<'a> {
+    AllReduce {
+        tensor: &'a Tensor,
+        op: ReduceOp,
+    },
+    ReduceScatter {
+        output: &'a Tensor,
+        input: &'a Tensor,
+        op: ReduceOp,
+    },
+    AllGather {
+        output: &'a Tensor,
+        input: &'a Tensor,
+    },
+    Broadcast {
+        tensor: &'a Tensor,
+        root: usize,
+    },
+}
+
+impl CollectiveOp<'_> {
+    /// torch.distributed's name of it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce { .. } => "all_reduce",
+            CollectiveOp::ReduceScatter { .. } => "reduce_scatter",
+            CollectiveOp::AllGather { .. } => "all_gather",
+            CollectiveOp::Broadcast { .. } => "broadcast",
+        }
+    }
+
+    /// Runs it with `c`'s blocking call.
+    pub fn run(self, c: &mut (impl Collectives + ?Sized)) -> Result<(), CommError> {
+        match self {
+            CollectiveOp::AllReduce { tensor, op } => c.all_reduce(tensor, op),
+            CollectiveOp::ReduceScatter { output, input, op } => {
+                c.reduce_scatter(output, input, op)
+            }
+            CollectiveOp::AllGather { output, input } => c.all_gather(output, input),
+            CollectiveOp::Broadcast { tensor, root } => c.broadcast(tensor, root),
+        }
+    }
+}
+
+/// A collective the backend queued on the device without making the caller's stream wait
+/// for it: torch's `Work` of an `async_op=True` call on NCCL. Until [`QueuedWork::wait`] the
+/// collective may still be running, so its tensors must stay alive and untouched; dropping the
+/// work waits as `wait` does (the memory of its tensors is only reused behind it).
+pub trait QueuedWork: Send {
+    /// Makes the stream tch's kernels run on wait for the collective: what is queued after
+    /// sees its output. The host does not wait.
+    fn wait(&mut self) -> Result<(), CommError>;
+    /// Whether the collective has finished on the device (no wait).
+    fn is_done(&self) -> Result<bool, CommError>;
+    /// For a backend to find its own work among another group's (a chained collective).
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// What [`Collectives::queue`] did with a collective.
+pub enum Issued {
+    /// It ran to completion on the host (the `cpu` backend).
+    Done,
+    /// It is queued on the device.
+    Queued(Box<dyn QueuedWork>),
+}
+
+/// [`Collectives::backend`] of the host ring (`cpu.rs`).
+pub const CPU_BACKEND: &str = "cpu";
+/// [`Collectives::backend`] of NCCL (`nccl.rs`), whose collectives run on the GPU.
+pub const NCCL_BACKEND: &str = "nccl";
+
 /// Collectives over a group of ranks. Tensors are CPU tensors for the `cpu` backend and CUDA
 /// tensors for `nccl`; both ranks of a call must pass the same shapes and dtypes.
 pub trait Collectives: Send {
@@ -88,7 +161,7 @@ pub trait Collectives: Send {
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
     fn size(&self) -> usize;
-    /// Backend name (`cpu`, `nccl`).
+    /// Backend name ([`CPU_BACKEND`], [`NCCL_BACKEND`]).
     fn backend(&self) -> &'static str;
     /// Reduces `tensor` across the group, in place on every rank.
     fn all_reduce(&mut self, tensor: &Tensor, op: ReduceOp) -> Result<(), CommError>;
@@ -105,6 +178,26 @@ pub trait Collectives: Send {
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError>;
     /// Returns once every rank of the group has called it.
     fn barrier(&mut self) -> Result<(), CommError>;
+
+    /// Whether [`Collectives::queue`] queues on the device (NCCL) rather than running the
+    /// collective on the host before it returns.
+    fn queues_on_device(&self) -> bool {
+        false
+    }
+
+    /// Queues `op` behind `after` (a queued collective of another group of the same device,
+    /// whose output `op` reads) and returns without waiting for it where the backend queues
+    /// on the device ([`Issued::Queued`]); otherwise runs it now ([`Issued::Done`]; `after` must
+    /// then have been waited for).
+    fn queue(
+        &mut self,
+        op: CollectiveOp<'_>,
+        after: Option<&dyn QueuedWork>,
+    ) -> Result<Issued, CommError> {
+        let _ = after;
+        op.run(self)?;
+        Ok(Issued::Done)
+    }
 }
 
 /// Checks the size contract of reduce_scatter / all_gather: `big` = size * `small` elements.

@@ -134,7 +134,7 @@ impl Collectives for CpuGroup {
     }
 
     fn backend(&self) -> &'static str {
-        "cpu"
+        super::comm::CPU_BACKEND
     }
 
     fn all_reduce(&mut self, tensor: &Tensor, op: ReduceOp) -> Result<(), CommError> {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use tch::{Device, Kind, Tensor};
 use titan_obs_core::Reduce;
 
-use super::comm::{Collectives, CommError, ReduceOp};
+use super::comm::{CollectiveOp, Collectives, CommError, Issued, QueuedWork, ReduceOp};
 use super::runtime::Dist;
 use crate::parallel::{Dim, Mesh, RankSync};
 
@@ -28,6 +28,9 @@ pub struct Group {
 
 struct Shared {
     group: Mutex<Box<dyn Collectives>>,
+    /// The backend queues collectives on the device (NCCL): the `*_async` calls queue them
+    /// from the calling thread instead of running them on the background thread.
+    queues: bool,
     /// (next ticket to hand out, ticket whose turn it is).
     turn: Mutex<(u64, u64)>,
     turn_changed: Condvar,
@@ -93,36 +96,88 @@ impl Shared {
     }
 }
 
-/// A collective running in the background; [`Pending::wait`] returns its result.
-pub struct Pending(Option<Receiver<Result<(), CommError>>>);
+/// A collective issued without waiting for it: on the group's background thread (the `cpu`
+/// backend), or queued on the device (NCCL, [`QueuedWork`]). [`Pending::wait`] returns its
+/// result; the tensors it was given stay alive until then (or until it is dropped, which waits).
+pub struct Pending(Waiting);
+
+enum Waiting {
+    /// Ran already (a group of one rank, or an error before anything ran).
+    Now(Option<Result<(), CommError>>),
+    /// On the group's background thread.
+    Background(Receiver<Result<(), CommError>>),
+    /// On the device, in issue order (a chained collective last). Declared before the tensors:
+    /// a dropped `Pending` makes the default stream wait before their memory can be reused.
+    Queued {
+        works: Vec<Box<dyn QueuedWork>>,
+        _tensors: Vec<Tensor>,
+    },
+}
+
+fn thread_ended() -> CommError {
+    CommError::BadArgument {
+        op: "prefetch",
+        message: "the background collective's thread ended without a result".into(),
+    }
+}
 
 impl Pending {
+    fn now(result: Result<(), CommError>) -> Self {
+        Pending(Waiting::Now(Some(result)))
+    }
+
+    /// What the device still runs of `issued`, holding `tensors` until it is waited for.
+    fn issued(issued: Vec<Issued>, tensors: Vec<Tensor>) -> Self {
+        let works: Vec<Box<dyn QueuedWork>> = issued
+            .into_iter()
+            .filter_map(|i| match i {
+                Issued::Queued(w) => Some(w),
+                Issued::Done => None,
+            })
+            .collect();
+        if works.is_empty() {
+            return Pending::now(Ok(()));
+        }
+        Pending(Waiting::Queued {
+            works,
+            _tensors: tensors,
+        })
+    }
+
     /// The result if the collective has finished (`Some`), without waiting.
     pub fn try_result(&mut self) -> Option<Result<(), CommError>> {
-        match &self.0 {
-            None => Some(Ok(())),
-            Some(rx) => match rx.try_recv() {
+        match &mut self.0 {
+            Waiting::Now(r) => Some(r.take().unwrap_or(Ok(()))),
+            Waiting::Background(rx) => match rx.try_recv() {
                 Ok(result) => Some(result),
                 Err(std::sync::mpsc::TryRecvError::Empty) => None,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    Some(Err(CommError::BadArgument {
-                        op: "prefetch",
-                        message: "the background collective's thread ended without a result".into(),
-                    }))
-                }
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => Some(Err(thread_ended())),
             },
+            Waiting::Queued { works, .. } => {
+                for w in works.iter() {
+                    match w.is_done() {
+                        Ok(true) => {}
+                        Ok(false) => return None,
+                        Err(e) => return Some(Err(e)),
+                    }
+                }
+                Some(Ok(()))
+            }
         }
     }
 
+    /// Its result: on the host for a background collective; for a queued one, once the default
+    /// stream waits for it (the host does not).
     pub fn wait(self) -> Result<(), CommError> {
         match self.0 {
-            None => Ok(()),
-            Some(rx) => rx.recv().unwrap_or_else(|_| {
-                Err(CommError::BadArgument {
-                    op: "prefetch",
-                    message: "the background collective's thread ended without a result".into(),
-                })
-            }),
+            Waiting::Now(r) => r.unwrap_or(Ok(())),
+            Waiting::Background(rx) => rx.recv().unwrap_or_else(|_| Err(thread_ended())),
+            Waiting::Queued { mut works, .. } => {
+                for w in works.iter_mut() {
+                    w.wait()?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -142,6 +197,7 @@ impl Group {
         Group {
             inner: (size > 1).then(|| {
                 Arc::new(Shared {
+                    queues: group.queues_on_device(),
                     group: Mutex::new(group),
                     turn: Mutex::new((0, 0)),
                     turn_changed: Condvar::new(),
@@ -181,7 +237,16 @@ impl Group {
         inner.in_background(Box::new(move || {
             let _ = tx.send(job(&shared, ticket));
         }));
-        Pending(Some(rx))
+        Pending(Waiting::Background(rx))
+    }
+
+    /// Queues `op` on the device from this thread, in issue order, keeping `tensors` alive
+    /// until it is waited for.
+    fn queued(inner: &Shared, op: CollectiveOp<'_>, tensors: Vec<Tensor>) -> Pending {
+        match inner.run(inner.ticket(), |g| g.queue(op, None)) {
+            Ok(issued) => Pending::issued(vec![issued], tensors),
+            Err(e) => Pending::now(Err(e)),
+        }
     }
 
     /// [`Group::reduce_scatter`] (sum) of `input` into `output` on a background thread, then,
@@ -197,23 +262,51 @@ impl Group {
         let second = then
             .and_then(|g| g.inner.clone())
             .map(|inner| (inner.ticket(), inner));
-        let replicas = move |output: &Tensor| match &second {
-            Some((ticket, g)) => g.run(*ticket, |c| c.all_reduce(output, ReduceOp::Sum)),
-            None => Ok(()),
-        };
         let Some(inner) = &self.inner else {
             let result = self
                 .reduce_scatter(output, input)
-                .and_then(|()| replicas(output));
-            let (tx, rx) = channel();
-            let _ = tx.send(result);
-            return Pending(Some(rx));
+                .and_then(|()| match &second {
+                    Some((ticket, g)) => g.run(*ticket, |c| c.all_reduce(output, ReduceOp::Sum)),
+                    None => Ok(()),
+                });
+            return Pending::now(result);
         };
+        if inner.queues {
+            // Both on the device, the replicas' all-reduce behind the reduce-scatter.
+            let scatter = CollectiveOp::ReduceScatter {
+                output,
+                input,
+                op: ReduceOp::Sum,
+            };
+            let tensors = vec![output.shallow_clone(), input.shallow_clone()];
+            let first = match inner.run(inner.ticket(), |g| g.queue(scatter, None)) {
+                Ok(issued) => issued,
+                Err(e) => return Pending::now(Err(e)),
+            };
+            let Some((ticket, g)) = &second else {
+                return Pending::issued(vec![first], tensors);
+            };
+            let reduce = CollectiveOp::AllReduce {
+                tensor: output,
+                op: ReduceOp::Sum,
+            };
+            let after = match &first {
+                Issued::Queued(w) => Some(w.as_ref()),
+                Issued::Done => None,
+            };
+            return match g.run(*ticket, |c| c.queue(reduce, after)) {
+                Ok(issued) => Pending::issued(vec![first, issued], tensors),
+                Err(e) => Pending::now(Err(e)),
+            };
+        }
         let (output, input) = (output.shallow_clone(), input.shallow_clone());
         Self::in_background(inner, move |shared, ticket| {
             shared
                 .run(ticket, |g| g.reduce_scatter(&output, &input, ReduceOp::Sum))
-                .and_then(|()| replicas(&output))
+                .and_then(|()| match &second {
+                    Some((ticket, g)) => g.run(*ticket, |c| c.all_reduce(&output, ReduceOp::Sum)),
+                    None => Ok(()),
+                })
         })
     }
 
@@ -222,8 +315,12 @@ impl Group {
     pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Pending {
         let Some(inner) = &self.inner else {
             output.shallow_clone().copy_(&input.reshape_as(output));
-            return Pending(None);
+            return Pending::now(Ok(()));
         };
+        if inner.queues {
+            let tensors = vec![output.shallow_clone(), input.shallow_clone()];
+            return Self::queued(inner, CollectiveOp::AllGather { output, input }, tensors);
+        }
         let (output, input) = (output.shallow_clone(), input.shallow_clone());
         Self::in_background(inner, move |shared, ticket| {
             shared.run(ticket, |g| g.all_gather(&output, &input))
@@ -235,8 +332,12 @@ impl Group {
     /// untouched until [`Pending::wait`] returns.
     pub fn broadcast_async(&self, t: &Tensor, root: usize) -> Pending {
         let Some(inner) = &self.inner else {
-            return Pending(None);
+            return Pending::now(Ok(()));
         };
+        if inner.queues {
+            let op = CollectiveOp::Broadcast { tensor: t, root };
+            return Self::queued(inner, op, vec![t.shallow_clone()]);
+        }
         let t = t.shallow_clone();
         Self::in_background(inner, move |shared, ticket| {
             shared.run(ticket, |g| g.broadcast(&t, root))
@@ -460,5 +561,150 @@ impl DeviceMesh {
             };
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend that queues on a pretend device: its work is done when the test says, and
+    /// every call lands in `log`.
+    struct Queueing {
+        log: Arc<Mutex<Vec<String>>>,
+        done: Arc<std::sync::atomic::AtomicBool>,
+        next: usize,
+    }
+
+    struct Work {
+        id: usize,
+        log: Arc<Mutex<Vec<String>>>,
+        done: Arc<std::sync::atomic::AtomicBool>,
+        waited: bool,
+    }
+
+    impl QueuedWork for Work {
+        fn wait(&mut self) -> Result<(), CommError> {
+            if !self.waited {
+                self.waited = true;
+                self.log.lock().unwrap().push(format!("wait {}", self.id));
+            }
+            Ok(())
+        }
+        fn is_done(&self) -> Result<bool, CommError> {
+            Ok(self.done.load(std::sync::atomic::Ordering::Relaxed))
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    impl Drop for Work {
+        fn drop(&mut self) {
+            let _ = self.wait();
+        }
+    }
+
+    impl Collectives for Queueing {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn size(&self) -> usize {
+            2
+        }
+        fn backend(&self) -> &'static str {
+            "fake"
+        }
+        fn all_reduce(&mut self, _: &Tensor, _: ReduceOp) -> Result<(), CommError> {
+            self.log.lock().unwrap().push("blocking all_reduce".into());
+            Ok(())
+        }
+        fn reduce_scatter(&mut self, _: &Tensor, _: &Tensor, _: ReduceOp) -> Result<(), CommError> {
+            self.log
+                .lock()
+                .unwrap()
+                .push("blocking reduce_scatter".into());
+            Ok(())
+        }
+        fn all_gather(&mut self, _: &Tensor, _: &Tensor) -> Result<(), CommError> {
+            self.log.lock().unwrap().push("blocking all_gather".into());
+            Ok(())
+        }
+        fn broadcast(&mut self, _: &Tensor, _: usize) -> Result<(), CommError> {
+            self.log.lock().unwrap().push("blocking broadcast".into());
+            Ok(())
+        }
+        fn barrier(&mut self) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn queues_on_device(&self) -> bool {
+            true
+        }
+        fn queue(
+            &mut self,
+            op: CollectiveOp<'_>,
+            after: Option<&dyn QueuedWork>,
+        ) -> Result<Issued, CommError> {
+            self.next += 1;
+            let after = after.map(|w| w.as_any().downcast_ref::<Work>().unwrap().id);
+            self.log.lock().unwrap().push(format!(
+                "queue {} {} after {after:?} on {:?}",
+                op.name(),
+                self.next,
+                std::thread::current().name()
+            ));
+            Ok(Issued::Queued(Box::new(Work {
+                id: self.next,
+                log: self.log.clone(),
+                done: self.done.clone(),
+                waited: false,
+            })))
+        }
+    }
+
+    fn queueing(log: &Arc<Mutex<Vec<String>>>, done: &Arc<std::sync::atomic::AtomicBool>) -> Group {
+        Group::new(Box::new(Queueing {
+            log: log.clone(),
+            done: done.clone(),
+            next: 0,
+        }))
+    }
+
+    /// On a backend that queues on the device (NCCL) the async collectives are queued from the
+    /// calling thread, in issue order, a chained reduction behind the one it reads; nothing
+    /// waits until the caller does (a dropped one waits too).
+    #[test]
+    fn queued_collectives_wait_only_when_asked() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (shard, replicas) = (queueing(&log, &done), queueing(&log, &done));
+        let t = Tensor::zeros([4], (Kind::Float, Device::Cpu));
+        let big = Tensor::zeros([8], (Kind::Float, Device::Cpu));
+        let me = std::thread::current().name().map(str::to_string);
+
+        let mut gather = shard.all_gather_async(&big, &t);
+        assert_eq!(
+            *log.lock().unwrap(),
+            [format!("queue all_gather 1 after None on {me:?}")]
+        );
+        assert!(gather.try_result().is_none(), "not done on the device yet");
+        let reduce = shard.reduce_scatter_async(&t, &big, Some(&replicas));
+        assert_eq!(
+            log.lock().unwrap()[1..],
+            [
+                format!("queue reduce_scatter 2 after None on {me:?}"),
+                format!("queue all_reduce 1 after Some(2) on {me:?}"),
+            ]
+        );
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(matches!(gather.try_result(), Some(Ok(()))));
+        gather.wait().unwrap();
+        assert_eq!(log.lock().unwrap().last().unwrap(), "wait 1");
+        // Dropped unwaited: the device's streams are still ordered behind it.
+        drop(reduce);
+        assert_eq!(log.lock().unwrap()[4..], ["wait 2", "wait 1"]);
+        // The blocking calls stay blocking.
+        shard.all_reduce(&t, ReduceOp::Sum).unwrap();
+        assert_eq!(log.lock().unwrap().last().unwrap(), "blocking all_reduce");
     }
 }

@@ -3,9 +3,12 @@
 //!
 //! Each collective runs on the group's own CUDA stream, ordered by events and never by a host
 //! wait: the stream waits for an event recorded on the legacy default stream (where tch's kernels
-//! run, so the inputs are ready), NCCL enqueues there, and the default stream waits for the
+//! run, so the inputs are ready), NCCL enqueues there, and then the default stream waits for the
 //! collective's completion event before its next kernels (which may read the output or reuse the
-//! inputs' memory). A watchdog thread polls the completion events and NCCL's async error state:
+//! inputs' memory): at once for the blocking calls (torch's `Work.wait()` of a synchronous op),
+//! or only when the caller asks, for a queued one ([`Collectives::queue`], an [`NcclWork`]:
+//! FSDP's prefetches and gradient reductions, the pipeline's sends), so the default stream's
+//! compute overlaps it. A watchdog thread polls the completion events and NCCL's async error state:
 //! a collective that makes no progress within the timeout (a dead or hung peer) aborts the
 //! communicator, posts the failure to the store and ends the process, as torch's NCCL watchdog
 //! does. `barrier` alone waits on the host.
@@ -21,7 +24,9 @@ use cudarc::driver::sys as cuda;
 use cudarc::nccl::{result as nccl, sys};
 use tch::{Device, Kind, Tensor};
 
-use super::comm::{Collectives, CommError, ReduceOp, check_split};
+use super::comm::{
+    CollectiveOp, Collectives, CommError, Issued, QueuedWork, ReduceOp, check_split,
+};
 use super::failure::{FailureBoard, Posted};
 
 /// A NCCL communicator over a group of ranks, each driving one GPU.
@@ -241,39 +246,28 @@ impl NcclGroup {
     }
 
     /// Runs `enqueue(comm, stream)` (one NCCL call) on the group's stream, after the work already
-    /// on the legacy default stream, and makes the default stream wait for it: no host wait.
+    /// on the legacy default stream (and after `after`, a queued collective of another group),
+    /// then either makes the default stream wait for it ([`Completion::Joined`]: the blocking
+    /// calls) or returns an event of its completion for the caller to wait on later
+    /// ([`Completion::Queued`]). Never a host wait.
     fn launch(
         &mut self,
         op: &'static str,
+        completion: Completion,
+        after: Option<&NcclWork>,
         enqueue: impl FnOnce(
             sys::ncclComm_t,
             cuda::CUstream,
         ) -> Result<nccl::NcclStatus, nccl::NcclError>,
-    ) -> Result<(), CommError> {
+    ) -> Result<Option<NcclWork>, CommError> {
         let bound = self.ctx.bind_to_thread();
         bound.map_err(|e| self.error(format!("CUDA device {}: {e:?}", self.device)))?;
         let comm = self.live(op)?;
-        let cu = |rc: cuda::CUresult, what: &str| -> Result<(), String> {
-            if rc == cuda::CUresult::CUDA_SUCCESS {
-                Ok(())
-            } else {
-                Err(format!("CUDA {what} during {op}: {rc:?}"))
-            }
-        };
-        let event = || -> Result<cuda::CUevent, String> {
-            let mut e: cuda::CUevent = std::ptr::null_mut();
-            let flags = cuda::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
-            // SAFETY: valid out-pointer, context bound.
-            cu(
-                unsafe { cuda::cuEventCreate(&mut e, flags) },
-                "event create",
-            )?;
-            Ok(e)
-        };
+        let cu = |rc: cuda::CUresult, what: &str| cu_check(rc, op, what);
         let legacy: cuda::CUstream = std::ptr::null_mut();
-        let result = (|| -> Result<cuda::CUevent, String> {
-            let inputs_ready = event()?;
-            // SAFETY: live event and streams of the bound context. An event destroyed after
+        let result = (|| -> Result<(cuda::CUevent, Option<cuda::CUevent>), String> {
+            let inputs_ready = new_event(op)?;
+            // SAFETY: live events and streams of the bound context. An event destroyed after
             // it was recorded and waited on is released once it completes.
             unsafe {
                 cu(cuda::cuEventRecord(inputs_ready, legacy), "event record")?;
@@ -282,21 +276,35 @@ impl NcclGroup {
                     "stream wait",
                 )?;
                 cu(cuda::cuEventDestroy_v2(inputs_ready), "event destroy")?;
+                if let Some(after) = after {
+                    cu(
+                        cuda::cuStreamWaitEvent(self.stream, after.done, 0),
+                        "stream wait",
+                    )?;
+                }
             }
             enqueue(comm, self.stream).map_err(|e| {
                 // SAFETY: ncclGetErrorString returns a static NUL-terminated string.
                 let msg = unsafe { CStr::from_ptr(sys::ncclGetErrorString(e.0)) };
                 format!("NCCL {op}: {} ({:?})", msg.to_string_lossy(), e.0)
             })?;
-            let done = event()?;
+            // The watchdog's event, and the caller's when it waits later.
+            let done = new_event(op)?;
+            let queued = match completion {
+                Completion::Joined => None,
+                Completion::Queued => Some(new_event(op)?),
+            };
             // SAFETY: as above.
             unsafe {
                 cu(cuda::cuEventRecord(done, self.stream), "event record")?;
-                cu(cuda::cuStreamWaitEvent(legacy, done, 0), "stream wait")?;
+                match queued {
+                    None => cu(cuda::cuStreamWaitEvent(legacy, done, 0), "stream wait")?,
+                    Some(q) => cu(cuda::cuEventRecord(q, self.stream), "event record")?,
+                }
             }
-            Ok(done)
+            Ok((done, queued))
         })();
-        let done = result.map_err(|m| self.error(m))?;
+        let (done, queued) = result.map_err(|m| self.error(m))?;
         self.watch
             .in_flight
             .lock()
@@ -306,7 +314,109 @@ impl NcclGroup {
                 op,
                 since: Instant::now(),
             });
-        Ok(())
+        Ok(queued.map(|done| NcclWork {
+            done,
+            op,
+            rank: self.global_rank,
+            waited: false,
+            ctx: self.ctx.clone(),
+        }))
+    }
+
+    /// Runs `op` (one collective) with `completion` (see [`NcclGroup::launch`]).
+    fn collective(
+        &mut self,
+        op: CollectiveOp<'_>,
+        completion: Completion,
+        after: Option<&NcclWork>,
+    ) -> Result<Option<NcclWork>, CommError> {
+        let name = op.name();
+        match op {
+            CollectiveOp::AllReduce { tensor, op } => {
+                self.check(name, tensor)?;
+                let dt = self.dtype(name, tensor.kind())?;
+                let (p, n) = (tensor.data_ptr(), tensor.numel());
+                // SAFETY: in place on a contiguous CUDA tensor of n elements on our device.
+                self.launch(name, completion, after, |comm, stream| unsafe {
+                    nccl::all_reduce(
+                        p as *const c_void,
+                        p,
+                        n,
+                        dt,
+                        Self::red_op(op),
+                        comm,
+                        stream.cast(),
+                    )
+                })
+            }
+            CollectiveOp::ReduceScatter { output, input, op } => {
+                let k = check_split(name, input, output, self.size)?;
+                self.check(name, input)?;
+                self.check(name, output)?;
+                let dt = self.dtype(name, input.kind())?;
+                let (src, dst) = (input.data_ptr() as *const c_void, output.data_ptr());
+                // SAFETY: input holds size * k elements, output k, both on our device.
+                self.launch(name, completion, after, |comm, stream| unsafe {
+                    nccl::reduce_scatter(src, dst, k, dt, Self::red_op(op), comm, stream.cast())
+                })
+            }
+            CollectiveOp::AllGather { output, input } => {
+                let k = check_split(name, output, input, self.size)?;
+                self.check(name, input)?;
+                self.check(name, output)?;
+                let dt = self.dtype(name, input.kind())?;
+                let (src, dst) = (input.data_ptr() as *const c_void, output.data_ptr());
+                // SAFETY: input holds k elements, output size * k, both on our device.
+                self.launch(name, completion, after, |comm, stream| unsafe {
+                    nccl::all_gather(src, dst, k, dt, comm, stream.cast())
+                })
+            }
+            CollectiveOp::Broadcast { tensor, root } => {
+                self.check(name, tensor)?;
+                if root >= self.size {
+                    return Err(CommError::BadArgument {
+                        op: name,
+                        message: format!(
+                            "root {root} is not a rank of this group of {}",
+                            self.size
+                        ),
+                    });
+                }
+                let dt = self.dtype(name, tensor.kind())?;
+                let (p, n) = (tensor.data_ptr(), tensor.numel());
+                // SAFETY: in place on a contiguous CUDA tensor on our device.
+                self.launch(name, completion, after, |comm, stream| unsafe {
+                    nccl::broadcast(
+                        p as *const c_void,
+                        p,
+                        n,
+                        dt,
+                        root as i32,
+                        comm,
+                        stream.cast(),
+                    )
+                })
+            }
+        }
+    }
+
+    /// Makes the group's stream wait until the int32 at `flag` (device memory) reads at least
+    /// 1: what the tests hold a queued collective back with, to see that nothing waits for it.
+    #[doc(hidden)]
+    pub fn hold_stream_until(&self, flag: &Tensor) -> Result<(), CommError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.error(format!("CUDA device {}: {e:?}", self.device)))?;
+        // SAFETY: live stream; the flag is device memory the caller keeps alive.
+        let rc = unsafe {
+            cuda::cuStreamWaitValue32_v2(
+                self.stream,
+                flag.data_ptr() as cuda::CUdeviceptr,
+                1,
+                0, // CU_STREAM_WAIT_VALUE_GEQ
+            )
+        };
+        cu_check(rc, "hold", "stream wait value").map_err(|m| self.error(m))
     }
 
     /// Waits on the host until every collective enqueued so far completed (or the watchdog
@@ -374,25 +484,12 @@ impl Collectives for NcclGroup {
     }
 
     fn backend(&self) -> &'static str {
-        "nccl"
+        super::comm::NCCL_BACKEND
     }
 
     fn all_reduce(&mut self, tensor: &Tensor, op: ReduceOp) -> Result<(), CommError> {
-        self.check("all_reduce", tensor)?;
-        let dt = self.dtype("all_reduce", tensor.kind())?;
-        let (p, n) = (tensor.data_ptr(), tensor.numel());
-        // SAFETY: in-place on a contiguous CUDA tensor of n elements on our device.
-        self.launch("all_reduce", |comm, stream| unsafe {
-            nccl::all_reduce(
-                p as *const c_void,
-                p,
-                n,
-                dt,
-                Self::red_op(op),
-                comm,
-                stream.cast(),
-            )
-        })
+        let op = CollectiveOp::AllReduce { tensor, op };
+        self.collective(op, Completion::Joined, None).map(drop)
     }
 
     fn reduce_scatter(
@@ -401,57 +498,140 @@ impl Collectives for NcclGroup {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let k = check_split("reduce_scatter", input, output, self.size)?;
-        self.check("reduce_scatter", input)?;
-        self.check("reduce_scatter", output)?;
-        let dt = self.dtype("reduce_scatter", input.kind())?;
-        let (src, dst) = (input.data_ptr() as *const c_void, output.data_ptr());
-        // SAFETY: input holds size * k elements, output k, both on our device.
-        self.launch("reduce_scatter", |comm, stream| unsafe {
-            nccl::reduce_scatter(src, dst, k, dt, Self::red_op(op), comm, stream.cast())
-        })
+        let op = CollectiveOp::ReduceScatter { output, input, op };
+        self.collective(op, Completion::Joined, None).map(drop)
     }
 
     fn all_gather(&mut self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
-        let k = check_split("all_gather", output, input, self.size)?;
-        self.check("all_gather", input)?;
-        self.check("all_gather", output)?;
-        let dt = self.dtype("all_gather", input.kind())?;
-        let (src, dst) = (input.data_ptr() as *const c_void, output.data_ptr());
-        // SAFETY: input holds k elements, output size * k, both on our device.
-        self.launch("all_gather", |comm, stream| unsafe {
-            nccl::all_gather(src, dst, k, dt, comm, stream.cast())
-        })
+        let op = CollectiveOp::AllGather { output, input };
+        self.collective(op, Completion::Joined, None).map(drop)
     }
 
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
-        self.check("broadcast", tensor)?;
-        if root >= self.size {
-            return Err(CommError::BadArgument {
-                op: "broadcast",
-                message: format!("root {root} is not a rank of this group of {}", self.size),
-            });
-        }
-        let dt = self.dtype("broadcast", tensor.kind())?;
-        let (p, n) = (tensor.data_ptr(), tensor.numel());
-        // SAFETY: in-place on a contiguous CUDA tensor on our device.
-        self.launch("broadcast", |comm, stream| unsafe {
-            nccl::broadcast(
-                p as *const c_void,
-                p,
-                n,
-                dt,
-                root as i32,
-                comm,
-                stream.cast(),
-            )
-        })
+        let op = CollectiveOp::Broadcast { tensor, root };
+        self.collective(op, Completion::Joined, None).map(drop)
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
         let t = Tensor::zeros([1], (Kind::Int, Device::Cuda(self.device)));
         self.all_reduce(&t, ReduceOp::Sum)?;
         self.wait_all("barrier")
+    }
+
+    fn queues_on_device(&self) -> bool {
+        true
+    }
+
+    fn queue(
+        &mut self,
+        op: CollectiveOp<'_>,
+        after: Option<&dyn QueuedWork>,
+    ) -> Result<Issued, CommError> {
+        let after = match after {
+            None => None,
+            Some(w) => Some(w.as_any().downcast_ref::<NcclWork>().ok_or_else(|| {
+                CommError::BadArgument {
+                    op: op.name(),
+                    message: "chained behind work of another backend than nccl".into(),
+                }
+            })?),
+        };
+        let work = self.collective(op, Completion::Queued, after)?;
+        let work = work.expect("a queued launch returns its work");
+        Ok(Issued::Queued(Box::new(work)))
+    }
+}
+
+/// What [`NcclGroup::launch`] leaves the caller's stream with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Completion {
+    /// The legacy default stream waits for the collective before its next kernels.
+    Joined,
+    /// Nothing waits yet: the returned [`NcclWork`] does, when asked.
+    Queued,
+}
+
+fn cu_check(rc: cuda::CUresult, op: &str, what: &str) -> Result<(), String> {
+    if rc == cuda::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("CUDA {what} during {op}: {rc:?}"))
+    }
+}
+
+/// A new event without timing, in the bound context.
+fn new_event(op: &str) -> Result<cuda::CUevent, String> {
+    let mut e: cuda::CUevent = std::ptr::null_mut();
+    let flags = cuda::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: valid out-pointer; the caller bound the context.
+    cu_check(
+        unsafe { cuda::cuEventCreate(&mut e, flags) },
+        op,
+        "event create",
+    )?;
+    Ok(e)
+}
+
+/// A collective queued on the group's stream ([`QueuedWork`]): its completion event, which the
+/// legacy default stream waits on in [`QueuedWork::wait`] (or when this drops unwaited).
+pub struct NcclWork {
+    done: cuda::CUevent,
+    op: &'static str,
+    rank: usize,
+    waited: bool,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: an event handle of a context that lives as long as `ctx`; CUDA's event calls are
+// thread-safe.
+unsafe impl Send for NcclWork {}
+
+impl NcclWork {
+    fn error(&self, message: String) -> CommError {
+        CommError::Setup {
+            rank: self.rank,
+            message,
+        }
+    }
+}
+
+impl QueuedWork for NcclWork {
+    fn wait(&mut self) -> Result<(), CommError> {
+        if self.waited {
+            return Ok(());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.error(format!("{}: CUDA context: {e:?}", self.op)))?;
+        // SAFETY: a live event of the bound context; the legacy default stream.
+        let rc = unsafe { cuda::cuStreamWaitEvent(std::ptr::null_mut(), self.done, 0) };
+        cu_check(rc, self.op, "stream wait").map_err(|m| self.error(m))?;
+        self.waited = true;
+        Ok(())
+    }
+
+    fn is_done(&self) -> Result<bool, CommError> {
+        // SAFETY: a live event.
+        match unsafe { cuda::cuEventQuery(self.done) } {
+            cuda::CUresult::CUDA_SUCCESS => Ok(true),
+            cuda::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(self.error(format!("CUDA error during NCCL {}: {other:?}", self.op))),
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for NcclWork {
+    fn drop(&mut self) {
+        // Whatever reuses the collective's memory is queued on the default stream: behind it.
+        if let Err(e) = self.wait() {
+            tracing::warn!("{e}");
+        }
+        // SAFETY: created by launch, destroyed once (released by CUDA once it completes).
+        unsafe { cuda::cuEventDestroy_v2(self.done) };
     }
 }
 

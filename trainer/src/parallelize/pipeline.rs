@@ -28,6 +28,7 @@ use titan_obs_core::PipelineSlot;
 use titan_obs_core::vocab::titan;
 
 use crate::distributed::{CommError, DeviceMesh, Group, Pending};
+use crate::gpu_clock;
 use crate::model::Llama;
 use crate::parallel::Dim;
 use crate::parallelize::weight_grad::WeightGradStash;
@@ -817,7 +818,7 @@ impl Pipeline {
                             })?;
                         Some(buf.set_requires_grad(true))
                     };
-                    let _span = titan_obs_core::pipeline_span(titan::FORWARD, slot);
+                    let _span = gpu_clock::pipeline_span(titan::FORWARD, slot);
                     let weight_grads = self.schedule.splits_backward().then(WeightGradStash::new);
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
@@ -854,7 +855,7 @@ impl Pipeline {
                     );
                 }
                 Pass::BackwardWeight => {
-                    let _span = titan_obs_core::pipeline_span(titan::BACKWARD_WEIGHT, slot);
+                    let _span = gpu_clock::pipeline_span(titan::BACKWARD_WEIGHT, slot);
                     parked
                         .remove(&(a.stage, a.microbatch))
                         .context("the schedule runs a weight pass before its input pass")?
@@ -883,7 +884,7 @@ impl Pipeline {
                         Pass::BackwardInput => titan::BACKWARD_INPUT,
                         _ => titan::BACKWARD,
                     };
-                    let _span = titan_obs_core::pipeline_span(name, slot);
+                    let _span = gpu_clock::pipeline_span(name, slot);
                     let root = match output_grad {
                         None => f.output,
                         // d/d(out) of sum(out * grad) is exactly `grad`: backward from the
@@ -952,7 +953,7 @@ impl Pipeline {
                         })?;
                     Some(buf)
                 };
-                let _span = titan_obs_core::pipeline_span(titan::EVAL_FORWARD, slot);
+                let _span = gpu_clock::pipeline_span(titan::EVAL_FORWARD, slot);
                 let out = catch(|| {
                     let x = input.as_ref().unwrap_or(mb.inputs);
                     let out = model.forward_stage(stage, x, Some(mb.positions), mb.documents, None);

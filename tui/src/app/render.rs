@@ -18,6 +18,7 @@ use super::model::{FLAG_ERROR, FLAG_STRAGGLER, Ns, Timeline, pass_label, step_la
 use super::palette::{STRAGGLER, phase_color};
 use super::units::{dur, nice_step, tick_label};
 use super::view::{Mode, RowRef, Selection, View};
+use titan_obs_core::vocab::Clock;
 
 /// Things outside the timeline shown in the chrome.
 #[derive(Debug, Default, Clone)]
@@ -308,7 +309,15 @@ fn row_label(t: &Timeline, row: RowRef) -> String {
                     .get(lane as usize + 1)
                     .is_some_and(|n| n.rank == l.rank)
                     || l.thread_ix > 0;
-                let label = if multi {
+                // The lane of CUDA-event twins says it is the GPU's, not a host thread's.
+                let gpu_lane = l
+                    .rows
+                    .first()
+                    .and_then(|r| r.phase.first())
+                    .is_some_and(|&p| Clock::of(t.phase_name(p)) == Clock::Gpu);
+                let label = if gpu_lane {
+                    format!("r{}.gpu", l.rank)
+                } else if multi {
                     format!("r{}.t{}", l.rank, l.thread_ix)
                 } else {
                     format!("r{}", l.rank)
@@ -584,7 +593,7 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
             let step = step_label(row.step[i]);
             let tags: Vec<&str> = t.tags_of(row.tagset[i]).collect();
             let mut l1 = format!(
-                "{head}: {name}  rank {}{}  step {}  start {}  duration {}  depth {}  tags {}",
+                "{head}: {name}  rank {}{}  step {}  start {}  duration {}{}  depth {}  tags {}",
                 lane.rank,
                 if t.threads_per_rank_max() > 1 {
                     format!(" thread {}", lane.thread_ix)
@@ -594,6 +603,11 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
                 step.map(|s| s.to_string()).unwrap_or_else(|| "-".into()),
                 dur(row.start[i]),
                 dur(d),
+                // Host spans are the default; a GPU twin says whose clock timed it.
+                match Clock::of(name) {
+                    Clock::Gpu => " (gpu clock)",
+                    Clock::Host => "",
+                },
                 row.depth,
                 if tags.is_empty() {
                     "-".to_string()
@@ -918,7 +932,7 @@ pub const HELP: &[(&str, &str)] = &[
 /// What the help box says below the keys: the marks on screen that no key explains.
 pub const HELP_NOTES: &[&str] = &[
     "rN: rank N's top-level spans; d1 d2 d3: its spans nested 1, 2, 3 deep",
-    "rN.tM: rank N's thread M (t0 main; other threads run beside the step)",
+    "rN.tM: thread M of rank N (t0 main); rN.gpu: its CUDA-event GPU time",
     "rN late: the rank the others waited for (title: waiting on rN)",
     "0F3: stage 0's forward of microbatch 3; B backward, I/W halves, E eval",
     "▓ red: a straggler's span (as `titan-obs summary`), above the median",

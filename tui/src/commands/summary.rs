@@ -164,15 +164,17 @@ pub fn render(s: &Summary, top: usize) -> String {
         o,
         "\nphases (all ranks, all steps; by total time; depth 0 = top level; % step: of the \
          step time, on the ranks' main threads; (in parentheses) on their other threads, \
-         concurrent with the step)"
+         concurrent with the step; clock: host = the host's clock around the call, which on a \
+         GPU returns once the work is queued; gpu = CUDA events on the device's stream)"
     );
     let header = [
-        "phase", "depth", "count", "total", "mean", "p50", "p95", "max", "% step",
+        "phase", "clock", "depth", "count", "total", "mean", "p50", "p95", "max", "% step",
     ];
-    let mut rows: Vec<[String; 9]> = Vec::new();
+    let mut rows: Vec<[String; 10]> = Vec::new();
     for p in &s.phases {
         rows.push([
             p.name.clone(),
+            p.clock.label().to_string(),
             p.depth.to_string(),
             p.stats.count.to_string(),
             human_ns(p.stats.total_ns as f64),
@@ -187,7 +189,7 @@ pub fn render(s: &Summary, top: usize) -> String {
         &mut o,
         &header,
         &rows,
-        &[false, true, true, true, true, true, true, true, true],
+        &[false, false, true, true, true, true, true, true, true, true],
     );
 
     let _ = writeln!(
