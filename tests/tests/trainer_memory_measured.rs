@@ -81,9 +81,23 @@ fn measured(dump: &Path, layout: &[&str]) -> f64 {
 #[test]
 fn the_estimate_bounds_the_measured_tensor_peak() {
     let dir = tempfile::tempdir().unwrap();
-    let layouts: [(&str, &[&str], f64); 7] = [
+    let layouts: [(&str, &[&str], f64); 8] = [
         ("one process", &[], 1.10),
         ("FSDP2", &["--nproc-per-node", "2"], 1.10),
+        (
+            // The forward uses the parameters themselves (no copy) and the gradients are
+            // all-reduced in their buckets: the estimate counts neither a gather nor a copy.
+            "DDP2",
+            &[
+                "--nproc-per-node",
+                "2",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            ],
+            1.10,
+        ),
         (
             "HSDP 2 x 2",
             &[
@@ -140,9 +154,11 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
         ),
     ];
     let mut report = String::new();
+    let mut peaks = std::collections::HashMap::new();
     for (i, (name, layout, bound)) in layouts.into_iter().enumerate() {
         let (est, states) = estimate(layout);
         let got = measured(&dir.path().join(i.to_string()), layout);
+        peaks.insert(name, got);
         // The counter sees at least the tensors that live through the whole run.
         assert!(
             got > states,
@@ -160,4 +176,11 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
         );
     }
     eprintln!("{report}");
+    // A DDP rank holds what one process does at the same local batch: its forward copies no
+    // parameter (the copy showed as +21.5 MiB, 3%, before DDP used the parameters themselves).
+    let (ddp, one) = (peaks["DDP2"], peaks["one process"]);
+    assert!(
+        ddp <= one * 1.01,
+        "DDP2 peaks at {ddp} B, one process at {one} B: a copy of the parameters?\n{report}"
+    );
 }

@@ -310,6 +310,23 @@ impl Group {
         })
     }
 
+    /// [`Group::all_reduce`] (in place) on a background thread, or queued on the device, after
+    /// the collectives issued before it: DDP's gradient buckets. The tensor must stay untouched
+    /// until [`Pending::wait`] returns.
+    pub fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Pending {
+        let Some(inner) = &self.inner else {
+            return Pending::now(Ok(()));
+        };
+        if inner.queues {
+            let all_reduce = CollectiveOp::AllReduce { tensor: t, op };
+            return Self::queued(inner, all_reduce, vec![t.shallow_clone()]);
+        }
+        let t = t.shallow_clone();
+        Self::in_background(inner, move |shared, ticket| {
+            shared.run(ticket, |g| g.all_reduce(&t, op))
+        })
+    }
+
     /// [`Group::all_gather`] on a background thread, after the collectives issued before it.
     /// The tensors must stay untouched until [`Pending::wait`] returns.
     pub fn all_gather_async(&self, output: &Tensor, input: &Tensor) -> Pending {

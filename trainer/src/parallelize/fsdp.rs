@@ -16,7 +16,11 @@
 //! the pass that issued it (each forward drops leftovers first: the shards change in between).
 //!
 //! With one shard and one replica nothing is gathered: the unit hands out its parameters (cast
-//! to the parameter dtype if that differs, as FSDP2's mixed precision policy does).
+//! to the parameter dtype if that differs, as FSDP2's mixed precision policy does). With one
+//! shard and several replicas (DDP, `data_parallel_replicate_degree` alone) nothing is gathered
+//! or copied either (the forward uses the parameters' own memory where the dtype is theirs), and
+//! each unit's gradients, packed into one buffer (its bucket), are all-reduced in place over the
+//! replicas in the background while backward goes on, as DDP's buckets are.
 //!
 //! Float8 all-gather (`float8.enable_fsdp_float8_all_gather`, torchao's
 //! `WeightWithDynamicFloat8CastTensor`): the weights of tensorwise float8 linears are cast to
@@ -259,12 +263,15 @@ impl UnitState {
         layout: &GatherLayout,
         scales: Option<&Tensor>,
     ) -> Vec<Tensor> {
-        // One shard: nothing to gather (and no float8 layout: see `gather_in_float8`).
+        // One shard (DDP: replicas alone): nothing to gather (and no float8 layout: see
+        // `gather_in_float8`), and nothing to copy where the dtype is the parameter's: the
+        // forward uses the shards' own memory (never freed after forward: a unit of one
+        // shard does not reshard), as DDP's module uses its parameters.
         if self.mesh.shard.size() == 1 {
             return shards
                 .iter()
                 .zip(&layout.kinds)
-                .map(|(s, &kind)| s.detach().to_kind(kind).copy())
+                .map(|(s, &kind)| s.detach().to_kind(kind))
                 .collect();
         }
         let (send, recv) = self.gather_buffers(shards, layout, scales);
@@ -404,16 +411,30 @@ impl UnitState {
             send.narrow(1, slot.offset, n)
                 .copy_(&padded.view([size, n]));
         }
-        let recv = Tensor::empty([self.per_rank], (kind, device));
         let replicas = (self.mesh.replicate.size() > 1).then_some(&self.mesh.replicate);
-        let pending = self
-            .mesh
-            .shard
-            .reduce_scatter_async(&recv, &send.view([-1]), replicas);
-        let reduction = Reduction {
-            pending,
-            recv,
-            _send: send,
+        let reduction = match replicas {
+            // DDP: the packed gradients are the unit's bucket, all-reduced in place over the
+            // replicas (no reduce-scatter over a group of one, which would copy it once more).
+            Some(replicate) if size == 1 => {
+                let bucket = send.view([-1]);
+                Reduction {
+                    pending: replicate.all_reduce_async(&bucket, ReduceOp::Sum),
+                    recv: bucket,
+                    _send: send,
+                }
+            }
+            _ => {
+                let recv = Tensor::empty([self.per_rank], (kind, device));
+                let pending =
+                    self.mesh
+                        .shard
+                        .reduce_scatter_async(&recv, &send.view([-1]), replicas);
+                Reduction {
+                    pending,
+                    recv,
+                    _send: send,
+                }
+            }
         };
         self.mesh.reductions.push(Arc::clone(self), reduction);
     }
