@@ -117,6 +117,55 @@ fn two_rank_ddp_with_full_ac_equals_none() {
     assert_eq!(full, none, "2-rank DDP: full AC differs from none");
 }
 
+/// Rank 0's all-gathers of `step`, by the name of the thread that ran them (pyarrow reads the
+/// run's parts): FSDP's prefetches run on the group's `titan-comm` thread, a gather nobody
+/// prefetched on the thread that needs it.
+fn all_gathers_by_thread(dump: &Path, step: u64) -> BTreeMap<String, u64> {
+    let script = r#"
+import glob, json, sys
+import pyarrow.parquet as pq
+counts = {}
+for f in glob.glob(sys.argv[1] + "/obs/rank-0/*.parquet"):
+    cols = ["kind", "name", "step", "thread_name"]
+    for r in pq.read_table(f, columns=cols).to_pylist():
+        if r["kind"] == "span" and r["name"] == "all_gather" and r["step"] == int(sys.argv[2]):
+            counts[r["thread_name"]] = counts.get(r["thread_name"], 0) + 1
+print(json.dumps(counts))
+"#;
+    let out = run_ok(
+        std::process::Command::new(titan_tests::python())
+            .args(["-c", script])
+            .arg(dump)
+            .arg(step.to_string()),
+    );
+    serde_json::from_slice(&out.stdout).expect("the script prints a JSON object")
+}
+
+/// FSDP2 with full checkpointing: the same run as without, and backward's recomputes gather
+/// their blocks from prefetches (each block's recompute starts gathering the block before it,
+/// as FSDP2's backward prefetch does), not synchronously on the thread that needs them.
+#[test]
+fn fsdp2_with_full_ac_prefetches_its_backward_gathers() {
+    let dir = tempfile::tempdir().unwrap();
+    let fsdp = ["--nproc-per-node", "2", "--observability.enable=true"];
+    let none = run(dir.path(), "fsdp_none", &fsdp);
+    let full_args: Vec<&str> = fsdp
+        .iter()
+        .copied()
+        .chain(["--activation_checkpoint.mode", "full"])
+        .collect();
+    let full = run(dir.path(), "fsdp_full", &full_args);
+    assert_eq!(full, none, "2-rank FSDP2: full AC differs from none");
+    let by_thread = all_gathers_by_thread(&dir.path().join("fsdp_full"), 2);
+    let total: u64 = by_thread.values().sum();
+    let comm = by_thread.get("titan-comm").copied().unwrap_or(0);
+    // The debug model's 8 units: the embeddings, 6 blocks, norm + output. Forward gathers the
+    // 8 (7 prefetched); backward the 6 blocks and the embeddings again, all but the last
+    // block prefetched by the recompute after it.
+    assert_eq!(total, 15, "{by_thread:?}");
+    assert_eq!(comm, 13, "gathers not prefetched: {by_thread:?}");
+}
+
 #[test]
 fn bad_values_exit_2_naming_the_key() {
     exit_2_naming(

@@ -1110,22 +1110,35 @@ impl Llama {
                 .as_ref()
                 .map(|f| f.blocks[index].clone())
                 .unwrap_or_default();
-            // Gather the next unit while this block computes (not in backward's recompute: the
-            // closure below runs again there).
+            // Gather the next unit while this block computes. A checkpointed block's closure
+            // runs again in backward (the recompute), where the unit backward reaches next is
+            // the one before: gather that one meanwhile, if it gathers in backward at all (it
+            // is recomputed too, or it resharded after forward), as FSDP2's backward prefetch.
             let (next, previous) = (
                 units.get(at + 1).map(|u| (*u).clone()),
                 at.checked_sub(1).map(|p| units[p]),
             );
+            let previous_gathers_in_backward = previous.filter(|p| {
+                p.reshards_after_forward()
+                    || k.checked_sub(1).is_some_and(|j| {
+                        self.checkpointing == ActivationCheckpointing::Op
+                            || self.checkpointing.whole_layer(layers[j].0)
+                    })
+            });
+            let before = previous_gathers_in_backward.map(|u| (*u).clone());
             let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
             let forward_pass = Arc::new(AtomicBool::new(true));
             let in_forward = forward_pass.clone();
             let moe_layer = self.args.moe_layer(index).copied();
             let gather = move || {
                 let layer = Layer::from_params(unit_.gather(), &shape, moe_layer.as_ref());
-                if in_forward.swap(false, Ordering::Relaxed)
-                    && let Some(next) = &next
-                {
-                    next.prefetch();
+                let prefetch = if in_forward.swap(false, Ordering::Relaxed) {
+                    &next
+                } else {
+                    &before
+                };
+                if let Some(unit) = prefetch {
+                    unit.prefetch();
                 }
                 layer
             };

@@ -687,6 +687,12 @@ impl FsdpUnit {
         self.state.gather_now(&shards, &layout, None)
     }
 
+    /// Whether the unit frees its gathered parameters after forward (and gathers them again
+    /// when backward reaches it).
+    pub fn reshards_after_forward(&self) -> bool {
+        self.reshard_after_forward
+    }
+
     /// Starts gathering this unit's parameters in the background, for its next
     /// [`FsdpUnit::gather`] in the same pass.
     pub fn prefetch(&self) {
