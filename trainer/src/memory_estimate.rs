@@ -307,10 +307,17 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             master.name()
         ),
     );
+    // With PP, microbatches of one sample (torchtitan's default size), up to pp of them in
+    // flight on the first stage of 1F1B.
+    let batch = cfg.training.local_batch_size as u64;
+    let in_flight = if pp > 1 { pp.min(batch) } else { 1 };
+    // Blocks kept gathered after forward are kept by each microbatch in flight: titan gathers a
+    // unit for every microbatch (torchtitan once a step), and each forward's copy lives until
+    // that microbatch's backward.
     let gathered_blocks = match (gathers, reshard_blocks) {
         (false, _) => 0,
         (true, true) => stage_layers.min(2),
-        (true, false) => stage_layers,
+        (true, false) => stage_layers * in_flight,
     };
     row(
         Term::Params,
@@ -320,9 +327,14 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             format!(
                 "{gathered_blocks} blocks ({}) x {block_full} elements (N x ceil(rows / N) x cols) x {pb} B ({})",
                 if reshard_blocks {
-                    "the one computing + the one prefetched"
+                    "the one computing + the one prefetched".to_string()
+                } else if in_flight > 1 {
+                    format!(
+                        "not resharded after forward, one copy for each of {in_flight} \
+                         microbatches in flight"
+                    )
                 } else {
-                    "not resharded after forward"
+                    "not resharded after forward".to_string()
                 },
                 param.name()
             )
@@ -412,15 +424,9 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         format!("2 x {shard_elems} elements x {mb} B ({})", master.name()),
     );
 
-    // Activations. With PP, microbatches of one sample (torchtitan's default size), up to pp of
-    // them in flight on the first stage of 1F1B.
-    let batch = cfg.training.local_batch_size as u64;
+    // Activations, per microbatch.
     let seq = cfg.training.seq_len as u64;
-    let (micro_batch, in_flight) = if pp > 1 {
-        (1, pp.min(batch))
-    } else {
-        (batch, 1)
-    };
+    let micro_batch = if pp > 1 { 1 } else { batch };
     let tokens = ceil_div(micro_batch * seq, cp);
     // A sequence-parallel region: tokens split over tp (replicated with
     // `enable_sequence_parallel = false`).
