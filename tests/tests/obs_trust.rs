@@ -201,4 +201,9 @@ fn phase_table_is_not_indented_like_a_tree_it_is_not() {
         .unwrap();
     assert_eq!(forward.split_whitespace().nth(1), Some("3"), "{forward}");
     assert!(names.contains(&"all_reduce"), "{names:?}");
+    // The last column says which clock timed each phase: the host's, in a run without GPU
+    // twins.
+    for row in &table {
+        assert_eq!(row.split_whitespace().last(), Some("host"), "{row}");
+    }
 }

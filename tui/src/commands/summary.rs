@@ -167,14 +167,14 @@ pub fn render(s: &Summary, top: usize) -> String {
          concurrent with the step; clock: host = the host's clock around the call, which on a \
          GPU returns once the work is queued; gpu = CUDA events on the device's stream)"
     );
+    // The clock last: scripts that read the text table by position keep their columns.
     let header = [
-        "phase", "clock", "depth", "count", "total", "mean", "p50", "p95", "max", "% step",
+        "phase", "depth", "count", "total", "mean", "p50", "p95", "max", "% step", "clock",
     ];
     let mut rows: Vec<[String; 10]> = Vec::new();
     for p in &s.phases {
         rows.push([
             p.name.clone(),
-            p.clock.label().to_string(),
             p.depth.to_string(),
             p.stats.count.to_string(),
             human_ns(p.stats.total_ns as f64),
@@ -183,13 +183,14 @@ pub fn render(s: &Summary, top: usize) -> String {
             human_ns(p.stats.p95_ns as f64),
             human_ns(p.stats.max_ns as f64),
             p.share_label("%"),
+            p.clock.label().to_string(),
         ]);
     }
     table(
         &mut o,
         &header,
         &rows,
-        &[false, false, true, true, true, true, true, true, true, true],
+        &[false, true, true, true, true, true, true, true, true, false],
     );
 
     let _ = writeln!(
