@@ -11,7 +11,9 @@
 #   4. titan-obs's GPU clock: CUDA-event twins placed where the device ran them, and the
 #      caching allocator's tensor peak (tests/tests/gpu_timing.rs with TITAN_TEST_CUDA=1);
 #   5. what recording costs on the GPU: the debug model at b8 x s2048 with titan-obs (and its
-#      GPU clock) off and on, interleaved, REPEATS times (default 3).
+#      GPU clock) off and on, interleaved, REPEATS times (default 3);
+#   6. where a 1B step's time goes on the GPU: llama3 1B at b2 x s4096 observed, titan-obs
+#      summary with its gpu: twins.
 #
 # Usage: BIN=<folder with titan-train, titan-obs, nccl_cuda, dist_train, gpu_timing> LIBTORCH=<torch 2.13
 # lib folder> bash bench/trainer/cuda_checks.sh. python3's own torch runs the eager baseline and
@@ -124,5 +126,11 @@ for r in $(seq "${REPEATS:-3}"); do
   titan "b8_obs_on_$r" 40 --training.local_batch_size 8 --training.seq_len 2048 \
     --model.attn_backend sdpa
 done
+fi
+if want 6; then
+log "6. llama3 1B observed: host and GPU time per phase"
+titan 1B_observed 30 --model.flavor 1B --training.local_batch_size 2 --training.seq_len 4096 \
+  --model.attn_backend sdpa
+"$bin/titan-obs" summary "$work/run-1B_observed" | sed -n '/^phases/,/^stragglers/p' | head -30
 fi
 log "done"
