@@ -80,7 +80,7 @@ enum Msg<E> {
 pub(crate) struct Clock<A: EventApi> {
     api: Arc<A>,
     pool: Arc<Mutex<Vec<A::Event>>>,
-    tx: Mutex<Sender<Msg<A::Event>>>,
+    tx: Sender<Msg<A::Event>>,
     in_flight: Arc<AtomicUsize>,
     /// The twins opened and not yet taken up by the resolving thread (seq -> recorded_ns):
     /// the anchors behind them are kept (a forward that runs for seconds still has one).
@@ -139,7 +139,7 @@ impl<A: EventApi> Clock<A> {
         let clock = Arc::new(Clock {
             api,
             pool,
-            tx: Mutex::new(tx),
+            tx,
             in_flight,
             unresolved,
             next_seq: AtomicU64::new(1),
@@ -260,12 +260,7 @@ impl<A: EventApi> Clock<A> {
             start: twin.start,
             end,
         };
-        let sent = self
-            .tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(Msg::Span(pair));
-        if sent.is_err() {
+        if self.tx.send(Msg::Span(pair)).is_err() {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.forget(twin.seq);
         }
@@ -273,11 +268,7 @@ impl<A: EventApi> Clock<A> {
 
     /// Tells the resolving thread to record what is queued and stop.
     pub(crate) fn stop(&self) {
-        let _ = self
-            .tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(Msg::Finish);
+        let _ = self.tx.send(Msg::Finish);
     }
 }
 
@@ -544,6 +535,8 @@ type Running = (Arc<Clock<Cuda>>, JoinHandle<()>);
 
 /// The process's GPU clock while one runs (one device per process).
 static RUNNING: Mutex<Option<Running>> = Mutex::new(None);
+/// Whether one runs: what every span checks first, so a CPU run takes no lock per span.
+static CLOCK_ON: AtomicBool = AtomicBool::new(false);
 
 /// Starts timing the GPU work of CUDA device `index` (titan-obs recording must be on).
 pub fn start(index: usize) -> Result<(), String> {
@@ -553,12 +546,14 @@ pub fn start(index: usize) -> Result<(), String> {
     }
     let thread = format!("{}{index}", twins::THREAD_PREFIX);
     *running = Some(Clock::start(Cuda { index }, thread, ANCHOR_EVERY)?);
+    CLOCK_ON.store(true, Ordering::Release);
     Ok(())
 }
 
 /// Stops the GPU clock, after recording the spans the device has still to finish (up to
 /// [`FINISH_WAIT`]); call before titan-obs closes its parts. Nothing when none runs.
 pub fn finish() {
+    CLOCK_ON.store(false, Ordering::Release);
     let running = RUNNING.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Some((clock, handle)) = running {
         clock.stop();
@@ -570,6 +565,9 @@ pub fn finish() {
 }
 
 fn running() -> Option<Arc<Clock<Cuda>>> {
+    if !CLOCK_ON.load(Ordering::Acquire) {
+        return None;
+    }
     RUNNING
         .lock()
         .unwrap_or_else(|e| e.into_inner())

@@ -23,22 +23,43 @@ fn bytes(t: &Tensor) -> f64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as f64
 }
 
-/// Runs `f` inside a span `name` after recording the bytes scalar; on NCCL the span is timed
-/// on the GPU too (`gpu_clock`), where the `cpu` backend's work is the host's alone.
-fn recorded<T>(
-    backend: &'static str,
-    name: &'static str,
-    bytes_scalar: &'static str,
-    payload: f64,
-    f: impl FnOnce() -> T,
-) -> T {
-    let _s = if backend == NCCL_BACKEND {
-        gpu_clock::span(name)
-    } else {
-        gpu_clock::host_span(name)
-    };
-    titan_obs_core::scalar(bytes_scalar, payload, Reduce::Sum);
-    f()
+/// Where a collective's time goes: the host's call alone, or also a GPU twin.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Timed {
+    Host,
+    HostAndGpu,
+}
+
+impl Recorded {
+    /// Runs `op` inside a span named after it, after recording its bytes scalar (the bytes
+    /// this rank passes in). A blocking NCCL call is timed on the GPU too (`gpu_clock`); the
+    /// `cpu` backend's work is the host's alone, and a queued call's span covers its queuing
+    /// (the collective runs on the group's stream, waited for later).
+    fn recorded<T>(
+        &mut self,
+        op: CollectiveOp<'_>,
+        timed: Timed,
+        f: impl FnOnce(&mut dyn Collectives, CollectiveOp<'_>) -> T,
+    ) -> T {
+        let name = op.name();
+        let payload = match op {
+            CollectiveOp::AllReduce { tensor, .. } | CollectiveOp::Broadcast { tensor, .. } => {
+                bytes(tensor)
+            }
+            CollectiveOp::ReduceScatter { input, .. } | CollectiveOp::AllGather { input, .. } => {
+                bytes(input)
+            }
+        };
+        let _s = if timed == Timed::HostAndGpu && self.0.backend() == NCCL_BACKEND {
+            gpu_clock::span(name)
+        } else {
+            gpu_clock::host_span(name)
+        };
+        if let Some(scalar) = names::bytes_scalar(name) {
+            titan_obs_core::scalar(scalar, payload, Reduce::Sum);
+        }
+        f(self.0.as_mut(), op)
+    }
 }
 
 impl Collectives for Recorded {
@@ -55,13 +76,8 @@ impl Collectives for Recorded {
     }
 
     fn all_reduce(&mut self, tensor: &Tensor, op: ReduceOp) -> Result<(), CommError> {
-        recorded(
-            self.0.backend(),
-            names::ALL_REDUCE,
-            names::ALL_REDUCE_BYTES,
-            bytes(tensor),
-            || self.0.all_reduce(tensor, op),
-        )
+        let op = CollectiveOp::AllReduce { tensor, op };
+        self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
     }
 
     fn reduce_scatter(
@@ -70,33 +86,18 @@ impl Collectives for Recorded {
         input: &Tensor,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        recorded(
-            self.0.backend(),
-            names::REDUCE_SCATTER,
-            names::REDUCE_SCATTER_BYTES,
-            bytes(input),
-            || self.0.reduce_scatter(output, input, op),
-        )
+        let op = CollectiveOp::ReduceScatter { output, input, op };
+        self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
     }
 
     fn all_gather(&mut self, output: &Tensor, input: &Tensor) -> Result<(), CommError> {
-        recorded(
-            self.0.backend(),
-            names::ALL_GATHER,
-            names::ALL_GATHER_BYTES,
-            bytes(input),
-            || self.0.all_gather(output, input),
-        )
+        let op = CollectiveOp::AllGather { output, input };
+        self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
     }
 
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
-        recorded(
-            self.0.backend(),
-            names::BROADCAST,
-            names::BROADCAST_BYTES,
-            bytes(tensor),
-            || self.0.broadcast(tensor, root),
-        )
+        let op = CollectiveOp::Broadcast { tensor, root };
+        self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {
@@ -107,31 +108,12 @@ impl Collectives for Recorded {
         self.0.queues_on_device()
     }
 
-    /// The span covers the host's queuing alone (no GPU twin: the collective runs on the
-    /// group's own stream, which the caller's stream waits for later, in `wait`).
     fn queue(
         &mut self,
         op: CollectiveOp<'_>,
         after: Option<&dyn QueuedWork>,
     ) -> Result<Issued, CommError> {
-        if !self.0.queues_on_device() {
-            // Run now, through the recorded blocking calls.
-            op.run(self)?;
-            return Ok(Issued::Done);
-        }
-        let name = op.name();
-        let payload = match op {
-            CollectiveOp::AllReduce { tensor, .. } | CollectiveOp::Broadcast { tensor, .. } => {
-                bytes(tensor)
-            }
-            CollectiveOp::ReduceScatter { input, .. } | CollectiveOp::AllGather { input, .. } => {
-                bytes(input)
-            }
-        };
-        let _s = gpu_clock::host_span(name);
-        if let Some(scalar) = names::bytes_scalar(name) {
-            titan_obs_core::scalar(scalar, payload, Reduce::Sum);
-        }
-        self.0.queue(op, after)
+        // The cpu backend runs it now (its `queue` calls the blocking call); NCCL queues it.
+        self.recorded(op, Timed::Host, |c, op| c.queue(op, after))
     }
 }
