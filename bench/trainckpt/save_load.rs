@@ -17,9 +17,10 @@ use titan_train::checkpoint::{Checkpointer, TrainerState};
 use titan_train::config::{AsyncModeName, Checkpoint, LrScheduler};
 use titan_train::data::{Dataset, PrefetchLoader, TextLoader, TextTokenizer};
 use titan_train::lr_scheduler::LrSchedule;
-use titan_train::model::{Llama, ModelArgs};
+use titan_train::model::ModelArgs;
 use titan_train::optim::{AdamW, AdamWParams};
 use titan_train::parallel::Mesh;
+use titan_train::parallelize::ParallelModel;
 use titan_train::parallelize::ParallelPlan;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -61,7 +62,7 @@ fn main() {
         let dump = out.join(&size);
         let _ = std::fs::remove_dir_all(&dump);
         tch::manual_seed(0);
-        let model = Llama::new(args, Device::Cpu, &ParallelPlan::single()).unwrap();
+        let model = ParallelModel::new(args, Device::Cpu, &ParallelPlan::single()).unwrap();
         let mut optimizer = AdamW::new(AdamWParams {
             beta1: 0.9,
             beta2: 0.95,

@@ -14,10 +14,17 @@ use titan_tests::workspace_root;
 
 /// Import circles that exist today, per crate, each as its sorted module set. They are what is
 /// left of issue #34's "no import circle anywhere"; remove an entry when its circle is broken.
-const KNOWN: &[(&str, &[&str])] = &[
-    // The model still builds its own FSDP units, TP regions and float8 linears (issue #34: a
-    // model that knows nothing of parallelism, with the plan applying them from above).
-    ("titan-train", &["float8", "model", "parallelize"]),
+const KNOWN: &[(&str, &[&str])] = &[];
+
+/// titan-train's layers, bottom up (docs/ARCHITECTURE.md "Layers"): a module may reach, through
+/// any chain of imports, only its own layer and those below. The configuration is a crate of
+/// its own below them all (`the_config_crate_links_no_libtorch`).
+const TRAINER_LAYERS: &[&[&str]] = &[
+    &["distributed", "shim", "host_sync", "gpu_clock"],
+    &["model"],
+    &["float8"],
+    &["parallelize"],
+    &["train"],
 ];
 
 /// The crates checked: (name, source folder).
@@ -278,6 +285,77 @@ fn no_crate_has_a_new_import_circle() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n\n"));
+}
+
+/// The modules `from` reaches through imports, each with the chain that reaches it.
+fn reachable(graph: &Graph, from: &str) -> BTreeMap<String, Vec<String>> {
+    let mut seen = BTreeMap::new();
+    let mut todo = vec![(from.to_string(), vec![from.to_string()])];
+    while let Some((at, path)) = todo.pop() {
+        for to in graph.get(&at).into_iter().flat_map(|e| e.keys()) {
+            if to != from && !seen.contains_key(to) {
+                let mut p = path.clone();
+                p.push(to.clone());
+                seen.insert(to.clone(), p.clone());
+                todo.push((to.clone(), p));
+            }
+        }
+    }
+    seen
+}
+
+/// The layers of `layers` that `graph` breaks: a module reaching one of a higher layer.
+fn upward_imports(graph: &Graph, layers: &[&[&str]]) -> Vec<String> {
+    let layer_of = |m: &str| layers.iter().position(|l| l.contains(&m));
+    let mut problems = Vec::new();
+    for (low, modules) in layers.iter().enumerate() {
+        for from in modules.iter() {
+            for (to, path) in reachable(graph, from) {
+                if layer_of(&to).is_some_and(|high| high > low) {
+                    problems.push(format!(
+                        "{from} reaches {to}, a layer above it: {}",
+                        path.join(" -> ")
+                    ));
+                }
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn titan_train_layers_import_downward_only() {
+    let graph = graph_of(&workspace_root().join("trainer/src"));
+    for modules in TRAINER_LAYERS {
+        for m in *modules {
+            assert!(graph.contains_key(*m), "titan-train has no module `{m}`");
+        }
+    }
+    let problems = upward_imports(&graph, TRAINER_LAYERS);
+    assert!(
+        problems.is_empty(),
+        "titan-train's layers import upward (move the shared item down, or the code that \
+         needs both up):\n{}",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn an_import_through_another_module_is_upward_too() {
+    let mut g = Graph::new();
+    // low -> helper -> high: low reaches a layer above it without naming it.
+    for (a, b) in [("low", "helper"), ("helper", "high"), ("high", "low")] {
+        g.entry(a.into())
+            .or_default()
+            .entry(b.into())
+            .or_default()
+            .insert(format!("{a}.rs"));
+    }
+    let problems = upward_imports(&g, &[&["low"], &["high"]]);
+    assert_eq!(
+        problems,
+        ["low reaches high, a layer above it: low -> helper -> high"]
+    );
 }
 
 #[test]

@@ -41,8 +41,7 @@ use titan_ckpt::adapter::{legacy_name, tables::LLAMA3};
 
 use crate::autograd::{self, Function};
 pub use crate::config::Float8Recipe as Recipe;
-use crate::parallelize::plan::TpStyle;
-use crate::parallelize::tp::TensorParallel;
+use crate::distributed::{Group, ReduceOp};
 
 /// The smallest amax a scale is computed from (torchao's `EPS`): an all-zero tensor gets a
 /// finite scale.
@@ -257,20 +256,29 @@ pub fn probe(backend: Backend, device: tch::Device) -> Result<(), String> {
 /// `[output (a, b), grad_input (a, b), grad_weight (a, b)]`.
 type Splits = [(Option<i64>, Option<i64>); 3];
 
-/// The matmul operands' splits of a linear whose weight the TP plan places as `style`.
-fn operand_splits(style: TpStyle) -> Splits {
-    match style {
-        TpStyle::Replicated | TpStyle::ReplicatedPartialGrad => [(None, None); 3],
+/// Which dimension of a float8 linear's weight (out_features, in_features) tensor parallelism
+/// splits over its group: the one fact of the TP plan a float8 linear needs (the plan maps its
+/// styles to it, `crate::parallelize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightSplit {
+    /// The same weight on every rank.
+    Whole,
+    /// Column-wise parallel: the output features (dim 0).
+    OutFeatures,
+    /// Row-wise parallel: the input features (dim 1), and the input with them.
+    InFeatures,
+}
+
+/// The matmul operands' splits of a linear whose weight is split as `split`.
+fn operand_splits(split: WeightSplit) -> Splits {
+    match split {
+        WeightSplit::Whole => [(None, None); 3],
         // Column-wise: W's rows (output features) split, the input whole.
         // x (M,K) whole, Wᵀ (K,N/tp); go (M,N/tp), W (N/tp,K); goᵀ (N/tp,M), x whole.
-        TpStyle::Rows => [(None, Some(1)), (Some(1), Some(0)), (Some(0), None)],
+        WeightSplit::OutFeatures => [(None, Some(1)), (Some(1), Some(0)), (Some(0), None)],
         // Row-wise: W's columns (input features) split, and the input with them.
         // x (M,K/tp), Wᵀ (K/tp,N); go whole, W (N,K/tp); goᵀ whole, x (M,K/tp).
-        TpStyle::Cols => [(Some(1), Some(0)), (None, Some(1)), (None, Some(1))],
-        // float8 converts linears (`Float8Training::converts`), never grouped experts.
-        TpStyle::ExpertRows | TpStyle::ExpertCols => {
-            unreachable!("float8 converts linears, not grouped experts")
-        }
+        WeightSplit::InFeatures => [(Some(1), Some(0)), (None, Some(1)), (None, Some(1))],
     }
 }
 
@@ -280,23 +288,24 @@ fn operand_splits(style: TpStyle) -> Splits {
 pub struct Float8Linear {
     plan: Plan,
     backend: Backend,
-    tp: TensorParallel,
+    /// The tensor-parallel group the weight is split over (its amaxes are reduced over it).
+    tp: Group,
     splits: Splits,
 }
 
 impl Float8Linear {
-    /// A float8 linear whose weight is placed as `style` over `tp` ([`crate::parallelize::plan`]).
-    pub fn new(recipe: Recipe, backend: Backend, tp: TensorParallel, style: TpStyle) -> Self {
-        let style = if tp.size() > 1 {
-            style
+    /// A float8 linear whose weight is split as `split` over the ranks of `tp`.
+    pub fn new(recipe: Recipe, backend: Backend, tp: Group, split: WeightSplit) -> Self {
+        let split = if tp.size() > 1 {
+            split
         } else {
-            TpStyle::Replicated
+            WeightSplit::Whole
         };
         Float8Linear {
             plan: recipe_plan(recipe),
             backend,
             tp,
-            splits: operand_splits(style),
+            splits: operand_splits(split),
         }
     }
 
@@ -400,8 +409,12 @@ impl Float8Linear {
         let mut amax = amax(t, cast, inner_dim);
         // A tensorwise amax spans every dimension; a rowwise one only the contraction dim.
         if split.is_some_and(|d| !cast.rowwise || d == inner_dim) {
+            // Outside autograd, over the ranks holding the other parts (a split implies a
+            // group of more than one).
             amax = amax.contiguous();
-            self.tp.all_reduce_max(&amax);
+            if let Err(e) = self.tp.all_reduce(&amax, ReduceOp::Max) {
+                panic!("{e}");
+            }
         }
         let scale = amax_to_scale(&amax, cast.kind, self.plan.pow2);
         (to_float8(t, &scale, cast.kind), scale)
@@ -608,9 +621,9 @@ impl Float8Training {
         })
     }
 
-    /// The float8 layer for a linear placed over `tp` as `style`.
-    pub fn linear(&self, tp: &TensorParallel, style: TpStyle) -> Float8Linear {
-        Float8Linear::new(self.recipe, self.backend, tp.clone(), style)
+    /// The float8 layer for a linear whose weight is split as `split` over `tp`.
+    pub fn linear(&self, tp: &Group, split: WeightSplit) -> Float8Linear {
+        Float8Linear::new(self.recipe, self.backend, tp.clone(), split)
     }
 }
 
@@ -766,11 +779,11 @@ mod tests {
             (&y * &go).sum(Kind::Float).backward();
             (y.detach(), x.grad(), w.grad())
         };
-        let tp = crate::parallelize::ParallelPlan::single().tp;
+        let tp = crate::distributed::DeviceMesh::single().tp;
         for recipe in [Recipe::Tensorwise, Recipe::Rowwise, Recipe::RowwiseWithGwHp] {
             let mut results = Vec::new();
             for backend in [Backend::Emulated, Backend::ScaledMm] {
-                let f8 = Float8Linear::new(recipe, backend, tp.clone(), TpStyle::Replicated);
+                let f8 = Float8Linear::new(recipe, backend, tp.clone(), WeightSplit::Whole);
                 let x = x.copy().set_requires_grad(true);
                 let w = w.copy().set_requires_grad(true);
                 let y = f8.apply(&x, &w);
@@ -810,7 +823,7 @@ mod tests {
         let x = Tensor::randn([2, 8, 32], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([48, 32], (Kind::Float, Device::Cpu)) * 0.1;
         let go = Tensor::randn([2, 8, 48], (Kind::Float, Device::Cpu));
-        let tp = crate::parallelize::ParallelPlan::single().tp;
+        let tp = crate::distributed::DeviceMesh::single().tp;
         let run = |f8: &Float8Linear, gathered: bool| {
             let x = x.copy().set_requires_grad(true);
             let w = w.copy().set_requires_grad(true);
@@ -828,13 +841,12 @@ mod tests {
             [y.detach(), x.grad(), w.grad()].map(|t| values(&t))
         };
         for backend in [Backend::Emulated, Backend::ScaledMm] {
-            let f8 =
-                Float8Linear::new(Recipe::Tensorwise, backend, tp.clone(), TpStyle::Replicated);
+            let f8 = Float8Linear::new(Recipe::Tensorwise, backend, tp.clone(), WeightSplit::Whole);
             assert!(f8.takes_gathered_weights());
             assert_eq!(run(&f8, true), run(&f8, false), "{backend:?}");
         }
         for recipe in [Recipe::Rowwise, Recipe::RowwiseWithGwHp] {
-            let f8 = Float8Linear::new(recipe, Backend::Emulated, tp.clone(), TpStyle::Replicated);
+            let f8 = Float8Linear::new(recipe, Backend::Emulated, tp.clone(), WeightSplit::Whole);
             assert!(!f8.takes_gathered_weights(), "{recipe:?}");
         }
     }

@@ -318,11 +318,7 @@ fn run_launcher(launch: &LaunchArgs, rank_args: &[OsString]) -> ExitCode {
 /// One rank of a multi-process job: join it, train, and tell the other ranks if this one fails.
 fn train_distributed(cfg: &JobConfig, env: LaunchEnv) -> anyhow::Result<TrainSummary> {
     let invalid = |key: &str, e: anyhow::Error| -> anyhow::Error {
-        config::ConfigError::Invalid {
-            key: key.into(),
-            message: format!("{e:#}"),
-        }
-        .into()
+        config::ConfigError::invalid(key, format!("{e:#}")).into()
     };
     let world = Mesh::new(&cfg.parallelism, env.rank, env.local_rank, env.world_size)
         .map_err(|e| invalid("parallelism.data_parallel_shard_degree", e))?;

@@ -17,21 +17,19 @@ use titan_obs_core::Reduce;
 use titan_obs_core::vocab::{self, titan};
 
 use crate::checkpoint::{Checkpointer, TrainerState};
-use crate::config::{self, DeviceChoice, DtypeName, JobConfig};
+use crate::config::{self, DeviceChoice, JobConfig};
 use crate::console;
 use crate::data::{Batch, Dataset, PrefetchLoader, TextLoader, TextTokenizer};
 use crate::distributed::{DeviceMesh, ReduceOp};
-use crate::float8::{self, Float8Training};
 use crate::gpu_clock;
 use crate::host_sync;
 use crate::lr_scheduler::LrSchedule;
 use crate::metrics::{self, StepMetrics, ValidationMetrics};
-use crate::model::{Llama, ModelArgs};
+use crate::model::ModelArgs;
 use crate::optim::{self, AdamW};
-use crate::parallel::Dim;
-use crate::parallelize::ParallelPlan;
 use crate::parallelize::layout::{check_layout, microbatches};
-use crate::parallelize::pipeline::{self, Microbatch, Pipeline, PipelineConfig, StageModules};
+use crate::parallelize::pipeline::{Microbatch, Pipeline, PipelineConfig};
+use crate::parallelize::{ParallelModel, parallelize};
 use crate::precision;
 use crate::tensorboard::EventWriter;
 
@@ -51,11 +49,7 @@ pub struct TrainSummary {
 
 /// A config problem found while building the job: reported like config-file errors (exit 2).
 fn config_error(key: &str, e: anyhow::Error) -> anyhow::Error {
-    config::ConfigError::Invalid {
-        key: key.into(),
-        message: format!("{e:#}"),
-    }
-    .into()
+    config::ConfigError::invalid(key, format!("{e:#}")).into()
 }
 
 /// Picks the device: CUDA `local_rank` when available (or demanded), else CPU. Over the cpu
@@ -188,7 +182,7 @@ fn keep_freed_tensor_memory() {
 /// Under pipeline parallelism each batch runs forward through the stages in microbatches of
 /// the training's microbatch size; the last stage's CE is summed over the pp group.
 fn validate(
-    model: &Llama,
+    model: &ParallelModel,
     pipeline: Option<(&Pipeline, i64)>,
     loader: &mut PrefetchLoader,
     max_steps: Option<u64>,
@@ -436,7 +430,7 @@ struct Job<'a> {
     mesh: &'a DeviceMesh,
     device: Device,
     dump_folder: PathBuf,
-    model: Llama,
+    model: ParallelModel,
     /// Under pipeline parallelism: the schedule that drives the model, and its settings.
     pipeline: Option<(Pipeline, PipelineConfig)>,
     /// The model's parameters (shallow clones) as the optimizer and clipping address them.
@@ -500,16 +494,13 @@ impl<'a> Job<'a> {
             let _s = titan_obs_core::span("dataloader");
             build_loaders(cfg, mesh, &tokenizer, loader_batch as usize)?
         };
-        let model = {
+        let (model, pipeline) = {
             let _s = titan_obs_core::span("model_build");
             build_model(cfg, mesh, device, &tokenizer, pipeline_cfg.as_ref())?
         };
         let flops_per_token = model.args.flops_per_token(cfg.training.seq_len);
         log_model(cfg, mesh, &model, flops_per_token);
-        let pipeline = match pipeline_cfg {
-            None => None,
-            Some(p) => Some((build_pipeline(cfg, mesh, &model, &p)?, p)),
-        };
+        let pipeline = pipeline.zip(pipeline_cfg);
 
         let params: Vec<(String, Tensor)> = model
             .named_parameters()
@@ -949,16 +940,15 @@ fn build_loaders(
     Ok((train_loader, Some(PrefetchLoader::new(val_loader, ahead))))
 }
 
-/// This rank's part of the model: its pipeline stages, split by the plan over the mesh, with
-/// activation checkpointing, the attention backend, `training.dtype` and float8 applied.
+/// This rank's part of the model, split by the plan over the mesh ([`parallelize()`]), after
+/// checking that the tokenizer's ids fit the model's vocabulary.
 fn build_model(
     cfg: &JobConfig,
     mesh: &DeviceMesh,
     device: Device,
     tokenizer: &TextTokenizer,
     pipeline_cfg: Option<&PipelineConfig>,
-) -> Result<Llama> {
-    let world = mesh.mesh;
+) -> Result<(ParallelModel, Option<Pipeline>)> {
     let args = ModelArgs::for_job(cfg)?;
     if tokenizer.vocab_size() as i64 > args.vocab_size {
         bail!(
@@ -968,85 +958,11 @@ fn build_model(
             args.vocab_size
         );
     }
-    let plan = ParallelPlan::new(
-        mesh,
-        &cfg.parallelism,
-        precision::param_kind(&cfg.training),
-        precision::kind(cfg.training.mixed_precision_reduce),
-    );
-    let stages = match pipeline_cfg {
-        None => vec![(0, StageModules::whole(args.n_layers as usize))],
-        Some(p) => {
-            let all = pipeline::split_stages(p, args.n_layers as usize)
-                .map_err(|e| config_error("parallelism.pipeline_parallel_degree", e))?;
-            let pp_rank = world.coord(Dim::Pp);
-            all.into_iter()
-                .enumerate()
-                .filter(|(s, _)| pipeline::rank_of_stage(*s, world.pp) == pp_rank)
-                .collect()
-        }
-    };
-    let model = Llama::new_stages(args, device, &plan, stages)
-        .map_err(|e| config_error("parallelism.tensor_parallel_degree", e))?
-        .with_checkpointing(cfg.activation_checkpoint.policy())
-        .with_attn_backend(cfg.model.attn_backend, precision::param_kind(&cfg.training));
-    if cfg.training.dtype != DtypeName::Float32 {
-        model.cast_parameters(precision::kind(cfg.training.dtype));
-    }
-    apply_float8(cfg, mesh, device, model)
-}
-
-/// Converts the linears `[float8]` selects (none when float8 is off), after checking that the
-/// device can multiply in float8.
-fn apply_float8(cfg: &JobConfig, mesh: &DeviceMesh, device: Device, model: Llama) -> Result<Llama> {
-    let float8 = Float8Training::from_config(cfg);
-    if let Some(f8) = &float8
-        && let Err(e) = float8::probe(f8.backend, device)
-    {
-        bail!(config_error(
-            "float8.emulate",
-            anyhow::anyhow!(
-                "float8 matmuls need torch._scaled_mm, which does not run on {device:?} \
-                 ({e}); set float8.emulate true to multiply the float8 values in float32"
-            )
-        ));
-    }
-    let (model, converted) = model.with_float8(float8.as_ref());
-    let Some(f8) = &float8 else {
-        return Ok(model);
-    };
-    tracing::info!(
-        "float8 training ({}, {}) of {} linears (the others in high precision): {}",
-        f8.recipe.name(),
-        match f8.backend {
-            float8::Backend::ScaledMm => "torch._scaled_mm",
-            float8::Backend::Emulated => "emulated",
-        },
-        converted.len(),
-        converted.join(", ")
-    );
-    if f8.fsdp_all_gather {
-        if mesh.mesh.dp_shard > 1 {
-            tracing::info!(
-                "FSDP gathers the float8 linears' weights in float8{}",
-                if f8.precompute_scales {
-                    ", with scales precomputed after each optimizer step"
-                } else {
-                    ""
-                }
-            );
-        } else {
-            tracing::warn!(
-                "float8.enable_fsdp_float8_all_gather does nothing here: FSDP shards \
-                 nothing (parallelism.data_parallel_shard_degree is 1)"
-            );
-        }
-    }
-    Ok(model)
+    parallelize(args, cfg, mesh, device, pipeline_cfg)
 }
 
 /// Logs the model built: its size, what this rank holds of it, and the layout.
-fn log_model(cfg: &JobConfig, mesh: &DeviceMesh, model: &Llama, flops_per_token: f64) {
+fn log_model(cfg: &JobConfig, mesh: &DeviceMesh, model: &ParallelModel, flops_per_token: f64) {
     let world = mesh.mesh;
     let (n_params, _) = model.args.num_params();
     // What this rank holds of the model: its parameter parts, and as many again for their
@@ -1075,27 +991,6 @@ fn log_model(cfg: &JobConfig, mesh: &DeviceMesh, model: &Llama, flops_per_token:
         attn_backend = ?model.attn_backend(),
         "model built"
     );
-}
-
-/// The pipeline schedule that drives this rank's stages of `model`.
-fn build_pipeline(
-    cfg: &JobConfig,
-    mesh: &DeviceMesh,
-    model: &Llama,
-    p: &PipelineConfig,
-) -> Result<Pipeline> {
-    let stages = pipeline::split_stages(p, model.args.n_layers as usize)?;
-    let microbatches = (cfg.training.local_batch_size / p.microbatch_size) as usize;
-    let pipeline = Pipeline::new(mesh, p, stages, microbatches)
-        .map_err(|e| config_error("parallelism.pipeline_parallel_schedule", e))?;
-    tracing::info!(
-        schedule = pipeline.schedule.name(),
-        stages = pipeline.stages.len(),
-        stages_on_this_rank = ?pipeline.local_stages,
-        microbatches,
-        "pipeline parallelism"
-    );
-    Ok(pipeline)
 }
 
 /// Rank 0's `metrics.jsonl`, and the TensorBoard writer where `[metrics]` asks for one.
@@ -1144,7 +1039,7 @@ fn forward_pass(step: u64, f: impl FnOnce() -> Tensor) -> Result<Tensor> {
 /// Sums over the tp ranks the gradients that are partial there: every replicated weight's under
 /// sequence parallelism (each rank normalised its part of the sequence), and on every tp layout
 /// those applied to a rank's own heads (qwen3's q/k norms).
-fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
+fn reduce_partial_grads(mesh: &DeviceMesh, model: &ParallelModel) -> Result<()> {
     let sequence_parallel = model.sequence_parallel();
     let grads: Vec<Tensor> = model
         .named_parameters()
@@ -1179,7 +1074,7 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &Llama) -> Result<()> {
 /// pipeline stages. A 0-dim tensor on `device` (fp32 on one process; f64 from the sums over
 /// ranks, which add the squares in f64 as the host sums this replaces did): the reductions are
 /// all-reduces of device tensors, and nothing is read to the host.
-fn grad_norm(mesh: &DeviceMesh, model: &Llama, device: Device) -> Result<Tensor> {
+fn grad_norm(mesh: &DeviceMesh, model: &ParallelModel, device: Device) -> Result<Tensor> {
     let grads = model.grads_as_torchtitan_parameters();
     let local = |split: bool| -> Result<Tensor> {
         let part: Vec<Tensor> = grads

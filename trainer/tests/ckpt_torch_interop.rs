@@ -15,10 +15,11 @@ use titan_train::checkpoint::{Checkpointer, TrainerState};
 use titan_train::config::{Checkpoint, LrScheduler};
 use titan_train::data::{Dataset, PrefetchLoader, TextLoader, TextTokenizer};
 use titan_train::lr_scheduler::LrSchedule;
-use titan_train::model::{Llama, ModelArgs};
+use titan_train::model::ModelArgs;
 use titan_train::names;
 use titan_train::optim::{AdamW, AdamWParams, ParamState};
 use titan_train::parallel::Mesh;
+use titan_train::parallelize::ParallelModel;
 use titan_train::parallelize::ParallelPlan;
 
 /// Runs `cmd` (a `.venv` Python script) with `args`; its stdout.
@@ -27,7 +28,7 @@ fn python(mut cmd: Command, args: &[&Path]) -> String {
 }
 
 struct Run {
-    model: Llama,
+    model: ParallelModel,
     optimizer: AdamW,
     loader: PrefetchLoader,
     schedule: LrSchedule,
@@ -58,7 +59,7 @@ fn setup(total_steps: u64) -> Run {
     );
     let loader = PrefetchLoader::new(loader, 2);
     Run {
-        model: Llama::new(small_args(), Device::Cpu, &ParallelPlan::single()).unwrap(),
+        model: ParallelModel::new(small_args(), Device::Cpu, &ParallelPlan::single()).unwrap(),
         optimizer: AdamW::new(AdamWParams {
             beta1: 0.9,
             beta2: 0.95,

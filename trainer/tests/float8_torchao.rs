@@ -18,9 +18,8 @@ use std::process::Command;
 
 use tch::{Kind, Tensor};
 use titan_tests::{tt_python, workspace_root};
-use titan_train::float8::{Backend, Float8Linear, Recipe};
-use titan_train::parallelize::ParallelPlan;
-use titan_train::parallelize::TpStyle;
+use titan_train::distributed::DeviceMesh;
+use titan_train::float8::{Backend, Float8Linear, Recipe, WeightSplit};
 
 /// |got - want| <= 2·n·2⁻²⁴·1.3·(|a|·|b|) + (one bf16 step of |want| when `bf16_rounded`),
 /// elementwise; returns the largest difference and its worst ratio to the bound.
@@ -70,7 +69,7 @@ fn float8_linear_matches_torchao() {
         script.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    let tp = ParallelPlan::single().tp;
+    let tp = DeviceMesh::single().tp;
     let mut checked = 0;
     for recipe in [Recipe::Tensorwise, Recipe::Rowwise, Recipe::RowwiseWithGwHp] {
         for (path, backend) in [
@@ -88,7 +87,7 @@ fn float8_linear_matches_torchao() {
                         .1
                         .shallow_clone()
                 };
-                let f8 = Float8Linear::new(recipe, backend, tp.clone(), TpStyle::Replicated);
+                let f8 = Float8Linear::new(recipe, backend, tp.clone(), WeightSplit::Whole);
                 let (x, w, go) = (get("x"), get("w"), get("grad_out"));
                 for (i, key) in ["scale_x", "scale_w", "scale_go"].iter().enumerate() {
                     let ours = &f8.scales(&x, &w, &go)[i];

@@ -11,12 +11,13 @@ use titan_tests::{python, workspace_root};
 use titan_train::config::Parallelism;
 use titan_train::distributed::DeviceMesh;
 use titan_train::hf;
-use titan_train::model::{Llama, ModelArgs};
+use titan_train::model::ModelArgs;
+use titan_train::parallelize::ParallelModel;
 use titan_train::parallelize::ParallelPlan;
 use titan_train::precision::{self, Precision};
 
 /// Runs the reference script into a temp dir and loads its weights into a titan model.
-fn reference() -> (tempfile::TempDir, Llama) {
+fn reference() -> (tempfile::TempDir, ParallelModel) {
     let dir = tempfile::tempdir().unwrap();
     let script = workspace_root().join("tests/python/trainer_hf_logits.py");
     let out = Command::new(python())
@@ -43,7 +44,7 @@ fn reference() -> (tempfile::TempDir, Llama) {
     let n_hf = hf_state.len();
     let state = hf::from_hf(hf_state, &args).unwrap();
     tch::manual_seed(0);
-    let model = Llama::new(args, Device::Cpu, &ParallelPlan::single()).unwrap();
+    let model = ParallelModel::new(args, Device::Cpu, &ParallelPlan::single()).unwrap();
     assert_eq!(state.len(), model.named_parameters().len());
     assert_eq!(n_hf, state.len());
     for (name, t) in &state {
@@ -102,7 +103,7 @@ fn logits_match_transformers_llama() {
 
 /// titan's mean loss and HF-named gradients for the reference tokens with `precision`.
 fn train_step(
-    model: &Llama,
+    model: &ParallelModel,
     tokens: &Tensor,
     precision: Precision,
 ) -> (f64, Vec<(String, Tensor)>) {
@@ -163,7 +164,7 @@ fn bf16_loss_and_grads_match_transformers_under_autocast() {
         param_kind,
         Kind::Float,
     );
-    let trained = Llama::new(model.args.clone(), Device::Cpu, &plan).unwrap();
+    let trained = ParallelModel::new(model.args.clone(), Device::Cpu, &plan).unwrap();
     for (name, t) in model.named_parameters() {
         trained.set_parameter(name, t).unwrap();
     }

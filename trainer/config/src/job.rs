@@ -289,6 +289,18 @@ pub enum ConfigError {
     Usage(String),
 }
 
+impl ConfigError {
+    /// `key`'s value cannot work with the rest of the job, for `message`'s reason (what a check
+    /// after parsing finds: a degree that does not split the model, a batch that does not
+    /// divide).
+    pub fn invalid(key: &str, message: impl std::fmt::Display) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            message: message.to_string(),
+        }
+    }
+}
+
 /// `[job]`: what the run is and where its outputs go.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]

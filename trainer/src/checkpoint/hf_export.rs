@@ -21,8 +21,9 @@ use titan_storage::Root;
 use super::host::HostTensor;
 use super::layout;
 use crate::hf;
-use crate::model::{Llama, ModelArgs};
+use crate::model::ModelArgs;
 use crate::parallel::Mesh;
+use crate::parallelize::ParallelModel;
 
 /// HF's default maximum shard size.
 pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
@@ -35,7 +36,7 @@ const SHARDED: &str = "sharded";
 pub fn export(
     root: &Path,
     step: u64,
-    model: &Llama,
+    model: &ParallelModel,
     kind: Kind,
     world: Mesh,
     hf_assets: Option<&Path>,
@@ -89,7 +90,7 @@ pub fn export(
 /// n-th of their tensors in name order) as
 /// one DCP sharded safetensors file. Sharded parameters are gathered whole one unit at a time
 /// (every rank takes part), and each rank keeps only its share.
-fn write_sharded(dir: &Path, model: &Llama, kind: Kind, world: Mesh) -> Result<()> {
+fn write_sharded(dir: &Path, model: &ParallelModel, kind: Kind, world: Mesh) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     // Rank r takes every n-th tensor in HF name order; only that share is permuted,
     // copied to host memory and cast. (A name without an HF counterpart sorts first and makes

@@ -10,7 +10,7 @@ use titan_dcp::{CheckpointStore, DcpReader, ItemMetadata, LocalDir, pickle::Valu
 use super::host::HostTensor;
 use super::state::StateSource;
 use crate::hf;
-use crate::model::Llama;
+use crate::parallelize::ParallelModel;
 
 /// A DCP checkpoint (local directory or object store) as a [`StateSource`].
 pub struct DcpSource<S: CheckpointStore = LocalDir> {
@@ -64,7 +64,7 @@ impl<S: CheckpointStore> StateSource for DcpSource<S> {
 
 /// Loads HF safetensors weights (`model.safetensors` or the files of
 /// `model.safetensors.index.json`) from `dir` into `model`.
-pub fn load_hf_model(dir: &Path, model: &Llama) -> Result<()> {
+pub fn load_hf_model(dir: &Path, model: &ParallelModel) -> Result<()> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<std::path::PathBuf> = if index.is_file() {
         let text = std::fs::read_to_string(&index)

@@ -25,9 +25,9 @@ use titan_dcp::pickle::Value;
 use super::host::HostTensor;
 use crate::data::{LoaderState, PrefetchLoader};
 use crate::lr_scheduler::LrSchedule;
-use crate::model::Llama;
 use crate::names;
 use crate::optim::{AdamW, ParamState};
+use crate::parallelize::ParallelModel;
 use crate::parallelize::Placement;
 use titan_ckpt::adapter::{legacy_name, tables::LLAMA3};
 
@@ -41,7 +41,7 @@ pub const MODEL: &str = "model";
 
 /// What training hands to checkpointing: borrowed, never cloned.
 pub struct TrainerState<'a> {
-    pub model: &'a Llama,
+    pub model: &'a ParallelModel,
     pub optimizer: &'a mut AdamW,
     pub loader: &'a mut PrefetchLoader,
     pub schedule: &'a LrSchedule,

@@ -197,10 +197,8 @@ impl ModelArgs {
     /// sequence it runs (training or validation, as torchtitan sets `max_seq_len`) and
     /// `debug.moe_force_load_balance`, which needs a mixture of experts.
     pub fn for_job(cfg: &crate::config::JobConfig) -> Result<Self, crate::config::ConfigError> {
-        let invalid = |key: &str, message: String| crate::config::ConfigError::Invalid {
-            key: key.into(),
-            message,
-        };
+        let invalid =
+            |key: &str, message: String| crate::config::ConfigError::invalid(key, message);
         let mut args = Self::of(&cfg.model.name, &cfg.model.flavor)
             .map_err(|e| invalid("model.flavor", format!("{e:#}")))?;
         let (_, val_seq_len) = cfg.validation.batch_shape(&cfg.training);

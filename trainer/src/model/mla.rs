@@ -13,8 +13,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::args::{MlaArgs, ModelArgs};
 use super::{
-    BlockShape, ForwardContext, Matmuls, RopeStyle, Weight, apply_rotary_emb, inverse_frequencies,
-    sdpa,
+    BlockShape, ForwardContext, Ops, RopeStyle, Weight, apply_rotary_emb, inverse_frequencies, sdpa,
 };
 
 /// How a latent attention projects its queries.
@@ -94,7 +93,7 @@ pub(super) fn attention(
     shape: BlockShape,
     ctx: &ForwardContext,
     x: &Tensor,
-    mm: &Matmuls,
+    ops: &dyn Ops,
 ) -> Tensor {
     let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
     let h = shape.n_heads;
@@ -105,28 +104,26 @@ pub(super) fn attention(
         m.kv_lora_rank,
     );
     let q = match &w.q {
-        Query::Direct(wq) => mm.linear(x, wq, None),
+        Query::Direct(wq) => ops.linear(x, wq),
         Query::LowRank { a, norm, b } => {
-            let low = mm.linear(x, a, None);
-            mm.linear(
+            let low = ops.linear(x, a);
+            ops.linear(
                 &low.rms_norm([m.q_lora_rank], Some(norm), shape.norm_eps),
                 b,
-                None,
             )
         }
     };
     let q = q.view([b, s, h, nope + rope]);
     let (q_nope, q_pe) = (q.narrow(3, 0, nope), q.narrow(3, nope, rope));
-    let kv = mm.linear(x, &w.wkv_a, None);
+    let kv = ops.linear(x, &w.wkv_a);
     let (latent, k_pe) = (kv.narrow(2, 0, kvr), kv.narrow(2, kvr, rope));
     let q_pe = apply_rotary_emb(&q_pe, &ctx.rope, RopeStyle::Complex);
     let k_pe = apply_rotary_emb(&k_pe.unsqueeze(2), &ctx.rope, RopeStyle::Complex);
     let q = Tensor::cat(&[q_nope, q_pe], -1);
-    let kv = mm
+    let kv = ops
         .linear(
             &latent.rms_norm([kvr], Some(&w.kv_norm), shape.norm_eps),
             &w.wkv_b,
-            None,
         )
         .view([b, s, h, nope + vd]);
     let (k_nope, v) = (kv.narrow(3, 0, nope), kv.narrow(3, nope, vd));
@@ -134,5 +131,5 @@ pub(super) fn attention(
     // SDPA, not FlashAttention's varlen kernel (q/k and v widths differ: `with_attn_backend`
     // leaves it off), with YaRN's temperature in the scale.
     let out = sdpa(&q, &k, &v, &ctx.attend, Some(m.softmax_scale()), false);
-    mm.linear(&out.reshape([b, s, h * vd]), &w.wo, None)
+    ops.linear(&out.reshape([b, s, h * vd]), &w.wo)
 }

@@ -3,27 +3,18 @@
 //! or a mixture of experts ([`moe`]), RoPE (complex with Llama-3.1 or YaRN scaling, or qwen3's
 //! cos/sin with q/k norms and tied embeddings), causal SDPA, initialised as torchtitan does.
 //!
-//! Parameters live in one fqn-keyed list ([`Llama::named_parameters`]) in torchtitan's
-//! registration order, so checkpointing and the optimizer address them by name; the per-layer
-//! structs hold shallow clones (same storage, same autograd leaf) for the forward pass.
+//! The model knows nothing of how it is split. Its parameters are drawn whole in torchtitan's
+//! registration order ([`draw_parameters`]); the forward pass is [`block`] and [`output`] over
+//! a block's weights in that order ([`Layer::from_params`]), asking an [`Ops`] to run each
+//! linear and to enter and leave tensor-parallel regions. [`Decoder`] is the whole model on one
+//! device with [`Plain`] ops; `crate::parallelize::ParallelModel` runs the same functions over
+//! a rank's part of the parameters.
 
-use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use tch::{Device, Kind, Tensor};
-
-use crate::config::{ActivationCheckpointing, AttnBackend};
-use crate::float8::{Float8Linear, Float8Training, Float8Weight};
-use crate::parallelize::fsdp::{Float8Gather, FsdpUnit, Gathered};
-use crate::parallelize::pipeline::StageModules;
-use crate::parallelize::plan::tp_style;
-use crate::parallelize::tp::TensorParallel;
-use crate::parallelize::weight_grad::{WeightGradStash, deferred_linear};
-use crate::parallelize::{ParallelPlan, Placement};
-use crate::recompute::{checkpoint, kept_linear};
 
 mod args;
 mod mla;
@@ -32,7 +23,8 @@ pub use args::{
     BLOCK_PARAMS, Family, Init, MlaArgs, ModelArgs, Module, MoeArgs, ParamSpec, RopeScaling,
     RopeStyle, ScoreFunc,
 };
-use moe::{MoeBuffers, MoeWeights};
+pub use moe::MoeBuffers;
+use moe::MoeWeights;
 
 /// RoPE inverse frequencies with Llama-3.1 scaling, as torchtitan's `precompute_freqs_cis`.
 fn rope_frequencies(args: &ModelArgs) -> Vec<f64> {
@@ -158,7 +150,7 @@ pub fn document_offsets(positions: &Tensor) -> (Tensor, i64) {
     let end = Tensor::from_slice(&[total]).to_device(positions.device());
     let offsets = Tensor::cat(&[starts, end], 0);
     // A host read (counted) for the kernel's launch bounds: the loop passes the loader's
-    // host-counted offsets instead ([`Llama::forward_stage`]); this is the fallback.
+    // host-counted offsets instead (`ParallelModel::forward_stage`); this is the fallback.
     let longest = crate::host_sync::read_i64(
         &offsets.diff(1, 0, None::<Tensor>, None::<Tensor>).max(),
         "longest document",
@@ -213,13 +205,13 @@ pub fn varlen_attention(
 
 /// What every block of one forward pass shares: the rotations for its tokens and how its tokens
 /// attend, both built once per forward pass.
-struct ForwardContext {
+pub struct ForwardContext {
     rope: Tensor,
     attend: Attend,
 }
 
 /// How tokens attend in one forward pass.
-enum Attend {
+pub enum Attend {
     /// Plain causal attention.
     Causal,
     /// SDPA with the document-causal mask (B, 1, S, S).
@@ -229,7 +221,22 @@ enum Attend {
 }
 
 impl ForwardContext {
-    fn share(&self) -> ForwardContext {
+    /// The context of a forward pass over `seq_len` tokens a row at `positions` in their
+    /// documents (`None`: each row one document from position 0), with the model's RoPE table
+    /// `freqs_cis`.
+    pub fn new(
+        freqs_cis: &Tensor,
+        seq_len: i64,
+        positions: Option<&Tensor>,
+        attend: Attend,
+    ) -> Self {
+        ForwardContext {
+            rope: rope_for(freqs_cis, seq_len, positions),
+            attend,
+        }
+    }
+
+    pub fn share(&self) -> ForwardContext {
         ForwardContext {
             rope: self.rope.shallow_clone(),
             attend: match &self.attend {
@@ -241,14 +248,16 @@ impl ForwardContext {
     }
 }
 
-/// A linear's weight as its FSDP unit gathered it: the values (a placeholder of its shape when
-/// gathered in float8), and the float8 values when it was.
-struct Weight {
-    value: Tensor,
-    float8: Option<Float8Weight>,
+/// A linear's weight: its values, and its place among its module's parameters (block or output
+/// layer) in registration order, by which whatever runs the linear ([`Ops`]) tells the
+/// linears apart.
+pub struct Weight {
+    pub value: Tensor,
+    pub at: usize,
 }
 
-struct Layer {
+/// A transformer block's parameters, as the decoder's forward pass takes them.
+pub struct Layer {
     attention: Attention,
     ffn: FeedForward,
     attention_norm: Tensor,
@@ -277,16 +286,15 @@ enum FeedForward {
 }
 
 impl Layer {
-    /// A block's parameters in registration order (as its FSDP unit gathers them), with the
+    /// A block's parameters in registration order ([`ModelArgs::parameters`]), with the
     /// q/k norms after `wo` when `qk_norm`, and a mixture of experts' four parameters (seven
     /// with shared experts) in place of w1, w2, w3 when `moe`. A latent attention's block
     /// ([`mla::MlaWeights::take`]) has its two norms before its feed-forward.
-    fn from_params(g: Gathered, shape: &BlockShape, moe: Option<&MoeArgs>) -> Layer {
-        let mut weights = g
-            .params
+    pub fn from_params(params: Vec<Tensor>, shape: &BlockShape, moe: Option<&MoeArgs>) -> Layer {
+        let mut weights = params
             .into_iter()
-            .zip(g.float8)
-            .map(|(value, float8)| Weight { value, float8 });
+            .enumerate()
+            .map(|(at, value)| Weight { value, at });
         let mut next = || {
             weights
                 .next()
@@ -340,11 +348,11 @@ impl Layer {
 
 /// The sizes a transformer block needs, copied into recomputed regions.
 #[derive(Debug, Clone, Copy)]
-struct BlockShape {
-    dim: i64,
-    n_heads: i64,
-    kv_heads: i64,
-    head_dim: i64,
+pub struct BlockShape {
+    pub dim: i64,
+    pub n_heads: i64,
+    pub kv_heads: i64,
+    pub head_dim: i64,
     norm_eps: f64,
     rope: RopeStyle,
     /// The attention scale torchtitan passes when head_dim is given outright (`head_dim^-0.5`),
@@ -359,12 +367,13 @@ struct BlockShape {
 }
 
 impl BlockShape {
-    /// The shape of this rank's part of a block: `tp` splits the heads.
-    fn of(args: &ModelArgs, tp: i64) -> Self {
+    /// The shape of a block whose heads are split into `head_groups` equal groups, each
+    /// computed apart (tensor parallelism's ranks; 1: the whole block).
+    pub fn of(args: &ModelArgs, head_groups: i64) -> Self {
         BlockShape {
             dim: args.dim,
-            n_heads: args.n_heads / tp,
-            kv_heads: args.kv_heads() / tp,
+            n_heads: args.n_heads / head_groups,
+            kv_heads: args.kv_heads() / head_groups,
             head_dim: args.head_dim(),
             norm_eps: args.norm_eps,
             rope: args.rope_style(),
@@ -376,76 +385,8 @@ impl BlockShape {
     }
 }
 
-/// The model: this rank's parameters by fqn (the whole tensors on one process, else the parts
-/// [`ParallelPlan`] gives it), the FSDP units that gather them, and the RoPE table.
-pub struct Llama {
-    pub args: ModelArgs,
-    params: Vec<(String, Tensor)>,
-    placements: Vec<Placement>,
-    /// The pipeline stages this rank holds, by stage index (one stage, the whole model,
-    /// without pipeline parallelism).
-    stages: Vec<(usize, StageModules)>,
-    embeddings: Option<FsdpUnit>,
-    /// This rank's transformer blocks by global layer index, ascending.
-    layers: Vec<(usize, FsdpUnit)>,
-    /// The final norm and the output projection.
-    head: Option<FsdpUnit>,
-    /// The dtype parameters are gathered and computed in (FSDP's `mixed_precision_param`), and
-    /// so the dtype of the hidden states.
-    compute_kind: Kind,
-    tp: TensorParallel,
-    freqs_cis: Tensor,
-    checkpointing: ActivationCheckpointing,
-    attn_backend: AttnBackend,
-    /// Document-causal attention runs FlashAttention's varlen kernel: CUDA, bf16/fp16
-    /// activations, and the kernel answered a probe.
-    varlen_kernel: bool,
-    /// The linears that multiply in float8 (`[float8]`); `None`: none.
-    float8: Option<Arc<ModelFloat8>>,
-    /// This rank's mixtures of experts' buffers by global layer index, ascending.
-    moe: Vec<(usize, MoeBuffers)>,
-    /// Training forward passes count the tokens each expert gets (torchtitan's
-    /// `module.training`; validation turns it off).
-    training: AtomicBool,
-}
-
-/// Which linears of the model multiply in float8.
-struct ModelFloat8 {
-    blocks: Vec<BlockFloat8>,
-    lm_head: Option<Float8Linear>,
-    /// lm_head multiplies the sequence in this many chunks (each with its own scales).
-    lm_head_chunks: i64,
-}
-
-/// The float8 linears of one transformer block (`None`: high precision).
-#[derive(Clone, Default)]
-struct BlockFloat8 {
-    qkv: Qkv,
-    wo: Option<Float8Linear>,
-    w1: Option<Float8Linear>,
-    w2: Option<Float8Linear>,
-    w3: Option<Float8Linear>,
-}
-
-/// How q, k and v are projected.
-#[derive(Clone)]
-enum Qkv {
-    /// One float8 linear over the three weights fused as torchtitan 0.3.0's `wqkv` (rows grouped
-    /// per kv head): one scale (tensorwise) or one per token (rowwise) spans q, k and v, as there.
-    Fused(Float8Linear),
-    /// Each by itself (float8 or not): when a filter names some of them, as the torchtitan
-    /// generation with separate wq/wk/wv linears does.
-    Separate(Box<[Option<Float8Linear>; 3]>),
-}
-
-impl Default for Qkv {
-    fn default() -> Self {
-        Qkv::Separate(Box::new([None, None, None]))
-    }
-}
-
 /// Whether FlashAttention's varlen kernel runs on `device`: a two-document probe, once.
-fn probe_varlen_kernel(device: Device) -> bool {
+pub fn probe_varlen_kernel(device: Device) -> bool {
     if !device.is_cuda() {
         return false;
     }
@@ -458,6 +399,24 @@ fn probe_varlen_kernel(device: Device) -> bool {
             false
         }
     }
+}
+
+/// Draws every parameter of the model whole, in registration order, with torchtitan's
+/// initialisation from the global torch RNG (seed it first for reproducible weights), and hands
+/// each to `take` with its spec. Whoever splits the model keeps its part of each (and drops
+/// other pipeline stages' parameters after drawing them), so every layout gets the values one
+/// process gets and no rank holds more than one whole parameter at a time.
+pub fn draw_parameters(
+    args: &ModelArgs,
+    device: Device,
+    mut take: impl FnMut(ParamSpec, Tensor) -> Result<()>,
+) -> Result<()> {
+    for spec in args.parameters() {
+        let mut full = Tensor::empty(spec.shape.as_slice(), (Kind::Float, device));
+        tch::no_grad(|| initialise(&mut full, spec.init));
+        take(spec, full)?;
+    }
+    Ok(())
 }
 
 /// Draws `t`'s values by `init` from the global torch RNG.
@@ -564,856 +523,24 @@ fn erfc(x: f64) -> f64 {
     if x >= 0.0 { r } else { 2.0 - r }
 }
 
-impl Llama {
-    /// Builds this rank's part of the model on `device` with torchtitan's initialisation (uses
-    /// the global torch RNG: seed it first for reproducible weights). Each parameter is drawn
-    /// whole, in registration order, and only this rank's part is kept: every layout gets the
-    /// values one process gets, and no rank ever holds more than one whole parameter.
-    pub fn new(args: ModelArgs, device: Device, plan: &ParallelPlan) -> Result<Self> {
-        let whole = StageModules::whole(args.n_layers as usize);
-        Self::new_stages(args, device, plan, vec![(0, whole)])
-    }
-
-    /// Builds the pipeline stages `stages` (index, modules) of the model, as [`Llama::new`]
-    /// builds the whole: every parameter is drawn in registration order, so each stage gets the
-    /// values one process gets, and the parameters of other stages are dropped.
-    pub fn new_stages(
-        args: ModelArgs,
-        device: Device,
-        plan: &ParallelPlan,
-        stages: Vec<(usize, StageModules)>,
-    ) -> Result<Self> {
-        args.validate()?;
-        let has_embeddings = stages.iter().any(|(_, s)| s.embeddings);
-        let has_head = stages.iter().any(|(_, s)| s.head);
-        let has_layer = |i: usize| stages.iter().any(|(_, s)| s.layers.contains(&i));
-        let tp = plan.tp.size() as i64;
-        for (what, n) in [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads())] {
-            if n % tp != 0 {
-                bail!(
-                    "model {what} = {n} cannot be split over parallelism.tensor_parallel_degree = {tp}"
-                );
-            }
-        }
-        let opts = (Kind::Float, device);
-        let mut params: Vec<(String, Tensor)> = Vec::new();
-        let mut placements = Vec::new();
-        for spec in args.parameters() {
-            let keep = match spec.module {
-                Module::Embeddings => has_embeddings,
-                Module::Layer(i) => has_layer(i),
-                Module::Head => has_head,
-            };
-            let placement = plan
-                .placement_of(&spec.fqn, &spec.shape)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", spec.fqn))?;
-            let mut full = Tensor::empty(spec.shape.as_slice(), opts);
-            tch::no_grad(|| initialise(&mut full, spec.init));
-            if !keep {
-                // Another stage's parameter: drawn only to advance the RNG as one process does.
-                continue;
-            }
-            let local = if placement.is_whole() {
-                full
-            } else {
-                placement.take_local(&full)
-            };
-            params.push((spec.fqn, local.set_requires_grad(true)));
-            placements.push(placement);
-        }
-        // FSDP units as torchtitan wraps them: the embeddings, each block, norm + output. A
-        // tied embedding is also the output layer: its unit stays gathered until the head has
-        // run (torchtitan's tied unit reshards only under `reshard_after_forward = always`).
-        let unit = |range: std::ops::Range<usize>, last: bool| {
-            FsdpUnit::new(
-                &plan.fsdp,
-                params[range.clone()]
-                    .iter()
-                    .map(|(_, t)| t.shallow_clone())
-                    .collect(),
-                &placements[range].iter().collect::<Vec<_>>(),
-                plan.reshards(last),
-            )
-        };
-        let n = params.len();
-        let first = usize::from(has_embeddings);
-        let tied = args.tie_embeddings;
-        if tied && has_embeddings != has_head {
-            bail!("tied embeddings need the embeddings and the output layer on one pipeline stage");
-        }
-        let embeddings = has_embeddings.then(|| unit(0..1, tied));
-        let mut start = first;
-        let layers = (0..args.n_layers as usize)
-            .filter(|&i| has_layer(i))
-            .map(|i| {
-                let range = start..start + args.layer_params(i);
-                start = range.end;
-                (i, unit(range, false))
-            })
-            .collect();
-        let moe = (0..args.n_layers as usize)
-            .filter(|&i| has_layer(i))
-            .filter_map(|i| Some((i, MoeBuffers::new(args.moe_layer(i)?, device))))
-            .collect();
-        let head_params = if tied { 1 } else { 2 };
-        let head = has_head.then(|| unit(n - head_params..n, true));
-        let freqs_cis = precompute_freqs_cis(&args, device);
-        Ok(Self {
-            args,
-            params,
-            placements,
-            stages,
-            embeddings,
-            layers,
-            head,
-            compute_kind: plan.fsdp.param_kind,
-            tp: plan.tp.clone(),
-            freqs_cis,
-            checkpointing: ActivationCheckpointing::None,
-            attn_backend: AttnBackend::default(),
-            varlen_kernel: false,
-            float8: None,
-            moe,
-            training: AtomicBool::new(true),
-        })
-    }
-
-    /// Parameters by torchtitan fqn, in registration order.
-    pub fn named_parameters(&self) -> &[(String, Tensor)] {
-        &self.params
-    }
-
-    /// The parameter named `fqn`.
-    pub fn parameter(&self, fqn: &str) -> Option<&Tensor> {
-        self.params.iter().find(|(n, _)| n == fqn).map(|(_, t)| t)
-    }
-
-    pub fn device(&self) -> Device {
-        self.params[0].1.device()
-    }
-
-    /// Where each parameter's local part sits (same order as [`Llama::named_parameters`]).
-    pub fn placements(&self) -> &[Placement] {
-        &self.placements
-    }
-
-    /// The placement of parameter `fqn`.
-    pub fn placement(&self, fqn: &str) -> Option<&Placement> {
-        let i = self.params.iter().position(|(n, _)| n == fqn)?;
-        Some(&self.placements[i])
-    }
-
-    /// Sets parameter `fqn` from the whole tensor `value` (its global shape): this rank keeps
-    /// its part. The load path for checkpoints of any layout.
-    pub fn set_parameter(&self, fqn: &str, value: &Tensor) -> Result<()> {
-        let (Some(p), Some(placement)) = (self.parameter(fqn), self.placement(fqn)) else {
-            bail!("the model has no parameter `{fqn}`");
-        };
-        if value.size() != placement.global {
-            bail!(
-                "parameter `{fqn}` has shape {:?} but the loaded tensor has {:?}",
-                placement.global,
-                value.size()
-            );
-        }
-        tch::no_grad(|| {
-            let mut p = p.shallow_clone();
-            p.copy_(&placement.take_local(value));
-        });
-        Ok(())
-    }
-
-    /// The summed cross entropy of `logits` from [`Llama::forward`] against `labels` over valid
-    /// labels (over vocab-sharded logits under tensor parallelism).
-    pub fn summed_cross_entropy(&self, logits: &Tensor, labels: &Tensor) -> Tensor {
-        self.tp.cross_entropy_sum(logits, labels)
-    }
-
-    /// The whole parameters whose names `keep` accepts, in their own dtype, gathered one FSDP
-    /// unit at a time. A collective: every rank calls it with the same model.
-    pub fn full_parameters(&self, keep: impl Fn(&str) -> bool) -> Vec<(String, Tensor)> {
-        let mut out = Vec::new();
-        let mut index = 0;
-        for unit in self.units() {
-            for full in unit.full_masters() {
-                let (name, _) = &self.params[index];
-                let full = match self.placements[index].tp_dim {
-                    Some(dim) => self.tp.gather_dim(&full, dim),
-                    None => full,
-                };
-                if keep(name) {
-                    out.push((name.clone(), full));
-                }
-                index += 1;
-            }
-        }
-        out
-    }
-
-    /// This rank's gradients as torchtitan 0.3.0's parameters hold them, in its order, each with
-    /// whether tensor parallelism splits it: a block's q, k and v gradients are its one `wqkv`'s
-    /// (fused in that layout when this rank holds whole rows of all three, as without FSDP
-    /// sharding; else concatenated). What the gradient norm is taken over: the per-parameter
-    /// norms are summed in this order, so one process's norm is torchtitan's bit for bit.
-    pub fn grads_as_torchtitan_parameters(&self) -> Vec<(Tensor, bool)> {
-        let grad = |i: usize| (self.params[i].1.grad(), self.placements[i].tp_dim.is_some());
-        if self.args.mla.is_some() {
-            // A latent attention's parameters are torchtitan's as they are.
-            return (0..self.params.len()).map(grad).collect();
-        }
-        // Where each of this rank's blocks starts in the parameter list.
-        let mut at = usize::from(self.embeddings.is_some());
-        let block_starts: Vec<usize> = self
-            .layers
-            .iter()
-            .map(|(index, _)| {
-                at += self.args.layer_params(*index);
-                at - self.args.layer_params(*index)
-            })
-            .collect();
-        let kv_heads = self.args.kv_heads() / self.tp.size() as i64;
-        let mut out = Vec::with_capacity(self.params.len());
-        let mut i = 0;
-        while i < self.params.len() {
-            if !block_starts.contains(&i) {
-                out.push(grad(i));
-                i += 1;
-                continue;
-            }
-            let (split, qkv) = (grad(i).1, [i, i + 1, i + 2].map(|j| grad(j).0));
-            if qkv.iter().all(|g| g.defined()) {
-                let whole = (i..i + 3).all(|j| {
-                    let p = &self.placements[j];
-                    p.local.first() == Some(&p.tp_local_rows)
-                });
-                let groups = if whole {
-                    Some(kv_heads)
-                } else {
-                    self.whole_kv_groups([i, i + 1, i + 2])
-                };
-                let wqkv = match groups {
-                    Some(groups) => crate::names::fuse_qkv(&qkv[0], &qkv[1], &qkv[2], groups),
-                    None => Tensor::cat(&qkv.each_ref().map(|g| g.reshape([-1])), 0),
-                };
-                out.push((wqkv, split));
-            }
-            i += 3;
-        }
-        out
-    }
-
-    /// How many whole kv groups this rank's FSDP shards of a block's q, k and v (parameters
-    /// `qkv`) cover, when they cover the same ones: then, fused, they are the rows of
-    /// torchtitan's fused `wqkv` that its dim-0 shard on this rank holds (the data-parallel
-    /// degree divides the kv heads), in its order — so their norm rounds as torchtitan's
-    /// does. `None` under tensor parallelism or when the shards cut through a group.
-    fn whole_kv_groups(&self, qkv: [usize; 3]) -> Option<i64> {
-        if self.tp.size() > 1 {
-            return None;
-        }
-        let [q, k, v] = qkv.map(|j| &self.placements[j]);
-        let (hd, per_kv) = (
-            self.args.head_dim(),
-            self.args.n_heads / self.args.kv_heads(),
-        );
-        let (start, rows) = (k.offsets[0], k.local[0]);
-        let aligned = rows > 0
-            && rows % hd == 0
-            && start % hd == 0
-            && (v.offsets[0], v.local[0]) == (start, rows)
-            && (q.offsets[0], q.local[0]) == (start * per_kv, rows * per_kv);
-        aligned.then_some(rows / hd)
-    }
-
-    /// Waits for the FSDP gradient reductions the backward passes started and puts their results
-    /// in the parameters' gradients: call once after the step's last backward.
-    pub fn finish_gradients(&self) {
-        for unit in self.units() {
-            unit.finish_gradients();
-        }
-    }
-
-    /// This rank's FSDP units in model order: the embeddings, its blocks, norm + output.
-    fn units(&self) -> impl Iterator<Item = &FsdpUnit> {
-        self.embeddings
-            .iter()
-            .chain(self.layers.iter().map(|(_, u)| u))
-            .chain(self.head.iter())
-    }
-
-    /// The pipeline stages this rank holds (index, modules).
-    pub fn stages(&self) -> &[(usize, StageModules)] {
-        &self.stages
-    }
-
-    /// Whether activations between blocks are sequence-sharded over tp.
-    pub fn sequence_parallel(&self) -> bool {
-        self.tp.sequence_parallel()
-    }
-
-    /// Converts every parameter to `kind` in place (the shallow clones the layers hold see it):
-    /// `training.dtype = bfloat16` trains bf16 parameters, gradients and optimizer state, as
-    /// torchtitan 0.3.0 does by building the model under that default dtype. The weights are
-    /// the fp32 initialisation rounded to `kind`; RoPE and the logits stay fp32.
-    pub fn cast_parameters(&self, kind: Kind) {
-        tch::no_grad(|| {
-            for (_, p) in &self.params {
-                let mut p = p.shallow_clone();
-                let cast = p.to_kind(kind);
-                p.set_data(&cast);
-            }
-        });
-    }
-
-    /// Sets which activations [`Llama::forward`] keeps for backward.
-    pub fn with_checkpointing(mut self, policy: ActivationCheckpointing) -> Self {
-        self.checkpointing = policy;
-        self
-    }
-
-    pub fn checkpointing(&self) -> ActivationCheckpointing {
-        self.checkpointing
-    }
-
-    /// Makes the linears `float8` converts (torchtitan's rule: [`Float8Training::converts`])
-    /// multiply in float8; the others, and every parameter, stay as they are. Returns the
-    /// converted linears' names too (for the log).
-    pub fn with_float8(mut self, float8: Option<&Float8Training>) -> (Self, Vec<String>) {
-        let Some(f8) = float8 else {
-            self.float8 = None;
-            return (self, Vec::new());
-        };
-        let a = &self.args;
-        let (d, hd, kv) = (a.dim, a.ffn_hidden_dim(), a.kv_heads() * a.head_dim());
-        let mut converted = Vec::new();
-        // Each linear's split over tp is the TP plan's for its weight.
-        let mut take = |fqn: String, out: i64, inp: i64| {
-            f8.converts(&fqn, out, inp).then(|| {
-                let style = tp_style(&format!("{fqn}.weight"))
-                    .expect("every linear has an entry in the tensor-parallel plan");
-                converted.push(fqn);
-                f8.linear(&self.tp, style)
-            })
-        };
-        let blocks: Vec<BlockFloat8> = (0..a.n_layers)
-            .map(|i| {
-                let p = |n: &str| format!("layers.{i}.{n}");
-                let qkv_names = ["wq", "wk", "wv"].map(|n| p(&format!("attention.qkv_linear.{n}")));
-                // Fused unless a filter names q, k or v alone (the 16 rule is the fused one's).
-                let fused = p("attention.qkv_linear.wqkv");
-                let fuse =
-                    f8.converts(&fused, d + 2 * kv, d) && !qkv_names.iter().any(|n| f8.filtered(n));
-                let fused = if fuse {
-                    take(fused, d + 2 * kv, d)
-                } else {
-                    None
-                };
-                let qkv = match fused {
-                    Some(fused) => Qkv::Fused(fused),
-                    None => {
-                        let [q, k, v] = qkv_names;
-                        Qkv::Separate(Box::new([take(q, d, d), take(k, kv, d), take(v, kv, d)]))
-                    }
-                };
-                BlockFloat8 {
-                    qkv,
-                    wo: take(p("attention.wo"), d, d),
-                    w1: take(p("feed_forward.w1"), hd, d),
-                    w2: take(p("feed_forward.w2"), d, hd),
-                    w3: take(p("feed_forward.w3"), hd, d),
-                }
-            })
-            .collect();
-        let lm_head = take("lm_head".into(), a.vocab_size, d);
-        if f8.fsdp_all_gather {
-            self.gather_in_float8(&blocks, lm_head.is_some());
-        }
-        self.float8 = Some(Arc::new(ModelFloat8 {
-            blocks,
-            lm_head,
-            lm_head_chunks: f8.lm_head_chunks,
-        }));
-        (self, converted)
-    }
-
-    /// FSDP's float8 all-gather: each unit gathers the weights of its float8 linears in float8
-    /// (q, k and v of a fused `wqkv` with one scale, as the one weight they are there).
-    fn gather_in_float8(&mut self, blocks: &[BlockFloat8], lm_head: bool) {
-        let tp = self.tp.clone();
-        let gather = |scale_of: Vec<Option<usize>>| Float8Gather {
-            scale_of,
-            tp: tp.clone(),
-        };
-        for (index, unit) in &mut self.layers {
-            let b = &blocks[*index];
-            // Scale groups in parameter order: wq, wk, wv, wo, w1, w2, w3, then the two norms.
-            let mut next = 0;
-            let mut group = |converted: bool| {
-                converted.then(|| {
-                    next += 1;
-                    next - 1
-                })
-            };
-            let [q, k, v] = match &b.qkv {
-                Qkv::Fused(_) => {
-                    let g = group(true);
-                    [g; 3]
-                }
-                Qkv::Separate(parts) => parts.each_ref().map(|p| group(p.is_some())),
-            };
-            let scale_of = vec![
-                q,
-                k,
-                v,
-                group(b.wo.is_some()),
-                group(b.w1.is_some()),
-                group(b.w2.is_some()),
-                group(b.w3.is_some()),
-                None,
-                None,
-            ];
-            unit.gather_in_float8(gather(scale_of));
-        }
-        if let Some(head) = &mut self.head {
-            head.gather_in_float8(gather(vec![None, lm_head.then_some(0)]));
-        }
-    }
-
-    /// `precompute_float8_dynamic_scale_for_fsdp`: after the optimizer step, the scales the
-    /// next step's float8 all-gathers cast with, in one collective. Every rank calls it.
-    pub fn precompute_float8_scales(&self) {
-        crate::parallelize::fsdp::precompute_float8_scales(&self.units().collect::<Vec<_>>());
-    }
-
-    /// Sets which tokens attend to which; `activations` is the dtype attention will compute in
-    /// (FlashAttention's varlen kernel takes bf16/fp16 only).
-    pub fn with_attn_backend(mut self, backend: AttnBackend, activations: Kind) -> Self {
-        self.attn_backend = backend;
-        // A latent attention's q/k and v widths differ: it runs SDPA (with the document mask).
-        self.varlen_kernel = backend.document_causal()
-            && self.args.mla.is_none()
-            && matches!(activations, Kind::BFloat16 | Kind::Half)
-            && probe_varlen_kernel(self.device());
-        self
-    }
-
-    pub fn attn_backend(&self) -> AttnBackend {
-        self.attn_backend
-    }
-
-    /// Logits (B, S, vocab) in fp32 for token ids (B, S) whose `positions` (B, S) in their
-    /// documents come from the loader ([`crate::data::Batch`]); `None` treats each row as one
-    /// document starting at position 0. Under tensor parallelism the logits are this rank's
-    /// vocab columns (B, S, vocab / tp): take the loss with [`Llama::summed_cross_entropy`].
-    pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
-        self.forward_with(tokens, positions, None)
-    }
-
-    /// [`Llama::forward`] with the documents as the loader counted them on the host
-    /// ([`Llama::forward_stage`]).
-    pub fn forward_with(
-        &self,
-        tokens: &Tensor,
-        positions: Option<&Tensor>,
-        documents: Option<(&Tensor, i64)>,
-    ) -> Tensor {
-        let stage = self.stages[0].0;
-        assert!(
-            self.stages.len() == 1 && self.embeddings.is_some() && self.head.is_some(),
-            "forward runs the whole model; under pipeline parallelism use forward_stage"
-        );
-        self.forward_stage(stage, tokens, positions, documents, None)
-    }
-
-    /// Runs pipeline stage `stage` of this rank: from token ids (B, S) on the stage holding
-    /// the embeddings, else from the hidden states the previous stage produced
-    /// ([`Llama::hidden_shape`]); returns hidden states, or the logits (as
-    /// [`Llama::forward`]) on the stage holding the output. With `defer_weight_grads`, the
-    /// linears' backward computes only input gradients and parks their weight gradients there
-    /// (a zero-bubble schedule runs them later). `documents`: the documents' offsets and
-    /// longest length as the loader counted them on the host ([`crate::data::Batch`]): the varlen kernel then needs no read
-    /// back from the device ([`document_offsets`] would make one per forward pass).
-    pub fn forward_stage(
-        &self,
-        stage: usize,
-        input: &Tensor,
-        positions: Option<&Tensor>,
-        documents: Option<(&Tensor, i64)>,
-        defer_weight_grads: Option<&WeightGradStash>,
-    ) -> Tensor {
-        let modules = &self
-            .stages
-            .iter()
-            .find(|(s, _)| *s == stage)
-            .unwrap_or_else(|| panic!("this rank holds no pipeline stage {stage}"))
-            .1;
-        let shape = BlockShape::of(&self.args, self.tp.size() as i64);
-        let seq_len = match (modules.embeddings, self.tp.sequence_parallel()) {
-            // Sequence-parallel hidden states hold this rank's block of the sequence.
-            (false, true) => input.size()[1] * self.tp.size() as i64,
-            _ => input.size()[1],
-        };
-        let attend = match positions.filter(|_| self.attn_backend.document_causal()) {
-            None => Attend::Causal,
-            Some(p) if self.varlen_kernel => match documents {
-                Some((offsets, longest)) => Attend::Varlen(offsets.shallow_clone(), longest),
-                None => {
-                    let (offsets, longest) = document_offsets(p);
-                    Attend::Varlen(offsets, longest)
-                }
-            },
-            Some(p) => Attend::Masked(document_causal_mask(p)),
-        };
-        let ctx = ForwardContext {
-            rope: rope_for(&self.freqs_cis, seq_len, positions),
-            attend,
-        };
-        // The stage's units in forward order; a prefetch left from an earlier pass is stale.
-        let layers: Vec<&(usize, FsdpUnit)> = self
-            .layers
-            .iter()
-            .filter(|(i, _)| modules.layers.contains(i))
-            .collect();
-        let embeddings = self.embeddings.as_ref().filter(|_| modules.embeddings);
-        let head = self.head.as_ref().filter(|_| modules.head);
-        let units: Vec<&FsdpUnit> = embeddings
-            .into_iter()
-            .chain(layers.iter().map(|(_, u)| u))
-            .chain(head)
-            .collect();
-        for unit in &units {
-            unit.drop_prefetch();
-        }
-        // A tied embedding weight, gathered once for the embedding and the output layer.
-        let mut tied_output = None;
-        let mut h = match embeddings {
-            Some(unit) => {
-                let [weight]: [Tensor; 1] = unit.gather().params.try_into().expect("one weight");
-                if let Some(next) = units.get(1) {
-                    next.prefetch();
-                }
-                let h = self.tp.embedding(&weight, input);
-                if self.args.tie_embeddings {
-                    tied_output = Some((unit, weight));
-                    h
-                } else {
-                    unit.after_forward(h, None)
-                }
-            }
-            None => input.shallow_clone(),
-        };
-        let first_layer = usize::from(embeddings.is_some());
-        for (k, (index, unit)) in layers.iter().enumerate() {
-            let (index, at) = (*index, first_layer + k);
-            let f8 = self
-                .float8
-                .as_ref()
-                .map(|f| f.blocks[index].clone())
-                .unwrap_or_default();
-            // Gather the next unit while this block computes. A checkpointed block's closure
-            // runs again in backward (the recompute), where the unit backward reaches next is
-            // the one before: gather that one meanwhile, if it gathers in backward at all (it
-            // is recomputed too, or it resharded after forward), as FSDP2's backward prefetch.
-            let (next, previous) = (
-                units.get(at + 1).map(|u| (*u).clone()),
-                at.checked_sub(1).map(|p| units[p]),
-            );
-            let previous_gathers_in_backward = previous.filter(|p| {
-                p.reshards_after_forward()
-                    || k.checked_sub(1).is_some_and(|j| {
-                        self.checkpointing == ActivationCheckpointing::Op
-                            || self.checkpointing.whole_layer(layers[j].0)
-                    })
-            });
-            let before = previous_gathers_in_backward.map(|u| (*u).clone());
-            let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
-            let forward_pass = Arc::new(AtomicBool::new(true));
-            let in_forward = forward_pass.clone();
-            let moe_layer = self.args.moe_layer(index).copied();
-            let gather = move || {
-                let layer = Layer::from_params(unit_.gather(), &shape, moe_layer.as_ref());
-                let prefetch = if in_forward.swap(false, Ordering::Relaxed) {
-                    &next
-                } else {
-                    &before
-                };
-                if let Some(unit) = prefetch {
-                    unit.prefetch();
-                }
-                layer
-            };
-            // A mixture of experts counts its tokens in a training forward pass, once: not in
-            // the recompute activation checkpointing runs in backward.
-            let moe = self.moe_state(index);
-            let moe_ = moe.as_ref().map(|m| m.share());
-            h = if self.checkpointing == ActivationCheckpointing::Op {
-                // The first run (forward) records the kept matmul outputs, the second (the
-                // recompute in backward) replays them. Each run gathers the block's parameters.
-                let kept = Mutex::new(None);
-                let [out] = checkpoint(&[&h], move |i| {
-                    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
-                    let matmuls = Matmuls::new(kept.take(), f8.clone());
-                    let layer = gather();
-                    let out = block(&layer, shape, &ctx_, &tp_, &i[0], &matmuls, moe_.as_ref());
-                    *kept = matmuls.into_recorded();
-                    [out]
-                });
-                out
-            } else if self.checkpointing.whole_layer(index) {
-                let [out] = checkpoint(&[&h], move |i| {
-                    [block(
-                        &gather(),
-                        shape,
-                        &ctx_,
-                        &tp_,
-                        &i[0],
-                        &Matmuls::plain(f8.clone()),
-                        moe_.as_ref(),
-                    )]
-                });
-                out
-            } else {
-                let layer = gather();
-                let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
-                let out = block(&layer, shape, &ctx, &self.tp, &h, &matmuls, moe.as_ref());
-                drop(layer);
-                unit.after_forward(out, previous)
-            };
-        }
-        let Some(head) = head else {
-            return h;
-        };
-        let Gathered { params, float8 } = head.gather();
-        let (norm, lm_head, lm_head_float8) = match &tied_output {
-            Some((_, embedding)) => {
-                let [norm]: [Tensor; 1] = params.try_into().expect("the final norm");
-                (norm, embedding.shallow_clone(), None)
-            }
-            None => {
-                let [norm, lm_head]: [Tensor; 2] = params.try_into().expect("two weights");
-                (norm, lm_head, float8.into_iter().nth(1).flatten())
-            }
-        };
-        let h = self
-            .tp
-            .enter(&h.rms_norm([shape.dim], Some(&norm), shape.norm_eps));
-        let logits = match self
-            .float8
-            .as_ref()
-            .and_then(|f| Some((f.lm_head.as_ref()?, f.lm_head_chunks)))
-        {
-            // Chunks along the sequence, as torchtitan 0.3.0's chunked loss feeds lm_head.
-            Some((f8, chunks)) => f8.apply_in_chunks(&h, &lm_head, lm_head_float8.as_ref(), chunks),
-            None => match defer_weight_grads {
-                Some(stash) => deferred_linear(&h, &lm_head, stash),
-                None => h.linear::<&Tensor>(&lm_head, None),
-            },
-        };
-        let logits = logits.to_kind(Kind::Float);
-        match tied_output {
-            // The tied unit's forward ends here: backward regathers it (when it reshards)
-            // before the output layer's backward needs it.
-            Some((unit, _)) => unit.after_forward(logits, None),
-            None => logits,
-        }
-    }
-
-    /// Layer `index`'s mixture-of-experts state for one forward pass (counting only in
-    /// training), if it has one.
-    fn moe_state(&self, index: usize) -> Option<MoeRun> {
-        let (_, buffers) = self.moe.iter().find(|(i, _)| *i == index)?;
-        Some(MoeRun {
-            buffers: buffers.share(),
-            count: Arc::new(AtomicBool::new(self.training.load(Ordering::Relaxed))),
-        })
-    }
-
-    /// Training (the default) or evaluation mode, as torch's `module.train()`/`eval()`: only
-    /// training forward passes count the tokens each expert gets.
-    pub fn set_training(&self, training: bool) {
-        self.training.store(training, Ordering::Relaxed);
-    }
-
-    /// The persistent buffers checkpoints hold beside the parameters (torchtitan's
-    /// `layers.N.moe.expert_bias_E`), whole on every rank holding the layer.
-    pub fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        self.moe
-            .iter()
-            .filter_map(|(i, b)| {
-                let bias = b.expert_bias.as_ref()?;
-                Some((
-                    format!("layers.{i}.moe.expert_bias_E"),
-                    bias.shallow_clone(),
-                ))
-            })
-            .collect()
-    }
-
-    /// Auxiliary-loss-free load balancing before the optimizer step (torchtitan's step
-    /// pre-hook): the token counts summed over the data-parallel ranks by `sum_over_dp` move
-    /// each layer's `expert_bias` ([`moe::update_expert_bias`]). Nothing without experts.
-    pub fn update_expert_bias(
-        &self,
-        sum_over_dp: impl FnOnce(&Tensor) -> Result<()>,
-    ) -> Result<()> {
-        let layers: Vec<(&MoeBuffers, f64)> = self
-            .moe
-            .iter()
-            .filter_map(|(i, b)| Some((b, self.args.moe_layer(*i)?.load_balance_coeff?)))
-            .collect();
-        moe::update_expert_bias(&layers, sum_over_dp)
-    }
-
-    /// Shape and dtype of the hidden states between blocks for `batch` rows of `seq_len`
-    /// tokens: what one pipeline stage sends the next (this rank's sequence block under
-    /// sequence parallelism).
-    pub fn hidden_shape(&self, batch: i64, seq_len: i64) -> (Vec<i64>, Kind) {
-        let tp = self.tp.size() as i64;
-        let seq = if self.tp.sequence_parallel() {
-            seq_len / tp
-        } else {
-            seq_len
-        };
-        (vec![batch, seq, self.args.dim], self.compute_kind)
-    }
-}
-
-/// A block's matmuls (`x.linear(w)`), counted per run as torchtitan's selective-AC policy counts
-/// them: the odd-numbered ones are kept when recording and taken from the record when replaying.
-struct Matmuls {
-    memo: RefCell<Memo>,
-    count: Cell<usize>,
-    float8: BlockFloat8,
-    /// Zero-bubble pipelines: the plain (not float8, not recorded) linears' weight gradients
-    /// are parked here instead of computed in backward.
-    deferred: Option<WeightGradStash>,
-}
-
-enum Memo {
-    Plain,
-    Record(Vec<Tensor>),
-    Replay(VecDeque<Tensor>),
-}
-
-impl Matmuls {
-    fn plain(float8: BlockFloat8) -> Self {
-        Self::with(Memo::Plain, float8)
-    }
-
-    /// Records when `replay` is `None`, else replays it.
-    fn new(replay: Option<VecDeque<Tensor>>, float8: BlockFloat8) -> Self {
-        let memo = match replay {
-            None => Memo::Record(Vec::new()),
-            Some(kept) => Memo::Replay(kept),
-        };
-        Self::with(memo, float8)
-    }
-
-    fn with(memo: Memo, float8: BlockFloat8) -> Self {
-        Matmuls {
-            memo: RefCell::new(memo),
-            count: Cell::new(0),
-            float8,
-            deferred: None,
-        }
-    }
-
-    fn deferring(mut self, stash: Option<&WeightGradStash>) -> Self {
-        self.deferred = stash.cloned();
-        self
-    }
-
-    /// `x.linear(w)`, in float8 when `f8` is set.
-    fn linear(&self, x: &Tensor, weight: &Weight, f8: Option<&Float8Linear>) -> Tensor {
-        self.count.set(self.count.get() + 1);
-        let kept = self.count.get() % 2 == 1;
-        let (w, gathered) = (&weight.value, weight.float8.as_ref());
-        let multiply = || match (f8, &self.deferred) {
-            (Some(f8), _) => match gathered {
-                Some(g) => f8.apply_gathered(x, w, g),
-                None => f8.apply(x, w),
-            },
-            (None, Some(stash)) => deferred_linear(x, w, stash),
-            (None, None) => x.linear::<&Tensor>(w, None),
-        };
-        match &mut *self.memo.borrow_mut() {
-            Memo::Replay(record) if kept => {
-                let value = record
-                    .pop_front()
-                    .expect("the recompute runs the matmuls the forward recorded");
-                match f8 {
-                    Some(f8) => f8.apply_kept(x, w, gathered, &value),
-                    None => kept_linear(x, w, &value),
-                }
-            }
-            Memo::Record(record) if kept => {
-                let y = multiply();
-                record.push(y.shallow_clone());
-                y
-            }
-            _ => multiply(),
-        }
-    }
-
-    /// q, k and v of `x` (each (B, S, heads * head_dim)): three linears, or with float8 on all
-    /// three one linear over torchtitan 0.3.0's fused `wqkv` (counted as one matmul).
-    fn qkv(&self, x: &Tensor, layer: &GqaWeights, shape: BlockShape) -> (Tensor, Tensor, Tensor) {
-        match &self.float8.qkv {
-            Qkv::Fused(f8) => {
-                let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
-                let (kvh, hd) = (shape.kv_heads, shape.head_dim);
-                let per_kv = shape.n_heads / kvh;
-                let fuse = |w: [&Tensor; 3]| crate::names::fuse_qkv(w[0], w[1], w[2], kvh);
-                let [q, k, v] = [&layer.wq, &layer.wk, &layer.wv];
-                // Gathered in float8, the three share one scale: their values fuse as they are.
-                let float8 = match (&q.float8, &k.float8, &v.float8) {
-                    (Some(fq), Some(fk), Some(fv)) => Some(Float8Weight {
-                        data: fuse([&fq.data, &fk.data, &fv.data]),
-                        scale: fq.scale.shallow_clone(),
-                    }),
-                    _ => None,
-                };
-                let w = Weight {
-                    value: fuse([&q.value, &k.value, &v.value]),
-                    float8,
-                };
-                let qkv = self
-                    .linear(x, &w, Some(f8))
-                    .view([b, s, kvh, per_kv + 2, hd]);
-                let part = |start: i64, len: i64| {
-                    qkv.narrow(3, start, len).reshape([b, s, kvh * len * hd])
-                };
-                (part(0, per_kv), part(per_kv, 1), part(per_kv + 1, 1))
-            }
-            Qkv::Separate(parts) => {
-                let [q, k, v] = &**parts;
-                (
-                    self.linear(x, &layer.wq, q.as_ref()),
-                    self.linear(x, &layer.wk, k.as_ref()),
-                    self.linear(x, &layer.wv, v.as_ref()),
-                )
-            }
-        }
-    }
-
-    /// What a recording run kept, for the replay (`None` after a replay).
-    fn into_recorded(self) -> Option<VecDeque<Tensor>> {
-        match self.memo.into_inner() {
-            Memo::Record(record) => Some(record.into()),
-            Memo::Plain | Memo::Replay(_) => None,
-        }
-    }
-}
-
 /// What a block's mixture of experts needs of one forward run besides its weights.
-struct MoeRun {
+pub struct MoeRun {
     buffers: MoeBuffers,
     /// Set until the first run of the block in this forward pass has counted its tokens.
     count: Arc<AtomicBool>,
 }
 
 impl MoeRun {
-    fn share(&self) -> MoeRun {
+    /// One forward pass of the layer whose buffers are `buffers`; `count`: it counts the tokens
+    /// each expert gets (a training forward pass), once however often the block runs.
+    pub fn new(buffers: &MoeBuffers, count: bool) -> Self {
+        MoeRun {
+            buffers: buffers.share(),
+            count: Arc::new(AtomicBool::new(count)),
+        }
+    }
+
+    pub fn share(&self) -> MoeRun {
         MoeRun {
             buffers: self.buffers.share(),
             count: self.count.clone(),
@@ -1421,42 +548,80 @@ impl MoeRun {
     }
 }
 
+/// How the decoder's matmuls run and where its tensor-parallel regions begin and end: the
+/// one thing the model asks of whatever splits it. [`Plain`] is one process's;
+/// `crate::parallelize` implements it with tensor parallelism's collectives, float8 linears,
+/// selective activation checkpointing's kept matmuls and zero-bubble's deferred weight
+/// gradients.
+pub trait Ops {
+    /// The input of a region of column-wise linears (attention, feed-forward, output layer).
+    fn enter(&self, x: &Tensor) -> Tensor;
+    /// The output of a region's row-wise linear: its partial sums added.
+    fn exit(&self, x: &Tensor) -> Tensor;
+    /// `x · wᵀ`.
+    fn linear(&self, x: &Tensor, w: &Weight) -> Tensor;
+    /// q, k and v of `x`, each (B, S, heads * head_dim), in one matmul over the three weights
+    /// fused (torchtitan 0.3.0's `wqkv`), where the implementation multiplies them so; `None`:
+    /// three [`Ops::linear`]s.
+    fn fused_qkv(&self, x: &Tensor, w: [&Weight; 3], shape: &BlockShape) -> Option<[Tensor; 3]>;
+}
+
+/// One process's [`Ops`]: plain matmuls, no regions.
+pub struct Plain;
+
+impl Ops for Plain {
+    fn enter(&self, x: &Tensor) -> Tensor {
+        x.shallow_clone()
+    }
+
+    fn exit(&self, x: &Tensor) -> Tensor {
+        x.shallow_clone()
+    }
+
+    fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
+        x.linear::<&Tensor>(&w.value, None)
+    }
+
+    fn fused_qkv(&self, _: &Tensor, _: [&Weight; 3], _: &BlockShape) -> Option<[Tensor; 3]> {
+        None
+    }
+}
+
 /// One transformer block: `h + attention(norm(h))`, then `+ feed_forward(norm(..))` (a SwiGLU,
 /// or the mixture of experts `moe` holds the state of).
 ///
 /// Under tensor parallelism `h` is this rank's sequence block (sequence parallel) or the whole
-/// replicated sequence; each linear region is entered and left through `tp`.
-fn block(
+/// replicated sequence, and `shape` has this rank's heads; each region is entered and left
+/// through `ops`.
+pub fn block(
     layer: &Layer,
     shape: BlockShape,
     ctx: &ForwardContext,
-    tp: &TensorParallel,
+    ops: &dyn Ops,
     h: &Tensor,
-    mm: &Matmuls,
     moe: Option<&MoeRun>,
 ) -> Tensor {
     let (d, eps) = (shape.dim, shape.norm_eps);
-    let x = tp.enter(&h.rms_norm([d], Some(&layer.attention_norm), eps));
+    let x = ops.enter(&h.rms_norm([d], Some(&layer.attention_norm), eps));
     // `h + ...`, never `h += ...`: tch's `+=` adds in place, and autograd saved `h` for the
     // rms_norm backward, so an in-place add breaks the backward pass.
     let attended = match &layer.attention {
-        Attention::Gqa(gqa) => attention(gqa, shape, ctx, &x, mm),
+        Attention::Gqa(gqa) => attention(gqa, shape, ctx, &x, ops),
         Attention::Mla(weights) => {
             let m = shape
                 .mla
                 .as_ref()
                 .expect("a latent attention has its arguments");
-            mla::attention(weights, m, shape, ctx, &x, mm)
+            mla::attention(weights, m, shape, ctx, &x, ops)
         }
     };
-    let h = h + tp.exit(&attended);
-    let x = tp.enter(&h.rms_norm([d], Some(&layer.ffn_norm), eps));
-    let f8 = &mm.float8;
+    let h = h + ops.exit(&attended);
+    let x = ops.enter(&h.rms_norm([d], Some(&layer.ffn_norm), eps));
     let out = match (&layer.ffn, moe, &shape.moe) {
         (FeedForward::Dense { w1, w2, w3 }, _, _) => {
-            let gate = mm.linear(&x, w1, f8.w1.as_ref()).silu();
-            let up = mm.linear(&x, w3, f8.w3.as_ref());
-            mm.linear(&(gate * up), w2, f8.w2.as_ref())
+            let gate = ops.linear(&x, w1).silu();
+            let up = ops.linear(&x, w3);
+            ops.linear(&(gate * up), w2)
         }
         (FeedForward::Moe(weights), Some(run), Some(args)) => {
             let count = run.count.swap(false, Ordering::Relaxed);
@@ -1464,7 +629,20 @@ fn block(
         }
         (FeedForward::Moe(_), _, _) => unreachable!("a mixture of experts has its state"),
     };
-    h + tp.exit(&out)
+    h + ops.exit(&out)
+}
+
+/// The output layer: the final norm of the hidden states `h`, then `lm_head`; the logits in
+/// fp32 (this rank's vocab columns under tensor parallelism).
+pub fn output(
+    h: &Tensor,
+    norm: &Tensor,
+    lm_head: &Weight,
+    shape: &BlockShape,
+    ops: &dyn Ops,
+) -> Tensor {
+    let h = ops.enter(&h.rms_norm([shape.dim], Some(norm), shape.norm_eps));
+    ops.linear(&h, lm_head).to_kind(Kind::Float)
 }
 
 fn attention(
@@ -1472,11 +650,14 @@ fn attention(
     shape: BlockShape,
     ctx: &ForwardContext,
     x: &Tensor,
-    mm: &Matmuls,
+    ops: &dyn Ops,
 ) -> Tensor {
     let (b, s, _) = x.size3().expect("hidden states are (B, S, dim)");
     let (h, kvh, hd) = (shape.n_heads, shape.kv_heads, shape.head_dim);
-    let (q, k, v) = mm.qkv(x, layer, shape);
+    let [wq, wk, wv] = [&layer.wq, &layer.wk, &layer.wv];
+    let [q, k, v] = ops
+        .fused_qkv(x, [wq, wk, wv], &shape)
+        .unwrap_or_else(|| [wq, wk, wv].map(|w| ops.linear(x, w)));
     let q = q.view([b, s, h, hd]);
     let k = k.view([b, s, kvh, hd]);
     let v = v.view([b, s, kvh, hd]);
@@ -1502,21 +683,13 @@ fn attention(
             *longest,
         )
         .expect("the varlen kernel ran in the probe");
-        return mm.linear(
-            &out.reshape([b, s, h * hd]),
-            &layer.wo,
-            mm.float8.wo.as_ref(),
-        );
+        return ops.linear(&out.reshape([b, s, h * hd]), &layer.wo);
     }
     // Grouped-query attention as torchtitan asks SDPA for it (`enable_gqa`: each kv head
     // serves n_heads / kv_heads consecutive query heads), not with k and v repeated first:
     // torch picks another CPU kernel for the repeated form, which rounds differently.
     let out = sdpa(&q, &k, &v, &ctx.attend, shape.scale, kvh != h);
-    mm.linear(
-        &out.reshape([b, s, h * hd]),
-        &layer.wo,
-        mm.float8.wo.as_ref(),
-    )
+    ops.linear(&out.reshape([b, s, h * hd]), &layer.wo)
 }
 
 /// Causal SDPA, or with the document-causal mask, over heads laid out (B, S, H, D) as
@@ -1547,6 +720,92 @@ fn sdpa(
     .transpose(1, 2)
 }
 
+/// The whole model on one device, split over nothing: torchtitan's initialisation and the
+/// forward pass as a sequence of the functions above (embedding, [`block`]s, [`output`]) with
+/// [`Plain`] ops. `crate::parallelize::ParallelModel` runs the same functions over its parts of
+/// the parameters; this is the reference it is checked against.
+pub struct Decoder {
+    pub args: ModelArgs,
+    params: Vec<(String, Tensor)>,
+    freqs_cis: Tensor,
+    moe: Vec<(usize, MoeBuffers)>,
+}
+
+impl Decoder {
+    /// The model with torchtitan's initialisation from the global torch RNG.
+    pub fn new(args: ModelArgs, device: Device) -> Result<Self> {
+        args.validate()?;
+        let mut params = Vec::new();
+        draw_parameters(&args, device, |spec, full| {
+            params.push((spec.fqn, full.set_requires_grad(true)));
+            Ok(())
+        })?;
+        let moe = (0..args.n_layers as usize)
+            .filter_map(|i| Some((i, MoeBuffers::new(args.moe_layer(i)?, device))))
+            .collect();
+        let freqs_cis = precompute_freqs_cis(&args, device);
+        Ok(Decoder {
+            args,
+            params,
+            freqs_cis,
+            moe,
+        })
+    }
+
+    /// Parameters by torchtitan fqn, in registration order.
+    pub fn named_parameters(&self) -> &[(String, Tensor)] {
+        &self.params
+    }
+
+    /// The parameter named `fqn`.
+    pub fn parameter(&self, fqn: &str) -> Option<&Tensor> {
+        self.params.iter().find(|(n, _)| n == fqn).map(|(_, t)| t)
+    }
+
+    /// Logits (B, S, vocab) in fp32 for token ids (B, S), causal, or document-causal (SDPA
+    /// with the mask) over `positions` (B, S) in their documents. A training forward pass: a
+    /// mixture of experts counts its tokens.
+    pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
+        let args = &self.args;
+        let shape = BlockShape::of(args, 1);
+        let attend = match positions {
+            Some(p) => Attend::Masked(document_causal_mask(p)),
+            None => Attend::Causal,
+        };
+        let ctx = ForwardContext::new(&self.freqs_cis, tokens.size()[1], positions, attend);
+        let take = |range: std::ops::Range<usize>| {
+            self.params[range]
+                .iter()
+                .map(|(_, t)| t.shallow_clone())
+                .collect::<Vec<_>>()
+        };
+        let embedding = &self.params[0].1;
+        let mut h = Tensor::embedding(embedding, tokens, -1, false, false);
+        let mut at = 1;
+        for i in 0..args.n_layers as usize {
+            let n = args.layer_params(i);
+            let layer = Layer::from_params(take(at..at + n), &shape, args.moe_layer(i));
+            at += n;
+            let moe = self
+                .moe
+                .iter()
+                .find(|(j, _)| *j == i)
+                .map(|(_, buffers)| MoeRun::new(buffers, true));
+            h = block(&layer, shape, &ctx, &Plain, &h, moe.as_ref());
+        }
+        let lm_head = if args.tie_embeddings {
+            embedding.shallow_clone()
+        } else {
+            self.params[at + 1].1.shallow_clone()
+        };
+        let lm_head = Weight {
+            value: lm_head,
+            at: 1,
+        };
+        output(&h, &self.params[at].1, &lm_head, &shape, &Plain)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1573,7 +832,7 @@ mod tests {
         let mut args = ModelArgs::flavor("debugmodel").unwrap();
         args.n_layers = 2;
         args.max_seq_len = 16;
-        let m = Llama::new(args.clone(), Device::Cpu, &ParallelPlan::single()).unwrap();
+        let m = Decoder::new(args.clone(), Device::Cpu).unwrap();
         let names: Vec<&str> = m
             .named_parameters()
             .iter()

@@ -11,40 +11,35 @@ use crate::parallel::Mesh;
 use crate::parallelize::pipeline::{self, PipelineConfig, Schedule};
 use crate::parallelize::plan::{tp_local_shape, tp_style};
 
-fn invalid(key: &str, message: impl std::fmt::Display) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.into(),
-        message: message.to_string(),
-    }
-}
-
 /// Checks that `cfg`'s model splits over `world` as torchtitan would split it, and returns the
 /// pipeline settings when pipeline parallelism is on.
 pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConfig>, ConfigError> {
     if cfg.checkpoint.create_seed_checkpoint && world.world_size != 1 {
-        return Err(invalid(
+        return Err(ConfigError::invalid(
             "checkpoint.create_seed_checkpoint",
             format!(
-                "Must create seed checkpoint using a single device, to disable sharding                  (this job has {} ranks)",
+                "Must create seed checkpoint using a single device, to disable sharding (this job has {} ranks)",
                 world.world_size
             ),
         ));
     }
     let args = ModelArgs::for_job(cfg)?;
-    args.validate().map_err(|e| invalid("model.flavor", e))?;
+    args.validate()
+        .map_err(|e| ConfigError::invalid("model.flavor", e))?;
     // A schedule name is checked even where no pipeline runs: a typo is never meant.
     let schedule = Schedule::parse(&cfg.parallelism.pipeline_parallel_schedule)
-        .map_err(|e| invalid("parallelism.pipeline_parallel_schedule", e))?;
+        .map_err(|e| ConfigError::invalid("parallelism.pipeline_parallel_schedule", e))?;
     check_family(cfg, &args, world)?;
     check_tensor_parallel(cfg, &args, world.tp)?;
     microbatches(&cfg.training, world.dp_degree())
-        .map_err(|e| invalid("training.global_batch_size", format!("{e:#}")))?;
+        .map_err(|e| ConfigError::invalid("training.global_batch_size", format!("{e:#}")))?;
     if world.pp <= 1 {
         return Ok(None);
     }
     let p = pipeline_config(&cfg.parallelism, world.pp, &cfg.training, schedule)?;
-    pipeline::split_stages(&p, args.n_layers as usize)
-        .map_err(|e| invalid("parallelism.pipeline_parallel_degree", format!("{e:#}")))?;
+    pipeline::split_stages(&p, args.n_layers as usize).map_err(|e| {
+        ConfigError::invalid("parallelism.pipeline_parallel_degree", format!("{e:#}"))
+    })?;
     if schedule.splits_backward() {
         refuse_with_split_backward(cfg, world.dp_degree(), schedule)?;
     }
@@ -59,7 +54,7 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
     }
     let model = format!("{} {}", cfg.model.name, cfg.model.flavor);
     if args.tie_embeddings && world.pp > 1 {
-        return Err(invalid(
+        return Err(ConfigError::invalid(
             "parallelism.pipeline_parallel_degree",
             format!(
                 "{model} ties its embeddings to the output layer, and weight tying is not \
@@ -74,7 +69,7 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
         } else {
             "model.converters"
         };
-        return Err(invalid(
+        return Err(ConfigError::invalid(
             key,
             format!(
                 "titan-train trains {model} with FSDP, HSDP, DDP, tensor and pipeline \
@@ -98,7 +93,7 @@ pub fn check_tensor_parallel(
     let key = "parallelism.tensor_parallel_degree";
     for (what, n) in [("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads())] {
         if n % tp as i64 != 0 {
-            return Err(invalid(
+            return Err(ConfigError::invalid(
                 key,
                 format!(
                     "{tp} does not divide {} {}'s {what} = {n}: torchtitan's plan splits \
@@ -109,12 +104,12 @@ pub fn check_tensor_parallel(
         }
     }
     for spec in args.parameters() {
-        let style = tp_style(&spec.fqn).map_err(|e| invalid(key, format!("{e:#}")))?;
+        let style = tp_style(&spec.fqn).map_err(|e| ConfigError::invalid(key, format!("{e:#}")))?;
         tp_local_shape(&spec.shape, style, tp as i64)
-            .map_err(|e| invalid(key, format!("{}: {e:#}", spec.fqn)))?;
+            .map_err(|e| ConfigError::invalid(key, format!("{}: {e:#}", spec.fqn)))?;
     }
     if cfg.parallelism.disable_loss_parallel {
-        return Err(invalid(
+        return Err(ConfigError::invalid(
             "parallelism.disable_loss_parallel",
             "titan-train's tensor parallelism always takes the loss over vocab-sharded logits \
              (torchtitan 0.3.0 has no other way)",
@@ -127,7 +122,7 @@ pub fn check_tensor_parallel(
             ("validation.seq_len", val_seq_len as i64),
         ] {
             if seq_len % tp as i64 != 0 {
-                return Err(invalid(
+                return Err(ConfigError::invalid(
                     seq_key,
                     format!(
                         "{seq_len} is not a multiple of parallelism.tensor_parallel_degree = \
@@ -151,13 +146,13 @@ fn pipeline_config(
     let key = "parallelism.pipeline_parallel_microbatch_size";
     let microbatch_size = p.pipeline_parallel_microbatch_size;
     if microbatch_size <= 0 {
-        return Err(invalid(
+        return Err(ConfigError::invalid(
             key,
             format!("must be at least 1, got {microbatch_size}"),
         ));
     }
     if training.local_batch_size % microbatch_size != 0 {
-        return Err(invalid(
+        return Err(ConfigError::invalid(
             key,
             format!(
                 "Batch size {} must be divisible by microbatch_size {microbatch_size}. Update \
@@ -188,7 +183,7 @@ fn refuse_with_split_backward(
 ) -> Result<(), ConfigError> {
     let name = schedule.name();
     let refuse = |key: &str, why: String| {
-        Err(invalid(
+        Err(ConfigError::invalid(
             key,
             format!("{why}; schedule {name} runs with pipeline and tensor parallelism only"),
         ))

@@ -1,8 +1,10 @@
 //! How the model is split over the device mesh, as torchtitan's `parallelize_llama` applies it:
 //! tensor parallelism with the llama3 plan ([`tp`]), then FSDP2 over `dp_shard` (and HSDP over
-//! `dp_replicate`) per transformer block ([`fsdp`]). The model asks [`ParallelPlan`] where each
-//! parameter lives ([`Placement`]) and calls the two modules' ops in its forward; the training
-//! loop does not see the split.
+//! `dp_replicate`) per transformer block ([`fsdp`]), activation checkpointing, float8 linears and
+//! the pipeline's stages ([`pipeline`]), over [`crate::model`]'s decoder, which knows none of
+//! them. [`ParallelModel`] is the model as a rank holds it: [`ParallelPlan`] says where each
+//! parameter lives ([`Placement`]), and its forward pass runs the model's blocks with the
+//! modules' ops; the training loop does not see the split.
 //!
 //! Placements, for a parameter of global shape `G`:
 //! - TP (`tp_dim`): column-wise linears (`wq`, `wk`, `wv`, `w1`, `w3`, `lm_head`) and the
@@ -14,18 +16,138 @@
 
 pub mod fsdp;
 pub mod layout;
+mod parallel_model;
 pub mod pipeline;
 pub mod plan;
 pub mod tp;
 pub mod weight_grad;
 
-use anyhow::Result;
-use tch::{Kind, Tensor};
+use anyhow::{Result, bail};
+use tch::{Device, Kind, Tensor};
 
-use crate::config::{Parallelism, ReshardAfterForward};
+use crate::config::{ConfigError, DtypeName, JobConfig, Parallelism, ReshardAfterForward};
 use crate::distributed::DeviceMesh;
+use crate::float8::{self, Float8Training};
+use crate::model::ModelArgs;
 use crate::parallel::Dim;
+use crate::precision;
+pub use parallel_model::ParallelModel;
+use pipeline::{Pipeline, PipelineConfig, StageModules};
 pub use plan::TpStyle;
+
+/// torchtitan's `pipeline_llm` and `parallelize_llama` in one call: this rank's part of the
+/// model `args` — its pipeline stages, split over `mesh` by the plan, with activation
+/// checkpointing, the attention backend, `training.dtype` and float8 applied — and, under
+/// pipeline parallelism (`pipeline`, from [`layout::check_layout`]), the schedule that drives
+/// the stages. The stages are cut once, here, for both.
+pub fn parallelize(
+    args: ModelArgs,
+    cfg: &JobConfig,
+    mesh: &DeviceMesh,
+    device: Device,
+    pipeline: Option<&PipelineConfig>,
+) -> Result<(ParallelModel, Option<Pipeline>)> {
+    let plan = ParallelPlan::new(
+        mesh,
+        &cfg.parallelism,
+        precision::param_kind(&cfg.training),
+        precision::kind(cfg.training.mixed_precision_reduce),
+    );
+    let n_layers = args.n_layers as usize;
+    let (stages, schedule) = match pipeline {
+        None => (vec![(0, StageModules::whole(n_layers))], None),
+        Some(p) => {
+            let all = pipeline::split_stages(p, n_layers)
+                .map_err(|e| config_error("parallelism.pipeline_parallel_degree", e))?;
+            let pp_rank = mesh.mesh.coord(Dim::Pp);
+            let local = all
+                .iter()
+                .cloned()
+                .enumerate()
+                .filter(|(s, _)| pipeline::rank_of_stage(*s, mesh.mesh.pp) == pp_rank)
+                .collect();
+            let microbatches = (cfg.training.local_batch_size / p.microbatch_size) as usize;
+            let schedule = Pipeline::new(mesh, p, all, microbatches)
+                .map_err(|e| config_error("parallelism.pipeline_parallel_schedule", e))?;
+            tracing::info!(
+                schedule = schedule.schedule.name(),
+                stages = schedule.stages.len(),
+                stages_on_this_rank = ?schedule.local_stages,
+                microbatches,
+                "pipeline parallelism"
+            );
+            (local, Some(schedule))
+        }
+    };
+    let model = ParallelModel::new_stages(args, device, &plan, stages)
+        .map_err(|e| config_error("parallelism.tensor_parallel_degree", e))?
+        .with_checkpointing(cfg.activation_checkpoint.policy())
+        .with_attn_backend(cfg.model.attn_backend, precision::param_kind(&cfg.training));
+    if cfg.training.dtype != DtypeName::Float32 {
+        model.cast_parameters(precision::kind(cfg.training.dtype));
+    }
+    let model = apply_float8(cfg, mesh, device, model)?;
+    Ok((model, schedule))
+}
+
+/// A config problem found while building: reported like config-file errors (exit 2).
+fn config_error(key: &str, e: anyhow::Error) -> anyhow::Error {
+    ConfigError::invalid(key, format!("{e:#}")).into()
+}
+
+/// Converts the linears `[float8]` selects (none when float8 is off), after checking that the
+/// device can multiply in float8.
+fn apply_float8(
+    cfg: &JobConfig,
+    mesh: &DeviceMesh,
+    device: Device,
+    model: ParallelModel,
+) -> Result<ParallelModel> {
+    let float8 = Float8Training::from_config(cfg);
+    if let Some(f8) = &float8
+        && let Err(e) = float8::probe(f8.backend, device)
+    {
+        bail!(config_error(
+            "float8.emulate",
+            anyhow::anyhow!(
+                "float8 matmuls need torch._scaled_mm, which does not run on {device:?} \
+                 ({e}); set float8.emulate true to multiply the float8 values in float32"
+            )
+        ));
+    }
+    let (model, converted) = model.with_float8(float8.as_ref());
+    let Some(f8) = &float8 else {
+        return Ok(model);
+    };
+    tracing::info!(
+        "float8 training ({}, {}) of {} linears (the others in high precision): {}",
+        f8.recipe.name(),
+        match f8.backend {
+            float8::Backend::ScaledMm => "torch._scaled_mm",
+            float8::Backend::Emulated => "emulated",
+        },
+        converted.len(),
+        converted.join(", ")
+    );
+    if f8.fsdp_all_gather {
+        if mesh.mesh.dp_shard > 1 {
+            tracing::info!(
+                "FSDP gathers the float8 linears' weights in float8{}",
+                if f8.precompute_scales {
+                    ", with scales precomputed after each optimizer step"
+                } else {
+                    ""
+                }
+            );
+        } else {
+            tracing::warn!(
+                "float8.enable_fsdp_float8_all_gather does nothing here: FSDP shards \
+                 nothing (parallelism.data_parallel_shard_degree is 1)"
+            );
+        }
+    }
+    Ok(model)
+}
 
 /// Where one parameter's local part sits in the global tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -29,8 +29,8 @@ use titan_obs_core::vocab::titan;
 
 use crate::distributed::{CommError, DeviceMesh, Group, Pending};
 use crate::gpu_clock;
-use crate::model::Llama;
 use crate::parallel::Dim;
+use crate::parallelize::ParallelModel;
 use crate::parallelize::weight_grad::WeightGradStash;
 
 /// torchtitan's `parallelism.pipeline_parallel_schedule` names titan-train runs.
@@ -775,7 +775,7 @@ impl Pipeline {
     /// the caller).
     pub fn run(
         &self,
-        model: &Llama,
+        model: &ParallelModel,
         microbatches: &[Microbatch<'_>],
         global_tokens: &Tensor,
     ) -> Result<Tensor> {
@@ -927,7 +927,11 @@ impl Pipeline {
     /// the device that the caller reads once for the whole validation. Any number of
     /// microbatches of any size works: every rank sees the same batch, so receive shapes are
     /// known, and each boundary's sends and receives run in the same (microbatch) order.
-    pub fn evaluate(&self, model: &Llama, microbatches: &[Microbatch<'_>]) -> Result<Tensor> {
+    pub fn evaluate(
+        &self,
+        model: &ParallelModel,
+        microbatches: &[Microbatch<'_>],
+    ) -> Result<Tensor> {
         let last = self.stages.len() - 1;
         let mut sends: Vec<(Pending, Tensor)> = Vec::new();
         let device = microbatches

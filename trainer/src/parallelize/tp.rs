@@ -128,6 +128,11 @@ impl TensorParallel {
         self.group.rank()
     }
 
+    /// The tp process group.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
     /// Whether activations between the column- and row-wise regions are split along the
     /// sequence (and the norms' gradients are partial sums over tp).
     pub fn sequence_parallel(&self) -> bool {
