@@ -35,8 +35,8 @@ estimate() { # name, nproc, then titan-train arguments
 } | "$py" -c '
 import json, sys
 G = 2**30
-print("| layout (registry config: batch x seq, AC) | hand: 16 B x P / (dp_shard x tp) | estimate: shards (params + grads + AdamW) | estimate: params | grads | optimizer | activations | **peak** |")
-print("|---|---|---|---|---|---|---|---|")
+print("| layout (registry config: batch x seq, AC) | hand: 16 B x P / (dp_shard x tp) | estimate: shards (params + grads + AdamW) | estimate: params | grads | optimizer | activations | sum of the terms | **peak** (its phase) |")
+print("|---|---|---|---|---|---|---|---|---|")
 for line in sys.stdin:
     name, raw = line.rstrip("\n").split("\t", 1)
     e = json.loads(raw)
@@ -44,8 +44,10 @@ for line in sys.stdin:
     hand = 16 * m["num_params"] / (lay["dp_shard"] * lay["tp"])
     shards = sum(r["bytes"] for r in e["rows"] if r["what"] in ("parameter shards", "gradient shards")) + e["optimizer_bytes"]
     ac, b, sq = e["activation_checkpointing"], e["local_batch_size"], e["seq_len"]
-    cols = [hand, shards] + [e[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")]
+    cols = [hand, shards] + [e[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "terms_bytes")]
     cells = " | ".join(f"{c / G:.2f}" for c in cols)
     peak = e["peak_bytes"] / G
-    print(f"| {name} ({b} x {sq}, {ac}) | {cells} | **{peak:.2f}** |")
+    phase = max(e["phases"], key=lambda p: p["bytes"])
+    what, stage = phase["what"], phase["stage"]
+    print(f"| {name} ({b} x {sq}, {ac}) | {cells} | **{peak:.2f}** ({what}, stage {stage}) |")
 '

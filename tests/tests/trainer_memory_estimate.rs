@@ -28,7 +28,8 @@ fn field(v: &Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
 }
 
-/// The five sums, checked to add up, and the rows to add up to them.
+/// The sums, checked to add up, the rows to add up to them, and the peak to be the largest
+/// phase (returned).
 fn check_sums(v: &Value) -> u64 {
     let terms = [
         ("params_bytes", "params"),
@@ -48,8 +49,18 @@ fn check_sums(v: &Value) -> u64 {
         assert_eq!(rows, field(v, key), "{key}: {v}");
         total += field(v, key);
     }
-    assert_eq!(field(v, "peak_bytes"), total, "the terms add up: {v}");
-    total
+    assert_eq!(field(v, "terms_bytes"), total, "the terms add up: {v}");
+    // The peak is the largest phase, and no phase holds more than every item at its largest.
+    let phases: Vec<u64> = v["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["bytes"].as_u64().unwrap())
+        .collect();
+    let peak = field(v, "peak_bytes");
+    assert_eq!(Some(peak), phases.iter().copied().max(), "{v}");
+    assert!(peak <= total, "a phase above the sum of the terms: {v}");
+    peak
 }
 
 const GIB: u64 = 1 << 30;

@@ -4,13 +4,11 @@
 //! and logged steps. The debug model at b8 x s512 in fp32, where activations and the model's
 //! states are most of it, on the layouts the estimate covers.
 //!
-//! The estimate adds its four terms, so it is an upper bound: within 10% of the measured peak
-//! without activation checkpointing (one process, FSDP2, DDP2, HSDP, TP2) and with selective op
-//! checkpointing. Two known over-counts: with one microbatch a step the gradient shards, which
-//! only fill up as the activations drain, are counted at the activation peak; with PP the
-//! estimate bounds every stage by the first stage's microbatches in flight and the last stage's
-//! output head together. Those layouts (PP2, PP2 x FSDP2, full checkpointing) are held to 25%.
-//! A DDP rank is also held to one process's peak (it copies no parameter).
+//! The estimate is the largest phase of the step (the loss, or a block's backward, on each
+//! pipeline stage), each adding what is alive then: within 10% of the measured peak on every
+//! layout below, and not more than 2% under it (the peak of a step depends on when the
+//! background collectives' buffers come and go). A DDP rank is also held to one process's peak
+//! (it copies no parameter).
 
 use std::path::Path;
 
@@ -80,11 +78,11 @@ fn measured(dump: &Path, layout: &[&str]) -> f64 {
 }
 
 #[test]
-fn the_estimate_bounds_the_measured_tensor_peak() {
+fn the_estimate_is_within_10_percent_of_the_measured_tensor_peak() {
     let dir = tempfile::tempdir().unwrap();
-    let layouts: [(&str, &[&str], f64); 9] = [
-        ("one process", &[], 1.10),
-        ("FSDP2", &["--nproc-per-node", "2"], 1.10),
+    let layouts: [(&str, &[&str]); 9] = [
+        ("one process", &[]),
+        ("FSDP2", &["--nproc-per-node", "2"]),
         (
             // The forward uses the parameters themselves (no copy) and the gradients are
             // all-reduced in their buckets: the estimate counts neither a gather nor a copy.
@@ -97,7 +95,6 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
                 "--parallelism.data_parallel_shard_degree",
                 "1",
             ],
-            1.10,
         ),
         (
             "HSDP 2 x 2",
@@ -109,7 +106,6 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
                 "--training.local_batch_size",
                 "4",
             ],
-            1.10,
         ),
         (
             "TP2",
@@ -119,7 +115,6 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
                 "--parallelism.tensor_parallel_degree",
                 "2",
             ],
-            1.10,
         ),
         (
             "FSDP2, selective op AC",
@@ -131,7 +126,6 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
                 "--activation_checkpoint.selective_ac_option",
                 "op",
             ],
-            1.10,
         ),
         (
             "FSDP2, full AC",
@@ -141,7 +135,6 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
                 "--activation_checkpoint.mode",
                 "full",
             ],
-            1.25,
         ),
         (
             "PP2",
@@ -151,7 +144,6 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
                 "--parallelism.pipeline_parallel_degree",
                 "2",
             ],
-            1.25,
         ),
         (
             // Blocks stay gathered after forward under PP; titan gathers them for every
@@ -163,12 +155,11 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
                 "--parallelism.pipeline_parallel_degree",
                 "2",
             ],
-            1.25,
         ),
     ];
     let mut report = String::new();
     let mut peaks = std::collections::HashMap::new();
-    for (i, (name, layout, bound)) in layouts.into_iter().enumerate() {
+    for (i, (name, layout)) in layouts.into_iter().enumerate() {
         let (est, states) = estimate(layout);
         let got = measured(&dir.path().join(i.to_string()), layout);
         peaks.insert(name, got);
@@ -184,8 +175,8 @@ fn the_estimate_bounds_the_measured_tensor_peak() {
             got / (1u64 << 20) as f64
         );
         assert!(
-            (1.0..=bound).contains(&ratio),
-            "{name}: the estimate is {ratio:.3} x the measured peak (bound {bound}):\n{report}"
+            (0.98..=1.10).contains(&ratio),
+            "{name}: the estimate is {ratio:.3} x the measured peak (0.98 to 1.10):\n{report}"
         );
     }
     eprintln!("{report}");

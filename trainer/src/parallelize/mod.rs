@@ -173,7 +173,7 @@ impl Placement {
         self.local == self.global
     }
 
-    /// This rank's part of the global tensor `full`.
+    /// This rank's part of the global tensor `full`, in memory of its own.
     pub fn take_local(&self, full: &Tensor) -> Tensor {
         let mut t = full.shallow_clone();
         for (d, (&off, &len)) in self.offsets.iter().zip(&self.local).enumerate() {
@@ -181,7 +181,12 @@ impl Placement {
                 t = t.narrow(d as i64, off, len);
             }
         }
-        t.contiguous()
+        // A copy, never a view: rows of a contiguous tensor are a contiguous view of it, which
+        // would keep the whole tensor's storage alive behind the part (every FSDP or row-wise
+        // TP rank would hold every parameter whole).
+        let mut local = Tensor::empty(t.size().as_slice(), (t.kind(), t.device()));
+        local.copy_(&t);
+        local
     }
 }
 
@@ -275,6 +280,40 @@ impl ParallelPlan {
             ReshardAfterForward::Always => true,
             ReshardAfterForward::Never => false,
             ReshardAfterForward::Default => !last_unit && !self.pipelined,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rank's part owns memory of its own size: a dim-0 part (FSDP's shard, a column-wise
+    /// TP weight) is not a view keeping the whole tensor's storage alive, nor is a dim-1 part.
+    #[test]
+    fn a_part_holds_only_its_own_bytes() {
+        let full = Tensor::arange(24, (Kind::Float, tch::Device::Cpu)).view([4, 6]);
+        for (offsets, local) in [([2, 0], [2, 6]), ([0, 3], [4, 3])] {
+            let placement = Placement {
+                global: vec![4, 6],
+                offsets: offsets.to_vec(),
+                local: local.to_vec(),
+                tp_dim: None,
+                tp_partial_grad: false,
+                tp_local_rows: 4,
+                rows_per_shard: 2,
+                writes: true,
+            };
+            let part = placement.take_local(&full);
+            let want = full
+                .narrow(0, offsets[0], local[0])
+                .narrow(1, offsets[1], local[1]);
+            assert!(part.equal(&want), "{offsets:?}");
+            assert_eq!(
+                crate::autograd::storage_nbytes(&part),
+                12 * 4,
+                "{offsets:?}: the part's storage"
+            );
         }
     }
 }
