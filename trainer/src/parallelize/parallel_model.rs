@@ -123,6 +123,16 @@ const FLOAT8_LINEARS: [&str; 7] = [
     "feed_forward.w3",
 ];
 
+/// A transformer block of this rank's stage in one forward pass.
+struct Block<'a> {
+    /// Global layer index.
+    index: usize,
+    unit: &'a FsdpUnit,
+    /// Position of its unit among the stage's units (embeddings first).
+    at: usize,
+    previous_recomputed: bool,
+}
+
 /// How a float8 linear's weight is split over tp, by the TP plan's style of its weight.
 fn float8_split(style: TpStyle) -> WeightSplit {
     match style {
@@ -615,17 +625,7 @@ impl ParallelModel {
             (false, true) => input.size()[1] * self.tp.size() as i64,
             _ => input.size()[1],
         };
-        let attend = match positions.filter(|_| self.attn_backend.document_causal()) {
-            None => Attend::Causal,
-            Some(p) if self.varlen_kernel => match documents {
-                Some((offsets, longest)) => Attend::Varlen(offsets.shallow_clone(), longest),
-                None => {
-                    let (offsets, longest) = document_offsets(p);
-                    Attend::Varlen(offsets, longest)
-                }
-            },
-            Some(p) => Attend::Masked(document_causal_mask(p)),
-        };
+        let attend = self.attend(positions, documents);
         let ctx = ForwardContext::new(&self.freqs_cis, seq_len, positions, attend);
         // The stage's units in forward order; a prefetch left from an earlier pass is stale.
         let layers: Vec<&(usize, FsdpUnit)> = self
@@ -663,90 +663,142 @@ impl ParallelModel {
         };
         let first_layer = usize::from(embeddings.is_some());
         for (k, (index, unit)) in layers.iter().enumerate() {
-            let (index, at) = (*index, first_layer + k);
-            let f8 = self
-                .float8
-                .as_ref()
-                .map(|f| f.blocks[index].clone())
-                .unwrap_or_default();
-            // Gather the next unit while this block computes. A checkpointed block's closure
-            // runs again in backward (the recompute), where the unit backward reaches next is
-            // the one before: gather that one meanwhile, if it gathers in backward at all (it
-            // is recomputed too, or it resharded after forward), as FSDP2's backward prefetch.
-            let (next, previous) = (
-                units.get(at + 1).map(|u| (*u).clone()),
-                at.checked_sub(1).map(|p| units[p]),
-            );
-            let previous_gathers_in_backward = previous.filter(|p| {
-                p.reshards_after_forward()
-                    || k.checked_sub(1).is_some_and(|j| {
-                        self.checkpointing == ActivationCheckpointing::Op
-                            || self.checkpointing.whole_layer(layers[j].0)
-                    })
+            // The block before this one is recomputed in backward (checkpointed), so its unit
+            // gathers again there.
+            let previous_recomputed = k.checked_sub(1).is_some_and(|j| {
+                self.checkpointing == ActivationCheckpointing::Op
+                    || self.checkpointing.whole_layer(layers[j].0)
             });
-            let before = previous_gathers_in_backward.map(|u| (*u).clone());
-            let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
-            let forward_pass = Arc::new(AtomicBool::new(true));
-            let in_forward = forward_pass.clone();
-            let moe_layer = self.args.moe_layer(index).copied();
-            let gather = move || {
-                let Gathered { params, float8 } = unit_.gather();
-                let layer = Layer::from_params(params, &shape, moe_layer.as_ref());
-                let prefetch = if in_forward.swap(false, Ordering::Relaxed) {
-                    &next
-                } else {
-                    &before
-                };
-                if let Some(unit) = prefetch {
-                    unit.prefetch();
-                }
-                (layer, float8)
+            let block = Block {
+                index: *index,
+                unit,
+                at: first_layer + k,
+                previous_recomputed,
             };
-            // A mixture of experts counts its tokens in a training forward pass, once: not in
-            // the recompute activation checkpointing runs in backward.
-            let moe = self.moe_state(index);
-            let moe_ = moe.as_ref().map(|m| m.share());
-            h = if self.checkpointing == ActivationCheckpointing::Op {
-                // The first run (forward) records the kept matmul outputs, the second (the
-                // recompute in backward) replays them. Each run gathers the block's parameters.
-                let kept = Mutex::new(None);
-                let [out] = checkpoint(&[&h], move |i| {
-                    let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
-                    let matmuls = Matmuls::new(kept.take(), f8.clone());
-                    let (layer, gathered) = gather();
-                    let ops = SplitOps::new(&tp_, &matmuls, &gathered);
-                    let out = model::block(&layer, shape, &ctx_, &ops, &i[0], moe_.as_ref());
-                    *kept = matmuls.into_recorded();
-                    [out]
-                });
-                out
-            } else if self.checkpointing.whole_layer(index) {
-                let [out] = checkpoint(&[&h], move |i| {
-                    let matmuls = Matmuls::plain(f8.clone());
-                    let (layer, gathered) = gather();
-                    let ops = SplitOps::new(&tp_, &matmuls, &gathered);
-                    [model::block(
-                        &layer,
-                        shape,
-                        &ctx_,
-                        &ops,
-                        &i[0],
-                        moe_.as_ref(),
-                    )]
-                });
-                out
-            } else {
-                let (layer, gathered) = gather();
-                let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
-                let ops = SplitOps::new(&self.tp, &matmuls, &gathered);
-                let out = model::block(&layer, shape, &ctx, &ops, &h, moe.as_ref());
-                drop((layer, gathered));
-                unit.after_forward(out, previous)
-            };
+            h = self.run_block(&block, &units, &ctx, shape, h, defer_weight_grads);
         }
-        let Some(head) = head else {
-            return h;
+        match head {
+            Some(head) => self.run_output(head, tied_output, h, shape, defer_weight_grads),
+            None => h,
+        }
+    }
+
+    /// How this forward pass's tokens attend: causal, or within their documents (the varlen
+    /// kernel over the loader's offsets, else SDPA with the mask).
+    fn attend(&self, positions: Option<&Tensor>, documents: Option<(&Tensor, i64)>) -> Attend {
+        match positions.filter(|_| self.attn_backend.document_causal()) {
+            None => Attend::Causal,
+            Some(p) if self.varlen_kernel => match documents {
+                Some((offsets, longest)) => Attend::Varlen(offsets.shallow_clone(), longest),
+                None => {
+                    let (offsets, longest) = document_offsets(p);
+                    Attend::Varlen(offsets, longest)
+                }
+            },
+            Some(p) => Attend::Masked(document_causal_mask(p)),
+        }
+    }
+
+    /// One transformer block of a forward pass over its FSDP unit: gathered (the next unit
+    /// prefetched), run by the model with this rank's [`SplitOps`], inside activation
+    /// checkpointing where the policy says, then the unit resharded per its policy.
+    fn run_block(
+        &self,
+        block: &Block<'_>,
+        units: &[&FsdpUnit],
+        ctx: &ForwardContext,
+        shape: BlockShape,
+        h: Tensor,
+        defer_weight_grads: Option<&WeightGradStash>,
+    ) -> Tensor {
+        let (index, at, unit) = (block.index, block.at, block.unit);
+        let f8 = self
+            .float8
+            .as_ref()
+            .map(|f| f.blocks[index].clone())
+            .unwrap_or_default();
+        // Gather the next unit while this block computes. A checkpointed block's closure
+        // runs again in backward (the recompute), where the unit backward reaches next is
+        // the one before: gather that one meanwhile, if it gathers in backward at all (it
+        // is recomputed too, or it resharded after forward), as FSDP2's backward prefetch.
+        let (next, previous) = (
+            units.get(at + 1).map(|u| (*u).clone()),
+            at.checked_sub(1).map(|p| units[p]),
+        );
+        let previous_gathers_in_backward =
+            previous.filter(|p| p.reshards_after_forward() || block.previous_recomputed);
+        let before = previous_gathers_in_backward.map(|u| (*u).clone());
+        let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
+        // Set until the first run of the gather (the forward; a checkpointed block's second is
+        // its recompute in backward).
+        let in_forward = Arc::new(AtomicBool::new(true));
+        let moe_layer = self.args.moe_layer(index).copied();
+        let gather = move || {
+            let Gathered { params, float8 } = unit_.gather();
+            let layer = Layer::from_params(params, &shape, moe_layer.as_ref());
+            let prefetch = if in_forward.swap(false, Ordering::Relaxed) {
+                &next
+            } else {
+                &before
+            };
+            if let Some(unit) = prefetch {
+                unit.prefetch();
+            }
+            (layer, float8)
         };
+        // A mixture of experts counts its tokens in a training forward pass, once: not in
+        // the recompute activation checkpointing runs in backward.
+        let moe = self.moe_state(index);
+        let moe_ = moe.as_ref().map(|m| m.share());
+        if self.checkpointing == ActivationCheckpointing::Op {
+            // The first run (forward) records the kept matmul outputs, the second (the
+            // recompute in backward) replays them. Each run gathers the block's parameters.
+            let kept = Mutex::new(None);
+            let [out] = checkpoint(&[&h], move |i| {
+                let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
+                let matmuls = Matmuls::new(kept.take(), f8.clone());
+                let (layer, gathered) = gather();
+                let ops = SplitOps::new(&tp_, &matmuls, &gathered);
+                let out = model::block(&layer, shape, &ctx_, &ops, &i[0], moe_.as_ref());
+                *kept = matmuls.into_recorded();
+                [out]
+            });
+            out
+        } else if self.checkpointing.whole_layer(index) {
+            let [out] = checkpoint(&[&h], move |i| {
+                let matmuls = Matmuls::plain(f8.clone());
+                let (layer, gathered) = gather();
+                let ops = SplitOps::new(&tp_, &matmuls, &gathered);
+                [model::block(
+                    &layer,
+                    shape,
+                    &ctx_,
+                    &ops,
+                    &i[0],
+                    moe_.as_ref(),
+                )]
+            });
+            out
+        } else {
+            let (layer, gathered) = gather();
+            let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
+            let ops = SplitOps::new(&self.tp, &matmuls, &gathered);
+            let out = model::block(&layer, shape, ctx, &ops, &h, moe.as_ref());
+            drop((layer, gathered));
+            unit.after_forward(out, previous)
+        }
+    }
+
+    /// The final norm and output layer over their FSDP unit (`tied`: the embedding's unit and
+    /// weight, gathered since the embedding).
+    fn run_output(
+        &self,
+        head: &FsdpUnit,
+        tied_output: Option<(&FsdpUnit, Tensor)>,
+        h: Tensor,
+        shape: BlockShape,
+        defer_weight_grads: Option<&WeightGradStash>,
+    ) -> Tensor {
         let Gathered { params, float8 } = head.gather();
         // The output layer's parameters: the final norm, then lm_head (the embedding when tied).
         let (norm, lm_head) = match &tied_output {
