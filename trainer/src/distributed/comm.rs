@@ -114,6 +114,20 @@ impl CollectiveOp<'_> {
         }
     }
 
+    /// The bytes this rank passes in (a reduce-scatter's or all-gather's input, the tensor of
+    /// the others): what titan-obs's `*_bytes` scalars count.
+    pub fn input_bytes(&self) -> usize {
+        let t = match self {
+            CollectiveOp::AllReduce { tensor, .. } | CollectiveOp::Broadcast { tensor, .. } => {
+                tensor
+            }
+            CollectiveOp::ReduceScatter { input, .. } | CollectiveOp::AllGather { input, .. } => {
+                input
+            }
+        };
+        t.numel() * t.kind().elt_size_in_bytes()
+    }
+
     /// Runs it with `c`'s blocking call.
     pub fn run(self, c: &mut (impl Collectives + ?Sized)) -> Result<(), CommError> {
         match self {

@@ -19,10 +19,6 @@ use crate::gpu_clock;
 /// A group whose collectives are recorded.
 pub struct Recorded(pub Box<dyn Collectives>);
 
-fn bytes(t: &Tensor) -> f64 {
-    (t.numel() * t.kind().elt_size_in_bytes()) as f64
-}
-
 /// Where a collective's time goes: the host's call alone, or also a GPU twin.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Timed {
@@ -42,14 +38,7 @@ impl Recorded {
         f: impl FnOnce(&mut dyn Collectives, CollectiveOp<'_>) -> T,
     ) -> T {
         let name = op.name();
-        let payload = match op {
-            CollectiveOp::AllReduce { tensor, .. } | CollectiveOp::Broadcast { tensor, .. } => {
-                bytes(tensor)
-            }
-            CollectiveOp::ReduceScatter { input, .. } | CollectiveOp::AllGather { input, .. } => {
-                bytes(input)
-            }
-        };
+        let payload = op.input_bytes() as f64;
         let _s = if timed == Timed::HostAndGpu && self.0.backend() == NCCL_BACKEND {
             gpu_clock::span(name)
         } else {

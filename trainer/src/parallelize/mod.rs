@@ -173,8 +173,12 @@ impl Placement {
         self.local == self.global
     }
 
-    /// This rank's part of the global tensor `full`, in memory of its own.
+    /// This rank's part of the global tensor `full`: `full` itself (contiguous) when the part
+    /// is the whole, else a copy in memory of its own.
     pub fn take_local(&self, full: &Tensor) -> Tensor {
+        if self.is_whole() {
+            return full.contiguous();
+        }
         let mut t = full.shallow_clone();
         for (d, (&off, &len)) in self.offsets.iter().zip(&self.local).enumerate() {
             if off != 0 || len != self.global[d] {
@@ -183,7 +187,7 @@ impl Placement {
         }
         // A copy, never a view: rows of a contiguous tensor are a contiguous view of it, which
         // would keep the whole tensor's storage alive behind the part (every FSDP or row-wise
-        // TP rank would hold every parameter whole).
+        // TP rank would hold every parameter, and after a resume every AdamW moment, whole).
         let mut local = Tensor::empty(t.size().as_slice(), (t.kind(), t.device()));
         local.copy_(&t);
         local

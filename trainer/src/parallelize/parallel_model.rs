@@ -192,11 +192,7 @@ impl ParallelModel {
                 // Another stage's parameter: drawn only to advance the RNG as one process does.
                 return Ok(());
             }
-            let local = if placement.is_whole() {
-                full
-            } else {
-                placement.take_local(&full)
-            };
+            let local = placement.take_local(&full);
             params.push((spec.fqn, local.set_requires_grad(true)));
             placements.push(placement);
             Ok(())
