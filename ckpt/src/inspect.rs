@@ -170,7 +170,21 @@ pub struct VerifyReport {
     pub chunks: usize,
     /// Block-quantized float8 weights whose scales were checked.
     pub block_scaled: usize,
+    /// The mixture-of-experts checks (None when verify stopped before them).
+    pub experts: Option<crate::experts::ExpertReport>,
+    /// Every problem found, one per line.
     pub error: Option<String>,
+    /// What verify warns of without failing (`--strict` fails on them): bit-identical experts.
+    pub warnings: Vec<String>,
+}
+
+/// `[8]` as `8`, `[4, 8]` as `4 or 8` (counts that differ between layers).
+pub fn list(values: &[u64]) -> String {
+    values
+        .iter()
+        .map(|v| v.to_string())
+        .collect::<Vec<_>>()
+        .join(" or ")
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -15,6 +15,7 @@ pub mod cast;
 pub mod consolidate;
 pub mod dcp_store;
 pub mod error;
+pub mod experts;
 pub mod formats;
 pub mod fp8;
 pub mod inspect;

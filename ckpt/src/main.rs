@@ -13,7 +13,7 @@ use titan_ckpt::formats::{self, dcp_hf};
 use titan_ckpt::inspect::{self, VerifyReport};
 use titan_ckpt::plan::{Format, is_model_tensor};
 use titan_ckpt::write::{EngineOptions, OutFilePlan, OutTensor, Progress};
-use titan_ckpt::{Dtype, fp8, storage};
+use titan_ckpt::{Dtype, experts, fp8, storage};
 
 /// Checkpoint tools for PyTorch Distributed Checkpoint (DCP) and Hugging Face safetensors.
 ///
@@ -56,7 +56,16 @@ enum Command {
     Inspect(InspectArgs),
     /// Check that headers, offsets and file sizes are consistent and chunks tile every tensor
     /// exactly (exit 1 when not).
-    Verify(InspectArgs),
+    ///
+    /// A mixture-of-experts checkpoint is also checked expert by expert: every routed expert of
+    /// every layer exactly once (stacked `[E, ...]` tensors: chunks cover experts 0..E with no
+    /// gap or overlap, E as the layer's router says; HF's per-expert tensors: none missing),
+    /// model and optimizer state alike; errors name the tensor, the layer and the experts
+    /// (exit 1). Two experts of one model tensor that are bit-identical (a rank's experts
+    /// saved in another's place) are a warning: listed, but exit 0 unless --strict (exit 3),
+    /// since a checkpoint upcycled from a dense model starts with copies on purpose.
+    #[command(verbatim_doc_comment)]
+    Verify(VerifyArgs),
     /// Per-tensor max abs difference between two checkpoints of any formats (exit 1 when they differ).
     Diff(DiffArgs),
 }
@@ -355,6 +364,16 @@ struct InspectArgs {
 }
 
 #[derive(Args)]
+struct VerifyArgs {
+    #[command(flatten)]
+    input: InspectArgs,
+    /// Warnings fail too: exit 3 when the checkpoint is whole but verify warned
+    /// (bit-identical experts).
+    #[arg(long)]
+    strict: bool,
+}
+
+#[derive(Args)]
 struct DiffArgs {
     a: String,
     b: String,
@@ -382,9 +401,13 @@ const FAILED: Code = Code::new(
     "diff found differences, verify failed, or a checkpoint could not be read or written",
 );
 const USAGE: Code = Code::new(2, "usage error (bad flags or values, wrong kind of input)");
+const WARNED: Code = Code::new(
+    3,
+    "verify --strict: the checkpoint is whole but verify warned (bit-identical experts)",
+);
 
 /// The `titan-ckpt` binary: message prefix and exit-code table.
-const TITAN_CKPT: Bin = Bin::new("titan-ckpt", &[OK, FAILED, USAGE]);
+const TITAN_CKPT: Bin = Bin::new("titan-ckpt", &[OK, FAILED, USAGE, WARNED]);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -483,40 +506,36 @@ fn run(cmd: Command, quiet: bool) -> Result<Code> {
     }
 }
 
-fn verify(a: &InspectArgs) -> Result<Code> {
+fn verify(v: &VerifyArgs) -> Result<Code> {
+    let a = &v.input;
     // A run or checkpoint folder stands for its newest complete step: the report names the
     // step it checked, so "OK" is not read as "every step is OK".
     let (loc, step) = resolve_input(&a.path)?;
-    let report = match formats::open(&loc) {
-        Ok(plan) => {
-            let checked = formats::dcp_native::check_items(&plan).and_then(|()| fp8::verify(&plan));
-            let (block_scaled, err) = match checked {
-                Ok(n) => (n, None),
-                Err(e) => (0, Some(e)),
-            };
-            VerifyReport {
-                path: a.path.clone(),
-                checked: step.clone(),
-                ok: err.is_none(),
-                format: Some(plan.format),
-                tensors: plan.tensors.len(),
-                chunks: plan.tensors.values().map(|t| t.chunks.len()).sum(),
-                block_scaled,
-                error: err.map(|e| e.to_string()),
-            }
+    let mut report = VerifyReport {
+        path: a.path.clone(),
+        checked: step.clone(),
+        ok: false,
+        format: None,
+        tensors: 0,
+        chunks: 0,
+        block_scaled: 0,
+        experts: None,
+        error: None,
+        warnings: Vec::new(),
+    };
+    let mut errors = Vec::new();
+    match formats::read(&loc) {
+        Ok(mut plan) => {
+            report.format = Some(plan.format);
+            report.tensors = plan.tensors.len();
+            report.chunks = plan.tensors.values().map(|t| t.chunks.len()).sum();
+            errors = checked_plan(&mut plan, &mut report);
         }
         Err(e @ Error::Usage(_)) => return Err(e),
-        Err(e) => VerifyReport {
-            path: a.path.clone(),
-            checked: step.clone(),
-            ok: false,
-            format: None,
-            tensors: 0,
-            chunks: 0,
-            block_scaled: 0,
-            error: Some(e.to_string()),
-        },
-    };
+        Err(e) => errors.push(e.to_string()),
+    }
+    report.ok = errors.is_empty();
+    report.error = (!errors.is_empty()).then(|| errors.join("\n"));
     let what = match &report.checked {
         Some(step) => format!(
             "{} (checked {step}, the newest step whose save committed, only)",
@@ -533,16 +552,83 @@ fn verify(a: &InspectArgs) -> Result<Code> {
                 format!("; {n} FP8 weights' block scales fit their shapes, all finite and non-zero")
             }
         };
+        let experts = match &report.experts {
+            Some(x) if x.tensors > 0 => format!(
+                "; {} MoE layers x {} experts, each expert exactly once in {} expert tensors{}",
+                x.layers,
+                inspect::list(&x.experts_per_layer),
+                x.tensors,
+                match x.warnings.len() {
+                    0 => ", no two bit-identical".to_string(),
+                    n => format!(", {n} WARNINGS"),
+                }
+            ),
+            _ => String::new(),
+        };
         println!(
-            "{what}: OK ({}, {} tensors, {} chunks tile exactly{scales})",
+            "{what}: OK ({}, {} tensors, {} chunks tile exactly{scales}{experts})",
             report.format.map(|f| f.to_string()).unwrap_or_default(),
             report.tensors,
             report.chunks
         );
+        for w in &report.warnings {
+            println!("  warning: {w}");
+        }
+    } else if let [one] = errors.as_slice() {
+        println!("{what}: FAILED: {one}");
     } else {
-        println!("{what}: FAILED: {}", report.error.as_deref().unwrap_or(""));
+        println!("{what}: FAILED ({} problems):", errors.len());
+        for e in &errors {
+            println!("  {e}");
+        }
     }
-    Ok(if report.ok { OK } else { FAILED })
+    Ok(match (report.ok, report.warnings.is_empty()) {
+        (false, _) => FAILED,
+        (true, false) if v.strict => WARNED,
+        _ => OK,
+    })
+}
+
+/// `verify`'s checks of a read plan, filling `report`: every tensor's tiling (stacked experts'
+/// said per expert), then what `formats::open` finishes with (FP8 scales), DCP items, FP8
+/// scales and the experts. Returns the errors.
+fn checked_plan(plan: &mut titan_ckpt::CheckpointPlan, report: &mut VerifyReport) -> Vec<String> {
+    let tiling: Vec<String> = plan
+        .tiling_errors()
+        .into_iter()
+        .map(
+            |(name, e)| match experts::describe_coverage(name, &plan.tensors[name]) {
+                Some(said) => Error::tensor(where_chunks_are_listed(plan), name, said).to_string(),
+                None => e.to_string(),
+            },
+        )
+        .collect();
+    if !tiling.is_empty() {
+        return tiling;
+    }
+    let checked = fp8::attach(plan)
+        .and_then(|_| formats::dcp_native::check_items(plan))
+        .and_then(|()| fp8::verify(plan))
+        .and_then(|n| Ok((n, experts::check(plan)?)));
+    match checked {
+        Ok((n, x)) => {
+            report.block_scaled = n;
+            report.warnings = x.warnings.clone();
+            let errors = x.errors.clone();
+            report.experts = Some(x);
+            errors
+        }
+        Err(e) => vec![e.to_string()],
+    }
+}
+
+/// The file that lists a checkpoint's chunks (DCP's `.metadata`; the folder for safetensors),
+/// which an error about chunks that are not there names.
+fn where_chunks_are_listed(plan: &titan_ckpt::CheckpointPlan) -> String {
+    match plan.format {
+        Format::Dcp => plan.root.display_file(".metadata"),
+        _ => plan.root.display(),
+    }
 }
 
 /// Where a command-line checkpoint is, and the `step-N` folder a run or checkpoint folder

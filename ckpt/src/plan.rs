@@ -189,10 +189,23 @@ impl CheckpointPlan {
     /// Checks that every tensor's chunks tile it exactly: each chunk inside the global shape, no
     /// two chunks overlapping, and together covering every element.
     pub fn check_coverage(&self) -> Result<()> {
-        for (name, t) in &self.tensors {
-            check_tiling(name, t, &|i| self.root.display_file(&self.files[i]))?;
+        match self.tiling_errors().into_iter().next() {
+            Some((_, e)) => Err(e),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Every tensor whose chunks do not tile it ([`check_tiling`]), with its error, in name
+    /// order (`verify` reports them all).
+    pub fn tiling_errors(&self) -> Vec<(&str, Error)> {
+        self.tensors
+            .iter()
+            .filter_map(|(name, t)| {
+                check_tiling(name, t, &|i| self.root.display_file(&self.files[i]))
+                    .err()
+                    .map(|e| (name.as_str(), e))
+            })
+            .collect()
     }
 }
 

@@ -118,13 +118,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_trainer(d, out, extra):
-    """torchtitan's debugmodel config on 2 ranks (torch.distributed.run), sized for a CPU."""
+def run_trainer(d, out, extra, module="llama3", config="llama3_debugmodel", nproc=2, script=__file__):
+    """torchtitan's `config` of `module` (the llama3 debugmodel unless said) on `nproc` ranks
+    (torch.distributed.run running `script rank ...`), sized for a CPU."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        os.path.abspath(__file__), "rank",
-        "--module", "llama3", "--config", "llama3_debugmodel",
+        os.path.abspath(script), "rank",
+        "--module", module, "--config", config,
         "--hf_assets_path", os.path.join(d, "tokenizer"),
         "--dataloader.dataset_path", os.path.join(d, "c4_test"),
         "--training.seq_len", "64", "--training.local_batch_size", "2",

@@ -78,18 +78,24 @@ pub fn detect(loc: &Location) -> Result<Format> {
 
 /// Opens the checkpoint at `loc` (format detected), validating headers, offsets and coverage.
 pub fn open(loc: &Location) -> Result<CheckpointPlan> {
-    let format = detect(loc)?;
-    tracing::info!(location = %loc.root.display(), %format, "reading checkpoint");
-    let plan = match format {
-        Format::Hf => hf::read(loc)?,
-        Format::DcpHf => dcp_hf::read(&loc.root, loc.file.as_deref())?,
-        Format::Dcp => dcp_native::read(&loc.root)?,
-    };
-    let mut plan = plan;
+    let mut plan = read(loc)?;
     plan.check_coverage()?;
     // FP8 releases: each float8 weight's `_scale_inv` tensor goes onto the weight's plan.
     crate::fp8::attach(&mut plan)?;
     Ok(plan)
+}
+
+/// Reads the checkpoint at `loc` (format detected, headers and offsets validated) without
+/// checking that chunks tile their tensors: `verify` reports every tensor that does not, then
+/// finishes [`open`]'s work with [`crate::fp8::attach`].
+pub fn read(loc: &Location) -> Result<CheckpointPlan> {
+    let format = detect(loc)?;
+    tracing::info!(location = %loc.root.display(), %format, "reading checkpoint");
+    match format {
+        Format::Hf => hf::read(loc),
+        Format::DcpHf => dcp_hf::read(&loc.root, loc.file.as_deref()),
+        Format::Dcp => dcp_native::read(&loc.root),
+    }
 }
 
 /// Opens a path or URL given on the command line (a folder of `step-N` checkpoints resolves to
