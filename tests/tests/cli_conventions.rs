@@ -61,8 +61,9 @@ fn every_help_lists_its_exit_codes_and_logging() {
     assert_eq!(codes(&obs), [0, 1, 2, 3], "{obs}");
     assert!(exit_codes(&obs)[3].1.contains("--strict"), "{obs}");
     let ckpt = stdout(&ckpt);
-    assert_eq!(codes(&ckpt), [0, 1, 2], "{ckpt}");
+    assert_eq!(codes(&ckpt), [0, 1, 2, 3], "{ckpt}");
     assert!(exit_codes(&ckpt)[1].1.contains("diff found differences"));
+    assert!(exit_codes(&ckpt)[3].1.contains("verify --strict"), "{ckpt}");
     let train = stdout(&train);
     assert_eq!(codes(&train), [0, 1, 2, 130, 143], "{train}");
     assert!(
