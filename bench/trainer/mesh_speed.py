@@ -10,7 +10,9 @@ process, FSDP on 2 and 4 ranks, TP2 and FSDP2 x TP2. `--module`/`--config` pick 
 llama3's debug model; e.g. `--module qwen3 --config qwen3_moe_debug`, both trainers from that
 config's own seed checkpoint). Per run: tokens/s per rank (median over the
 steps after the first two; titan's from its metrics.jsonl, torchtitan's from the wall time between
-its logged steps, each counting local_batch x seq_len tokens per step) and rank 0's peak RSS.
+its logged steps, each counting local_batch x seq_len tokens per step and dividing them, as
+torchtitan's own figure does, by the ranks that share a data-parallel rank's batch, cp x tp x pp)
+and rank 0's peak RSS.
 Medians over R repeats. Prints a markdown table and the command line.
 """
 
@@ -36,6 +38,18 @@ DEFAULT_LAYOUTS = [
     "tp2:2:2:--parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor",
     "fsdp2tp2:4:4:--parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor",
 ]
+
+
+def model_parallel(extra):
+    """cp x tp x pp of a layout's arguments: the ranks one data-parallel rank's tokens are shared
+    by (torchtitan's `non_data_parallel_size`, by which it divides its tokens/s)."""
+    args = shlex.split(extra)
+    n = 1
+    for key in ("context", "tensor", "pipeline"):
+        flag = f"--parallelism.{key}_parallel_degree"
+        if flag in args:
+            n *= int(args[args.index(flag) + 1])
+    return n
 
 
 def rows(path):
@@ -75,7 +89,7 @@ def main():
                     torchtitan(int(tt_n), args, log)
                     r = rows(log)
                     dts = [b["time"] - x["time"] for x, b in zip(r, r[1:])][2:]
-                    tps = statistics.median(tokens / dt for dt in dts)
+                    tps = statistics.median(tokens / dt for dt in dts) / model_parallel(extra)
                     rss = int(open(f"{log}.maxrss.0").read())
                 else:
                     titan(a.titan_train, int(titan_n), args + ["--observability.enable=false"])

@@ -44,6 +44,27 @@ layouts=(
 )
 .venv-tt/bin/python tests/python/tt_parity.py compare "$work/llama3" "$titan" "${layouts[@]}" \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
+# Context parallelism (CP 2, at seq 256: torchtitan's FlexAttention CP cuts 128-token blocks) with
+# each load balancer and beside FSDP, TP and PP; then DeepSeek-V3's latent attention and qwen3.
+cp="--parallelism.context_parallel_degree 2 --training.seq_len 256"
+cp_layouts=(
+  "cp2:2:2:$cp --parallelism.data_parallel_shard_degree 1"
+  "cp2_ptrr:2:2:$cp --parallelism.data_parallel_shard_degree 1 --parallelism.context_parallel_load_balancer ptrr"
+  "cp2_none:2:2:$cp --parallelism.data_parallel_shard_degree 1 --parallelism.context_parallel_load_balancer None"
+  "cp2_fsdp2:4:4:$cp"
+  "cp2_tp2:4:4:$cp --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor"
+  "cp2_pp2:4:4:$cp --parallelism.data_parallel_shard_degree 1 --parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs"
+)
+.venv-tt/bin/python tests/python/tt_parity.py compare "$work/cp" "$titan" "${cp_layouts[@]}" \
+  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
+.venv-tt/bin/python tests/python/tt_parity.py compare "$work/dsv3_cp" "$titan" \
+  "dsv3_cp2:2:2:$cp --parallelism.data_parallel_shard_degree 1" \
+  --module deepseek_v3 --config deepseek_v3_debugmodel \
+  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
+.venv-tt/bin/python tests/python/tt_parity.py compare "$work/qwen3_cp" "$titan" \
+  "qwen3_cp2:2:2:$cp --parallelism.data_parallel_shard_degree 1" \
+  --module qwen3 --config qwen3_debugmodel \
+  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
 # Dense qwen3 on the layouts titan-train trains it on (data parallel; its TP/PP/float8 are refused).
 qwen3_layouts=(
   "qwen3_single:1:1:"

@@ -41,6 +41,9 @@ pub mod titan {
     pub const VALIDATION: &str = "validation";
     /// Activation checkpointing: a region's forward run again inside the backward pass.
     pub const RECOMPUTE: &str = "recompute";
+    /// Context parallelism: attention's all-gather of every rank's keys and values (in
+    /// forward and in a recompute), and the reduce-scatter of their gradients in backward.
+    pub const CONTEXT_PARALLEL: &str = "context_parallel";
     /// Pipeline parallelism: a pass (`forward`/`backward`, with its microbatch and stage)
     /// waiting to receive its input from the neighbouring stage.
     pub const PIPELINE_RECV: &str = "pipeline_recv";

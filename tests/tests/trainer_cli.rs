@@ -98,7 +98,7 @@ fn help_explains_usage() {
 fn unimplemented_torchtitan_keys_are_refused_naming_them() {
     for (key, value) in [
         ("--compile.enable", "true"),
-        ("--parallelism.context_parallel_degree", "2"),
+        ("--parallelism.expert_parallel_degree", "2"),
         ("--metrics.enable_wandb", "true"),
         ("--training.enable_cpu_offload", "true"),
         (

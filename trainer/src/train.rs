@@ -29,7 +29,7 @@ use crate::model::ModelArgs;
 use crate::optim::{self, AdamW};
 use crate::parallelize::layout::{check_layout, microbatches};
 use crate::parallelize::pipeline::{Microbatch, Pipeline, PipelineConfig};
-use crate::parallelize::{ParallelModel, parallelize};
+use crate::parallelize::{ParallelModel, TokenLayout, parallelize};
 use crate::precision;
 use crate::tensorboard::EventWriter;
 
@@ -200,30 +200,35 @@ fn validate(
     model.set_training(false);
     let passes = tch::no_grad(|| -> Result<()> {
         while max_steps.is_none_or(|max| batches < max) {
-            let Some(Batch {
-                inputs,
-                labels,
-                positions,
-                valid_tokens,
-                document_offsets,
-                longest_document,
-            }) = loader.next_batch(device)?
-            else {
+            let Some(batch) = loader.next_batch(device)? else {
                 break;
             };
+            // The whole sequences' tokens, once per context-parallel group: the reduction
+            // below sums over data x context ranks.
+            if mesh.cp.rank() == 0 {
+                tokens += batch.valid_tokens;
+            }
+            let batch = model.shard_batch(batch);
             loss_sum += match pipeline {
                 Some((pipeline, microbatch_size)) => {
                     let chunk = |t: &Tensor| t.split(microbatch_size, 0);
-                    let (inputs, labels, positions) =
-                        (chunk(&inputs), chunk(&labels), chunk(&positions));
+                    let (inputs, labels, positions) = (
+                        chunk(&batch.inputs),
+                        chunk(&batch.labels),
+                        chunk(&batch.positions),
+                    );
+                    let masks = batch.cp_mask.as_ref().map(chunk);
                     // The loader's document offsets are the whole batch's: each microbatch's
                     // are found on the device (a read per forward; validation only).
                     let microbatches: Vec<Microbatch<'_>> = (0..inputs.len())
                         .map(|i| Microbatch {
                             inputs: &inputs[i],
                             labels: &labels[i],
-                            positions: &positions[i],
-                            documents: None,
+                            layout: TokenLayout {
+                                positions: Some(&positions[i]),
+                                documents: None,
+                                cp_mask: masks.as_ref().map(|m| &m[i]),
+                            },
                         })
                         .collect();
                     pipeline
@@ -231,13 +236,11 @@ fn validate(
                         .with_context(|| format!("validation at step {step}"))?
                 }
                 None => forward_pass(step, || {
-                    let documents = Some((&document_offsets, longest_document));
-                    let logits = model.forward_with(&inputs, Some(&positions), documents);
-                    model.summed_cross_entropy(&logits, &labels)
+                    let logits = model.forward_with(&batch.inputs, TokenLayout::of(&batch));
+                    model.summed_cross_entropy(&logits, &batch.labels)
                 })?
                 .to_kind(Kind::Double),
             };
-            tokens += valid_tokens;
             batches += 1;
         }
         Ok(())
@@ -363,6 +366,12 @@ pub fn train(cfg: &JobConfig, mesh: &DeviceMesh, run_id: &str) -> Result<TrainSu
         let global_tokens = job.global_tokens(local_tokens)?;
         let step_input_tokens = batches.iter().map(|b| b.inputs.numel() as i64).sum::<i64>();
         window.add_tokens(step_input_tokens);
+        // Counted before context parallelism keeps this rank's part of each sequence, as
+        // torchtitan counts them (and divides throughput by cp x tp x pp).
+        let batches: Vec<Batch> = batches
+            .into_iter()
+            .map(|b| job.model.shard_batch(b))
+            .collect();
 
         // The loss and the norm stay on the device; only a step that logs reads them (as
         // torchtitan, whose loop reads nothing on the others): the host runs ahead of the GPU.
@@ -640,8 +649,7 @@ impl<'a> Job<'a> {
                     .map(|b| Microbatch {
                         inputs: &b.inputs,
                         labels: &b.labels,
-                        positions: &b.positions,
-                        documents: Some((&b.document_offsets, b.longest_document)),
+                        layout: TokenLayout::of(b),
                     })
                     .collect();
                 local_loss += pipeline
@@ -657,9 +665,7 @@ impl<'a> Job<'a> {
                     // Sum over valid tokens / the GLOBAL count: summing gradients over ranks
                     // and microbatches then gives the mean over every token of the step.
                     forward_pass(step, || {
-                        let documents = Some((&batch.document_offsets, batch.longest_document));
-                        let logits =
-                            model.forward_with(&batch.inputs, Some(&batch.positions), documents);
+                        let logits = model.forward_with(&batch.inputs, TokenLayout::of(batch));
                         let ce = model.summed_cross_entropy(&logits, &batch.labels);
                         let tokens = global_tokens.to_kind(ce.kind());
                         ce / tokens
@@ -704,9 +710,9 @@ impl<'a> Job<'a> {
         };
         {
             let _o = titan_obs_core::span(titan::OPTIMIZER_STEP);
-            // torchtitan's step pre-hook: the experts' token counts of every data-parallel
-            // rank move their routing biases.
-            let dp = &self.mesh.dp;
+            // torchtitan's step pre-hook: the experts' token counts of every data- and
+            // context-parallel rank move their routing biases.
+            let dp = &self.mesh.dp_cp;
             self.model.update_expert_bias(|counts| {
                 if dp.size() > 1 {
                     dp.all_reduce(counts, ReduceOp::Sum)?;
@@ -739,8 +745,9 @@ impl<'a> Job<'a> {
         progress: &console::Steps,
     ) -> Result<f64> {
         let _s = titan_obs_core::span(titan::COLLECT_DIST_METRICS);
-        // torchtitan's per-GPU figures: a data-parallel rank's tokens shared by its tp x pp ranks.
-        let model_parallel = self.mesh.mesh.tp * self.mesh.mesh.pp;
+        // torchtitan's per-GPU figures: a data-parallel rank's tokens shared by its cp x tp x pp
+        // ranks (its `non_data_parallel_size`).
+        let model_parallel = self.mesh.mesh.cp * self.mesh.mesh.tp * self.mesh.mesh.pp;
         let tps = window.tokens_per_second(Instant::now(), model_parallel);
         let (rss, peak_rss) = metrics::rss_bytes();
         let on_cuda = self.device.is_cuda();
@@ -1070,7 +1077,7 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &ParallelModel) -> Result<()> 
 
 /// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
 /// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
-/// that hold different parts (`dp_shard`, and `tp` for tp-split parameters), then over the
+/// that hold different parts (`dp_shard x cp`, and `tp` for tp-split parameters), then over the
 /// pipeline stages. A 0-dim tensor on `device` (fp32 on one process; f64 from the sums over
 /// ranks, which add the squares in f64 as the host sums this replaces did): the reductions are
 /// all-reduces of device tensors, and nothing is read to the host.
@@ -1102,9 +1109,9 @@ fn grad_norm(mesh: &DeviceMesh, model: &ParallelModel, device: Device) -> Result
         }
         Ok(())
     };
-    // [split, replicated] squares in one tensor, as one reduction over dp_shard.
+    // [split, replicated] squares in one tensor, as one reduction over FSDP's ranks.
     let sums = Tensor::cat(&[local(true)?, local(false)?], 0);
-    all_reduce(&mesh.dp_shard, &sums)?;
+    all_reduce(&mesh.fsdp, &sums)?;
     let split = sums.narrow(0, 0, 1).copy();
     all_reduce(&mesh.tp, &split)?;
     // Each pipeline stage's squared norm, summed over the stages (torchtitan's pp_mesh sum).

@@ -135,11 +135,6 @@ const NO_EFFECT: &[(&str, Accepts, &str)] = &[
         "titan-train captures no CUDA graphs",
     ),
     (
-        "parallelism.context_parallel_load_balancer",
-        Accepts::Any,
-        "only used with context parallelism",
-    ),
-    (
         "parallelism.enable_fsdp_symm_mem",
         Accepts::Only(&["false"]),
         "",

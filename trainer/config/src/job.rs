@@ -222,6 +222,58 @@ impl<'de> Deserialize<'de> for SelectiveAcOption {
     }
 }
 
+/// `parallelism.context_parallel_load_balancer`: how context parallelism orders the sequence
+/// before each rank takes its contiguous part (torchtitan's `headtail`, `ptrr`, or `None`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpLoadBalancer {
+    /// The sequence in 2 x cp chunks; rank i holds chunks i and 2 cp - 1 - i (causal work
+    /// evens out).
+    #[default]
+    HeadTail,
+    /// Processing-time round-robin over the attention mask's 128-token blocks (document masks).
+    Ptrr,
+    /// Rank i holds the i-th contiguous part.
+    None,
+}
+
+impl CpLoadBalancer {
+    pub fn name(self) -> &'static str {
+        match self {
+            CpLoadBalancer::HeadTail => "headtail",
+            CpLoadBalancer::Ptrr => "ptrr",
+            CpLoadBalancer::None => "None",
+        }
+    }
+}
+
+impl Serialize for CpLoadBalancer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for CpLoadBalancer {
+    /// torchtitan's spellings and messages (`ParallelismConfig.__post_init__`, `cp_shard`).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = Option::<String>::deserialize(d)?;
+        match text.as_deref() {
+            Some("headtail") => Ok(CpLoadBalancer::HeadTail),
+            Some("ptrr") => Ok(CpLoadBalancer::Ptrr),
+            None | Some("None") | Some("none") => Ok(CpLoadBalancer::None),
+            Some("") => Err(serde::de::Error::custom(
+                "context_parallel_load_balancer cannot be an empty string. Use None to disable \
+                 load balancing.",
+            )),
+            Some(other) => Err(serde::de::Error::custom(format!(
+                "Invalid load_balancer_type '{other}'. Must be one of: 'headtail', 'ptrr', or None"
+            ))),
+        }
+    }
+}
+
+/// The token block FlexAttention's block masks (and the `ptrr` load balancer) work in.
+pub const CP_MASK_BLOCK: i64 = 128;
+
 /// torchtitan's `-1` for "unset" in count keys, read as `None`; `Some(n)` otherwise.
 mod minus_one_is_none {
     use serde::{Deserialize, Deserializer, Serializer, de::Error};
@@ -483,7 +535,9 @@ pub struct Parallelism {
     /// Tensor parallelism splits the activations between blocks along the sequence (and the
     /// norms run on sequence blocks), as torchtitan's default.
     pub enable_sequence_parallel: bool,
+    /// Ranks the sequence is split over (attention gathers every rank's keys and values).
     pub context_parallel_degree: i64,
+    pub context_parallel_load_balancer: CpLoadBalancer,
     pub pipeline_parallel_degree: i64,
     /// torch's schedule name (`GPipe`, `1F1B`, `Interleaved1F1B`).
     pub pipeline_parallel_schedule: String,
@@ -513,6 +567,7 @@ impl Default for Parallelism {
             tensor_parallel_degree: 1,
             enable_sequence_parallel: true,
             context_parallel_degree: 1,
+            context_parallel_load_balancer: CpLoadBalancer::HeadTail,
             pipeline_parallel_degree: 1,
             pipeline_parallel_schedule: "1F1B".into(),
             pipeline_parallel_schedule_csv: String::new(),
@@ -942,6 +997,71 @@ impl JobConfig {
         Ok(cfg)
     }
 
+    /// Context parallelism's conditions, in torchtitan 0.3.0's words: a sequence the load
+    /// balancer can cut (2 x cp chunks; with sequence parallelism each chunk again over tp),
+    /// an attention that can take another rank's keys, and `ptrr`'s attention-mask blocks.
+    fn validate_context_parallel(&self) -> Result<(), ConfigError> {
+        let p = &self.parallelism;
+        let cp = p.context_parallel_degree;
+        if cp <= 1 {
+            return Ok(());
+        }
+        if self.model.attn_backend == AttnBackend::Varlen {
+            return Err(ConfigError::invalid(
+                "parallelism.context_parallel_degree",
+                "Context Parallel only supports SDPA and FlexAttention. Varlen attention is not \
+                 supported with CP (model.attn_backend is varlen)",
+            ));
+        }
+        if p.context_parallel_load_balancer == CpLoadBalancer::Ptrr
+            && !self.model.attn_backend.document_causal()
+        {
+            return Err(ConfigError::invalid(
+                "parallelism.context_parallel_load_balancer",
+                "PTRRLoadBalancer requires attention_masks to be a BlockMask or dict[str, \
+                 BlockMask], but got None (model.attn_backend sdpa has no mask: use flex)",
+            ));
+        }
+        let tp = if p.enable_sequence_parallel {
+            p.tensor_parallel_degree.max(1)
+        } else {
+            1
+        };
+        let mut lengths = vec![("training.seq_len", self.training.seq_len)];
+        if self.validation.enable {
+            lengths.push((
+                "validation.seq_len",
+                self.validation.batch_shape(&self.training).1 as i64,
+            ));
+        }
+        for (key, seq_len) in lengths {
+            let divisor = tp * 2 * cp;
+            if seq_len % divisor != 0 {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "Training sequence length ({seq_len}) must be divisible by {divisor} for \
+                         the configured sequence/context parallelism."
+                    ),
+                ));
+            }
+            // PTRR deals the mask's 128-token blocks out to the ranks.
+            let blocks = CP_MASK_BLOCK * cp;
+            if p.context_parallel_load_balancer == CpLoadBalancer::Ptrr && seq_len % blocks != 0 {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{seq_len} is not a multiple of {blocks}: the ptrr load balancer deals \
+                         attention-mask blocks of {CP_MASK_BLOCK} tokens to {cp} ranks \
+                         (num_tasks {} must be divisible by group_size {cp})",
+                        seq_len / CP_MASK_BLOCK
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the values that types alone cannot.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, message: String| {
@@ -1053,6 +1173,7 @@ impl JobConfig {
                 return bad(key, "float16 is not one of bfloat16, float32".into());
             }
         }
+        self.validate_context_parallel()?;
         if self.training.mixed_precision_reduce != DtypeName::Float32 {
             return bad(
                 "training.mixed_precision_reduce",
@@ -1225,12 +1346,6 @@ impl JobConfig {
                 " (Python's gc debugging has no counterpart)",
             ),
             (
-                "parallelism.context_parallel_degree",
-                w(&self.parallelism.context_parallel_degree),
-                w(&d.parallelism.context_parallel_degree),
-                " (titan-train has FSDP and tensor parallelism)",
-            ),
-            (
                 "parallelism.pipeline_parallel_schedule_csv",
                 w(&self.parallelism.pipeline_parallel_schedule_csv),
                 w(&d.parallelism.pipeline_parallel_schedule_csv),
@@ -1279,17 +1394,7 @@ impl JobConfig {
                 " (the estimate is arithmetic: it allocates no tensors, fake or real)",
             ),
         ];
-        // The estimate is arithmetic on the layout: it takes layouts training does not run.
-        let estimated = [
-            "parallelism.tensor_parallel_degree",
-            "parallelism.context_parallel_degree",
-            "parallelism.pipeline_parallel_degree",
-            "parallelism.fsdp_reshard_after_forward",
-        ];
         for (key, value, default, note) in checks {
-            if self.memory_estimation.enable && estimated.contains(&key) {
-                continue;
-            }
             if value != default {
                 return Err(ConfigError::Unsupported {
                     key: key.into(),
@@ -1644,7 +1749,7 @@ mod tests {
     fn unimplemented_keys_are_refused_unless_default() {
         for (key, value) in [
             ("--compile.enable", "true"),
-            ("--parallelism.context_parallel_degree", "2"),
+            ("--parallelism.expert_parallel_degree", "2"),
             ("--metrics.enable_wandb", "true"),
             ("--training.enable_cpu_offload", "true"),
             ("--model.converters", "mx"),
@@ -1665,7 +1770,7 @@ mod tests {
             None,
             &ov(&[
                 "--compile.enable=false",
-                "--parallelism.context_parallel_degree",
+                "--parallelism.expert_parallel_degree",
                 "1",
             ]),
         )

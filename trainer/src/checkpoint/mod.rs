@@ -366,9 +366,14 @@ impl Checkpointer {
                     dp_rank: self.world.dp_rank() as u64,
                     rank: self.world.rank as u64,
                     dp_degree: self.world.dp_degree() as u64,
-                    // One copy per data-parallel rank: not again from its tp or pp peers.
-                    writes_dataloader: self.world.coord(crate::parallel::Dim::Tp) == 0
-                        && self.world.coord(crate::parallel::Dim::Pp) == 0,
+                    // One copy per data-parallel rank: not again from its cp, tp or pp peers.
+                    writes_dataloader: [
+                        crate::parallel::Dim::Cp,
+                        crate::parallel::Dim::Tp,
+                        crate::parallel::Dim::Pp,
+                    ]
+                    .iter()
+                    .all(|&d| self.world.coord(d) == 0),
                 },
             )?
         };

@@ -177,6 +177,10 @@ pub struct Batch {
     pub document_offsets: Tensor,
     /// The longest document's length (the varlen kernel's launch bound).
     pub longest_document: i64,
+    /// Under context parallelism, set when the batch is split (the parallel plan's
+    /// `ContextParallel::shard`): which of every rank's keys each of this rank's queries
+    /// attends to (B, 1, S / cp, S).
+    pub cp_mask: Option<Tensor>,
 }
 
 /// The label value the loss ignores (torch's `CrossEntropyLoss` default, torchtitan's
@@ -576,6 +580,7 @@ impl HostBatch {
                 device,
             ),
             longest_document: self.longest_document,
+            cp_mask: None,
         }
     }
 }

@@ -415,6 +415,13 @@ pub struct DeviceMesh {
     pub dp_replicate: Group,
     /// dp_replicate x dp_shard flattened: the ranks that read different data.
     pub dp: Group,
+    /// The ranks holding the parts of one sequence (context parallelism).
+    pub cp: Group,
+    /// dp_shard x cp flattened: the ranks FSDP shards over (torchtitan's `fsdp` mesh).
+    pub fsdp: Group,
+    /// dp x cp flattened: the ranks whose losses (and MoE token counts) add up to the step's
+    /// (torchtitan's `loss` mesh).
+    pub dp_cp: Group,
     scalar_device: Device,
     dist: Option<Dist>,
 }
@@ -429,15 +436,18 @@ impl DeviceMesh {
             dp_shard: Group::solo(),
             dp_replicate: Group::solo(),
             dp: Group::solo(),
+            cp: Group::solo(),
+            fsdp: Group::solo(),
+            dp_cp: Group::solo(),
             scalar_device: Device::Cpu,
             dist: None,
         }
     }
 
     /// Creates the groups of `mesh` over the joined job `dist` (every rank calls this with the
-    /// same mesh degrees). Context parallelism has no groups: it is refused before the job
-    /// starts. The pipeline's point-to-point groups are made by the pipeline
-    /// ([`DeviceMesh::new_group`]).
+    /// same mesh degrees). Without context parallelism `fsdp` is `dp_shard` and `dp_cp` is
+    /// `dp` (no second communicator over the same ranks). The pipeline's point-to-point groups
+    /// are made by the pipeline ([`DeviceMesh::new_group`]).
     pub fn connect(dist: Dist, mesh: Mesh) -> Result<Self, CommError> {
         let group = |dims: &[Dim], tag: &str| -> Result<Group, CommError> {
             let members = mesh.group_members(dims);
@@ -452,7 +462,16 @@ impl DeviceMesh {
         let dp_shard = group(&[Dim::DpShard], "dp_shard")?;
         let dp_replicate = group(&[Dim::DpReplicate], "dp_replicate")?;
         let dp = group(&[Dim::DpReplicate, Dim::DpShard], "dp")?;
-        let scalar_device = [&tp, &dp, &pp]
+        let (cp, fsdp, dp_cp) = if mesh.cp > 1 {
+            (
+                group(&[Dim::Cp], "cp")?,
+                group(&[Dim::DpShard, Dim::Cp], "fsdp")?,
+                group(&[Dim::DpReplicate, Dim::DpShard, Dim::Cp], "dp_cp")?,
+            )
+        } else {
+            (Group::solo(), dp_shard.clone(), dp.clone())
+        };
+        let scalar_device = [&tp, &dp, &pp, &cp]
             .iter()
             .map(|g| g.scalar_device(dist.device_index))
             .find(|d| d.is_cuda())
@@ -464,6 +483,9 @@ impl DeviceMesh {
             dp_shard,
             dp_replicate,
             dp,
+            cp,
+            fsdp,
+            dp_cp,
             scalar_device,
             dist: Some(dist),
         })
@@ -518,7 +540,7 @@ impl DeviceMesh {
     /// model is initialised from the same stream everywhere and each rank keeps its part).
     pub fn agree_seed(&self, seed: u64) -> Result<u64, CommError> {
         let t = Tensor::from_slice(&[seed as i64]).to_device(self.scalar_device);
-        for g in [&self.dp, &self.tp, &self.pp] {
+        for g in [&self.dp, &self.tp, &self.pp, &self.cp] {
             if g.size() > 1 {
                 g.broadcast(&t, 0)?;
             }
@@ -533,13 +555,14 @@ impl DeviceMesh {
         Ok(sum[0].round() as i64)
     }
 
-    /// Reduces each metric in place with its reduction: a sum over the data-parallel ranks
-    /// (the loss, whose model-parallel ranks hold the same value), a mean, max or min over
+    /// Reduces each metric in place with its reduction: a sum over the data- and
+    /// context-parallel ranks (the loss, whose model-parallel ranks hold the same value; each
+    /// context-parallel rank holds its tokens' part), a mean, max or min over
     /// every rank of the job — the ranks `titan-obs metrics` reduces the recorded scalars
     /// over, so the console, `metrics.jsonl`, TensorBoard and titan-obs show one number
     /// (before, the console's `tps_mean` was rank 0's data-parallel group's only).
     pub fn reduce_metrics(&self, metrics: &mut [(f64, Reduce)]) -> Result<(), CommError> {
-        let n = (self.mesh.dp_degree() * self.mesh.tp * self.mesh.pp) as f64;
+        let n = (self.mesh.dp_degree() * self.mesh.cp * self.mesh.tp * self.mesh.pp) as f64;
         let sums: Vec<f64> = metrics
             .iter()
             .map(|&(v, r)| match r {
@@ -555,9 +578,9 @@ impl DeviceMesh {
                 _ => f64::MIN,
             })
             .collect();
-        let sums = self.reduce_scalars(&self.dp, &sums, ReduceOp::Sum)?;
-        // The means' sums go on over the model-parallel groups (dp x tp x pp is the world:
-        // context parallelism is refused before the job starts); the loss's does not.
+        let sums = self.reduce_scalars(&self.dp_cp, &sums, ReduceOp::Sum)?;
+        // The means' sums go on over the model-parallel groups (dp x cp x tp x pp is the
+        // world); the loss's does not.
         let means: Vec<f64> = metrics
             .iter()
             .zip(&sums)
@@ -565,7 +588,7 @@ impl DeviceMesh {
             .collect();
         let means = self.reduce_scalars(&self.tp, &means, ReduceOp::Sum)?;
         let means = self.reduce_scalars(&self.pp, &means, ReduceOp::Sum)?;
-        let mut maxes = self.reduce_scalars(&self.dp, &maxes, ReduceOp::Max)?;
+        let mut maxes = self.reduce_scalars(&self.dp_cp, &maxes, ReduceOp::Max)?;
         for g in [&self.tp, &self.pp] {
             maxes = self.reduce_scalars(g, &maxes, ReduceOp::Max)?;
         }

@@ -128,6 +128,7 @@ pub(super) fn attention(
         .view([b, s, h, nope + vd]);
     let (k_nope, v) = (kv.narrow(3, 0, nope), kv.narrow(3, nope, vd));
     let k = Tensor::cat(&[k_nope, k_pe.expand([-1, -1, h, -1], false)], -1);
+    let (k, v) = ops.keys_values(&k, &v);
     // SDPA, not FlashAttention's varlen kernel (q/k and v widths differ: `with_attn_backend`
     // leaves it off), with YaRN's temperature in the scale.
     let out = sdpa(&q, &k, &v, &ctx.attend, Some(m.softmax_scale()), false);

@@ -214,7 +214,8 @@ pub struct ForwardContext {
 pub enum Attend {
     /// Plain causal attention.
     Causal,
-    /// SDPA with the document-causal mask (B, 1, S, S).
+    /// SDPA with a mask (B, 1, S_q, S_k): the document-causal mask, or under context
+    /// parallelism this rank's queries over every rank's keys ([`Ops::keys_values`]).
     Masked(Tensor),
     /// FlashAttention's varlen kernel over the packed documents: offsets and longest document.
     Varlen(Tensor, i64),
@@ -560,6 +561,10 @@ pub trait Ops {
     fn exit(&self, x: &Tensor) -> Tensor;
     /// `x · wᵀ`.
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor;
+    /// The keys and values (B, S, heads, dim) this pass's queries attend over, from this
+    /// pass's own `k` and `v`: themselves, or where the sequence is split over ranks every
+    /// rank's, in the order [`Attend::Masked`]'s key axis follows.
+    fn keys_values(&self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor);
     /// q, k and v of `x`, each (B, S, heads * head_dim), in one matmul over the three weights
     /// fused (torchtitan 0.3.0's `wqkv`), where the implementation multiplies them so; `None`:
     /// three [`Ops::linear`]s.
@@ -580,6 +585,10 @@ impl Ops for Plain {
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
         x.linear::<&Tensor>(&w.value, None)
+    }
+
+    fn keys_values(&self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+        (k.shallow_clone(), v.shallow_clone())
     }
 
     fn fused_qkv(&self, _: &Tensor, _: [&Weight; 3], _: &BlockShape) -> Option<[Tensor; 3]> {
@@ -685,6 +694,7 @@ fn attention(
         .expect("the varlen kernel ran in the probe");
         return ops.linear(&out.reshape([b, s, h * hd]), &layer.wo);
     }
+    let (k, v) = ops.keys_values(&k, &v);
     // Grouped-query attention as torchtitan asks SDPA for it (`enable_gqa`: each kv head
     // serves n_heads / kv_heads consecutive query heads), not with k and v repeated first:
     // torch picks another CPU kernel for the repeated form, which rounds differently.

@@ -194,6 +194,16 @@ fn refuse_with_split_backward(
             format!("data parallelism ({dp_degree} replicas) is not implemented with {name}"),
         );
     }
+    // FSDP shards over the context-parallel ranks too.
+    let cp = cfg.parallelism.context_parallel_degree;
+    if cp > 1 {
+        return refuse(
+            "parallelism.context_parallel_degree",
+            format!(
+                "context parallelism ({cp} ranks, FSDP over them) is not implemented with {name}"
+            ),
+        );
+    }
     if cfg.activation_checkpoint.mode != config::AcMode::None {
         return refuse(
             "activation_checkpoint.mode",

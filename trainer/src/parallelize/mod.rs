@@ -1,8 +1,8 @@
 //! How the model is split over the device mesh, as torchtitan's `parallelize_llama` applies it:
-//! tensor parallelism with the llama3 plan ([`tp`]), then FSDP2 over `dp_shard` (and HSDP over
-//! `dp_replicate`) per transformer block ([`fsdp`]), activation checkpointing, float8 linears and
-//! the pipeline's stages ([`pipeline`]), over [`crate::model`]'s decoder, which knows none of
-//! them. [`ParallelModel`] is the model as a rank holds it: [`ParallelPlan`] says where each
+//! tensor parallelism with the llama3 plan ([`tp`]), then FSDP2 over `dp_shard x cp` (and HSDP
+//! over `dp_replicate`) per transformer block ([`fsdp`]), activation checkpointing, float8
+//! linears, the pipeline's stages ([`pipeline`]) and context parallelism's sequence split
+//! ([`context_parallel`]), over [`crate::model`]'s decoder, which knows none of them. [`ParallelModel`] is the model as a rank holds it: [`ParallelPlan`] says where each
 //! parameter lives ([`Placement`]), and its forward pass runs the model's blocks with the
 //! modules' ops; the training loop does not see the split.
 //!
@@ -10,10 +10,11 @@
 //! - TP (`tp_dim`): column-wise linears (`wq`, `wk`, `wv`, `w1`, `w3`, `lm_head`) and the
 //!   vocab-sharded `tok_embeddings` split dim 0 into `tp` equal blocks; row-wise linears (`wo`,
 //!   `w2`) split dim 1; norms are replicated.
-//! - FSDP: the TP-local tensor's dim 0 is cut into `dp_shard` chunks of `ceil(rows / dp_shard)`
+//! - FSDP: the TP-local tensor's dim 0 is cut into `N = dp_shard x cp` chunks of `ceil(rows / N)`
 //!   rows (the last ones shorter or empty: `torch.chunk`, as FSDP2), so each rank's part is one
 //!   block of the global tensor at `offsets`.
 
+pub mod context_parallel;
 pub mod fsdp;
 pub mod layout;
 mod parallel_model;
@@ -31,7 +32,7 @@ use crate::float8::{self, Float8Training};
 use crate::model::ModelArgs;
 use crate::parallel::Dim;
 use crate::precision;
-pub use parallel_model::ParallelModel;
+pub use parallel_model::{ParallelModel, TokenLayout};
 use pipeline::{Pipeline, PipelineConfig, StageModules};
 pub use plan::TpStyle;
 
@@ -130,7 +131,7 @@ fn apply_float8(
         converted.join(", ")
     );
     if f8.fsdp_all_gather {
-        if mesh.mesh.dp_shard > 1 {
+        if mesh.fsdp.size() > 1 {
             tracing::info!(
                 "FSDP gathers the float8 linears' weights in float8{}",
                 if f8.precompute_scales {
@@ -142,7 +143,8 @@ fn apply_float8(
         } else {
             tracing::warn!(
                 "float8.enable_fsdp_float8_all_gather does nothing here: FSDP shards \
-                 nothing (parallelism.data_parallel_shard_degree is 1)"
+                 nothing (parallelism.data_parallel_shard_degree x context_parallel_degree \
+                 is 1)"
             );
         }
     }
@@ -198,6 +200,7 @@ impl Placement {
 #[derive(Clone)]
 pub struct ParallelPlan {
     pub tp: tp::TensorParallel,
+    pub cp: context_parallel::ContextParallel,
     pub fsdp: fsdp::FsdpMesh,
     pub reshard_after_forward: ReshardAfterForward,
     /// Pipeline parallelism is on (FSDP's default then keeps gathered parameters between a
@@ -214,8 +217,12 @@ impl ParallelPlan {
     pub fn new(mesh: &DeviceMesh, cfg: &Parallelism, param_kind: Kind, reduce_kind: Kind) -> Self {
         ParallelPlan {
             tp: tp::TensorParallel::new(mesh.tp.clone(), cfg.enable_sequence_parallel),
+            cp: context_parallel::ContextParallel::new(
+                mesh.cp.clone(),
+                cfg.context_parallel_load_balancer,
+            ),
             fsdp: fsdp::FsdpMesh {
-                shard: mesh.dp_shard.clone(),
+                shard: mesh.fsdp.clone(),
                 replicate: mesh.dp_replicate.clone(),
                 param_kind,
                 reduce_kind,
@@ -224,7 +231,7 @@ impl ParallelPlan {
             reshard_after_forward: cfg.fsdp_reshard_after_forward,
             pipelined: cfg.pipeline_parallel_degree > 1,
             tp_rank: mesh.mesh.coord(Dim::Tp),
-            shard_rank: mesh.mesh.coord(Dim::DpShard),
+            shard_rank: mesh.fsdp.rank(),
             replicate_rank: mesh.mesh.coord(Dim::DpReplicate),
         }
     }

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
+use super::context_parallel::ContextParallel;
 use super::fsdp::{Float8Gather, FsdpUnit, Gathered};
 use super::pipeline::StageModules;
 use super::plan::{TpStyle, tp_style};
@@ -25,6 +26,7 @@ use super::tp::TensorParallel;
 use super::weight_grad::{WeightGradStash, deferred_linear};
 use super::{ParallelPlan, Placement};
 use crate::config::{ActivationCheckpointing, AttnBackend};
+use crate::data::Batch;
 use crate::float8::{Float8Linear, Float8Training, Float8Weight, WeightSplit};
 use crate::model::{
     self, Attend, BlockShape, ForwardContext, Layer, ModelArgs, Module, MoeBuffers, MoeRun, Ops,
@@ -50,6 +52,7 @@ pub struct ParallelModel {
     /// so the dtype of the hidden states.
     compute_kind: Kind,
     tp: TensorParallel,
+    cp: ContextParallel,
     freqs_cis: Tensor,
     checkpointing: ActivationCheckpointing,
     attn_backend: AttnBackend,
@@ -63,6 +66,31 @@ pub struct ParallelModel {
     /// Training forward passes count the tokens each expert gets (torchtitan's
     /// `module.training`; validation turns it off).
     training: AtomicBool,
+}
+
+/// What a forward pass is told of its tokens besides their ids, by the batch they come from.
+#[derive(Clone, Copy, Default)]
+pub struct TokenLayout<'a> {
+    /// Each token's position in its document (B, S); `None`: each row one document from 0.
+    pub positions: Option<&'a Tensor>,
+    /// The documents' offsets and longest length as the loader counted them on the host: the
+    /// varlen kernel then needs no read back from the device ([`document_offsets`] would make
+    /// one per forward pass).
+    pub documents: Option<(&'a Tensor, i64)>,
+    /// Under context parallelism, this rank's queries over every rank's keys
+    /// ([`Batch::cp_mask`]).
+    pub cp_mask: Option<&'a Tensor>,
+}
+
+impl<'a> TokenLayout<'a> {
+    /// Everything `batch` says of its tokens.
+    pub fn of(batch: &'a Batch) -> Self {
+        TokenLayout {
+            positions: Some(&batch.positions),
+            documents: Some((&batch.document_offsets, batch.longest_document)),
+            cp_mask: batch.cp_mask.as_ref(),
+        }
+    }
 }
 
 /// Which linears of the model multiply in float8.
@@ -244,6 +272,7 @@ impl ParallelModel {
             head,
             compute_kind: plan.fsdp.param_kind,
             tp: plan.tp.clone(),
+            cp: plan.cp.clone(),
             freqs_cis,
             checkpointing: ActivationCheckpointing::None,
             attn_backend: AttnBackend::default(),
@@ -574,23 +603,29 @@ impl ParallelModel {
     /// document starting at position 0. Under tensor parallelism the logits are this rank's
     /// vocab columns (B, S, vocab / tp): take the loss with [`ParallelModel::summed_cross_entropy`].
     pub fn forward(&self, tokens: &Tensor, positions: Option<&Tensor>) -> Tensor {
-        self.forward_with(tokens, positions, None)
+        let layout = TokenLayout {
+            positions,
+            ..TokenLayout::default()
+        };
+        self.forward_with(tokens, layout)
     }
 
-    /// [`ParallelModel::forward`] with the documents as the loader counted them on the host
-    /// ([`ParallelModel::forward_stage`]).
-    pub fn forward_with(
-        &self,
-        tokens: &Tensor,
-        positions: Option<&Tensor>,
-        documents: Option<(&Tensor, i64)>,
-    ) -> Tensor {
+    /// [`ParallelModel::forward`] with everything the batch says of its tokens
+    /// ([`TokenLayout`]).
+    pub fn forward_with(&self, tokens: &Tensor, layout: TokenLayout<'_>) -> Tensor {
         let stage = self.stages[0].0;
         assert!(
             self.stages.len() == 1 && self.embeddings.is_some() && self.head.is_some(),
             "forward runs the whole model; under pipeline parallelism use forward_stage"
         );
-        self.forward_stage(stage, tokens, positions, documents, None)
+        self.forward_stage(stage, tokens, layout, None)
+    }
+
+    /// This rank's part of a loaded batch: under context parallelism its part of every
+    /// sequence with the mask over every rank's keys ([`ContextParallel::shard`]); else the
+    /// batch as it is.
+    pub fn shard_batch(&self, batch: Batch) -> Batch {
+        self.cp.shard(batch, self.attn_backend.document_causal())
     }
 
     /// Runs pipeline stage `stage` of this rank: from token ids (B, S) on the stage holding
@@ -598,17 +633,16 @@ impl ParallelModel {
     /// ([`ParallelModel::hidden_shape`]); returns hidden states, or the logits (as
     /// [`ParallelModel::forward`]) on the stage holding the output. With `defer_weight_grads`, the
     /// linears' backward computes only input gradients and parks their weight gradients there
-    /// (a zero-bubble schedule runs them later). `documents`: the documents' offsets and
-    /// longest length as the loader counted them on the host ([`crate::data::Batch`]): the varlen kernel then needs no read
-    /// back from the device ([`document_offsets`] would make one per forward pass).
+    /// (a zero-bubble schedule runs them later). `layout`: the tokens' positions, documents
+    /// and context-parallel mask ([`TokenLayout`]).
     pub fn forward_stage(
         &self,
         stage: usize,
         input: &Tensor,
-        positions: Option<&Tensor>,
-        documents: Option<(&Tensor, i64)>,
+        layout: TokenLayout<'_>,
         defer_weight_grads: Option<&WeightGradStash>,
     ) -> Tensor {
+        let positions = layout.positions;
         let modules = &self
             .stages
             .iter()
@@ -621,7 +655,7 @@ impl ParallelModel {
             (false, true) => input.size()[1] * self.tp.size() as i64,
             _ => input.size()[1],
         };
-        let attend = self.attend(positions, documents);
+        let attend = self.attend(layout);
         let ctx = ForwardContext::new(&self.freqs_cis, seq_len, positions, attend);
         // The stage's units in forward order; a prefetch left from an earlier pass is stale.
         let layers: Vec<&(usize, FsdpUnit)> = self
@@ -679,10 +713,18 @@ impl ParallelModel {
         }
     }
 
-    /// How this forward pass's tokens attend: causal, or within their documents (the varlen
-    /// kernel over the loader's offsets, else SDPA with the mask).
-    fn attend(&self, positions: Option<&Tensor>, documents: Option<(&Tensor, i64)>) -> Attend {
-        match positions.filter(|_| self.attn_backend.document_causal()) {
+    /// How this forward pass's tokens attend: over every context-parallel rank's keys with
+    /// the batch's mask, causal, or within their documents (the varlen kernel over the
+    /// loader's offsets, else SDPA with the mask).
+    fn attend(&self, layout: TokenLayout<'_>) -> Attend {
+        if let Some(mask) = layout.cp_mask {
+            return Attend::Masked(mask.shallow_clone());
+        }
+        let documents = layout.documents;
+        match layout
+            .positions
+            .filter(|_| self.attn_backend.document_causal())
+        {
             None => Attend::Causal,
             Some(p) if self.varlen_kernel => match documents {
                 Some((offsets, longest)) => Attend::Varlen(offsets.shallow_clone(), longest),
@@ -724,7 +766,7 @@ impl ParallelModel {
         let previous_gathers_in_backward =
             previous.filter(|p| p.reshards_after_forward() || block.previous_recomputed);
         let before = previous_gathers_in_backward.map(|u| (*u).clone());
-        let (unit_, ctx_, tp_) = (unit.clone(), ctx.share(), self.tp.clone());
+        let (unit_, ctx_, tp_, cp_) = (unit.clone(), ctx.share(), self.tp.clone(), self.cp.clone());
         // Set until the first run of the gather (the forward; a checkpointed block's second is
         // its recompute in backward).
         let in_forward = Arc::new(AtomicBool::new(true));
@@ -754,7 +796,7 @@ impl ParallelModel {
                 let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
                 let matmuls = Matmuls::new(kept.take(), f8.clone());
                 let (layer, gathered) = gather();
-                let ops = SplitOps::new(&tp_, &matmuls, &gathered);
+                let ops = SplitOps::new(&tp_, &cp_, &matmuls, &gathered);
                 let out = model::block(&layer, shape, &ctx_, &ops, &i[0], moe_.as_ref());
                 *kept = matmuls.into_recorded();
                 [out]
@@ -764,7 +806,7 @@ impl ParallelModel {
             let [out] = checkpoint(&[&h], move |i| {
                 let matmuls = Matmuls::plain(f8.clone());
                 let (layer, gathered) = gather();
-                let ops = SplitOps::new(&tp_, &matmuls, &gathered);
+                let ops = SplitOps::new(&tp_, &cp_, &matmuls, &gathered);
                 [model::block(
                     &layer,
                     shape,
@@ -778,7 +820,7 @@ impl ParallelModel {
         } else {
             let (layer, gathered) = gather();
             let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
-            let ops = SplitOps::new(&self.tp, &matmuls, &gathered);
+            let ops = SplitOps::new(&self.tp, &self.cp, &matmuls, &gathered);
             let out = model::block(&layer, shape, ctx, &ops, &h, moe.as_ref());
             drop((layer, gathered));
             unit.after_forward(out, previous)
@@ -822,7 +864,7 @@ impl ParallelModel {
             &norm,
             &lm_head,
             &shape,
-            &SplitOps::new(&self.tp, &matmuls, &float8),
+            &SplitOps::new(&self.tp, &self.cp, &matmuls, &float8),
         );
         match tied_output {
             // The tied unit's forward ends here: backward regathers it (when it reshards)
@@ -983,6 +1025,7 @@ impl Matmuls {
 /// unit gathered them (`gathered`: each parameter's float8 copy, when gathered in float8).
 struct SplitOps<'a> {
     tp: &'a TensorParallel,
+    cp: &'a ContextParallel,
     matmuls: &'a Matmuls,
     gathered: &'a [Option<Float8Weight>],
 }
@@ -990,11 +1033,13 @@ struct SplitOps<'a> {
 impl<'a> SplitOps<'a> {
     fn new(
         tp: &'a TensorParallel,
+        cp: &'a ContextParallel,
         matmuls: &'a Matmuls,
         gathered: &'a [Option<Float8Weight>],
     ) -> Self {
         SplitOps {
             tp,
+            cp,
             matmuls,
             gathered,
         }
@@ -1012,6 +1057,10 @@ impl Ops for SplitOps<'_> {
 
     fn exit(&self, x: &Tensor) -> Tensor {
         self.tp.exit(x)
+    }
+
+    fn keys_values(&self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+        self.cp.gather(k, v)
     }
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {

@@ -30,8 +30,8 @@ use titan_obs_core::vocab::titan;
 use crate::distributed::{CommError, DeviceMesh, Group, Pending};
 use crate::gpu_clock;
 use crate::parallel::Dim;
-use crate::parallelize::ParallelModel;
 use crate::parallelize::weight_grad::WeightGradStash;
+use crate::parallelize::{ParallelModel, TokenLayout};
 
 /// torchtitan's `parallelism.pipeline_parallel_schedule` names titan-train runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -653,10 +653,9 @@ pub struct Pipeline {
 pub struct Microbatch<'a> {
     pub inputs: &'a Tensor,
     pub labels: &'a Tensor,
-    pub positions: &'a Tensor,
-    /// The documents' offsets and longest length as the loader counted them on the host
-    /// (`None`: the model finds them on the device, with a read back where it needs them).
-    pub documents: Option<(&'a Tensor, i64)>,
+    /// Its positions, documents (`None`: the model finds them on the device, with a read back
+    /// where it needs them) and context-parallel mask.
+    pub layout: TokenLayout<'a>,
 }
 
 /// A forward whose backward has not run yet.
@@ -822,13 +821,7 @@ impl Pipeline {
                     let weight_grads = self.schedule.splits_backward().then(WeightGradStash::new);
                     let output = catch(|| {
                         let x = input.as_ref().unwrap_or(mb.inputs);
-                        let out = model.forward_stage(
-                            a.stage,
-                            x,
-                            Some(mb.positions),
-                            mb.documents,
-                            weight_grads.as_ref(),
-                        );
+                        let out = model.forward_stage(a.stage, x, mb.layout, weight_grads.as_ref());
                         if a.stage == last {
                             let ce = model.summed_cross_entropy(&out, mb.labels);
                             let tokens = global_tokens.to_kind(ce.kind());
@@ -960,7 +953,7 @@ impl Pipeline {
                 let _span = gpu_clock::pipeline_span(titan::EVAL_FORWARD, slot);
                 let out = catch(|| {
                     let x = input.as_ref().unwrap_or(mb.inputs);
-                    let out = model.forward_stage(stage, x, Some(mb.positions), mb.documents, None);
+                    let out = model.forward_stage(stage, x, mb.layout, None);
                     if stage == last {
                         model.summed_cross_entropy(&out, mb.labels)
                     } else {

@@ -27,7 +27,7 @@ fn ok<E: std::fmt::Display>(r: Result<(), E>) {
 }
 
 /// All-gathers `x` (B, s, ...) along dim 1 from every rank: (B, size * s, ...).
-fn gather_seq(group: &Group, x: &Tensor) -> Tensor {
+pub(super) fn gather_seq(group: &Group, x: &Tensor) -> Tensor {
     let size = group.size() as i64;
     let x = x.contiguous();
     let mut shape = x.size();
@@ -44,7 +44,7 @@ fn gather_seq(group: &Group, x: &Tensor) -> Tensor {
 }
 
 /// Sums `x` (B, S, ...) over the ranks and keeps this rank's sequence block (B, S / size, ...).
-fn reduce_scatter_seq(group: &Group, x: &Tensor) -> Tensor {
+pub(super) fn reduce_scatter_seq(group: &Group, x: &Tensor) -> Tensor {
     let size = group.size() as i64;
     let shape = x.size();
     let mut split = vec![shape[0], size, shape[1] / size];
