@@ -107,6 +107,44 @@ pub mod collective {
     }
 }
 
+/// Mixture-of-experts load: titan-train records, on the steps it logs, the tokens each rank's
+/// router sent to each expert of each MoE layer since the previous logged step, one scalar per
+/// (layer, expert) named `moe/layer/<L>/expert/<E>/tokens`, reduced by sum over ranks; and, under
+/// expert parallelism, how many consecutive experts each rank hosts (`moe/experts_per_rank`).
+/// `titan-obs summary` turns them into its experts section, `metrics` into the per-step
+/// imbalance (`moe/max_over_mean`).
+pub mod moe {
+    pub const PREFIX: &str = "moe/layer/";
+    /// Under expert parallelism: the experts each EP rank hosts (rank r hosts experts
+    /// `r * n .. (r + 1) * n` of every layer, r its index in the EP group).
+    pub const EXPERTS_PER_RANK: &str = "moe/experts_per_rank";
+    /// The derived per-step column of `titan-obs metrics`: the largest expert's tokens over the
+    /// mean expert's, the worst layer's.
+    pub const MAX_OVER_MEAN: &str = "moe/max_over_mean";
+
+    /// The scalar of `layer`'s `expert`. The recorder takes `'static` names: each is made
+    /// once per process and kept (a model's layers x experts of them).
+    pub fn tokens_scalar(layer: usize, expert: usize) -> &'static str {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        static NAMES: OnceLock<Mutex<HashMap<(usize, usize), &'static str>>> = OnceLock::new();
+        let mut names = NAMES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        names.entry((layer, expert)).or_insert_with(|| {
+            Box::leak(format!("{PREFIX}{layer}/expert/{expert}/tokens").into_boxed_str())
+        })
+    }
+
+    /// (layer, expert) of a name [`tokens_scalar`] made.
+    pub fn parse(name: &str) -> Option<(u32, u32)> {
+        let rest = name.strip_prefix(PREFIX)?.strip_suffix("/tokens")?;
+        let (layer, expert) = rest.split_once("/expert/")?;
+        Some((layer.parse().ok()?, expert.parse().ok()?))
+    }
+}
+
 /// GPU time: on CUDA, titan-train also times its device work with CUDA events, as spans of
 /// their own named `gpu:<phase>` (the GPU's twin of the host span of that phase) on a thread
 /// of their own named `cuda:<device index>` (trainer/src/gpu_clock.rs). A host span covers

@@ -59,6 +59,11 @@ fn cp2(balancer: &str) -> Vec<String> {
 /// Trains in `dump` with `extra`; returns each logged step's (step, loss, grad norm).
 fn train(dump: &Path, extra: &[String]) -> Vec<(u64, f64, f64)> {
     run_ok(titan_train().args(base(dump)).args(extra));
+    logged(dump)
+}
+
+/// Each step `dump`'s metrics.jsonl logged: (step, loss, grad norm).
+fn logged(dump: &Path) -> Vec<(u64, f64, f64)> {
     let body = std::fs::read_to_string(dump.join("metrics.jsonl")).expect("metrics.jsonl");
     body.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
@@ -136,6 +141,26 @@ fn context_parallel_follows_one_process() {
         .and_then(|p| p["share_of_step"].as_f64())
         .expect("a context_parallel phase with its share of the step");
     assert!(share > 0.0 && share < 1.0, "{share}");
+    // titan-obs's loss is the mean of the ranks' own mean losses, each over its part of the
+    // sequences: the logged loss (it showed half of it before the parts were counted).
+    let metrics = run_ok(
+        Command::new(bin("titan-obs"))
+            .args(["metrics", "--json"])
+            .arg(&dump),
+    );
+    let lines: Vec<serde_json::Value> = serde_json::from_slice(&metrics.stdout).unwrap();
+    let obs_losses: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l["values"]["training/loss_mean"].as_f64())
+        .collect();
+    assert_eq!(obs_losses.len(), STEPS);
+    let losses: Vec<f64> = logged(&dump).iter().map(|r| r.1).collect();
+    for (a, b) in losses.iter().zip(&obs_losses) {
+        assert!(
+            (a - b).abs() / a <= 1e-6,
+            "titan-obs {obs_losses:?} vs {losses:?}"
+        );
+    }
 
     // Plain causal attention (`sdpa`) under CP is causal on the global positions.
     let sdpa = ["--model.attn_backend", "sdpa"].map(String::from);

@@ -181,9 +181,9 @@ impl ThroughputWindow {
 
     /// Tokens per second per GPU over the training time up to `now`, as torchtitan 0.3.0's
     /// `MetricsProcessor.log` computes it: this rank's input tokens / (time x the
-    /// non-data-parallel size, tp x pp), so tensor- and pipeline-parallel ranks, which train
-    /// the same tokens, share them rather than each claiming them all.
-    /// `model_parallel` is the mesh's tp x pp.
+    /// non-data-parallel size, cp x tp x pp), so context-, tensor- and pipeline-parallel
+    /// ranks, which train the same tokens, share them rather than each claiming them all.
+    /// `model_parallel` is the mesh's cp x tp x pp.
     pub fn tokens_per_second(&self, now: std::time::Instant, model_parallel: usize) -> f64 {
         let training = now
             .saturating_duration_since(self.start)

@@ -456,6 +456,10 @@ struct Job<'a> {
     peak_flops: f64,
     /// Rank 0's `metrics.jsonl`.
     metrics_file: Option<MetricsFile>,
+    /// Mixture-of-experts runs: this rank's MoE layers and the tokens its routers sent to each
+    /// expert since the last logged step (summed on the device; recorded for titan-obs when a
+    /// step logs).
+    expert_load: Option<(Vec<usize>, Tensor)>,
     tensorboard: Option<EventWriter>,
 }
 
@@ -566,6 +570,7 @@ impl<'a> Job<'a> {
             peak_flops: metrics::peak_flops(device, cfg.metrics.peak_tflops),
             metrics_file,
             tensorboard,
+            expert_load: None,
         })
     }
 
@@ -710,6 +715,12 @@ impl<'a> Job<'a> {
         };
         {
             let _o = titan_obs_core::span(titan::OPTIMIZER_STEP);
+            if let Some((layers, counts)) = self.model.expert_load() {
+                match &mut self.expert_load {
+                    Some((_, load)) => *load += counts,
+                    None => self.expert_load = Some((layers, counts)),
+                }
+            }
             // torchtitan's step pre-hook: the experts' token counts of every data- and
             // context-parallel rank move their routing biases.
             let dp = &self.mesh.dp_cp;
@@ -736,6 +747,26 @@ impl<'a> Job<'a> {
         Ok(grad_norm)
     }
 
+    /// This rank's expert load since the last logged step to titan-obs: one scalar per (layer,
+    /// expert), summed over ranks by the analysis (`titan-obs summary`'s experts section). One
+    /// read to the host, on a step that logs.
+    fn record_expert_load(&mut self) {
+        let Some((layers, load)) = self.expert_load.take() else {
+            return;
+        };
+        let experts = load.size()[1] as usize;
+        let values = host_sync::read_f64s(&load.reshape([-1]), "expert load");
+        for (l, layer) in layers.iter().enumerate() {
+            for e in 0..experts {
+                titan_obs_core::scalar(
+                    titan_obs_core::vocab::moe::tokens_scalar(*layer, e),
+                    values[l * experts + e],
+                    Reduce::Sum,
+                );
+            }
+        }
+    }
+
     /// A logged step: this rank's figures to titan-obs, their reductions over the mesh to the
     /// console, `metrics.jsonl` and TensorBoard. Returns the logged (mean) loss.
     fn log_step(
@@ -745,6 +776,7 @@ impl<'a> Job<'a> {
         progress: &console::Steps,
     ) -> Result<f64> {
         let _s = titan_obs_core::span(titan::COLLECT_DIST_METRICS);
+        self.record_expert_load();
         // torchtitan's per-GPU figures: a data-parallel rank's tokens shared by its cp x tp x pp
         // ranks (its `non_data_parallel_size`).
         let model_parallel = self.mesh.mesh.cp * self.mesh.mesh.tp * self.mesh.mesh.pp;
@@ -799,7 +831,10 @@ impl<'a> Job<'a> {
             };
         // titan-obs gets this rank's values (its own mean loss, tps, memory) and reduces
         // them across ranks later; the console shows the cross-rank reductions now.
-        let own_loss = f.local_loss * f.global_tokens as f64 / f.local_tokens.max(1) as f64;
+        // Under context parallelism a rank's loss covers its part of each sequence: about
+        // 1 / cp of the valid tokens the loader counted.
+        let own_tokens = (f.local_tokens as f64 / self.mesh.mesh.cp as f64).max(1.0);
+        let own_loss = f.local_loss * f.global_tokens as f64 / own_tokens;
         let own = per_rank(
             own_loss,
             f.grad_norm,

@@ -25,13 +25,25 @@ pub struct MetricsLine {
 /// Aggregates the run's scalars per step (steps without a step number are skipped); a run
 /// read as per-part summaries from their scalar cells (means summed part by part rather
 /// than record by record: the same but for float rounding).
+///
+/// A mixture-of-experts run's per-expert counts (`moe/layer/<L>/expert/<E>/tokens`) are
+/// `summary`'s experts section; a line gets their per-step figure instead, the worst layer's
+/// largest expert over its mean ([`crate::vocab::moe::MAX_OVER_MEAN`]).
 pub fn metrics(run: &Run) -> Vec<MetricsLine> {
-    finish(&lines(run), &run.names)
+    let mut out = finish(&lines(run), &run.names);
+    let imbalance = super::experts::max_over_mean_per_step(run);
+    for line in out.iter_mut().filter(|l| !l.validation) {
+        if let Some(&r) = imbalance.get(&line.step) {
+            line.values
+                .push((crate::vocab::moe::MAX_OVER_MEAN.to_string(), r));
+        }
+    }
+    out
 }
 
 /// The run's scalars per (step, name, reduce): the per-part summaries' cells, or gathered from
 /// the decoded scalars.
-fn lines(run: &Run) -> std::borrow::Cow<'_, Lines> {
+pub(super) fn lines(run: &Run) -> std::borrow::Cow<'_, Lines> {
     if let Some(d) = &run.digest {
         return std::borrow::Cow::Borrowed(&d.metrics);
     }
@@ -136,7 +148,11 @@ fn finish(lines: &Lines, names: &[String]) -> Vec<MetricsLine> {
             let mut order: Vec<(u32, Reduce)> = order
                 .iter()
                 .copied()
-                .filter(|k| name(k.0) != crate::vocab::titan::HOST_SYNCS)
+                .filter(|k| {
+                    let n = name(k.0);
+                    n != crate::vocab::titan::HOST_SYNCS
+                        && !n.starts_with(crate::vocab::moe::PREFIX)
+                })
                 .collect();
             if order.is_empty() {
                 return None;

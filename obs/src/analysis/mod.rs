@@ -4,6 +4,7 @@
 
 pub mod chrome;
 pub mod digested;
+pub mod experts;
 pub mod metrics;
 pub mod pipeline;
 pub mod spread;
@@ -12,6 +13,7 @@ pub mod table;
 pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
+pub use experts::{LayerLoad, layer_loads, max_over_mean_per_step};
 pub use metrics::{HostSyncs, MetricsLine, format_line, format_value, host_syncs, metrics, to_csv};
 pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary, stage_groups};
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};

@@ -180,6 +180,8 @@ pub struct Summary {
     pub other_runs: Vec<RunBrief>,
     /// titan-train runs: its reads from tensors to the host per step (None when not recorded).
     pub host_syncs: Option<super::metrics::HostSyncs>,
+    /// Mixture-of-experts runs: each MoE layer's expert load (empty when none was recorded).
+    pub experts: Vec<super::experts::LayerLoad>,
 }
 
 /// What the analysis finds in a span table: everything `titan-obs summary`, the TUI and
@@ -278,6 +280,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         run_id: run.shown_run().map(|r| r.id).filter(|id| !id.is_empty()),
         other_runs: run.other_runs(),
         host_syncs: super::metrics::host_syncs(run),
+        experts: super::experts::layer_loads(run),
     }
 }
 

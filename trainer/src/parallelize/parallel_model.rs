@@ -914,7 +914,31 @@ impl ParallelModel {
             .iter()
             .filter_map(|(i, b)| Some((b, self.args.moe_layer(*i)?.load_balance_coeff?)))
             .collect();
-        model::moe::update_expert_bias(&layers, sum_over_dp)
+        model::moe::update_expert_bias(&layers, sum_over_dp)?;
+        // A layer without load balancing counts for the experts' load alone: it restarts too.
+        tch::no_grad(|| {
+            for (_, b) in &self.moe {
+                let _ = b.tokens_per_expert.shallow_clone().zero_();
+            }
+        });
+        Ok(())
+    }
+
+    /// This rank's MoE layers (global indices, ascending) and the tokens its routers sent to
+    /// each of their experts since the last optimizer step, (layers, experts) on the device: a
+    /// copy, read before [`ParallelModel::update_expert_bias`] restarts the counts. `None`
+    /// without MoE layers.
+    pub fn expert_load(&self) -> Option<(Vec<usize>, Tensor)> {
+        if self.moe.is_empty() {
+            return None;
+        }
+        let counts: Vec<Tensor> = self
+            .moe
+            .iter()
+            .map(|(_, b)| b.tokens_per_expert.shallow_clone())
+            .collect();
+        let layers = self.moe.iter().map(|(i, _)| *i).collect();
+        Some((layers, tch::no_grad(|| Tensor::vstack(&counts))))
     }
 
     /// Shape and dtype of the hidden states between blocks for `batch` rows of `seq_len`

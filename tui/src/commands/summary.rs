@@ -314,7 +314,54 @@ pub fn render(s: &Summary, top: usize) -> String {
     if let Some(p) = &s.pipeline {
         render_pipeline(&mut o, p);
     }
+    if !s.experts.is_empty() {
+        render_experts(&mut o, &s.experts);
+    }
     o
+}
+
+/// Per MoE layer: how unevenly its router spread the tokens over the experts.
+fn render_experts(o: &mut String, layers: &[titan_obs_core::analysis::LayerLoad]) {
+    let _ = writeln!(
+        o,
+        "\nexperts (tokens the routers sent to each expert, all ranks and logged steps; \
+         max/mean 1.00 is balanced; every rank hosts every expert: no expert parallelism)"
+    );
+    let header = [
+        "layer",
+        "experts",
+        "tokens",
+        "mean",
+        "max",
+        "max/mean",
+        "cv",
+        "hottest",
+        "its share",
+        "worst step",
+    ];
+    let rows: Vec<[String; 10]> = layers
+        .iter()
+        .map(|l| {
+            [
+                l.layer.to_string(),
+                l.experts.to_string(),
+                format!("{:.0}", l.tokens),
+                format!("{:.1}", l.mean),
+                format!("{:.0}", l.max),
+                format!("{:.2}", l.max_over_mean),
+                format!("{:.3}", l.cv),
+                format!("expert {}", l.hottest_expert),
+                format!("{:.1}%", l.hottest_share * 100.0),
+                format!("{} ({:.2})", l.worst_step, l.worst_step_max_over_mean),
+            ]
+        })
+        .collect();
+    table(
+        o,
+        &header,
+        &rows,
+        &[true, true, true, true, true, true, true, false, true, false],
+    );
 }
 
 /// Per stage: pass times, the measured bubble and the schedule's ideal; the slowest stage.

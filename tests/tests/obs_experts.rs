@@ -1,0 +1,156 @@
+//! Mixture-of-experts load in titan-obs, on real titan-train runs of DeepSeek-V3's debug model (5
+//! MoE layers of 8 experts, top 3): the per-(layer, expert) token counts each rank records on the
+//! steps it logs become `titan-obs summary`'s experts section and `titan-obs metrics`'
+//! `moe/max_over_mean`.
+//! - With `--debug.moe_force_load_balance` (torchtitan's round-robin routing) every expert of
+//!   every layer gets the same tokens: max/mean 1, cv 0, the counts adding up to the tokens x
+//!   top 3 of every step and rank.
+//! - With one expert's routing bias (`expert_bias_E`, which the router adds to the scores it
+//!   picks its top 3 by) raised in a checkpoint (torch's DCP, edited by
+//!   `tests/python/bias_expert.py`), that expert is the hottest of its layer, in every token's
+//!   three, and the other layers are not as uneven.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+use titan_tests::{bin, python_script, run_ok, titan_train};
+
+const STEPS: u64 = 3;
+/// Tokens a rank routes per step: local batch 2 x seq 128, each to 3 experts.
+const ROUTED_PER_STEP: f64 = 2.0 * 128.0 * 3.0;
+
+fn args(dump: &Path) -> Vec<String> {
+    [
+        "--model.name",
+        "deepseek_v3",
+        "--model.flavor",
+        "debugmodel",
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        &STEPS.to_string(),
+        "--training.mixed_precision_param",
+        "float32",
+        "--metrics.log_freq",
+        "1",
+        "--validation.enable=false",
+        "--job.dump_folder",
+        dump.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn summary(dump: &Path) -> Value {
+    let o = run_ok(
+        Command::new(bin("titan-obs"))
+            .args(["summary", "--json"])
+            .arg(dump),
+    );
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn forced_balance_reports_every_expert_even() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("balanced");
+    run_ok(titan_train().args(args(&dump)).args([
+        "--nproc-per-node",
+        "2",
+        "--debug.moe_force_load_balance",
+    ]));
+    let s = summary(&dump);
+    let layers = s["experts"].as_array().expect("an experts section");
+    assert_eq!(
+        layers
+            .iter()
+            .map(|l| l["layer"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        vec![1, 2, 3, 4, 5],
+        "the MoE layers: {s}"
+    );
+    for l in layers {
+        assert_eq!(l["experts"], 8, "{l}");
+        assert_eq!(l["steps"], STEPS, "{l}");
+        // Every step's and both ranks' routed tokens.
+        assert_eq!(
+            l["tokens"].as_f64().unwrap(),
+            ROUTED_PER_STEP * 2.0 * STEPS as f64
+        );
+        assert_eq!(l["max_over_mean"].as_f64().unwrap(), 1.0, "{l}");
+        assert_eq!(l["cv"].as_f64().unwrap(), 0.0, "{l}");
+    }
+    // The per-step figure in `metrics`, and none of the per-expert columns.
+    let o = run_ok(
+        Command::new(bin("titan-obs"))
+            .args(["metrics", "--json"])
+            .arg(&dump),
+    );
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(!text.contains("moe/layer/"), "{text}");
+    let lines: Vec<Value> = serde_json::from_str(&text).unwrap();
+    let imbalance: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l["values"]["moe/max_over_mean"].as_f64())
+        .collect();
+    assert_eq!(imbalance, vec![1.0; STEPS as usize], "{text}");
+}
+
+#[test]
+fn a_favoured_expert_is_the_hottest_of_its_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    // The model as initialised, saved; then layer 2's router always picks expert 5.
+    let seed = dir.path().join("seed");
+    run_ok(
+        titan_train()
+            .args(args(&seed))
+            .args(["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]),
+    );
+    let biased = dir.path().join("biased");
+    run_ok(
+        python_script("tests/python/bias_expert.py")
+            .arg(seed.join("checkpoint/step-0"))
+            .arg(&biased)
+            .args(["2", "5", "10"]),
+    );
+    let dump = dir.path().join("run");
+    run_ok(titan_train().args(args(&dump)).args([
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        biased.to_str().unwrap(),
+        "--checkpoint.initial_load_model_only",
+    ]));
+    let s = summary(&dump);
+    let layers = s["experts"].as_array().expect("an experts section");
+    let layer = |i: u64| layers.iter().find(|l| l["layer"] == i).unwrap();
+    let hot = layer(2);
+    assert_eq!(hot["hottest_expert"], 5, "{hot}");
+    // Top 3 of 8: expert 5 in every token's three, a third of the layer's routed tokens.
+    assert!(
+        (hot["hottest_share"].as_f64().unwrap() - 1.0 / 3.0).abs() < 1e-9,
+        "{hot}"
+    );
+    assert!(
+        (hot["max_over_mean"].as_f64().unwrap() - 8.0 / 3.0).abs() < 1e-9,
+        "{hot}"
+    );
+    for i in [1, 3, 4, 5] {
+        let l = layer(i);
+        assert!(
+            l["max_over_mean"].as_f64().unwrap() < hot["max_over_mean"].as_f64().unwrap(),
+            "layer {i} {l} vs layer 2 {hot}"
+        );
+    }
+    // The text names it.
+    let o = run_ok(Command::new(bin("titan-obs")).arg("summary").arg(&dump));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let row = text
+        .lines()
+        .skip_while(|l| !l.starts_with("experts"))
+        .find(|l| l.trim_start().starts_with("2 "))
+        .unwrap_or_else(|| panic!("no layer 2 row:\n{text}"));
+    assert!(row.contains("expert 5"), "{row}");
+}
