@@ -1,8 +1,9 @@
 //! Context parallelism (`parallelism.context_parallel_degree`) end to end on the real binary,
 //! cpu backend, the debug model at b2 x s256 in fp32 on the embedded data (documents shorter
 //! than a row, so the document-causal mask matters):
-//! - CP 2 follows one process (losses within 1e-6, grad norms within [`GRAD_NORM_RTOL`]), with
-//!   each load balancer (`headtail`, `ptrr`, `None`) and with `sdpa`'s plain causal attention;
+//! - CP 2 follows one process (losses and validation losses within 1e-6, grad norms within
+//!   [`GRAD_NORM_RTOL`]), with each load balancer (`headtail`, `ptrr`, `None`) and with `sdpa`'s
+//!   plain causal attention;
 //! - a CP 2 checkpoint resumes on one process, and one process's under CP 2 (`ptrr`): the same
 //!   data-parallel degree, so the data position loads too, and the resumed steps follow the
 //!   unbroken run as closely;
@@ -34,7 +35,14 @@ fn base(dump: &Path) -> Vec<String> {
         "7",
         "--metrics.log_freq",
         "1",
-        "--validation.enable=false",
+        // Validation every 2 steps: its batches are split over the cp ranks too.
+        "--validation.enable",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "2",
+        "--validation.local_batch_size",
+        "2",
         "--job.dump_folder",
         dump.to_str().unwrap(),
     ]
@@ -64,15 +72,36 @@ fn train(dump: &Path, extra: &[String]) -> Vec<(u64, f64, f64)> {
 
 /// Each step `dump`'s metrics.jsonl logged: (step, loss, grad norm).
 fn logged(dump: &Path) -> Vec<(u64, f64, f64)> {
-    let body = std::fs::read_to_string(dump.join("metrics.jsonl")).expect("metrics.jsonl");
-    body.lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter(|v| v["kind"] == "train")
+    lines(dump, "train")
+        .iter()
         .map(|v| {
             (
                 v["step"].as_u64().unwrap(),
                 v["loss"].as_f64().unwrap(),
                 v["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// `dump`'s metrics.jsonl lines of `kind`.
+fn lines(dump: &Path, kind: &str) -> Vec<serde_json::Value> {
+    let body = std::fs::read_to_string(dump.join("metrics.jsonl")).expect("metrics.jsonl");
+    body.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+/// Each validation's (step, loss, tokens).
+fn validations(dump: &Path) -> Vec<(u64, f64, u64)> {
+    lines(dump, "validation")
+        .iter()
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                v["loss"].as_f64().unwrap(),
+                v["tokens"].as_u64().unwrap(),
             )
         })
         .collect()
@@ -113,10 +142,26 @@ fn context_parallel_follows_one_process() {
     let one = train(&dir.path().join("one"), &[]);
     assert_eq!(one.len(), STEPS, "{one:?}");
     assert!(one[STEPS - 1].1 < one[0].1 - 0.5, "it learns: {one:?}");
+    let one_validations = validations(&dir.path().join("one"));
+    assert_eq!(one_validations.len(), STEPS / 2, "{one_validations:?}");
     for balancer in ["headtail", "ptrr", "None"] {
         let dump = dir.path().join(balancer);
         let got = train(&dump, &cp2(balancer));
         assert_close(&one, &got, &format!("CP 2, {balancer}"));
+        // The same validation loss over the same tokens (counted once per cp group).
+        let got = validations(&dump);
+        assert_eq!(got.len(), one_validations.len(), "{got:?}");
+        for (w, g) in one_validations.iter().zip(&got) {
+            assert_eq!(
+                (w.0, w.2),
+                (g.0, g.2),
+                "CP 2, {balancer}: validation {got:?}"
+            );
+            assert!(
+                (w.1 - g.1).abs() / w.1 <= 1e-6,
+                "CP 2, {balancer}: validation {got:?} vs {one_validations:?}"
+            );
+        }
     }
     // The K/V exchange is recorded on both ranks: per step, forward's gather in each of the 6
     // blocks and backward's reduce-scatter (and the recompute's gather where the debug model's
