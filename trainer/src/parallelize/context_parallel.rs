@@ -42,11 +42,6 @@ impl ContextParallel {
         self.group.size()
     }
 
-    /// The cp process group.
-    pub fn group(&self) -> &Group {
-        &self.group
-    }
-
     /// This rank's part of `batch` (B, S): inputs, labels and positions (B, S / cp) and the
     /// attention mask of its queries over every rank's keys ([`Batch::cp_mask`]): causal on
     /// the global positions, and with `document_causal` (`flex`) within documents. The valid
