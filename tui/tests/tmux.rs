@@ -1013,10 +1013,11 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
     };
     // The newest: 2 ranks, 20 steps.
     let tmux = open("");
-    let s = tmux.wait_for("the newest run", |s| {
-        s.contains("2 ranks") && s.contains("20 steps")
+    // The title comes before the lanes: a screen caught between them has none yet (seen once
+    // under a full suite's load), so the wait is for both.
+    let s = tmux.wait_for("the newest run and its lanes", |s| {
+        s.contains("2 ranks") && s.contains("20 steps") && lane_has_bars(s, 1)
     });
-    assert!(lane_has_bars(&s, 1), "{s}");
     assert!(!s.contains(" r2 "), "rank 2 is not in the newest run:\n{s}");
     tmux.keys(&["q"]);
     // The first: 4 ranks, 3000 steps, its straggler.

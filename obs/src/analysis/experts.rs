@@ -42,7 +42,6 @@ pub struct LayerLoad {
 
 /// Tokens per (layer, step, expert), summed over ranks.
 fn counts(run: &Run) -> BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> {
-    let lines = lines(run);
     let ids: BTreeMap<u32, (u32, u32)> = run
         .names
         .iter()
@@ -50,9 +49,11 @@ fn counts(run: &Run) -> BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> {
         .filter_map(|(i, n)| Some((i as u32, moe::parse(n)?)))
         .collect();
     let mut out: BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> = BTreeMap::new();
+    // Most runs have no experts: their scalars are not gathered again for nothing.
     if ids.is_empty() {
         return out;
     }
+    let lines = lines(run);
     for (&(step, validation), (_, accs)) in &lines.0 {
         if validation {
             continue;
