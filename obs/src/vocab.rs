@@ -109,15 +109,11 @@ pub mod collective {
 
 /// Mixture-of-experts load: titan-train records, on the steps it logs, the tokens each rank's
 /// router sent to each expert of each MoE layer since the previous logged step, one scalar per
-/// (layer, expert) named `moe/layer/<L>/expert/<E>/tokens`, reduced by sum over ranks; and, under
-/// expert parallelism, how many consecutive experts each rank hosts (`moe/experts_per_rank`).
+/// (layer, expert) named `moe/layer/<L>/expert/<E>/tokens`, reduced by sum over ranks.
 /// `titan-obs summary` turns them into its experts section, `metrics` into the per-step
 /// imbalance (`moe/max_over_mean`).
 pub mod moe {
     pub const PREFIX: &str = "moe/layer/";
-    /// Under expert parallelism: the experts each EP rank hosts (rank r hosts experts
-    /// `r * n .. (r + 1) * n` of every layer, r its index in the EP group).
-    pub const EXPERTS_PER_RANK: &str = "moe/experts_per_rank";
     /// The derived per-step column of `titan-obs metrics`: the largest expert's tokens over the
     /// mean expert's, the worst layer's.
     pub const MAX_OVER_MEAN: &str = "moe/max_over_mean";

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::metrics::lines;
+use crate::metric_lines::Lines;
 use crate::run::Run;
 use crate::schema::Reduce;
 use crate::vocab::moe;
@@ -41,19 +42,16 @@ pub struct LayerLoad {
 }
 
 /// Tokens per (layer, step, expert), summed over ranks.
-fn counts(run: &Run) -> BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> {
-    let ids: BTreeMap<u32, (u32, u32)> = run
-        .names
+fn counts(lines: &Lines, names: &[String]) -> BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> {
+    let ids: BTreeMap<u32, (u32, u32)> = names
         .iter()
         .enumerate()
         .filter_map(|(i, n)| Some((i as u32, moe::parse(n)?)))
         .collect();
     let mut out: BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> = BTreeMap::new();
-    // Most runs have no experts: their scalars are not gathered again for nothing.
     if ids.is_empty() {
         return out;
     }
-    let lines = lines(run);
     for (&(step, validation), (_, accs)) in &lines.0 {
         if validation {
             continue;
@@ -84,7 +82,11 @@ fn max_over_mean(v: &[f64]) -> f64 {
 
 /// Every MoE layer's load over the run, in layer order (empty: no expert counts recorded).
 pub fn layer_loads(run: &Run) -> Vec<LayerLoad> {
-    counts(run)
+    // Most runs have no experts: their scalars are not gathered for nothing.
+    if !run.names.iter().any(|n| moe::parse(n).is_some()) {
+        return Vec::new();
+    }
+    counts(&lines(run), &run.names)
         .into_iter()
         .map(|(layer, steps)| {
             let experts = steps
@@ -135,10 +137,11 @@ pub fn layer_loads(run: &Run) -> Vec<LayerLoad> {
         .collect()
 }
 
-/// Per step: the worst layer's largest expert over its mean expert ([`moe::MAX_OVER_MEAN`]).
-pub fn max_over_mean_per_step(run: &Run) -> BTreeMap<u64, f64> {
+/// Per step: the worst layer's largest expert over its mean expert ([`moe::MAX_OVER_MEAN`]),
+/// from the metric `lines` of a run with `names`.
+pub(super) fn max_over_mean_per_step(lines: &Lines, names: &[String]) -> BTreeMap<u64, f64> {
     let mut out: BTreeMap<u64, f64> = BTreeMap::new();
-    for steps in counts(run).values() {
+    for steps in counts(lines, names).values() {
         for (&step, per_expert) in steps {
             let v: Vec<f64> = per_expert.values().copied().collect();
             let r = max_over_mean(&v);

@@ -30,8 +30,9 @@ pub struct MetricsLine {
 /// `summary`'s experts section; a line gets their per-step figure instead, the worst layer's
 /// largest expert over its mean ([`crate::vocab::moe::MAX_OVER_MEAN`]).
 pub fn metrics(run: &Run) -> Vec<MetricsLine> {
-    let mut out = finish(&lines(run), &run.names);
-    let imbalance = super::experts::max_over_mean_per_step(run);
+    let lines = lines(run);
+    let mut out = finish(&lines, &run.names);
+    let imbalance = super::experts::max_over_mean_per_step(&lines, &run.names);
     for line in out.iter_mut().filter(|l| !l.validation) {
         if let Some(&r) = imbalance.get(&line.step) {
             line.values

@@ -1267,6 +1267,12 @@ impl JobConfig {
                 self.parallelism.pipeline_parallel_degree > 1,
             ),
             (
+                "parallelism.context_parallel_load_balancer",
+                "parallelism.context_parallel_degree",
+                "> 1",
+                self.parallelism.context_parallel_degree > 1,
+            ),
+            (
                 "parallelism.module_fqns_per_model_part",
                 "parallelism.pipeline_parallel_degree",
                 "> 1",
@@ -1743,6 +1749,30 @@ mod tests {
                 "{bad}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn a_load_balancer_without_context_parallelism_is_named_as_ignored() {
+        let o = ov(&["--parallelism.context_parallel_load_balancer", "ptrr"]);
+        let cfg = JobConfig::from_parts(None, &o).unwrap();
+        let w = cfg.ignored_settings(&o);
+        assert!(
+            w.iter().any(
+                |w| w.contains("context_parallel_load_balancer has no effect")
+                    && w.contains("parallelism.context_parallel_degree > 1")
+            ),
+            "{w:?}"
+        );
+        let o = ov(&[
+            "--parallelism.context_parallel_load_balancer",
+            "ptrr",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--training.seq_len",
+            "256",
+        ]);
+        let cfg = JobConfig::from_parts(None, &o).unwrap();
+        assert!(cfg.ignored_settings(&o).is_empty());
     }
 
     #[test]

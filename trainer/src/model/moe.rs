@@ -48,6 +48,13 @@ impl MoeBuffers {
         }
     }
 
+    /// The counts start again from zero (after an optimizer step).
+    pub fn restart_counts(&self) {
+        tch::no_grad(|| {
+            let _ = self.tokens_per_expert.shallow_clone().zero_();
+        });
+    }
+
     /// Shallow clones, for a forward pass's closures.
     pub(super) fn share(&self) -> MoeBuffers {
         MoeBuffers {
@@ -187,8 +194,8 @@ fn grouped_experts(routed: &Tensor, w: &MoeWeights, per_expert: &Tensor) -> Tens
 
 /// torchtitan's optimizer step pre-hook: each layer's token counts (`layers` in model order,
 /// `(buffers, coeff)`), summed over the data-parallel ranks by `sum_over_dp`, move its
-/// `expert_bias` by `coeff * sign(mean - count)` less that step's mean, and the counts start
-/// again from zero.
+/// `expert_bias` by `coeff * sign(mean - count)` less that step's mean. The caller restarts
+/// the counts ([`MoeBuffers::restart_counts`]).
 pub fn update_expert_bias(
     layers: &[(&MoeBuffers, f64)],
     sum_over_dp: impl FnOnce(&Tensor) -> Result<()>,
@@ -212,7 +219,6 @@ pub fn update_expert_bias(
                 let mut bias = bias.shallow_clone();
                 bias += &delta;
             }
-            let _ = buffers.tokens_per_expert.shallow_clone().zero_();
         }
         Ok(())
     })

@@ -915,12 +915,10 @@ impl ParallelModel {
             .filter_map(|(i, b)| Some((b, self.args.moe_layer(*i)?.load_balance_coeff?)))
             .collect();
         model::moe::update_expert_bias(&layers, sum_over_dp)?;
-        // A layer without load balancing counts for the experts' load alone: it restarts too.
-        tch::no_grad(|| {
-            for (_, b) in &self.moe {
-                let _ = b.tokens_per_expert.shallow_clone().zero_();
-            }
-        });
+        // Every layer restarts, balanced or not (the counts also feed the expert load).
+        for (_, b) in &self.moe {
+            b.restart_counts();
+        }
         Ok(())
     }
 
