@@ -768,6 +768,7 @@ mod tests {
     /// summation order, and rowwise by the bf16 output of the scaled kernel).
     #[test]
     fn recipes_track_the_f32_linear_and_backends_agree() {
+        let _generator = crate::rng::global_generator();
         tch::manual_seed(3);
         let x = Tensor::randn([4, 8, 32], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([48, 32], (Kind::Float, Device::Cpu)) * 0.1;
@@ -819,6 +820,7 @@ mod tests {
     /// gradients, bit for bit, with either backend; only tensorwise takes such weights.
     #[test]
     fn a_weight_gathered_in_float8_multiplies_as_the_layer_casts_it() {
+        let _generator = crate::rng::global_generator();
         tch::manual_seed(5);
         let x = Tensor::randn([2, 8, 32], (Kind::Float, Device::Cpu));
         let w = Tensor::randn([48, 32], (Kind::Float, Device::Cpu)) * 0.1;

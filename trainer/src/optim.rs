@@ -493,6 +493,7 @@ mod tests {
     /// `clip_grad_norm_` computes), not the norm of all elements at once.
     #[test]
     fn total_norm_is_the_norm_of_per_tensor_norms() {
+        let _generator = crate::rng::global_generator();
         let grads: Vec<Tensor> = (0..5)
             .map(|i| Tensor::randn([97 + i], (Kind::Float, tch::Device::Cpu)))
             .collect();
@@ -506,6 +507,7 @@ mod tests {
     /// One fused call over a group updates each parameter exactly as one call per parameter.
     #[test]
     fn grouped_fused_step_equals_per_parameter_steps() {
+        let _generator = crate::rng::global_generator();
         let hp = AdamWParams {
             fused: true,
             beta1: 0.9,

@@ -180,6 +180,7 @@ mod tests {
 
     #[test]
     fn the_recompute_runs_under_the_forwards_autocast() {
+        let _generator = crate::rng::global_generator();
         use crate::precision::Precision;
         let run = |checkpointed: bool| {
             tch::manual_seed(3);
@@ -211,6 +212,7 @@ mod tests {
 
     #[test]
     fn kept_linear_back_propagates_as_linear() {
+        let _generator = crate::rng::global_generator();
         let run = |kept: bool| {
             tch::manual_seed(5);
             let x = Tensor::randn([2, 3, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);

@@ -838,6 +838,7 @@ mod tests {
 
     #[test]
     fn param_names_shapes_and_init() {
+        let _generator = crate::rng::global_generator();
         tch::manual_seed(0);
         let mut args = ModelArgs::flavor("debugmodel").unwrap();
         args.n_layers = 2;

@@ -1133,6 +1133,7 @@ mod tests {
     /// embeddings, latent attention with experts), with and without documents.
     #[test]
     fn one_process_runs_the_decoder_bit_for_bit() {
+        let _generator = crate::rng::global_generator();
         for (family, flavor) in [
             ("llama3", "debugmodel"),
             ("qwen3", "debugmodel"),
