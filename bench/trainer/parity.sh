@@ -65,6 +65,22 @@ cp_layouts=(
   "qwen3_cp2:2:2:$cp --parallelism.data_parallel_shard_degree 1" \
   --module qwen3 --config qwen3_debugmodel \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
+# Expert parallelism (torchtitan needs partial_dtensor and no CUDA graphs for EP on CPU): EP2 on 2
+# ranks, EP2 x efsdp2 and EP4 on 4, HSDP 2 x EP2; DeepSeek-V3 and qwen3 MoE.
+ep="--parallelism.spmd_backend partial_dtensor --training.disable_cuda_graphs --parallelism.expert_parallel_degree"
+ep_layouts=(
+  "ep2:2:2:$ep 2"
+  "ep2_efsdp2:4:4:$ep 2"
+  "ep4:4:4:$ep 4"
+  "hsdp2_ep2:4:4:$ep 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2"
+)
+.venv-tt/bin/python tests/python/tt_parity.py compare "$work/dsv3_ep" "$titan" "${ep_layouts[@]}" \
+  --module deepseek_v3 --config deepseek_v3_debugmodel --buffers expert_bias_E \
+  --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
+.venv-tt/bin/python tests/python/tt_parity.py compare "$work/qwen3_moe_ep" "$titan" \
+  "qwen3_moe_ep2:2:2:$ep 2" \
+  --module qwen3 --config qwen3_moe_debug --buffers expert_bias_E \
+  --steps "$steps" --resume-at "$resume_at" --rtol 3e-5 --grad-rtol 1e-3
 # Dense qwen3 on the layouts titan-train trains it on (data parallel; its TP/PP/float8 are refused).
 qwen3_layouts=(
   "qwen3_single:1:1:"

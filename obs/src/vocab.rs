@@ -81,7 +81,15 @@ pub mod collective {
     pub const REDUCE_SCATTER: &str = "reduce_scatter";
     pub const ALL_GATHER: &str = "all_gather";
     pub const BROADCAST: &str = "broadcast";
-    pub const ALL: [&str; 4] = [ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST];
+    /// torch.distributed's all-to-all with splits (expert parallelism's token exchange).
+    pub const ALL_TO_ALL: &str = "all_to_all_single";
+    pub const ALL: [&str; 5] = [
+        ALL_REDUCE,
+        REDUCE_SCATTER,
+        ALL_GATHER,
+        BROADCAST,
+        ALL_TO_ALL,
+    ];
 
     /// Prefix of the bytes scalars.
     pub const BYTES_PREFIX: &str = "comm/";
@@ -89,6 +97,7 @@ pub mod collective {
     pub const REDUCE_SCATTER_BYTES: &str = "comm/reduce_scatter_bytes";
     pub const ALL_GATHER_BYTES: &str = "comm/all_gather_bytes";
     pub const BROADCAST_BYTES: &str = "comm/broadcast_bytes";
+    pub const ALL_TO_ALL_BYTES: &str = "comm/all_to_all_single_bytes";
 
     /// Whether a span name is one of the collectives.
     pub fn is_collective(name: &str) -> bool {
@@ -102,6 +111,7 @@ pub mod collective {
             REDUCE_SCATTER => REDUCE_SCATTER_BYTES,
             ALL_GATHER => ALL_GATHER_BYTES,
             BROADCAST => BROADCAST_BYTES,
+            ALL_TO_ALL => ALL_TO_ALL_BYTES,
             _ => return None,
         })
     }

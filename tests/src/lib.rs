@@ -126,6 +126,32 @@ pub fn metrics(dump: &Path, kind: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Each training step `dump/metrics.jsonl` logged: (step, loss, grad norm).
+pub fn logged_steps(dump: &Path) -> Vec<(u64, f64, f64)> {
+    metrics(dump, "train")
+        .iter()
+        .map(|v| {
+            (
+                v["step"].as_u64().expect("a step"),
+                v["loss"].as_f64().expect("a loss"),
+                v["grad_norm"].as_f64().expect("a grad norm"),
+            )
+        })
+        .collect()
+}
+
+/// Copies `from`'s checkpoint of `step` into a fresh run folder `to`, which then resumes it.
+pub fn seed_run_with(from: &Path, step: usize, to: &Path) {
+    std::fs::create_dir_all(to.join("checkpoint")).expect("the run folder");
+    let ok = Command::new("cp")
+        .arg("-r")
+        .arg(from.join(format!("checkpoint/step-{step}")))
+        .arg(to.join("checkpoint"))
+        .status()
+        .expect("cp");
+    assert!(ok.success(), "copying {}'s step {step}", from.display());
+}
+
 /// A DCP sharded safetensors file (as torch's HuggingFaceStorageWriter writes one rank's) from
 /// `(name, dtype, local shape, saved_offsets)` entries, written by hand (not by titan-ckpt's
 /// writer) so the tests read what they meant; byte `i` of the data is `fill(i)`.

@@ -98,7 +98,6 @@ fn help_explains_usage() {
 fn unimplemented_torchtitan_keys_are_refused_naming_them() {
     for (key, value) in [
         ("--compile.enable", "true"),
-        ("--parallelism.expert_parallel_degree", "2"),
         ("--metrics.enable_wandb", "true"),
         ("--training.enable_cpu_offload", "true"),
         (

@@ -16,7 +16,9 @@
 use std::path::Path;
 use std::process::Command;
 
-use titan_tests::{bin, output_text as text, run_ok, span_counts, titan_train};
+use titan_tests::{
+    bin, logged_steps, output_text as text, run_ok, seed_run_with, span_counts, titan_train,
+};
 
 const STEPS: usize = 4;
 
@@ -67,21 +69,7 @@ fn cp2(balancer: &str) -> Vec<String> {
 /// Trains in `dump` with `extra`; returns each logged step's (step, loss, grad norm).
 fn train(dump: &Path, extra: &[String]) -> Vec<(u64, f64, f64)> {
     run_ok(titan_train().args(base(dump)).args(extra));
-    logged(dump)
-}
-
-/// Each step `dump`'s metrics.jsonl logged: (step, loss, grad norm).
-fn logged(dump: &Path) -> Vec<(u64, f64, f64)> {
-    lines(dump, "train")
-        .iter()
-        .map(|v| {
-            (
-                v["step"].as_u64().unwrap(),
-                v["loss"].as_f64().unwrap(),
-                v["grad_norm"].as_f64().unwrap(),
-            )
-        })
-        .collect()
+    logged_steps(dump)
 }
 
 /// `dump`'s metrics.jsonl lines of `kind`.
@@ -199,7 +187,7 @@ fn context_parallel_follows_one_process() {
         .filter_map(|l| l["values"]["training/loss_mean"].as_f64())
         .collect();
     assert_eq!(obs_losses.len(), STEPS);
-    let losses: Vec<f64> = logged(&dump).iter().map(|r| r.1).collect();
+    let losses: Vec<f64> = logged_steps(&dump).iter().map(|r| r.1).collect();
     for (a, b) in losses.iter().zip(&obs_losses) {
         assert!(
             (a - b).abs() / a <= 1e-6,
@@ -215,18 +203,6 @@ fn context_parallel_follows_one_process() {
         &[&cp2("headtail")[..], &sdpa].concat(),
     );
     assert_close(&one, &got, "CP 2 with sdpa");
-}
-
-/// Copies `from`'s checkpoint of `step` into a fresh run folder `to` (which then resumes it).
-fn seed_run_with(from: &Path, step: usize, to: &Path) {
-    std::fs::create_dir_all(to.join("checkpoint")).unwrap();
-    let ok = Command::new("cp")
-        .arg("-r")
-        .arg(from.join(format!("checkpoint/step-{step}")))
-        .arg(to.join("checkpoint"))
-        .status()
-        .unwrap();
-    assert!(ok.success());
 }
 
 #[test]

@@ -58,7 +58,10 @@
 //!   bytes), the experts' weights cast to bf16 (`3 E F d`, 2 bytes, unless the parameters are
 //!   bf16), the fp32 expert outputs the scores weight (`R d`) and the scores (`R`); its
 //!   parameters are counted whole (every expert: the memory is the total, not the active,
-//!   parameters).
+//!   parameters). Under expert parallelism a rank holds `E / ep` experts (their rows sharded
+//!   over `efsdp = dp_shard x cp x tp / ep` instead of `N`, gathered to `E / ep`), casts those
+//!   to bf16, computes the `R` tokens the ranks send them (balanced routing assumed), and its
+//!   backward's working set holds the all-to-all's sent and received tokens (`2 R d`).
 //! - `full`: the block input `T d / t`.
 //! - `selective`, `op` (titan's rule: the 1st, 3rd, 5th, 7th matmul): the block input `T d / t`,
 //!   `wq` `T h_l e`, `wv` `T k_l e`, `w1` `T F_l`, `w2` `T d` (a mixture of experts' matmuls
@@ -102,7 +105,7 @@ use crate::parallel::Mesh;
 use crate::parallelize::fsdp::REDUCTIONS_IN_FLIGHT;
 use crate::parallelize::layout::{check_tensor_parallel, microbatches};
 use crate::parallelize::pipeline::Schedule;
-use crate::parallelize::plan::{tp_local_shape, tp_style};
+use crate::parallelize::plan::{TpStyle, tp_local_shape, tp_style};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -115,6 +118,8 @@ pub struct Layout {
     pub cp: usize,
     pub tp: usize,
     pub pp: usize,
+    /// Expert parallelism: the routed experts split over `ep` ranks, FSDP'd over `efsdp`.
+    pub ep: usize,
 }
 
 impl Layout {
@@ -129,12 +134,23 @@ impl Layout {
             cp: mesh.cp,
             tp: mesh.tp,
             pp: mesh.pp,
+            ep: mesh.ep,
         })
     }
 
     /// FSDP's shard count: torchtitan's `fsdp` mesh is `dp_shard x cp`.
     pub fn fsdp(&self) -> usize {
         self.dp_shard * self.cp
+    }
+
+    /// FSDP's shard count for the routed experts under expert parallelism (torchtitan's
+    /// `efsdp`: `dp_shard x cp x tp / ep`); without it, [`Layout::fsdp`].
+    pub fn expert_fsdp(&self) -> usize {
+        if self.ep > 1 {
+            self.dp_shard * self.cp * self.tp / self.ep
+        } else {
+            self.fsdp()
+        }
     }
 }
 
@@ -214,6 +230,9 @@ struct Shape {
     /// The product of every dimension after the first (a grouped expert weight (E, F, D) is E
     /// rows of F x D).
     cols: u64,
+    /// A routed experts' tensor under expert parallelism: `rows` are this rank's `E / ep`
+    /// experts, sharded over `efsdp` instead of FSDP's `N`.
+    experts: bool,
 }
 
 impl Shape {
@@ -228,12 +247,26 @@ impl Shape {
     }
 }
 
-fn sum_shard(shapes: &[Shape], n: u64) -> u64 {
-    shapes.iter().map(|s| s.shard(n)).sum()
+/// FSDP's shard counts: `n` for every parameter, `efsdp` for the routed experts under expert
+/// parallelism.
+#[derive(Clone, Copy)]
+struct Shards {
+    n: u64,
+    efsdp: u64,
 }
 
-fn sum_unsharded(shapes: &[Shape], n: u64) -> u64 {
-    shapes.iter().map(|s| s.unsharded(n)).sum()
+impl Shards {
+    fn of(self, s: &Shape) -> u64 {
+        if s.experts { self.efsdp } else { self.n }
+    }
+}
+
+fn sum_shard(shapes: &[Shape], n: Shards) -> u64 {
+    shapes.iter().map(|s| s.shard(n.of(s))).sum()
+}
+
+fn sum_unsharded(shapes: &[Shape], n: Shards) -> u64 {
+    shapes.iter().map(|s| s.unsharded(n.of(s))).sum()
 }
 
 fn mib(bytes: u64) -> String {
@@ -260,6 +293,11 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         layout.pp as u64,
         layout.cp as u64,
     );
+    let ep = layout.ep as u64;
+    let shards = Shards {
+        n,
+        efsdp: layout.expert_fsdp() as u64,
+    };
     // The trainer's own rules for splitting the model over tp (heads, split weights, sequence).
     check_tensor_parallel(cfg, &args, layout.tp)?;
     // Activation widths under TP: heads and features split as the plan splits q/k/v, w1/w3 and
@@ -274,10 +312,20 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             .into_iter()
             .filter(|p| p.module == module)
             .map(|p| {
-                let shape = tp_local_shape(&p.shape, tp_style(&p.fqn)?, t as i64)?;
+                let style = tp_style(&p.fqn)?;
+                // Under expert parallelism the routed experts split over `ep`, not `tp`.
+                let experts = ep > 1 && matches!(style, TpStyle::ExpertRows | TpStyle::ExpertCols);
+                let shape = if experts {
+                    let mut s = p.shape.clone();
+                    s[0] /= ep as i64;
+                    s
+                } else {
+                    tp_local_shape(&p.shape, style, t as i64)?
+                };
                 Ok(Shape {
                     rows: u(shape[0]),
                     cols: shape[1..].iter().copied().map(u).product(),
+                    experts,
                 })
             })
             .collect()
@@ -298,11 +346,12 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let reduce = cfg.training.mixed_precision_reduce;
     let (mb, pb, rb) = (bytes_of(master), bytes_of(param), bytes_of(reduce));
 
-    let shard_elems =
-        stage_layers * sum_shard(&block, n) + sum_shard(&embed, n) + sum_shard(&head, n);
-    let block_full = sum_unsharded(&block, n);
-    let embed_full = sum_unsharded(&embed, n);
-    let head_full = sum_unsharded(&head, n);
+    let shard_elems = stage_layers * sum_shard(&block, shards)
+        + sum_shard(&embed, shards)
+        + sum_shard(&head, shards);
+    let block_full = sum_unsharded(&block, shards);
+    let embed_full = sum_unsharded(&embed, shards);
+    let head_full = sum_unsharded(&head, shards);
     let gathers = n > 1 || pb != mb;
 
     let policy = cfg.parallelism.fsdp_reshard_after_forward;
@@ -487,7 +536,10 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         // gate and up outputs), by when w2's saved input has gone: two more than it saved.
         None => (4 * tokens * f_l * ab, 2 * tokens * f_l * ab),
         Some(moe) => {
-            let (experts, k, f) = (u(moe.num_experts), u(moe.top_k), u(moe.hidden_dim));
+            // This rank's experts: all, or under expert parallelism its `E / ep`. The routed
+            // tokens it computes: its own `T K`, or under expert parallelism what the ranks
+            // send its experts, `T K` when the routing is balanced (the estimate's assumption).
+            let (experts, k, f) = (u(moe.num_experts) / ep, u(moe.top_k), u(moe.hidden_dim));
             let routed = tokens * k;
             // Router: the softmax/sigmoid output (fp32, T x E). Grouped matmuls in bf16: the
             // routed tokens cast twice (w1's and w3's input), the w1 and w3 outputs and SiLU
@@ -500,7 +552,10 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
                 + weights
                 + routed * d * 4
                 + routed * 4;
-            (saved, 3 * routed * f * 2 + routed * d * 4)
+            // Expert parallelism's all-to-alls hold the sent and the received tokens, and their
+            // expert-major copy, while the experts run (2 R d more than without).
+            let exchanged = if ep > 1 { 2 * routed * d * ab } else { 0 };
+            (saved, 3 * routed * f * 2 + routed * d * 4 + exchanged)
         }
     };
     // Attention saves k and v as it reads them: under context parallelism every cp rank's,
@@ -663,9 +718,17 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     for stage in 0..pp {
         let (first, last) = (stage == 0, stage == pp - 1);
         let k = in_flight_on(stage);
-        let block_shards = sum_shard(&block, n) * mb;
-        let embed_shards = if first { sum_shard(&embed, n) * mb } else { 0 };
-        let head_shards = if last { sum_shard(&head, n) * mb } else { 0 };
+        let block_shards = sum_shard(&block, shards) * mb;
+        let embed_shards = if first {
+            sum_shard(&embed, shards) * mb
+        } else {
+            0
+        };
+        let head_shards = if last {
+            sum_shard(&head, shards) * mb
+        } else {
+            0
+        };
         let shards = stage_layers * block_shards + embed_shards + head_shards;
         let gathered = match (gathers, reshard_blocks) {
             (false, _) => 0,
@@ -1058,6 +1121,35 @@ mod tests {
         assert_eq!(est.num_params, 315_758_848);
         assert_eq!(est.params_per_rank, 315_758_848 / 2);
         assert_eq!(est.rows[0].bytes, 315_758_848 / 2 * 4);
+    }
+
+    /// Under expert parallelism a rank stores the same share of the parameters (its 4 of 8
+    /// experts whole instead of half of every expert's rows) but gathers only its own experts:
+    /// a block's gathered copy loses half the experts' elements.
+    #[test]
+    fn expert_parallel_gathers_only_its_experts() {
+        let row =
+            |est: &Estimate, what: &str| est.rows.iter().find(|r| r.what == what).unwrap().bytes;
+        let fp32 = ["--training.mixed_precision_param", "float32"];
+        let fsdp = estimate(&registry("qwen3_moe_debug", &fp32), 2).unwrap();
+        let ep = estimate(
+            &registry(
+                "qwen3_moe_debug",
+                &[&fp32[..], &["--parallelism.expert_parallel_degree", "2"]].concat(),
+            ),
+            2,
+        )
+        .unwrap();
+        assert_eq!(ep.rows[0].bytes, fsdp.rows[0].bytes, "parameter shards");
+        let args = ModelArgs::of("qwen3", "debugmodel_moe").unwrap();
+        let moe = args.moe.as_ref().unwrap();
+        // w1, w2, w3: E x F x D each, half of them not gathered, x 2 blocks (computing +
+        // prefetched) x 4 B.
+        let experts = 3 * moe.num_experts * moe.hidden_dim * args.dim;
+        assert_eq!(
+            row(&fsdp, "all-gathered blocks") - row(&ep, "all-gathered blocks"),
+            (experts / 2 * 2 * 4) as u64
+        );
     }
 
     #[test]

@@ -45,6 +45,9 @@ pub struct Mesh {
     pub dp_shard: usize,
     pub cp: usize,
     pub tp: usize,
+    /// Expert-parallel degree: routed experts split over `ep` ranks borrowed from
+    /// `dp_shard x cp x tp` (torchtitan's sparse mesh `[pp, dp_replicate, efsdp, ep]`).
+    pub ep: usize,
 }
 
 impl Mesh {
@@ -59,6 +62,7 @@ impl Mesh {
             dp_shard: 1,
             cp: 1,
             tp: 1,
+            ep: 1,
         }
     }
 
@@ -113,6 +117,14 @@ impl Mesh {
                  cp({cp}) * tp({tp}) * pp({pp}) != WORLD_SIZE({world_size})"
             );
         }
+        let ep = cfg.expert_parallel_degree as usize;
+        if (dp_shard * cp * tp) % ep != 0 {
+            bail!(
+                "parallelism.expert_parallel_degree = {ep} must divide dp_shard({dp_shard}) * \
+                 cp({cp}) * tp({tp}) = {}: expert parallelism borrows its ranks from them",
+                dp_shard * cp * tp
+            );
+        }
         Ok(Self {
             rank,
             local_rank,
@@ -122,6 +134,7 @@ impl Mesh {
             dp_shard,
             cp,
             tp,
+            ep,
         })
     }
 
@@ -166,6 +179,53 @@ impl Mesh {
                     .all(|(i, d)| dims.contains(d) || c[i] == me[i])
             })
             .collect()
+    }
+
+    /// `dp_shard x cp x tp / ep`: the ranks FSDP shards the routed experts over under expert
+    /// parallelism (torchtitan's `efsdp`).
+    pub fn efsdp(&self) -> usize {
+        self.dp_shard * self.cp * self.tp / self.ep
+    }
+
+    /// This rank's index in `dp_shard x cp x tp` flattened, which expert parallelism splits as
+    /// `[efsdp, ep]` (row-major: the `ep` ranks of one group are consecutive).
+    fn sparse_index(&self, rank: usize) -> usize {
+        let c = self.coords_of(rank);
+        (c[2] * self.cp + c[3]) * self.tp + c[4]
+    }
+
+    /// The global ranks of this rank's `ep` group: the ranks of its `[pp, dp_replicate]` slice
+    /// in the same `efsdp` row.
+    pub fn ep_members(&self) -> Vec<usize> {
+        let (me, c) = (self.sparse_index(self.rank), self.coords_of(self.rank));
+        (0..self.world_size)
+            .filter(|&r| {
+                let o = self.coords_of(r);
+                o[0] == c[0] && o[1] == c[1] && self.sparse_index(r) / self.ep == me / self.ep
+            })
+            .collect()
+    }
+
+    /// The global ranks of this rank's `efsdp` group: same `[pp, dp_replicate]` slice and the
+    /// same `ep` index.
+    pub fn efsdp_members(&self) -> Vec<usize> {
+        let (me, c) = (self.sparse_index(self.rank), self.coords_of(self.rank));
+        (0..self.world_size)
+            .filter(|&r| {
+                let o = self.coords_of(r);
+                o[0] == c[0] && o[1] == c[1] && self.sparse_index(r) % self.ep == me % self.ep
+            })
+            .collect()
+    }
+
+    /// This rank's index in its `ep` group.
+    pub fn ep_rank(&self) -> usize {
+        self.sparse_index(self.rank) % self.ep
+    }
+
+    /// This rank's index in its `efsdp` group.
+    pub fn efsdp_rank(&self) -> usize {
+        self.sparse_index(self.rank) / self.ep
     }
 
     /// Number of data-parallel ranks (replicas x shards): how many slices the batch has.
@@ -229,5 +289,32 @@ mod tests {
             vec![1, 3, 5, 7]
         );
         assert_eq!((m.dp_rank(), m.dp_degree()), (2, 4));
+    }
+
+    /// torchtitan's sparse mesh `[pp, dp_replicate, efsdp, ep]` over `dp_shard x cp x tp`:
+    /// the `ep` ranks of a group are consecutive, `efsdp` strides over them.
+    #[test]
+    fn expert_parallel_groups_borrow_from_dp_shard() {
+        let cfg = Parallelism {
+            data_parallel_replicate_degree: 2,
+            data_parallel_shard_degree: Some(4),
+            expert_parallel_degree: 2,
+            ..Parallelism::default()
+        };
+        // rank 6 = replicate 1, shard 2.
+        let m = Mesh::new(&cfg, 6, 0, 8).unwrap();
+        assert_eq!((m.efsdp(), m.ep_rank(), m.efsdp_rank()), (2, 0, 1));
+        assert_eq!(m.ep_members(), vec![6, 7]);
+        assert_eq!(m.efsdp_members(), vec![4, 6]);
+        let bad = Parallelism {
+            data_parallel_shard_degree: Some(2),
+            expert_parallel_degree: 4,
+            ..Parallelism::default()
+        };
+        let err = Mesh::new(&bad, 0, 0, 2).unwrap_err().to_string();
+        assert!(
+            err.contains("expert_parallel_degree = 4 must divide"),
+            "{err}"
+        );
     }
 }

@@ -29,7 +29,7 @@ use crate::model::ModelArgs;
 use crate::optim::{self, AdamW};
 use crate::parallelize::layout::{check_layout, microbatches};
 use crate::parallelize::pipeline::{Microbatch, Pipeline, PipelineConfig};
-use crate::parallelize::{ParallelModel, TokenLayout, parallelize};
+use crate::parallelize::{NormGroup, ParallelModel, TokenLayout, parallelize};
 use crate::precision;
 use crate::tensorboard::EventWriter;
 
@@ -1112,16 +1112,17 @@ fn reduce_partial_grads(mesh: &DeviceMesh, model: &ParallelModel) -> Result<()> 
 
 /// The total 2-norm of all gradients over the mesh, as torch's `clip_grad_norm_` computes it
 /// for sharded parameters: fp32 norms of the local parts, their squares summed over the ranks
-/// that hold different parts (`dp_shard x cp`, and `tp` for tp-split parameters), then over the
+/// that hold different parts (`dp_shard x cp`, and `tp` for tp-split parameters; `efsdp x ep`
+/// for the routed experts under expert parallelism), then over the
 /// pipeline stages. A 0-dim tensor on `device` (fp32 on one process; f64 from the sums over
 /// ranks, which add the squares in f64 as the host sums this replaces did): the reductions are
 /// all-reduces of device tensors, and nothing is read to the host.
 fn grad_norm(mesh: &DeviceMesh, model: &ParallelModel, device: Device) -> Result<Tensor> {
     let grads = model.grads_as_torchtitan_parameters();
-    let local = |split: bool| -> Result<Tensor> {
+    let local = |group: NormGroup| -> Result<Tensor> {
         let part: Vec<Tensor> = grads
             .iter()
-            .filter(|(_, s)| *s == split)
+            .filter(|(_, g)| *g == group)
             .map(|(g, _)| g.shallow_clone())
             .collect();
         if part.iter().all(|g| !g.defined()) {
@@ -1145,12 +1146,20 @@ fn grad_norm(mesh: &DeviceMesh, model: &ParallelModel, device: Device) -> Result
         Ok(())
     };
     // [split, replicated] squares in one tensor, as one reduction over FSDP's ranks.
-    let sums = Tensor::cat(&[local(true)?, local(false)?], 0);
+    let sums = Tensor::cat(&[local(NormGroup::FsdpTp)?, local(NormGroup::Fsdp)?], 0);
     all_reduce(&mesh.fsdp, &sums)?;
     let split = sums.narrow(0, 0, 1).copy();
     all_reduce(&mesh.tp, &split)?;
+    let mut stages = split + sums.narrow(0, 1, 1);
+    if mesh.mesh.ep > 1 {
+        // The routed experts' squares over their own ranks (torchtitan's
+        // `_clip_grad_norm_with_ep`: the experts' norm and the others', combined).
+        let experts = local(NormGroup::Experts)?;
+        all_reduce(&mesh.efsdp, &experts)?;
+        all_reduce(&mesh.ep, &experts)?;
+        stages += experts;
+    }
     // Each pipeline stage's squared norm, summed over the stages (torchtitan's pp_mesh sum).
-    let stages = split + sums.narrow(0, 1, 1);
     all_reduce(&mesh.pp, &stages)?;
     Ok(stages.sqrt().view([]))
 }

@@ -1,5 +1,5 @@
 //! The cpu backend's collectives on 2 and 4 processes: sum/max all_reduce, reduce_scatter,
-//! all_gather, broadcast and barrier on sizes that do not divide evenly into chunks or segments,
+//! all_gather, broadcast, all_to_all_single (uneven splits, empty blocks) and barrier on sizes that do not divide evenly into chunks or segments,
 //! several dtypes and non-contiguous tensors; and failures: a killed or hung rank makes the
 //! others fail within the timeout with an error naming it.
 
@@ -132,6 +132,47 @@ fn collectives_worker() {
             vec![true, true, false]
         );
     }
+    // all_to_all_single with uneven splits: rank s sends rank d `rows(s, d)` rows (some none),
+    // each row of 3 values naming (s, d, row, column); small, and large enough to cross segments.
+    for scale in [1usize, 700] {
+        let rows = |s: usize, d: usize| ((s * 3 + d * 5 + 1) % 7) * scale;
+        let value =
+            |s: usize, d: usize, i: usize, j: usize| ((s * 10 + d) * 100_000 + i * 3 + j) as f64;
+        let block = |s: usize, d: usize, kind: Kind| {
+            let v: Vec<f64> = (0..rows(s, d))
+                .flat_map(|i| (0..3).map(move |j| value(s, d, i, j)))
+                .collect();
+            Tensor::from_slice(&v).to_kind(kind).view([-1, 3])
+        };
+        for kind in [Kind::Double, Kind::Int64, Kind::Float] {
+            let input = Tensor::cat(&(0..w).map(|d| block(r, d, kind)).collect::<Vec<_>>(), 0);
+            let want = Tensor::cat(&(0..w).map(|s| block(s, r, kind)).collect::<Vec<_>>(), 0);
+            let output = Tensor::full(want.size(), -1.0, (kind, tch::Device::Cpu));
+            let in_splits: Vec<usize> = (0..w).map(|d| rows(r, d)).collect();
+            let out_splits: Vec<usize> = (0..w).map(|s| rows(s, r)).collect();
+            g.all_to_all(&output, &input, &out_splits, &in_splits)
+                .unwrap();
+            assert_same(
+                &format!("all_to_all_single {kind:?} x{scale} on rank {r}"),
+                &output,
+                &want,
+            );
+        }
+    }
+    // Splits that do not add up to the rows are refused before anything is sent.
+    let err = g
+        .all_to_all(
+            &Tensor::zeros([w as i64, 2], (Kind::Float, tch::Device::Cpu)),
+            &Tensor::zeros([w as i64, 2], (Kind::Float, tch::Device::Cpu)),
+            &vec![1; w],
+            &vec![2; w],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("input splits") && err.contains("add up to"),
+        "{err}"
+    );
     g.barrier().unwrap();
     // A sub-group of the even ranks next to the world group.
     if w == 4 {

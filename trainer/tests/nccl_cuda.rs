@@ -174,9 +174,10 @@ fn collectives_are_ordered_on_the_gpu_without_a_host_wait() {
     g.all_gather(&scratch, &base).unwrap();
     g.reduce_scatter(&scratch, &base, ReduceOp::Sum).unwrap();
     g.broadcast(&scratch, 0).unwrap();
+    g.all_to_all(&scratch, &base, &[1024], &[1024]).unwrap();
     tch::Cuda::synchronize(0);
     type Call = fn(&mut NcclGroup, &Tensor, &Tensor);
-    let calls: [(&str, Call); 4] = [
+    let calls: [(&str, Call); 5] = [
         ("all_reduce", |g, out, input| {
             out.shallow_clone().copy_(input);
             g.all_reduce(out, ReduceOp::Sum).unwrap()
@@ -190,6 +191,10 @@ fn collectives_are_ordered_on_the_gpu_without_a_host_wait() {
         ("broadcast", |g, out, input| {
             out.shallow_clone().copy_(input);
             g.broadcast(out, 0).unwrap()
+        }),
+        // One rank's all-to-all is a send to itself and a receive from itself in one group.
+        ("all_to_all_single", |g, out, input| {
+            g.all_to_all(out, input, &[1024], &[1024]).unwrap()
         }),
     ];
     for (name, call) in calls {

@@ -553,6 +553,8 @@ pub struct Parallelism {
     pub pipeline_parallel_last_stage_less_layers: u64,
     /// The modules of each stage by name (`tok_embeddings`, `layers.N`, `norm`, `lm_head`).
     pub module_fqns_per_model_part: Option<Vec<Vec<String>>>,
+    /// Routed experts split over this many ranks, borrowed from `dp_shard x cp x tp`; tokens
+    /// travel to their experts' ranks by all-to-all (MoE models).
     pub expert_parallel_degree: i64,
     pub enable_compiled_autograd: bool,
     pub disable_loss_parallel: bool,
@@ -1358,12 +1360,6 @@ impl JobConfig {
                 " (titan-train runs schedules by name: parallelism.pipeline_parallel_schedule)",
             ),
             (
-                "parallelism.expert_parallel_degree",
-                w(&self.parallelism.expert_parallel_degree),
-                w(&d.parallelism.expert_parallel_degree),
-                " (titan-train has FSDP and tensor parallelism)",
-            ),
-            (
                 "parallelism.enable_compiled_autograd",
                 w(&self.parallelism.enable_compiled_autograd),
                 w(&d.parallelism.enable_compiled_autograd),
@@ -1779,7 +1775,6 @@ mod tests {
     fn unimplemented_keys_are_refused_unless_default() {
         for (key, value) in [
             ("--compile.enable", "true"),
-            ("--parallelism.expert_parallel_degree", "2"),
             ("--metrics.enable_wandb", "true"),
             ("--training.enable_cpu_offload", "true"),
             ("--model.converters", "mx"),
@@ -1800,8 +1795,8 @@ mod tests {
             None,
             &ov(&[
                 "--compile.enable=false",
-                "--parallelism.expert_parallel_degree",
-                "1",
+                "--training.enable_cpu_offload",
+                "false",
             ]),
         )
         .unwrap();

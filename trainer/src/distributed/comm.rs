@@ -2,7 +2,8 @@
 //!
 //! Semantics follow torch.distributed: `all_reduce` works in place; `reduce_scatter` and
 //! `all_gather` split a flat buffer into `size()` equal chunks in rank order (callers pad, as
-//! FSDP does); `broadcast` copies the root's tensor into everyone's. A failed collective leaves
+//! FSDP does); `broadcast` copies the root's tensor into everyone's; `all_to_all` sends each rank
+//! its own run of rows, of any length (expert parallelism's token exchange). A failed collective leaves
 //! the group unusable: training stops with the error.
 
 use std::io;
@@ -101,6 +102,12 @@ pub enum CollectiveOp<'a> {
         tensor: &'a Tensor,
         root: usize,
     },
+    AllToAll {
+        output: &'a Tensor,
+        input: &'a Tensor,
+        output_splits: &'a [usize],
+        input_splits: &'a [usize],
+    },
 }
 
 impl CollectiveOp<'_> {
@@ -111,6 +118,7 @@ impl CollectiveOp<'_> {
             CollectiveOp::ReduceScatter { .. } => "reduce_scatter",
             CollectiveOp::AllGather { .. } => "all_gather",
             CollectiveOp::Broadcast { .. } => "broadcast",
+            CollectiveOp::AllToAll { .. } => "all_to_all_single",
         }
     }
 
@@ -121,9 +129,9 @@ impl CollectiveOp<'_> {
             CollectiveOp::AllReduce { tensor, .. } | CollectiveOp::Broadcast { tensor, .. } => {
                 tensor
             }
-            CollectiveOp::ReduceScatter { input, .. } | CollectiveOp::AllGather { input, .. } => {
-                input
-            }
+            CollectiveOp::ReduceScatter { input, .. }
+            | CollectiveOp::AllGather { input, .. }
+            | CollectiveOp::AllToAll { input, .. } => input,
         };
         t.numel() * t.kind().elt_size_in_bytes()
     }
@@ -137,6 +145,12 @@ impl CollectiveOp<'_> {
             }
             CollectiveOp::AllGather { output, input } => c.all_gather(output, input),
             CollectiveOp::Broadcast { tensor, root } => c.broadcast(tensor, root),
+            CollectiveOp::AllToAll {
+                output,
+                input,
+                output_splits,
+                input_splits,
+            } => c.all_to_all(output, input, output_splits, input_splits),
         }
     }
 }
@@ -190,6 +204,18 @@ pub trait Collectives: Send {
     fn all_gather(&mut self, output: &Tensor, input: &Tensor) -> Result<(), CommError>;
     /// Copies `root`'s `tensor` into every rank's `tensor`.
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError>;
+    /// torch.distributed's `all_to_all_single` with splits: the first `input_splits[0]` rows
+    /// of `input` (dim 0) go to rank 0, the next `input_splits[1]` to rank 1, ...; `output`
+    /// receives `output_splits[s]` rows from each rank s, in rank order. Both tensors have the
+    /// same dtype and row shape; rank s's `input_splits[d]` must equal rank d's
+    /// `output_splits[s]` (exchange the counts first).
+    fn all_to_all(
+        &mut self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<(), CommError>;
     /// Returns once every rank of the group has called it.
     fn barrier(&mut self) -> Result<(), CommError>;
 
@@ -239,4 +265,50 @@ pub(crate) fn check_split(
         });
     }
     Ok(s)
+}
+
+/// Checks an all-to-all's arguments: a split per rank, splits that add up to each tensor's rows,
+/// the same dtype and row shape. Returns the elements per row.
+pub(crate) fn check_all_to_all(
+    output: &Tensor,
+    input: &Tensor,
+    output_splits: &[usize],
+    input_splits: &[usize],
+    size: usize,
+) -> Result<usize, CommError> {
+    const OP: &str = "all_to_all_single";
+    let bad = |message: String| CommError::BadArgument { op: OP, message };
+    for (what, splits) in [("input", input_splits), ("output", output_splits)] {
+        if splits.len() != size {
+            return Err(bad(format!(
+                "{} {what} splits for a group of {size} ranks",
+                splits.len()
+            )));
+        }
+    }
+    if input.kind() != output.kind() {
+        return Err(bad(format!(
+            "dtype mismatch: input {:?}, output {:?}",
+            input.kind(),
+            output.kind()
+        )));
+    }
+    let (ins, outs) = (input.size(), output.size());
+    if ins.is_empty() || outs.is_empty() || ins[1..] != outs[1..] {
+        return Err(bad(format!(
+            "input {ins:?} and output {outs:?} need one row shape after dim 0"
+        )));
+    }
+    for (what, rows, splits) in [
+        ("input", ins[0], input_splits),
+        ("output", outs[0], output_splits),
+    ] {
+        let sum: usize = splits.iter().sum();
+        if sum as i64 != rows {
+            return Err(bad(format!(
+                "the {what} splits {splits:?} add up to {sum} rows but the {what} has {rows}"
+            )));
+        }
+    }
+    Ok(ins[1..].iter().product::<i64>() as usize)
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 
-use super::comm::{Collectives, CommError, ReduceOp, check_split};
+use super::comm::{Collectives, CommError, ReduceOp, check_all_to_all, check_split};
 use super::connect::{SocketOptions, connect_ring};
 use super::elem::Elem;
 use super::failure::{FAILURE_KEY, FailureBoard, Posted};
@@ -185,6 +185,45 @@ impl Collectives for CpuGroup {
             });
         }
         let r = with_bytes("broadcast", tensor, |b, _| self.ring.broadcast(b, root));
+        r.map_err(|e| self.report(e))
+    }
+
+    fn all_to_all(
+        &mut self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all_single";
+        let row = check_all_to_all(output, input, output_splits, input_splits, self.size())?;
+        let input = if input.device().is_cuda() {
+            crate::host_sync::to_host(input, OP)
+        } else {
+            input.contiguous()
+        };
+        let elem = Elem::from_kind(input.kind()).ok_or_else(|| CommError::BadArgument {
+            op: OP,
+            message: format!("unsupported dtype {:?}", input.kind()),
+        })?;
+        let bytes = |splits: &[usize]| -> Vec<usize> {
+            splits
+                .iter()
+                .map(|&rows| rows * row * elem.size())
+                .collect()
+        };
+        let (out_bytes, in_bytes) = (bytes(output_splits), bytes(input_splits));
+        let len = input.numel() * elem.size();
+        let input_bytes: &[u8] = if len == 0 {
+            &[]
+        } else {
+            // SAFETY: a contiguous CPU tensor of `len` bytes, alive for this call, only read.
+            unsafe { std::slice::from_raw_parts(input.data_ptr().cast::<u8>(), len) }
+        };
+        let r = with_bytes(OP, output, |out, _| {
+            self.ring
+                .all_to_all(out, &out_bytes, input_bytes, &in_bytes)
+        });
         r.map_err(|e| self.report(e))
     }
 

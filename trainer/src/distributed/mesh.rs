@@ -1,6 +1,7 @@
 //! The process groups of one rank's device mesh ([`DeviceMesh`]): one [`Group`] per mesh
-//! dimension titan-train shards over (`tp`, `dp_shard`, `dp_replicate`) and the flattened `dp`
-//! (replicate x shard) torchtitan uses for token counts and metrics. The same code runs one
+//! dimension titan-train shards over (`tp`, `dp_shard`, `dp_replicate`, `cp`, and expert
+//! parallelism's `ep` and `efsdp`) and the flattened `dp` (replicate x shard) torchtitan uses
+//! for token counts and metrics. The same code runs one
 //! process (every group of size 1, no collective is called) and many (cpu or nccl groups).
 
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -392,6 +393,24 @@ impl Group {
         self.with(|g| g.broadcast(t, root)).unwrap_or(Ok(()))
     }
 
+    /// torch's `all_to_all_single` with splits ([`Collectives::all_to_all`]); alone, `output`
+    /// gets `input`.
+    pub fn all_to_all(
+        &self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<(), CommError> {
+        match self.with(|g| g.all_to_all(output, input, output_splits, input_splits)) {
+            Some(r) => r,
+            None => {
+                output.shallow_clone().copy_(input);
+                Ok(())
+            }
+        }
+    }
+
     pub fn barrier(&self) -> Result<(), CommError> {
         self.with(|g| g.barrier()).unwrap_or(Ok(()))
     }
@@ -422,6 +441,11 @@ pub struct DeviceMesh {
     /// dp x cp flattened: the ranks whose losses (and MoE token counts) add up to the step's
     /// (torchtitan's `loss` mesh).
     pub dp_cp: Group,
+    /// The ranks routed experts are split over, exchanging tokens (expert parallelism).
+    pub ep: Group,
+    /// The ranks FSDP shards the routed experts over under expert parallelism
+    /// (`dp_shard x cp x tp / ep`); without it, `fsdp`.
+    pub efsdp: Group,
     scalar_device: Device,
     dist: Option<Dist>,
 }
@@ -439,6 +463,8 @@ impl DeviceMesh {
             cp: Group::solo(),
             fsdp: Group::solo(),
             dp_cp: Group::solo(),
+            ep: Group::solo(),
+            efsdp: Group::solo(),
             scalar_device: Device::Cpu,
             dist: None,
         }
@@ -449,14 +475,14 @@ impl DeviceMesh {
     /// `dp` (no second communicator over the same ranks). The pipeline's point-to-point groups
     /// are made by the pipeline ([`DeviceMesh::new_group`]).
     pub fn connect(dist: Dist, mesh: Mesh) -> Result<Self, CommError> {
-        let group = |dims: &[Dim], tag: &str| -> Result<Group, CommError> {
-            let members = mesh.group_members(dims);
-            let name = format!("{tag}/{}", members[0]);
+        let named = |members: Vec<usize>, tag: &str| -> Result<Group, CommError> {
             if members.len() == 1 {
                 return Ok(Group::solo());
             }
+            let name = format!("{tag}/{}", members[0]);
             Ok(Group::new(dist.new_group(&name, members)?))
         };
+        let group = |dims: &[Dim], tag: &str| named(mesh.group_members(dims), tag);
         let tp = group(&[Dim::Tp], "tp")?;
         let pp = group(&[Dim::Pp], "pp")?;
         let dp_shard = group(&[Dim::DpShard], "dp_shard")?;
@@ -470,6 +496,14 @@ impl DeviceMesh {
             )
         } else {
             (Group::solo(), dp_shard.clone(), dp.clone())
+        };
+        let (ep, efsdp) = if mesh.ep > 1 {
+            (
+                named(mesh.ep_members(), "ep")?,
+                named(mesh.efsdp_members(), "efsdp")?,
+            )
+        } else {
+            (Group::solo(), fsdp.clone())
         };
         let scalar_device = [&tp, &dp, &pp, &cp]
             .iter()
@@ -486,6 +520,8 @@ impl DeviceMesh {
             cp,
             fsdp,
             dp_cp,
+            ep,
+            efsdp,
             scalar_device,
             dist: Some(dist),
         })
@@ -672,6 +708,16 @@ mod tests {
         }
         fn broadcast(&mut self, _: &Tensor, _: usize) -> Result<(), CommError> {
             self.log.lock().unwrap().push("blocking broadcast".into());
+            Ok(())
+        }
+        fn all_to_all(
+            &mut self,
+            _: &Tensor,
+            _: &Tensor,
+            _: &[usize],
+            _: &[usize],
+        ) -> Result<(), CommError> {
+            self.log.lock().unwrap().push("blocking all_to_all".into());
             Ok(())
         }
         fn barrier(&mut self) -> Result<(), CommError> {

@@ -25,7 +25,8 @@ use cudarc::nccl::{result as nccl, sys};
 use tch::{Device, Kind, Tensor};
 
 use super::comm::{
-    CollectiveOp, Collectives, CommError, Issued, QueuedWork, ReduceOp, check_split,
+    CollectiveOp, Collectives, CommError, Issued, QueuedWork, ReduceOp, check_all_to_all,
+    check_split,
 };
 use super::failure::{FailureBoard, Posted};
 
@@ -371,6 +372,48 @@ impl NcclGroup {
                     nccl::all_gather(src, dst, k, dt, comm, stream.cast())
                 })
             }
+            CollectiveOp::AllToAll {
+                output,
+                input,
+                output_splits,
+                input_splits,
+            } => {
+                let row = check_all_to_all(output, input, output_splits, input_splits, self.size)?;
+                self.check(name, input)?;
+                self.check(name, output)?;
+                let dt = self.dtype(name, input.kind())?;
+                let elem = input.kind().elt_size_in_bytes();
+                let (src, dst) = (input.data_ptr() as usize, output.data_ptr() as usize);
+                let (ins, outs) = (input_splits.to_vec(), output_splits.to_vec());
+                // One send and one receive per peer in one NCCL group, as torch's
+                // ProcessGroupNCCL::alltoall_base: NCCL schedules them together, so no pair waits
+                // on another.
+                // SAFETY: the splits add up to each tensor's rows (checked), so every block is in
+                // bounds of its contiguous CUDA tensor on our device.
+                self.launch(name, completion, after, |comm, stream| unsafe {
+                    nccl::group_start()?;
+                    let issued = (|| {
+                        let (mut sent, mut received) = (0usize, 0usize);
+                        for peer in 0..ins.len() {
+                            let (n_in, n_out) = (ins[peer] * row, outs[peer] * row);
+                            if n_in > 0 {
+                                let p = (src + sent * elem) as *const c_void;
+                                nccl::send(p, n_in, dt, peer as i32, comm, stream.cast())?;
+                            }
+                            if n_out > 0 {
+                                let p = (dst + received * elem) as *mut c_void;
+                                nccl::recv(p, n_out, dt, peer as i32, comm, stream.cast())?;
+                            }
+                            sent += n_in;
+                            received += n_out;
+                        }
+                        Ok(())
+                    })();
+                    // The group is closed even after a failed call, so NCCL's state stays sane.
+                    let ended = nccl::group_end();
+                    issued.and(ended)
+                })
+            }
             CollectiveOp::Broadcast { tensor, root } => {
                 self.check(name, tensor)?;
                 if root >= self.size {
@@ -509,6 +552,22 @@ impl Collectives for NcclGroup {
 
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
         let op = CollectiveOp::Broadcast { tensor, root };
+        self.collective(op, Completion::Joined, None).map(drop)
+    }
+
+    fn all_to_all(
+        &mut self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<(), CommError> {
+        let op = CollectiveOp::AllToAll {
+            output,
+            input,
+            output_splits,
+            input_splits,
+        };
         self.collective(op, Completion::Joined, None).map(drop)
     }
 

@@ -1,5 +1,5 @@
 //! Every collective a rank runs, recorded as a titan-obs span named like torch.distributed's
-//! function (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`) with a scalar holding
+//! function (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, `all_to_all_single`) with a scalar holding
 //! the bytes this rank passed in (`comm/<name>_bytes`, recorded inside the span). The analysis
 //! matches the same call across ranks to tell who arrived last and who waited (obs/SCHEMA.md,
 //! "Collectives").
@@ -86,6 +86,22 @@ impl Collectives for Recorded {
 
     fn broadcast(&mut self, tensor: &Tensor, root: usize) -> Result<(), CommError> {
         let op = CollectiveOp::Broadcast { tensor, root };
+        self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
+    }
+
+    fn all_to_all(
+        &mut self,
+        output: &Tensor,
+        input: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+    ) -> Result<(), CommError> {
+        let op = CollectiveOp::AllToAll {
+            output,
+            input,
+            output_splits,
+            input_splits,
+        };
         self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
     }
 

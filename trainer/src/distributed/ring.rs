@@ -57,6 +57,27 @@ fn all_gather_steps(n: usize, r: usize) -> impl Iterator<Item = (usize, Mode)> {
 struct Seg {
     ptr: *const u8,
     len: usize,
+    /// The bytes `ptr` points into when the segment owns them (an all-to-all's forwarded
+    /// blocks): moving the `Vec` into the queue does not move its heap buffer.
+    _owned: Option<Vec<u8>>,
+}
+
+impl Seg {
+    fn borrowed(ptr: *const u8, len: usize) -> Seg {
+        Seg {
+            ptr,
+            len,
+            _owned: None,
+        }
+    }
+
+    fn owned(bytes: Vec<u8>) -> Seg {
+        Seg {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            _owned: Some(bytes),
+        }
+    }
 }
 // SAFETY: the pointed-to buffer outlives the scoped sender thread, and a segment is never written
 // while it is queued (see the module docs).
@@ -193,6 +214,88 @@ impl Ring {
         self.run_chain("broadcast", buf, forward)
     }
 
+    /// All-to-all with blocks of any size: `input` is cut into `input_splits` (bytes, one block
+    /// per destination rank, in rank order) and `output` into `output_splits` (one block per
+    /// source rank); afterwards block s of `output` holds what rank s sent this rank.
+    ///
+    /// Over the ring a block travels to its rank hop by hop: at step k (1 ≤ k < size) this rank
+    /// sends the next rank the blocks that started at rank r-k+1 and have not arrived, each
+    /// prefixed by its length, and receives from the previous rank those that started at rank
+    /// r-k: it keeps the first (its own) and forwards the others at the next step. A block
+    /// whose length differs from what this rank's `output_splits` expects is an error naming
+    /// both ranks (the callers' split tables disagree).
+    pub fn all_to_all(
+        &mut self,
+        output: &mut [u8],
+        output_splits: &[usize],
+        input: &[u8],
+        input_splits: &[usize],
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all_single";
+        let (n, r) = (self.size, self.rank);
+        let offsets = |splits: &[usize]| -> Vec<usize> {
+            let mut at = 0;
+            splits
+                .iter()
+                .map(|&len| {
+                    at += len;
+                    at - len
+                })
+                .collect()
+        };
+        let (in_at, out_at) = (offsets(input_splits), offsets(output_splits));
+        output[out_at[r]..out_at[r] + output_splits[r]]
+            .copy_from_slice(&input[in_at[r]..in_at[r] + input_splits[r]]);
+        if n == 1 {
+            return Ok(());
+        }
+        let members = self.members.clone();
+        let mut mismatch = None;
+        let result = self.pipeline(OP, |prev, tx| {
+            // Step 1 sends this rank's own blocks for ranks r+1, ..., r+n-1.
+            let mut outgoing = Vec::new();
+            for d in 1..n {
+                let dest = (r + d) % n;
+                outgoing.extend_from_slice(&(input_splits[dest] as u64).to_le_bytes());
+                outgoing.extend_from_slice(&input[in_at[dest]..in_at[dest] + input_splits[dest]]);
+            }
+            for k in 1..n {
+                let _ = tx.send(Seg::owned(std::mem::take(&mut outgoing)));
+                let source = (r + n - k) % n;
+                let mut len = [0u8; 8];
+                read_full(prev, &mut len)?;
+                let len = u64::from_le_bytes(len) as usize;
+                if len != output_splits[source] {
+                    mismatch = Some((source, len));
+                    return Err(io::Error::other("all_to_all split mismatch"));
+                }
+                read_full(prev, &mut output[out_at[source]..out_at[source] + len])?;
+                // The blocks of `source` for ranks r+1, ..., r+n-k-1 go on at the next step.
+                for _ in k + 1..n {
+                    let mut len = [0u8; 8];
+                    read_full(prev, &mut len)?;
+                    let at = outgoing.len();
+                    outgoing.extend_from_slice(&len);
+                    outgoing.resize(at + 8 + u64::from_le_bytes(len) as usize, 0);
+                    read_full(prev, &mut outgoing[at + 8..])?;
+                }
+            }
+            Ok(())
+        });
+        match (result, mismatch) {
+            (Err(_), Some((source, len))) => Err(CommError::BadArgument {
+                op: OP,
+                message: format!(
+                    "rank {} expected {} bytes from rank {} but it sent {len} (the ranks' split \
+                     tables disagree: rank s's input split for rank d must equal rank d's \
+                     output split for rank s)",
+                    members[r], output_splits[source], members[source]
+                ),
+            }),
+            (result, _) => result,
+        }
+    }
+
     /// The pipelined engine: queue chunk `first_send`, then for each step receive its chunk
     /// segment by segment, reduce or copy it in place, and queue it for the next step's send.
     fn run(
@@ -219,10 +322,7 @@ impl Ring {
         let result = self.pipeline(op_name, |prev, tx| {
             for &(a, b) in &first {
                 // SAFETY: in bounds of `buf`.
-                let _ = tx.send(Seg {
-                    ptr: unsafe { base.add(a) },
-                    len: b - a,
-                });
+                let _ = tx.send(Seg::borrowed(unsafe { base.add(a) }, b - a));
             }
             for (i, &(_, mode)) in steps.iter().enumerate() {
                 let forward = i + 1 < steps.len();
@@ -245,10 +345,7 @@ impl Ring {
                         }
                     }
                     if forward {
-                        let _ = tx.send(Seg {
-                            ptr: dst.as_ptr(),
-                            len: b - a,
-                        });
+                        let _ = tx.send(Seg::borrowed(dst.as_ptr(), b - a));
                     }
                 }
             }
@@ -273,10 +370,7 @@ impl Ring {
                 let dst = unsafe { std::slice::from_raw_parts_mut(base.add(a), b - a) };
                 read_full(prev, dst)?;
                 if forward {
-                    let _ = tx.send(Seg {
-                        ptr: dst.as_ptr(),
-                        len: b - a,
-                    });
+                    let _ = tx.send(Seg::borrowed(dst.as_ptr(), b - a));
                 }
             }
             Ok(())

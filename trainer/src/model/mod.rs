@@ -565,6 +565,16 @@ pub trait Ops {
     /// pass's own `k` and `v`: themselves, or where the sequence is split over ranks every
     /// rank's, in the order [`Attend::Masked`]'s key axis follows.
     fn keys_values(&self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor);
+    /// The routed experts' outputs for `routed` (R, D), tokens sorted by expert with
+    /// `per_expert` (E,) of them for each: `experts(tokens, counts)` runs the experts this
+    /// process holds over tokens sorted by them. Here, or where the experts are split over
+    /// ranks, after sending each token to the rank holding its expert (and the output back).
+    fn routed_experts(
+        &self,
+        routed: &Tensor,
+        per_expert: &Tensor,
+        experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
+    ) -> Tensor;
     /// q, k and v of `x`, each (B, S, heads * head_dim), in one matmul over the three weights
     /// fused (torchtitan 0.3.0's `wqkv`), where the implementation multiplies them so; `None`:
     /// three [`Ops::linear`]s.
@@ -589,6 +599,15 @@ impl Ops for Plain {
 
     fn keys_values(&self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
         (k.shallow_clone(), v.shallow_clone())
+    }
+
+    fn routed_experts(
+        &self,
+        routed: &Tensor,
+        per_expert: &Tensor,
+        experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
+    ) -> Tensor {
+        experts(routed, per_expert)
     }
 
     fn fused_qkv(&self, _: &Tensor, _: [&Weight; 3], _: &BlockShape) -> Option<[Tensor; 3]> {
@@ -634,7 +653,7 @@ pub fn block(
         }
         (FeedForward::Moe(weights), Some(run), Some(args)) => {
             let count = run.count.swap(false, Ordering::Relaxed);
-            moe::forward(&x, weights, args, &run.buffers, count)
+            moe::forward(&x, weights, args, &run.buffers, count, ops)
         }
         (FeedForward::Moe(_), _, _) => unreachable!("a mixture of experts has its state"),
     };

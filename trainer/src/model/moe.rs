@@ -65,7 +65,8 @@ impl MoeBuffers {
 }
 
 /// The MoE feed-forward of `x` (B, S, D): the routed experts' outputs added per token, plus the
-/// shared experts' output when there are shared experts (added after, as torchtitan). With
+/// shared experts' output when there are shared experts (added after, as torchtitan). The
+/// routed experts run through `ops` (where expert parallelism sends tokens to them). With
 /// `count`, the tokens sent to each expert are added to its `tokens_per_expert` (a training
 /// forward pass; not its recompute in backward, which would count them twice).
 pub(super) fn forward(
@@ -74,6 +75,7 @@ pub(super) fn forward(
     args: &MoeArgs,
     buffers: &MoeBuffers,
     count: bool,
+    ops: &dyn super::Ops,
 ) -> Tensor {
     let (b, s, d) = x.size3().expect("hidden states are (B, S, dim)");
     let (k, tokens) = (args.top_k, b * s);
@@ -93,7 +95,9 @@ pub(super) fn forward(
     let token_of = order.floor_divide_scalar(k);
     let x_td = x.view([tokens, d]);
     let routed = x_td.index(&[Some(&token_of)]);
-    let out = grouped_experts(&routed, weights, &per_expert);
+    let out = ops.routed_experts(&routed, &per_expert, &|tokens, counts| {
+        grouped_experts(tokens, weights, counts)
+    });
     // Combine: each output weighted by its score in fp32, added to its token in sorted order
     // (torchtitan's deterministic scatter-add).
     let out = (out.to_kind(Kind::Float) * sorted_scores.reshape([-1, 1])).to_kind(out.kind());

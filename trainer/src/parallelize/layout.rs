@@ -31,6 +31,7 @@ pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConf
         .map_err(|e| ConfigError::invalid("parallelism.pipeline_parallel_schedule", e))?;
     check_family(cfg, &args, world)?;
     check_tensor_parallel(cfg, &args, world.tp)?;
+    check_expert_parallel(cfg, &args, world)?;
     microbatches(&cfg.training, world.dp_degree())
         .map_err(|e| ConfigError::invalid("training.global_batch_size", format!("{e:#}")))?;
     if world.pp <= 1 {
@@ -74,6 +75,64 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
             format!(
                 "titan-train trains {model} with FSDP, HSDP, DDP, tensor and pipeline \
                  parallelism, in DCP and HF checkpoints: float8 is llama3's so far"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Expert parallelism splits each MoE layer's routed experts evenly over `ep` ranks, with FSDP
+/// (and HSDP) over the rest of `dp_shard`; the layouts titan-train does not build with it yet
+/// are refused naming their key.
+pub fn check_expert_parallel(
+    cfg: &JobConfig,
+    args: &ModelArgs,
+    world: &Mesh,
+) -> Result<(), ConfigError> {
+    let ep = world.ep;
+    if ep <= 1 {
+        return Ok(());
+    }
+    let key = "parallelism.expert_parallel_degree";
+    let model = format!("{} {}", cfg.model.name, cfg.model.flavor);
+    let Some(moe) = args.moe.as_ref() else {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{ep}: {model} has no mixture-of-experts layers to split"),
+        ));
+    };
+    let experts = moe.num_experts as usize;
+    if !experts.is_multiple_of(ep) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{ep} does not divide {model}'s {experts} routed experts"),
+        ));
+    }
+    for (other, degree) in [
+        ("parallelism.tensor_parallel_degree", world.tp),
+        ("parallelism.context_parallel_degree", world.cp),
+        ("parallelism.pipeline_parallel_degree", world.pp),
+    ] {
+        if degree > 1 {
+            return Err(ConfigError::invalid(
+                other,
+                format!(
+                    "{degree} with {key} = {ep}: titan-train splits experts over ranks of \
+                     data_parallel_shard_degree (FSDP, HSDP) so far; expert parallelism with \
+                     tensor, context or pipeline parallelism is not built yet"
+                ),
+            ));
+        }
+    }
+    if world.efsdp() * ep > experts {
+        return Err(ConfigError::invalid(
+            "parallelism.data_parallel_shard_degree",
+            format!(
+                "{} ranks would shard {model}'s {experts} experts ({key} = {ep} x {} FSDP \
+                 shards): torchtitan then shards each expert's hidden dim, which titan-train \
+                 does not build yet; use at most {experts} data_parallel_shard ranks",
+                world.efsdp() * ep,
+                world.efsdp()
             ),
         ));
     }

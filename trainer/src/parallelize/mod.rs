@@ -15,6 +15,7 @@
 //!   block of the global tensor at `offsets`.
 
 pub mod context_parallel;
+pub mod expert_parallel;
 pub mod fsdp;
 pub mod layout;
 mod parallel_model;
@@ -151,6 +152,19 @@ fn apply_float8(
     Ok(model)
 }
 
+/// Which ranks hold the other parts of a gradient, so which sum its squared norm: torch's
+/// `clip_grad_norm_` over DTensors, and torchtitan's `_clip_grad_norm_with_ep`, which takes the
+/// experts' norm over their own mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormGroup {
+    /// FSDP's shards (`dp_shard x cp`); whole over `tp`.
+    Fsdp,
+    /// FSDP's shards and tensor parallelism's parts.
+    FsdpTp,
+    /// A routed experts' tensor under expert parallelism: `efsdp x ep`.
+    Experts,
+}
+
 /// Where one parameter's local part sits in the global tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -167,6 +181,10 @@ pub struct Placement {
     /// This rank writes the part to checkpoints (the first replica, and for a parameter
     /// replicated over `tp` the first tp rank).
     pub writes: bool,
+    /// A routed experts' tensor split over `ep` (dim 0, the experts) and sharded by FSDP over
+    /// `efsdp`: its gradient is whole after the all-to-all's backward, and its norm is summed
+    /// over the expert-parallel ranks.
+    pub expert_parallel: bool,
 }
 
 impl Placement {
@@ -202,6 +220,9 @@ pub struct ParallelPlan {
     pub tp: tp::TensorParallel,
     pub cp: context_parallel::ContextParallel,
     pub fsdp: fsdp::FsdpMesh,
+    /// Expert parallelism: the routed experts' ranks, and FSDP over `efsdp` for their tensors.
+    pub ep: expert_parallel::ExpertParallel,
+    pub expert_fsdp: fsdp::FsdpMesh,
     pub reshard_after_forward: ReshardAfterForward,
     /// Pipeline parallelism is on (FSDP's default then keeps gathered parameters between a
     /// stage's microbatches, as torchtitan).
@@ -209,12 +230,15 @@ pub struct ParallelPlan {
     tp_rank: usize,
     shard_rank: usize,
     replicate_rank: usize,
+    efsdp_rank: usize,
 }
 
 impl ParallelPlan {
     /// The plan for `mesh`'s groups. `param_kind` is FSDP2's `mixed_precision_param` (the dtype
     /// the unsharded parameters compute in) and `reduce_kind` its `mixed_precision_reduce`.
     pub fn new(mesh: &DeviceMesh, cfg: &Parallelism, param_kind: Kind, reduce_kind: Kind) -> Self {
+        // One queue for both FSDP meshes: the reductions of a model run in issue order.
+        let reductions = fsdp::Reductions::default();
         ParallelPlan {
             tp: tp::TensorParallel::new(mesh.tp.clone(), cfg.enable_sequence_parallel),
             cp: context_parallel::ContextParallel::new(
@@ -226,13 +250,22 @@ impl ParallelPlan {
                 replicate: mesh.dp_replicate.clone(),
                 param_kind,
                 reduce_kind,
-                reductions: fsdp::Reductions::default(),
+                reductions: reductions.clone(),
+            },
+            ep: expert_parallel::ExpertParallel::new(mesh.ep.clone()),
+            expert_fsdp: fsdp::FsdpMesh {
+                shard: mesh.efsdp.clone(),
+                replicate: mesh.dp_replicate.clone(),
+                param_kind,
+                reduce_kind,
+                reductions,
             },
             reshard_after_forward: cfg.fsdp_reshard_after_forward,
             pipelined: cfg.pipeline_parallel_degree > 1,
             tp_rank: mesh.mesh.coord(Dim::Tp),
             shard_rank: mesh.fsdp.rank(),
             replicate_rank: mesh.mesh.coord(Dim::DpReplicate),
+            efsdp_rank: mesh.efsdp.rank(),
         }
     }
 
@@ -249,7 +282,43 @@ impl ParallelPlan {
     /// Where this rank's part of parameter `fqn` of `global` shape sits, by the TP plan
     /// ([`plan::tp_style`]) and FSDP's dim-0 chunks.
     pub fn placement_of(&self, fqn: &str, global: &[i64]) -> Result<Placement> {
-        self.placement(global, plan::tp_style(fqn)?)
+        let style = plan::tp_style(fqn)?;
+        if self.ep.size() > 1 && matches!(style, TpStyle::ExpertRows | TpStyle::ExpertCols) {
+            return self.expert_placement(global);
+        }
+        self.placement(global, style)
+    }
+
+    /// A routed experts' tensor (E, ..) under expert parallelism: this rank's `ep` block of
+    /// experts, cut by FSDP over `efsdp` into dim-0 chunks (torchtitan's `Shard(0)` on the
+    /// sparse mesh; tensor parallelism does not split experts with EP on).
+    fn expert_placement(&self, global: &[i64]) -> Result<Placement> {
+        let (ep, shards) = (self.ep.size() as i64, self.expert_fsdp.shard.size() as i64);
+        let experts = global[0];
+        if experts % ep != 0 {
+            bail!(
+                "{experts} experts cannot be split over parallelism.expert_parallel_degree = {ep}"
+            );
+        }
+        let ep_rows = experts / ep;
+        let rows_per_shard = (ep_rows + shards - 1) / shards;
+        let lo = (self.efsdp_rank as i64 * rows_per_shard).min(ep_rows);
+        let hi = (lo + rows_per_shard).min(ep_rows);
+        let mut offsets = vec![0i64; global.len()];
+        offsets[0] = self.ep.rank() as i64 * ep_rows + lo;
+        let mut local = global.to_vec();
+        local[0] = hi - lo;
+        Ok(Placement {
+            global: global.to_vec(),
+            offsets,
+            local,
+            tp_dim: None,
+            tp_partial_grad: false,
+            tp_local_rows: ep_rows,
+            rows_per_shard,
+            writes: self.replicate_rank == 0,
+            expert_parallel: true,
+        })
     }
 
     /// Where this rank's part of a parameter of `global` shape placed by `style` sits.
@@ -279,6 +348,7 @@ impl ParallelPlan {
             tp_local_rows,
             rows_per_shard,
             writes: self.replicate_rank == 0 && (tp_dim.is_some() || self.tp_rank == 0),
+            expert_parallel: false,
         })
     }
 
@@ -314,6 +384,7 @@ mod tests {
                 tp_local_rows: 4,
                 rows_per_shard: 2,
                 writes: true,
+                expert_parallel: false,
             };
             let part = placement.take_local(&full);
             let want = full

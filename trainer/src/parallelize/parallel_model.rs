@@ -19,12 +19,13 @@ use anyhow::{Result, bail};
 use tch::{Device, Kind, Tensor};
 
 use super::context_parallel::ContextParallel;
+use super::expert_parallel::ExpertParallel;
 use super::fsdp::{Float8Gather, FsdpUnit, Gathered};
 use super::pipeline::StageModules;
 use super::plan::{TpStyle, tp_style};
 use super::tp::TensorParallel;
 use super::weight_grad::{WeightGradStash, deferred_linear};
-use super::{ParallelPlan, Placement};
+use super::{NormGroup, ParallelPlan, Placement};
 use crate::config::{ActivationCheckpointing, AttnBackend};
 use crate::data::Batch;
 use crate::float8::{Float8Linear, Float8Training, Float8Weight, WeightSplit};
@@ -46,6 +47,9 @@ pub struct ParallelModel {
     embeddings: Option<FsdpUnit>,
     /// This rank's transformer blocks by global layer index, ascending.
     layers: Vec<(usize, FsdpUnit)>,
+    /// Under expert parallelism, each MoE block's routed experts: a unit of their own, FSDP'd
+    /// over `efsdp` (torchtitan's per-parameter mesh for them), by global layer index.
+    expert_units: Vec<ExpertsUnit>,
     /// The final norm and the output projection.
     head: Option<FsdpUnit>,
     /// The dtype parameters are gathered and computed in (FSDP's `mixed_precision_param`), and
@@ -53,6 +57,7 @@ pub struct ParallelModel {
     compute_kind: Kind,
     tp: TensorParallel,
     cp: ContextParallel,
+    ep: ExpertParallel,
     freqs_cis: Tensor,
     checkpointing: ActivationCheckpointing,
     attn_backend: AttnBackend,
@@ -66,6 +71,16 @@ pub struct ParallelModel {
     /// Training forward passes count the tokens each expert gets (torchtitan's
     /// `module.training`; validation turns it off).
     training: AtomicBool,
+}
+
+/// A block's routed experts under expert parallelism: their FSDP unit, where they sit among the
+/// block's parameters (`w1_EFD`'s position: `w2_EDF` and `w3_EFD` follow), and their indices in
+/// the model's parameter list.
+struct ExpertsUnit {
+    layer: usize,
+    unit: FsdpUnit,
+    at: usize,
+    params: Vec<usize>,
 }
 
 /// What a forward pass is told of its tokens besides their ids, by the batch they come from.
@@ -156,6 +171,8 @@ struct Block<'a> {
     /// Global layer index.
     index: usize,
     unit: &'a FsdpUnit,
+    /// Its routed experts' unit under expert parallelism.
+    experts: Option<&'a ExpertsUnit>,
     /// Position of its unit among the stage's units (embeddings first).
     at: usize,
     previous_recomputed: bool,
@@ -228,17 +245,21 @@ impl ParallelModel {
         // FSDP units as torchtitan wraps them: the embeddings, each block, norm + output. A
         // tied embedding is also the output layer: its unit stays gathered until the head has
         // run (torchtitan's tied unit reshards only under `reshard_after_forward = always`).
-        let unit = |range: std::ops::Range<usize>, last: bool| {
+        let unit_of = |mesh, members: &[usize], last: bool| {
             FsdpUnit::new(
-                &plan.fsdp,
-                params[range.clone()]
+                mesh,
+                members
                     .iter()
-                    .map(|(_, t)| t.shallow_clone())
+                    .map(|&i| params[i].1.shallow_clone())
                     .collect(),
-                &placements[range].iter().collect::<Vec<_>>(),
+                &members.iter().map(|&i| &placements[i]).collect::<Vec<_>>(),
                 plan.reshards(last),
             )
         };
+        let unit = |range: std::ops::Range<usize>, last: bool| {
+            unit_of(&plan.fsdp, &range.collect::<Vec<_>>(), last)
+        };
+        let mut expert_units = Vec::new();
         let n = params.len();
         let first = usize::from(has_embeddings);
         let tied = args.tie_embeddings;
@@ -252,7 +273,17 @@ impl ParallelModel {
             .map(|i| {
                 let range = start..start + args.layer_params(i);
                 start = range.end;
-                (i, unit(range, false))
+                let (experts, dense): (Vec<usize>, Vec<usize>) =
+                    range.clone().partition(|&j| placements[j].expert_parallel);
+                if let Some(&first) = experts.first() {
+                    expert_units.push(ExpertsUnit {
+                        layer: i,
+                        unit: unit_of(&plan.expert_fsdp, &experts, false),
+                        at: first - range.start,
+                        params: experts,
+                    });
+                }
+                (i, unit_of(&plan.fsdp, &dense, false))
             })
             .collect();
         let moe = (0..args.n_layers as usize)
@@ -269,10 +300,12 @@ impl ParallelModel {
             stages,
             embeddings,
             layers,
+            expert_units,
             head,
             compute_kind: plan.fsdp.param_kind,
             tp: plan.tp.clone(),
             cp: plan.cp.clone(),
+            ep: plan.ep.clone(),
             freqs_cis,
             checkpointing: ActivationCheckpointing::None,
             attn_backend: AttnBackend::default(),
@@ -337,31 +370,58 @@ impl ParallelModel {
     /// The whole parameters whose names `keep` accepts, in their own dtype, gathered one FSDP
     /// unit at a time. A collective: every rank calls it with the same model.
     pub fn full_parameters(&self, keep: impl Fn(&str) -> bool) -> Vec<(String, Tensor)> {
-        let mut out = Vec::new();
-        let mut index = 0;
+        // Each unit's parameters by index: the model's units hold them in order, except the
+        // routed experts' units under expert parallelism.
+        let expert_params: Vec<usize> = self
+            .expert_units
+            .iter()
+            .flat_map(|e| e.params.iter().copied())
+            .collect();
+        let mut dense = (0..self.params.len()).filter(|i| !expert_params.contains(i));
+        let mut fulls: Vec<(usize, Tensor)> = Vec::new();
         for unit in self.units() {
             for full in unit.full_masters() {
-                let (name, _) = &self.params[index];
-                let full = match self.placements[index].tp_dim {
-                    Some(dim) => self.tp.gather_dim(&full, dim),
-                    None => full,
-                };
-                if keep(name) {
-                    out.push((name.clone(), full));
-                }
-                index += 1;
+                let index = dense.next().expect("one parameter per unit slot");
+                fulls.push((index, full));
+            }
+        }
+        for experts in &self.expert_units {
+            for (full, &index) in experts.unit.full_masters().into_iter().zip(&experts.params) {
+                fulls.push((index, self.ep.gather_experts(&full)));
+            }
+        }
+        fulls.sort_by_key(|(index, _)| *index);
+        let mut out = Vec::new();
+        for (index, full) in fulls {
+            let (name, _) = &self.params[index];
+            let full = match self.placements[index].tp_dim {
+                Some(dim) => self.tp.gather_dim(&full, dim),
+                None => full,
+            };
+            if keep(name) {
+                out.push((name.clone(), full));
             }
         }
         out
     }
 
     /// This rank's gradients as torchtitan 0.3.0's parameters hold them, in its order, each with
-    /// whether tensor parallelism splits it: a block's q, k and v gradients are its one `wqkv`'s
+    /// the ranks that hold its other parts ([`NormGroup`]): a block's q, k and v gradients are its one `wqkv`'s
     /// (fused in that layout when this rank holds whole rows of all three, as without FSDP
     /// sharding; else concatenated). What the gradient norm is taken over: the per-parameter
     /// norms are summed in this order, so one process's norm is torchtitan's bit for bit.
-    pub fn grads_as_torchtitan_parameters(&self) -> Vec<(Tensor, bool)> {
-        let grad = |i: usize| (self.params[i].1.grad(), self.placements[i].tp_dim.is_some());
+    pub fn grads_as_torchtitan_parameters(&self) -> Vec<(Tensor, NormGroup)> {
+        let grad = |i: usize| {
+            let p = &self.placements[i];
+            let group = if p.expert_parallel {
+                NormGroup::Experts
+            } else if p.tp_dim.is_some() {
+                NormGroup::FsdpTp
+            } else {
+                NormGroup::Fsdp
+            };
+            (self.params[i].1.grad(), group)
+        };
         if self.args.mla.is_some() {
             // A latent attention's parameters are torchtitan's as they are.
             return (0..self.params.len()).map(grad).collect();
@@ -693,6 +753,7 @@ impl ParallelModel {
         };
         let first_layer = usize::from(embeddings.is_some());
         for (k, (index, unit)) in layers.iter().enumerate() {
+            let experts = self.expert_units.iter().find(|e| e.layer == *index);
             // The block before this one is recomputed in backward (checkpointed), so its unit
             // gathers again there.
             let previous_recomputed = k.checked_sub(1).is_some_and(|j| {
@@ -702,6 +763,7 @@ impl ParallelModel {
             let block = Block {
                 index: *index,
                 unit,
+                experts,
                 at: first_layer + k,
                 previous_recomputed,
             };
@@ -766,13 +828,31 @@ impl ParallelModel {
         let previous_gathers_in_backward =
             previous.filter(|p| p.reshards_after_forward() || block.previous_recomputed);
         let before = previous_gathers_in_backward.map(|u| (*u).clone());
-        let (unit_, ctx_, tp_, cp_) = (unit.clone(), ctx.share(), self.tp.clone(), self.cp.clone());
+        let (unit_, ctx_, tp_, cp_, ep_) = (
+            unit.clone(),
+            ctx.share(),
+            self.tp.clone(),
+            self.cp.clone(),
+            self.ep.clone(),
+        );
+        let experts = block.experts.map(|e| (e.unit.clone(), e.at));
         // Set until the first run of the gather (the forward; a checkpointed block's second is
         // its recompute in backward).
         let in_forward = Arc::new(AtomicBool::new(true));
         let moe_layer = self.args.moe_layer(index).copied();
         let gather = move || {
-            let Gathered { params, float8 } = unit_.gather();
+            let Gathered {
+                mut params,
+                mut float8,
+            } = unit_.gather();
+            if let Some((unit, at)) = &experts {
+                // The routed experts' tensors back in their place among the block's.
+                let gathered = unit.gather();
+                for (k, p) in gathered.params.into_iter().enumerate() {
+                    params.insert(at + k, p);
+                    float8.insert(at + k, None);
+                }
+            }
             let layer = Layer::from_params(params, &shape, moe_layer.as_ref());
             let prefetch = if in_forward.swap(false, Ordering::Relaxed) {
                 &next
@@ -796,7 +876,7 @@ impl ParallelModel {
                 let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
                 let matmuls = Matmuls::new(kept.take(), f8.clone());
                 let (layer, gathered) = gather();
-                let ops = SplitOps::new(&tp_, &cp_, &matmuls, &gathered);
+                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered);
                 let out = model::block(&layer, shape, &ctx_, &ops, &i[0], moe_.as_ref());
                 *kept = matmuls.into_recorded();
                 [out]
@@ -806,7 +886,7 @@ impl ParallelModel {
             let [out] = checkpoint(&[&h], move |i| {
                 let matmuls = Matmuls::plain(f8.clone());
                 let (layer, gathered) = gather();
-                let ops = SplitOps::new(&tp_, &cp_, &matmuls, &gathered);
+                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered);
                 [model::block(
                     &layer,
                     shape,
@@ -820,9 +900,13 @@ impl ParallelModel {
         } else {
             let (layer, gathered) = gather();
             let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
-            let ops = SplitOps::new(&self.tp, &self.cp, &matmuls, &gathered);
+            let ops = SplitOps::new(&self.tp, &self.cp, &self.ep, &matmuls, &gathered);
             let out = model::block(&layer, shape, ctx, &ops, &h, moe.as_ref());
             drop((layer, gathered));
+            let out = match block.experts {
+                Some(e) => e.unit.after_forward(out, None),
+                None => out,
+            };
             unit.after_forward(out, previous)
         }
     }
@@ -864,7 +948,7 @@ impl ParallelModel {
             &norm,
             &lm_head,
             &shape,
-            &SplitOps::new(&self.tp, &self.cp, &matmuls, &float8),
+            &SplitOps::new(&self.tp, &self.cp, &self.ep, &matmuls, &float8),
         );
         match tied_output {
             // The tied unit's forward ends here: backward regathers it (when it reshards)
@@ -1048,6 +1132,7 @@ impl Matmuls {
 struct SplitOps<'a> {
     tp: &'a TensorParallel,
     cp: &'a ContextParallel,
+    ep: &'a ExpertParallel,
     matmuls: &'a Matmuls,
     gathered: &'a [Option<Float8Weight>],
 }
@@ -1056,12 +1141,14 @@ impl<'a> SplitOps<'a> {
     fn new(
         tp: &'a TensorParallel,
         cp: &'a ContextParallel,
+        ep: &'a ExpertParallel,
         matmuls: &'a Matmuls,
         gathered: &'a [Option<Float8Weight>],
     ) -> Self {
         SplitOps {
             tp,
             cp,
+            ep,
             matmuls,
             gathered,
         }
@@ -1083,6 +1170,15 @@ impl Ops for SplitOps<'_> {
 
     fn keys_values(&self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
         self.cp.gather(k, v)
+    }
+
+    fn routed_experts(
+        &self,
+        routed: &Tensor,
+        per_expert: &Tensor,
+        experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
+    ) -> Tensor {
+        self.ep.routed_experts(routed, per_expert, experts)
     }
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
