@@ -6,10 +6,13 @@
 //!   losses within [`LOSS_RTOL`] and grad norms within [`GRAD_RTOL`];
 //! - every token exchange is an `all_to_all_single` span on every rank (the counts, dispatch
 //!   and combine of each MoE layer in forward, and their reverse in backward);
+//! - HSDP 2 x 2 with EP 2 follows HSDP 2 x 2;
 //! - checkpoints cross layouts: EP 2's resumes under plain FSDP and FSDP's under EP 2 (the same
 //!   data-parallel degree, so the data position loads too), following the unbroken runs; and
 //!   EP 2's and FSDP's step-2 checkpoints resumed on one process train alike (the experts were
-//!   saved whole, as chunks of the full `[E, ...]` tensors);
+//!   saved whole, as chunks of the full `[E, ...]` tensors); `titan-ckpt verify --strict` finds
+//!   every expert once and no copies; EP 2's HF export (every rank's experts gathered) equals
+//!   `titan-ckpt convert` of its DCP checkpoint;
 //! - layouts titan-train does not build exit 2 naming the key.
 //!
 //! Parity with torchtitan's own EP is `tt_parity.rs` (`expert_parallel_matches_torchtitan`).
@@ -109,6 +112,16 @@ fn expert_parallel_follows_fsdp() {
     let fsdp4 = train(&dir.path().join("fsdp4"), 4, &[]);
     let ep4 = train(&dir.path().join("ep2efsdp2"), 4, &EP2);
     assert_close(&fsdp4, &ep4, "EP 2 x efsdp 2 on 4 ranks");
+    // HSDP 2 x 2 with EP 2: the experts' gradients also summed over the replicas.
+    let hsdp = [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ];
+    let hsdp_run = train(&dir.path().join("hsdp"), 4, &hsdp);
+    let hsdp_ep = train(&dir.path().join("hsdp_ep2"), 4, &[&hsdp[..], &EP2].concat());
+    assert_close(&hsdp_run, &hsdp_ep, "HSDP 2 x 2 with EP 2");
 }
 
 #[test]
@@ -155,6 +168,56 @@ fn expert_parallel_checkpoints_resume_across_layouts() {
             .concat(),
         )
     };
+    // The experts a rank holds, gathered for an HF export, land where a conversion of the same
+    // run's DCP checkpoint puts them (a run of the same steps, exporting at its end), and the
+    // DCP checkpoint holds every expert of every layer once, none a copy of another.
+    let hf_dump = dir.path().join("ep_hf");
+    let hf_losses = train(
+        &hf_dump,
+        2,
+        &[
+            &EP2[..],
+            &[
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "100",
+                "--checkpoint.last_save_in_hf",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(hf_losses, ep, "the same run, saved otherwise");
+    let ep_step4 = ep_dump.join(format!("checkpoint/step-{STEPS}"));
+    let converted = dir.path().join("converted");
+    let ckpt_tool = |args: &[&std::ffi::OsStr]| {
+        run_ok(std::process::Command::new(titan_tests::bin("titan-ckpt")).args(args))
+    };
+    ckpt_tool(&[
+        "convert".as_ref(),
+        "--to".as_ref(),
+        "hf".as_ref(),
+        "--adapter".as_ref(),
+        "deepseek_v3".as_ref(),
+        "--model-only".as_ref(),
+        "--quiet".as_ref(),
+        ep_step4.as_os_str(),
+        converted.as_os_str(),
+    ]);
+    let exported = hf_dump.join(format!("checkpoint/step-{STEPS}"));
+    assert!(
+        exported.join("model.safetensors").is_file()
+            || exported.join("model.safetensors.index.json").is_file(),
+        "{}",
+        exported.display()
+    );
+    // Exit 1 if any tensor differs.
+    ckpt_tool(&[
+        "diff".as_ref(),
+        "--quiet".as_ref(),
+        exported.as_os_str(),
+        converted.as_os_str(),
+    ]);
+    ckpt_tool(&["verify".as_ref(), "--strict".as_ref(), ep_step4.as_os_str()]);
     let from_ep = one(&ep_dump, "ep_then_one");
     assert_eq!(from_ep.len(), STEPS - 2, "{from_ep:?}");
     assert_close(

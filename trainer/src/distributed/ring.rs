@@ -249,7 +249,6 @@ impl Ring {
         if n == 1 {
             return Ok(());
         }
-        let members = self.members.clone();
         let mut mismatch = None;
         let result = self.pipeline(OP, |prev, tx| {
             // Step 1 sends this rank's own blocks for ranks r+1, ..., r+n-1.
@@ -289,7 +288,7 @@ impl Ring {
                     "rank {} expected {} bytes from rank {} but it sent {len} (the ranks' split \
                      tables disagree: rank s's input split for rank d must equal rank d's \
                      output split for rank s)",
-                    members[r], output_splits[source], members[source]
+                    self.members[r], output_splits[source], self.members[source]
                 ),
             }),
             (result, _) => result,

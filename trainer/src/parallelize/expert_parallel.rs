@@ -22,6 +22,7 @@
 
 use tch::{Kind, Tensor};
 
+use super::tp::ok;
 use crate::autograd::{self, Function};
 use crate::distributed::Group;
 use crate::host_sync;
@@ -189,14 +190,6 @@ fn exchange(group: &Group, x: &Tensor, output_splits: &[usize], input_splits: &[
     let out = Tensor::empty(shape.as_slice(), (x.kind(), x.device()));
     ok(group.all_to_all(&out, &x, output_splits, input_splits));
     out
-}
-
-/// A failed collective inside the forward or backward pass: the training step fails with its
-/// message (the caller catches the panic at the autograd boundary, as tensor parallelism's).
-fn ok<E: std::fmt::Display>(r: Result<(), E>) {
-    if let Err(e) = r {
-        panic!("{e}");
-    }
 }
 
 #[cfg(test)]

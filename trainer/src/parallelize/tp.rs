@@ -20,7 +20,9 @@ use crate::distributed::{Group, ReduceOp};
 /// Labels with this value are not predicted (PyTorch's cross-entropy default).
 pub const IGNORE_INDEX: i64 = -100;
 
-fn ok<E: std::fmt::Display>(r: Result<(), E>) {
+/// A failed collective inside a forward or backward pass fails the step with its message (the
+/// autograd shim turns the panic into the step's error).
+pub(super) fn ok<E: std::fmt::Display>(r: Result<(), E>) {
     if let Err(e) = r {
         panic!("{e}");
     }
