@@ -13,6 +13,7 @@ use object_store::buffered::BufWriter;
 use object_store::path::Path as ObjPath;
 use tokio::io::AsyncWriteExt;
 
+use crate::block_cache;
 use crate::error::{Result, StorageError};
 use crate::runtime;
 
@@ -29,6 +30,8 @@ enum InKind {
     Object {
         store: Arc<dyn ObjectStore>,
         path: ObjPath,
+        /// The file's blocks in [`block_cache`].
+        id: u64,
     },
 }
 
@@ -54,7 +57,11 @@ impl InFile {
         InFile {
             name,
             size,
-            kind: InKind::Object { store, path },
+            kind: InKind::Object {
+                store,
+                path,
+                id: block_cache::next_file_id(),
+            },
         }
     }
 
@@ -77,21 +84,39 @@ impl InFile {
             InKind::Local(f) => f
                 .read_exact_at(buf, offset)
                 .map_err(|e| StorageError::io(&self.name, e)),
-            InKind::Object { store, path } => {
-                let bytes = runtime()
-                    .block_on(store.get_range(path, offset..end))
-                    .map_err(|e| StorageError::store(&self.name, e))?;
-                if bytes.len() != buf.len() {
-                    return Err(StorageError::invalid(
-                        &self.name,
-                        format!(
-                            "short read: asked {} bytes at {offset}, got {}",
-                            buf.len(),
-                            bytes.len()
-                        ),
-                    ));
+            InKind::Object { store, path, id } => {
+                let get = |range: std::ops::Range<u64>| {
+                    let want = range.end - range.start;
+                    let bytes = runtime()
+                        .block_on(store.get_range(path, range.clone()))
+                        .map_err(|e| StorageError::store(&self.name, e))?;
+                    if bytes.len() as u64 != want {
+                        return Err(StorageError::invalid(
+                            &self.name,
+                            format!(
+                                "short read: asked {want} bytes at {}, got {}",
+                                range.start,
+                                bytes.len()
+                            ),
+                        ));
+                    }
+                    Ok(bytes)
+                };
+                if buf.len() as u64 >= block_cache::SMALL_READ {
+                    buf.copy_from_slice(&get(offset..end)?);
+                    return Ok(());
                 }
-                buf.copy_from_slice(&bytes);
+                // A small read: from the one or two cached blocks that hold it.
+                let mut at = offset;
+                while at < end {
+                    let index = at / block_cache::BLOCK;
+                    let block = block_cache::block(*id, index, self.size, get)?;
+                    let start = index * block_cache::BLOCK;
+                    let upto = end.min(start + block.len() as u64);
+                    buf[(at - offset) as usize..(upto - offset) as usize]
+                        .copy_from_slice(&block[(at - start) as usize..(upto - start) as usize]);
+                    at = upto;
+                }
                 Ok(())
             }
         }
@@ -102,6 +127,14 @@ impl InFile {
         match &self.kind {
             InKind::Local(f) => Some(f.as_raw_fd()),
             InKind::Object { .. } => None,
+        }
+    }
+}
+
+impl Drop for InFile {
+    fn drop(&mut self) {
+        if let InKind::Object { id, .. } = self.kind {
+            block_cache::forget(id);
         }
     }
 }
@@ -240,6 +273,7 @@ impl Drop for OutFile {
 
 #[cfg(test)]
 mod tests {
+    use super::InKind;
     use crate::Root;
 
     #[test]
@@ -283,5 +317,45 @@ mod tests {
         f.write_at(2, b"cd").unwrap();
         f.finish().unwrap();
         assert_eq!(root.read_small("big.bin", 4).unwrap(), b"abcd");
+    }
+
+    #[test]
+    fn small_object_reads_come_from_cached_blocks_and_match_the_bytes() {
+        use crate::block_cache::{BLOCK, cached_blocks};
+        let root = Root::parse("memory://block-test/ckpt").unwrap();
+        let len = 2 * BLOCK + 12_345;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let f = root.create("data.distcp", None).unwrap();
+        f.write_at(0, &data).unwrap();
+        f.finish().unwrap();
+        let f = root.open("data.distcp").unwrap();
+        let InKind::Object { id, .. } = f.kind else {
+            panic!("memory:// is an object store")
+        };
+        // Within a block, across the first boundary, the short last block, and a large read.
+        for (offset, n) in [
+            (0, 4096),
+            (BLOCK - 100, 300),
+            (2 * BLOCK + 12_000, 345),
+            (3, (BLOCK + 5) as usize),
+        ] {
+            let mut buf = vec![0u8; n];
+            f.read_at(offset, &mut buf).unwrap();
+            assert_eq!(
+                buf,
+                &data[offset as usize..offset as usize + n],
+                "at {offset}+{n}"
+            );
+        }
+        assert_eq!(
+            cached_blocks(id),
+            3,
+            "the three blocks touched by small reads"
+        );
+        let mut buf = [0u8; 8];
+        let err = f.read_at(len - 4, &mut buf).unwrap_err().to_string();
+        assert!(err.contains("truncated"), "{err}");
+        drop(f);
+        assert_eq!(cached_blocks(id), 0, "a closed file's blocks are dropped");
     }
 }

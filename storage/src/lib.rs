@@ -3,7 +3,8 @@
 //! (titan-ckpt, titan-train) and observability runs (titan-obs).
 //!
 //! Main types: [`Root`] (parse a path or URL; list, open, create, remove files in it),
-//! [`InFile`] (ranged reads: `pread` locally, ranged GETs remotely), [`OutFile`] (writes that
+//! [`InFile`] (ranged reads: `pread` locally, ranged GETs remotely, small ones served from
+//! cached 8 MiB blocks), [`OutFile`] (writes that
 //! appear under their name only when complete: temporary name + rename locally, a multipart
 //! upload completed at the end remotely; dropped unfinished, nothing is left behind),
 //! [`check_relative`] / [`relative_path_problem`] (the one rule that keeps names read from
@@ -11,6 +12,7 @@
 //! [`StorageError`] (every error names the file or URL). One tokio runtime, [`runtime`], drives
 //! every object store request of the process.
 
+mod block_cache;
 mod error;
 mod file;
 mod path;
