@@ -6,6 +6,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh
 export TITAN_PYTHON="$root/.venv/bin/python"
+# One compute thread per process: libtest runs two tests at once on these two cores and most
+# tests start processes of their own (titan-train, torch, torchtitan), so more threads only spin
+# against each other (two one-process runs side by side: 22 s with 2 threads each, 14 s with 1).
+# Both sides of every comparison see the same count; multi-rank launches give each rank 1 anyway.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # A one-shot build gains nothing from incremental caches (they were ~8 GB of target/debug).
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # --tests too: one feature resolution for bins and tests, so `cargo test` reuses this build.

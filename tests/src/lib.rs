@@ -74,8 +74,12 @@ pub fn titan_ckpt() -> Command {
 
 /// titan-train flags for a small, fast, deterministic run that logs every step.
 /// `decay_ratio 0` makes the lr schedule independent of `training.steps`, so a 10-step run is
-/// exactly the first half of a 20-step run.
+/// exactly the first half of a 20-step run. fp32, not the default bf16 autocast: without
+/// AVX-512 (CI's CPUs) libtorch has no fast bf16 matmul, and a bf16 step took 2-3x an fp32 one;
+/// the tests about bf16 itself say `--training.mixed_precision_param bfloat16`.
 pub const SMALL_DETERMINISTIC_RUN: &[&str] = &[
+    "--training.mixed_precision_param",
+    "float32",
     "--training.seq_len",
     "64",
     "--training.local_batch_size",

@@ -1,6 +1,6 @@
 //! float8 training end to end on the titan-train binary: every config form torchtitan has used
 //! turns it on the same way, unimplemented settings exit 2 naming the key, activation
-//! checkpointing stays bit-identical, checkpoints stay high precision, and 50 float8 steps stay
+//! checkpointing stays bit-identical, checkpoints stay high precision, and 20 float8 steps stay
 //! within a band of the bf16 run. (Numerics against torchao and torchtitan:
 //! trainer/tests/float8_torchao.rs and tests/tests/tt_parity.rs.)
 
@@ -8,11 +8,18 @@ use std::path::Path;
 
 use titan_tests::{exit_2_naming, metrics, run_ok, small_run};
 
-/// A seeded run of `steps` steps into `dir/name` with `extra` flags: its losses (as written,
-/// shortest round-trip decimals) and stdout.
+/// float8 trains beside bf16 autocast, as torchtitan runs it (the small run is fp32).
+const BF16: &[&str] = &["--training.mixed_precision_param", "bfloat16"];
+
+/// A seeded bf16 run of `steps` steps into `dir/name` with `extra` flags: its losses (as
+/// written, shortest round-trip decimals) and stdout.
 fn run(dir: &Path, name: &str, steps: u32, extra: &[&str]) -> (Vec<f64>, String) {
     let dump = dir.join(name);
-    let o = run_ok(small_run(&dump, &["--training.steps", &steps.to_string()]).args(extra));
+    let o = run_ok(
+        small_run(&dump, &["--training.steps", &steps.to_string()])
+            .args(BF16)
+            .args(extra),
+    );
     let losses: Vec<f64> = metrics(&dump, "train")
         .iter()
         .map(|v| v["loss"].as_f64().unwrap())
@@ -194,6 +201,8 @@ fn float8_checkpoints_stay_high_precision() {
     run_ok(&mut small_run(
         &dump,
         &[
+            BF16[0],
+            BF16[1],
             "--float8.enable_float8_linear",
             "--training.steps",
             "2",
@@ -223,32 +232,37 @@ fn float8_checkpoints_stay_high_precision() {
     );
 }
 
-/// How far float8's losses may be from bf16's at any of 50 steps (relative): measured 7.1e-3
-/// (tensorwise) and 5.4e-3 (rowwise) on this run; float8's rounding (2⁻⁴ relative per element for
-/// e4m3, 2⁻³ for e5m2 gradients) against bf16's (2⁻⁸) is what separates them.
+/// How far float8's losses may be from bf16's at any of [`BAND_STEPS`] steps (relative): measured
+/// 4.7e-3 (tensorwise) and 5.3e-3 (rowwise) over 20 steps, 7.1e-3 and 5.4e-3 over 50; float8's
+/// rounding (2⁻⁴ relative per element for e4m3, 2⁻³ for e5m2 gradients) against bf16's (2⁻⁸) is
+/// what separates them.
 const BAND: f64 = 2e-2;
 
+/// Long enough for the loss to fall by more than 2 (bf16 steps have no fast kernel on CI's CPUs).
+const BAND_STEPS: u32 = 20;
+
 #[test]
-fn fifty_float8_steps_stay_within_a_band_of_bf16() {
+fn float8_steps_stay_within_a_band_of_bf16() {
     let dir = tempfile::tempdir().unwrap();
-    let (bf16, _) = run(dir.path(), "bf16", 50, &[]);
+    let n = BAND_STEPS as usize;
+    let (bf16, _) = run(dir.path(), "bf16", BAND_STEPS, &[]);
     for recipe in ["tensorwise", "rowwise"] {
         let args = [
             "--float8.enable_float8_linear",
             "--float8.recipe_name",
             recipe,
         ];
-        let (f8, _) = run(dir.path(), recipe, 50, &args);
+        let (f8, _) = run(dir.path(), recipe, BAND_STEPS, &args);
         let worst = bf16
             .iter()
             .zip(&f8)
             .map(|(a, b)| (a - b).abs() / a)
             .fold(0.0, f64::max);
-        println!("{recipe}: worst relative loss difference from bf16 over 50 steps {worst:.2e}");
+        println!("{recipe}: worst relative loss difference from bf16 over {n} steps {worst:.2e}");
         assert!(
             worst <= BAND,
             "{recipe}: {worst} > {BAND}\nbf16 {bf16:?}\nfloat8 {f8:?}"
         );
-        assert!(f8[49] < f8[0] - 1.0, "{recipe} must learn: {f8:?}");
+        assert!(f8[n - 1] < f8[0] - 1.0, "{recipe} must learn: {f8:?}");
     }
 }
