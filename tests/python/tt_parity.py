@@ -6,9 +6,10 @@ with `--checkpoint.create_seed_checkpoint`, read the same `.jsonl` data with the
 `tokenizer.json`, in fp32, and report every step's loss and grad norm at full precision:
 torchtitan's through a wrapper of its MetricsProcessor.log, titan's in its metrics.jsonl.
 
-Each layout also runs a resume: a first run stops at RESUME_AT (saving a full checkpoint), a
-second run in the same folder resumes from it and trains to the end. Its losses must equal the
-unbroken run's.
+Each layout also runs a resume: the unbroken run saves a full checkpoint every RESUME_AT steps,
+and a second run, in a folder that starts with its save at RESUME_AT and its rows up to there,
+resumes from it and trains to the end. Its losses must equal the unbroken run's. (--cross and
+--cross-back resume the other trainer from that save the same way.)
 
 Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
 
@@ -162,6 +163,22 @@ def read_jsonl(path, kind=None):
     return rows
 
 
+def first_leg(src, dst, step, who):
+    """Starts the run in DST that resumes at STEP from the unbroken run in SRC: its checkpoint
+    folder gets SRC's save at STEP (a full one: the interval is RESUME_AT) and its log the rows
+    SRC logged up to STEP. Training those steps again gave the same checkpoint and rows (the same
+    command line, seed and data up to there) at a third more trainer launches per layout."""
+    ckpt = os.path.join(dst, "checkpoint")
+    os.makedirs(ckpt)
+    shutil.copytree(os.path.join(src, "checkpoint", f"step-{step}"), os.path.join(ckpt, f"step-{step}"))
+    log = "parity_losses.jsonl" if who == "torchtitan" else "metrics.jsonl"
+    with open(os.path.join(src, log)) as f, open(os.path.join(dst, log), "w") as out:
+        for line in f:
+            r = json.loads(line)
+            if (who == "torchtitan" or r.get("kind") == "train") and r["step"] <= step:
+                out.write(line)
+
+
 def seed_checkpoint(workdir, assets, config="llama3_debugmodel", model_only=False):
     """torchtitan's seed checkpoint (one process): both trainers start from it. As the config
     saves its last step (llama3's and qwen3's registry configs: the optimizer too), or with
@@ -284,20 +301,27 @@ def main():
         extra = shlex.split(extra)
         result = {}
         buffers = {}
+        cross_dump = os.path.join(a.workdir, f"{name}-cross")
+        cross_back_dump = os.path.join(a.workdir, f"{name}-cross-back")
         for who in ("torchtitan", "titan"):
             if a.only not in ("both", who):
                 continue
             for mode in ("unbroken", "resumed"):
                 dump = os.path.join(a.workdir, f"{name}-{who}-{mode}")
-                stops = [a.resume_at, a.steps] if mode == "resumed" else [a.steps]
                 losses = os.path.join(dump, "parity_losses.jsonl")
-                for steps in stops:
-                    args = (common_args(assets, steps, a.steps, a.config) + ["--dump_folder", dump]
-                            + checkpoint_args(a, seed, steps) + extra)
-                    if who == "torchtitan":
-                        torchtitan(tt_n, args, losses)
-                    else:
-                        titan(a.titan_train, titan_n, args)
+                args = (common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump]
+                        + checkpoint_args(a, seed, a.steps) + extra)
+                if who == "torchtitan":
+                    torchtitan(tt_n, args, losses)
+                else:
+                    titan(a.titan_train, titan_n, args)
+                if mode == "unbroken":
+                    # The runs that resume at RESUME_AT start from this run's save there.
+                    first_leg(dump, os.path.join(a.workdir, f"{name}-{who}-resumed"), a.resume_at, who)
+                    if who == "torchtitan" and a.cross and a.only == "both":
+                        first_leg(dump, cross_dump, a.resume_at, who)
+                    if who == "titan" and a.cross_back and a.only == "both":
+                        first_leg(dump, cross_back_dump, a.resume_at, who)
                 rows = read_jsonl(losses) if who == "torchtitan" else read_jsonl(os.path.join(dump, "metrics.jsonl"), "train")
                 result[f"{who}_{mode}"] = rows
                 if a.buffers:
@@ -305,12 +329,11 @@ def main():
                 if a.clean:
                     shutil.rmtree(os.path.join(dump, "checkpoint"), ignore_errors=True)
         if a.cross and a.only == "both":
-            # torchtitan trains to RESUME_AT and saves; titan-train resumes from that checkpoint in
-            # the same folder and trains on: its steps must be torchtitan's unbroken run's.
-            dump = os.path.join(a.workdir, f"{name}-cross")
+            # torchtitan's save at RESUME_AT (its unbroken run's, see first_leg); titan-train
+            # resumes from that checkpoint in the same folder and trains on: its steps must be
+            # torchtitan's unbroken run's.
+            dump = cross_dump
             losses = os.path.join(dump, "parity_losses.jsonl")
-            torchtitan(tt_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump]
-                       + checkpoint_args(a, seed, a.resume_at) + extra, losses)
             titan(a.titan_train, titan_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump]
                   + checkpoint_args(a, seed, a.steps) + extra)
             first = [r for r in read_jsonl(losses) if r["step"] <= a.resume_at]
@@ -321,12 +344,10 @@ def main():
             if a.clean:
                 shutil.rmtree(os.path.join(dump, "checkpoint"), ignore_errors=True)
         if a.cross_back and a.only == "both":
-            # titan-train trains to RESUME_AT and saves; torchtitan resumes from that checkpoint
-            # in the same folder and trains on: its steps must be its own unbroken run's.
-            dump = os.path.join(a.workdir, f"{name}-cross-back")
+            # titan-train's save at RESUME_AT (its unbroken run's); torchtitan resumes from that
+            # checkpoint in the same folder and trains on: its steps must be its own unbroken run's.
+            dump = cross_back_dump
             losses = os.path.join(dump, "parity_losses.jsonl")
-            titan(a.titan_train, titan_n, common_args(assets, a.resume_at, a.steps, a.config) + ["--dump_folder", dump]
-                  + checkpoint_args(a, seed, a.resume_at) + extra)
             torchtitan(tt_n, common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump]
                        + checkpoint_args(a, seed, a.steps) + extra, losses)
             first = [r for r in read_jsonl(os.path.join(dump, "metrics.jsonl"), "train") if r["step"] <= a.resume_at]

@@ -84,74 +84,90 @@ fn torchtitan_0_3_loads_a_pp2_checkpoint_bit_for_bit() {
 /// largest logit; deepseek_v3's debug model routes with softmax scores, which transformers'
 /// DeepseekV3 cannot be told, so the check gives its router a softmax: with its sigmoid the
 /// logits were 1.8e-2 apart).
-#[test]
-fn family_hf_exports_are_torchtitans_to_hf_and_load_back() {
-    for (module, flavor, dcp_weights, hf_weights) in [
-        ("qwen3", "debugmodel", 91, 90),
-        ("qwen3", "debugmodel_moe", 107, 1611),
-        ("deepseek_v3", "debugmodel", 88, 193),
-    ] {
-        let model = ["--model.name", module, "--model.flavor", flavor];
-        let what = format!("{module}:{flavor}");
-        let save_at_3 = [&model[..], &SAVE_AT_3[..SAVE_AT_3.len() - 1]].concat();
-        let dcp_run = tempfile::tempdir().unwrap();
-        train(dcp_run.path(), &save_at_3);
-        let hf_run = tempfile::tempdir().unwrap();
-        train(
-            hf_run.path(),
-            &[&save_at_3[..], &["--checkpoint.last_save_in_hf"]].concat(),
-        );
-        let step = |run: &Path, n: u32| run.join(format!("checkpoint/step-{n}"));
-        // `script DCP MODULE:FLAVOR HF`'s JSON report.
-        let check = |script: &str| -> serde_json::Value {
-            let out = run_ok(tt_python_script(script).args([
-                step(dcp_run.path(), 3).to_str().unwrap(),
-                &what,
-                step(hf_run.path(), 3).to_str().unwrap(),
-            ]));
-            serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)))
-        };
-        let report = check("tests/python/tt_train_load.py");
-        assert_eq!(report["weights"], dcp_weights, "{what}: {report}");
-        assert_eq!(report["hf_checked"], hf_weights, "{what}: {report}");
-        // transformers runs the export (its config.json alone) as torchtitan runs the DCP one.
-        let logits = check("tests/python/tt_hf_logits.py");
-        assert!(
-            logits["logits_rel"].as_f64().unwrap() <= 1e-4,
-            "{what}: {logits}"
-        );
+fn family_hf_export_is_torchtitans_to_hf_and_loads_back(
+    module: &str,
+    flavor: &str,
+    dcp_weights: u64,
+    hf_weights: u64,
+) {
+    let model = ["--model.name", module, "--model.flavor", flavor];
+    let what = format!("{module}:{flavor}");
+    let save_at_3 = [&model[..], &SAVE_AT_3[..SAVE_AT_3.len() - 1]].concat();
+    let dcp_run = tempfile::tempdir().unwrap();
+    train(dcp_run.path(), &save_at_3);
+    let hf_run = tempfile::tempdir().unwrap();
+    train(
+        hf_run.path(),
+        &[&save_at_3[..], &["--checkpoint.last_save_in_hf"]].concat(),
+    );
+    let step = |run: &Path, n: u32| run.join(format!("checkpoint/step-{n}"));
+    // `script DCP MODULE:FLAVOR HF`'s JSON report.
+    let check = |script: &str| -> serde_json::Value {
+        let out = run_ok(tt_python_script(script).args([
+            step(dcp_run.path(), 3).to_str().unwrap(),
+            &what,
+            step(hf_run.path(), 3).to_str().unwrap(),
+        ]));
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|_| panic!("{}", output_text(&out)))
+    };
+    let report = check("tests/python/tt_train_load.py");
+    assert_eq!(report["weights"], dcp_weights, "{what}: {report}");
+    assert_eq!(report["hf_checked"], hf_weights, "{what}: {report}");
+    // transformers runs the export (its config.json alone) as torchtitan runs the DCP one.
+    let logits = check("tests/python/tt_hf_logits.py");
+    assert!(
+        logits["logits_rel"].as_f64().unwrap() <= 1e-4,
+        "{what}: {logits}"
+    );
 
-        let back = tempfile::tempdir().unwrap();
-        let hf = step(hf_run.path(), 3);
-        let moe: &[&str] = match flavor {
-            "debugmodel" if module == "qwen3" => &[],
-            _ => &["--debug.moe_force_load_balance"],
-        };
-        train(
-            back.path(),
+    let back = tempfile::tempdir().unwrap();
+    let hf = step(hf_run.path(), 3);
+    let moe: &[&str] = match flavor {
+        "debugmodel" if module == "qwen3" => &[],
+        _ => &["--debug.moe_force_load_balance"],
+    };
+    train(
+        back.path(),
+        &[
+            &model[..],
+            moe,
             &[
-                &model[..],
-                moe,
-                &[
-                    "--training.steps",
-                    "1",
-                    "--optimizer.lr",
-                    "0",
-                    "--checkpoint.enable",
-                    "--checkpoint.initial_load_path",
-                    hf.to_str().unwrap(),
-                    "--checkpoint.initial_load_in_hf",
-                    "--checkpoint.last_save_in_hf",
-                ],
-            ]
-            .concat(),
-        );
-        let diff = titan_ckpt()
-            .arg("diff")
-            .arg(&hf)
-            .arg(step(back.path(), 1))
-            .output()
-            .unwrap();
-        assert!(diff.status.success(), "{what}: {}", output_text(&diff));
-    }
+                "--training.steps",
+                "1",
+                "--optimizer.lr",
+                "0",
+                "--checkpoint.enable",
+                "--checkpoint.initial_load_path",
+                hf.to_str().unwrap(),
+                "--checkpoint.initial_load_in_hf",
+                "--checkpoint.last_save_in_hf",
+            ],
+        ]
+        .concat(),
+    );
+    let diff = titan_ckpt()
+        .arg("diff")
+        .arg(&hf)
+        .arg(step(back.path(), 1))
+        .output()
+        .unwrap();
+    assert!(diff.status.success(), "{what}: {}", output_text(&diff));
+}
+
+#[test]
+fn qwen3_dense_hf_export_is_torchtitans_to_hf_and_loads_back() {
+    family_hf_export_is_torchtitans_to_hf_and_loads_back("qwen3", "debugmodel", 91, 90);
+}
+
+/// The MoE case CI runs is DeepSeek-V3's; qwen3's 316 M-parameter MoE debug model takes minutes
+/// of CI's two cores for the same paths (stacked experts split out, routing biases).
+#[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
+fn qwen3_moe_hf_export_is_torchtitans_to_hf_and_loads_back() {
+    family_hf_export_is_torchtitans_to_hf_and_loads_back("qwen3", "debugmodel_moe", 107, 1611);
+}
+
+#[test]
+fn deepseek_v3_hf_export_is_torchtitans_to_hf_and_loads_back() {
+    family_hf_export_is_torchtitans_to_hf_and_loads_back("deepseek_v3", "debugmodel", 88, 193);
 }

@@ -10,16 +10,17 @@
 //! trains 3 steps and saves, and torchtitan resumes from titan's checkpoint (on 1 process and
 //! on 2 FSDP ranks) with its unbroken run's steps.
 //!
-//! Layouts in CI, in fp32, both trainers on the same layout: 1 process, FSDP2 (2 ranks), DDP (2
-//! ranks), TP2 (`--parallelism.spmd_backend partial_dtensor` for torchtitan on CPU), FSDP2 x TP2
-//! and HSDP 2x2 (4 ranks); dense qwen3 (`--module qwen3 --config qwen3_debugmodel`, from
-//! torchtitan's qwen3 seed checkpoint; TP2 with and without sequence parallelism too) and qwen3
-//! MoE (`qwen3_moe_debug`, its `expert_bias_E` equal to the bit) on 1 process and FSDP2;
-//! DeepSeek-V3 (`deepseek_v3_debugmodel`, the same checks, PP2 with 1F1B, TP2 with and
-//! without sequence parallelism); 1 process in bf16 mixed precision; float8
-//! (`llama3_debugmodel_float8`: tensorwise emulated, and rowwise through `_scaled_mm`) on 1
-//! process; context parallelism (CP2, CP2 x FSDP2); expert parallelism (DeepSeek-V3 EP2). The
-//! full matrix is `bash bench/trainer/parity.sh`.
+//! Layouts in CI, in fp32, both trainers on the same layout: 1 process, FSDP2 (2 ranks), TP2
+//! (`--parallelism.spmd_backend partial_dtensor` for torchtitan on CPU), PP2 (1F1B and
+//! Interleaved1F1B), context parallelism (CP2, CP2 x FSDP2), dense qwen3 (`--module qwen3 --config
+//! qwen3_debugmodel`, from torchtitan's qwen3 seed checkpoint) on 1 process and FSDP2,
+//! DeepSeek-V3 (`deepseek_v3_debugmodel`, every `expert_bias_E` equal to the bit) on 1 process,
+//! FSDP2 and expert parallelism (EP2); 1 process in bf16 mixed precision; float8 tensorwise
+//! (`llama3_debugmodel_float8`, emulated) on 1 process. The tests marked `full matrix` (DDP,
+//! FSDP2 x TP2 and HSDP on 4 ranks, qwen3's TP and MoE, DeepSeek-V3's TP, PP and forced balance,
+//! re-looped data, float8 rowwise and FSDP's float8 all-gather) run in `bash
+//! bench/full_matrix.sh`: CI's two cores hold a representative part in its time. The whole
+//! layout matrix is `bash bench/trainer/parity.sh`.
 //!
 //! Tolerances, from measurements (docs/training.md, "Parity with torchtitan"): fp32 losses and
 //! grad norms 1e-5 on every layout (measured <= 1.2e-7 and <= 2.2e-7); bf16 losses and grad
@@ -136,29 +137,27 @@ fn one_process_matches_torchtitan_losses_and_grad_norms() {
 /// agrees to 1e-5.
 #[test]
 fn two_fsdp_ranks_match_torchtitan_fsdp() {
-    let s = compare(&["dp2:2:2:"], 6, 3, 1e-5, 1e-5, &["--cross-back"]);
-    assert_trained(&s, "dp2", 6);
-    // torchtitan's FSDP2 resumed titan's FSDP2 checkpoint (each rank's chunks) at step 3.
+    let s = compare(&["dp2:2:2:"], 4, 2, 1e-5, 1e-5, &["--cross-back"]);
+    assert_trained(&s, "dp2", 4);
+    // torchtitan's FSDP2 resumed titan's FSDP2 checkpoint (each rank's chunks) at step 2.
     let back = s["layouts"]["dp2"]["titan_then_torchtitan"]
         .as_array()
         .expect("the cross-back run");
-    assert_eq!(back.len(), 6);
+    assert_eq!(back.len(), 4);
 }
 
 /// Context parallelism, as torchtitan 0.3.0 runs it with FlexAttention on CPU (K and V
 /// all-gathered over `cp`, their gradients reduce-scattered; the `headtail` load balancer): CP 2
-/// alone and CP 2 x FSDP 2 (FSDP over dp_shard x cp, 4 processes), at seq 256 (torchtitan's CP
-/// cuts the mask into 128-token blocks per rank), with a resume in the middle. Measured
-/// 2026-11-27: losses within 1.0e-7, grad norms within 1.5e-7; the other balancers, CP x TP,
-/// CP x PP, DeepSeek-V3 and qwen3 are in `bench/trainer/parity.sh`.
+/// at seq 256 (torchtitan's CP cuts the mask into 128-token blocks per rank), with a resume in the
+/// middle. Measured 2026-11-27: losses within 1.0e-7, grad norms within 1.5e-7 (with CP 2 x
+/// FSDP 2, the full-matrix test below); the other balancers, CP x TP, CP x PP, DeepSeek-V3 and
+/// qwen3 are in `bench/trainer/parity.sh`.
 #[test]
 fn context_parallel_matches_torchtitan() {
-    let cp = "--parallelism.context_parallel_degree 2 --training.seq_len 256";
     let s = compare(
-        &[
-            &format!("cp2:2:2:{cp} --parallelism.data_parallel_shard_degree 1"),
-            &format!("cp2fsdp2:4:4:{cp}"),
-        ],
+        &[&format!(
+            "cp2:2:2:{CP} --parallelism.data_parallel_shard_degree 1"
+        )],
         4,
         2,
         1e-5,
@@ -166,6 +165,15 @@ fn context_parallel_matches_torchtitan() {
         &[],
     );
     assert_trained(&s, "cp2", 4);
+}
+
+const CP: &str = "--parallelism.context_parallel_degree 2 --training.seq_len 256";
+
+/// CP 2 x FSDP 2: FSDP over dp_shard x cp, 4 processes.
+#[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
+fn context_parallel_with_fsdp_matches_torchtitan() {
+    let s = compare(&[&format!("cp2fsdp2:4:4:{CP}")], 4, 2, 1e-5, 1e-5, &[]);
     assert_trained(&s, "cp2fsdp2", 4);
 }
 
@@ -173,12 +181,23 @@ fn context_parallel_matches_torchtitan() {
 /// 256, cos/sin RoPE at theta 1e6, GQA 16/8, embeddings tied to the output layer) from
 /// torchtitan's own qwen3 seed checkpoint: 1 process, with both trainers resuming each other's
 /// checkpoints (`lm_head.weight` written beside `tok_embeddings.weight`, AdamW state under the
-/// one tied parameter and the fused `wqkv`), and FSDP2 on 2 ranks. Measured (6 steps, resume at
-/// 3): losses within 1.4e-7, grad norms within 2.9e-7 (docs/training.md "Model families").
+/// one tied parameter and the fused `wqkv`), and FSDP2 on 2 ranks (full matrix). Measured (6
+/// steps, resume at 3): losses within 1.4e-7, grad norms within 2.9e-7 (docs/training.md "Model
+/// families").
 #[test]
 fn qwen3_dense_matches_torchtitan() {
+    qwen3_dense_layouts(&["qwen3:1:1:"]);
+}
+
+#[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
+fn qwen3_dense_fsdp_matches_torchtitan() {
+    qwen3_dense_layouts(&["qwen3dp2:2:2:"]);
+}
+
+fn qwen3_dense_layouts(layouts: &[&str]) {
     let summary = compare(
-        &["qwen3:1:1:", "qwen3dp2:2:2:"],
+        layouts,
         4,
         2,
         1e-5,
@@ -192,7 +211,11 @@ fn qwen3_dense_matches_torchtitan() {
             "--cross-back",
         ],
     );
-    assert_trained_and_cross_resumed(&summary, &["qwen3", "qwen3dp2"], 4);
+    let names: Vec<&str> = layouts
+        .iter()
+        .map(|l| l.split(':').next().unwrap())
+        .collect();
+    assert_trained_and_cross_resumed(&summary, &names, 4);
 }
 
 /// Dense qwen3 under tensor parallelism with torchtitan's qwen3 plan, TP2 with sequence
@@ -203,6 +226,7 @@ fn qwen3_dense_matches_torchtitan() {
 /// within 6.9e-8, grad norms within 2.4e-6; with the q/k norms' gradients left unsummed the
 /// run without it was off by 9.0e-5 in grad norm.
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn qwen3_tensor_parallel_matches_torchtitan() {
     let tp = "--parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor";
     let s = compare(
@@ -241,30 +265,28 @@ fn assert_trained_and_cross_resumed(summary: &serde_json::Value, layouts: &[&str
 /// libtorch 2.13's bf16 grouped matmul rounds one row in a few thousand differently from torch
 /// 2.15's, and that bf16 ulp grows through later layers.
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn qwen3_moe_matches_torchtitan() {
     moe_matches_torchtitan(
-        ["moe", "moedp2"],
+        &["moe:1:1:", "moedp2:2:2:"],
         ["qwen3", "qwen3_moe_debug"],
         (MOE_LOSS_RTOL, MOE_GRAD_RTOL),
         8,
     );
 }
 
-/// A mixture-of-experts model `module`/`config` against torchtitan on `layouts` (1 process,
-/// FSDP2 on 2 ranks), 4 steps with a resume at 2 and both cross-resumes, within `rtol` (loss,
-/// grad norm): every run logged every step, and the `expert_bias_E` of its `moe_layers` layers,
-/// saved at steps 2 and 4 in every run, equal to torchtitan's to the bit.
+/// A mixture-of-experts model `module`/`config` against torchtitan on `layouts`, 4 steps with
+/// a resume at 2 and both cross-resumes, within `rtol` (loss, grad norm): every run logged every
+/// step, and the `expert_bias_E` of its `moe_layers` layers, saved at steps 2 and 4 in every
+/// run, equal to torchtitan's to the bit.
 fn moe_matches_torchtitan(
-    layouts: [&str; 2],
+    layouts: &[&str],
     [module, config]: [&str; 2],
     (loss_rtol, grad_rtol): (f64, f64),
     moe_layers: u64,
 ) {
     let summary = compare(
-        &[
-            &format!("{}:1:1:", layouts[0]),
-            &format!("{}:2:2:", layouts[1]),
-        ],
+        layouts,
         4,
         2,
         loss_rtol,
@@ -280,9 +302,14 @@ fn moe_matches_torchtitan(
             "expert_bias_E",
         ],
     );
-    assert_trained_and_cross_resumed(&summary, &layouts, 4);
-    // Each layer's bias at steps 2 and 4, in the 4 runs of both layouts.
-    assert!(summary["buffers_compared"].as_u64().unwrap() >= 2 * moe_layers * 2 * 4);
+    let names: Vec<&str> = layouts
+        .iter()
+        .map(|l| l.split(':').next().unwrap())
+        .collect();
+    assert_trained_and_cross_resumed(&summary, &names, 4);
+    // Each layer's bias at steps 2 and 4, in the 4 runs of every layout.
+    let want = layouts.len() as u64 * moe_layers * 2 * 4;
+    assert!(summary["buffers_compared"].as_u64().unwrap() >= want);
     assert_eq!(summary["worst_buffer_abs"].as_f64(), Some(0.0));
 }
 
@@ -291,6 +318,7 @@ fn moe_matches_torchtitan(
 /// measured 2026-11-27 losses equal to the bit and grad norms within 6.5e-8 over 3 steps, the
 /// saved biases equal.
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn forced_expert_balance_matches_torchtitan() {
     let s = deepseek_v3_layouts(&["balanced:1:1:--debug.moe_force_load_balance"], 3);
     assert_trained(&s, "balanced", 3);
@@ -308,7 +336,19 @@ fn forced_expert_balance_matches_torchtitan() {
 #[test]
 fn deepseek_v3_matches_torchtitan() {
     moe_matches_torchtitan(
-        ["dsv3", "dsv3dp2"],
+        &["dsv3:1:1:"],
+        ["deepseek_v3", "deepseek_v3_debugmodel"],
+        (DSV3_LOSS_RTOL, DSV3_GRAD_RTOL),
+        5,
+    );
+}
+
+/// DeepSeek-V3 under FSDP2 (2 ranks); CI's 2-rank DeepSeek-V3 run is expert parallelism's.
+#[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
+fn deepseek_v3_fsdp_matches_torchtitan() {
+    moe_matches_torchtitan(
+        &["dsv3dp2:2:2:"],
         ["deepseek_v3", "deepseek_v3_debugmodel"],
         (DSV3_LOSS_RTOL, DSV3_GRAD_RTOL),
         5,
@@ -321,6 +361,7 @@ fn deepseek_v3_matches_torchtitan() {
 /// every microbatch of the step and saved by that stage's rank, equal to the bit. Measured
 /// 2026-11-27: losses within 1.8e-7, grad norms within 9.4e-8.
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn deepseek_v3_pipeline_parallel_matches_torchtitan() {
     let s = deepseek_v3_layouts(
         &["dsv3pp2:2:2:--parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs"],
@@ -382,6 +423,7 @@ fn deepseek_v3_layouts(layouts: &[&str], steps: u32) -> serde_json::Value {
 /// grad norms within 4.4e-7; with those gradients left unsummed the run without sequence
 /// parallelism was off by 5.9e-2 in grad norm.
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn deepseek_v3_tensor_parallel_matches_torchtitan() {
     let tp = "--parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor";
     let s = deepseek_v3_layouts(
@@ -416,17 +458,25 @@ fn tensor_parallel_matches_torchtitan_tp() {
 /// while titan-train's zero-bubble steps equal one process's, tests/tests/dist_train.rs.)
 #[test]
 fn pipeline_parallelism_matches_torchtitan_pp() {
-    let pp = "--parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs";
-    let one_f_one_b = format!("pp2:2:2:{pp}");
-    let interleaved =
-        format!("pp2int:2:2:{pp} --parallelism.pipeline_parallel_schedule Interleaved1F1B");
-    let s = compare(&[&one_f_one_b, &interleaved], 4, 2, 1e-5, 1e-5, &[]);
+    let s = compare(&[&format!("pp2:2:2:{PP}")], 4, 2, 1e-5, 1e-5, &[]);
     assert_trained(&s, "pp2", 4);
+}
+
+const PP: &str = "--parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs";
+
+/// Interleaved1F1B: 4 stages, 2 per rank.
+#[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
+fn interleaved_pipeline_matches_torchtitan_pp() {
+    let interleaved =
+        format!("pp2int:2:2:{PP} --parallelism.pipeline_parallel_schedule Interleaved1F1B");
+    let s = compare(&[&interleaved], 4, 2, 1e-5, 1e-5, &[]);
     assert_trained(&s, "pp2int", 4);
 }
 
 /// The 2D meshes on 4 ranks: FSDP2 x TP2, and HSDP (2 replicas x 2 shards).
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn four_rank_meshes_match_torchtitan() {
     let fsdp_tp = "fsdp2tp2:4:4:--parallelism.tensor_parallel_degree 2 \
                    --parallelism.spmd_backend partial_dtensor";
@@ -440,6 +490,7 @@ fn four_rank_meshes_match_torchtitan() {
 /// With DDP on both sides both trainers sum the grad norm in fp32 over the full gradients, and
 /// 2-rank grad norms meet 1e-5 too.
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn two_ddp_ranks_match_torchtitan_ddp_losses_and_grad_norms() {
     let layout = "ddp2:2:2:--parallelism.data_parallel_replicate_degree 2 \
                   --parallelism.data_parallel_shard_degree 1";
@@ -451,18 +502,19 @@ fn two_ddp_ranks_match_torchtitan_ddp_losses_and_grad_norms() {
 fn bf16_mixed_precision_stays_within_the_measured_tolerance() {
     let s = compare(
         &["bf16:1:1:--training.mixed_precision_param bfloat16"],
-        6,
-        3,
+        4,
+        2,
         3e-4,
         3e-4,
         &[],
     );
-    assert_trained(&s, "bf16", 6);
+    assert_trained(&s, "bf16", 4);
 }
 
 /// Six documents run out every few steps: the data re-loops twice in 6 steps, in torchtitan's
 /// shuffled order for each new epoch (and the resume at step 3 lands inside a shuffled epoch).
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn re_looped_data_follows_torchtitans_epoch_shuffle() {
     let s = compare(&["epochs:1:1:"], 6, 3, 1e-5, 1e-5, &["--docs", "6"]);
     assert_trained(&s, "epochs", 6);
@@ -538,7 +590,7 @@ fn assert_first_step_equal(summary: &serde_json::Value, layout: &str) {
 }
 
 /// float8 against torchtitan's float8 debug model (`--config llama3_debugmodel_float8`, torchao
-/// 0.18) from its seed checkpoint, recipe against recipe, 6 steps with a resume at 3.
+/// 0.18) from its seed checkpoint, recipe against recipe, 4 steps with a resume at 2.
 ///
 /// Tolerance 1e-6 on losses and grad norms: one process trains bit for bit as torchtitan does
 /// (measured 2026-11-25: every grad norm equal, losses within 7e-8, the last bit of the logged
@@ -555,8 +607,8 @@ fn assert_first_step_equal(summary: &serde_json::Value, layout: &str) {
 fn float8_tensorwise_matches_torchtitans_emulated_float8() {
     let s = compare(
         &["f8tensorwise:1:1:"],
-        6,
-        3,
+        4,
+        2,
         1e-6,
         1e-6,
         &[
@@ -568,7 +620,7 @@ fn float8_tensorwise_matches_torchtitans_emulated_float8() {
             "--float8.recipe_name tensorwise --float8.emulate",
         ],
     );
-    assert_trained(&s, "f8tensorwise", 6);
+    assert_trained(&s, "f8tensorwise", 4);
     assert_first_step_equal(&s, "f8tensorwise");
 }
 
@@ -577,6 +629,7 @@ fn float8_tensorwise_matches_torchtitans_emulated_float8() {
 /// runs its non-emulated path; titan-train runs `--config llama3_debugmodel_float8` unchanged.
 /// Tolerances as above (measured: grad norms equal, losses within 7e-8).
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn float8_rowwise_matches_torchtitans_float8_through_scaled_mm() {
     let s = compare(
         &["f8rowwise:1:1:"],
@@ -601,6 +654,7 @@ fn float8_rowwise_matches_torchtitans_float8_through_scaled_mm() {
 /// parts in another order than torch's, and float8 rounding amplifies that last-bit difference
 /// (measured 2026-11-25: losses within 4.7e-5, grad norms within 6.0e-5 over the 6 steps).
 #[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn fsdp_float8_all_gather_matches_torchaos() {
     let s = compare(
         &["f8gather:2:2:"],
