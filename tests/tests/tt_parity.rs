@@ -11,16 +11,16 @@
 //! on 2 FSDP ranks) with its unbroken run's steps.
 //!
 //! Layouts in CI, in fp32, both trainers on the same layout: 1 process, FSDP2 (2 ranks), TP2
-//! (`--parallelism.spmd_backend partial_dtensor` for torchtitan on CPU), PP2 (1F1B and
-//! Interleaved1F1B), context parallelism (CP2, CP2 x FSDP2), dense qwen3 (`--module qwen3 --config
-//! qwen3_debugmodel`, from torchtitan's qwen3 seed checkpoint) on 1 process and FSDP2,
-//! DeepSeek-V3 (`deepseek_v3_debugmodel`, every `expert_bias_E` equal to the bit) on 1 process,
-//! FSDP2 and expert parallelism (EP2); 1 process in bf16 mixed precision; float8 tensorwise
-//! (`llama3_debugmodel_float8`, emulated) on 1 process. The tests marked `full matrix` (DDP,
-//! FSDP2 x TP2 and HSDP on 4 ranks, qwen3's TP and MoE, DeepSeek-V3's TP, PP and forced balance,
+//! (`--parallelism.spmd_backend partial_dtensor` for torchtitan on CPU), PP2 (1F1B), context
+//! parallelism (CP2, CP2 x FSDP2), dense qwen3 (`--module qwen3 --config qwen3_debugmodel`, from
+//! torchtitan's qwen3 seed checkpoint) on 1 process, DeepSeek-V3 (`deepseek_v3_debugmodel`, every
+//! `expert_bias_E` equal to the bit) on 1 process and under expert parallelism (EP2); 1 process
+//! in bf16 mixed precision; float8 tensorwise (`llama3_debugmodel_float8`, emulated) on 1
+//! process. The tests marked `full matrix` (DDP, FSDP2 x TP2 and HSDP on 4 ranks,
+//! Interleaved1F1B, qwen3's FSDP2, TP and MoE, DeepSeek-V3's FSDP2, TP, PP and forced balance,
 //! re-looped data, float8 rowwise and FSDP's float8 all-gather) run in `bash
-//! bench/full_matrix.sh`: CI's two cores hold a representative part in its time. The whole
-//! layout matrix is `bash bench/trainer/parity.sh`.
+//! bench/full_matrix.sh`: CI's two cores hold a representative part in its time. The whole layout
+//! matrix is `bash bench/trainer/parity.sh`.
 //!
 //! Tolerances, from measurements (docs/training.md, "Parity with torchtitan"): fp32 losses and
 //! grad norms 1e-5 on every layout (measured <= 1.2e-7 and <= 2.2e-7); bf16 losses and grad
@@ -148,16 +148,18 @@ fn two_fsdp_ranks_match_torchtitan_fsdp() {
 
 /// Context parallelism, as torchtitan 0.3.0 runs it with FlexAttention on CPU (K and V
 /// all-gathered over `cp`, their gradients reduce-scattered; the `headtail` load balancer): CP 2
-/// at seq 256 (torchtitan's CP cuts the mask into 128-token blocks per rank), with a resume in the
-/// middle. Measured 2026-11-27: losses within 1.0e-7, grad norms within 1.5e-7 (with CP 2 x
-/// FSDP 2, the full-matrix test below); the other balancers, CP x TP, CP x PP, DeepSeek-V3 and
-/// qwen3 are in `bench/trainer/parity.sh`.
+/// alone and CP 2 x FSDP 2 (FSDP over dp_shard x cp, 4 processes), at seq 256 (torchtitan's CP
+/// cuts the mask into 128-token blocks per rank), with a resume in the middle. Measured
+/// 2026-11-27: losses within 1.0e-7, grad norms within 1.5e-7; the other balancers, CP x TP,
+/// CP x PP, DeepSeek-V3 and qwen3 are in `bench/trainer/parity.sh`.
 #[test]
 fn context_parallel_matches_torchtitan() {
+    let cp = "--parallelism.context_parallel_degree 2 --training.seq_len 256";
     let s = compare(
-        &[&format!(
-            "cp2:2:2:{CP} --parallelism.data_parallel_shard_degree 1"
-        )],
+        &[
+            &format!("cp2:2:2:{cp} --parallelism.data_parallel_shard_degree 1"),
+            &format!("cp2fsdp2:4:4:{cp}"),
+        ],
         4,
         2,
         1e-5,
@@ -165,15 +167,6 @@ fn context_parallel_matches_torchtitan() {
         &[],
     );
     assert_trained(&s, "cp2", 4);
-}
-
-const CP: &str = "--parallelism.context_parallel_degree 2 --training.seq_len 256";
-
-/// CP 2 x FSDP 2: FSDP over dp_shard x cp, 4 processes.
-#[test]
-#[ignore = "full matrix: bash bench/full_matrix.sh"]
-fn context_parallel_with_fsdp_matches_torchtitan() {
-    let s = compare(&[&format!("cp2fsdp2:4:4:{CP}")], 4, 2, 1e-5, 1e-5, &[]);
     assert_trained(&s, "cp2fsdp2", 4);
 }
 
