@@ -1,12 +1,14 @@
-//! Small reads from object stores served from whole blocks.
+//! Small reads from object stores served from whole blocks, when the reads come in a run.
 //!
-//! Reading a DCP checkpoint makes several small reads per tensor item (a torch.save zip's head
+//! Loading a DCP checkpoint makes several small reads per tensor item (a torch.save zip's head
 //! and directory, then the data), in file order. As ranged GETs that is thousands of requests for
-//! a checkpoint of a few hundred tensors, each paying the store's latency (and, on some servers,
-//! a read of the whole object). A read shorter than [`SMALL_READ`] is instead served from the
-//! aligned [`BLOCK`]-byte block holding it, fetched once; the blocks of every open file share one
-//! least-recently-used budget of [`BUDGET`] bytes in the process, so memory stays bounded however
-//! many files a reader opens. Larger reads go to the store as they are.
+//! a checkpoint of a few hundred small tensors, each paying the store's latency (and, on some
+//! servers, a read of the whole object). Once small reads land near each other (see
+//! `InFile::read_at`), a read shorter than [`SMALL_READ`] is served from the aligned
+//! [`BLOCK`]-byte block holding it, fetched once; isolated small reads (the heads and directories
+//! of large items, read apart) stay exact, so scanning a large checkpoint's items does not fetch a
+//! block per item. The blocks of every open file share one least-recently-used budget of
+//! [`BUDGET`] bytes in the process, so memory stays bounded however many files a reader opens.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -42,38 +44,30 @@ fn cache() -> std::sync::MutexGuard<'static, Cache> {
     CACHE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Block `index` of file `file`, from the cache or from `fetch(start..end)`. The lock is not held
-/// while fetching, so readers of other blocks are not held up (two readers of one missing block
-/// may both fetch it).
-pub(crate) fn block<E>(
-    file: u64,
-    index: u64,
-    file_size: u64,
-    fetch: impl FnOnce(std::ops::Range<u64>) -> Result<Bytes, E>,
-) -> Result<Bytes, E> {
-    let key = (file, index);
-    {
-        let mut c = cache();
-        if let Some(pos) = c.blocks.iter().position(|(k, _)| *k == key) {
-            let entry = c.blocks.remove(pos).expect("found above");
-            let data = entry.1.clone();
-            c.blocks.push_back(entry);
-            return Ok(data);
-        }
-    }
-    let start = index * BLOCK;
-    let data = fetch(start..(start + BLOCK).min(file_size))?;
+/// Block `index` of file `file` if it is cached (and now the most recently used).
+pub(crate) fn cached(file: u64, index: u64) -> Option<Bytes> {
     let mut c = cache();
-    if !c.blocks.iter().any(|(k, _)| *k == key) {
-        c.bytes += data.len() as u64;
-        c.blocks.push_back((key, data.clone()));
-        while c.bytes > BUDGET
-            && let Some((_, old)) = c.blocks.pop_front()
-        {
-            c.bytes -= old.len() as u64;
-        }
+    let pos = c.blocks.iter().position(|(k, _)| *k == (file, index))?;
+    let entry = c.blocks.remove(pos)?;
+    let data = entry.1.clone();
+    c.blocks.push_back(entry);
+    Some(data)
+}
+
+/// Keeps block `index` of file `file`, dropping the least recently used blocks over the budget.
+/// (Two readers of one missing block may both fetch it; the second copy is not kept.)
+pub(crate) fn insert(file: u64, index: u64, data: Bytes) {
+    let mut c = cache();
+    if c.blocks.iter().any(|(k, _)| *k == (file, index)) {
+        return;
     }
-    Ok(data)
+    c.bytes += data.len() as u64;
+    c.blocks.push_back(((file, index), data));
+    while c.bytes > BUDGET
+        && let Some((_, old)) = c.blocks.pop_front()
+    {
+        c.bytes -= old.len() as u64;
+    }
 }
 
 /// Forgets the blocks of a file that is being closed.

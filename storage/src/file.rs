@@ -32,7 +32,31 @@ enum InKind {
         path: ObjPath,
         /// The file's blocks in [`block_cache`].
         id: u64,
+        /// The last read, to tell a run of nearby small reads from isolated ones.
+        recent: Mutex<Recent>,
     },
+}
+
+/// Where the last read of an object-store file was, and how many reads in a row landed within
+/// [`block_cache::SMALL_READ`] of the one before.
+#[derive(Default)]
+struct Recent {
+    start: u64,
+    end: u64,
+    nearby: u32,
+}
+
+impl Recent {
+    /// Records a read of `start..end`; whether it is the third or later of a run of reads each
+    /// near the one before (then whole blocks are worth fetching; a large item's directory and
+    /// the next item's head, read one after the other, are only two).
+    fn in_run(&mut self, start: u64, end: u64) -> bool {
+        let near = start + block_cache::SMALL_READ >= self.start
+            && start <= self.end + block_cache::SMALL_READ;
+        self.nearby = if near { self.nearby + 1 } else { 0 };
+        (self.start, self.end) = (start, end);
+        self.nearby >= 2
+    }
 }
 
 impl InFile {
@@ -61,6 +85,7 @@ impl InFile {
                 store,
                 path,
                 id: block_cache::next_file_id(),
+                recent: Mutex::new(Recent::default()),
             },
         }
     }
@@ -84,7 +109,12 @@ impl InFile {
             InKind::Local(f) => f
                 .read_exact_at(buf, offset)
                 .map_err(|e| StorageError::io(&self.name, e)),
-            InKind::Object { store, path, id } => {
+            InKind::Object {
+                store,
+                path,
+                id,
+                recent,
+            } => {
                 let get = |range: std::ops::Range<u64>| {
                     let want = range.end - range.start;
                     let bytes = runtime()
@@ -102,20 +132,40 @@ impl InFile {
                     }
                     Ok(bytes)
                 };
-                if buf.len() as u64 >= block_cache::SMALL_READ {
+                let in_run = recent
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .in_run(offset, end);
+                // A small read comes from the one or two blocks holding it when they are cached,
+                // or worth fetching in a run; otherwise it is read as it is.
+                let mut blocks = Vec::new();
+                if (buf.len() as u64) < block_cache::SMALL_READ {
+                    for index in offset / block_cache::BLOCK..=(end - 1) / block_cache::BLOCK {
+                        let start = index * block_cache::BLOCK;
+                        let block = match block_cache::cached(*id, index) {
+                            Some(b) => b,
+                            None if in_run => {
+                                let b = get(start..(start + block_cache::BLOCK).min(self.size))?;
+                                block_cache::insert(*id, index, b.clone());
+                                b
+                            }
+                            None => {
+                                blocks.clear();
+                                break;
+                            }
+                        };
+                        blocks.push((start, block));
+                    }
+                }
+                if blocks.is_empty() {
                     buf.copy_from_slice(&get(offset..end)?);
                     return Ok(());
                 }
-                // A small read: from the one or two cached blocks that hold it.
-                let mut at = offset;
-                while at < end {
-                    let index = at / block_cache::BLOCK;
-                    let block = block_cache::block(*id, index, self.size, get)?;
-                    let start = index * block_cache::BLOCK;
+                for (start, block) in blocks {
+                    let from = offset.max(start);
                     let upto = end.min(start + block.len() as u64);
-                    buf[(at - offset) as usize..(upto - offset) as usize]
-                        .copy_from_slice(&block[(at - start) as usize..(upto - start) as usize]);
-                    at = upto;
+                    buf[(from - offset) as usize..(upto - offset) as usize]
+                        .copy_from_slice(&block[(from - start) as usize..(upto - start) as usize]);
                 }
                 Ok(())
             }
@@ -320,7 +370,7 @@ mod tests {
     }
 
     #[test]
-    fn small_object_reads_come_from_cached_blocks_and_match_the_bytes() {
+    fn small_object_reads_in_a_run_come_from_cached_blocks_isolated_ones_stay_exact() {
         use crate::block_cache::{BLOCK, cached_blocks};
         let root = Root::parse("memory://block-test/ckpt").unwrap();
         let len = 2 * BLOCK + 12_345;
@@ -332,13 +382,7 @@ mod tests {
         let InKind::Object { id, .. } = f.kind else {
             panic!("memory:// is an object store")
         };
-        // Within a block, across the first boundary, the short last block, and a large read.
-        for (offset, n) in [
-            (0, 4096),
-            (BLOCK - 100, 300),
-            (2 * BLOCK + 12_000, 345),
-            (3, (BLOCK + 5) as usize),
-        ] {
+        let read = |offset: u64, n: usize| {
             let mut buf = vec![0u8; n];
             f.read_at(offset, &mut buf).unwrap();
             assert_eq!(
@@ -346,12 +390,29 @@ mod tests {
                 &data[offset as usize..offset as usize + n],
                 "at {offset}+{n}"
             );
-        }
+        };
+        // Isolated small reads far apart (a scan of large items' heads and directories): exact.
+        read(BLOCK + 500, 4096);
+        read(2 * BLOCK + 12_000, 345);
+        read(100, 300);
+        assert_eq!(cached_blocks(id), 0, "isolated reads fetch no block");
+        // A run of reads each near the one before (a load of small items): the third in a row
+        // fetches the blocks it touches (here both sides of the edge), later ones come from them.
+        // (Two in a row do not: a large item's directory and the next item's head are neighbours.)
+        read(BLOCK - 5000, 1000);
+        read(BLOCK - 3000, 1000);
+        assert_eq!(cached_blocks(id), 0, "two nearby reads are not a run yet");
+        read(BLOCK - 100, 300);
         assert_eq!(
             cached_blocks(id),
-            3,
-            "the three blocks touched by small reads"
+            2,
+            "the run's third read fetched blocks 0 and 1"
         );
+        read(BLOCK + 500, 50_000);
+        // Cached blocks serve a later isolated read too; a large read goes to the store as it is.
+        read(200, 20);
+        read(3, (BLOCK + 5) as usize);
+        assert_eq!(cached_blocks(id), 2);
         let mut buf = [0u8; 8];
         let err = f.read_at(len - 4, &mut buf).unwrap_err().to_string();
         assert!(err.contains("truncated"), "{err}");

@@ -4,7 +4,7 @@
 //!
 //! Main types: [`Root`] (parse a path or URL; list, open, create, remove files in it),
 //! [`InFile`] (ranged reads: `pread` locally, ranged GETs remotely, small ones served from
-//! cached 8 MiB blocks), [`OutFile`] (writes that
+//! cached 8 MiB blocks during a run of nearby reads), [`OutFile`] (writes that
 //! appear under their name only when complete: temporary name + rename locally, a multipart
 //! upload completed at the end remotely; dropped unfinished, nothing is left behind),
 //! [`check_relative`] / [`relative_path_problem`] (the one rule that keeps names read from
