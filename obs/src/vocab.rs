@@ -121,7 +121,8 @@ pub mod collective {
 /// router sent to each expert of each MoE layer since the previous logged step, one scalar per
 /// (layer, expert) named `moe/layer/<L>/expert/<E>/tokens`, reduced by sum over ranks.
 /// `titan-obs summary` turns them into its experts section, `metrics` into the per-step
-/// imbalance (`moe/max_over_mean`).
+/// imbalance (`moe/max_over_mean`). Under expert parallelism also which rank hosts which
+/// experts, and a span around each layer's local experts (see [`moe::experts_span`]).
 pub mod moe {
     pub const PREFIX: &str = "moe/layer/";
     /// The derived per-step column of `titan-obs metrics`: the largest expert's tokens over the
@@ -148,6 +149,69 @@ pub mod moe {
         let rest = name.strip_prefix(PREFIX)?.strip_suffix("/tokens")?;
         let (layer, expert) = rest.split_once("/expert/")?;
         Some((layer.parse().ok()?, expert.parse().ok()?))
+    }
+
+    /// A name made once per process and kept (the recorder takes `'static` names).
+    fn interned(key: String) -> &'static str {
+        use std::collections::HashSet;
+        use std::sync::{Mutex, OnceLock};
+        static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+        let mut names = NAMES
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match names.get(key.as_str()) {
+            Some(&n) => n,
+            None => {
+                let n: &'static str = Box::leak(key.into_boxed_str());
+                names.insert(n);
+                n
+            }
+        }
+    }
+
+    /// Under expert parallelism: the span around the experts a rank hosts running over the
+    /// tokens sent to them in `layer`'s forward, `moe/layer/<L>/experts`. The all-to-all that
+    /// brings their outputs back follows it, so a rank late there because its experts had
+    /// more tokens is late *from* this span in the waits analysis.
+    pub fn experts_span(layer: usize) -> &'static str {
+        interned(format!("{PREFIX}{layer}/experts"))
+    }
+
+    /// The layer of an [`experts_span`] name.
+    pub fn parse_experts_span(name: &str) -> Option<u32> {
+        name.strip_prefix(PREFIX)?
+            .strip_suffix("/experts")?
+            .parse()
+            .ok()
+    }
+
+    /// Under expert parallelism, where the routed experts live: each rank records, on the
+    /// steps it logs, the first routed expert it hosts (`moe/ep/rank/<R>/first_expert`) and
+    /// how many it hosts ([`EXPERTS_PER_RANK`]): experts `[first, first + n)` of every MoE
+    /// layer. Ranks that share an expert parallel index (its FSDP over `efsdp`, replicas)
+    /// host the same experts.
+    pub const EP_PREFIX: &str = "moe/ep/";
+    pub const EXPERTS_PER_RANK: &str = "moe/ep/experts_per_rank";
+
+    /// The first-expert scalar of `rank`.
+    pub fn first_expert_scalar(rank: usize) -> &'static str {
+        interned(format!("{EP_PREFIX}rank/{rank}/first_expert"))
+    }
+
+    /// The rank of a [`first_expert_scalar`] name.
+    pub fn parse_first_expert(name: &str) -> Option<u32> {
+        name.strip_prefix(EP_PREFIX)?
+            .strip_prefix("rank/")?
+            .strip_suffix("/first_expert")?
+            .parse()
+            .ok()
+    }
+
+    /// The scalars titan-train records for these analyses, not metrics of their own (`titan-obs
+    /// metrics` leaves them out).
+    pub fn is_recorded_load(name: &str) -> bool {
+        name.starts_with(PREFIX) || name.starts_with(EP_PREFIX)
     }
 }
 

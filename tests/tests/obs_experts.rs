@@ -8,7 +8,9 @@
 //! - With one expert's routing bias (`expert_bias_E`, which the router adds to the scores it
 //!   picks its top 3 by) raised in a checkpoint (torch's DCP, edited by
 //!   `tests/python/bias_expert.py`), that expert is the hottest of its layer, in every token's
-//!   three, and the other layers are not as uneven.
+//!   three, and the other layers are not as uneven. That run is under expert parallelism (EP 2
+//!   on 2 ranks): the summary names the rank hosting the hot expert, and the wait the layers'
+//!   experts caused at the all-to-all after them.
 
 use std::path::Path;
 use std::process::Command;
@@ -118,6 +120,10 @@ fn a_favoured_expert_is_the_hottest_of_its_layer() {
     );
     let dump = dir.path().join("run");
     run_ok(titan_train().args(args(&dump)).args([
+        "--nproc-per-node",
+        "2",
+        "--parallelism.expert_parallel_degree",
+        "2",
         "--checkpoint.enable",
         "--checkpoint.initial_load_path",
         biased.to_str().unwrap(),
@@ -137,12 +143,21 @@ fn a_favoured_expert_is_the_hottest_of_its_layer() {
         (hot["max_over_mean"].as_f64().unwrap() - 8.0 / 3.0).abs() < 1e-9,
         "{hot}"
     );
+    // EP 2 over 8 experts: rank 0 hosts 0..4, rank 1 hosts 4..8.
+    assert_eq!(hot["hottest_hosts"], serde_json::json!([1]), "{hot}");
     for i in [1, 3, 4, 5] {
         let l = layer(i);
         assert!(
             l["max_over_mean"].as_f64().unwrap() < hot["max_over_mean"].as_f64().unwrap(),
             "layer {i} {l} vs layer 2 {hot}"
         );
+    }
+    // Every layer's combine waits for the rank whose experts finished last: some rank came
+    // late from each layer's experts, and the others waited for it.
+    for l in layers {
+        assert!(l["experts_wait_caused_ns"].as_i64().unwrap() > 0, "{l}");
+        let late = l["experts_late_rank"].as_u64().unwrap();
+        assert!(late < 2, "{l}");
     }
     // The text names it.
     let o = run_ok(Command::new(bin("titan-obs")).arg("summary").arg(&dump));
@@ -152,5 +167,8 @@ fn a_favoured_expert_is_the_hottest_of_its_layer() {
         .skip_while(|l| !l.starts_with("experts"))
         .find(|l| l.trim_start().starts_with("2 "))
         .unwrap_or_else(|| panic!("no layer 2 row:\n{text}"));
-    assert!(row.contains("expert 5"), "{row}");
+    assert!(
+        row.contains("expert 5") && row.contains("rank 1"),
+        "{row}\n{text}"
+    );
 }

@@ -14,7 +14,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use tch::{Device, Kind, Tensor};
 use titan_obs_core::Reduce;
-use titan_obs_core::vocab::{self, titan};
+use titan_obs_core::vocab::{self, moe, titan};
 
 use crate::checkpoint::{Checkpointer, TrainerState};
 use crate::config::{self, DeviceChoice, JobConfig};
@@ -756,10 +756,16 @@ impl<'a> Job<'a> {
         };
         let experts = load.size()[1] as usize;
         let values = host_sync::read_f64s(&load.reshape([-1]), "expert load");
+        // Where this rank's experts live, for the summary's hosting rank of a hot expert.
+        if let Some((first, hosted)) = self.model.hosted_experts() {
+            let rank = self.mesh.mesh.rank;
+            titan_obs_core::scalar(moe::first_expert_scalar(rank), first as f64, Reduce::Max);
+            titan_obs_core::scalar(moe::EXPERTS_PER_RANK, hosted as f64, Reduce::Max);
+        }
         for (l, layer) in layers.iter().enumerate() {
             for e in 0..experts {
                 titan_obs_core::scalar(
-                    titan_obs_core::vocab::moe::tokens_scalar(*layer, e),
+                    moe::tokens_scalar(*layer, e),
                     values[l * experts + e],
                     Reduce::Sum,
                 );

@@ -5,12 +5,20 @@
 //! the hottest expert and its share), and the step where it was most uneven. `titan-obs
 //! metrics` gets the per-step figure, the worst layer's largest expert over its mean
 //! ([`max_over_mean_per_step`]).
+//!
+//! Under expert parallelism, also the ranks that host the hottest expert (from the
+//! `moe/ep/rank/<R>/first_expert` scalars) and the wait the layer's experts caused: the
+//! all-to-all that brings the experts' outputs back waits for the last rank to finish its
+//! experts, and the waits analysis names the phase a late rank came from — the
+//! `moe/layer/<L>/experts` span — so the wait others spent on a layer's experts is the waits
+//! table's rows from that span.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
 use super::metrics::lines;
+use super::waits::Wait;
 use crate::metric_lines::Lines;
 use crate::run::Run;
 use crate::schema::Reduce;
@@ -39,6 +47,79 @@ pub struct LayerLoad {
     /// The step where this layer was most uneven, and its `max / mean` there.
     pub worst_step: u64,
     pub worst_step_max_over_mean: f64,
+    /// Under expert parallelism, the ranks that host the hottest expert (empty: every rank
+    /// hosts every expert, or the run did not record where they live).
+    pub hottest_hosts: Vec<u32>,
+    /// Under expert parallelism: the time ranks spent in collectives waiting for a rank that
+    /// came late from this layer's experts (summed over ranks, calls and steps), and the rank
+    /// that caused most of it. 0 and `None` without expert parallelism.
+    pub experts_wait_caused_ns: i64,
+    pub experts_late_rank: Option<u32>,
+}
+
+/// Under expert parallelism: (first routed expert, how many) of each rank that recorded
+/// where its experts live, by rank.
+fn hosted_experts(lines: &Lines, names: &[String]) -> BTreeMap<u32, (u32, u32)> {
+    let mut first: BTreeMap<u32, f64> = BTreeMap::new();
+    let mut per_rank = 0.0f64;
+    for (_, accs) in lines.0.values() {
+        for (&(name, reduce), acc) in accs {
+            if reduce != Reduce::Max {
+                continue;
+            }
+            let Some(n) = names.get(name as usize) else {
+                continue;
+            };
+            if let Some(rank) = moe::parse_first_expert(n) {
+                first.insert(rank, acc.get(Reduce::Max));
+            } else if n == moe::EXPERTS_PER_RANK {
+                per_rank = per_rank.max(acc.get(Reduce::Max));
+            }
+        }
+    }
+    if per_rank < 1.0 {
+        return BTreeMap::new();
+    }
+    first
+        .into_iter()
+        .filter(|(_, f)| f.is_finite() && *f >= 0.0)
+        .map(|(rank, f)| (rank, (f as u32, per_rank as u32)))
+        .collect()
+}
+
+/// The ranks hosting `expert` among `hosted`.
+fn hosts_of(expert: u32, hosted: &BTreeMap<u32, (u32, u32)>) -> Vec<u32> {
+    hosted
+        .iter()
+        .filter(|(_, (first, n))| (*first..first + n).contains(&expert))
+        .map(|(&rank, _)| rank)
+        .collect()
+}
+
+/// Per layer: the wait caused by ranks late from its experts' span, and the rank that caused
+/// most of it.
+fn experts_waits(waits: &[Wait]) -> BTreeMap<u32, (i64, Option<u32>)> {
+    let mut by_layer: BTreeMap<u32, BTreeMap<u32, i64>> = BTreeMap::new();
+    for w in waits {
+        if let Some(layer) = moe::parse_experts_span(&w.phase) {
+            *by_layer
+                .entry(layer)
+                .or_default()
+                .entry(w.rank)
+                .or_default() += w.wait_caused_ns;
+        }
+    }
+    by_layer
+        .into_iter()
+        .map(|(layer, ranks)| {
+            let total = ranks.values().sum();
+            let late = ranks
+                .iter()
+                .max_by_key(|(rank, caused)| (**caused, std::cmp::Reverse(**rank)))
+                .map(|(&rank, _)| rank);
+            (layer, (total, late))
+        })
+        .collect()
 }
 
 /// Tokens per (layer, step, expert), summed over ranks.
@@ -80,13 +161,17 @@ fn max_over_mean(v: &[f64]) -> f64 {
     if mean > 0.0 { max / mean } else { 0.0 }
 }
 
-/// Every MoE layer's load over the run, in layer order (empty: no expert counts recorded).
-pub fn layer_loads(run: &Run) -> Vec<LayerLoad> {
+/// Every MoE layer's load over the run, in layer order (empty: no expert counts recorded),
+/// with the run's `waits` table (what the layers' experts made other ranks wait).
+pub fn layer_loads(run: &Run, waits: &[Wait]) -> Vec<LayerLoad> {
     // Most runs have no experts: their scalars are not gathered for nothing.
     if !run.names.iter().any(|n| moe::parse(n).is_some()) {
         return Vec::new();
     }
-    counts(&lines(run), &run.names)
+    let lines = lines(run);
+    let hosted = hosted_experts(&lines, &run.names);
+    let waited = experts_waits(waits);
+    counts(&lines, &run.names)
         .into_iter()
         .map(|(layer, steps)| {
             let experts = steps
@@ -132,6 +217,9 @@ pub fn layer_loads(run: &Run) -> Vec<LayerLoad> {
                 hottest_share: if tokens > 0.0 { max / tokens } else { 0.0 },
                 worst_step,
                 worst_step_max_over_mean: worst,
+                hottest_hosts: hosts_of(hottest as u32, &hosted),
+                experts_wait_caused_ns: waited.get(&layer).map_or(0, |w| w.0),
+                experts_late_rank: waited.get(&layer).and_then(|w| w.1),
             }
         })
         .collect()
@@ -163,6 +251,52 @@ mod tests {
         assert_eq!(moe::parse(n), Some((3, 17)));
         assert_eq!(moe::parse("moe/layer/3/tokens"), None);
         assert_eq!(moe::parse("training/loss"), None);
+    }
+
+    #[test]
+    fn expert_parallel_names_round_trip() {
+        assert_eq!(moe::experts_span(4), "moe/layer/4/experts");
+        assert_eq!(moe::parse_experts_span(moe::experts_span(4)), Some(4));
+        assert_eq!(moe::parse_experts_span("moe/layer/4/expert/1/tokens"), None);
+        assert_eq!(moe::parse(moe::experts_span(4)), None);
+        assert_eq!(moe::first_expert_scalar(3), "moe/ep/rank/3/first_expert");
+        assert_eq!(
+            moe::parse_first_expert(moe::first_expert_scalar(3)),
+            Some(3)
+        );
+        assert!(moe::is_recorded_load(moe::EXPERTS_PER_RANK));
+        assert!(!moe::is_recorded_load(moe::MAX_OVER_MEAN));
+    }
+
+    /// EP 2 x efsdp 2 on 4 ranks, 8 experts: ranks 0 and 2 host 0..4, ranks 1 and 3 host 4..8.
+    #[test]
+    fn hosts_are_the_ranks_whose_range_holds_the_expert() {
+        let hosted: BTreeMap<u32, (u32, u32)> =
+            [(0, (0, 4)), (1, (4, 4)), (2, (0, 4)), (3, (4, 4))].into();
+        assert_eq!(hosts_of(5, &hosted), vec![1, 3]);
+        assert_eq!(hosts_of(3, &hosted), vec![0, 2]);
+        assert_eq!(hosts_of(8, &hosted), Vec::<u32>::new());
+        assert_eq!(hosts_of(0, &BTreeMap::new()), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn experts_waits_come_from_the_layers_experts_span() {
+        let row = |rank, phase: &str, ns| Wait {
+            rank,
+            phase: phase.into(),
+            steps_last: 1,
+            wait_caused_ns: ns,
+        };
+        let waits = [
+            row(1, "moe/layer/2/experts", 700),
+            row(0, "moe/layer/2/experts", 200),
+            row(1, "moe/layer/3/experts", 50),
+            row(0, "forward", 10_000),
+        ];
+        let w = experts_waits(&waits);
+        assert_eq!(w[&2], (900, Some(1)));
+        assert_eq!(w[&3], (50, Some(1)));
+        assert_eq!(w.len(), 2, "{w:?}");
     }
 
     #[test]

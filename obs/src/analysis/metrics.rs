@@ -151,8 +151,7 @@ fn finish(lines: &Lines, names: &[String]) -> Vec<MetricsLine> {
                 .copied()
                 .filter(|k| {
                     let n = name(k.0);
-                    n != crate::vocab::titan::HOST_SYNCS
-                        && !n.starts_with(crate::vocab::moe::PREFIX)
+                    n != crate::vocab::titan::HOST_SYNCS && !crate::vocab::moe::is_recorded_load(n)
                 })
                 .collect();
             if order.is_empty() {

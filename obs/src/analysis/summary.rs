@@ -248,6 +248,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
             run.errors.rank.len() as u64,
         ),
     };
+    let experts = super::experts::layer_loads(run, &a.waits.table);
     Summary {
         run: run.location.clone(),
         ranks: a.ranks,
@@ -280,7 +281,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         run_id: run.shown_run().map(|r| r.id).filter(|id| !id.is_empty()),
         other_runs: run.other_runs(),
         host_syncs: super::metrics::host_syncs(run),
-        experts: super::experts::layer_loads(run),
+        experts,
     }
 }
 

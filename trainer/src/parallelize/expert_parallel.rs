@@ -21,6 +21,7 @@
 //! over `ep` (FSDP reduces it over `efsdp` only).
 
 use tch::{Kind, Tensor};
+use titan_obs_core::vocab::moe as moe_names;
 
 use super::tp::ok;
 use crate::autograd::{self, Function};
@@ -69,8 +70,12 @@ impl ExpertParallel {
     /// runs this rank's experts over tokens sorted by them (`counts` per local expert). Alone,
     /// that is all; over `ep` ranks the pairs go to their experts' ranks and the outputs come
     /// back in `routed`'s order. A collective: every ep rank calls it for the same layer.
+    /// Over ranks, the local experts run inside a span named after `layer`
+    /// (`moe/layer/<L>/experts`): a rank whose experts got more tokens arrives late at the
+    /// all-to-all that follows, and titan-obs names the layer it came late from.
     pub fn routed_experts(
         &self,
+        layer: Option<usize>,
         routed: &Tensor,
         per_expert: &Tensor,
         experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
@@ -115,7 +120,10 @@ impl ExpertParallel {
         let order = host_sync::upload(&order, &[n], device);
         let inverse = host_sync::upload(&inverse, &[n], device);
         let counts = host_sync::upload(&per_local_expert, &[local as i64], device);
-        let out = experts(&dispatched.index_select(0, &order), &counts);
+        let out = {
+            let _experts = layer.map(|l| titan_obs_core::span(moe_names::experts_span(l)));
+            experts(&dispatched.index_select(0, &order), &counts)
+        };
         let back = out.index_select(0, &inverse);
         autograd::apply(
             AllToAll {
@@ -217,7 +225,7 @@ mod tests {
         let ep = ExpertParallel::new(Group::solo());
         let routed = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).view([3, 1]);
         let counts = Tensor::from_slice(&[2i64, 1]);
-        let out = ep.routed_experts(&routed, &counts, &|t, c| {
+        let out = ep.routed_experts(None, &routed, &counts, &|t, c| {
             assert_eq!(Vec::<i64>::try_from(c).unwrap(), vec![2, 1]);
             t * 2.0
         });

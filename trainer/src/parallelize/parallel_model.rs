@@ -876,7 +876,7 @@ impl ParallelModel {
                 let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
                 let matmuls = Matmuls::new(kept.take(), f8.clone());
                 let (layer, gathered) = gather();
-                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered);
+                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered, Some(index));
                 let out = model::block(&layer, shape, &ctx_, &ops, &i[0], moe_.as_ref());
                 *kept = matmuls.into_recorded();
                 [out]
@@ -886,7 +886,7 @@ impl ParallelModel {
             let [out] = checkpoint(&[&h], move |i| {
                 let matmuls = Matmuls::plain(f8.clone());
                 let (layer, gathered) = gather();
-                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered);
+                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered, Some(index));
                 [model::block(
                     &layer,
                     shape,
@@ -900,7 +900,14 @@ impl ParallelModel {
         } else {
             let (layer, gathered) = gather();
             let matmuls = Matmuls::plain(f8).deferring(defer_weight_grads);
-            let ops = SplitOps::new(&self.tp, &self.cp, &self.ep, &matmuls, &gathered);
+            let ops = SplitOps::new(
+                &self.tp,
+                &self.cp,
+                &self.ep,
+                &matmuls,
+                &gathered,
+                Some(index),
+            );
             let out = model::block(&layer, shape, ctx, &ops, &h, moe.as_ref());
             drop((layer, gathered));
             let out = match block.experts {
@@ -948,7 +955,7 @@ impl ParallelModel {
             &norm,
             &lm_head,
             &shape,
-            &SplitOps::new(&self.tp, &self.cp, &self.ep, &matmuls, &float8),
+            &SplitOps::new(&self.tp, &self.cp, &self.ep, &matmuls, &float8, None),
         );
         match tied_output {
             // The tied unit's forward ends here: backward regathers it (when it reshards)
@@ -1021,6 +1028,14 @@ impl ParallelModel {
             .collect();
         let layers = self.moe.iter().map(|(i, _)| *i).collect();
         Some((layers, tch::no_grad(|| Tensor::vstack(&counts))))
+    }
+
+    /// Under expert parallelism, the routed experts this rank hosts in every MoE layer:
+    /// (first, how many). `None` without it (every rank holds every expert).
+    pub fn hosted_experts(&self) -> Option<(usize, usize)> {
+        let experts = self.args.moe.as_ref()?.num_experts as usize;
+        let ep = self.ep.size();
+        (ep > 1).then(|| (self.ep.rank() * experts / ep, experts / ep))
     }
 
     /// Shape and dtype of the hidden states between blocks for `batch` rows of `seq_len`
@@ -1135,6 +1150,8 @@ struct SplitOps<'a> {
     ep: &'a ExpertParallel,
     matmuls: &'a Matmuls,
     gathered: &'a [Option<Float8Weight>],
+    /// The block's global layer index (`None`: the output), for expert parallelism's span.
+    layer: Option<usize>,
 }
 
 impl<'a> SplitOps<'a> {
@@ -1144,6 +1161,7 @@ impl<'a> SplitOps<'a> {
         ep: &'a ExpertParallel,
         matmuls: &'a Matmuls,
         gathered: &'a [Option<Float8Weight>],
+        layer: Option<usize>,
     ) -> Self {
         SplitOps {
             tp,
@@ -1151,6 +1169,7 @@ impl<'a> SplitOps<'a> {
             ep,
             matmuls,
             gathered,
+            layer,
         }
     }
 
@@ -1178,7 +1197,8 @@ impl Ops for SplitOps<'_> {
         per_expert: &Tensor,
         experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
     ) -> Tensor {
-        self.ep.routed_experts(routed, per_expert, experts)
+        self.ep
+            .routed_experts(self.layer, routed, per_expert, experts)
     }
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {

@@ -320,14 +320,22 @@ pub fn render(s: &Summary, top: usize) -> String {
     o
 }
 
-/// Per MoE layer: how unevenly its router spread the tokens over the experts.
+/// Per MoE layer: how unevenly its router spread the tokens over the experts; under expert
+/// parallelism also where the hottest expert lives and the wait the layer's experts caused.
 fn render_experts(o: &mut String, layers: &[titan_obs_core::analysis::LayerLoad]) {
+    let expert_parallel = layers.iter().any(|l| !l.hottest_hosts.is_empty());
     let _ = writeln!(
         o,
         "\nexperts (tokens the routers sent to each expert, all ranks and logged steps; \
-         max/mean 1.00 is balanced; every rank hosts every expert: no expert parallelism)"
+         max/mean 1.00 is balanced{})",
+        if expert_parallel {
+            "; under expert parallelism the ranks hosting the hottest expert, and the time \
+             ranks waited in the collective after a rank's experts of the layer ran late"
+        } else {
+            "; every rank hosts every expert: no expert parallelism"
+        }
     );
-    let header = [
+    let mut header = vec![
         "layer",
         "experts",
         "tokens",
@@ -339,10 +347,15 @@ fn render_experts(o: &mut String, layers: &[titan_obs_core::analysis::LayerLoad]
         "its share",
         "worst step",
     ];
-    let rows: Vec<[String; 10]> = layers
+    let mut right = vec![true, true, true, true, true, true, true, false, true, false];
+    if expert_parallel {
+        header.extend(["hosted on", "experts wait", "late rank"]);
+        right.extend([false, true, true]);
+    }
+    let rows: Vec<Vec<String>> = layers
         .iter()
         .map(|l| {
-            [
+            let mut row = vec![
                 l.layer.to_string(),
                 l.experts.to_string(),
                 format!("{:.0}", l.tokens),
@@ -353,15 +366,24 @@ fn render_experts(o: &mut String, layers: &[titan_obs_core::analysis::LayerLoad]
                 format!("expert {}", l.hottest_expert),
                 format!("{:.1}%", l.hottest_share * 100.0),
                 format!("{} ({:.2})", l.worst_step, l.worst_step_max_over_mean),
-            ]
+            ];
+            if expert_parallel {
+                let ranks: Vec<String> = l.hottest_hosts.iter().map(u32::to_string).collect();
+                row.push(if ranks.is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("rank {}", ranks.join(","))
+                });
+                row.push(human_ns(l.experts_wait_caused_ns as f64));
+                row.push(
+                    l.experts_late_rank
+                        .map_or("-".to_string(), |r| r.to_string()),
+                );
+            }
+            row
         })
         .collect();
-    table(
-        o,
-        &header,
-        &rows,
-        &[true, true, true, true, true, true, true, false, true, false],
-    );
+    table(o, &header, &rows, &right);
 }
 
 /// Per stage: pass times, the measured bubble and the schedule's ideal; the slowest stage.
@@ -436,43 +458,41 @@ fn render_pipeline(o: &mut String, p: &PipelineSummary) {
     }
 }
 
-/// A plain aligned table; `right[i]` right-aligns column i.
-fn table<const N: usize>(
-    o: &mut String,
-    header: &[&str; N],
-    rows: &[[String; N]],
-    right: &[bool; N],
-) {
-    let w: [usize; N] = std::array::from_fn(|i| {
-        rows.iter()
-            .map(|r| r[i].chars().count())
-            .fold(header[i].chars().count(), usize::max)
-    });
-    let line = |o: &mut String, cells: &[&str; N]| {
+/// A plain aligned table; `right[i]` right-aligns column i. Each row has a cell per header.
+fn table<R: AsRef<[String]>>(o: &mut String, header: &[&str], rows: &[R], right: &[bool]) {
+    let n = header.len();
+    let w: Vec<usize> = (0..n)
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.as_ref()[i].chars().count())
+                .fold(header[i].chars().count(), usize::max)
+        })
+        .collect();
+    let line = |o: &mut String, cells: &[&str]| {
         o.push_str("  ");
-        for i in 0..N {
+        for i in 0..n {
             let pad = w[i] - cells[i].chars().count();
             if right[i] {
                 o.push_str(&" ".repeat(pad));
                 o.push_str(cells[i]);
             } else {
                 o.push_str(cells[i]);
-                if i + 1 < N {
+                if i + 1 < n {
                     o.push_str(&" ".repeat(pad));
                 }
             }
-            if i + 1 < N {
+            if i + 1 < n {
                 o.push_str("  ");
             }
         }
         o.push('\n');
     };
     line(o, header);
-    let dashes: Vec<String> = w.iter().map(|&n| "-".repeat(n)).collect();
-    let dash_refs: [&str; N] = std::array::from_fn(|i| dashes[i].as_str());
+    let dashes: Vec<String> = w.iter().map(|&k| "-".repeat(k)).collect();
+    let dash_refs: Vec<&str> = dashes.iter().map(String::as_str).collect();
     line(o, &dash_refs);
     for r in rows {
-        let cells: [&str; N] = std::array::from_fn(|i| r[i].as_str());
+        let cells: Vec<&str> = r.as_ref().iter().map(String::as_str).collect();
         line(o, &cells);
     }
 }
