@@ -13,6 +13,8 @@ cd "$root"
 export TITAN_PYTHON="$root/.venv/bin/python"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+# tt_parity's layouts also resume torchtitan from its own save (CI's only resume titan-train).
+export TITAN_FULL_MATRIX=1
 cargo build --workspace --bins --tests --locked
 # `--ignored` runs only ignored tests; the helper processes some tests start are ignored too.
 cargo test -p titan-tests --locked --no-fail-fast -- --ignored \

@@ -11,7 +11,7 @@
 //! `function_shim.cpp` (custom autograd Functions written in Rust) and `memory_shim.cpp` (the
 //! CUDA caching allocator's statistics, through c10's device-generic interface, so it also
 //! compiles against a CPU-only libtorch) and `event_shim.cpp` (timing CUDA events, the same
-//! way), all with one error convention
+//! way), as one translation unit (`shims.cpp`), all with one error convention
 //! (`cpp/shim_error.h`); the recompute and function shims call Rust back through one ABI
 //! (`cpp/rust_callback.h`).
 //!
@@ -21,6 +21,7 @@ use std::path::Path;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
+    println!("cargo:rerun-if-changed=cpp/shims.cpp");
     println!("cargo:rerun-if-changed=cpp/tcpstore_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/rng_shim.cpp");
     println!("cargo:rerun-if-changed=cpp/grad_shim.cpp");
@@ -78,17 +79,10 @@ fn build_torch_shims(lib: &Path) {
             include.display()
         ));
     }
+    // One translation unit that includes every shim (cpp/shims.cpp says why).
     cc::Build::new()
         .cpp(true)
-        .file("cpp/tcpstore_shim.cpp")
-        .file("cpp/rng_shim.cpp")
-        .file("cpp/grad_shim.cpp")
-        .file("cpp/autocast_shim.cpp")
-        .file("cpp/recompute_shim.cpp")
-        .file("cpp/varlen_shim.cpp")
-        .file("cpp/function_shim.cpp")
-        .file("cpp/memory_shim.cpp")
-        .file("cpp/event_shim.cpp")
+        .file("cpp/shims.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -42,7 +42,7 @@ layouts=(
   "pp2_dp2:4:4:--parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs"
   "pp2_tp2:4:4:--parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs --parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor"
 )
-.venv-tt/bin/python tests/python/tt_parity.py compare "$work/llama3" "$titan" "${layouts[@]}" \
+.venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/llama3" "$titan" "${layouts[@]}" \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
 # Context parallelism (CP 2, at seq 256: torchtitan's FlexAttention CP cuts 128-token blocks) with
 # each load balancer and beside FSDP, TP and PP; then DeepSeek-V3's latent attention and qwen3.
@@ -55,13 +55,13 @@ cp_layouts=(
   "cp2_tp2:4:4:$cp --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2 --parallelism.spmd_backend partial_dtensor"
   "cp2_pp2:4:4:$cp --parallelism.data_parallel_shard_degree 1 --parallelism.pipeline_parallel_degree 2 --training.disable_cuda_graphs"
 )
-.venv-tt/bin/python tests/python/tt_parity.py compare "$work/cp" "$titan" "${cp_layouts[@]}" \
+.venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/cp" "$titan" "${cp_layouts[@]}" \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
-.venv-tt/bin/python tests/python/tt_parity.py compare "$work/dsv3_cp" "$titan" \
+.venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/dsv3_cp" "$titan" \
   "dsv3_cp2:2:2:$cp --parallelism.data_parallel_shard_degree 1" \
   --module deepseek_v3 --config deepseek_v3_debugmodel \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
-.venv-tt/bin/python tests/python/tt_parity.py compare "$work/qwen3_cp" "$titan" \
+.venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/qwen3_cp" "$titan" \
   "qwen3_cp2:2:2:$cp --parallelism.data_parallel_shard_degree 1" \
   --module qwen3 --config qwen3_debugmodel \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
@@ -74,10 +74,10 @@ ep_layouts=(
   "ep4:4:4:$ep 4"
   "hsdp2_ep2:4:4:$ep 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2"
 )
-.venv-tt/bin/python tests/python/tt_parity.py compare "$work/dsv3_ep" "$titan" "${ep_layouts[@]}" \
+.venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/dsv3_ep" "$titan" "${ep_layouts[@]}" \
   --module deepseek_v3 --config deepseek_v3_debugmodel --buffers expert_bias_E \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
-.venv-tt/bin/python tests/python/tt_parity.py compare "$work/qwen3_moe_ep" "$titan" \
+.venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/qwen3_moe_ep" "$titan" \
   "qwen3_moe_ep2:2:2:$ep 2" \
   --module qwen3 --config qwen3_moe_debug --buffers expert_bias_E \
   --steps "$steps" --resume-at "$resume_at" --rtol 3e-5 --grad-rtol 1e-3
@@ -91,6 +91,6 @@ qwen3_layouts=(
   "qwen3_accum2:1:1:--training.global_batch_size 4"
   "qwen3_ac_full:1:1:activation_checkpoint:full"
 )
-.venv-tt/bin/python tests/python/tt_parity.py compare "$work/qwen3" "$titan" "${qwen3_layouts[@]}" \
+.venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/qwen3" "$titan" "${qwen3_layouts[@]}" \
   --module qwen3 --config qwen3_debugmodel \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"

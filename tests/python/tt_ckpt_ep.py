@@ -227,7 +227,7 @@ def make(d, flavor):
          "--parallelism.expert_parallel_degree", "2",
          "--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs"]
         + extra,
-        module=module, config=config, nproc=ranks, script=__file__,
+        module=module, config=config, nproc=ranks, rank_fn=rank_main,
     )
     step = os.path.join(run, "checkpoint", "step-1")
     if not os.path.exists(os.path.join(step, ".metadata")):

@@ -257,6 +257,8 @@ def fsdp_rank(rank, world, d, name, store):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # A forked rank: one intra-op thread, so it never enters an OpenMP pool the parent started.
+    torch.set_num_threads(1)
     # A file store, not a TCP port: tests make several fixtures at once, and a free port picked
     # here can be taken by another fixture before rank 0 binds it.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -296,7 +298,9 @@ def make(d, name):
     store = os.path.join(d, "gloo.store")
     if os.path.exists(store):
         os.remove(store)
-    mp.spawn(fsdp_rank, args=(2, d, name, store), nprocs=2, join=True)
+    # Forked, not spawned: the ranks start with torchtitan already imported (a spawned rank
+    # imports torch and torchtitan again, ~10 s each on CI's two cores).
+    mp.start_processes(fsdp_rank, args=(2, d, name, store), nprocs=2, join=True, start_method="fork")
     if name == "gpt_oss":
         save_file({"logits": tt_logits(model, LONG_TOKENS)}, os.path.join(d, "tt_logits.safetensors"))
     print(f"made {name}: {len(ref)} torchtitan tensors, {len(hf)} HF tensors")

@@ -63,6 +63,8 @@ def fsdp_rank(rank, world, d, port):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
 
+    # A forked rank: one intra-op thread, so it never enters an OpenMP pool the parent started.
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     _, model = build_model()
@@ -117,7 +119,8 @@ def make(d):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(fsdp_rank, args=(2, d, port), nprocs=2, join=True)
+    # Forked, not spawned: the ranks start with torchtitan already imported.
+    mp.start_processes(fsdp_rank, args=(2, d, port), nprocs=2, join=True, start_method="fork")
 
 
 def check_hf(hf_dir, d):

@@ -31,14 +31,22 @@ Then `tt_ckpt_llama3.py check-hf HF DIR` checks an HF conversion against these.
 import json
 import os
 import socket
-import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
+_PATCHED = []
+
+
 def patch_for_cpu():
+    """The CPU changes (the module doc lists them), once per process: before torchtitan is
+    first imported, which reads the device type at import."""
+    if _PATCHED:
+        return
+    _PATCHED.append(True)
     import torch
     import torch._utils
 
@@ -80,7 +88,8 @@ def patch_for_cpu():
 
 
 def rank_main(args):
-    """One rank under torch.distributed.run: torchtitan's train.py main with the CPU patches."""
+    """One rank (forked by fork_ranks, or started by torch.distributed.run): torchtitan's
+    train.py main with the CPU patches."""
     patch_for_cpu()
     from torchtitan import train
 
@@ -118,23 +127,93 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_trainer(d, out, extra, module="llama3", config="llama3_debugmodel", nproc=2, script=__file__):
+def run_trainer(d, out, extra, module="llama3", config="llama3_debugmodel", nproc=2, rank_fn=rank_main):
     """torchtitan's `config` of `module` (the llama3 debugmodel unless said) on `nproc` ranks
-    (torch.distributed.run running `script rank ...`), sized for a CPU."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        os.path.abspath(script), "rank",
+    (each `rank_fn(args)`, forked: see fork_ranks), sized for a CPU."""
+    args = [
         "--module", module, "--config", config,
         "--hf_assets_path", os.path.join(d, "tokenizer"),
         "--dataloader.dataset_path", os.path.join(d, "c4_test"),
         "--training.seq_len", "64", "--training.local_batch_size", "2",
         "--checkpoint.enable", "--dump_folder", out, "--debug.seed", "7",
     ] + extra
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        sys.exit(f"torchtitan's Trainer failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    os.makedirs(out, exist_ok=True)
+    fork_ranks(nproc, rank_fn, args, {"OMP_NUM_THREADS": "1"}, os.path.join(out, "torchtitan"),
+               "torchtitan's Trainer")
+
+
+def fork_ranks(nproc, rank_fn, args, env, log_prefix, what, timeout=1800):
+    """`rank_fn(args)` on NPROC ranks, each a fork of this process with torch and torchtitan
+    already imported, in the environment torch.distributed.run gives its ranks (plus ENV;
+    rank 0 serves the rendezvous store); each rank's output in `LOG_PREFIX.rank<R>.log`. A
+    rank started fresh spent 10-15 s of CI's two cores importing torchtitan (and the launcher
+    its own import) in every run. Exits naming the failed ranks, with their output's end,
+    once any rank fails (the others, waiting in a collective for it, are killed) or after
+    TIMEOUT seconds."""
+    import signal
+
+    import torch
+
+    # What every rank imports, imported once here: torchtitan reads the device type when it is
+    # first imported, so the CPU patches go first.
+    if not _PATCHED and any(m.startswith("torchtitan") for m in sys.modules):
+        raise RuntimeError("torchtitan was imported before patch_for_cpu(): its ranks would pick CUDA")
+    patch_for_cpu()
+    import torchtitan.train  # noqa: F401
+
+    env = dict(os.environ, **env, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    logs, pids = [f"{log_prefix}.rank{r}.log" for r in range(nproc)], []
+    for rank in range(nproc):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(logs[rank], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.environ.clear()
+                os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+                # OpenMP read OMP_NUM_THREADS when this process imported torch, not now.
+                torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+                rank_fn(args)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                import atexit
+
+                atexit._run_exitfuncs()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    left, failed = dict(enumerate(pids)), []
+    deadline = time.time() + timeout
+    while left:
+        for rank, pid in list(left.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del left[rank]
+                if os.waitstatus_to_exitcode(status) != 0:
+                    failed.append((rank, f"exit {os.waitstatus_to_exitcode(status)}"))
+        if left and (failed or time.time() > deadline):
+            if not failed:
+                failed.append((min(left), f"still running after {timeout} s"))
+            for pid in left.values():
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            break
+        time.sleep(0.05)
+    if failed:
+        tails = "\n".join(f"--- rank {r} ({why}) ---\n{open(logs[r]).read()[-6000:]}" for r, why in failed)
+        sys.exit(f"{what} failed on {len(failed)} of {nproc} ranks: {' '.join(args)}\n{tails}")
 
 
 def load(d, checkpoint, out):
@@ -151,6 +230,7 @@ def make(d):
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
+    patch_for_cpu()  # before torchtitan's first import (fork_ranks says why)
     sys.path.insert(0, HERE)
     from tt_ckpt_llama3 import build_model, forward
     from torchtitan.models.llama3 import Llama3StateDictAdapter

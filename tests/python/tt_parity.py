@@ -8,14 +8,16 @@ torchtitan's through a wrapper of its MetricsProcessor.log, titan's in its metri
 
 Each layout also runs a resume: the unbroken run saves a full checkpoint every RESUME_AT steps,
 and a second run, in a folder that starts with its save at RESUME_AT and its rows up to there,
-resumes from it and trains to the end. Its losses must equal the unbroken run's. (--cross and
---cross-back resume the other trainer from that save the same way.)
+resumes from it and trains to the end. Its losses must equal the unbroken run's. titan-train
+always resumes; torchtitan resumes its own save only with --tt-resume (that checks torchtitan,
+and the cross-back run already resumes torchtitan from a save). (--cross and --cross-back resume
+the other trainer from that save the same way.)
 
 Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
 
   tt_parity.py compare WORKDIR TITAN_TRAIN LAYOUT [LAYOUT ...] [--steps N] [--resume-at K] [--rtol R]
       [--cross] [--cross-back] [--config NAME] [--titan-args ARGS] [--tt-float8 emulate|scaled]
-      [--clean] [--buffers PATTERN]
+      [--clean] [--buffers PATTERN] [--seed-from DIR] [--tt-resume]
       LAYOUT is `name:torchtitan_nproc:titan_nproc:extra args`, e.g. `dp2:2:2:` (FSDP on 2 ranks
       against titan's 2 data-parallel ranks) or `tp2:2:2:--parallelism.tensor_parallel_degree 2`.
       Prints one line per step and a JSON summary as the last line; exits 1 when a loss or grad
@@ -28,7 +30,11 @@ Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
       lets torchao call torch._scaled_mm, which has a CPU kernel (torchtitan only checks for a
       CUDA capability).
 
-  tt_parity.py rank ARGS...      one torchtitan rank (used through torch.distributed.run)
+  tt_parity.py make DIR llama3-seed   torchtitan's model-only fp32 seed checkpoint of
+      llama3_debugmodel in DIR/seed (what `compare --clean` makes for llama3), for --seed-from DIR:
+      the tests of one binary share it instead of each launching torchtitan to make the same one.
+
+  tt_parity.py rank ARGS...      one torchtitan rank, as torch.distributed.run would start it
 """
 
 import argparse
@@ -46,7 +52,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from tt_ckpt_trainer import free_port, patch_for_cpu, write_assets  # noqa: E402
+from tt_ckpt_trainer import fork_ranks, free_port, patch_for_cpu, write_assets  # noqa: E402
 
 LOSSES_ENV = "TITAN_PARITY_LOSSES"
 FLOAT8_ENV = "TITAN_PARITY_FLOAT8"
@@ -135,13 +141,10 @@ def run(cmd, env, what):
 
 
 def torchtitan(nproc, args, losses):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **{LOSSES_ENV: losses})
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        os.path.abspath(__file__), "rank",
-    ] + args
-    run(cmd, env, "torchtitan's Trainer")
+    """torchtitan's Trainer on NPROC ranks (forked, see tt_ckpt_trainer.fork_ranks)."""
+    env = dict(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **{LOSSES_ENV: losses})
+    os.makedirs(os.path.dirname(os.path.abspath(losses)), exist_ok=True)
+    fork_ranks(nproc, rank_main, args, env, losses, "torchtitan's Trainer")
 
 
 TITAN_ARGS = []
@@ -271,6 +274,10 @@ def main():
     ap.add_argument("--buffers", default=None, metavar="PATTERN",
                     help="also compare the checkpointed tensors whose keys contain PATTERN "
                          "(a MoE model's expert_bias_E) at every saved step: they must be equal")
+    ap.add_argument("--seed-from", default=None, metavar="DIR",
+                    help="use the seed checkpoint `make DIR llama3-seed` wrote (llama3 with --clean only)")
+    ap.add_argument("--tt-resume", action="store_true",
+                    help="also resume torchtitan from its own save at RESUME_AT (checks torchtitan)")
     ap.add_argument("--docs", type=int, default=None,
                     help="keep only the first N documents (a small N makes the runs re-loop the data)")
     a = ap.parse_args(sys.argv[2:])
@@ -284,9 +291,18 @@ def main():
         lines = open(train).readlines()[: a.docs]
         open(train, "w").writelines(lines)
     MODULE[0] = a.module
-    seed = seed_checkpoint(a.workdir, assets,
-                           a.seed_config or ("llama3_debugmodel" if a.module == "llama3" else a.config),
-                           model_only=a.clean)
+    seed_config = a.seed_config or ("llama3_debugmodel" if a.module == "llama3" else a.config)
+    if a.seed_from:
+        if (seed_config, a.clean) != ("llama3_debugmodel", True):
+            print("--seed-from holds llama3_debugmodel's model-only seed: it needs --clean and a "
+                  f"llama3 config, not {seed_config}", file=sys.stderr)
+            sys.exit(2)
+        seed = os.path.join(os.path.abspath(a.seed_from), "seed", "checkpoint", "step-0")
+        if not os.path.exists(os.path.join(seed, ".metadata")):
+            print(f"--seed-from {a.seed_from}: no seed checkpoint at {seed}", file=sys.stderr)
+            sys.exit(2)
+    else:
+        seed = seed_checkpoint(a.workdir, assets, seed_config, model_only=a.clean)
 
     summary = {"steps": a.steps, "resume_at": a.resume_at, "rtol": a.rtol, "layouts": {}}
     worst_loss = worst_grad = worst_buffer = 0.0
@@ -307,6 +323,8 @@ def main():
             if a.only not in ("both", who):
                 continue
             for mode in ("unbroken", "resumed"):
+                if who == "torchtitan" and mode == "resumed" and not a.tt_resume:
+                    continue
                 dump = os.path.join(a.workdir, f"{name}-{who}-{mode}")
                 losses = os.path.join(dump, "parity_losses.jsonl")
                 args = (common_args(assets, a.steps, a.steps, a.config) + ["--dump_folder", dump]
@@ -317,7 +335,8 @@ def main():
                     titan(a.titan_train, titan_n, args)
                 if mode == "unbroken":
                     # The runs that resume at RESUME_AT start from this run's save there.
-                    first_leg(dump, os.path.join(a.workdir, f"{name}-{who}-resumed"), a.resume_at, who)
+                    if who == "titan" or a.tt_resume:
+                        first_leg(dump, os.path.join(a.workdir, f"{name}-{who}-resumed"), a.resume_at, who)
                     if who == "torchtitan" and a.cross and a.only == "both":
                         first_leg(dump, cross_dump, a.resume_at, who)
                     if who == "titan" and a.cross_back and a.only == "both":
@@ -410,6 +429,9 @@ if __name__ == "__main__":
         rank_main(sys.argv[2:])
     elif len(sys.argv) >= 2 and sys.argv[1] == "compare":
         main()
+    elif len(sys.argv) == 4 and sys.argv[1] == "make" and sys.argv[3] == "llama3-seed":
+        os.makedirs(sys.argv[2], exist_ok=True)
+        seed_checkpoint(sys.argv[2], write_assets(sys.argv[2]), model_only=True)
     else:
         print(__doc__, file=sys.stderr)
         sys.exit(2)

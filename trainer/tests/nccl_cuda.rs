@@ -3,7 +3,7 @@
 //! ordered on the GPU by events and not by the host, queued collectives waited for only when
 //! asked, and the watchdog's timeout path.
 //!
-//! Needs `--features nccl` and a CUDA device; without a device each test says so and passes
+//! Needs the `nccl` feature (on by default) and a CUDA device; without a device each test says so and passes
 //! (CI has none: bench/trainer/cuda_checks.sh runs these on a GPU machine).
 #![cfg(feature = "nccl")]
 

@@ -251,7 +251,7 @@ impl Dist {
         Err(CommError::Setup {
             rank: self.rank(),
             message: "this titan-train was built without the nccl backend; rebuild with \
-                      `--features nccl`, or set comm.backend = \"cpu\" (host-staged collectives) or \
+                      its default features (`nccl`), or set comm.backend = \"cpu\" (host-staged collectives) or \
                       training.device = \"cpu\""
                 .into(),
         })
