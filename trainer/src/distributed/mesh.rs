@@ -193,7 +193,7 @@ impl Group {
         }
     }
 
-    fn new(group: Box<dyn Collectives>) -> Self {
+    pub(crate) fn new(group: Box<dyn Collectives>) -> Self {
         let (rank, size) = (group.rank(), group.size());
         Group {
             inner: (size > 1).then(|| {

@@ -25,7 +25,7 @@ use titan_obs_core::vocab::moe as moe_names;
 
 use super::tp::ok;
 use crate::autograd::{self, Function};
-use crate::distributed::Group;
+use crate::distributed::{CommError, Group};
 use crate::host_sync;
 
 /// This rank's place among the ranks that split the routed experts.
@@ -89,7 +89,11 @@ impl ExpertParallel {
         let sent = per_expert.to_kind(Kind::Int64).contiguous();
         let received = sent.empty_like();
         let blocks = vec![local; ep];
-        ok(self.group.all_to_all(&received, &sent, &blocks, &blocks));
+        exchanged(
+            layer,
+            "token counts",
+            self.group.all_to_all(&received, &sent, &blocks, &blocks),
+        );
         let counts = host_sync::read_f64s(
             &Tensor::cat(&[&sent, &received], 0),
             "expert parallelism's all-to-all splits",
@@ -105,6 +109,8 @@ impl ExpertParallel {
                 group: self.group.clone(),
                 output_splits: output_splits.clone(),
                 input_splits: input_splits.clone(),
+                layer,
+                what: ["token dispatch", "token dispatch's gradients"],
             },
             &[routed],
             1,
@@ -130,6 +136,8 @@ impl ExpertParallel {
                 group: self.group.clone(),
                 output_splits: input_splits,
                 input_splits: output_splits,
+                layer,
+                what: ["combine of the experts' outputs", "combine's gradients"],
             },
             &[&back],
             1,
@@ -169,35 +177,50 @@ struct AllToAll {
     group: Group,
     output_splits: Vec<usize>,
     input_splits: Vec<usize>,
+    /// The MoE layer, and what the exchange is in forward and in backward (for a failure).
+    layer: Option<usize>,
+    what: [&'static str; 2],
 }
 
 impl Function for AllToAll {
     fn forward(&mut self, x: &[Tensor]) -> Vec<Tensor> {
-        vec![exchange(
-            &self.group,
-            &x[0],
-            &self.output_splits,
-            &self.input_splits,
-        )]
+        vec![self.exchange(&x[0], &self.output_splits, &self.input_splits, 0)]
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
-        vec![exchange(
-            &self.group,
-            &grads[0],
-            &self.input_splits,
-            &self.output_splits,
-        )]
+        vec![self.exchange(&grads[0], &self.input_splits, &self.output_splits, 1)]
     }
 }
 
-fn exchange(group: &Group, x: &Tensor, output_splits: &[usize], input_splits: &[usize]) -> Tensor {
-    let x = x.contiguous();
-    let mut shape = x.size();
-    shape[0] = output_splits.iter().sum::<usize>() as i64;
-    let out = Tensor::empty(shape.as_slice(), (x.kind(), x.device()));
-    ok(group.all_to_all(&out, &x, output_splits, input_splits));
-    out
+impl AllToAll {
+    fn exchange(
+        &self,
+        x: &Tensor,
+        output_splits: &[usize],
+        input_splits: &[usize],
+        pass: usize,
+    ) -> Tensor {
+        let x = x.contiguous();
+        let mut shape = x.size();
+        shape[0] = output_splits.iter().sum::<usize>() as i64;
+        let out = Tensor::empty(shape.as_slice(), (x.kind(), x.device()));
+        exchanged(
+            self.layer,
+            self.what[pass],
+            self.group.all_to_all(&out, &x, output_splits, input_splits),
+        );
+        out
+    }
+}
+
+/// A failed all-to-all of expert parallelism fails the step (as [`ok`] does) with the
+/// collective's error — the rank at fault — and which exchange of which MoE layer it was: a
+/// hung peer otherwise reads as an anonymous `all_to_all_single`.
+fn exchanged(layer: Option<usize>, what: &str, result: Result<(), CommError>) {
+    if let Err(e) = result {
+        let layer = layer.map_or_else(|| "a MoE layer".to_string(), |l| format!("MoE layer {l}"));
+        panic!("{e}\n  in {layer}'s {what} (expert parallelism's all-to-all over its ep group)");
+    }
 }
 
 #[cfg(test)]
@@ -217,6 +240,86 @@ mod tests {
         // r0e0 = 0; r0e1 = 1, 2; r1e0 = 3, 4, 5; r1e1 = 6.
         assert_eq!(order, vec![0, 3, 4, 5, 1, 2, 6]);
         assert_eq!(counts, vec![4, 3]);
+    }
+
+    /// An ep group whose peer never answers: every all-to-all times out naming it.
+    struct Unanswered;
+
+    impl crate::distributed::Collectives for Unanswered {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn size(&self) -> usize {
+            2
+        }
+        fn backend(&self) -> &'static str {
+            "fake"
+        }
+        fn all_reduce(
+            &mut self,
+            _: &Tensor,
+            _: crate::distributed::ReduceOp,
+        ) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn reduce_scatter(
+            &mut self,
+            _: &Tensor,
+            _: &Tensor,
+            _: crate::distributed::ReduceOp,
+        ) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn all_gather(&mut self, _: &Tensor, _: &Tensor) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn broadcast(&mut self, _: &Tensor, _: usize) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn all_to_all(
+            &mut self,
+            _: &Tensor,
+            _: &Tensor,
+            _: &[usize],
+            _: &[usize],
+        ) -> Result<(), CommError> {
+            Err(CommError::PeerTimeout {
+                rank: 0,
+                peer: 1,
+                op: "all_to_all_single",
+                timeout: std::time::Duration::from_secs(100),
+            })
+        }
+        fn barrier(&mut self) -> Result<(), CommError> {
+            Ok(())
+        }
+        fn queue(
+            &mut self,
+            _: crate::distributed::comm::CollectiveOp<'_>,
+            _: Option<&dyn crate::distributed::comm::QueuedWork>,
+        ) -> Result<crate::distributed::comm::Issued, CommError> {
+            unreachable!("the blocking all-to-all is what fails")
+        }
+    }
+
+    /// A hung all-to-all names the rank at fault, the collective, and the MoE layer and
+    /// exchange it was in.
+    #[test]
+    fn a_hung_all_to_all_names_its_layer() {
+        let ep = ExpertParallel::new(Group::new(Box::new(Unanswered)));
+        let routed = Tensor::zeros([4, 2], (Kind::Float, tch::Device::Cpu));
+        let counts = Tensor::from_slice(&[1i64, 1, 1, 1]);
+        let panic = std::panic::catch_unwind(|| {
+            ep.routed_experts(Some(3), &routed, &counts, &|t, _| t.shallow_clone())
+        })
+        .expect_err("the exchange fails");
+        let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(
+            message.contains("rank 0: rank 1 made no progress")
+                && message.contains("all_to_all_single")
+                && message.contains("MoE layer 3's token counts"),
+            "{message}"
+        );
     }
 
     /// Alone, the experts run over the tokens as they are.
