@@ -129,19 +129,38 @@ pub mod moe {
     /// mean expert's, the worst layer's.
     pub const MAX_OVER_MEAN: &str = "moe/max_over_mean";
 
-    /// The scalar of `layer`'s `expert`. The recorder takes `'static` names: each is made
-    /// once per process and kept (a model's layers x experts of them).
-    pub fn tokens_scalar(layer: usize, expert: usize) -> &'static str {
+    /// The names made at run time, by what they name.
+    #[derive(Clone, Copy, PartialEq, Eq, Hash)]
+    enum Made {
+        Tokens(usize, usize),
+        Experts(usize),
+        FirstExpert(usize),
+    }
+
+    /// The recorder takes `'static` names: each is made once per process and kept (a model's
+    /// layers x experts of them), and a name already made is found without formatting it
+    /// again (the experts span is named on every MoE layer's forward).
+    fn made(what: Made) -> &'static str {
         use std::collections::HashMap;
         use std::sync::{Mutex, OnceLock};
-        static NAMES: OnceLock<Mutex<HashMap<(usize, usize), &'static str>>> = OnceLock::new();
+        static NAMES: OnceLock<Mutex<HashMap<Made, &'static str>>> = OnceLock::new();
         let mut names = NAMES
             .get_or_init(Default::default)
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        names.entry((layer, expert)).or_insert_with(|| {
-            Box::leak(format!("{PREFIX}{layer}/expert/{expert}/tokens").into_boxed_str())
+        names.entry(what).or_insert_with(|| {
+            let name = match what {
+                Made::Tokens(layer, expert) => format!("{PREFIX}{layer}/expert/{expert}/tokens"),
+                Made::Experts(layer) => format!("{PREFIX}{layer}/experts"),
+                Made::FirstExpert(rank) => format!("{EP_PREFIX}rank/{rank}/first_expert"),
+            };
+            Box::leak(name.into_boxed_str())
         })
+    }
+
+    /// The scalar of `layer`'s `expert`.
+    pub fn tokens_scalar(layer: usize, expert: usize) -> &'static str {
+        made(Made::Tokens(layer, expert))
     }
 
     /// (layer, expert) of a name [`tokens_scalar`] made.
@@ -151,31 +170,12 @@ pub mod moe {
         Some((layer.parse().ok()?, expert.parse().ok()?))
     }
 
-    /// A name made once per process and kept (the recorder takes `'static` names).
-    fn interned(key: String) -> &'static str {
-        use std::collections::HashSet;
-        use std::sync::{Mutex, OnceLock};
-        static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
-        let mut names = NAMES
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        match names.get(key.as_str()) {
-            Some(&n) => n,
-            None => {
-                let n: &'static str = Box::leak(key.into_boxed_str());
-                names.insert(n);
-                n
-            }
-        }
-    }
-
     /// Under expert parallelism: the span around the experts a rank hosts running over the
     /// tokens sent to them in `layer`'s forward, `moe/layer/<L>/experts`. The all-to-all that
     /// brings their outputs back follows it, so a rank late there because its experts had
     /// more tokens is late *from* this span in the waits analysis.
     pub fn experts_span(layer: usize) -> &'static str {
-        interned(format!("{PREFIX}{layer}/experts"))
+        made(Made::Experts(layer))
     }
 
     /// The layer of an [`experts_span`] name.
@@ -196,7 +196,7 @@ pub mod moe {
 
     /// The first-expert scalar of `rank`.
     pub fn first_expert_scalar(rank: usize) -> &'static str {
-        interned(format!("{EP_PREFIX}rank/{rank}/first_expert"))
+        made(Made::FirstExpert(rank))
     }
 
     /// The rank of a [`first_expert_scalar`] name.
