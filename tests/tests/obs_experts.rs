@@ -10,12 +10,16 @@
 //!   `tests/python/bias_expert.py`), that expert is the hottest of its layer, in every token's
 //!   three, and the other layers are not as uneven. That run is under expert parallelism (EP 2
 //!   on 2 ranks): the summary names the rank hosting the hot expert, and the wait the layers'
-//!   experts caused at the all-to-all after them.
+//!   experts caused at the all-to-all after them; the TUI's load colouring (`e`) finds rank 1's
+//!   experts of that layer hot and rank 0's idle.
 
 use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
+use titan_obs::app::source::RunSource;
+use titan_obs::app::terminal::TimelineSource;
+use titan_obs_core::vocab::moe;
 use titan_tests::{bin, python_script, run_ok, titan_train};
 
 const STEPS: u64 = 3;
@@ -171,6 +175,29 @@ fn a_favoured_expert_is_the_hottest_of_its_layer() {
             .max_by_key(|w| w["wait_caused_ns"].as_i64().unwrap())
             .unwrap();
         assert_eq!(l["experts_late_rank"], largest["rank"], "{l}\n{rows:?}");
+    }
+    // The gantt's load colouring: rank 1's experts of layer 2 got the favoured expert's
+    // tokens besides their share, rank 0's fewer than theirs, on every step of the run.
+    let t = RunSource::new(dump.to_str().unwrap()).load().unwrap();
+    let span = t
+        .phase_id(moe::experts_span(2))
+        .expect("layer 2's experts span");
+    for step in 1..=STEPS {
+        let hot = t.experts_load_at(1, span, step).expect("rank 1's load");
+        let idle = t.experts_load_at(0, span, step).expect("rank 0's load");
+        assert_eq!((hot.first, hot.count, idle.first), (4, 4, 0), "{hot:?}");
+        assert_eq!(hot.layer_tokens, idle.layer_tokens);
+        assert!(
+            (hot.hosted_tokens + idle.hosted_tokens - hot.layer_tokens).abs() < 1e-9,
+            "{hot:?} {idle:?}"
+        );
+        // Expert 5 alone gets a third of the layer's tokens (2/3 of rank 1's even half), and
+        // its three neighbours about 3/7 of the rest: about 1.24x.
+        assert!(hot.factor > 1.1, "step {step}: {hot:?}");
+        assert!(
+            (hot.factor + idle.factor - 2.0).abs() < 1e-9,
+            "{hot:?} {idle:?}"
+        );
     }
     // The text names it.
     let o = run_ok(Command::new(bin("titan-obs")).arg("summary").arg(&dump));

@@ -77,6 +77,12 @@ fn hosted_experts(lines: &Lines, names: &[String]) -> BTreeMap<u32, (u32, u32)> 
             }
         }
     }
+    hosting(first, per_rank)
+}
+
+/// (first routed expert, how many) by rank, from the recorded first experts and experts per
+/// rank (empty when fewer than one per rank was recorded: no expert parallelism).
+fn hosting(first: BTreeMap<u32, f64>, per_rank: f64) -> BTreeMap<u32, (u32, u32)> {
     if per_rank < 1.0 {
         return BTreeMap::new();
     }
@@ -240,6 +246,104 @@ pub(super) fn max_over_mean_per_step(lines: &Lines, names: &[String]) -> BTreeMa
     out
 }
 
+/// Under expert parallelism, how loaded each rank's experts were: per (rank, layer) and logged
+/// step, the tokens routed to the experts the rank hosts over an even share of the layer's
+/// tokens (1.0: balanced; 2.0: twice its share). Built from per-step series reduced over
+/// ranks as `titan-obs metrics` reduces them (the `moe/layer/<L>/expert/<E>/tokens` sums and
+/// the `moe/ep/...` hosting scalars), for the TUI's load colouring of the experts spans.
+///
+/// Tokens are the job's: under expert parallelism with several ep groups (efsdp, replicas)
+/// the ranks that share an ep index host the same experts and get the same figure.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HostLoads {
+    /// (rank, layer) to its logged steps in order, each with that step's [`HostLoad`].
+    by_host: BTreeMap<(u32, u32), Vec<(u64, HostLoad)>>,
+}
+
+/// One rank's experts of one layer over the steps since the previous logged step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostLoad {
+    /// The routed experts the rank hosts: `[first, first + count)`.
+    pub first: u32,
+    pub count: u32,
+    /// Tokens routed to them, and to all the layer's `experts`.
+    pub hosted_tokens: f64,
+    pub layer_tokens: f64,
+    pub experts: u32,
+    /// `hosted_tokens` over an even share, `layer_tokens * count / experts` (0 when the layer
+    /// got no tokens).
+    pub factor: f64,
+}
+
+impl HostLoads {
+    /// From `(name, [(step, value)])` series; empty when the run did not record where its
+    /// experts live (no expert parallelism, or every rank hosts every expert).
+    pub fn from_series<'a>(series: impl IntoIterator<Item = (&'a str, &'a [(u64, f64)])>) -> Self {
+        let mut first: BTreeMap<u32, f64> = BTreeMap::new();
+        let mut per_rank = 0.0f64;
+        let mut tokens: BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> = BTreeMap::new();
+        for (name, points) in series {
+            let largest = || points.iter().map(|p| p.1).fold(f64::NAN, f64::max);
+            if let Some(rank) = moe::parse_first_expert(name) {
+                first.insert(rank, largest());
+            } else if name == moe::EXPERTS_PER_RANK {
+                per_rank = per_rank.max(largest());
+            } else if let Some((layer, expert)) = moe::parse(name) {
+                let steps = tokens.entry(layer).or_default();
+                for &(step, n) in points {
+                    steps.entry(step).or_default().insert(expert, n);
+                }
+            }
+        }
+        let mut by_host: BTreeMap<(u32, u32), Vec<(u64, HostLoad)>> = BTreeMap::new();
+        let hosted = hosting(first, per_rank);
+        for (layer, steps) in &tokens {
+            let experts = steps
+                .values()
+                .flat_map(|e| e.keys())
+                .max()
+                .map_or(0, |&m| m + 1);
+            for (&step, per_expert) in steps {
+                let layer_tokens: f64 = per_expert.values().sum();
+                for (&rank, &(first, count)) in &hosted {
+                    let hosted_tokens: f64 =
+                        per_expert.range(first..first + count).map(|e| e.1).sum();
+                    let share = layer_tokens * f64::from(count) / f64::from(experts.max(1));
+                    let load = HostLoad {
+                        first,
+                        count,
+                        hosted_tokens,
+                        layer_tokens,
+                        experts,
+                        factor: if share > 0.0 {
+                            hosted_tokens / share
+                        } else {
+                            0.0
+                        },
+                    };
+                    by_host
+                        .entry((rank, *layer))
+                        .or_default()
+                        .push((step, load));
+                }
+            }
+        }
+        Self { by_host }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_host.is_empty()
+    }
+
+    /// `rank`'s experts of `layer` at `step`: the counts of the first logged step at or after
+    /// it (a logged step's counts cover the steps since the previous one).
+    pub fn at(&self, rank: u32, layer: u32, step: u64) -> Option<HostLoad> {
+        let steps = self.by_host.get(&(rank, layer))?;
+        let i = steps.partition_point(|(s, _)| *s < step);
+        steps.get(i).map(|(_, load)| *load)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -297,6 +401,39 @@ mod tests {
         assert_eq!(w[&2], (900, Some(1)));
         assert_eq!(w[&3], (50, Some(1)));
         assert_eq!(w.len(), 2, "{w:?}");
+    }
+
+    /// EP 2 on 2 ranks, 4 experts: rank 1 hosts experts 2 and 3; expert 3 got most tokens.
+    #[test]
+    fn host_loads_are_the_hosted_experts_tokens_over_an_even_share() {
+        let series: Vec<(String, Vec<(u64, f64)>)> = vec![
+            (moe::first_expert_scalar(0).into(), vec![(2, 0.0), (4, 0.0)]),
+            (moe::first_expert_scalar(1).into(), vec![(2, 2.0), (4, 2.0)]),
+            (moe::EXPERTS_PER_RANK.into(), vec![(2, 2.0), (4, 2.0)]),
+            (moe::tokens_scalar(1, 0).into(), vec![(2, 10.0), (4, 25.0)]),
+            (moe::tokens_scalar(1, 1).into(), vec![(2, 10.0), (4, 25.0)]),
+            (moe::tokens_scalar(1, 2).into(), vec![(2, 10.0), (4, 25.0)]),
+            (moe::tokens_scalar(1, 3).into(), vec![(2, 50.0), (4, 25.0)]),
+            ("training/loss".into(), vec![(2, 3.0)]),
+        ];
+        let loads = HostLoads::from_series(series.iter().map(|(n, p)| (n.as_str(), p.as_slice())));
+        // Step 2: 80 tokens, an even share of two experts is 40; rank 1 got 60, rank 0 20.
+        let r1 = loads.at(1, 1, 2).unwrap();
+        assert_eq!((r1.first, r1.count, r1.experts), (2, 2, 4));
+        assert_eq!(
+            (r1.hosted_tokens, r1.layer_tokens, r1.factor),
+            (60.0, 80.0, 1.5)
+        );
+        assert_eq!(loads.at(0, 1, 2).unwrap().factor, 0.5);
+        // Steps 1 and 2 read step 2's counts, 3 and 4 step 4's (balanced); none after 4.
+        assert_eq!(loads.at(1, 1, 1).unwrap().factor, 1.5);
+        assert_eq!(loads.at(1, 1, 3).unwrap().factor, 1.0);
+        assert_eq!(loads.at(1, 1, 5), None);
+        assert_eq!(loads.at(1, 0, 2), None, "no layer 0");
+        // Without hosting scalars (no expert parallelism) there is nothing to colour.
+        let flat =
+            HostLoads::from_series(series[3..].iter().map(|(n, p)| (n.as_str(), p.as_slice())));
+        assert!(flat.is_empty());
     }
 
     #[test]

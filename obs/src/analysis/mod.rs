@@ -13,7 +13,7 @@ pub mod table;
 pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
-pub use experts::{LayerLoad, layer_loads};
+pub use experts::{HostLoad, HostLoads, LayerLoad, layer_loads};
 pub use metrics::{HostSyncs, MetricsLine, format_line, format_value, host_syncs, metrics, to_csv};
 pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary, stage_groups};
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};

@@ -59,6 +59,8 @@ pub struct Cell {
     pub error: bool,
     /// The span filling the cell when exactly one span is in it, else `None`.
     pub span: Option<u32>,
+    /// The step of a span of `phase` in the cell (its first one sampled).
+    pub step: u64,
 }
 
 /// Fills `out` with one entry per column of `row` over `w`.
@@ -86,7 +88,8 @@ pub fn row_cells(row: &SpanRow, w: Window, ncols: usize, out: &mut Vec<Option<Ce
 
 fn aggregate(row: &SpanRow, j: usize, k: usize, a: Ns, b: Ns) -> Cell {
     let count = k - j;
-    let mut acc: [(PhaseId, Ns); MAX_SPANS_PER_CELL] = [(0, 0); MAX_SPANS_PER_CELL];
+    // (phase, time in the cell, its first span's index)
+    let mut acc: [(PhaseId, Ns, usize); MAX_SPANS_PER_CELL] = [(0, 0, 0); MAX_SPANS_PER_CELL];
     let mut used = 0;
     let mut covered: Ns = 0;
     let mut flags = 0u8;
@@ -104,20 +107,21 @@ fn aggregate(row: &SpanRow, j: usize, k: usize, a: Ns, b: Ns) -> Cell {
         match acc[..used].iter_mut().find(|e| e.0 == p) {
             Some(e) => e.1 += overlap,
             None => {
-                acc[used] = (p, overlap);
+                acc[used] = (p, overlap, i);
                 used += 1;
             }
         }
     }
     let scale = count as f64 / samples as f64;
     let coverage = ((covered as f64 * scale) / (b - a) as f64).min(1.0) as f32;
-    let phase = acc[..used.max(1)]
+    let (phase, first) = acc[..used]
         .iter()
         .max_by_key(|e| e.1)
-        .map(|e| e.0)
-        .unwrap_or(row.phase[j]);
+        .map(|e| (e.0, e.2))
+        .unwrap_or((row.phase[j], j));
     Cell {
         phase,
+        step: row.step[first],
         coverage,
         straggler: flags & FLAG_STRAGGLER != 0,
         error: flags & FLAG_ERROR != 0,

@@ -281,7 +281,7 @@ impl TimelineSource for DetailSource {
                     self.arrived.push("summary");
                 }
                 Whole::Metrics(m) => {
-                    t.metrics = m;
+                    t.set_metrics(m);
                     self.arrived.push("metrics");
                 }
                 Whole::Failed(e) => t.warnings.push(e),

@@ -82,6 +82,7 @@ pub fn on_key(t: &Timeline, v: &mut View, key: KeyEvent) -> Control {
         KeyCode::Char('c') => v.toggle_mode(t),
         KeyCode::Char('m') => v.show_metrics = !v.show_metrics,
         KeyCode::Char('s') => v.show_summary = !v.show_summary,
+        KeyCode::Char('e') => v.toggle_load_colours(t),
         _ => {}
     }
     Control::Continue

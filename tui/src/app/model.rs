@@ -15,7 +15,8 @@ use titan_obs_core::analysis::{
     Analysis, OwnedSpans, RunShape, Straggler, StragglerOptions, analyse_grouped,
     phase_step_spread, rank_times,
 };
-use titan_obs_core::vocab::{titan, torch_pipelining};
+use titan_obs_core::analysis::{HostLoad, HostLoads};
+use titan_obs_core::vocab::{moe, titan, torch_pipelining};
 pub use titan_obs_core::{NO_STEP, Reduce};
 
 /// One phase at one step across ranks: min / median / max and who.
@@ -237,6 +238,9 @@ pub struct Timeline {
     /// Phase table, stragglers, tagged steps and waits: `titan-obs summary`'s analysis.
     pub analysis: Analysis,
     pub metrics: Vec<MetricSeries>,
+    /// Under expert parallelism, each rank's experts' load per MoE layer and step, from
+    /// `metrics` (see [`Timeline::set_metrics`]); empty otherwise.
+    pub experts_load: HostLoads,
     pub span_count: usize,
     /// Problems met while reading (missing ranks, corrupt parts); shown, never fatal.
     pub warnings: Vec<String>,
@@ -275,6 +279,26 @@ impl Timeline {
     pub fn step_at(&self, t: Ns) -> Option<&StepMark> {
         let i = self.steps.partition_point(|s| s.start <= t);
         (i > 0).then(|| &self.steps[i - 1]).filter(|s| t <= s.end)
+    }
+
+    /// Sets the per-step metric series, and the expert load derived from them.
+    pub fn set_metrics(&mut self, metrics: Vec<MetricSeries>) {
+        self.experts_load = HostLoads::from_series(
+            metrics
+                .iter()
+                .map(|m| (m.name.as_str(), m.points.as_slice())),
+        );
+        self.metrics = metrics;
+    }
+
+    /// Under expert parallelism, the load of `rank`'s experts in the MoE layer whose experts
+    /// span is `phase`, at `step`.
+    pub fn experts_load_at(&self, rank: u32, phase: PhaseId, step: u64) -> Option<HostLoad> {
+        if self.experts_load.is_empty() || step == NO_STEP {
+            return None;
+        }
+        let layer = moe::parse_experts_span(self.phase_name(phase))?;
+        self.experts_load.at(rank, layer, step)
     }
 
     /// The training scalar called `needle` (`loss` finds `training/loss`, not `validation/loss`).
@@ -580,7 +604,7 @@ impl TimelineBuilder {
                     .collect(),
             })
             .collect();
-        Timeline {
+        let mut t = Timeline {
             title: self.title,
             origin_ns: origin,
             end,
@@ -594,11 +618,14 @@ impl TimelineBuilder {
             phase_step,
             collapsed,
             analysis,
-            metrics,
+            metrics: Vec::new(),
+            experts_load: HostLoads::default(),
             span_count,
             warnings: self.warnings,
             incomplete: false,
-        }
+        };
+        t.set_metrics(metrics);
+        t
     }
 }
 

@@ -14,8 +14,9 @@ use ratatui::widgets::{Axis, Block, Chart, Clear, Dataset, GraphType, Paragraph,
 
 use super::cells::{self, Cell, CollapsedCell, Spread, Window};
 use super::detail::FLAG_DETAIL;
+use super::model::PhaseId;
 use super::model::{FLAG_ERROR, FLAG_STRAGGLER, Ns, Timeline, pass_label, step_label};
-use super::palette::{STRAGGLER, phase_color};
+use super::palette::{LOAD_SCALE, STRAGGLER, load_index, phase_color};
 use super::units::{dur, nice_step, tick_label};
 use super::view::{Mode, RowRef, Selection, View};
 use titan_obs_core::vocab::Clock;
@@ -198,6 +199,13 @@ fn draw_legend(buf: &mut Buffer, area: Rect, t: &Timeline, v: &View) {
     }
     put(buf, "▓", Style::new().fg(STRAGGLER), &mut x);
     put(buf, "straggler ", Style::new(), &mut x);
+    if v.load_colours {
+        put(buf, "experts load vs even share: ", Style::new(), &mut x);
+        for (_, index, label) in LOAD_SCALE {
+            put(buf, "█", Style::new().fg(Color::Indexed(index)), &mut x);
+            put(buf, &format!("{label} "), Style::new(), &mut x);
+        }
+    }
     if v.mode == Mode::Collapsed {
         put(buf, "█all ▓median ░max ", Style::new().fg(DIM), &mut x);
     }
@@ -378,7 +386,11 @@ fn draw_lanes(buf: &mut Buffer, area: Rect, label_w: u16, t: &Timeline, v: &View
                     Some(Selection::Span(s)) if s.lane == lane && s.row == r => Some(s.ix),
                     _ => None,
                 };
-                paint_span_cells(buf, x0, y, t, sr, &span_cells, selected);
+                let colours = SpanColours {
+                    t,
+                    load_of_rank: v.load_colours.then_some(t.lanes[lane as usize].rank),
+                };
+                paint_span_cells(buf, x0, y, &colours, sr, &span_cells, selected);
             }
             RowRef::Phase(p) => {
                 let cr = &t.collapsed[p as usize];
@@ -429,11 +441,30 @@ fn step_boundary_cols(t: &Timeline, w: Window, cols: usize) -> Vec<usize> {
         .collect()
 }
 
+/// A span's colour: its phase's, or under load colouring an experts span's load's.
+struct SpanColours<'a> {
+    t: &'a Timeline,
+    /// The lane's rank, when experts spans are coloured by load.
+    load_of_rank: Option<u32>,
+}
+
+impl SpanColours<'_> {
+    fn of(&self, phase: PhaseId, step: u64) -> Color {
+        let load = self
+            .load_of_rank
+            .and_then(|rank| self.t.experts_load_at(rank, phase, step));
+        match load {
+            Some(load) => Color::Indexed(load_index(load.factor)),
+            None => phase_color(self.t.phase_name(phase)),
+        }
+    }
+}
+
 fn paint_span_cells(
     buf: &mut Buffer,
     x0: u16,
     y: u16,
-    t: &Timeline,
+    colours: &SpanColours<'_>,
     row: &super::model::SpanRow,
     cells: &[Option<Cell>],
     selected: Option<u32>,
@@ -451,7 +482,8 @@ fn paint_span_cells(
                 end += 1;
             }
             let i = ix as usize;
-            let color = phase_color(t.phase_name(row.phase[i]));
+            let t = colours.t;
+            let color = colours.of(row.phase[i], row.step[i]);
             let flags = row.flags[i];
             let is_sel = selected == Some(ix);
             let (bg, fg) = if is_sel {
@@ -509,7 +541,7 @@ fn paint_span_cells(
             c = end;
             continue;
         }
-        let color = phase_color(t.phase_name(cell.phase));
+        let color = colours.of(cell.phase, cell.step);
         let b = &mut buf[(x0 + c as u16, y)];
         if cell.straggler {
             b.set_char('▓').set_fg(STRAGGLER).set_bg(color);
@@ -666,7 +698,22 @@ pub fn selection_lines(t: &Timeline, sel: Selection, selected: bool) -> Vec<Stri
                 }
                 None => String::new(),
             };
-            vec![l1, l2]
+            let mut lines = vec![l1, l2];
+            if let Some(load) = t.experts_load_at(lane.rank, phase, row.step[i]) {
+                lines.push(format!(
+                    "experts {}..{} of {} on rank {}: {:.0} of the layer's {:.0} routed tokens, \
+                     {:.2}x an even share (counts of the logged step covering step {})",
+                    load.first,
+                    load.first + load.count,
+                    load.experts,
+                    lane.rank,
+                    load.hosted_tokens,
+                    load.layer_tokens,
+                    load.factor,
+                    row.step[i],
+                ));
+            }
+            lines
         }
         Selection::Bar { row, bar } => {
             let cr = &t.collapsed[row as usize];
@@ -924,7 +971,10 @@ pub const HELP: &[(&str, &str)] = &[
         "c",
         "collapse: one lane per phase, min/median/max over ranks",
     ),
-    ("m / s", "toggle metrics charts / phase summary"),
+    (
+        "m / s / e",
+        "toggle metrics / phase summary / experts coloured by load",
+    ),
     ("?", "this help"),
     ("q / Ctrl+C", "quit"),
 ];

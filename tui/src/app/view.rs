@@ -45,6 +45,8 @@ pub struct View {
     pub help: bool,
     pub show_metrics: bool,
     pub show_summary: bool,
+    /// Experts spans coloured by their rank's experts' load instead of by phase (`e`).
+    pub load_colours: bool,
     /// Digits typed after `g` (jump to step).
     pub prompt: Option<String>,
     /// One-line feedback (e.g. "no step 99").
@@ -69,6 +71,7 @@ impl View {
             help: false,
             show_metrics: true,
             show_summary: true,
+            load_colours: false,
             prompt: None,
             message: None,
             fit_all: true,
@@ -78,6 +81,24 @@ impl View {
         v.rebuild_rows(t);
         v.fit(t);
         v
+    }
+
+    /// Colours experts spans by load, or by phase again; says so when the run recorded no
+    /// expert load under expert parallelism.
+    pub fn toggle_load_colours(&mut self, t: &Timeline) {
+        if t.experts_load.is_empty() && !self.load_colours {
+            self.message = Some(
+                "no expert load to colour by: the run recorded none under expert parallelism"
+                    .into(),
+            );
+            return;
+        }
+        self.load_colours = !self.load_colours;
+        self.message = Some(if self.load_colours {
+            "experts spans coloured by their rank's experts' load (e: back to phases)".into()
+        } else {
+            "experts spans coloured by phase".into()
+        });
     }
 
     /// Recomputes the row list after a mode change or a reload.
