@@ -4,7 +4,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-bash scripts/setup.sh
+# The build needs only libtorch (torch 2.13 in .venv); the test packages (torch 2.15 + torchtitan
+# in .venv-tt, transformers, ...: mostly download and unpacking) install while it compiles.
+bash scripts/setup.sh build
 export TITAN_PYTHON="$root/.venv/bin/python"
 # One compute thread per process: libtest runs two tests at once on these two cores and most
 # tests start processes of their own (titan-train, torch, torchtitan), so more threads only spin
@@ -16,6 +18,11 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 # --tests too: one feature resolution for bins and tests, so `cargo test` reuses this build.
 # titan-train's default `nccl` feature compiles the NCCL backend (cudarc, loaded at run time)
 # here, though CI has no GPU.
-cargo build --workspace --bins --tests --locked
+cargo build --workspace --bins --tests --locked &
+build=$!
+trap 'kill "$build" 2>/dev/null || true' EXIT
+bash scripts/setup.sh test
+wait "$build"
+trap - EXIT
 # Every test binary runs even after one fails: a failure early on must not hide the others'.
 cargo test --workspace --locked --no-fail-fast

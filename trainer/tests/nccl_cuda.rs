@@ -3,8 +3,9 @@
 //! ordered on the GPU by events and not by the host, queued collectives waited for only when
 //! asked, and the watchdog's timeout path.
 //!
-//! Needs the `nccl` feature (on by default) and a CUDA device; without a device each test says so and passes
-//! (CI has none: bench/trainer/cuda_checks.sh runs these on a GPU machine).
+//! Needs the `nccl` feature (on by default) and a CUDA device, so every test is ignored unless
+//! asked for (`--ignored`: bench/trainer/cuda_checks.sh runs them on a GPU machine), and fails
+//! without a device rather than passing having done nothing.
 #![cfg(feature = "nccl")]
 
 use std::process::Command;
@@ -15,12 +16,12 @@ use titan_train::distributed::comm::{CollectiveOp, Issued, QueuedWork};
 use titan_train::distributed::nccl::NcclGroup;
 use titan_train::distributed::{Collectives, ReduceOp};
 
-fn gpu() -> Option<Device> {
-    let found = tch::Cuda::is_available().then_some(Device::Cuda(0));
-    if found.is_none() {
-        eprintln!("no CUDA device: nothing to run (this test needs a GPU)");
-    }
-    found
+fn gpu() -> Device {
+    assert!(
+        tch::Cuda::is_available(),
+        "no CUDA device: this test needs a GPU (it is ignored unless asked for)"
+    );
+    Device::Cuda(0)
 }
 
 fn group(timeout: Duration) -> NcclGroup {
@@ -35,8 +36,9 @@ fn host(t: &Tensor) -> Vec<f64> {
 /// written where the collective writes it (outputs start as NaN or -1, so a short count or a
 /// wrong pointer shows).
 #[test]
+#[ignore = "needs a CUDA device: bench/trainer/cuda_checks.sh runs it (--ignored)"]
 fn every_collective_on_a_one_rank_communicator() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     let mut g = group(Duration::from_secs(60));
     assert_eq!((g.rank(), g.size(), g.backend()), (0, 1, "nccl"));
     for kind in [
@@ -164,8 +166,9 @@ impl GateOpener {
 /// once (the host does not wait for the GPU), the collective runs after the kernels that wrote
 /// its input, and the kernels after it see its output.
 #[test]
+#[ignore = "needs a CUDA device: bench/trainer/cuda_checks.sh runs it (--ignored)"]
 fn collectives_are_ordered_on_the_gpu_without_a_host_wait() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     let mut g = group(Duration::from_secs(60));
     let base = Tensor::arange_start(1, 1025, (Kind::Float, dev));
     // The first call of each collective sets NCCL's kernels up: not what is timed.
@@ -300,8 +303,9 @@ fn legacy_stream_passes(within: Duration) -> bool {
 /// group waits for it on the device; once it runs and is waited for, the kernels after the wait
 /// see its output.
 #[test]
+#[ignore = "needs a CUDA device: bench/trainer/cuda_checks.sh runs it (--ignored)"]
 fn a_queued_collective_is_waited_for_only_when_asked() {
-    let Some(dev) = gpu() else { return };
+    let dev = gpu();
     let t0 = Instant::now();
     let say = |what: &str| eprintln!("queued: {what} at {:?}", t0.elapsed());
     let mut g = group(Duration::from_secs(20));
@@ -383,17 +387,17 @@ const CHILD: &str = "TITAN_NCCL_WATCHDOG_CHILD";
 /// A collective that never completes (its stream waits on a flag nobody sets, as it would wait
 /// on a dead peer) ends the process within the timeout, naming the rank and the collective.
 #[test]
+#[ignore = "needs a CUDA device: bench/trainer/cuda_checks.sh runs it (--ignored)"]
 fn the_watchdog_ends_a_hung_collective_naming_it() {
     if std::env::var_os(CHILD).is_some() {
         return hang_forever();
     }
-    if gpu().is_none() {
-        return;
-    }
+    gpu();
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
             "the_watchdog_ends_a_hung_collective_naming_it",
+            "--include-ignored",
             "--nocapture",
         ])
         .env(CHILD, "1")
