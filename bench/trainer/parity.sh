@@ -66,13 +66,16 @@ cp_layouts=(
   --module qwen3 --config qwen3_debugmodel \
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
 # Expert parallelism (torchtitan needs partial_dtensor and no CUDA graphs for EP on CPU): EP2 on 2
-# ranks, EP2 x efsdp2 and EP4 on 4, HSDP 2 x EP2; DeepSeek-V3 and qwen3 MoE.
+# ranks, EP2 x efsdp2 and EP4 on 4, HSDP 2 x EP2, PP2 x EP2 (1F1B and Interleaved1F1B);
+# DeepSeek-V3 and qwen3 MoE.
 ep="--parallelism.spmd_backend partial_dtensor --training.disable_cuda_graphs --parallelism.expert_parallel_degree"
 ep_layouts=(
   "ep2:2:2:$ep 2"
   "ep2_efsdp2:4:4:$ep 2"
   "ep4:4:4:$ep 4"
   "hsdp2_ep2:4:4:$ep 2 --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2"
+  "pp2_ep2:4:4:$ep 2 --parallelism.pipeline_parallel_degree 2"
+  "pp2_interleaved_ep2:4:4:$ep 2 --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule Interleaved1F1B"
 )
 .venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/dsv3_ep" "$titan" "${ep_layouts[@]}" \
   --module deepseek_v3 --config deepseek_v3_debugmodel --buffers expert_bias_E \

@@ -135,6 +135,7 @@ pub mod moe {
         Tokens(usize, usize),
         Experts(usize),
         FirstExpert(usize),
+        HeldLayer(usize, usize),
     }
 
     /// The recorder takes `'static` names: each is made once per process and kept (a model's
@@ -153,6 +154,7 @@ pub mod moe {
                 Made::Tokens(layer, expert) => format!("{PREFIX}{layer}/expert/{expert}/tokens"),
                 Made::Experts(layer) => format!("{PREFIX}{layer}/experts"),
                 Made::FirstExpert(rank) => format!("{EP_PREFIX}rank/{rank}/first_expert"),
+                Made::HeldLayer(rank, layer) => format!("{EP_PREFIX}rank/{rank}/layer/{layer}"),
             };
             Box::leak(name.into_boxed_str())
         })
@@ -189,7 +191,7 @@ pub mod moe {
     /// Under expert parallelism, where the routed experts live: each rank records, on the
     /// steps it logs, the first routed expert it hosts (`moe/ep/rank/<R>/first_expert`) and
     /// how many it hosts ([`EXPERTS_PER_RANK`]): experts `[first, first + n)` of every MoE
-    /// layer. Ranks that share an expert parallel index (its FSDP over `efsdp`, replicas)
+    /// layer it holds ([`held_layer_scalar`]). Ranks that share an expert parallel index (its FSDP over `efsdp`, replicas)
     /// host the same experts.
     pub const EP_PREFIX: &str = "moe/ep/";
     pub const EXPERTS_PER_RANK: &str = "moe/ep/experts_per_rank";
@@ -206,6 +208,23 @@ pub mod moe {
             .strip_suffix("/first_expert")?
             .parse()
             .ok()
+    }
+
+    /// Under expert parallelism with pipeline parallelism a rank holds only its stages' MoE
+    /// layers: it also records, for each of them, `moe/ep/rank/<R>/layer/<L>` (1). A rank
+    /// that recorded none of these (no pipeline parallelism, or a run from before them) hosts
+    /// its experts in every MoE layer.
+    pub fn held_layer_scalar(rank: usize, layer: usize) -> &'static str {
+        made(Made::HeldLayer(rank, layer))
+    }
+
+    /// (rank, layer) of a [`held_layer_scalar`] name.
+    pub fn parse_held_layer(name: &str) -> Option<(u32, u32)> {
+        let (rank, layer) = name
+            .strip_prefix(EP_PREFIX)?
+            .strip_prefix("rank/")?
+            .split_once("/layer/")?;
+        Some((rank.parse().ok()?, layer.parse().ok()?))
     }
 
     /// The scalars titan-train records for these analyses, not metrics of their own (`titan-obs

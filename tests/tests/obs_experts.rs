@@ -11,7 +11,8 @@
 //!   three, and the other layers are not as uneven. That run is under expert parallelism (EP 2
 //!   on 2 ranks): the summary names the rank hosting the hot expert, and the wait the layers'
 //!   experts caused at the all-to-all after them; the TUI's load colouring (`e`) finds rank 1's
-//!   experts of that layer hot and rank 0's idle.
+//!   experts of that layer hot and rank 0's idle. Under PP 2 x EP 2 on 4 ranks the hot expert
+//!   is hosted by its stage's rank only.
 
 use std::path::Path;
 use std::process::Command;
@@ -105,34 +106,42 @@ fn forced_balance_reports_every_expert_even() {
     assert_eq!(imbalance, vec![1.0; STEPS as usize], "{text}");
 }
 
-#[test]
-fn a_favoured_expert_is_the_hottest_of_its_layer() {
-    let dir = tempfile::tempdir().unwrap();
-    // The model as initialised, saved; then layer 2's router always picks expert 5.
-    let seed = dir.path().join("seed");
+/// A run into `dump` under EP 2 (and `layout`) from the model as initialised, saved under
+/// `dir`, then edited so that layer 2's router always picks expert 5.
+fn run_favouring_expert_5_of_layer_2(dir: &Path, dump: &Path, layout: &[&str]) {
+    let seed = dir.join("seed");
     run_ok(
         titan_train()
             .args(args(&seed))
             .args(["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]),
     );
-    let biased = dir.path().join("biased");
+    let biased = dir.join("biased");
     run_ok(
         python_script("tests/python/bias_expert.py")
             .arg(seed.join("checkpoint/step-0"))
             .arg(&biased)
             .args(["2", "5", "10"]),
     );
+    run_ok(
+        titan_train()
+            .args(args(dump))
+            .args(layout)
+            .args([
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--checkpoint.enable",
+            ])
+            .arg("--checkpoint.initial_load_path")
+            .arg(&biased)
+            .arg("--checkpoint.initial_load_model_only"),
+    );
+}
+
+#[test]
+fn a_favoured_expert_is_the_hottest_of_its_layer() {
+    let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("run");
-    run_ok(titan_train().args(args(&dump)).args([
-        "--nproc-per-node",
-        "2",
-        "--parallelism.expert_parallel_degree",
-        "2",
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_path",
-        biased.to_str().unwrap(),
-        "--checkpoint.initial_load_model_only",
-    ]));
+    run_favouring_expert_5_of_layer_2(dir.path(), &dump, &["--nproc-per-node", "2"]);
     let s = summary(&dump);
     let layers = s["experts"].as_array().expect("an experts section");
     let layer = |i: u64| layers.iter().find(|l| l["layer"] == i).unwrap();
@@ -211,4 +220,55 @@ fn a_favoured_expert_is_the_hottest_of_its_layer() {
         row.contains("expert 5") && row.contains("rank 1"),
         "{row}\n{text}"
     );
+}
+
+/// Under pipeline parallelism a rank hosts its experts only in its stage's layers: PP 2 x EP 2
+/// on 4 ranks, stage 0 (ranks 0 and 1) holding the dense block 0 and MoE blocks 1 and 2, stage 1
+/// (ranks 2 and 3) blocks 3 to 5. Expert 5 of layer 2 lives on rank 1 only, not also on rank 3
+/// (which hosts experts 4..8 of the other stage's layers), and every layer's hottest expert has
+/// one host, in its own stage.
+#[test]
+fn under_pipeline_parallelism_the_hot_expert_lives_in_its_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("run");
+    run_favouring_expert_5_of_layer_2(
+        dir.path(),
+        &dump,
+        &[
+            "--nproc-per-node",
+            "4",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ],
+    );
+    let s = summary(&dump);
+    let layers = s["experts"].as_array().expect("an experts section");
+    assert_eq!(layers.len(), 5, "{layers:?}");
+    for l in layers {
+        let (layer, hottest) = (l["layer"].as_u64().unwrap(), l["hottest_expert"].as_u64());
+        let hosts: Vec<u64> = l["hottest_hosts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_u64().unwrap())
+            .collect();
+        // Stage 0's ep ranks are 0 and 1, stage 1's 2 and 3; ep rank 1 hosts experts 4..8.
+        let stage_ranks = if layer <= 2 { [0, 1] } else { [2, 3] };
+        let want = stage_ranks[usize::from(hottest.unwrap() >= 4)];
+        assert_eq!(hosts, vec![want], "layer {layer}: {l}");
+    }
+    let hot = layers.iter().find(|l| l["layer"] == 2).unwrap();
+    assert_eq!(
+        (&hot["hottest_expert"], &hot["hottest_hosts"]),
+        (&serde_json::json!(5), &serde_json::json!([1])),
+        "{hot}"
+    );
+    // The gantt's load colouring finds layer 2's experts on stage 0's ranks only.
+    let t = RunSource::new(dump.to_str().unwrap()).load().unwrap();
+    let span = t
+        .phase_id(moe::experts_span(2))
+        .expect("layer 2's experts span");
+    let hot = t.experts_load_at(1, span, 1).expect("rank 1's load");
+    assert!(hot.factor > 1.1, "{hot:?}");
+    assert_eq!(t.experts_load_at(3, span, 1), None);
 }

@@ -761,6 +761,12 @@ impl<'a> Job<'a> {
             let rank = self.mesh.mesh.rank;
             titan_obs_core::scalar(moe::first_expert_scalar(rank), first as f64, Reduce::Max);
             titan_obs_core::scalar(moe::EXPERTS_PER_RANK, hosted as f64, Reduce::Max);
+            // Under pipeline parallelism a rank hosts them only in its stages' layers.
+            if self.mesh.mesh.pp > 1 {
+                for &layer in &layers {
+                    titan_obs_core::scalar(moe::held_layer_scalar(rank, layer), 1.0, Reduce::Max);
+                }
+            }
         }
         for (l, layer) in layers.iter().enumerate() {
             for e in 0..experts {

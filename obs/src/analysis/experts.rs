@@ -13,7 +13,7 @@
 //! `moe/layer/<L>/experts` span — so the wait others spent on a layer's experts is the waits
 //! table's rows from that span.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
@@ -57,11 +57,74 @@ pub struct LayerLoad {
     pub experts_late_rank: Option<u32>,
 }
 
-/// Under expert parallelism: (first routed expert, how many) of each rank that recorded
-/// where its experts live, by rank.
-fn hosted_experts(lines: &Lines, names: &[String]) -> BTreeMap<u32, (u32, u32)> {
+/// Under expert parallelism, where the routed experts live: each recording rank's experts
+/// `[first, first + count)`, in every MoE layer it holds.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Hosting {
+    /// Rank to (first routed expert, how many).
+    experts: BTreeMap<u32, (u32, u32)>,
+    /// Rank to the MoE layers it holds, for the ranks that said (pipeline parallelism: a rank
+    /// holds its stages' layers); a rank not here holds every layer.
+    layers: BTreeMap<u32, BTreeSet<u32>>,
+}
+
+impl Hosting {
+    /// From the recorded first experts and experts per rank (nothing hosted when fewer than
+    /// one per rank was recorded: no expert parallelism) and the held layers.
+    fn new(first: BTreeMap<u32, f64>, per_rank: f64, layers: BTreeMap<u32, BTreeSet<u32>>) -> Self {
+        if per_rank < 1.0 {
+            return Self::default();
+        }
+        let experts = first
+            .into_iter()
+            .filter(|(_, f)| f.is_finite() && *f >= 0.0)
+            .map(|(rank, f)| (rank, (f as u32, per_rank as u32)))
+            .collect();
+        Self { experts, layers }
+    }
+
+    /// Reads one scalar's name and largest value into `first`, `per_rank` or `layers`.
+    fn read(
+        name: &str,
+        value: f64,
+        first: &mut BTreeMap<u32, f64>,
+        per_rank: &mut f64,
+        layers: &mut BTreeMap<u32, BTreeSet<u32>>,
+    ) -> bool {
+        if let Some(rank) = moe::parse_first_expert(name) {
+            first.insert(rank, value);
+        } else if name == moe::EXPERTS_PER_RANK {
+            *per_rank = per_rank.max(value);
+        } else if let Some((rank, layer)) = moe::parse_held_layer(name) {
+            layers.entry(rank).or_default().insert(layer);
+        } else {
+            return false;
+        }
+        true
+    }
+
+    /// (rank, first, count) of every rank hosting experts of `layer`.
+    fn of_layer(&self, layer: u32) -> impl Iterator<Item = (u32, u32, u32)> + '_ {
+        self.experts
+            .iter()
+            .filter(move |(rank, _)| self.layers.get(rank).is_none_or(|l| l.contains(&layer)))
+            .map(|(&rank, &(first, count))| (rank, first, count))
+    }
+
+    /// The ranks hosting `layer`'s `expert`.
+    fn hosts_of(&self, expert: u32, layer: u32) -> Vec<u32> {
+        self.of_layer(layer)
+            .filter(|(_, first, n)| (*first..first + n).contains(&expert))
+            .map(|(rank, ..)| rank)
+            .collect()
+    }
+}
+
+/// Under expert parallelism: where each rank that recorded it hosts its experts.
+fn hosted_experts(lines: &Lines, names: &[String]) -> Hosting {
     let mut first: BTreeMap<u32, f64> = BTreeMap::new();
     let mut per_rank = 0.0f64;
+    let mut layers: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
     for (_, accs) in lines.0.values() {
         for (&(name, reduce), acc) in accs {
             if reduce != Reduce::Max {
@@ -70,36 +133,16 @@ fn hosted_experts(lines: &Lines, names: &[String]) -> BTreeMap<u32, (u32, u32)> 
             let Some(n) = names.get(name as usize) else {
                 continue;
             };
-            if let Some(rank) = moe::parse_first_expert(n) {
-                first.insert(rank, acc.get(Reduce::Max));
-            } else if n == moe::EXPERTS_PER_RANK {
-                per_rank = per_rank.max(acc.get(Reduce::Max));
-            }
+            Hosting::read(
+                n,
+                acc.get(Reduce::Max),
+                &mut first,
+                &mut per_rank,
+                &mut layers,
+            );
         }
     }
-    hosting(first, per_rank)
-}
-
-/// (first routed expert, how many) by rank, from the recorded first experts and experts per
-/// rank (empty when fewer than one per rank was recorded: no expert parallelism).
-fn hosting(first: BTreeMap<u32, f64>, per_rank: f64) -> BTreeMap<u32, (u32, u32)> {
-    if per_rank < 1.0 {
-        return BTreeMap::new();
-    }
-    first
-        .into_iter()
-        .filter(|(_, f)| f.is_finite() && *f >= 0.0)
-        .map(|(rank, f)| (rank, (f as u32, per_rank as u32)))
-        .collect()
-}
-
-/// The ranks hosting `expert` among `hosted`.
-fn hosts_of(expert: u32, hosted: &BTreeMap<u32, (u32, u32)>) -> Vec<u32> {
-    hosted
-        .iter()
-        .filter(|(_, (first, n))| (*first..first + n).contains(&expert))
-        .map(|(&rank, _)| rank)
-        .collect()
+    Hosting::new(first, per_rank, layers)
 }
 
 /// Per layer: the wait caused by ranks late from its experts' span, and the rank that caused
@@ -223,7 +266,7 @@ pub fn layer_loads(run: &Run, waits: &[Wait]) -> Vec<LayerLoad> {
                 hottest_share: if tokens > 0.0 { max / tokens } else { 0.0 },
                 worst_step,
                 worst_step_max_over_mean: worst,
-                hottest_hosts: hosts_of(hottest as u32, &hosted),
+                hottest_hosts: hosted.hosts_of(hottest as u32, layer),
                 experts_wait_caused_ns: waited.get(&layer).map_or(0, |w| w.0),
                 experts_late_rank: waited.get(&layer).and_then(|w| w.1),
             }
@@ -281,14 +324,14 @@ impl HostLoads {
     pub fn from_series<'a>(series: impl IntoIterator<Item = (&'a str, &'a [(u64, f64)])>) -> Self {
         let mut first: BTreeMap<u32, f64> = BTreeMap::new();
         let mut per_rank = 0.0f64;
+        let mut layers: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
         let mut tokens: BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> = BTreeMap::new();
         for (name, points) in series {
-            let largest = || points.iter().map(|p| p.1).fold(f64::NAN, f64::max);
-            if let Some(rank) = moe::parse_first_expert(name) {
-                first.insert(rank, largest());
-            } else if name == moe::EXPERTS_PER_RANK {
-                per_rank = per_rank.max(largest());
-            } else if let Some((layer, expert)) = moe::parse(name) {
+            let largest = points.iter().map(|p| p.1).fold(f64::NAN, f64::max);
+            if Hosting::read(name, largest, &mut first, &mut per_rank, &mut layers) {
+                continue;
+            }
+            if let Some((layer, expert)) = moe::parse(name) {
                 let steps = tokens.entry(layer).or_default();
                 for &(step, n) in points {
                     steps.entry(step).or_default().insert(expert, n);
@@ -296,7 +339,7 @@ impl HostLoads {
             }
         }
         let mut by_host: BTreeMap<(u32, u32), Vec<(u64, HostLoad)>> = BTreeMap::new();
-        let hosted = hosting(first, per_rank);
+        let hosted = Hosting::new(first, per_rank, layers);
         for (layer, steps) in &tokens {
             let experts = steps
                 .values()
@@ -305,7 +348,7 @@ impl HostLoads {
                 .map_or(0, |&m| m + 1);
             for (&step, per_expert) in steps {
                 let layer_tokens: f64 = per_expert.values().sum();
-                for (&rank, &(first, count)) in &hosted {
+                for (rank, first, count) in hosted.of_layer(*layer) {
                     let hosted_tokens: f64 =
                         per_expert.range(first..first + count).map(|e| e.1).sum();
                     let share = layer_tokens * f64::from(count) / f64::from(experts.max(1));
@@ -368,6 +411,14 @@ mod tests {
             moe::parse_first_expert(moe::first_expert_scalar(3)),
             Some(3)
         );
+        assert_eq!(moe::held_layer_scalar(3, 12), "moe/ep/rank/3/layer/12");
+        assert_eq!(
+            moe::parse_held_layer(moe::held_layer_scalar(3, 12)),
+            Some((3, 12))
+        );
+        assert_eq!(moe::parse_held_layer(moe::first_expert_scalar(3)), None);
+        assert_eq!(moe::parse_first_expert(moe::held_layer_scalar(3, 12)), None);
+        assert!(moe::is_recorded_load(moe::held_layer_scalar(0, 1)));
         assert!(moe::is_recorded_load(moe::EXPERTS_PER_RANK));
         assert!(!moe::is_recorded_load(moe::MAX_OVER_MEAN));
     }
@@ -375,12 +426,41 @@ mod tests {
     /// EP 2 x efsdp 2 on 4 ranks, 8 experts: ranks 0 and 2 host 0..4, ranks 1 and 3 host 4..8.
     #[test]
     fn hosts_are_the_ranks_whose_range_holds_the_expert() {
-        let hosted: BTreeMap<u32, (u32, u32)> =
-            [(0, (0, 4)), (1, (4, 4)), (2, (0, 4)), (3, (4, 4))].into();
-        assert_eq!(hosts_of(5, &hosted), vec![1, 3]);
-        assert_eq!(hosts_of(3, &hosted), vec![0, 2]);
-        assert_eq!(hosts_of(8, &hosted), Vec::<u32>::new());
-        assert_eq!(hosts_of(0, &BTreeMap::new()), Vec::<u32>::new());
+        let first = [(0, 0.0), (1, 4.0), (2, 0.0), (3, 4.0)].into();
+        let hosted = Hosting::new(first, 4.0, BTreeMap::new());
+        assert_eq!(hosted.hosts_of(5, 1), vec![1, 3]);
+        assert_eq!(hosted.hosts_of(3, 7), vec![0, 2]);
+        assert_eq!(hosted.hosts_of(8, 1), Vec::<u32>::new());
+        assert_eq!(Hosting::default().hosts_of(0, 1), Vec::<u32>::new());
+        // Fewer than one expert per rank recorded: no expert parallelism, no hosts.
+        let first = [(0, 0.0), (1, 4.0)].into();
+        assert_eq!(
+            Hosting::new(first, 0.0, BTreeMap::new()),
+            Hosting::default()
+        );
+    }
+
+    /// PP 2 x EP 2 on 4 ranks, 8 experts: ranks 0 and 1 hold MoE layers 1 and 2 (stage 0),
+    /// ranks 2 and 3 layers 3 to 5 (stage 1); ranks 1 and 3 host experts 4..8.
+    #[test]
+    fn under_pipeline_parallelism_hosts_are_ranks_holding_the_layer() {
+        let (mut first, mut per_rank, mut layers) = (BTreeMap::new(), 0.0, BTreeMap::new());
+        let mut read =
+            |name: &str, v: f64| Hosting::read(name, v, &mut first, &mut per_rank, &mut layers);
+        for (rank, expert) in [(0, 0.0), (1, 4.0), (2, 0.0), (3, 4.0)] {
+            assert!(read(moe::first_expert_scalar(rank), expert));
+            let held = if rank < 2 { 1..3 } else { 3..6 };
+            for layer in held {
+                assert!(read(moe::held_layer_scalar(rank, layer), 1.0));
+            }
+        }
+        assert!(read(moe::EXPERTS_PER_RANK, 4.0));
+        assert!(!read(moe::tokens_scalar(1, 5), 3.0));
+        let hosted = Hosting::new(first, per_rank, layers);
+        assert_eq!(hosted.hosts_of(5, 1), vec![1]);
+        assert_eq!(hosted.hosts_of(5, 4), vec![3]);
+        assert_eq!(hosted.hosts_of(2, 3), vec![2]);
+        assert_eq!(hosted.hosts_of(2, 0), Vec::<u32>::new(), "layer 0 is dense");
     }
 
     #[test]
@@ -430,6 +510,15 @@ mod tests {
         assert_eq!(loads.at(1, 1, 3).unwrap().factor, 1.0);
         assert_eq!(loads.at(1, 1, 5), None);
         assert_eq!(loads.at(1, 0, 2), None, "no layer 0");
+        // Had rank 1 held only layer 2 (another pipeline stage), it has no load in layer 1.
+        let mut staged = series.clone();
+        staged.push((
+            moe::held_layer_scalar(1, 2).into(),
+            vec![(2, 1.0), (4, 1.0)],
+        ));
+        let loads = HostLoads::from_series(staged.iter().map(|(n, p)| (n.as_str(), p.as_slice())));
+        assert_eq!(loads.at(1, 1, 2), None);
+        assert_eq!(loads.at(0, 1, 2).unwrap().factor, 0.5);
         // Without hosting scalars (no expert parallelism) there is nothing to colour.
         let flat =
             HostLoads::from_series(series[3..].iter().map(|(n, p)| (n.as_str(), p.as_slice())));

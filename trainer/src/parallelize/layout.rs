@@ -111,15 +111,14 @@ pub fn check_expert_parallel(
     for (other, degree) in [
         ("parallelism.tensor_parallel_degree", world.tp),
         ("parallelism.context_parallel_degree", world.cp),
-        ("parallelism.pipeline_parallel_degree", world.pp),
     ] {
         if degree > 1 {
             return Err(ConfigError::invalid(
                 other,
                 format!(
                     "{degree} with {key} = {ep}: titan-train splits experts over ranks of \
-                     data_parallel_shard_degree (FSDP, HSDP) so far; expert parallelism with \
-                     tensor, context or pipeline parallelism is not built yet"
+                     data_parallel_shard_degree (FSDP, HSDP, each pipeline stage's) so far; \
+                     expert parallelism with tensor or context parallelism is not built yet"
                 ),
             ));
         }
