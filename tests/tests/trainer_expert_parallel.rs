@@ -6,7 +6,7 @@
 //!   losses within [`LOSS_RTOL`] and grad norms within [`GRAD_RTOL`];
 //! - every token exchange is an `all_to_all_single` span on every rank (the counts, dispatch
 //!   and combine of each MoE layer in forward, and their reverse in backward);
-//! - HSDP 2 x 2 with EP 2 follows HSDP 2 x 2;
+//! - HSDP 2 x 2 with EP 2 follows HSDP 2 x 2, and EP 2 x TP 2 follows TP 2;
 //! - checkpoints cross layouts: EP 2's resumes under plain FSDP and FSDP's under EP 2 (the same
 //!   data-parallel degree, so the data position loads too), following the unbroken runs; and
 //!   EP 2's and FSDP's step-2 checkpoints resumed on one process train alike (the experts were
@@ -112,6 +112,20 @@ fn expert_parallel_follows_fsdp() {
     let fsdp4 = train(&dir.path().join("fsdp4"), 4, &[]);
     let ep4 = train(&dir.path().join("ep2efsdp2"), 4, &EP2);
     assert_close(&fsdp4, &ep4, "EP 2 x efsdp 2 on 4 ranks");
+}
+
+/// EP 2 x TP 2 on 2 ranks (the ep group is the tp group: each rank routes its half of the
+/// sequence, its 4 experts get tokens from both, the shared experts and attention split as
+/// under TP) follows TP 2 (every rank routing every token through its half of every expert's
+/// hidden features), with sequence parallelism as torchtitan's default.
+#[test]
+fn expert_parallel_with_tensor_parallel_follows_tensor_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let tp2 = ["--parallelism.tensor_parallel_degree", "2"];
+    let tp = train(&dir.path().join("tp2"), 2, &tp2);
+    assert_eq!(tp.len(), STEPS, "{tp:?}");
+    let ep = train(&dir.path().join("tp2ep2"), 2, &[&tp2[..], &EP2].concat());
+    assert_close(&tp, &ep, "EP 2 x TP 2 on 2 ranks");
 }
 
 /// HSDP 2 x 2 with EP 2: the experts' gradients also summed over the replicas (two more 4-rank
@@ -238,7 +252,7 @@ fn expert_parallel_checkpoints_resume_across_layouts() {
 fn expert_parallel_refusals_name_their_key() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("never");
-    let cases: [(usize, &[&str], &str, &str); 4] = [
+    let cases: [(usize, &[&str], &str, &str); 5] = [
         (
             2,
             &["--parallelism.expert_parallel_degree", "4"],
@@ -263,11 +277,25 @@ fn expert_parallel_refusals_name_their_key() {
             &[
                 "--parallelism.expert_parallel_degree",
                 "2",
-                "--parallelism.tensor_parallel_degree",
+                "--parallelism.context_parallel_degree",
                 "2",
             ],
-            "parallelism.tensor_parallel_degree",
+            "parallelism.context_parallel_degree",
             "not built yet",
+        ),
+        (
+            2,
+            &[
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.no-enable-sequence-parallel",
+                "--training.seq_len",
+                "127",
+            ],
+            "training.seq_len",
+            "routes its own block of the sequence",
         ),
         (
             3,

@@ -78,10 +78,11 @@ fn help() -> String {
          activation_checkpoint:full|selective|none); either form takes either name. A boolean key\n\
          alone (--debug.deterministic) means true; list keys take comma-separated values. Unknown keys,\n\
          wrong types and values outside a key's choices are errors (exit 2), and so is any torchtitan key\n\
-         titan-train does not implement (compile, context/expert parallel degrees, zero-bubble pipeline\n\
-         schedules, wandb, ...) unless at its default. Parallelism: data_parallel_shard_degree (FSDP2),\n\
-         data_parallel_replicate_degree (DDP/HSDP), tensor_parallel_degree, pipeline_parallel_degree with\n\
-         pipeline_parallel_schedule GPipe | 1F1B | Interleaved1F1B; float8 linears with [float8]. Mixed precision: training.mixed_precision_param bfloat16 (default, autocast with fp32\n\
+         titan-train does not implement (compile, the ZBVZeroBubble and DualPipeV schedules, wandb, ...)\n\
+         unless at its default. Parallelism: data_parallel_shard_degree (FSDP2),\n\
+         data_parallel_replicate_degree (DDP/HSDP), tensor_parallel_degree, context_parallel_degree,\n\
+         expert_parallel_degree (MoE models), pipeline_parallel_degree with pipeline_parallel_schedule\n\
+         GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble; float8 linears with [float8]. Mixed precision: training.mixed_precision_param bfloat16 (default, autocast with fp32\n\
          weights) or float32; training.dtype bfloat16 trains bf16 weights and AdamW state. Activation\n\
          checkpointing: activation_checkpoint.mode none | full | selective, with selective_ac_option\n\
          op (recompute the elementwise work between matmuls) or N (recompute every N-th layer).\n\

@@ -539,15 +539,24 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             // This rank's experts: all, or under expert parallelism its `E / ep`. The routed
             // tokens it computes: its own `T K`, or under expert parallelism what the ranks
             // send its experts, `T K` when the routing is balanced (the estimate's assumption).
-            let (experts, k, f) = (u(moe.num_experts) / ep, u(moe.top_k), u(moe.hidden_dim));
-            let routed = tokens * k;
+            // Under expert parallelism with tensor parallelism each tp rank routes its own
+            // block of the sequence (`T / t` tokens), and the experts are whole; without it
+            // tensor parallelism splits their hidden features.
+            let all_experts = u(moe.num_experts);
+            let (experts, k) = (all_experts / ep, u(moe.top_k));
+            let (routing, f) = if ep > 1 {
+                (tokens / t, u(moe.hidden_dim))
+            } else {
+                (tokens, ceil_div(u(moe.hidden_dim), t))
+            };
+            let routed = routing * k;
             // Router: the softmax/sigmoid output (fp32, T x E). Grouped matmuls in bf16: the
             // routed tokens cast twice (w1's and w3's input), the w1 and w3 outputs and SiLU
             // (3 R F), their product (w2's input, R F); the weights' bf16 copies (3 E F D)
             // unless the parameters are bf16 already. The combine: fp32 outputs (R D) and
             // scores.
             let weights = if pb == 2 { 0 } else { 3 * experts * f * d * 2 };
-            let saved = tokens * experts * 4
+            let saved = routing * all_experts * 4
                 + (2 * routed * d + 4 * routed * f) * 2
                 + weights
                 + routed * d * 4

@@ -722,9 +722,14 @@ impl<'a> Job<'a> {
                 }
             }
             // torchtitan's step pre-hook: the experts' token counts of every data- and
-            // context-parallel rank move their routing biases.
-            let dp = &self.mesh.dp_cp;
+            // context-parallel rank move their routing biases; under expert parallelism with
+            // tensor parallelism each tp rank routed its own tokens, and those add up first.
+            let (dp, tp) = (&self.mesh.dp_cp, &self.mesh.tp);
+            let per_tp_rank = self.mesh.mesh.ep > 1 && tp.size() > 1;
             self.model.update_expert_bias(|counts| {
+                if per_tp_rank {
+                    tp.all_reduce(counts, ReduceOp::Sum)?;
+                }
                 if dp.size() > 1 {
                     dp.all_reduce(counts, ReduceOp::Sum)?;
                 }
@@ -767,6 +772,10 @@ impl<'a> Job<'a> {
                     titan_obs_core::scalar(moe::held_layer_scalar(rank, layer), 1.0, Reduce::Max);
                 }
             }
+        }
+        // Without expert parallelism every tp rank routes the same tokens: one of them counts.
+        if self.mesh.mesh.ep == 1 && self.mesh.tp.rank() != 0 {
+            return;
         }
         for (l, layer) in layers.iter().enumerate() {
             for e in 0..experts {
@@ -1092,14 +1101,18 @@ fn forward_pass(step: u64, f: impl FnOnce() -> Tensor) -> Result<Tensor> {
 
 /// Sums over the tp ranks the gradients that are partial there: every replicated weight's under
 /// sequence parallelism (each rank normalised its part of the sequence), and on every tp layout
-/// those applied to a rank's own heads (qwen3's q/k norms).
+/// those applied to a rank's own heads (qwen3's q/k norms). Not the routed experts' under expert
+/// parallelism: not split over tp, but not replicated there either (the tp ranks of an `ep`
+/// group hold different experts).
 fn reduce_partial_grads(mesh: &DeviceMesh, model: &ParallelModel) -> Result<()> {
     let sequence_parallel = model.sequence_parallel();
     let grads: Vec<Tensor> = model
         .named_parameters()
         .iter()
         .zip(model.placements())
-        .filter(|(_, p)| p.tp_dim.is_none() && (sequence_parallel || p.tp_partial_grad))
+        .filter(|(_, p)| {
+            !p.expert_parallel && p.tp_dim.is_none() && (sequence_parallel || p.tp_partial_grad)
+        })
         .map(|((_, t), _)| t.grad())
         .filter(|g| g.defined())
         .collect();

@@ -575,6 +575,19 @@ pub trait Ops {
         per_expert: &Tensor,
         experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
     ) -> Tensor;
+    /// The tokens of a mixture of experts' input `x` (B, S, D) this process routes: all of
+    /// them, or where several ranks of a region route different tokens (expert parallelism
+    /// with tensor parallelism) its block of the sequence.
+    fn routed_tokens(&self, x: &Tensor) -> Tensor {
+        x.shallow_clone()
+    }
+    /// The routed experts' output `out` for [`Ops::routed_tokens`], as this process's part of
+    /// the (B, `seq_len`, D) output its region's exit adds up: itself, or zeros outside its
+    /// block of the sequence.
+    fn routed_output(&self, out: &Tensor, seq_len: i64) -> Tensor {
+        let _ = seq_len;
+        out.shallow_clone()
+    }
     /// q, k and v of `x`, each (B, S, heads * head_dim), in one matmul over the three weights
     /// fused (torchtitan 0.3.0's `wqkv`), where the implementation multiplies them so; `None`:
     /// three [`Ops::linear`]s.

@@ -77,9 +77,12 @@ pub(super) fn forward(
     count: bool,
     ops: &dyn super::Ops,
 ) -> Tensor {
-    let (b, s, d) = x.size3().expect("hidden states are (B, S, dim)");
+    let seq_len = x.size()[1];
+    // The tokens this process routes (under EP x TP its block of the sequence).
+    let x_routed = ops.routed_tokens(x);
+    let (b, s, d) = x_routed.size3().expect("hidden states are (B, S, dim)");
     let (k, tokens) = (args.top_k, b * s);
-    let (scores, experts) = route(x, &weights.gate, args, buffers.expert_bias.as_ref());
+    let (scores, experts) = route(&x_routed, &weights.gate, args, buffers.expert_bias.as_ref());
     let per_expert = experts
         .reshape([-1])
         .bincount(None::<Tensor>, args.num_experts);
@@ -93,7 +96,7 @@ pub(super) fn forward(
     let order = experts.reshape([-1]).argsort_stable(true, 0, false);
     let sorted_scores = scores.reshape([-1]).index(&[Some(&order)]);
     let token_of = order.floor_divide_scalar(k);
-    let x_td = x.view([tokens, d]);
+    let x_td = x_routed.reshape([tokens, d]);
     let routed = x_td.index(&[Some(&token_of)]);
     let out = ops.routed_experts(&routed, &per_expert, &|tokens, counts| {
         grouped_experts(tokens, weights, counts)
@@ -106,6 +109,7 @@ pub(super) fn forward(
         .zeros_like()
         .scatter_add(0, &index, &out)
         .view([b, s, d]);
+    let routed = ops.routed_output(&routed, seq_len);
     match &weights.shared {
         Some([w1, w2, w3]) => {
             let up = x.linear::<&Tensor>(w1, None).silu() * x.linear::<&Tensor>(w3, None);

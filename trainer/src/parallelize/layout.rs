@@ -108,20 +108,27 @@ pub fn check_expert_parallel(
             format!("{ep} does not divide {model}'s {experts} routed experts"),
         ));
     }
-    for (other, degree) in [
-        ("parallelism.tensor_parallel_degree", world.tp),
-        ("parallelism.context_parallel_degree", world.cp),
-    ] {
-        if degree > 1 {
-            return Err(ConfigError::invalid(
-                other,
-                format!(
-                    "{degree} with {key} = {ep}: titan-train splits experts over ranks of \
-                     data_parallel_shard_degree (FSDP, HSDP, each pipeline stage's) so far; \
-                     expert parallelism with tensor or context parallelism is not built yet"
-                ),
-            ));
-        }
+    let cp = world.cp;
+    if cp > 1 {
+        return Err(ConfigError::invalid(
+            "parallelism.context_parallel_degree",
+            format!(
+                "{cp} with {key} = {ep}: titan-train splits experts over ranks of \
+                 data_parallel_shard_degree and tensor_parallel_degree so far; expert \
+                 parallelism with context parallelism is not built yet"
+            ),
+        ));
+    }
+    // Under EP x TP each tp rank routes its own block of the sequence.
+    let (tp, seq_len) = (world.tp, cfg.training.seq_len as usize);
+    if tp > 1 && !seq_len.is_multiple_of(tp) {
+        return Err(ConfigError::invalid(
+            "training.seq_len",
+            format!(
+                "{seq_len} does not divide into parallelism.tensor_parallel_degree = {tp} \
+                 blocks: with {key} = {ep} each tp rank routes its own block of the sequence"
+            ),
+        ));
     }
     if world.efsdp() * ep > experts {
         return Err(ConfigError::invalid(

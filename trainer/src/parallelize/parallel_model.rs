@@ -1201,6 +1201,25 @@ impl Ops for SplitOps<'_> {
             .routed_experts(self.layer, routed, per_expert, experts)
     }
 
+    /// Under expert parallelism with tensor parallelism every tp rank routes its own block of
+    /// the sequence (torchtitan's EP x TP: the router's and routed experts' input `Shard(1)`).
+    fn routed_tokens(&self, x: &Tensor) -> Tensor {
+        if self.ep.size() > 1 {
+            self.tp.sequence_block(x)
+        } else {
+            x.shallow_clone()
+        }
+    }
+
+    /// ... and its output is its block of a sum over tp (`Shard(1)` to `Partial`).
+    fn routed_output(&self, out: &Tensor, seq_len: i64) -> Tensor {
+        if self.ep.size() > 1 {
+            self.tp.pad_sequence_block(out, seq_len)
+        } else {
+            out.shallow_clone()
+        }
+    }
+
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
         let f8 = self.matmuls.float8.at(w.at);
         self.matmuls.linear(x, &w.value, self.gathered(w.at), f8)

@@ -198,6 +198,27 @@ impl TensorParallel {
         )
     }
 
+    /// This rank's block of `x`'s sequence (dim 1, `S / tp` positions): what it routes under
+    /// expert parallelism. The sequence divides by tp ([`crate::parallelize::layout`] checks).
+    pub fn sequence_block(&self, x: &Tensor) -> Tensor {
+        if self.size() == 1 {
+            return x.shallow_clone();
+        }
+        let block = x.size()[1] / self.size() as i64;
+        x.narrow(1, block * self.rank() as i64, block)
+    }
+
+    /// `x` (B, S / tp, D), this rank's [`TensorParallel::sequence_block`], in place in a
+    /// (B, `seq_len`, D) tensor of zeros: its part of a sum over the tp ranks.
+    pub fn pad_sequence_block(&self, x: &Tensor, seq_len: i64) -> Tensor {
+        if self.size() == 1 {
+            return x.shallow_clone();
+        }
+        let block = x.size()[1];
+        let before = block * self.rank() as i64;
+        x.constant_pad_nd([0, 0, before, seq_len - before - block])
+    }
+
     /// Token embeddings from this rank's vocab rows `weight` (V / tp, D): ids outside them look
     /// up zeros, and the partial sums are combined as [`TensorParallel::exit`] does.
     pub fn embedding(&self, weight: &Tensor, ids: &Tensor) -> Tensor {
