@@ -67,7 +67,8 @@ cp_layouts=(
   --steps "$steps" --resume-at "$resume_at" --rtol "$rtol" --grad-rtol "$grad_rtol"
 # Expert parallelism (torchtitan needs partial_dtensor and no CUDA graphs for EP on CPU): EP2 on 2
 # ranks, EP2 x efsdp2 and EP4 on 4, HSDP 2 x EP2, PP2 x EP2 (1F1B and Interleaved1F1B), EP beside
-# TP2 (2 ranks, with and without SP; FSDP2 x TP2 with EP2 and EP4);
+# TP2 (2 ranks, with and without SP; FSDP2 x TP2 with EP2 and EP4) and CP2 (2 ranks; CP2 x FSDP2
+# with EP4, CP2 x TP2 with EP2);
 # DeepSeek-V3 and qwen3 MoE.
 ep="--parallelism.spmd_backend partial_dtensor --training.disable_cuda_graphs --parallelism.expert_parallel_degree"
 ep_layouts=(
@@ -81,6 +82,9 @@ ep_layouts=(
   "tp2_ep2_nosp:2:2:$ep 2 --parallelism.tensor_parallel_degree 2 --parallelism.no-enable-sequence-parallel"
   "fsdp2_tp2_ep2:4:4:$ep 2 --parallelism.tensor_parallel_degree 2"
   "fsdp2_tp2_ep4:4:4:$ep 4 --parallelism.tensor_parallel_degree 2"
+  "cp2_ep2:2:2:$ep 2 $cp --parallelism.data_parallel_shard_degree 1"
+  "cp2_fsdp2_ep4:4:4:$ep 4 $cp"
+  "cp2_tp2_ep2:4:4:$ep 2 $cp --parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"
 )
 .venv-tt/bin/python tests/python/tt_parity.py compare --tt-resume "$work/dsv3_ep" "$titan" "${ep_layouts[@]}" \
   --module deepseek_v3 --config deepseek_v3_debugmodel --buffers expert_bias_E \

@@ -6,7 +6,7 @@
 //!   losses within [`LOSS_RTOL`] and grad norms within [`GRAD_RTOL`];
 //! - every token exchange is an `all_to_all_single` span on every rank (the counts, dispatch
 //!   and combine of each MoE layer in forward, and their reverse in backward);
-//! - HSDP 2 x 2 with EP 2 follows HSDP 2 x 2, and EP 2 x TP 2 follows TP 2;
+//! - HSDP 2 x 2 with EP 2 follows HSDP 2 x 2, EP 2 x TP 2 follows TP 2 and EP 2 x CP 2 CP 2;
 //! - checkpoints cross layouts: EP 2's resumes under plain FSDP and FSDP's under EP 2 (the same
 //!   data-parallel degree, so the data position loads too), following the unbroken runs; and
 //!   EP 2's and FSDP's step-2 checkpoints resumed on one process train alike (the experts were
@@ -126,6 +126,25 @@ fn expert_parallel_with_tensor_parallel_follows_tensor_parallel() {
     assert_eq!(tp.len(), STEPS, "{tp:?}");
     let ep = train(&dir.path().join("tp2ep2"), 2, &[&tp2[..], &EP2].concat());
     assert_close(&tp, &ep, "EP 2 x TP 2 on 2 ranks");
+}
+
+/// EP 2 x CP 2 on 2 ranks (the ep group is the cp group: each rank routes the tokens of its part
+/// of every sequence, its 4 experts get tokens from both) follows CP 2, at seq 256.
+#[test]
+fn expert_parallel_with_context_parallel_follows_context_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let cp2 = [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--training.seq_len",
+        "256",
+    ];
+    let cp = train(&dir.path().join("cp2"), 2, &cp2);
+    assert_eq!(cp.len(), STEPS, "{cp:?}");
+    let ep = train(&dir.path().join("cp2ep2"), 2, &[&cp2[..], &EP2].concat());
+    assert_close(&cp, &ep, "EP 2 x CP 2 on 2 ranks");
 }
 
 /// HSDP 2 x 2 with EP 2: the experts' gradients also summed over the replicas (two more 4-rank
@@ -252,7 +271,7 @@ fn expert_parallel_checkpoints_resume_across_layouts() {
 fn expert_parallel_refusals_name_their_key() {
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("never");
-    let cases: [(usize, &[&str], &str, &str); 5] = [
+    let cases: [(usize, &[&str], &str, &str); 4] = [
         (
             2,
             &["--parallelism.expert_parallel_degree", "4"],
@@ -271,17 +290,6 @@ fn expert_parallel_refusals_name_their_key() {
             ],
             "parallelism.expert_parallel_degree",
             "has no mixture-of-experts layers",
-        ),
-        (
-            2,
-            &[
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--parallelism.context_parallel_degree",
-                "2",
-            ],
-            "parallelism.context_parallel_degree",
-            "not built yet",
         ),
         (
             2,

@@ -81,9 +81,9 @@ fn check_family(cfg: &JobConfig, args: &ModelArgs, world: &Mesh) -> Result<(), C
     Ok(())
 }
 
-/// Expert parallelism splits each MoE layer's routed experts evenly over `ep` ranks, with FSDP
-/// (and HSDP) over the rest of `dp_shard`; the layouts titan-train does not build with it yet
-/// are refused naming their key.
+/// Expert parallelism splits each MoE layer's routed experts evenly over `ep` ranks borrowed
+/// from `dp_shard x cp x tp`, with FSDP over the rest (`efsdp`) and HSDP's replicas; what it
+/// cannot split is refused naming its key.
 pub fn check_expert_parallel(
     cfg: &JobConfig,
     args: &ModelArgs,
@@ -106,17 +106,6 @@ pub fn check_expert_parallel(
         return Err(ConfigError::invalid(
             key,
             format!("{ep} does not divide {model}'s {experts} routed experts"),
-        ));
-    }
-    let cp = world.cp;
-    if cp > 1 {
-        return Err(ConfigError::invalid(
-            "parallelism.context_parallel_degree",
-            format!(
-                "{cp} with {key} = {ep}: titan-train splits experts over ranks of \
-                 data_parallel_shard_degree and tensor_parallel_degree so far; expert \
-                 parallelism with context parallelism is not built yet"
-            ),
         ));
     }
     // Under EP x TP each tp rank routes its own block of the sequence.
