@@ -65,10 +65,11 @@ impl MoeBuffers {
 }
 
 /// The MoE feed-forward of `x` (B, S, D): the routed experts' outputs added per token, plus the
-/// shared experts' output when there are shared experts (added after, as torchtitan). The
-/// routed experts run through `ops` (where expert parallelism sends tokens to them). With
-/// `count`, the tokens sent to each expert are added to its `tokens_per_expert` (a training
-/// forward pass; not its recompute in backward, which would count them twice).
+/// shared experts' output when there are shared experts (added after, as torchtitan). Which
+/// tokens are routed here and the routed experts run through `ops` (where expert parallelism
+/// sends tokens to them, and may route only a block of `x` on each rank). With `count`, the
+/// tokens sent to each expert are added to its `tokens_per_expert` (a training forward pass;
+/// not its recompute in backward, which would count them twice).
 pub(super) fn forward(
     x: &Tensor,
     weights: &MoeWeights,
@@ -78,7 +79,7 @@ pub(super) fn forward(
     ops: &dyn super::Ops,
 ) -> Tensor {
     let seq_len = x.size()[1];
-    // The tokens this process routes (under EP x TP its block of the sequence).
+    // The tokens this process routes: all of `x`, or the block of it `ops` gives it.
     let x_routed = ops.routed_tokens(x);
     let (b, s, d) = x_routed.size3().expect("hidden states are (B, S, dim)");
     let (k, tokens) = (args.top_k, b * s);

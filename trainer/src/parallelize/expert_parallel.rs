@@ -20,6 +20,8 @@
 //! expert's gradient sums the tokens every rank sent it: whole on its rank, with no reduction
 //! over `ep` (FSDP reduces it over `efsdp` only).
 
+use std::sync::Arc;
+
 use tch::{Kind, Tensor};
 use titan_obs_core::vocab::moe as moe_names;
 
@@ -32,11 +34,17 @@ use crate::host_sync;
 #[derive(Clone)]
 pub struct ExpertParallel {
     group: Group,
+    /// The group's global ranks, for a failed exchange's message.
+    members: Arc<[usize]>,
 }
 
 impl ExpertParallel {
-    pub fn new(group: Group) -> Self {
-        ExpertParallel { group }
+    /// Over `group`, whose ranks are the global ranks `members` (in group order).
+    pub fn new(group: Group, members: Vec<usize>) -> Self {
+        ExpertParallel {
+            group,
+            members: members.into(),
+        }
     }
 
     pub fn size(&self) -> usize {
@@ -92,6 +100,7 @@ impl ExpertParallel {
         exchanged(
             layer,
             "token counts",
+            &self.members,
             self.group.all_to_all(&received, &sent, &blocks, &blocks),
         );
         let counts = host_sync::read_f64s(
@@ -111,6 +120,7 @@ impl ExpertParallel {
                 input_splits: input_splits.clone(),
                 layer,
                 what: ["token dispatch", "token dispatch's gradients"],
+                members: self.members.clone(),
             },
             &[routed],
             1,
@@ -138,6 +148,7 @@ impl ExpertParallel {
                 input_splits: output_splits,
                 layer,
                 what: ["combine of the experts' outputs", "combine's gradients"],
+                members: self.members.clone(),
             },
             &[&back],
             1,
@@ -180,6 +191,8 @@ struct AllToAll {
     /// The MoE layer, and what the exchange is in forward and in backward (for a failure).
     layer: Option<usize>,
     what: [&'static str; 2],
+    /// The ep group's global ranks.
+    members: Arc<[usize]>,
 }
 
 impl Function for AllToAll {
@@ -207,6 +220,7 @@ impl AllToAll {
         exchanged(
             self.layer,
             self.what[pass],
+            &self.members,
             self.group.all_to_all(&out, &x, output_splits, input_splits),
         );
         out
@@ -214,12 +228,18 @@ impl AllToAll {
 }
 
 /// A failed all-to-all of expert parallelism fails the step (as [`ok`] does) with the
-/// collective's error — the rank at fault — and which exchange of which MoE layer it was: a
-/// hung peer otherwise reads as an anonymous `all_to_all_single`.
-fn exchanged(layer: Option<usize>, what: &str, result: Result<(), CommError>) {
+/// collective's error — the rank at fault — and which exchange of which MoE layer it was, over
+/// which ranks (`members`, global): a hung peer otherwise reads as an anonymous
+/// `all_to_all_single`.
+fn exchanged(layer: Option<usize>, what: &str, members: &[usize], result: Result<(), CommError>) {
     if let Err(e) = result {
         let layer = layer.map_or_else(|| "a MoE layer".to_string(), |l| format!("MoE layer {l}"));
-        panic!("{e}\n  in {layer}'s {what} (expert parallelism's all-to-all over its ep group)");
+        let ranks: Vec<String> = members.iter().map(usize::to_string).collect();
+        panic!(
+            "{e}\n  in {layer}'s {what} (expert parallelism's all-to-all over the ep group of \
+             ranks {})",
+            ranks.join(", ")
+        );
     }
 }
 
@@ -306,7 +326,7 @@ mod tests {
     /// exchange it was in.
     #[test]
     fn a_hung_all_to_all_names_its_layer() {
-        let ep = ExpertParallel::new(Group::new(Box::new(Unanswered)));
+        let ep = ExpertParallel::new(Group::new(Box::new(Unanswered)), vec![4, 5]);
         let routed = Tensor::zeros([4, 2], (Kind::Float, tch::Device::Cpu));
         let counts = Tensor::from_slice(&[1i64, 1, 1, 1]);
         let panic = std::panic::catch_unwind(|| {
@@ -317,7 +337,8 @@ mod tests {
         assert!(
             message.contains("rank 0: rank 1 made no progress")
                 && message.contains("all_to_all_single")
-                && message.contains("MoE layer 3's token counts"),
+                && message.contains("MoE layer 3's token counts")
+                && message.contains("over the ep group of ranks 4, 5"),
             "{message}"
         );
     }
@@ -325,7 +346,7 @@ mod tests {
     /// Alone, the experts run over the tokens as they are.
     #[test]
     fn one_rank_runs_its_experts_in_place() {
-        let ep = ExpertParallel::new(Group::solo());
+        let ep = ExpertParallel::new(Group::solo(), vec![0]);
         let routed = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).view([3, 1]);
         let counts = Tensor::from_slice(&[2i64, 1]);
         let out = ep.routed_experts(None, &routed, &counts, &|t, c| {

@@ -252,7 +252,7 @@ impl ParallelPlan {
                 reduce_kind,
                 reductions: reductions.clone(),
             },
-            ep: expert_parallel::ExpertParallel::new(mesh.ep.clone()),
+            ep: expert_parallel::ExpertParallel::new(mesh.ep.clone(), mesh.mesh.ep_members()),
             expert_fsdp: fsdp::FsdpMesh {
                 shard: mesh.efsdp.clone(),
                 replicate: mesh.dp_replicate.clone(),
