@@ -118,14 +118,34 @@ fn expert_parallel_follows_fsdp() {
 /// sequence, its 4 experts get tokens from both, the shared experts and attention split as
 /// under TP) follows TP 2 (every rank routing every token through its half of every expert's
 /// hidden features), with sequence parallelism as torchtitan's default.
+/// titan-obs counts each token a layer routes once on both: every tp rank routes the same
+/// tokens under TP (one records them), its own block under EP x TP.
 #[test]
 fn expert_parallel_with_tensor_parallel_follows_tensor_parallel() {
     let dir = tempfile::tempdir().unwrap();
-    let tp2 = ["--parallelism.tensor_parallel_degree", "2"];
-    let tp = train(&dir.path().join("tp2"), 2, &tp2);
-    assert_eq!(tp.len(), STEPS, "{tp:?}");
-    let ep = train(&dir.path().join("tp2ep2"), 2, &[&tp2[..], &EP2].concat());
-    assert_close(&tp, &ep, "EP 2 x TP 2 on 2 ranks");
+    let dumps = ep2_follows(
+        dir.path(),
+        2,
+        &["--parallelism.tensor_parallel_degree", "2"],
+    );
+    for dump in dumps {
+        let o = run_ok(
+            std::process::Command::new(titan_tests::bin("titan-obs"))
+                .args(["summary", "--json"])
+                .arg(&dump),
+        );
+        let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let layers = s["experts"].as_array().expect("an experts section");
+        assert_eq!(layers.len(), 5, "{dump:?}: {layers:?}");
+        // One data-parallel rank: b2 x s128 tokens a step, each to 3 experts, every step logged.
+        for l in layers {
+            assert_eq!(
+                l["tokens"].as_f64(),
+                Some((STEPS * 2 * 128 * 3) as f64),
+                "{dump:?}: {l}"
+            );
+        }
+    }
 }
 
 /// EP 2 x CP 2 on 2 ranks (the ep group is the cp group: each rank routes the tokens of its part
@@ -141,10 +161,7 @@ fn expert_parallel_with_context_parallel_follows_context_parallel() {
         "--training.seq_len",
         "256",
     ];
-    let cp = train(&dir.path().join("cp2"), 2, &cp2);
-    assert_eq!(cp.len(), STEPS, "{cp:?}");
-    let ep = train(&dir.path().join("cp2ep2"), 2, &[&cp2[..], &EP2].concat());
-    assert_close(&cp, &ep, "EP 2 x CP 2 on 2 ranks");
+    ep2_follows(dir.path(), 2, &cp2);
 }
 
 /// HSDP 2 x 2 with EP 2: the experts' gradients also summed over the replicas (two more 4-rank
@@ -159,9 +176,22 @@ fn expert_parallel_under_hsdp_follows_hsdp() {
         "--parallelism.data_parallel_shard_degree",
         "2",
     ];
-    let hsdp_run = train(&dir.path().join("hsdp"), 4, &hsdp);
-    let hsdp_ep = train(&dir.path().join("hsdp_ep2"), 4, &[&hsdp[..], &EP2].concat());
-    assert_close(&hsdp_run, &hsdp_ep, "HSDP 2 x 2 with EP 2");
+    ep2_follows(dir.path(), 4, &hsdp);
+}
+
+/// Trains `layout` on `nproc` ranks, then the same with EP 2, in folders under `dir`; EP's
+/// losses and grad norms must follow the layout's. Returns the two dump folders.
+fn ep2_follows(dir: &Path, nproc: usize, layout: &[&str]) -> [std::path::PathBuf; 2] {
+    let dumps = [dir.join("without_ep"), dir.join("with_ep2")];
+    let without = train(&dumps[0], nproc, layout);
+    assert_eq!(without.len(), STEPS, "{layout:?}: {without:?}");
+    let with = train(&dumps[1], nproc, &[layout, &EP2].concat());
+    assert_close(
+        &without,
+        &with,
+        &format!("EP 2 with {layout:?} on {nproc} ranks"),
+    );
+    dumps
 }
 
 #[test]

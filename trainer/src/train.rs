@@ -1101,18 +1101,15 @@ fn forward_pass(step: u64, f: impl FnOnce() -> Tensor) -> Result<Tensor> {
 
 /// Sums over the tp ranks the gradients that are partial there: every replicated weight's under
 /// sequence parallelism (each rank normalised its part of the sequence), and on every tp layout
-/// those applied to a rank's own heads (qwen3's q/k norms). Not the routed experts' under expert
-/// parallelism: not split over tp, but not replicated there either (the tp ranks of an `ep`
-/// group hold different experts).
+/// those applied to a rank's own heads (qwen3's q/k norms); only of weights the tp ranks hold
+/// alike ([`crate::parallelize::Placement::tp_replicated`]: not expert parallelism's experts).
 fn reduce_partial_grads(mesh: &DeviceMesh, model: &ParallelModel) -> Result<()> {
     let sequence_parallel = model.sequence_parallel();
     let grads: Vec<Tensor> = model
         .named_parameters()
         .iter()
         .zip(model.placements())
-        .filter(|(_, p)| {
-            !p.expert_parallel && p.tp_dim.is_none() && (sequence_parallel || p.tp_partial_grad)
-        })
+        .filter(|(_, p)| p.tp_replicated() && (sequence_parallel || p.tp_partial_grad))
         .map(|((_, t), _)| t.grad())
         .filter(|g| g.defined())
         .collect();

@@ -68,41 +68,50 @@ struct Hosting {
     layers: BTreeMap<u32, BTreeSet<u32>>,
 }
 
-impl Hosting {
-    /// From the recorded first experts and experts per rank (nothing hosted when fewer than
-    /// one per rank was recorded: no expert parallelism) and the held layers.
-    fn new(first: BTreeMap<u32, f64>, per_rank: f64, layers: BTreeMap<u32, BTreeSet<u32>>) -> Self {
-        if per_rank < 1.0 {
-            return Self::default();
-        }
-        let experts = first
-            .into_iter()
-            .filter(|(_, f)| f.is_finite() && *f >= 0.0)
-            .map(|(rank, f)| (rank, (f as u32, per_rank as u32)))
-            .collect();
-        Self { experts, layers }
-    }
+/// The hosting scalars of a run as they are read, for [`Hosting`].
+#[derive(Default)]
+struct HostingScalars {
+    first: BTreeMap<u32, f64>,
+    per_rank: f64,
+    layers: BTreeMap<u32, BTreeSet<u32>>,
+}
 
-    /// Reads one scalar's name and largest value into `first`, `per_rank` or `layers`.
-    fn read(
-        name: &str,
-        value: f64,
-        first: &mut BTreeMap<u32, f64>,
-        per_rank: &mut f64,
-        layers: &mut BTreeMap<u32, BTreeSet<u32>>,
-    ) -> bool {
+impl HostingScalars {
+    /// Takes scalar `name`'s (largest) `value` if it is a hosting scalar; returns whether it was.
+    fn read(&mut self, name: &str, value: f64) -> bool {
         if let Some(rank) = moe::parse_first_expert(name) {
-            first.insert(rank, value);
+            self.first.insert(rank, value);
         } else if name == moe::EXPERTS_PER_RANK {
-            *per_rank = per_rank.max(value);
+            self.per_rank = self.per_rank.max(value);
         } else if let Some((rank, layer)) = moe::parse_held_layer(name) {
-            layers.entry(rank).or_default().insert(layer);
+            self.layers.entry(rank).or_default().insert(layer);
         } else {
             return false;
         }
         true
     }
 
+    /// Where the experts live (nothing hosted when fewer than one per rank was recorded: no
+    /// expert parallelism).
+    fn hosting(self) -> Hosting {
+        if self.per_rank < 1.0 {
+            return Hosting::default();
+        }
+        let per_rank = self.per_rank as u32;
+        let experts = self
+            .first
+            .into_iter()
+            .filter(|(_, f)| f.is_finite() && *f >= 0.0)
+            .map(|(rank, f)| (rank, (f as u32, per_rank)))
+            .collect();
+        Hosting {
+            experts,
+            layers: self.layers,
+        }
+    }
+}
+
+impl Hosting {
     /// (rank, first, count) of every rank hosting experts of `layer`.
     fn of_layer(&self, layer: u32) -> impl Iterator<Item = (u32, u32, u32)> + '_ {
         self.experts
@@ -122,9 +131,7 @@ impl Hosting {
 
 /// Under expert parallelism: where each rank that recorded it hosts its experts.
 fn hosted_experts(lines: &Lines, names: &[String]) -> Hosting {
-    let mut first: BTreeMap<u32, f64> = BTreeMap::new();
-    let mut per_rank = 0.0f64;
-    let mut layers: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+    let mut scalars = HostingScalars::default();
     for (_, accs) in lines.0.values() {
         for (&(name, reduce), acc) in accs {
             if reduce != Reduce::Max {
@@ -133,16 +140,10 @@ fn hosted_experts(lines: &Lines, names: &[String]) -> Hosting {
             let Some(n) = names.get(name as usize) else {
                 continue;
             };
-            Hosting::read(
-                n,
-                acc.get(Reduce::Max),
-                &mut first,
-                &mut per_rank,
-                &mut layers,
-            );
+            scalars.read(n, acc.get(Reduce::Max));
         }
     }
-    Hosting::new(first, per_rank, layers)
+    scalars.hosting()
 }
 
 /// Per layer: the wait caused by ranks late from its experts' span, and the rank that caused
@@ -322,13 +323,11 @@ impl HostLoads {
     /// From `(name, [(step, value)])` series; empty when the run did not record where its
     /// experts live (no expert parallelism, or every rank hosts every expert).
     pub fn from_series<'a>(series: impl IntoIterator<Item = (&'a str, &'a [(u64, f64)])>) -> Self {
-        let mut first: BTreeMap<u32, f64> = BTreeMap::new();
-        let mut per_rank = 0.0f64;
-        let mut layers: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        let mut scalars = HostingScalars::default();
         let mut tokens: BTreeMap<u32, BTreeMap<u64, BTreeMap<u32, f64>>> = BTreeMap::new();
         for (name, points) in series {
             let largest = points.iter().map(|p| p.1).fold(f64::NAN, f64::max);
-            if Hosting::read(name, largest, &mut first, &mut per_rank, &mut layers) {
+            if scalars.read(name, largest) {
                 continue;
             }
             if let Some((layer, expert)) = moe::parse(name) {
@@ -339,7 +338,7 @@ impl HostLoads {
             }
         }
         let mut by_host: BTreeMap<(u32, u32), Vec<(u64, HostLoad)>> = BTreeMap::new();
-        let hosted = Hosting::new(first, per_rank, layers);
+        let hosted = scalars.hosting();
         for (layer, steps) in &tokens {
             let experts = steps
                 .values()
@@ -426,27 +425,29 @@ mod tests {
     /// EP 2 x efsdp 2 on 4 ranks, 8 experts: ranks 0 and 2 host 0..4, ranks 1 and 3 host 4..8.
     #[test]
     fn hosts_are_the_ranks_whose_range_holds_the_expert() {
-        let first = [(0, 0.0), (1, 4.0), (2, 0.0), (3, 4.0)].into();
-        let hosted = Hosting::new(first, 4.0, BTreeMap::new());
+        let hosting = |first: &[(usize, f64)], per_rank| {
+            let mut scalars = HostingScalars::default();
+            for &(rank, f) in first {
+                assert!(scalars.read(moe::first_expert_scalar(rank), f));
+            }
+            assert!(scalars.read(moe::EXPERTS_PER_RANK, per_rank));
+            scalars.hosting()
+        };
+        let hosted = hosting(&[(0, 0.0), (1, 4.0), (2, 0.0), (3, 4.0)], 4.0);
         assert_eq!(hosted.hosts_of(5, 1), vec![1, 3]);
         assert_eq!(hosted.hosts_of(3, 7), vec![0, 2]);
         assert_eq!(hosted.hosts_of(8, 1), Vec::<u32>::new());
         assert_eq!(Hosting::default().hosts_of(0, 1), Vec::<u32>::new());
         // Fewer than one expert per rank recorded: no expert parallelism, no hosts.
-        let first = [(0, 0.0), (1, 4.0)].into();
-        assert_eq!(
-            Hosting::new(first, 0.0, BTreeMap::new()),
-            Hosting::default()
-        );
+        assert_eq!(hosting(&[(0, 0.0), (1, 4.0)], 0.0), Hosting::default());
     }
 
     /// PP 2 x EP 2 on 4 ranks, 8 experts: ranks 0 and 1 hold MoE layers 1 and 2 (stage 0),
     /// ranks 2 and 3 layers 3 to 5 (stage 1); ranks 1 and 3 host experts 4..8.
     #[test]
     fn under_pipeline_parallelism_hosts_are_ranks_holding_the_layer() {
-        let (mut first, mut per_rank, mut layers) = (BTreeMap::new(), 0.0, BTreeMap::new());
-        let mut read =
-            |name: &str, v: f64| Hosting::read(name, v, &mut first, &mut per_rank, &mut layers);
+        let mut scalars = HostingScalars::default();
+        let mut read = |name: &str, v: f64| scalars.read(name, v);
         for (rank, expert) in [(0, 0.0), (1, 4.0), (2, 0.0), (3, 4.0)] {
             assert!(read(moe::first_expert_scalar(rank), expert));
             let held = if rank < 2 { 1..3 } else { 3..6 };
@@ -456,7 +457,7 @@ mod tests {
         }
         assert!(read(moe::EXPERTS_PER_RANK, 4.0));
         assert!(!read(moe::tokens_scalar(1, 5), 3.0));
-        let hosted = Hosting::new(first, per_rank, layers);
+        let hosted = scalars.hosting();
         assert_eq!(hosted.hosts_of(5, 1), vec![1]);
         assert_eq!(hosted.hosts_of(5, 4), vec![3]);
         assert_eq!(hosted.hosts_of(2, 3), vec![2]);

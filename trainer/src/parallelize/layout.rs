@@ -108,14 +108,16 @@ pub fn check_expert_parallel(
             format!("{ep} does not divide {model}'s {experts} routed experts"),
         ));
     }
-    // Under EP x TP each tp rank routes its own block of the sequence.
-    let (tp, seq_len) = (world.tp, cfg.training.seq_len as usize);
-    if tp > 1 && !seq_len.is_multiple_of(tp) {
+    // Under EP x TP each tp rank routes its own block of its (context-parallel) part of the
+    // sequence.
+    let (tp, cp, seq_len) = (world.tp, world.cp, cfg.training.seq_len as usize);
+    if tp > 1 && !seq_len.is_multiple_of(tp * cp) {
         return Err(ConfigError::invalid(
             "training.seq_len",
             format!(
-                "{seq_len} does not divide into parallelism.tensor_parallel_degree = {tp} \
-                 blocks: with {key} = {ep} each tp rank routes its own block of the sequence"
+                "{seq_len} does not divide into parallelism.tensor_parallel_degree = {tp} x \
+                 context_parallel_degree = {cp} blocks: with {key} = {ep} each tp rank routes \
+                 its own block of the sequence"
             ),
         ));
     }

@@ -188,6 +188,12 @@ pub struct Placement {
 }
 
 impl Placement {
+    /// Whether every tp rank holds the same values (not split over tp, and not one of expert
+    /// parallelism's blocks, which the tp ranks of an `ep` group hold different ones of).
+    pub fn tp_replicated(&self) -> bool {
+        self.tp_dim.is_none() && !self.expert_parallel
+    }
+
     /// Whether the local part is the whole tensor.
     pub fn is_whole(&self) -> bool {
         self.local == self.global
