@@ -83,6 +83,11 @@ pub mod collective {
     pub const BROADCAST: &str = "broadcast";
     /// torch.distributed's all-to-all with splits (expert parallelism's token exchange).
     pub const ALL_TO_ALL: &str = "all_to_all_single";
+    /// A batch of point-to-point sends and receives (torch's `batch_isend_irecv`: the
+    /// pipeline's transfers). Not in [`ALL`]: its ranks are the batch's peers, not a whole
+    /// group, so it is not matched across ranks as a call (the pipeline section reads the
+    /// waits for it from `pipeline_recv`).
+    pub const SEND_RECV: &str = "batch_isend_irecv";
     pub const ALL: [&str; 5] = [
         ALL_REDUCE,
         REDUCE_SCATTER,
@@ -98,6 +103,8 @@ pub mod collective {
     pub const ALL_GATHER_BYTES: &str = "comm/all_gather_bytes";
     pub const BROADCAST_BYTES: &str = "comm/broadcast_bytes";
     pub const ALL_TO_ALL_BYTES: &str = "comm/all_to_all_single_bytes";
+    /// The bytes a batch sends.
+    pub const SEND_RECV_BYTES: &str = "comm/batch_isend_irecv_bytes";
 
     /// Whether a span name is one of the collectives.
     pub fn is_collective(name: &str) -> bool {
@@ -112,6 +119,7 @@ pub mod collective {
             ALL_GATHER => ALL_GATHER_BYTES,
             BROADCAST => BROADCAST_BYTES,
             ALL_TO_ALL => ALL_TO_ALL_BYTES,
+            SEND_RECV => SEND_RECV_BYTES,
             _ => return None,
         })
     }

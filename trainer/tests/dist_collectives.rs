@@ -1,5 +1,6 @@
 //! The cpu backend's collectives on 2 and 4 processes: sum/max all_reduce, reduce_scatter,
-//! all_gather, broadcast, all_to_all_single (uneven splits, empty blocks) and barrier on sizes that do not divide evenly into chunks or segments,
+//! all_gather, broadcast, all_to_all_single (uneven splits, empty blocks), batch_isend_irecv
+//! (sends and receives between ring neighbours) and barrier on sizes that do not divide evenly into chunks or segments,
 //! several dtypes and non-contiguous tensors; and failures: a killed or hung rank makes the
 //! others fail within the timeout with an error naming it.
 
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use dist_common::*;
 use tch::{Kind, Tensor};
-use titan_train::distributed::ReduceOp;
+use titan_train::distributed::{P2pOp, ReduceOp};
 
 /// A value every rank can recompute: small integers, so float sums are exact.
 fn val(rank: usize, i: i64) -> f64 {
@@ -173,6 +174,37 @@ fn collectives_worker() {
         err.contains("input splits") && err.contains("add up to"),
         "{err}"
     );
+    // batch_isend_irecv between ring neighbours: a send to and a receive from each in one
+    // batch, several dtypes, a receive into a transposed (non-contiguous) view.
+    let peers: Vec<usize> = if w == 2 {
+        vec![1 - r]
+    } else {
+        vec![(r + 1) % w, (r + w - 1) % w]
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Int64] {
+        let sent: Vec<Tensor> = peers
+            .iter()
+            .map(|&p| input(r * 10 + p, 41 * 121, kind))
+            .collect();
+        let bases: Vec<Tensor> = peers
+            .iter()
+            .map(|_| Tensor::zeros([41, 122], (kind, tch::Device::Cpu)))
+            .collect();
+        let views: Vec<Tensor> = bases.iter().map(|b| b.narrow(1, 0, 121).tr()).collect();
+        let mut batch = Vec::new();
+        for ((&peer, s), v) in peers.iter().zip(&sent).zip(&views) {
+            batch.push(P2pOp::Send { tensor: s, peer });
+            batch.push(P2pOp::Recv { tensor: v, peer });
+        }
+        g.send_recv(&batch).unwrap();
+        for (&peer, v) in peers.iter().zip(&views) {
+            assert_same(
+                &format!("batch_isend_irecv {kind:?} on rank {r} from {peer}"),
+                &v.reshape([-1]),
+                &input(peer * 10 + r, 41 * 121, kind),
+            );
+        }
+    }
     g.barrier().unwrap();
     // A sub-group of the even ranks next to the world group.
     if w == 4 {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 use titan_train::distributed::comm::{CollectiveOp, Issued, QueuedWork};
 use titan_train::distributed::nccl::NcclGroup;
-use titan_train::distributed::{Collectives, ReduceOp};
+use titan_train::distributed::{Collectives, P2pOp, ReduceOp};
 
 fn gpu() -> Device {
     assert!(
@@ -70,6 +70,20 @@ fn every_collective_on_a_one_rank_communicator() {
         let t = x.copy();
         g.broadcast(&t, 0).unwrap();
         assert_eq!(host(&t), want, "broadcast {kind:?}");
+        // The pipeline's batch (ncclSend and ncclRecv in one group), to this rank itself.
+        let out = filled();
+        let batch = [
+            P2pOp::Send {
+                tensor: &x,
+                peer: 0,
+            },
+            P2pOp::Recv {
+                tensor: &out,
+                peer: 0,
+            },
+        ];
+        g.send_recv(&batch).unwrap();
+        assert_eq!(host(&out), want, "batch_isend_irecv {kind:?}");
     }
     g.barrier().unwrap();
     // What NCCL cannot do is refused before it is asked, naming why.

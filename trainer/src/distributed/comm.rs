@@ -3,8 +3,10 @@
 //! Semantics follow torch.distributed: `all_reduce` works in place; `reduce_scatter` and
 //! `all_gather` split a flat buffer into `size()` equal chunks in rank order (callers pad, as
 //! FSDP does); `broadcast` copies the root's tensor into everyone's; `all_to_all` sends each rank
-//! its own run of rows, of any length (expert parallelism's token exchange). A failed collective leaves
-//! the group unusable: training stops with the error.
+//! its own run of rows, of any length (expert parallelism's token exchange); `send_recv` runs a
+//! batch of point-to-point sends and receives together (torch's `batch_isend_irecv`: the
+//! pipeline's transfers). A failed collective leaves the group unusable: training stops with
+//! the error.
 
 use std::io;
 use std::time::Duration;
@@ -82,6 +84,34 @@ impl CommError {
     }
 }
 
+/// One point-to-point transfer of a [`Collectives::send_recv`] batch: torch's `P2POp`. `peer`
+/// is a rank of the group; the k-th send from rank a to rank b pairs with the k-th receive of
+/// rank b from rank a, whatever batches they are in, and the two tensors must have the same
+/// byte size.
+#[derive(Clone, Copy)]
+pub enum P2pOp<'a> {
+    Send { tensor: &'a Tensor, peer: usize },
+    Recv { tensor: &'a Tensor, peer: usize },
+}
+
+impl<'a> P2pOp<'a> {
+    pub fn tensor(&self) -> &'a Tensor {
+        match *self {
+            P2pOp::Send { tensor, .. } | P2pOp::Recv { tensor, .. } => tensor,
+        }
+    }
+
+    pub fn peer(&self) -> usize {
+        match *self {
+            P2pOp::Send { peer, .. } | P2pOp::Recv { peer, .. } => peer,
+        }
+    }
+
+    pub fn is_send(&self) -> bool {
+        matches!(self, P2pOp::Send { .. })
+    }
+}
+
 /// One collective of a group, as [`Collectives::queue`] takes it.
 #[derive(Clone, Copy)]
 pub enum CollectiveOp<'a> {
@@ -108,6 +138,9 @@ pub enum CollectiveOp<'a> {
         output_splits: &'a [usize],
         input_splits: &'a [usize],
     },
+    SendRecv {
+        ops: &'a [P2pOp<'a>],
+    },
 }
 
 impl CollectiveOp<'_> {
@@ -119,12 +152,14 @@ impl CollectiveOp<'_> {
             CollectiveOp::AllGather { .. } => "all_gather",
             CollectiveOp::Broadcast { .. } => "broadcast",
             CollectiveOp::AllToAll { .. } => "all_to_all_single",
+            CollectiveOp::SendRecv { .. } => "batch_isend_irecv",
         }
     }
 
     /// The bytes this rank passes in (a reduce-scatter's or all-gather's input, the tensor of
-    /// the others): what titan-obs's `*_bytes` scalars count.
+    /// the others, a batch's sends): what titan-obs's `*_bytes` scalars count.
     pub fn input_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         let t = match self {
             CollectiveOp::AllReduce { tensor, .. } | CollectiveOp::Broadcast { tensor, .. } => {
                 tensor
@@ -132,8 +167,15 @@ impl CollectiveOp<'_> {
             CollectiveOp::ReduceScatter { input, .. }
             | CollectiveOp::AllGather { input, .. }
             | CollectiveOp::AllToAll { input, .. } => input,
+            CollectiveOp::SendRecv { ops } => {
+                return ops
+                    .iter()
+                    .filter(|op| op.is_send())
+                    .map(|op| bytes(op.tensor()))
+                    .sum();
+            }
         };
-        t.numel() * t.kind().elt_size_in_bytes()
+        bytes(t)
     }
 
     /// Runs it with `c`'s blocking call.
@@ -151,6 +193,7 @@ impl CollectiveOp<'_> {
                 output_splits,
                 input_splits,
             } => c.all_to_all(output, input, output_splits, input_splits),
+            CollectiveOp::SendRecv { ops } => c.send_recv(ops),
         }
     }
 }
@@ -216,6 +259,11 @@ pub trait Collectives: Send {
         output_splits: &[usize],
         input_splits: &[usize],
     ) -> Result<(), CommError>;
+    /// torch.distributed's `batch_isend_irecv`, waited for: runs `ops` together, so no send of
+    /// the batch waits for a receive issued after it (a send may wait for its receiver; see
+    /// [`P2pOp`] for how transfers pair). Returns once every receive has its data and every
+    /// send's tensor may be reused.
+    fn send_recv(&mut self, ops: &[P2pOp<'_>]) -> Result<(), CommError>;
     /// Returns once every rank of the group has called it.
     fn barrier(&mut self) -> Result<(), CommError>;
 
@@ -265,6 +313,17 @@ pub(crate) fn check_split(
         });
     }
     Ok(s)
+}
+
+/// Checks a point-to-point batch's peers against a group of `size` ranks.
+pub(crate) fn check_peers(ops: &[P2pOp<'_>], size: usize) -> Result<(), CommError> {
+    match ops.iter().find(|op| op.peer() >= size) {
+        Some(op) => Err(CommError::BadArgument {
+            op: "batch_isend_irecv",
+            message: format!("peer {} is not a rank of this group of {size}", op.peer()),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Checks an all-to-all's arguments: a split per rank, splits that add up to each tensor's rows,

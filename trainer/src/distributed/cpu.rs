@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 
-use super::comm::{Collectives, CommError, ReduceOp, check_all_to_all, check_split};
+use super::comm::{
+    Collectives, CommError, P2pOp, ReduceOp, check_all_to_all, check_peers, check_split,
+};
 use super::connect::{SocketOptions, connect_ring};
 use super::elem::Elem;
 use super::failure::{FAILURE_KEY, FailureBoard, Posted};
@@ -225,6 +227,58 @@ impl Collectives for CpuGroup {
                 .all_to_all(out, &out_bytes, input_bytes, &in_bytes)
         });
         r.map_err(|e| self.report(e))
+    }
+
+    fn send_recv(&mut self, ops: &[P2pOp<'_>]) -> Result<(), CommError> {
+        const OP: &str = "batch_isend_irecv";
+        check_peers(ops, self.size())?;
+        // Host, contiguous tensors the ring reads and writes: the caller's own where it can,
+        // else a staging copy (a CUDA tensor goes through host memory, as gloo stages it).
+        let staged: Vec<Tensor> = ops
+            .iter()
+            .map(|op| {
+                let t = op.tensor();
+                match (t.device().is_cuda(), op.is_send()) {
+                    (true, true) => crate::host_sync::to_host(t, OP),
+                    (false, _) if t.is_contiguous() => t.shallow_clone(),
+                    (false, true) => t.contiguous(),
+                    (_, false) => Tensor::empty(t.size(), (t.kind(), tch::Device::Cpu)),
+                }
+            })
+            .collect();
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let mut sends: Vec<(usize, &[u8])> = Vec::new();
+        let mut recvs: Vec<(usize, &mut [u8])> = Vec::new();
+        for (op, t) in ops.iter().zip(&staged) {
+            let len = bytes(t);
+            let ptr = t.data_ptr().cast::<u8>();
+            if op.is_send() {
+                // SAFETY: a contiguous host tensor of `len` bytes, alive for this call, only read.
+                let data = if len == 0 {
+                    &[][..]
+                } else {
+                    unsafe { std::slice::from_raw_parts(ptr, len) }
+                };
+                sends.push((op.peer(), data));
+            } else {
+                // SAFETY: a contiguous host tensor of `len` bytes that this call borrows
+                // exclusively (the receive writes it, as torch's does).
+                let data = if len == 0 {
+                    &mut [][..]
+                } else {
+                    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+                };
+                recvs.push((op.peer(), data));
+            }
+        }
+        let r = self.ring.send_recv(&sends, &mut recvs);
+        r.map_err(|e| self.report(e))?;
+        for (op, t) in ops.iter().zip(&staged) {
+            if !op.is_send() && t.data_ptr() != op.tensor().data_ptr() {
+                op.tensor().shallow_clone().copy_(t);
+            }
+        }
+        Ok(())
     }
 
     fn barrier(&mut self) -> Result<(), CommError> {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use tch::{Device, Kind, Tensor};
 use titan_obs_core::Reduce;
 
-use super::comm::{CollectiveOp, Collectives, CommError, Issued, QueuedWork, ReduceOp};
+use super::comm::{CollectiveOp, Collectives, CommError, Issued, P2pOp, QueuedWork, ReduceOp};
 use super::runtime::Dist;
 use crate::parallel::{Dim, Mesh, RankSync};
 
@@ -345,20 +345,29 @@ impl Group {
         })
     }
 
-    /// [`Group::broadcast`] on a background thread, after the collectives issued before it: a
-    /// pipeline stage's send (the group of two ranks at a stage boundary). The tensor must stay
-    /// untouched until [`Pending::wait`] returns.
-    pub fn broadcast_async(&self, t: &Tensor, root: usize) -> Pending {
+    /// [`Collectives::send_recv`] (torch's `batch_isend_irecv`) on a background thread, or
+    /// queued on the device, after the collectives issued before it: the pipeline's transfers.
+    /// `ops` are (tensor, peer, is a send); the tensors must stay untouched (a receive's
+    /// unread) until [`Pending::wait`] returns.
+    pub fn send_recv_async(&self, ops: &[(Tensor, usize, bool)]) -> Pending {
         let Some(inner) = &self.inner else {
-            return Pending::now(Ok(()));
+            return Pending::now(Err(CommError::BadArgument {
+                op: "batch_isend_irecv",
+                message: "a group of one rank has no peer to send to".into(),
+            }));
         };
+        let owned: Vec<(Tensor, usize, bool)> = ops
+            .iter()
+            .map(|(t, peer, send)| (t.shallow_clone(), *peer, *send))
+            .collect();
         if inner.queues {
-            let op = CollectiveOp::Broadcast { tensor: t, root };
-            return Self::queued(inner, op, vec![t.shallow_clone()]);
+            let batch = p2p(ops);
+            let tensors = owned.into_iter().map(|(t, _, _)| t).collect();
+            return Self::queued(inner, CollectiveOp::SendRecv { ops: &batch }, tensors);
         }
-        let t = t.shallow_clone();
         Self::in_background(inner, move |shared, ticket| {
-            shared.run(ticket, |g| g.broadcast(&t, root))
+            let batch = p2p(&owned);
+            shared.run(ticket, |g| g.send_recv(&batch))
         })
     }
 
@@ -422,6 +431,22 @@ impl Group {
             _ => Device::Cpu,
         }
     }
+}
+
+/// The [`P2pOp`]s of (tensor, peer, is a send) triples.
+fn p2p(ops: &[(Tensor, usize, bool)]) -> Vec<P2pOp<'_>> {
+    ops.iter()
+        .map(|(tensor, peer, send)| match send {
+            true => P2pOp::Send {
+                tensor,
+                peer: *peer,
+            },
+            false => P2pOp::Recv {
+                tensor,
+                peer: *peer,
+            },
+        })
+        .collect()
 }
 
 /// This rank's mesh and its groups.
@@ -720,6 +745,10 @@ mod tests {
             self.log.lock().unwrap().push("blocking all_to_all".into());
             Ok(())
         }
+        fn send_recv(&mut self, _: &[P2pOp<'_>]) -> Result<(), CommError> {
+            self.log.lock().unwrap().push("blocking send_recv".into());
+            Ok(())
+        }
         fn barrier(&mut self) -> Result<(), CommError> {
             Ok(())
         }
@@ -792,5 +821,13 @@ mod tests {
         // The blocking calls stay blocking.
         shard.all_reduce(&t, ReduceOp::Sum).unwrap();
         assert_eq!(log.lock().unwrap().last().unwrap(), "blocking all_reduce");
+        // A pipeline's batch of transfers is queued as one call, from this thread.
+        let batch = shard.send_recv_async(&[(t.shallow_clone(), 1, true), (big.copy(), 1, false)]);
+        assert_eq!(
+            log.lock().unwrap().last().unwrap(),
+            &format!("queue batch_isend_irecv 3 after None on {me:?}")
+        );
+        batch.wait().unwrap();
+        assert_eq!(log.lock().unwrap().last().unwrap(), "wait 3");
     }
 }

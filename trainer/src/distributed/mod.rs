@@ -28,7 +28,7 @@ pub mod ring;
 pub mod runtime;
 pub mod store;
 
-pub use comm::{Collectives, CommError, ReduceOp};
+pub use comm::{Collectives, CommError, P2pOp, ReduceOp};
 pub use env::{EnvError, LaunchEnv};
 pub use mesh::{DeviceMesh, Group, Pending};
 pub use runtime::{Backend, CommOptions, Dist};

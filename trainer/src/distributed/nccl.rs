@@ -7,7 +7,7 @@
 //! collective's completion event before its next kernels (which may read the output or reuse the
 //! inputs' memory): at once for the blocking calls (torch's `Work.wait()` of a synchronous op),
 //! or only when the caller asks, for a queued one ([`Collectives::queue`], an [`NcclWork`]:
-//! FSDP's prefetches and gradient reductions, the pipeline's sends), so the default stream's
+//! FSDP's prefetches and gradient reductions, the pipeline's transfers), so the default stream's
 //! compute overlaps it. A watchdog thread polls the completion events and NCCL's async error state:
 //! a collective that makes no progress within the timeout (a dead or hung peer) aborts the
 //! communicator, posts the failure to the store and ends the process, as torch's NCCL watchdog
@@ -25,8 +25,8 @@ use cudarc::nccl::{result as nccl, sys};
 use tch::{Device, Kind, Tensor};
 
 use super::comm::{
-    CollectiveOp, Collectives, CommError, Issued, QueuedWork, ReduceOp, check_all_to_all,
-    check_split,
+    CollectiveOp, Collectives, CommError, Issued, P2pOp, QueuedWork, ReduceOp, check_all_to_all,
+    check_peers, check_split,
 };
 use super::failure::{FailureBoard, Posted};
 
@@ -414,6 +414,57 @@ impl NcclGroup {
                     issued.and(ended)
                 })
             }
+            CollectiveOp::SendRecv { ops } => {
+                check_peers(ops, self.size)?;
+                // (is a send, pointer, elements, NCCL type, peer) of each transfer.
+                let mut transfers = Vec::with_capacity(ops.len());
+                for op in ops {
+                    let t = op.tensor();
+                    self.check(name, t)?;
+                    let dt = self.dtype(name, t.kind())?;
+                    transfers.push((
+                        op.is_send(),
+                        t.data_ptr() as usize,
+                        t.numel(),
+                        dt,
+                        op.peer(),
+                    ));
+                }
+                // One NCCL group, as torch's batch_isend_irecv (ProcessGroupNCCL's coalesced
+                // point-to-point): NCCL runs the batch's sends and receives together, so no send
+                // of the batch waits for a receive queued behind it.
+                // SAFETY: every pointer is a contiguous CUDA tensor of our device with that many
+                // elements (checked), alive until the work completes (the caller holds it).
+                self.launch(name, completion, after, |comm, stream| unsafe {
+                    nccl::group_start()?;
+                    let issued = (|| {
+                        for &(send, p, n, dt, peer) in &transfers {
+                            if send {
+                                nccl::send(
+                                    p as *const c_void,
+                                    n,
+                                    dt,
+                                    peer as i32,
+                                    comm,
+                                    stream.cast(),
+                                )?;
+                            } else {
+                                nccl::recv(
+                                    p as *mut c_void,
+                                    n,
+                                    dt,
+                                    peer as i32,
+                                    comm,
+                                    stream.cast(),
+                                )?;
+                            }
+                        }
+                        Ok(())
+                    })();
+                    let ended = nccl::group_end();
+                    issued.and(ended)
+                })
+            }
             CollectiveOp::Broadcast { tensor, root } => {
                 self.check(name, tensor)?;
                 if root >= self.size {
@@ -568,6 +619,11 @@ impl Collectives for NcclGroup {
             output_splits,
             input_splits,
         };
+        self.collective(op, Completion::Joined, None).map(drop)
+    }
+
+    fn send_recv(&mut self, ops: &[P2pOp<'_>]) -> Result<(), CommError> {
+        let op = CollectiveOp::SendRecv { ops };
         self.collective(op, Completion::Joined, None).map(drop)
     }
 

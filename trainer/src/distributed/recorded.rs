@@ -1,5 +1,6 @@
 //! Every collective a rank runs, recorded as a titan-obs span named like torch.distributed's
-//! function (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, `all_to_all_single`) with a scalar holding
+//! function (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, `all_to_all_single`,
+//! and `batch_isend_irecv` for a batch of point-to-point transfers) with a scalar holding
 //! the bytes this rank passed in (`comm/<name>_bytes`, recorded inside the span). The analysis
 //! matches the same call across ranks to tell who arrived last and who waited (obs/SCHEMA.md,
 //! "Collectives").
@@ -12,7 +13,7 @@ use titan_obs_core::Reduce;
 use titan_obs_core::vocab::collective as names;
 
 use super::comm::{
-    CollectiveOp, Collectives, CommError, Issued, NCCL_BACKEND, QueuedWork, ReduceOp,
+    CollectiveOp, Collectives, CommError, Issued, NCCL_BACKEND, P2pOp, QueuedWork, ReduceOp,
 };
 use crate::gpu_clock;
 
@@ -102,6 +103,11 @@ impl Collectives for Recorded {
             output_splits,
             input_splits,
         };
+        self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
+    }
+
+    fn send_recv(&mut self, ops: &[P2pOp<'_>]) -> Result<(), CommError> {
+        let op = CollectiveOp::SendRecv { ops };
         self.recorded(op, Timed::HostAndGpu, |c, op| op.run(c))
     }
 

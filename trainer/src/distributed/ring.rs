@@ -295,6 +295,160 @@ impl Ring {
         }
     }
 
+    /// Point-to-point transfers run together (torch's `batch_isend_irecv`): `sends` (peer
+    /// group rank, bytes) and `recvs` (peer, buffer), each list in issue order. A transfer
+    /// travels on the connection between the two ranks, which must be neighbours on the ring
+    /// (a pipeline's stages are): to or from the next rank on `next`, the previous on `prev`
+    /// (a connection carries bytes both ways); of two ranks, sends go on `next` and receives
+    /// come on `prev`. Each message is its length, then its bytes: a receive whose length
+    /// differs is an error naming both ranks. The directions run on threads of their own, so a
+    /// send blocked until its receiver reads holds up no receive of the batch. A send to this
+    /// rank itself is copied into its receive from itself (the k-th into the k-th).
+    pub fn send_recv(
+        &mut self,
+        sends: &[(usize, &[u8])],
+        recvs: &mut [(usize, &mut [u8])],
+    ) -> Result<(), CommError> {
+        const OP: &str = "batch_isend_irecv";
+        let (n, r) = (self.size, self.rank);
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let bad = |message: String| CommError::BadArgument { op: OP, message };
+        let own: Vec<&[u8]> = sends.iter().filter(|s| s.0 == r).map(|s| s.1).collect();
+        let mut own_recvs = recvs.iter_mut().filter(|v| v.0 == r);
+        for (k, bytes) in own.iter().enumerate() {
+            let Some((_, buf)) = own_recvs.next() else {
+                return Err(bad(format!(
+                    "rank {} sends itself {} tensors in a batch but receives fewer",
+                    self.members[r],
+                    own.len()
+                )));
+            };
+            if buf.len() != bytes.len() {
+                return Err(bad(format!(
+                    "rank {}'s send {k} to itself has {} bytes, its receive {}",
+                    self.members[r],
+                    bytes.len(),
+                    buf.len()
+                )));
+            }
+            buf.copy_from_slice(bytes);
+        }
+        if own_recvs.next().is_some() {
+            return Err(bad(format!(
+                "rank {} receives from itself more tensors than it sends itself",
+                self.members[r]
+            )));
+        }
+        // Lanes: (on `next`?, writes?) -> transfers in issue order.
+        let mut writes: [Vec<(usize, &[u8])>; 2] = [Vec::new(), Vec::new()];
+        for &(peer, bytes) in sends.iter().filter(|s| s.0 != r) {
+            let on_next = if peer == next {
+                true
+            } else if peer == prev {
+                false
+            } else {
+                return Err(self.not_a_neighbour(peer));
+            };
+            writes[usize::from(on_next)].push((peer, bytes));
+        }
+        let mut reads: [Vec<(usize, &mut [u8])>; 2] = [Vec::new(), Vec::new()];
+        for (peer, buf) in recvs.iter_mut().filter(|v| v.0 != r) {
+            let on_next = if *peer == prev {
+                false
+            } else if *peer == next {
+                true
+            } else {
+                return Err(self.not_a_neighbour(*peer));
+            };
+            reads[usize::from(on_next)].push((*peer, &mut **buf));
+        }
+        if writes.iter().all(Vec::is_empty) && reads.iter().all(Vec::is_empty) {
+            return Ok(());
+        }
+        let streams = [self.prev.as_ref(), self.next.as_ref()];
+        let (rank, members, timeout) = (self.members[r], &self.members, self.timeout);
+        // The first failure, as (peer's group rank, error); it shuts this rank's connections
+        // for reading so that the other lanes stop waiting for bytes that cannot come.
+        let failure: std::sync::Mutex<Option<(usize, io::Error)>> = std::sync::Mutex::new(None);
+        let fail = |peer: usize, e: io::Error| {
+            let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
+            if f.is_none() {
+                *f = Some((peer, e));
+                for s in streams.iter().flatten() {
+                    let _ = s.shutdown(Shutdown::Read);
+                }
+            }
+        };
+        let mismatch: std::sync::Mutex<Option<(usize, usize, usize)>> = std::sync::Mutex::new(None);
+        std::thread::scope(|scope| {
+            for (on_next, lane) in writes.into_iter().enumerate() {
+                let Some(mut stream) = streams[on_next].filter(|_| !lane.is_empty()) else {
+                    continue;
+                };
+                let fail = &fail;
+                scope.spawn(move || {
+                    for (peer, bytes) in lane {
+                        let sent = stream
+                            .write_all(&(bytes.len() as u64).to_le_bytes())
+                            .and_then(|()| stream.write_all(bytes));
+                        if let Err(e) = sent {
+                            return fail(peer, e);
+                        }
+                    }
+                });
+            }
+            for (on_next, lane) in reads.into_iter().enumerate() {
+                let Some(stream) = streams[on_next].filter(|_| !lane.is_empty()) else {
+                    continue;
+                };
+                let (fail, mismatch) = (&fail, &mismatch);
+                scope.spawn(move || {
+                    for (peer, buf) in lane {
+                        let mut len = [0u8; 8];
+                        if let Err(e) = read_full(stream, &mut len) {
+                            return fail(peer, e);
+                        }
+                        let len = u64::from_le_bytes(len) as usize;
+                        if len != buf.len() {
+                            *mismatch.lock().unwrap_or_else(|p| p.into_inner()) =
+                                Some((peer, len, buf.len()));
+                            return fail(peer, io::Error::other("message length mismatch"));
+                        }
+                        if let Err(e) = read_full(stream, buf) {
+                            return fail(peer, e);
+                        }
+                    }
+                });
+            }
+        });
+        let mismatch = mismatch.into_inner().unwrap_or_else(|p| p.into_inner());
+        match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            None => Ok(()),
+            Some(_) if mismatch.is_some() => {
+                let (peer, sent, expected) = mismatch.unwrap_or_default();
+                Err(bad(format!(
+                    "rank {rank} expected {expected} bytes from rank {} but it sent {sent} (the \
+                     two ranks pair their transfers differently: the k-th send from a rank to \
+                     another pairs with the other's k-th receive from it)",
+                    members[peer]
+                )))
+            }
+            Some((peer, e)) => Err(peer_error(rank, members[peer], OP, timeout, e)),
+        }
+    }
+
+    fn not_a_neighbour(&self, peer: usize) -> CommError {
+        CommError::BadArgument {
+            op: "batch_isend_irecv",
+            message: format!(
+                "the cpu backend sends point to point only between neighbours of the group's \
+                 ring, and ranks {} and {} are not",
+                self.members[self.rank],
+                self.members.get(peer).copied().unwrap_or(peer)
+            ),
+        }
+    }
+
     /// The pipelined engine: queue chunk `first_send`, then for each step receive its chunk
     /// segment by segment, reduce or copy it in place, and queue it for the next step's send.
     fn run(
@@ -470,5 +624,120 @@ fn peer_error(
             op,
             source: e,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// Rings of `n` ranks over loopback, one per thread: `body(ring)` runs on each.
+    fn on_ring<T: Send>(n: usize, body: impl Fn(&mut Ring) -> T + Sync) -> Vec<T> {
+        let listeners: Vec<TcpListener> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = listeners
+                .into_iter()
+                .enumerate()
+                .map(|(r, listener)| {
+                    let (addrs, body) = (&addrs, &body);
+                    scope.spawn(move || {
+                        let next = TcpStream::connect(addrs[(r + 1) % n]).unwrap();
+                        let (prev, _) = listener.accept().unwrap();
+                        let members = (0..n).map(|m| m + 10).collect();
+                        let timeout = Duration::from_secs(10);
+                        let mut ring = Ring::new(r, members, Some(next), Some(prev), 64, timeout);
+                        ring.set_timeout(timeout).unwrap();
+                        body(&mut ring)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// What rank `from` sends rank `to` in batch `k`: bytes naming all three, of a length
+    /// that differs per pair (larger than a socket's buffers both ways between ranks 0 and 1:
+    /// sent one after the other, each rank's send would wait for the other's receive).
+    fn message(from: usize, to: usize, k: usize) -> Vec<u8> {
+        let len = match (from, to) {
+            (0, 1) | (1, 0) => (24 << 20) + from,
+            _ => 100 + 37 * from + 11 * to + k,
+        };
+        (0..len)
+            .map(|i| (from * 31 + to * 7 + k * 3 + i) as u8)
+            .collect()
+    }
+
+    /// Each rank sends to and receives from both neighbours in one batch, twice: every
+    /// receive gets its sender's bytes, though every send is larger than the other side reads
+    /// before it has sent its own (the directions run side by side).
+    #[test]
+    fn a_batch_sends_and_receives_between_neighbours() {
+        for n in [2, 3, 4] {
+            on_ring(n, |ring| {
+                let r = ring.rank;
+                let peers: Vec<usize> = if n == 2 {
+                    vec![1 - r]
+                } else {
+                    vec![(r + 1) % n, (r + n - 1) % n]
+                };
+                for k in 0..2 {
+                    let outgoing: Vec<Vec<u8>> = peers.iter().map(|&p| message(r, p, k)).collect();
+                    let sends: Vec<(usize, &[u8])> = peers
+                        .iter()
+                        .zip(&outgoing)
+                        .map(|(&p, m)| (p, m.as_slice()))
+                        .collect();
+                    let mut bufs: Vec<Vec<u8>> = peers
+                        .iter()
+                        .map(|&p| vec![0; message(p, r, k).len()])
+                        .collect();
+                    let mut recvs: Vec<(usize, &mut [u8])> = peers
+                        .iter()
+                        .zip(bufs.iter_mut())
+                        .map(|(&p, b)| (p, b.as_mut_slice()))
+                        .collect();
+                    ring.send_recv(&sends, &mut recvs).unwrap();
+                    for (&p, got) in peers.iter().zip(&bufs) {
+                        assert!(*got == message(p, r, k), "n{n} rank {r} from {p} batch {k}");
+                    }
+                }
+            });
+        }
+    }
+
+    /// A receive of another length than its send fails naming both ranks; a send to a rank
+    /// that is not a neighbour is refused before anything is sent; a send to itself is copied.
+    #[test]
+    fn mismatched_and_unreachable_transfers_are_errors() {
+        let errors = on_ring(2, |ring| {
+            let r = ring.rank;
+            let data = vec![7u8; 16 + r];
+            let mut buf = vec![0u8; 16];
+            ring.send_recv(&[(1 - r, &data)], &mut [(1 - r, &mut buf)])
+                .err()
+                .map(|e| e.to_string())
+        });
+        // Rank 1 (global 11) sends 17 bytes where rank 0 reads 16; rank 0's 16 fit.
+        assert_eq!(errors[1], None);
+        let err = errors[0].as_deref().expect("rank 0 got 17 bytes for 16");
+        assert!(
+            err.contains("rank 10 expected 16 bytes from rank 11 but it sent 17"),
+            "{err}"
+        );
+        on_ring(4, |ring| {
+            let err = ring.send_recv(&[((ring.rank + 2) % 4, &[1u8][..])], &mut []);
+            let err = err.unwrap_err().to_string();
+            assert!(err.contains("not"), "{err}");
+            assert!(err.contains("neighbours"), "{err}");
+            let mut own = [0u8; 3];
+            ring.send_recv(&[(ring.rank, &[1, 2, 3][..])], &mut [(ring.rank, &mut own)])
+                .unwrap();
+            assert_eq!(own, [1, 2, 3]);
+        });
     }
 }

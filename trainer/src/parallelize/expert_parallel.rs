@@ -310,6 +310,9 @@ mod tests {
                 timeout: std::time::Duration::from_secs(100),
             })
         }
+        fn send_recv(&mut self, _: &[crate::distributed::P2pOp<'_>]) -> Result<(), CommError> {
+            Ok(())
+        }
         fn barrier(&mut self) -> Result<(), CommError> {
             Ok(())
         }

@@ -4,14 +4,17 @@
 //! stage per rank for single-stage schedules, several for interleaved ones), and a [`Schedule`]
 //! orders each rank's forward and backward passes over the step's microbatches
 //! ([`rank_actions`]). [`Pipeline::run`] executes that order: activations go to the next stage
-//! and gradients to the previous one point to point, each direction of each stage boundary on a
-//! process group of its own, sends in the background (in issue order) and receives into buffers
-//! whose shapes are known ahead (no metadata round trip).
+//! and gradients to the previous one point to point over a group of the pp ranks, in batches
+//! (torch's `batch_isend_irecv`; `ncclSend`/`ncclRecv` in one NCCL group) laid out on common
+//! time steps as torch's multi-stage schedules lay them out ([`issued_steps`]); receives go into
+//! buffers whose shapes are known ahead (no metadata round trip) and are waited for only by the
+//! pass that reads them.
 //!
-//! [`simulate`] runs the orders as [`Pipeline::run`] issues their transfers. On the `nccl`
-//! backend a send can wait for its receive ([`Sends::Blocking`]); there 1F1B, Interleaved1F1B
-//! and InterleavedZeroBubble deadlock with two or more microbatches (a rank sends an activation
-//! before it receives a gradient while its peer does the opposite), GPipe does not (issue #34).
+//! [`simulate`] runs the orders as [`Pipeline::run`] issues their transfers, with sends that
+//! wait for their receives (NCCL's, past its buffers): every schedule finishes, where sending
+//! each tensor alone deadlocked 1F1B, Interleaved1F1B and InterleavedZeroBubble with two or
+//! more microbatches (a rank sent an activation before it received a gradient while its peer
+//! did the opposite; issue #34). [`Pipeline::new`] runs it for its own layout.
 //!
 //! The numerics are the one-process ones: every microbatch's loss is its summed cross entropy
 //! over the step's global valid-token count, and each stage's gradients accumulate over the
@@ -27,7 +30,7 @@ use tch::Tensor;
 use titan_obs_core::PipelineSlot;
 use titan_obs_core::vocab::titan;
 
-use crate::distributed::{CommError, DeviceMesh, Group, Pending};
+use crate::distributed::{DeviceMesh, Group, Pending};
 use crate::gpu_clock;
 use crate::parallel::Dim;
 use crate::parallelize::weight_grad::WeightGradStash;
@@ -433,20 +436,6 @@ pub fn rank_actions(
     }
 }
 
-/// How a rank's sends hold up what it issues after them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sends {
-    /// A send never holds up its rank: the `cpu` backend, where [`Pipeline::run`]'s sends run
-    /// on background threads that the step waits for only at its end.
-    Buffered,
-    /// A send holds up everything its rank issues after it until the peer has issued the
-    /// matching receive: the `nccl` backend, where every collective makes the rank's default
-    /// stream wait for its completion (the next receive's stream waits for that stream), the
-    /// background thread may launch a send before the main thread's next receive, and NCCL
-    /// completes a send without its receiver only while it fits NCCL's buffers.
-    Blocking,
-}
-
 /// What a point-to-point transfer carries across a stage boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Carries {
@@ -456,120 +445,249 @@ enum Carries {
     Gradients,
 }
 
-/// One direction of one stage boundary: a process group of its own, whose transfers pair up
-/// in issue order (the k-th send with the k-th receive).
+/// One transfer across a stage boundary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct P2pLink {
+struct Transfer {
     carries: Carries,
     /// The lower stage of the boundary.
     boundary: usize,
+    microbatch: usize,
 }
 
-/// One operation of a rank's step, in the order [`Pipeline::run`] issues them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
-    /// Microbatch `.1`'s tensor, received right before the pass that reads it.
-    Recv(P2pLink, usize),
-    Compute(Action),
-    /// Microbatch `.1`'s tensor, sent right after the pass that made it.
-    Send(P2pLink, usize),
-}
-
-/// A rank's actions as [`Pipeline::run`] issues them: a forward receives its input from the
-/// previous stage (unless it is stage 0) and sends its output on (unless it is the last); a
-/// (input) backward receives its output's gradient (unless it is the last stage) and sends its
-/// input's gradient back (unless it is stage 0); a weight pass only computes.
-fn issued_ops(actions: &[Action], stages: usize) -> Vec<Op> {
-    let last = stages - 1;
-    let link = |carries, boundary| P2pLink { carries, boundary };
-    let mut ops = Vec::with_capacity(3 * actions.len());
-    for &a in actions {
-        let (recv, send) = match a.pass {
-            Pass::Forward => (
-                (a.stage > 0).then(|| link(Carries::Activations, a.stage - 1)),
-                (a.stage < last).then(|| link(Carries::Activations, a.stage)),
-            ),
-            Pass::Backward | Pass::BackwardInput => (
-                (a.stage < last).then(|| link(Carries::Gradients, a.stage)),
-                (a.stage > 0).then(|| link(Carries::Gradients, a.stage - 1)),
-            ),
-            Pass::BackwardWeight => (None, None),
-        };
-        ops.extend(recv.map(|l| Op::Recv(l, a.microbatch)));
-        ops.push(Op::Compute(a));
-        ops.extend(send.map(|l| Op::Send(l, a.microbatch)));
+impl Transfer {
+    /// The stages it goes from and to.
+    fn stages(&self) -> (usize, usize) {
+        match self.carries {
+            Carries::Activations => (self.boundary, self.boundary + 1),
+            Carries::Gradients => (self.boundary + 1, self.boundary),
+        }
     }
-    ops
+
+    /// `microbatch 1's activations from stage 0 to stage 1`, for messages.
+    fn describe(&self) -> String {
+        let what = match self.carries {
+            Carries::Activations => "activations",
+            Carries::Gradients => "gradients",
+        };
+        let (from, to) = self.stages();
+        format!(
+            "microbatch {}'s {what} from stage {from} to stage {to}",
+            self.microbatch
+        )
+    }
 }
 
-/// `rank r waits to send microbatch 1's activations from stage 0 to stage 1`, for messages.
-fn describe_wait(rank: usize, op: Op) -> String {
-    let (verb, link, mb) = match op {
-        Op::Send(l, mb) => ("send", l, mb),
-        Op::Recv(l, mb) => ("receive", l, mb),
-        Op::Compute(a) => return format!("rank {rank} at {a:?}"),
-    };
-    let (what, from, to) = match link.carries {
-        Carries::Activations => ("activations", link.boundary, link.boundary + 1),
-        Carries::Gradients => ("gradients", link.boundary + 1, link.boundary),
-    };
-    format!("rank {rank} waits to {verb} microbatch {mb}'s {what} from stage {from} to stage {to}")
+/// One step of a rank's pipeline run, in the order [`Pipeline::run`] issues them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    Compute(Action),
+    /// Transfers issued together as one batch (torch's `batch_isend_irecv`): what the pass
+    /// just before sends, and what the neighbours send this rank at the same time step.
+    Exchange {
+        sends: Vec<Transfer>,
+        recvs: Vec<Transfer>,
+    },
 }
 
-/// Checks that a schedule's per-rank orders can run as [`Pipeline::run`] issues them:
-/// whether every rank can finish when each receive blocks until its send was issued and, with
-/// [`Sends::Blocking`], each send blocks until its receive was issued. Returns the makespan
-/// and each rank's busy time with forward cost 1 and backward cost 2 (the classic bubble
-/// model; a split backward's input and weight passes 1 each; transfers free).
+/// What an action receives before it runs and sends after: a forward reads activations from
+/// the previous stage (unless it is stage 0) and sends its output to the next (unless it is
+/// the last); an (input) backward reads its output's gradient (unless it is the last stage)
+/// and sends its input's gradient back (unless it is stage 0); a weight pass neither.
+fn transfers_of(a: Action, stages: usize) -> (Option<Transfer>, Option<Transfer>) {
+    let last = stages - 1;
+    let transfer = |carries, boundary| Transfer {
+        carries,
+        boundary,
+        microbatch: a.microbatch,
+    };
+    match a.pass {
+        Pass::Forward => (
+            (a.stage > 0).then(|| transfer(Carries::Activations, a.stage - 1)),
+            (a.stage < last).then(|| transfer(Carries::Activations, a.stage)),
+        ),
+        Pass::Backward | Pass::BackwardInput => (
+            (a.stage < last).then(|| transfer(Carries::Gradients, a.stage)),
+            (a.stage > 0).then(|| transfer(Carries::Gradients, a.stage - 1)),
+        ),
+        Pass::BackwardWeight => (None, None),
+    }
+}
+
+/// Every rank's steps (rank r runs `orders[r]`; stage s lives on rank `s % orders.len()`), as
+/// torch's multi-stage schedules batch their transfers: the ranks' orders are laid out on
+/// common time steps (each rank runs its next action at the first step its input was sent
+/// at an earlier one), and at each time step a rank issues one batch of what its action sends
+/// and what its neighbours' actions send it. The two ends of every transfer are in batches of
+/// the same time step, so no batch waits for one issued after it, on any rank: nothing
+/// deadlocks when a send waits for its receive (NCCL's do once a tensor no longer fits its
+/// buffers), and the k-th transfer between two ranks is the k-th on both ends (how NCCL
+/// pairs them). A rank waits for a batch only before the pass that reads what it received.
+/// Errors if the orders cannot all run (an action waits for a transfer never sent).
+fn issued_steps(orders: &[Vec<Action>], stages: usize) -> Result<Vec<Vec<Step>>, String> {
+    let ranks = orders.len();
+    let mut next = vec![0usize; ranks];
+    let mut sent = std::collections::HashSet::new();
+    let mut steps: Vec<Vec<Step>> = vec![Vec::new(); ranks];
+    while (0..ranks).any(|r| next[r] < orders[r].len()) {
+        // (from rank, to rank, transfer) sent at this time step.
+        let mut now = Vec::new();
+        let mut waiting = Vec::new();
+        let mut ran = false;
+        for r in 0..ranks {
+            let Some(&a) = orders[r].get(next[r]) else {
+                continue;
+            };
+            let (recv, send) = transfers_of(a, stages);
+            if let Some(t) = recv.filter(|t| !sent.contains(t)) {
+                waiting.push(format!("rank {r} waits for {}", t.describe()));
+                continue;
+            }
+            steps[r].push(Step::Compute(a));
+            next[r] += 1;
+            ran = true;
+            if let Some(t) = send {
+                let (from, to) = t.stages();
+                now.push((rank_of_stage(from, ranks), rank_of_stage(to, ranks), t));
+            }
+        }
+        if !ran {
+            return Err(format!(
+                "the orders cannot run: every rank waits for a transfer no rank sends first ({})",
+                waiting.join("; ")
+            ));
+        }
+        for (r, steps) in steps.iter_mut().enumerate() {
+            let sends: Vec<Transfer> = now.iter().filter(|n| n.0 == r).map(|n| n.2).collect();
+            let recvs: Vec<Transfer> = now.iter().filter(|n| n.1 == r).map(|n| n.2).collect();
+            if !sends.is_empty() || !recvs.is_empty() {
+                steps.push(Step::Exchange { sends, recvs });
+            }
+        }
+        sent.extend(now.iter().map(|n| n.2));
+    }
+    Ok(steps)
+}
+
+/// Checks that a schedule's per-rank orders run as [`Pipeline::run`] issues them
+/// ([`issued_steps`]) when a send waits for its receive, as NCCL's do once a tensor no longer
+/// fits its buffers (and the cpu backend's once it fills the socket's): each rank's batches
+/// run one after another on its group's stream, a batch starts once the rank has issued it
+/// and its previous batch has completed, and completes once the batches holding the other
+/// ends of its transfers have started; a rank waits for a batch only before the pass that
+/// reads what it received, and for its last batches at the step's end. Transfers pair as
+/// NCCL pairs them: the k-th send from rank a to rank b with b's k-th receive from a (a pair
+/// of different transfers is an error). Returns the makespan and each rank's busy time with
+/// forward cost 1 and backward cost 2 (the classic bubble model; a split backward's input
+/// and weight passes 1 each; transfers free).
 pub fn simulate(
     schedule: Schedule,
     pp: usize,
     stages: usize,
     microbatches: usize,
-    sends: Sends,
 ) -> Result<(u64, Vec<u64>), String> {
     let orders: Vec<Vec<Action>> = (0..pp)
         .map(|r| rank_actions(schedule, pp, r, stages, microbatches))
         .collect();
-    simulate_orders(&orders, stages, sends)
+    simulate_steps(&issued_steps(&orders, stages)?, stages)
 }
 
-/// [`simulate`] for given per-rank orders (rank r runs `orders[r]`).
-fn simulate_orders(
-    orders: &[Vec<Action>],
-    stages: usize,
-    sends: Sends,
-) -> Result<(u64, Vec<u64>), String> {
-    let ranks = orders.len();
-    let ops: Vec<Vec<Op>> = orders.iter().map(|o| issued_ops(o, stages)).collect();
-    // Each transfer's place on its link: the k-th send of a link pairs with its k-th receive.
-    let places: Vec<Vec<usize>> = ops
+/// One end of the transfers from one rank to another: what NCCL pairs transfers on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct End {
+    from: usize,
+    to: usize,
+    send: bool,
+}
+
+impl End {
+    fn other(self) -> End {
+        End {
+            send: !self.send,
+            ..self
+        }
+    }
+
+    fn verb(self) -> &'static str {
+        if self.send { "send" } else { "receive" }
+    }
+}
+
+/// A transfer as a rank issued it: which, and in which of that rank's batches.
+#[derive(Debug, Clone, Copy)]
+struct Posted {
+    transfer: Transfer,
+    rank: usize,
+    batch: usize,
+}
+
+/// A transfer of a batch: its end and its place among that end's transfers.
+#[derive(Debug, Clone, Copy)]
+struct Place {
+    end: End,
+    k: usize,
+    transfer: Transfer,
+}
+
+/// One batch as [`simulate_steps`] follows it.
+#[derive(Default, Clone)]
+struct SimBatch {
+    /// When the rank issued it, when its stream started it, when it completed.
+    issued: Option<u64>,
+    started: Option<u64>,
+    completed: Option<u64>,
+}
+
+/// [`simulate`] for given per-rank steps (rank r runs `steps[r]`, stage s lives on rank
+/// `s % steps.len()`).
+fn simulate_steps(steps: &[Vec<Step>], stages: usize) -> Result<(u64, Vec<u64>), String> {
+    let ranks = steps.len();
+    let rank_of = |stage: usize| rank_of_stage(stage, ranks);
+    // Each rank's batches, in order, and the batch of each of its steps.
+    let batches_of: Vec<Vec<usize>> = steps
         .iter()
-        .map(|ops| {
-            let mut count: HashMap<(P2pLink, bool), usize> = HashMap::new();
-            ops.iter()
-                .map(|op| match *op {
-                    Op::Send(l, _) | Op::Recv(l, _) => {
-                        let n = count.entry((l, matches!(op, Op::Send(..)))).or_insert(0);
-                        *n += 1;
-                        *n - 1
-                    }
-                    Op::Compute(_) => 0,
-                })
+        .map(|s| {
+            s.iter()
+                .enumerate()
+                .filter(|(_, s)| matches!(s, Step::Exchange { .. }))
+                .map(|(i, _)| i)
                 .collect()
         })
         .collect();
-    // Per (link, is a send): when each of its transfers was issued, and for which microbatch.
-    let mut issued: HashMap<(P2pLink, bool), Vec<(u64, usize)>> = HashMap::new();
-    let mut next = vec![0usize; ranks];
-    let mut clock = vec![0u64; ranks];
-    let mut busy = vec![0u64; ranks];
+    let mut batches: Vec<Vec<SimBatch>> = batches_of
+        .iter()
+        .map(|b| vec![SimBatch::default(); b.len()])
+        .collect();
+    // The transfers issued at each end, in order.
+    let mut channel: HashMap<End, Vec<Posted>> = HashMap::new();
+    // Per rank and batch: its transfers' places, once issued.
+    let mut places: Vec<Vec<Vec<Place>>> = batches_of
+        .iter()
+        .map(|b| vec![Vec::new(); b.len()])
+        .collect();
+    // The batch each rank received each transfer in.
+    let mut received_in: Vec<HashMap<Transfer, usize>> = vec![HashMap::new(); ranks];
+    let (mut next, mut clock, mut busy) = (vec![0; ranks], vec![0u64; ranks], vec![0u64; ranks]);
+    let mut issued_batches = vec![0usize; ranks];
     loop {
         let mut progressed = false;
+        // The hosts: each runs its steps until a pass needs a batch not yet complete.
         for r in 0..ranks {
-            while let Some(&op) = ops[r].get(next[r]) {
-                match op {
-                    Op::Compute(a) => {
+            while let Some(step) = steps[r].get(next[r]) {
+                match step {
+                    Step::Compute(a) => {
+                        let (recv, _) = transfers_of(*a, stages);
+                        if let Some(t) = recv {
+                            let Some(&b) = received_in[r].get(&t) else {
+                                return Err(format!(
+                                    "rank {r} runs {a:?} before it receives {}",
+                                    t.describe()
+                                ));
+                            };
+                            match batches[r][b].completed {
+                                Some(done) => clock[r] = clock[r].max(done),
+                                None => break,
+                            }
+                        }
                         let cost = match a.pass {
                             Pass::Forward | Pass::BackwardInput | Pass::BackwardWeight => 1,
                             Pass::Backward => 2,
@@ -577,28 +695,29 @@ fn simulate_orders(
                         clock[r] += cost;
                         busy[r] += cost;
                     }
-                    Op::Send(link, mb) | Op::Recv(link, mb) => {
-                        let is_send = matches!(op, Op::Send(..));
-                        let k = places[r][next[r]];
-                        let mine = issued.entry((link, is_send)).or_default();
-                        if mine.len() == k {
-                            mine.push((clock[r], mb));
-                        }
-                        if !(is_send && sends == Sends::Buffered) {
-                            // Wait for the other end of the pair to be issued.
-                            let Some(&(at, theirs)) =
-                                issued.get(&(link, !is_send)).and_then(|v| v.get(k))
-                            else {
-                                break;
-                            };
-                            if theirs != mb {
-                                return Err(format!(
-                                    "the schedule pairs the wrong microbatches: {} while the \
-                                     other end is at microbatch {theirs}",
-                                    describe_wait(r, op)
-                                ));
+                    Step::Exchange { sends, recvs } => {
+                        let b = issued_batches[r];
+                        issued_batches[r] += 1;
+                        batches[r][b].issued = Some(clock[r]);
+                        let ends = sends
+                            .iter()
+                            .map(|t| (t, true))
+                            .chain(recvs.iter().map(|t| (t, false)));
+                        for (&transfer, send) in ends {
+                            let (from, to) = transfer.stages();
+                            let (from, to) = (rank_of(from), rank_of(to));
+                            let end = End { from, to, send };
+                            let v = channel.entry(end).or_default();
+                            v.push(Posted {
+                                transfer,
+                                rank: r,
+                                batch: b,
+                            });
+                            let k = v.len() - 1;
+                            places[r][b].push(Place { end, k, transfer });
+                            if !send {
+                                received_in[r].insert(transfer, b);
                             }
-                            clock[r] = clock[r].max(at);
                         }
                     }
                 }
@@ -606,47 +725,120 @@ fn simulate_orders(
                 progressed = true;
             }
         }
-        if next.iter().zip(&ops).all(|(n, o)| *n == o.len()) {
-            // Every send was received (a send without its receive would hang the step's end).
-            for ((link, is_send), v) in &issued {
-                let other = issued.get(&(*link, !is_send)).map_or(0, Vec::len);
-                if *is_send && v.len() != other {
+        // The streams: start and complete what can.
+        for r in 0..ranks {
+            for b in 0..batches[r].len() {
+                let prev_done = if b == 0 {
+                    Some(0)
+                } else {
+                    batches[r][b - 1].completed
+                };
+                let batch = &batches[r][b];
+                if batch.started.is_none()
+                    && let (Some(at), Some(prev)) = (batch.issued, prev_done)
+                {
+                    batches[r][b].started = Some(at.max(prev));
+                    progressed = true;
+                }
+                let Some(started) = batches[r][b].started else {
+                    break;
+                };
+                if batches[r][b].completed.is_some() {
+                    continue;
+                }
+                let mut done = Some(started);
+                for place in &places[r][b] {
+                    let other = channel.get(&place.end.other()).and_then(|v| v.get(place.k));
+                    let Some(theirs) = other else {
+                        done = None;
+                        continue;
+                    };
+                    if theirs.transfer != place.transfer {
+                        return Err(format!(
+                            "the schedule pairs the wrong transfers: rank {r} issues a {} of {} \
+                             where rank {} has {}",
+                            place.end.verb(),
+                            place.transfer.describe(),
+                            theirs.rank,
+                            theirs.transfer.describe()
+                        ));
+                    }
+                    done = match (done, batches[theirs.rank][theirs.batch].started) {
+                        (Some(d), Some(s)) => Some(d.max(s)),
+                        _ => None,
+                    };
+                }
+                if let Some(d) = done {
+                    batches[r][b].completed = Some(d);
+                    progressed = true;
+                }
+            }
+        }
+        let finished = (0..ranks)
+            .all(|r| next[r] == steps[r].len() && batches[r].iter().all(|b| b.completed.is_some()));
+        if finished {
+            for (end, v) in &channel {
+                let other = channel.get(&end.other()).map_or(0, Vec::len);
+                if end.send && v.len() != other {
                     return Err(format!(
-                        "{} sends on {link:?} but {other} receives",
+                        "rank {} sends rank {} {} transfers but it receives {other}",
+                        end.from,
+                        end.to,
                         v.len()
                     ));
                 }
             }
-            return Ok((clock.into_iter().max().unwrap_or(0), busy));
+            // A rank's step ends once its last batches are done.
+            let span = (0..ranks)
+                .map(|r| {
+                    let last = batches[r].iter().filter_map(|b| b.completed).max();
+                    clock[r].max(last.unwrap_or(0))
+                })
+                .max()
+                .unwrap_or(0);
+            return Ok((span, busy));
         }
         if !progressed {
             let stuck: Vec<String> = (0..ranks)
-                .filter_map(|r| ops[r].get(next[r]).map(|&op| describe_wait(r, op)))
+                .filter_map(|r| {
+                    let b = batches[r].iter().position(|b| b.completed.is_none())?;
+                    let waiting = places[r][b].iter().find(|p| {
+                        channel
+                            .get(&p.end.other())
+                            .and_then(|v| v.get(p.k))
+                            .is_none_or(|theirs| {
+                                batches[theirs.rank][theirs.batch].started.is_none()
+                            })
+                    })?;
+                    Some(format!(
+                        "rank {r} waits to {} {}",
+                        waiting.end.verb(),
+                        waiting.transfer.describe()
+                    ))
+                })
                 .collect();
             return Err(format!("the schedule deadlocks: {}", stuck.join("; ")));
         }
     }
 }
 
-/// One direction of one stage boundary: the ranks at both ends and the group between them.
-struct Link {
-    group: Group,
-    /// Group rank of the sending end.
-    root: usize,
-}
-
-/// The pipeline of this rank: its stages, its passes in order, and its links.
+/// The pipeline of this rank: its stages, its steps in order, and the group its transfers
+/// go over.
 pub struct Pipeline {
     pub schedule: Schedule,
     pub stages: Vec<StageModules>,
     /// The stages this rank holds (ascending).
     pub local_stages: Vec<usize>,
     pub microbatches: usize,
-    actions: Vec<Action>,
-    /// Activations from stage `s` to `s + 1`, keyed by `s`.
-    forward_links: HashMap<usize, Link>,
-    /// Gradients from stage `s + 1` back to `s`, keyed by `s`.
-    backward_links: HashMap<usize, Link>,
+    /// The training step's passes and transfers ([`issued_steps`] of the schedule's order).
+    steps: Vec<Step>,
+    /// The pp group's ranks, for the transfers alone (nothing else is ordered with them).
+    p2p: Group,
+    /// The group rank of the pp rank that holds each stage.
+    peer_of_stage: Vec<usize>,
+    pp: usize,
+    /// This rank's coordinate on the pp dimension.
+    pp_rank: usize,
 }
 
 /// One microbatch's data, as every stage of the pipeline reads it.
@@ -715,48 +907,42 @@ impl Pipeline {
         let local_stages: Vec<usize> = (0..stages.len())
             .filter(|&s| rank_of_stage(s, pp) == my_pp)
             .collect();
-        let mut forward_links = HashMap::new();
-        let mut backward_links = HashMap::new();
-        // Every rank walks the boundaries in the same order, so the groups two ranks share are
-        // created in the same order on both.
-        for s in 0..stages.len() - 1 {
-            let (from, to) = (rank_of_stage(s, pp), rank_of_stage(s + 1, pp));
-            if from != my_pp && to != my_pp {
-                continue;
-            }
-            let (a, b) = (pp_members[from], pp_members[to]);
-            let members = if a < b { vec![a, b] } else { vec![b, a] };
-            let pos = |r: usize| members.iter().position(|&m| m == r).unwrap_or(0);
-            let group = mesh
-                .new_group(&format!("pp_fwd{s}"), members.clone())
-                .with_context(|| format!("connecting pipeline stages {s} -> {}", s + 1))?;
-            forward_links.insert(
-                s,
-                Link {
-                    group,
-                    root: pos(a),
-                },
-            );
-            let group = mesh
-                .new_group(&format!("pp_bwd{s}"), members.clone())
-                .with_context(|| format!("connecting pipeline stages {} -> {s}", s + 1))?;
-            backward_links.insert(
-                s,
-                Link {
-                    group,
-                    root: pos(b),
-                },
-            );
-        }
-        let actions = rank_actions(cfg.schedule, pp, my_pp, stages.len(), microbatches);
+        let mut members = pp_members.clone();
+        members.sort_unstable();
+        let peer_of_stage = (0..stages.len())
+            .map(|s| {
+                let global = pp_members[rank_of_stage(s, pp)];
+                members.iter().position(|&m| m == global).unwrap_or(0)
+            })
+            .collect();
+        let p2p = mesh
+            .new_group("pp_p2p", members)
+            .context("connecting the pipeline's stages")?;
+        let orders: Vec<Vec<Action>> = (0..pp)
+            .map(|r| rank_actions(cfg.schedule, pp, r, stages.len(), microbatches))
+            .collect();
+        // Every rank of the pp group issues its transfers as this rank does: a schedule whose
+        // transfers could pair wrongly or wait on each other stops here, not in a hang.
+        let mut steps = issued_steps(&orders, stages.len())
+            .and_then(|steps| simulate_steps(&steps, stages.len()).map(|_| steps))
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "{} with {} stages on {pp} pp ranks and {microbatches} microbatches cannot \
+                     run: {e}",
+                    cfg.schedule.name(),
+                    stages.len()
+                )
+            })?;
         Ok(Pipeline {
             schedule: cfg.schedule,
+            steps: steps.swap_remove(my_pp),
             stages,
             local_stages,
             microbatches,
-            actions,
-            forward_links,
-            backward_links,
+            p2p,
+            peer_of_stage,
+            pp,
+            pp_rank: my_pp,
         })
     }
 
@@ -789,34 +975,38 @@ impl Pipeline {
         let mut in_flight: HashMap<(usize, usize), InFlight> = HashMap::new();
         // Zero-bubble: weight gradients an input pass left for the weight pass.
         let mut parked: HashMap<(usize, usize), WeightGradStash> = HashMap::new();
-        // Sends run in the background; their tensors stay alive until they are done.
-        let mut sends: Vec<(Pending, Tensor)> = Vec::new();
+        let mut transfers = Exchanges::new(self);
         let mut loss_sum = Tensor::zeros([], (tch::Kind::Double, global_tokens.device()));
-        for a in &self.actions {
-            let mb = &microbatches[a.microbatch];
-            // Schedules this long do not exist; saturate rather than wrap if one did.
-            let slot = PipelineSlot {
-                microbatch: a.microbatch.min(u16::MAX as usize) as u16,
-                stage: a.stage.min(u16::MAX as usize) as u16,
+        for step in &self.steps {
+            let a = match step {
+                Step::Exchange { sends, recvs } => {
+                    let buffer = |t: &Transfer| -> Result<(Transfer, Tensor)> {
+                        let buf = match t.carries {
+                            Carries::Activations => {
+                                activation_buffer(model, &microbatches[t.microbatch])
+                            }
+                            // The gradient of what this stage's forward sent on.
+                            Carries::Gradients => in_flight
+                                .get(&(t.boundary, t.microbatch))
+                                .context("the schedule receives a gradient before its forward")?
+                                .output
+                                .empty_like(),
+                        };
+                        Ok((*t, buf))
+                    };
+                    let recvs = recvs.iter().map(buffer).collect::<Result<Vec<_>>>()?;
+                    transfers.exchange(sends, recvs)?;
+                    continue;
+                }
+                Step::Compute(a) => *a,
             };
-            let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
+            let mb = &microbatches[a.microbatch];
+            let slot = slot_of(a.stage, a.microbatch);
             match a.pass {
                 Pass::Forward => {
-                    let input = if a.stage == 0 {
-                        None
-                    } else {
-                        let _wait = titan_obs_core::pipeline_span(titan::PIPELINE_RECV, slot);
-                        let (shape, kind) = model.hidden_shape(rows, seq_len);
-                        let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
-                        self.receive(&self.forward_links, a.stage - 1, &buf)
-                            .with_context(|| {
-                                format!(
-                                    "receiving microbatch {}'s activations for stage {}",
-                                    a.microbatch, a.stage
-                                )
-                            })?;
-                        Some(buf.set_requires_grad(true))
-                    };
+                    let input = transfers
+                        .take(a, self.stages.len())?
+                        .map(|buf| buf.set_requires_grad(true));
                     let _span = gpu_clock::pipeline_span(titan::FORWARD, slot);
                     let weight_grads = self.schedule.splits_backward().then(WeightGradStash::new);
                     let output = catch(|| {
@@ -835,8 +1025,7 @@ impl Pipeline {
                         // Summed in f64 in microbatch order, as the loop's host sum was.
                         loss_sum += output.detach().to_kind(tch::Kind::Double);
                     } else {
-                        let sent = output.detach();
-                        sends.push((self.send(&self.forward_links, a.stage, &sent), sent));
+                        transfers.hold(output.detach());
                     }
                     in_flight.insert(
                         (a.stage, a.microbatch),
@@ -859,20 +1048,7 @@ impl Pipeline {
                     let f = in_flight
                         .remove(&(a.stage, a.microbatch))
                         .context("the schedule runs a backward before its forward")?;
-                    let output_grad = if a.stage == last {
-                        None
-                    } else {
-                        let _wait = titan_obs_core::pipeline_span(titan::PIPELINE_RECV, slot);
-                        let grad = f.output.empty_like();
-                        self.receive(&self.backward_links, a.stage, &grad)
-                            .with_context(|| {
-                                format!(
-                                    "receiving microbatch {}'s gradients for stage {}",
-                                    a.microbatch, a.stage
-                                )
-                            })?;
-                        Some(grad)
-                    };
+                    let output_grad = transfers.take(a, self.stages.len())?;
                     let name = match a.pass {
                         Pass::BackwardInput => titan::BACKWARD_INPUT,
                         _ => titan::BACKWARD,
@@ -886,18 +1062,8 @@ impl Pipeline {
                     };
                     root.f_backward()
                         .map_err(|e| anyhow::anyhow!("stage {} backward: {e}", a.stage))?;
-                    // Sends that have finished free their tensors now, not at the step's end.
-                    let mut kept = Vec::with_capacity(sends.len());
-                    for (mut pending, t) in sends.drain(..) {
-                        match pending.try_result() {
-                            Some(result) => result.context("sending to another pipeline stage")?,
-                            None => kept.push((pending, t)),
-                        }
-                    }
-                    sends = kept;
                     if let Some(input) = f.input {
-                        let grad = input.grad();
-                        sends.push((self.send(&self.backward_links, a.stage - 1, &grad), grad));
+                        transfers.hold(input.grad());
                     }
                     if let Some(stash) = f.weight_grads {
                         parked.insert((a.stage, a.microbatch), stash);
@@ -905,12 +1071,7 @@ impl Pipeline {
                 }
             }
         }
-        let _wait = titan_obs_core::span(titan::PIPELINE_SEND);
-        for (pending, _) in sends {
-            pending
-                .wait()
-                .context("sending to the next pipeline stage")?;
-        }
+        transfers.finish()?;
         Ok(loss_sum)
     }
 
@@ -919,77 +1080,211 @@ impl Pipeline {
     /// this rank's last-stage outputs (0 where it holds no last stage), a 0-dim f64 tensor on
     /// the device that the caller reads once for the whole validation. Any number of
     /// microbatches of any size works: every rank sees the same batch, so receive shapes are
-    /// known, and each boundary's sends and receives run in the same (microbatch) order.
+    /// known, and each pair of ranks issues its transfers in the same (microbatch) order.
     pub fn evaluate(
         &self,
         model: &ParallelModel,
         microbatches: &[Microbatch<'_>],
     ) -> Result<Tensor> {
         let last = self.stages.len() - 1;
-        let mut sends: Vec<(Pending, Tensor)> = Vec::new();
         let device = microbatches
             .first()
             .map_or(tch::Device::Cpu, |mb| mb.inputs.device());
         let mut ce_sum = Tensor::zeros([], (tch::Kind::Double, device));
-        for (i, mb) in microbatches.iter().enumerate() {
-            let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
-            for &stage in &self.local_stages {
-                let slot = PipelineSlot {
-                    microbatch: i.min(u16::MAX as usize) as u16,
-                    stage: stage.min(u16::MAX as usize) as u16,
-                };
-                let input = if stage == 0 {
-                    None
-                } else {
-                    let _wait = titan_obs_core::pipeline_span(titan::PIPELINE_RECV, slot);
-                    let (shape, kind) = model.hidden_shape(rows, seq_len);
-                    let buf = Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()));
-                    self.receive(&self.forward_links, stage - 1, &buf)
-                        .with_context(|| {
-                            format!("receiving microbatch {i}'s activations for stage {stage}")
-                        })?;
-                    Some(buf)
-                };
-                let _span = gpu_clock::pipeline_span(titan::EVAL_FORWARD, slot);
-                let out = catch(|| {
-                    let x = input.as_ref().unwrap_or(mb.inputs);
-                    let out = model.forward_stage(stage, x, mb.layout, None);
-                    if stage == last {
-                        model.summed_cross_entropy(&out, mb.labels)
-                    } else {
-                        out
-                    }
-                })
-                .with_context(|| format!("stage {stage} forward"))?;
-                if stage == last {
-                    ce_sum += out.to_kind(tch::Kind::Double);
-                } else {
-                    sends.push((self.send(&self.forward_links, stage, &out), out));
+        // Every rank's order: its stages for each microbatch in turn.
+        let orders: Vec<Vec<Action>> = (0..self.pp)
+            .map(|r| {
+                let stages =
+                    (0..self.stages.len()).filter(move |&s| rank_of_stage(s, self.pp) == r);
+                (0..microbatches.len())
+                    .flat_map(|microbatch| {
+                        stages.clone().map(move |stage| Action {
+                            pass: Pass::Forward,
+                            stage,
+                            microbatch,
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        let steps = issued_steps(&orders, self.stages.len()).map_err(|e| anyhow::anyhow!(e))?;
+        let mut transfers = Exchanges::new(self);
+        for step in &steps[self.pp_rank] {
+            let a = match step {
+                Step::Exchange { sends, recvs } => {
+                    let recvs = recvs
+                        .iter()
+                        .map(|t| (*t, activation_buffer(model, &microbatches[t.microbatch])))
+                        .collect();
+                    transfers.exchange(sends, recvs)?;
+                    continue;
                 }
+                Step::Compute(a) => *a,
+            };
+            let mb = &microbatches[a.microbatch];
+            let input = transfers.take(a, self.stages.len())?;
+            let _span =
+                gpu_clock::pipeline_span(titan::EVAL_FORWARD, slot_of(a.stage, a.microbatch));
+            let out = catch(|| {
+                let x = input.as_ref().unwrap_or(mb.inputs);
+                let out = model.forward_stage(a.stage, x, mb.layout, None);
+                if a.stage == last {
+                    model.summed_cross_entropy(&out, mb.labels)
+                } else {
+                    out
+                }
+            })
+            .with_context(|| format!("stage {} forward", a.stage))?;
+            if a.stage == last {
+                ce_sum += out.to_kind(tch::Kind::Double);
+            } else {
+                transfers.hold(out);
             }
         }
-        let _wait = titan_obs_core::span(titan::PIPELINE_SEND);
-        for (pending, _) in sends {
-            pending
-                .wait()
-                .context("sending to the next pipeline stage")?;
-        }
+        transfers.finish()?;
         Ok(ce_sum)
     }
+}
 
-    fn send(&self, links: &HashMap<usize, Link>, boundary: usize, t: &Tensor) -> Pending {
-        let link = &links[&boundary];
-        link.group.broadcast_async(t, link.root)
+/// A buffer for a microbatch's hidden states as a stage receives them: its shape and dtype are
+/// known on both ends (no metadata exchange).
+fn activation_buffer(model: &ParallelModel, mb: &Microbatch<'_>) -> Tensor {
+    let (rows, seq_len) = (mb.inputs.size()[0], mb.inputs.size()[1]);
+    let (shape, kind) = model.hidden_shape(rows, seq_len);
+    Tensor::empty(shape.as_slice(), (kind, mb.inputs.device()))
+}
+
+/// A pass's place in the schedule, as titan-obs tags it.
+fn slot_of(stage: usize, microbatch: usize) -> PipelineSlot {
+    // Schedules this long do not exist; saturate rather than wrap if one did.
+    PipelineSlot {
+        microbatch: microbatch.min(u16::MAX as usize) as u16,
+        stage: stage.min(u16::MAX as usize) as u16,
+    }
+}
+
+/// A batch that receives: what it receives into, and the tensor it sends (if it does), alive
+/// until it is done.
+struct Receiving {
+    pending: Pending,
+    recvs: Vec<(Transfer, Tensor)>,
+    _sent: Option<Tensor>,
+}
+
+impl Receiving {
+    /// Waits for it (the host on the cpu backend, the default stream on NCCL).
+    fn wait(self) -> Result<Vec<(Transfer, Tensor)>> {
+        let what: Vec<String> = self.recvs.iter().map(|(t, _)| t.describe()).collect();
+        self.pending
+            .wait()
+            .with_context(|| format!("receiving {}", what.join(" and ")))?;
+        Ok(self.recvs)
+    }
+}
+
+/// The transfers of one run of the steps: the tensor the last pass left to send, the batches
+/// still running, and what finished batches received.
+struct Exchanges<'p> {
+    pipeline: &'p Pipeline,
+    held: Option<Tensor>,
+    /// Batches that only send; their tensors stay alive until they are done.
+    sending: Vec<(Pending, Tensor)>,
+    /// Batches that receive, in issue order.
+    receiving: std::collections::VecDeque<Receiving>,
+    received: HashMap<Transfer, Tensor>,
+}
+
+impl<'p> Exchanges<'p> {
+    fn new(pipeline: &'p Pipeline) -> Self {
+        Exchanges {
+            pipeline,
+            held: None,
+            sending: Vec::new(),
+            receiving: Default::default(),
+            received: HashMap::new(),
+        }
     }
 
-    fn receive(
-        &self,
-        links: &HashMap<usize, Link>,
-        boundary: usize,
-        t: &Tensor,
-    ) -> Result<(), CommError> {
-        let link = &links[&boundary];
-        link.group.broadcast(t, link.root)
+    /// The tensor the pass just computed, for the batch after it to send.
+    fn hold(&mut self, t: Tensor) {
+        self.held = Some(t);
+    }
+
+    /// What `a` reads from another stage (None for a pass that reads nothing): waits, on the
+    /// host for the cpu backend and on the device for NCCL, for the batches up to the one
+    /// that received it.
+    fn take(&mut self, a: Action, stages: usize) -> Result<Option<Tensor>> {
+        let Some(t) = transfers_of(a, stages).0 else {
+            return Ok(None);
+        };
+        if !self.received.contains_key(&t) {
+            let _wait =
+                titan_obs_core::pipeline_span(titan::PIPELINE_RECV, slot_of(a.stage, a.microbatch));
+            while !self.received.contains_key(&t) {
+                let batch = self
+                    .receiving
+                    .pop_front()
+                    .with_context(|| format!("{} was never received", t.describe()))?;
+                self.received.extend(batch.wait()?);
+            }
+        }
+        Ok(self.received.remove(&t))
+    }
+
+    /// Issues one batch: the held tensor for `sends` (at most the one of the pass just run)
+    /// and `recvs` into their buffers. Nothing waits for it here.
+    fn exchange(&mut self, sends: &[Transfer], recvs: Vec<(Transfer, Tensor)>) -> Result<()> {
+        let peers = &self.pipeline.peer_of_stage;
+        let mut ops = Vec::with_capacity(sends.len() + recvs.len());
+        let sent = match sends {
+            [] => None,
+            [t] => {
+                let tensor = self
+                    .held
+                    .take()
+                    .context("the pipeline sends before the pass that makes the tensor")?;
+                ops.push((tensor.shallow_clone(), peers[t.stages().1], true));
+                Some(tensor)
+            }
+            _ => bail!("a pipeline batch sends the tensors of more than one pass"),
+        };
+        for (t, buf) in &recvs {
+            ops.push((buf.shallow_clone(), peers[t.stages().0], false));
+        }
+        // Sends that have finished free their tensors now, not at the step's end.
+        let mut running = Vec::with_capacity(self.sending.len() + 1);
+        for (mut pending, t) in self.sending.drain(..) {
+            match pending.try_result() {
+                Some(result) => result.context("sending to another pipeline stage")?,
+                None => running.push((pending, t)),
+            }
+        }
+        self.sending = running;
+        let pending = self.pipeline.p2p.send_recv_async(&ops);
+        match (recvs.is_empty(), sent) {
+            (true, Some(tensor)) => self.sending.push((pending, tensor)),
+            (true, None) => pending.wait().context("an empty pipeline batch")?,
+            (false, _sent) => self.receiving.push_back(Receiving {
+                pending,
+                recvs,
+                _sent,
+            }),
+        }
+        Ok(())
+    }
+
+    /// Waits for the batches still running (the step's end).
+    fn finish(self) -> Result<()> {
+        let _wait = titan_obs_core::span(titan::PIPELINE_SEND);
+        for batch in self.receiving {
+            batch.wait()?;
+        }
+        for (pending, _) in self.sending {
+            pending
+                .wait()
+                .context("sending to another pipeline stage")?;
+        }
+        Ok(())
     }
 }
 
@@ -1126,7 +1421,7 @@ mod tests {
                             }
                         }
                     }
-                    simulate(schedule, pp, stages, m, Sends::Buffered)
+                    simulate(schedule, pp, stages, m)
                         .unwrap_or_else(|e| panic!("{schedule:?} pp{pp} m{m}: {e}"));
                 }
             }
@@ -1138,7 +1433,7 @@ mod tests {
         // Equal stages, F = 1 and B = 2: GPipe and 1F1B idle (p-1)/(m+p-1) of the makespan.
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
             for (pp, m) in [(2, 4), (4, 8), (4, 4)] {
-                let (span, busy) = simulate(schedule, pp, pp, m, Sends::Buffered).unwrap();
+                let (span, busy) = simulate(schedule, pp, pp, m).unwrap();
                 let bubble = 1.0 - busy[0] as f64 / span as f64;
                 let ideal = schedule.ideal_bubble(pp, m, 1);
                 assert!(
@@ -1149,7 +1444,7 @@ mod tests {
         }
         // Interleaving shrinks it, and splitting the backward shrinks it further.
         let bubble = |schedule| {
-            let (span, busy) = simulate(schedule, 4, 8, 8, Sends::Buffered).unwrap();
+            let (span, busy) = simulate(schedule, 4, 8, 8).unwrap();
             1.0 - busy[0] as f64 / span as f64
         };
         let interleaved = bubble(Schedule::Interleaved1F1B);
@@ -1184,59 +1479,153 @@ mod tests {
             .collect()
     }
 
-    /// 1F1B's order on 2 ranks, 2 microbatches, written out: rank 0 sends microbatch 1's
-    /// activations before it receives microbatch 0's gradients, and rank 1 sends those
-    /// gradients before it receives microbatch 1's activations. It finishes only when a send
-    /// does not wait for its receive.
+    /// Each transfer alone, right where its pass needs or makes it: a receive before the pass,
+    /// a send after it (how titan issued them before issue #36).
+    fn one_at_a_time(orders: &[Vec<Action>], stages: usize) -> Vec<Vec<Step>> {
+        orders
+            .iter()
+            .map(|order| {
+                let mut steps = Vec::new();
+                for &a in order {
+                    let (recv, send) = transfers_of(a, stages);
+                    let alone = |t: Option<Transfer>, is_send| {
+                        t.map(|t| Step::Exchange {
+                            sends: if is_send { vec![t] } else { vec![] },
+                            recvs: if is_send { vec![] } else { vec![t] },
+                        })
+                    };
+                    steps.extend(alone(recv, false));
+                    steps.push(Step::Compute(a));
+                    steps.extend(alone(send, true));
+                }
+                steps
+            })
+            .collect()
+    }
+
+    /// 1F1B's order on 2 ranks, 2 microbatches, written out. Sent alone, rank 0's send of
+    /// microbatch 1's activations waits for rank 1's receive, which rank 1 issues only after
+    /// its send of microbatch 0's gradients, which waits for rank 0's receive, behind rank 0's
+    /// send: a deadlock once the tensors no longer fit NCCL's buffers. Batched as the pipeline
+    /// issues them, it finishes.
     #[test]
-    fn a_send_that_waits_for_its_receive_can_deadlock() {
+    fn a_send_that_waits_for_its_receive_deadlocks_unless_batched() {
         let one_f_one_b = orders(&["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]);
-        simulate_orders(&one_f_one_b, 2, Sends::Buffered).unwrap();
-        let err = simulate_orders(&one_f_one_b, 2, Sends::Blocking).unwrap_err();
+        let err = simulate_steps(&one_at_a_time(&one_f_one_b, 2), 2).unwrap_err();
         assert_eq!(
             err,
             "the schedule deadlocks: rank 0 waits to send microbatch 1's activations from stage \
              0 to stage 1; rank 1 waits to send microbatch 0's gradients from stage 1 to stage 0"
         );
-        // GPipe's order on the same ranks finishes either way: each rank's receives come in
-        // the order its peer sends.
+        let steps = issued_steps(&one_f_one_b, 2).unwrap();
+        simulate_steps(&steps, 2).unwrap();
+        // Torch's time steps: rank 0 sends microbatch 1's activations at the step rank 1 runs
+        // microbatch 0's forward, and receives microbatch 0's gradients at the next.
+        let t = |carries, microbatch| Transfer {
+            carries,
+            boundary: 0,
+            microbatch,
+        };
+        let (act, grad) = (Carries::Activations, Carries::Gradients);
+        let exchange = |sends: &[Transfer], recvs: &[Transfer]| Step::Exchange {
+            sends: sends.to_vec(),
+            recvs: recvs.to_vec(),
+        };
+        let [f0, f1, b0, b1] = one_f_one_b[0][..] else {
+            panic!()
+        };
+        assert_eq!(
+            steps[0],
+            [
+                Step::Compute(f0),
+                exchange(&[t(act, 0)], &[]),
+                Step::Compute(f1),
+                exchange(&[t(act, 1)], &[]),
+                exchange(&[], &[t(grad, 0)]),
+                Step::Compute(b0),
+                exchange(&[], &[t(grad, 1)]),
+                Step::Compute(b1),
+            ]
+        );
+        // GPipe's order finishes either way: each rank's receives come in the order its peer
+        // sends.
         let gpipe = orders(&["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1"]);
-        simulate_orders(&gpipe, 2, Sends::Blocking).unwrap();
+        simulate_steps(&one_at_a_time(&gpipe, 2), 2).unwrap();
     }
 
-    /// Receives pair with sends in issue order on each link: an order whose receives come in
-    /// another microbatch order than the sends is not run with the wrong tensors.
+    /// Transfers pair in issue order between two ranks, as NCCL pairs them: an order whose
+    /// receives come in another microbatch order than the sends is refused, not run with the
+    /// wrong tensors.
     #[test]
     fn transfers_pair_in_issue_order() {
-        let swapped = orders(&["0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1"]);
-        let err = simulate_orders(&swapped, 2, Sends::Buffered).unwrap_err();
-        assert!(err.contains("pairs the wrong microbatches"), "{err}");
+        let one_f_one_b = orders(&["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]);
+        let mut steps = issued_steps(&one_f_one_b, 2).unwrap();
+        // Rank 1 runs its forwards in the other microbatch order, and receives microbatch 1's
+        // activations where rank 0 sends microbatch 0's.
+        for step in steps[1].iter_mut() {
+            match step {
+                Step::Exchange { recvs, .. } => {
+                    for t in recvs
+                        .iter_mut()
+                        .filter(|t| t.carries == Carries::Activations)
+                    {
+                        t.microbatch = 1 - t.microbatch;
+                    }
+                }
+                Step::Compute(a) if a.pass == Pass::Forward => a.microbatch = 1 - a.microbatch,
+                Step::Compute(_) => {}
+            }
+        }
+        let err = simulate_steps(&steps, 2).unwrap_err();
+        assert!(err.contains("pairs the wrong transfers"), "{err}");
+        // An order that waits for what no rank sends first cannot be laid out.
+        let stuck = orders(&["0B0 0F0", "1F0 1B0"]);
+        let err = issued_steps(&stuck, 2).unwrap_err();
+        assert!(err.contains("every rank waits"), "{err}");
     }
 
-    /// What titan's schedules do on the `nccl` backend, where a send can wait for its receive
-    /// (issue #34): GPipe always finishes; 1F1B, Interleaved1F1B and InterleavedZeroBubble
-    /// finish only with one microbatch: with two or more, a rank sends an activation before it
-    /// receives a gradient while its peer does the opposite (see
-    /// `a_send_that_waits_for_its_receive_can_deadlock`), and the step hangs once the tensors
-    /// no longer fit NCCL's buffers. This records that finding; it changes when the runtime
-    /// posts its transfers otherwise (torch batches each step's sends and receives).
+    /// Every schedule titan runs finishes on every layout with sends that wait for their
+    /// receives (NCCL past its buffers), as its steps are issued: training and validation
+    /// (every microbatch through the rank's stages, depth first). Sent one at a time, every
+    /// schedule but GPipe deadlocked past one microbatch (issue #34).
     #[test]
-    fn blocking_sends_deadlock_every_schedule_but_gpipe_past_one_microbatch() {
+    fn every_schedule_finishes_when_sends_wait_for_their_receives() {
         for (schedule, per_rank) in SCHEDULES {
             for pp in 2..=4 {
                 for m in [1, 2, 4, 8] {
                     if !schedule.single_stage() && m > pp && m % pp != 0 {
                         continue;
                     }
-                    let got = simulate(schedule, pp, pp * per_rank, m, Sends::Blocking);
-                    let deadlocks = schedule != Schedule::GPipe && m > 1;
-                    match got {
-                        Err(e) => assert!(
-                            deadlocks && e.starts_with("the schedule deadlocks: "),
-                            "{schedule:?} pp{pp} m{m}: {e}"
-                        ),
-                        Ok(_) => assert!(!deadlocks, "{schedule:?} pp{pp} m{m} finishes"),
-                    }
+                    let stages = pp * per_rank;
+                    simulate(schedule, pp, stages, m)
+                        .unwrap_or_else(|e| panic!("{schedule:?} pp{pp} m{m}: {e}"));
+                    let orders: Vec<Vec<Action>> = (0..pp)
+                        .map(|r| rank_actions(schedule, pp, r, stages, m))
+                        .collect();
+                    let alone = simulate_steps(&one_at_a_time(&orders, stages), stages);
+                    assert_eq!(
+                        alone.is_err(),
+                        schedule != Schedule::GPipe && m > 1,
+                        "{schedule:?} pp{pp} m{m} one at a time: {alone:?}"
+                    );
+                    let validation: Vec<Vec<Action>> = (0..pp)
+                        .map(|r| {
+                            (0..m)
+                                .flat_map(|mb| {
+                                    (0..stages).filter(move |s| s % pp == r).map(move |stage| {
+                                        Action {
+                                            pass: Pass::Forward,
+                                            stage,
+                                            microbatch: mb,
+                                        }
+                                    })
+                                })
+                                .collect()
+                        })
+                        .collect();
+                    let steps = issued_steps(&validation, stages).unwrap();
+                    simulate_steps(&steps, stages)
+                        .unwrap_or_else(|e| panic!("validation pp{pp} x{per_rank} m{m}: {e}"));
                 }
             }
         }
