@@ -17,5 +17,5 @@ export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 export TITAN_FULL_MATRIX=1
 cargo build --workspace --bins --tests --locked
 # `--ignored` runs only ignored tests; the helper processes some tests start are ignored too.
-cargo test -p titan-tests --locked --no-fail-fast -- --ignored \
+cargo test --workspace --locked --test e2e --no-fail-fast -- --ignored \
   --skip journal_child --skip recorder_child ${1:+"$1"}

@@ -39,8 +39,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
         print(m["executable"])' "$1"
 }
-dist_test="$(tests_bin dist_train)"
-timing_test="$(tests_bin gpu_timing)"
+# tests/'s end-to-end tests (dist_train, gpu_timing among them) are one binary.
+e2e_test="$(tests_bin e2e)"
 mkdir -p "$stage/lib" "$stage/bin"
 for f in libtorch_cpu.so libc10.so libc10_cuda.so libtorch.so libtorch_global_deps.so \
   libtorch_nvshmem.so libgomp.so.1 libshm.so libcaffe2_nvrtc.so; do
@@ -49,8 +49,7 @@ done
 .venv/bin/python scripts/strip_fatbins.py "$lib/libtorch_cuda.so" "$stage/lib/libtorch_cuda.so"
 cp "$rel/release/titan-train" "$rel/release/titan-obs" "$stage/bin/"
 cp "$nccl_test" "$stage/bin/nccl_cuda"
-cp "$dist_test" "$stage/bin/dist_train"
-cp "$timing_test" "$stage/bin/gpu_timing"
+cp "$e2e_test" "$stage/bin/e2e"
 strip "$stage/bin/"*
 (cd "$stage" && tar cf - lib bin | zstd -19 -T0 -q -o pack.tar.zst)
 grep -qx '/.gpu\*/' .git/info/exclude 2>/dev/null || echo '/.gpu*/' >> .git/info/exclude

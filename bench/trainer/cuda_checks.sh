@@ -15,7 +15,7 @@
 #   6. where a 1B step's time goes on the GPU: llama3 1B at b2 x s4096 observed, titan-obs
 #      summary with its gpu: twins.
 #
-# Usage: BIN=<folder with titan-train, titan-obs, nccl_cuda, dist_train, gpu_timing> LIBTORCH=<torch 2.13
+# Usage: BIN=<folder with titan-train, titan-obs, nccl_cuda, e2e (tests/'s tests)> LIBTORCH=<torch 2.13
 # lib folder> bash bench/trainer/cuda_checks.sh. python3's own torch runs the eager baseline and
 # lends its NVIDIA libraries. Summaries go to $OUT, run folders to $WORK (default: temporary folders).
 set -uo pipefail
@@ -103,17 +103,19 @@ mkdir -p /tmp/tt/p/deps && cp "$bin/titan-train" "$bin/titan-obs" /tmp/tt/p/
 mkdir -p /work && [ -e /work/main ] || ln -s "$root" /work/main
 if want 3; then
 log "3. layouts sharing the GPU over the cpu backend (CUDA tensors)"
-cp "$bin/dist_train" /tmp/tt/p/deps/
+cp "$bin/e2e" /tmp/tt/p/deps/
 # pyarrow (for the span counts) is the machine's.
-TITAN_PYTHON="$(command -v python3)" TITAN_TEST_CUDA=1 timeout 240 /tmp/tt/p/deps/dist_train \
-  --test-threads 1 ${DIST_TESTS:-multi_rank_loss_curves_match_one_rank \
-  tensor_parallel_loss_curves_match_one_rank pipeline_parallel_loss_curves_match_one_rank} \
+TITAN_PYTHON="$(command -v python3)" TITAN_TEST_CUDA=1 timeout 240 /tmp/tt/p/deps/e2e \
+  --test-threads 1 ${DIST_TESTS:-dist_train::multi_rank_loss_curves_match_one_rank \
+  dist_train::tensor_parallel_loss_curves_match_one_rank \
+  dist_train::pipeline_parallel_loss_curves_match_one_rank} \
   2>&1 | tail -40
 fi
 if want 4; then
 log "4. GPU clock: CUDA-event twins in titan-obs"
-cp "$bin/gpu_timing" /tmp/tt/p/deps/
-TITAN_TEST_CUDA=1 timeout 120 /tmp/tt/p/deps/gpu_timing --test-threads 1 --nocapture 2>&1 | tail -30
+cp "$bin/e2e" /tmp/tt/p/deps/
+TITAN_TEST_CUDA=1 timeout 120 /tmp/tt/p/deps/e2e gpu_timing:: --test-threads 1 --nocapture 2>&1 |
+  tail -30
 titan b8_sdpa_observed_again 40 --training.local_batch_size 8 --training.seq_len 2048 \
   --model.attn_backend sdpa
 "$bin/titan-obs" summary "$work/run-b8_sdpa_observed_again" | sed -n '/^phases/,/^stragglers/p' | head -30

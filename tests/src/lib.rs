@@ -427,28 +427,46 @@ pub fn binary_subdir(name: &str) -> PathBuf {
     dir
 }
 
-/// The folder a fixture script's `make DIR FLAVOR` filled (`script()` is the script's command,
-/// before `make`), made on first use, once per test binary: one lock per flavor, so different
-/// flavors are made in parallel and one flavor once.
-pub fn fixture_made_once(flavor: &str, script: impl FnOnce() -> Command) -> PathBuf {
+/// The folder a fixture script's `make DIR FLAVOR` filled (`runner(script)` is the script's
+/// command, before `make`), made on first use, once per test binary: one lock per (script,
+/// flavor), so different fixtures are made in parallel and each once.
+pub fn fixture_made_once(
+    script: &str,
+    flavor: &str,
+    runner: impl FnOnce(&str) -> Command,
+) -> PathBuf {
     static MADE: Mutex<BTreeMap<String, Arc<OnceLock<PathBuf>>>> = Mutex::new(BTreeMap::new());
     let root = binary_tempdir();
+    let stem = Path::new(script)
+        .file_stem()
+        .map_or("fixture".into(), |s| s.to_string_lossy());
+    let name = format!("{stem}-{flavor}");
     let cell = MADE
         .lock()
         .unwrap()
-        .entry(flavor.to_string())
+        .entry(name.clone())
         .or_default()
         .clone();
     cell.get_or_init(|| {
-        let d = root.join(flavor);
+        let d = root.join(&name);
         // What a failed first try left (its test panicked; this is the next one's try).
         if d.exists() {
             std::fs::remove_dir_all(&d).expect("emptying a fixture folder");
         }
-        run_ok(script().arg("make").arg(&d).arg(flavor));
+        run_ok(runner(script).arg("make").arg(&d).arg(flavor));
         d
     })
     .clone()
+}
+
+/// The name libtest gives test `name` of the module `module_path` (pass `module_path!()`), to
+/// run it alone with `--exact` from its own test binary (tests that start themselves as a
+/// child process): `obs_journal::journal_child` in the one binary of tests/e2e.rs.
+pub fn test_name(module_path: &str, name: &str) -> String {
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_string(),
+    }
 }
 
 /// The pids of `parent`'s child processes (Linux /proc): the ranks a titan-train launcher

@@ -35,7 +35,7 @@ const FLAVORS: [(&str, &str, &str); 3] = [
 const LAYER: u64 = 1;
 
 fn fixture(flavor: &str) -> PathBuf {
-    fixture_made_once(flavor, || tt_python_script(SCRIPT))
+    fixture_made_once(SCRIPT, flavor, tt_python_script)
 }
 
 /// The fixture's routed-expert model tensors (`info.json`).

@@ -24,7 +24,7 @@ const SCRIPT: &str = "tests/python/tt_ckpt_families.py";
 
 /// The fixture folder of `flavor` (`make`'s outputs), made on first use.
 fn fixture(flavor: &str) -> PathBuf {
-    fixture_made_once(flavor, || tt_python_script(SCRIPT))
+    fixture_made_once(SCRIPT, flavor, tt_python_script)
 }
 
 /// Small output files, so tensors are split across several (and an index is written).

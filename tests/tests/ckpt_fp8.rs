@@ -21,7 +21,7 @@ const SCRIPT: &str = "tests/python/ckpt_fp8.py";
 
 /// The fixture folder of `flavor` (`make`'s outputs), made on first use.
 fn fixture(flavor: &str) -> PathBuf {
-    fixture_made_once(flavor, || python_script(SCRIPT))
+    fixture_made_once(SCRIPT, flavor, python_script)
 }
 
 /// `convert` of `src` into `out` with `args`; titan's stderr.

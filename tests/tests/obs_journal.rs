@@ -76,7 +76,7 @@ fn journal_child() {
 fn child(run: &Path, mode: &str, rank: u32, world: u32, flush_ms: u64, rotate_ms: u64) -> Command {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
-        "journal_child",
+        titan_tests::test_name(module_path!(), "journal_child").as_str(),
         "--exact",
         "--ignored",
         "--nocapture",

@@ -149,7 +149,7 @@ fn train_like(rank: u32) {
 fn child(run: &Path, mode: &str, rank: u32, world: u32, flush_ms: u64) -> Command {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
-        "recorder_child",
+        titan_tests::test_name(module_path!(), "recorder_child").as_str(),
         "--exact",
         "--ignored",
         "--nocapture",

@@ -37,7 +37,7 @@ const SCRIPT: &str = "tests/python/tt_parity.py";
 /// torchtitan's llama3_debugmodel seed checkpoint (model-only, fp32), made once for the llama3
 /// tests of this binary: each made the same one in a torchtitan launch of its own.
 fn llama3_seed() -> PathBuf {
-    fixture_made_once("llama3-seed", || tt_python_script(SCRIPT))
+    fixture_made_once(SCRIPT, "llama3-seed", tt_python_script)
 }
 
 /// Whether torchtitan also resumes its own save (`--tt-resume`): in the full matrix
