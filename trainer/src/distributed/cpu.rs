@@ -87,42 +87,56 @@ impl CpuGroup {
     }
 }
 
-/// Runs `f` on the bytes of `t`, through a contiguous host copy if needed. A CUDA tensor is
-/// staged through host memory as gloo stages it (the copy out waits for the kernels that wrote
-/// it, the copy back is ordered before the kernels that read it): so ranks that share a GPU, or
-/// have no NCCL, still train on CUDA tensors.
+/// A contiguous host tensor with `t`'s values: `t` itself where it is one, else a copy. A CUDA
+/// tensor is staged through host memory as gloo stages it (the copy out waits for the kernels
+/// that wrote it, the copy back is ordered before the kernels that read it): so ranks that
+/// share a GPU, or have no NCCL, still train on CUDA tensors.
+fn staged(op: &'static str, t: &Tensor) -> Tensor {
+    if t.device().is_cuda() {
+        crate::host_sync::to_host(t, op).contiguous()
+    } else if t.is_contiguous() {
+        t.shallow_clone()
+    } else {
+        t.contiguous()
+    }
+}
+
+/// Copies what a collective wrote into `work` (from [`staged`]) back into `t`.
+fn unstage(t: &Tensor, work: &Tensor) {
+    if work.data_ptr() != t.data_ptr() {
+        t.shallow_clone().copy_(work);
+    }
+}
+
+/// The bytes of a contiguous host tensor.
+///
+/// # Safety
+/// `t` is contiguous, on the host, alive while the slice is, and nothing else reads or writes
+/// it meanwhile (collectives work in place, as torch.distributed's do).
+#[allow(clippy::mut_from_ref)]
+unsafe fn bytes_of(t: &Tensor) -> &mut [u8] {
+    let len = t.numel() * t.kind().elt_size_in_bytes();
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: the caller's contract; `len` bytes from the tensor's data pointer.
+    unsafe { std::slice::from_raw_parts_mut(t.data_ptr().cast::<u8>(), len) }
+}
+
+/// Runs `f` on the bytes of `t`, through a contiguous host copy if needed ([`staged`]).
 fn with_bytes<R>(
     op: &'static str,
     t: &Tensor,
     f: impl FnOnce(&mut [u8], Elem) -> Result<R, CommError>,
 ) -> Result<R, CommError> {
-    if t.device().is_cuda() {
-        let host = crate::host_sync::to_host(t, op);
-        let result = with_bytes(op, &host, f)?;
-        t.shallow_clone().copy_(&host);
-        return Ok(result);
-    }
     let elem = Elem::from_kind(t.kind()).ok_or_else(|| CommError::BadArgument {
         op,
         message: format!("unsupported dtype {:?}", t.kind()),
     })?;
-    let work = if t.is_contiguous() {
-        t.shallow_clone()
-    } else {
-        t.contiguous()
-    };
-    let len = work.numel() * elem.size();
-    let result = if len == 0 {
-        f(&mut [], elem)?
-    } else {
-        // SAFETY: `work` is a contiguous CPU tensor of `len` bytes that this call borrows
-        // exclusively (collectives mutate in place, as torch.distributed's do).
-        let bytes = unsafe { std::slice::from_raw_parts_mut(work.data_ptr().cast::<u8>(), len) };
-        f(bytes, elem)?
-    };
-    if !t.is_contiguous() {
-        t.shallow_clone().copy_(&work);
-    }
+    let work = staged(op, t);
+    // SAFETY: `work` is a contiguous host tensor this call borrows exclusively.
+    let result = f(unsafe { bytes_of(&work) }, elem)?;
+    unstage(t, &work);
     Ok(result)
 }
 
@@ -199,11 +213,7 @@ impl Collectives for CpuGroup {
     ) -> Result<(), CommError> {
         const OP: &str = "all_to_all_single";
         let row = check_all_to_all(output, input, output_splits, input_splits, self.size())?;
-        let input = if input.device().is_cuda() {
-            crate::host_sync::to_host(input, OP)
-        } else {
-            input.contiguous()
-        };
+        let input = staged(OP, input);
         let elem = Elem::from_kind(input.kind()).ok_or_else(|| CommError::BadArgument {
             op: OP,
             message: format!("unsupported dtype {:?}", input.kind()),
@@ -215,13 +225,8 @@ impl Collectives for CpuGroup {
                 .collect()
         };
         let (out_bytes, in_bytes) = (bytes(output_splits), bytes(input_splits));
-        let len = input.numel() * elem.size();
-        let input_bytes: &[u8] = if len == 0 {
-            &[]
-        } else {
-            // SAFETY: a contiguous CPU tensor of `len` bytes, alive for this call, only read.
-            unsafe { std::slice::from_raw_parts(input.data_ptr().cast::<u8>(), len) }
-        };
+        // SAFETY: a contiguous host tensor, alive for this call, only read.
+        let input_bytes: &[u8] = unsafe { bytes_of(&input) };
         let r = with_bytes(OP, output, |out, _| {
             self.ring
                 .all_to_all(out, &out_bytes, input_bytes, &in_bytes)
@@ -232,51 +237,22 @@ impl Collectives for CpuGroup {
     fn send_recv(&mut self, ops: &[P2pOp<'_>]) -> Result<(), CommError> {
         const OP: &str = "batch_isend_irecv";
         check_peers(ops, self.size())?;
-        // Host, contiguous tensors the ring reads and writes: the caller's own where it can,
-        // else a staging copy (a CUDA tensor goes through host memory, as gloo stages it).
-        let staged: Vec<Tensor> = ops
-            .iter()
-            .map(|op| {
-                let t = op.tensor();
-                match (t.device().is_cuda(), op.is_send()) {
-                    (true, true) => crate::host_sync::to_host(t, OP),
-                    (false, _) if t.is_contiguous() => t.shallow_clone(),
-                    (false, true) => t.contiguous(),
-                    (_, false) => Tensor::empty(t.size(), (t.kind(), tch::Device::Cpu)),
-                }
-            })
-            .collect();
-        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        let staged: Vec<Tensor> = ops.iter().map(|op| staged(OP, op.tensor())).collect();
         let mut sends: Vec<(usize, &[u8])> = Vec::new();
         let mut recvs: Vec<(usize, &mut [u8])> = Vec::new();
         for (op, t) in ops.iter().zip(&staged) {
-            let len = bytes(t);
-            let ptr = t.data_ptr().cast::<u8>();
+            // SAFETY: contiguous host tensors, alive for this call, each in one list only.
+            let bytes = unsafe { bytes_of(t) };
             if op.is_send() {
-                // SAFETY: a contiguous host tensor of `len` bytes, alive for this call, only read.
-                let data = if len == 0 {
-                    &[][..]
-                } else {
-                    unsafe { std::slice::from_raw_parts(ptr, len) }
-                };
-                sends.push((op.peer(), data));
+                sends.push((op.peer(), bytes));
             } else {
-                // SAFETY: a contiguous host tensor of `len` bytes that this call borrows
-                // exclusively (the receive writes it, as torch's does).
-                let data = if len == 0 {
-                    &mut [][..]
-                } else {
-                    unsafe { std::slice::from_raw_parts_mut(ptr, len) }
-                };
-                recvs.push((op.peer(), data));
+                recvs.push((op.peer(), bytes));
             }
         }
         let r = self.ring.send_recv(&sends, &mut recvs);
         r.map_err(|e| self.report(e))?;
-        for (op, t) in ops.iter().zip(&staged) {
-            if !op.is_send() && t.data_ptr() != op.tensor().data_ptr() {
-                op.tensor().shallow_clone().copy_(t);
-            }
+        for (op, t) in ops.iter().zip(&staged).filter(|(op, _)| !op.is_send()) {
+            unstage(op.tensor(), t);
         }
         Ok(())
     }

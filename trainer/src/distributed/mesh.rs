@@ -347,26 +347,38 @@ impl Group {
 
     /// [`Collectives::send_recv`] (torch's `batch_isend_irecv`) on a background thread, or
     /// queued on the device, after the collectives issued before it: the pipeline's transfers.
-    /// `ops` are (tensor, peer, is a send); the tensors must stay untouched (a receive's
-    /// unread) until [`Pending::wait`] returns.
-    pub fn send_recv_async(&self, ops: &[(Tensor, usize, bool)]) -> Pending {
+    /// The tensors must stay untouched (a receive's unread) until [`Pending::wait`] returns.
+    pub fn send_recv_async(&self, ops: &[P2pOp<'_>]) -> Pending {
         let Some(inner) = &self.inner else {
             return Pending::now(Err(CommError::BadArgument {
                 op: "batch_isend_irecv",
                 message: "a group of one rank has no peer to send to".into(),
             }));
         };
+        let tensors: Vec<Tensor> = ops.iter().map(|op| op.tensor().shallow_clone()).collect();
+        if inner.queues {
+            return Self::queued(inner, CollectiveOp::SendRecv { ops }, tensors);
+        }
+        // The background thread's own handles on the same tensors.
         let owned: Vec<(Tensor, usize, bool)> = ops
             .iter()
-            .map(|(t, peer, send)| (t.shallow_clone(), *peer, *send))
+            .zip(tensors)
+            .map(|(op, t)| (t, op.peer(), op.is_send()))
             .collect();
-        if inner.queues {
-            let batch = p2p(ops);
-            let tensors = owned.into_iter().map(|(t, _, _)| t).collect();
-            return Self::queued(inner, CollectiveOp::SendRecv { ops: &batch }, tensors);
-        }
         Self::in_background(inner, move |shared, ticket| {
-            let batch = p2p(&owned);
+            let batch: Vec<P2pOp<'_>> = owned
+                .iter()
+                .map(|(tensor, peer, send)| match send {
+                    true => P2pOp::Send {
+                        tensor,
+                        peer: *peer,
+                    },
+                    false => P2pOp::Recv {
+                        tensor,
+                        peer: *peer,
+                    },
+                })
+                .collect();
             shared.run(ticket, |g| g.send_recv(&batch))
         })
     }
@@ -431,22 +443,6 @@ impl Group {
             _ => Device::Cpu,
         }
     }
-}
-
-/// The [`P2pOp`]s of (tensor, peer, is a send) triples.
-fn p2p(ops: &[(Tensor, usize, bool)]) -> Vec<P2pOp<'_>> {
-    ops.iter()
-        .map(|(tensor, peer, send)| match send {
-            true => P2pOp::Send {
-                tensor,
-                peer: *peer,
-            },
-            false => P2pOp::Recv {
-                tensor,
-                peer: *peer,
-            },
-        })
-        .collect()
 }
 
 /// This rank's mesh and its groups.
@@ -822,7 +818,17 @@ mod tests {
         shard.all_reduce(&t, ReduceOp::Sum).unwrap();
         assert_eq!(log.lock().unwrap().last().unwrap(), "blocking all_reduce");
         // A pipeline's batch of transfers is queued as one call, from this thread.
-        let batch = shard.send_recv_async(&[(t.shallow_clone(), 1, true), (big.copy(), 1, false)]);
+        let received = big.copy();
+        let batch = shard.send_recv_async(&[
+            P2pOp::Send {
+                tensor: &t,
+                peer: 1,
+            },
+            P2pOp::Recv {
+                tensor: &received,
+                peer: 1,
+            },
+        ]);
         assert_eq!(
             log.lock().unwrap().last().unwrap(),
             &format!("queue batch_isend_irecv 3 after None on {me:?}")

@@ -302,87 +302,40 @@ impl Ring {
     /// (a connection carries bytes both ways); of two ranks, sends go on `next` and receives
     /// come on `prev`. Each message is its length, then its bytes: a receive whose length
     /// differs is an error naming both ranks. The directions run on threads of their own, so a
-    /// send blocked until its receiver reads holds up no receive of the batch. A send to this
-    /// rank itself is copied into its receive from itself (the k-th into the k-th).
+    /// send blocked until its receiver reads holds up no receive of the batch.
     pub fn send_recv(
         &mut self,
         sends: &[(usize, &[u8])],
         recvs: &mut [(usize, &mut [u8])],
     ) -> Result<(), CommError> {
         const OP: &str = "batch_isend_irecv";
-        let (n, r) = (self.size, self.rank);
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let bad = |message: String| CommError::BadArgument { op: OP, message };
-        let own: Vec<&[u8]> = sends.iter().filter(|s| s.0 == r).map(|s| s.1).collect();
-        let mut own_recvs = recvs.iter_mut().filter(|v| v.0 == r);
-        for (k, bytes) in own.iter().enumerate() {
-            let Some((_, buf)) = own_recvs.next() else {
-                return Err(bad(format!(
-                    "rank {} sends itself {} tensors in a batch but receives fewer",
-                    self.members[r],
-                    own.len()
-                )));
-            };
-            if buf.len() != bytes.len() {
-                return Err(bad(format!(
-                    "rank {}'s send {k} to itself has {} bytes, its receive {}",
-                    self.members[r],
-                    bytes.len(),
-                    buf.len()
-                )));
-            }
-            buf.copy_from_slice(bytes);
-        }
-        if own_recvs.next().is_some() {
-            return Err(bad(format!(
-                "rank {} receives from itself more tensors than it sends itself",
-                self.members[r]
-            )));
-        }
-        // Lanes: (on `next`?, writes?) -> transfers in issue order.
+        // Lanes by connection (0: `prev`, 1: `next`), transfers in issue order.
         let mut writes: [Vec<(usize, &[u8])>; 2] = [Vec::new(), Vec::new()];
-        for &(peer, bytes) in sends.iter().filter(|s| s.0 != r) {
-            let on_next = if peer == next {
-                true
-            } else if peer == prev {
-                false
-            } else {
-                return Err(self.not_a_neighbour(peer));
-            };
-            writes[usize::from(on_next)].push((peer, bytes));
+        for &(peer, bytes) in sends {
+            writes[self.connection_to(peer, true)?].push((peer, bytes));
         }
         let mut reads: [Vec<(usize, &mut [u8])>; 2] = [Vec::new(), Vec::new()];
-        for (peer, buf) in recvs.iter_mut().filter(|v| v.0 != r) {
-            let on_next = if *peer == prev {
-                false
-            } else if *peer == next {
-                true
-            } else {
-                return Err(self.not_a_neighbour(*peer));
-            };
-            reads[usize::from(on_next)].push((*peer, &mut **buf));
-        }
-        if writes.iter().all(Vec::is_empty) && reads.iter().all(Vec::is_empty) {
-            return Ok(());
+        for (peer, buf) in recvs.iter_mut() {
+            reads[self.connection_to(*peer, false)?].push((*peer, &mut **buf));
         }
         let streams = [self.prev.as_ref(), self.next.as_ref()];
-        let (rank, members, timeout) = (self.members[r], &self.members, self.timeout);
-        // The first failure, as (peer's group rank, error); it shuts this rank's connections
-        // for reading so that the other lanes stop waiting for bytes that cannot come.
-        let failure: std::sync::Mutex<Option<(usize, io::Error)>> = std::sync::Mutex::new(None);
-        let fail = |peer: usize, e: io::Error| {
-            let mut f = failure.lock().unwrap_or_else(|p| p.into_inner());
-            if f.is_none() {
-                *f = Some((peer, e));
+        let (rank, members, timeout) = (self.members[self.rank], &self.members, self.timeout);
+        // The first failure and the peer (group rank) it names; it shuts this rank's
+        // connections for reading so that the other lanes stop waiting for bytes that cannot
+        // come.
+        let failure: std::sync::Mutex<Option<(usize, LaneFailure)>> = std::sync::Mutex::new(None);
+        let fail = |peer: usize, f: LaneFailure| {
+            let mut first = failure.lock().unwrap_or_else(|p| p.into_inner());
+            if first.is_none() {
+                *first = Some((peer, f));
                 for s in streams.iter().flatten() {
                     let _ = s.shutdown(Shutdown::Read);
                 }
             }
         };
-        let mismatch: std::sync::Mutex<Option<(usize, usize, usize)>> = std::sync::Mutex::new(None);
         std::thread::scope(|scope| {
-            for (on_next, lane) in writes.into_iter().enumerate() {
-                let Some(mut stream) = streams[on_next].filter(|_| !lane.is_empty()) else {
+            for (lane, stream) in writes.into_iter().zip(streams) {
+                let (Some(mut stream), false) = (stream, lane.is_empty()) else {
                     continue;
                 };
                 let fail = &fail;
@@ -392,60 +345,74 @@ impl Ring {
                             .write_all(&(bytes.len() as u64).to_le_bytes())
                             .and_then(|()| stream.write_all(bytes));
                         if let Err(e) = sent {
-                            return fail(peer, e);
+                            return fail(peer, LaneFailure::Io(e));
                         }
                     }
                 });
             }
-            for (on_next, lane) in reads.into_iter().enumerate() {
-                let Some(stream) = streams[on_next].filter(|_| !lane.is_empty()) else {
+            for (lane, stream) in reads.into_iter().zip(streams) {
+                let (Some(stream), false) = (stream, lane.is_empty()) else {
                     continue;
                 };
-                let (fail, mismatch) = (&fail, &mismatch);
+                let fail = &fail;
                 scope.spawn(move || {
                     for (peer, buf) in lane {
                         let mut len = [0u8; 8];
                         if let Err(e) = read_full(stream, &mut len) {
-                            return fail(peer, e);
+                            return fail(peer, LaneFailure::Io(e));
                         }
-                        let len = u64::from_le_bytes(len) as usize;
-                        if len != buf.len() {
-                            *mismatch.lock().unwrap_or_else(|p| p.into_inner()) =
-                                Some((peer, len, buf.len()));
-                            return fail(peer, io::Error::other("message length mismatch"));
+                        let sent = u64::from_le_bytes(len) as usize;
+                        if sent != buf.len() {
+                            return fail(
+                                peer,
+                                LaneFailure::Length {
+                                    sent,
+                                    expected: buf.len(),
+                                },
+                            );
                         }
                         if let Err(e) = read_full(stream, buf) {
-                            return fail(peer, e);
+                            return fail(peer, LaneFailure::Io(e));
                         }
                     }
                 });
             }
         });
-        let mismatch = mismatch.into_inner().unwrap_or_else(|p| p.into_inner());
         match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
             None => Ok(()),
-            Some(_) if mismatch.is_some() => {
-                let (peer, sent, expected) = mismatch.unwrap_or_default();
-                Err(bad(format!(
+            Some((peer, LaneFailure::Io(e))) => {
+                Err(peer_error(rank, members[peer], OP, timeout, e))
+            }
+            Some((peer, LaneFailure::Length { sent, expected })) => Err(CommError::BadArgument {
+                op: OP,
+                message: format!(
                     "rank {rank} expected {expected} bytes from rank {} but it sent {sent} (the \
                      two ranks pair their transfers differently: the k-th send from a rank to \
                      another pairs with the other's k-th receive from it)",
                     members[peer]
-                )))
-            }
-            Some((peer, e)) => Err(peer_error(rank, members[peer], OP, timeout, e)),
+                ),
+            }),
         }
     }
 
-    fn not_a_neighbour(&self, peer: usize) -> CommError {
-        CommError::BadArgument {
-            op: "batch_isend_irecv",
-            message: format!(
-                "the cpu backend sends point to point only between neighbours of the group's \
-                 ring, and ranks {} and {} are not",
-                self.members[self.rank],
-                self.members.get(peer).copied().unwrap_or(peer)
-            ),
+    /// The connection a transfer to or from `peer` (a group rank) travels on: 1 for `next`,
+    /// 0 for `prev`. Of two ranks, sends go on `next` and receives come on `prev`.
+    fn connection_to(&self, peer: usize, send: bool) -> Result<usize, CommError> {
+        let (n, r) = (self.size, self.rank);
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        match (peer == next && n > 1, peer == prev && n > 1) {
+            (true, true) => Ok(usize::from(send)),
+            (true, false) => Ok(1),
+            (false, true) => Ok(0),
+            (false, false) => Err(CommError::BadArgument {
+                op: "batch_isend_irecv",
+                message: format!(
+                    "the cpu backend sends point to point only between neighbours of the \
+                     group's ring, and ranks {} and {} are not",
+                    self.members[r],
+                    self.members.get(peer).copied().unwrap_or(peer)
+                ),
+            }),
         }
     }
 
@@ -596,6 +563,16 @@ impl Ring {
     }
 }
 
+/// Why a lane of [`Ring::send_recv`] stopped.
+enum LaneFailure {
+    Io(io::Error),
+    /// A message of another length than the receive's buffer.
+    Length {
+        sent: usize,
+        expected: usize,
+    },
+}
+
 fn read_full(mut stream: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
     stream.read_exact(buf)
 }
@@ -711,7 +688,7 @@ mod tests {
     }
 
     /// A receive of another length than its send fails naming both ranks; a send to a rank
-    /// that is not a neighbour is refused before anything is sent; a send to itself is copied.
+    /// that is not a neighbour, or to itself, is refused before anything is sent.
     #[test]
     fn mismatched_and_unreachable_transfers_are_errors() {
         let errors = on_ring(2, |ring| {
@@ -734,10 +711,8 @@ mod tests {
             let err = err.unwrap_err().to_string();
             assert!(err.contains("not"), "{err}");
             assert!(err.contains("neighbours"), "{err}");
-            let mut own = [0u8; 3];
-            ring.send_recv(&[(ring.rank, &[1, 2, 3][..])], &mut [(ring.rank, &mut own)])
-                .unwrap();
-            assert_eq!(own, [1, 2, 3]);
+            let err = ring.send_recv(&[(ring.rank, &[1u8][..])], &mut []);
+            assert!(err.unwrap_err().to_string().contains("neighbours"));
         });
     }
 }

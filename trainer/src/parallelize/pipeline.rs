@@ -30,7 +30,7 @@ use tch::Tensor;
 use titan_obs_core::PipelineSlot;
 use titan_obs_core::vocab::titan;
 
-use crate::distributed::{DeviceMesh, Group, Pending};
+use crate::distributed::{DeviceMesh, Group, P2pOp, Pending};
 use crate::gpu_clock;
 use crate::parallel::Dim;
 use crate::parallelize::weight_grad::WeightGradStash;
@@ -482,9 +482,10 @@ impl Transfer {
 enum Step {
     Compute(Action),
     /// Transfers issued together as one batch (torch's `batch_isend_irecv`): what the pass
-    /// just before sends, and what the neighbours send this rank at the same time step.
+    /// just before sends (a rank runs one pass a time step), and what the neighbours send this
+    /// rank at the same time step.
     Exchange {
-        sends: Vec<Transfer>,
+        send: Option<Transfer>,
         recvs: Vec<Transfer>,
     },
 }
@@ -557,10 +558,10 @@ fn issued_steps(orders: &[Vec<Action>], stages: usize) -> Result<Vec<Vec<Step>>,
             ));
         }
         for (r, steps) in steps.iter_mut().enumerate() {
-            let sends: Vec<Transfer> = now.iter().filter(|n| n.0 == r).map(|n| n.2).collect();
+            let send = now.iter().find(|n| n.0 == r).map(|n| n.2);
             let recvs: Vec<Transfer> = now.iter().filter(|n| n.1 == r).map(|n| n.2).collect();
-            if !sends.is_empty() || !recvs.is_empty() {
-                steps.push(Step::Exchange { sends, recvs });
+            if send.is_some() || !recvs.is_empty() {
+                steps.push(Step::Exchange { send, recvs });
             }
         }
         sent.extend(now.iter().map(|n| n.2));
@@ -695,11 +696,11 @@ fn simulate_steps(steps: &[Vec<Step>], stages: usize) -> Result<(u64, Vec<u64>),
                         clock[r] += cost;
                         busy[r] += cost;
                     }
-                    Step::Exchange { sends, recvs } => {
+                    Step::Exchange { send, recvs } => {
                         let b = issued_batches[r];
                         issued_batches[r] += 1;
                         batches[r][b].issued = Some(clock[r]);
-                        let ends = sends
+                        let ends = send
                             .iter()
                             .map(|t| (t, true))
                             .chain(recvs.iter().map(|t| (t, false)));
@@ -837,8 +838,6 @@ pub struct Pipeline {
     /// The group rank of the pp rank that holds each stage.
     peer_of_stage: Vec<usize>,
     pp: usize,
-    /// This rank's coordinate on the pp dimension.
-    pp_rank: usize,
 }
 
 /// One microbatch's data, as every stage of the pipeline reads it.
@@ -942,7 +941,6 @@ impl Pipeline {
             p2p,
             peer_of_stage,
             pp,
-            pp_rank: my_pp,
         })
     }
 
@@ -979,7 +977,7 @@ impl Pipeline {
         let mut loss_sum = Tensor::zeros([], (tch::Kind::Double, global_tokens.device()));
         for step in &self.steps {
             let a = match step {
-                Step::Exchange { sends, recvs } => {
+                Step::Exchange { send, recvs } => {
                     let buffer = |t: &Transfer| -> Result<(Transfer, Tensor)> {
                         let buf = match t.carries {
                             Carries::Activations => {
@@ -995,7 +993,7 @@ impl Pipeline {
                         Ok((*t, buf))
                     };
                     let recvs = recvs.iter().map(buffer).collect::<Result<Vec<_>>>()?;
-                    transfers.exchange(sends, recvs)?;
+                    transfers.exchange(*send, recvs)?;
                     continue;
                 }
                 Step::Compute(a) => *a,
@@ -1091,32 +1089,18 @@ impl Pipeline {
             .first()
             .map_or(tch::Device::Cpu, |mb| mb.inputs.device());
         let mut ce_sum = Tensor::zeros([], (tch::Kind::Double, device));
-        // Every rank's order: its stages for each microbatch in turn.
-        let orders: Vec<Vec<Action>> = (0..self.pp)
-            .map(|r| {
-                let stages =
-                    (0..self.stages.len()).filter(move |&s| rank_of_stage(s, self.pp) == r);
-                (0..microbatches.len())
-                    .flat_map(|microbatch| {
-                        stages.clone().map(move |stage| Action {
-                            pass: Pass::Forward,
-                            stage,
-                            microbatch,
-                        })
-                    })
-                    .collect()
-            })
-            .collect();
+        let orders = validation_orders(self.pp, self.stages.len(), microbatches.len());
         let steps = issued_steps(&orders, self.stages.len()).map_err(|e| anyhow::anyhow!(e))?;
+        let pp_rank = rank_of_stage(self.local_stages[0], self.pp);
         let mut transfers = Exchanges::new(self);
-        for step in &steps[self.pp_rank] {
+        for step in &steps[pp_rank] {
             let a = match step {
-                Step::Exchange { sends, recvs } => {
+                Step::Exchange { send, recvs } => {
                     let recvs = recvs
                         .iter()
                         .map(|t| (*t, activation_buffer(model, &microbatches[t.microbatch])))
                         .collect();
-                    transfers.exchange(sends, recvs)?;
+                    transfers.exchange(*send, recvs)?;
                     continue;
                 }
                 Step::Compute(a) => *a,
@@ -1144,6 +1128,26 @@ impl Pipeline {
         transfers.finish()?;
         Ok(ce_sum)
     }
+}
+
+/// Validation's order on each of `pp` ranks: every microbatch through the rank's stages in
+/// turn, depth first.
+fn validation_orders(pp: usize, stages: usize, microbatches: usize) -> Vec<Vec<Action>> {
+    (0..pp)
+        .map(|r| {
+            (0..microbatches)
+                .flat_map(|microbatch| {
+                    (0..stages)
+                        .filter(move |&s| rank_of_stage(s, pp) == r)
+                        .map(move |stage| Action {
+                            pass: Pass::Forward,
+                            stage,
+                            microbatch,
+                        })
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// A buffer for a microbatch's hidden states as a stage receives them: its shape and dtype are
@@ -1231,25 +1235,32 @@ impl<'p> Exchanges<'p> {
         Ok(self.received.remove(&t))
     }
 
-    /// Issues one batch: the held tensor for `sends` (at most the one of the pass just run)
-    /// and `recvs` into their buffers. Nothing waits for it here.
-    fn exchange(&mut self, sends: &[Transfer], recvs: Vec<(Transfer, Tensor)>) -> Result<()> {
+    /// Issues one batch: the held tensor for `send` (the pass just run made it) and `recvs`
+    /// into their buffers. Nothing waits for it here.
+    fn exchange(&mut self, send: Option<Transfer>, recvs: Vec<(Transfer, Tensor)>) -> Result<()> {
         let peers = &self.pipeline.peer_of_stage;
-        let mut ops = Vec::with_capacity(sends.len() + recvs.len());
-        let sent = match sends {
-            [] => None,
-            [t] => {
+        let sent = match send {
+            Some(t) => {
                 let tensor = self
                     .held
                     .take()
                     .context("the pipeline sends before the pass that makes the tensor")?;
-                ops.push((tensor.shallow_clone(), peers[t.stages().1], true));
-                Some(tensor)
+                Some((tensor, peers[t.stages().1]))
             }
-            _ => bail!("a pipeline batch sends the tensors of more than one pass"),
+            None => None,
         };
+        let mut ops = Vec::with_capacity(1 + recvs.len());
+        if let Some((tensor, peer)) = &sent {
+            ops.push(P2pOp::Send {
+                tensor,
+                peer: *peer,
+            });
+        }
         for (t, buf) in &recvs {
-            ops.push((buf.shallow_clone(), peers[t.stages().0], false));
+            ops.push(P2pOp::Recv {
+                tensor: buf,
+                peer: peers[t.stages().0],
+            });
         }
         // Sends that have finished free their tensors now, not at the step's end.
         let mut running = Vec::with_capacity(self.sending.len() + 1);
@@ -1261,6 +1272,8 @@ impl<'p> Exchanges<'p> {
         }
         self.sending = running;
         let pending = self.pipeline.p2p.send_recv_async(&ops);
+        drop(ops);
+        let sent = sent.map(|(tensor, _)| tensor);
         match (recvs.is_empty(), sent) {
             (true, Some(tensor)) => self.sending.push((pending, tensor)),
             (true, None) => pending.wait().context("an empty pipeline batch")?,
@@ -1488,9 +1501,9 @@ mod tests {
                 let mut steps = Vec::new();
                 for &a in order {
                     let (recv, send) = transfers_of(a, stages);
-                    let alone = |t: Option<Transfer>, is_send| {
+                    let alone = |t: Option<Transfer>, is_send: bool| {
                         t.map(|t| Step::Exchange {
-                            sends: if is_send { vec![t] } else { vec![] },
+                            send: is_send.then_some(t),
                             recvs: if is_send { vec![] } else { vec![t] },
                         })
                     };
@@ -1527,8 +1540,8 @@ mod tests {
             microbatch,
         };
         let (act, grad) = (Carries::Activations, Carries::Gradients);
-        let exchange = |sends: &[Transfer], recvs: &[Transfer]| Step::Exchange {
-            sends: sends.to_vec(),
+        let exchange = |send: &[Transfer], recvs: &[Transfer]| Step::Exchange {
+            send: send.first().copied(),
             recvs: recvs.to_vec(),
         };
         let [f0, f1, b0, b1] = one_f_one_b[0][..] else {
@@ -1608,21 +1621,7 @@ mod tests {
                         schedule != Schedule::GPipe && m > 1,
                         "{schedule:?} pp{pp} m{m} one at a time: {alone:?}"
                     );
-                    let validation: Vec<Vec<Action>> = (0..pp)
-                        .map(|r| {
-                            (0..m)
-                                .flat_map(|mb| {
-                                    (0..stages).filter(move |s| s % pp == r).map(move |stage| {
-                                        Action {
-                                            pass: Pass::Forward,
-                                            stage,
-                                            microbatch: mb,
-                                        }
-                                    })
-                                })
-                                .collect()
-                        })
-                        .collect();
+                    let validation = validation_orders(pp, stages, m);
                     let steps = issued_steps(&validation, stages).unwrap();
                     simulate_steps(&steps, stages)
                         .unwrap_or_else(|e| panic!("validation pp{pp} x{per_rank} m{m}: {e}"));
