@@ -5,13 +5,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use arrow::array::{
-    Array, AsArray, DictionaryArray, Float64Array, Int64Array, ListArray, StringArray, UInt16Array,
+use arrow_array::RecordBatch;
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Int32Type, Int64Type, UInt16Type, UInt32Type, UInt64Type};
+use arrow_array::{
+    Array, DictionaryArray, Float64Array, Int64Array, ListArray, StringArray, UInt16Array,
     UInt32Array, UInt64Array,
 };
-use arrow::array::{ArrowPrimitiveType, PrimitiveArray};
-use arrow::datatypes::{Int32Type, Int64Type, UInt16Type, UInt32Type, UInt64Type};
-use arrow::record_batch::RecordBatch;
+use arrow_array::{ArrowPrimitiveType, PrimitiveArray};
 use bytes::Bytes;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ParquetRecordBatchReaderBuilder, RowSelection, RowSelector};
@@ -261,12 +262,12 @@ fn primitive<'a, T: ArrowPrimitiveType>(
 /// A batch's columns, typed; optional ones are `None` when not asked for.
 struct BatchColumns<'a> {
     kind_of_key: Vec<Kind>,
-    kind_keys: &'a arrow::array::Int32Array,
+    kind_keys: &'a arrow_array::Int32Array,
     names: Vec<u32>,
     step: &'a UInt64Array,
     dur: &'a Int64Array,
     value: &'a Float64Array,
-    reduce_keys: &'a arrow::array::Int32Array,
+    reduce_keys: &'a arrow_array::Int32Array,
     /// Parsed lazily per key: a part whose rows are all non-scalars stores only nulls, and
     /// parquet may then hand back a placeholder dictionary (e.g. `[""]`) that no row uses.
     reduce_of_key: Vec<std::result::Result<Reduce, String>>,

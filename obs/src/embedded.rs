@@ -15,7 +15,7 @@
 //! `lod::from_footer`), below this module.
 
 use anyhow::{Context, Result};
-use arrow::record_batch::RecordBatch;
+use arrow_array::RecordBatch;
 use parquet::file::metadata::{KeyValue, ParquetMetaDataReader};
 
 use crate::digest::PartDigest;

@@ -8,7 +8,7 @@
 //! header verified here first: the flatbuffer (with the flatbuffers verifier), the message
 //! type, and every buffer and compressed length against the body and fixed limits.
 
-use arrow::ipc::{CompressionType, MessageHeader, MetadataVersion, root_as_message};
+use arrow_ipc::{CompressionType, MessageHeader, MetadataVersion, root_as_message};
 
 /// Largest message header accepted (a record batch of our schema needs a few KB).
 const MAX_METADATA: usize = 64 << 20;
@@ -121,7 +121,7 @@ pub(crate) fn next_message(buf: &[u8]) -> Message {
 }
 
 /// Every length, buffer and compressed size of a record (or dictionary) batch against `body`.
-fn check_batch(batch: &arrow::ipc::RecordBatch<'_>, body: &[u8]) -> Result<(), String> {
+fn check_batch(batch: &arrow_ipc::RecordBatch<'_>, body: &[u8]) -> Result<(), String> {
     let rows = batch.length();
     if !(0..=MAX_LENGTH).contains(&rows) {
         return Err(format!("a batch of {rows} rows"));
@@ -175,10 +175,10 @@ fn check_batch(batch: &arrow::ipc::RecordBatch<'_>, body: &[u8]) -> Result<(), S
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{Int64Array, StringArray};
-    use arrow::datatypes::{DataType, Field, Schema};
-    use arrow::ipc::writer::{IpcWriteOptions, StreamWriter};
-    use arrow::record_batch::RecordBatch;
+    use arrow_array::RecordBatch;
+    use arrow_array::{Int64Array, StringArray};
+    use arrow_ipc::writer::{IpcWriteOptions, StreamWriter};
+    use arrow_schema::{DataType, Field, Schema};
     use std::sync::Arc;
 
     fn stream() -> Vec<u8> {

@@ -13,14 +13,16 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use arrow::array::{Array, AsArray};
-use arrow::buffer::Buffer;
-use arrow::datatypes::{Int32Type, Schema, SchemaRef};
-use arrow::ipc::reader::StreamDecoder;
-use arrow::ipc::writer::{
+use arrow_array::Array;
+use arrow_array::RecordBatch;
+use arrow_array::cast::AsArray;
+use arrow_array::types::Int32Type;
+use arrow_buffer::Buffer;
+use arrow_ipc::reader::StreamDecoder;
+use arrow_ipc::writer::{
     DictionaryTracker, IpcDataGenerator, IpcWriteContext, IpcWriteOptions, write_message,
 };
-use arrow::record_batch::RecordBatch;
+use arrow_schema::{Schema, SchemaRef};
 
 use crate::footer::{Footer, PartHeader};
 use crate::guard::guarded;
@@ -117,7 +119,7 @@ impl JournalWriter {
             Schema::new(arrow_schema().fields().clone()).with_metadata(metadata),
         );
         let options = IpcWriteOptions::default()
-            .try_with_compression(Some(arrow::ipc::CompressionType::ZSTD))
+            .try_with_compression(Some(arrow_ipc::CompressionType::ZSTD))
             .context("zstd IPC compression")?;
         let mut w = JournalWriter {
             path,
@@ -563,7 +565,7 @@ impl JournalCursor {
                     out.push(b);
                 }
             }
-            Ok::<_, arrow::error::ArrowError>(out)
+            Ok::<_, arrow_schema::ArrowError>(out)
         });
         let error = match result {
             Ok(Ok(batches)) => {
@@ -599,12 +601,13 @@ impl JournalCursor {
                 .try_into()
                 .expect("4 bytes"),
         ) as usize;
-        let message = arrow::ipc::root_as_message(&self.schema_message[prefix..prefix + meta_len])
-            .map_err(|e| anyhow::anyhow!("the journal's schema message is damaged: {e}"))?;
+        let message =
+            arrow_ipc::root_as_message(&self.schema_message[prefix..prefix + meta_len])
+                .map_err(|e| anyhow::anyhow!("the journal's schema message is damaged: {e}"))?;
         let schema = message
             .header_as_schema()
             .context("the journal's schema message holds no schema")?;
-        let schema = arrow::ipc::convert::try_fb_to_schema(schema)
+        let schema = arrow_ipc::convert::try_fb_to_schema(schema)
             .context("the journal's schema message is damaged")?;
         let kv: HashMap<String, String> = schema
             .metadata()
@@ -889,17 +892,21 @@ mod tests {
     }
 
     /// Logical (dictionary-free) columns, so batches with different dictionaries compare.
-    fn logical(batches: &[RecordBatch]) -> Vec<arrow::array::ArrayRef> {
+    fn logical(batches: &[RecordBatch]) -> Vec<arrow_array::ArrayRef> {
         let schema = arrow_schema();
         let b: Vec<RecordBatch> = batches
             .iter()
             .map(|b| RecordBatch::try_new(schema.clone(), b.columns().to_vec()).unwrap())
             .collect();
-        let all = arrow::compute::concat_batches(&schema, &b).unwrap();
+        let all = arrow_select::concat::concat_batches(&schema, &b).unwrap();
         all.columns()
             .iter()
             .map(|c| match c.data_type() {
-                arrow::datatypes::DataType::Dictionary(_, v) => arrow::compute::cast(c, v).unwrap(),
+                // A dictionary column's values in row order (what a cast to its value type gives).
+                arrow_schema::DataType::Dictionary(..) => {
+                    let d = c.as_any_dictionary();
+                    arrow_select::take::take(d.values(), d.keys(), None).unwrap()
+                }
                 _ => c.clone(),
             })
             .collect()
@@ -1086,7 +1093,7 @@ mod tests {
             .flat_map(|b| {
                 b.column_by_name(col::SEQ)
                     .unwrap()
-                    .as_primitive::<arrow::datatypes::UInt64Type>()
+                    .as_primitive::<arrow_array::types::UInt64Type>()
                     .values()
                     .to_vec()
             })

@@ -9,13 +9,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use arrow::array::{
-    ArrayRef, DictionaryArray, Float64Builder, Int32Array, Int64Builder, ListBuilder, StringArray,
-    StringBuilder, StringDictionaryBuilder, UInt16Builder, UInt32Array, UInt32Builder,
-    UInt64Builder,
+use arrow_array::RecordBatch;
+use arrow_array::builder::{
+    Float64Builder, Int64Builder, ListBuilder, StringBuilder, StringDictionaryBuilder,
+    UInt16Builder, UInt32Builder, UInt64Builder,
 };
-use arrow::datatypes::Int32Type;
-use arrow::record_batch::RecordBatch;
+use arrow_array::types::Int32Type;
+use arrow_array::{ArrayRef, DictionaryArray, Int32Array, StringArray, UInt32Array};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::KeyValue;
@@ -143,9 +143,9 @@ impl PartBuilder {
             reduce: Vec::new(),
             depth: UInt16Builder::new(),
             parent: UInt64Builder::new(),
-            tags: ListBuilder::new(StringBuilder::new()).with_field(arrow::datatypes::Field::new(
+            tags: ListBuilder::new(StringBuilder::new()).with_field(arrow_schema::Field::new(
                 "item",
-                arrow::datatypes::DataType::Utf8,
+                arrow_schema::DataType::Utf8,
                 false,
             )),
             message: StringBuilder::new(),

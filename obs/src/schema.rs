@@ -7,7 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, LazyLock};
 
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
 
 /// Version of the column layout written into every footer (`titan.schema_version`).
 /// Version 2 added the nullable `microbatch` and `stage` span columns; version-1 files read as

@@ -77,6 +77,14 @@ impl Root {
             ObjectStoreScheme::parse(&url).map_err(|_| unsupported())?
         };
         let cannot = |e: object_store::Error| StorageError::Usage(format!("cannot use `{s}`: {e}"));
+        if matches!(
+            scheme,
+            ObjectStoreScheme::AmazonS3
+                | ObjectStoreScheme::GoogleCloudStorage
+                | ObjectStoreScheme::MicrosoftAzure
+        ) {
+            install_tls_provider();
+        }
         let store: Arc<dyn ObjectStore> = match scheme {
             ObjectStoreScheme::Local => {
                 let p = url
@@ -473,6 +481,17 @@ fn obj_path(prefix: &ObjPath, rel: &str) -> ObjPath {
 
 /// `memory://` stores are process-global per host name so a writer and a reader in one
 /// process (tests) see the same objects.
+/// Makes ring the process's rustls crypto provider, once, before the first HTTP client is built:
+/// the object stores' reqwest client is built without a provider of its own (the workspace
+/// builds rustls on ring alone, not aws-lc-rs), and would panic without one. A provider the
+/// program installed first stays.
+fn install_tls_provider() {
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
 fn memory_store(host: &str) -> Arc<dyn ObjectStore> {
     static STORES: LazyLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> =
         LazyLock::new(Default::default);
@@ -487,6 +506,17 @@ fn memory_store(host: &str) -> Arc<dyn ObjectStore> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The S3 and GCS clients (HTTPS through rustls) build: without a crypto provider of its
+    /// own reqwest panics building them, so this fails if ring is not installed first. (No
+    /// request is made; the moto tests in tests/ talk to a store over plain HTTP.)
+    #[test]
+    fn https_object_store_clients_build() {
+        for url in ["s3://bucket/run", "gs://bucket/run"] {
+            let root = Root::parse(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert!(root.local_dir().is_none(), "{url}");
+        }
+    }
 
     #[test]
     fn memory_roots_share_objects_per_host() {

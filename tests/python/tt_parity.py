@@ -11,7 +11,8 @@ and a second run, in a folder that starts with its save at RESUME_AT and its row
 resumes from it and trains to the end. Its losses must equal the unbroken run's. titan-train
 always resumes; torchtitan resumes its own save only with --tt-resume (that checks torchtitan,
 and the cross-back run already resumes torchtitan from a save). (--cross and --cross-back resume
-the other trainer from that save the same way.)
+the other trainer from that save the same way.) `--resume-at 0` runs no resume: each trainer
+trains once, saving only at the end (a large model's full saves and reloads cost minutes).
 
 Run with torch 2.15 + torchtitan 0.3.0 (TITAN_TT_PYTHON):
 
@@ -229,8 +230,9 @@ def checkpoint_args(a, seed, steps):
     too, unless --clean asks to spare the disk and the run trains to the end: then it holds
     only the model and its buffers, in fp32 (nothing resumes from it; a MoE model's biases are
     still compared), a third of a full save."""
+    interval = a.resume_at or steps
     args = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed,
-            "--checkpoint.interval", str(a.resume_at)]
+            "--checkpoint.interval", str(interval)]
     if a.clean and steps == a.steps:
         return args + ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32"]
     return args + ["--checkpoint.no-last-save-model-only"]
@@ -246,7 +248,8 @@ def main():
     ap.add_argument("titan_train")
     ap.add_argument("layouts", nargs="+")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--resume-at", type=int, default=3)
+    ap.add_argument("--resume-at", type=int, default=3,
+                    help="the step the resumed runs start from; 0: no resumed runs")
     ap.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for losses")
     ap.add_argument("--grad-rtol", type=float, default=None,
                     help="relative tolerance for grad norms (default: --rtol)")
@@ -281,6 +284,14 @@ def main():
     ap.add_argument("--docs", type=int, default=None,
                     help="keep only the first N documents (a small N makes the runs re-loop the data)")
     a = ap.parse_args(sys.argv[2:])
+    if a.resume_at == 0 and (a.cross or a.cross_back or a.tt_resume):
+        print("--cross, --cross-back and --tt-resume resume from the save at RESUME_AT: they need "
+              "--resume-at K > 0", file=sys.stderr)
+        sys.exit(2)
+    if not 0 <= a.resume_at < a.steps:
+        print(f"--resume-at {a.resume_at}: want 0 (no resume) or a step before --steps {a.steps}",
+              file=sys.stderr)
+        sys.exit(2)
     if a.tt_float8:
         os.environ[FLOAT8_ENV] = a.tt_float8
     TITAN_ARGS.extend(shlex.split(a.titan_args))
@@ -323,7 +334,7 @@ def main():
             if a.only not in ("both", who):
                 continue
             for mode in ("unbroken", "resumed"):
-                if who == "torchtitan" and mode == "resumed" and not a.tt_resume:
+                if mode == "resumed" and (a.resume_at == 0 or (who == "torchtitan" and not a.tt_resume)):
                     continue
                 dump = os.path.join(a.workdir, f"{name}-{who}-{mode}")
                 losses = os.path.join(dump, "parity_losses.jsonl")
@@ -333,7 +344,7 @@ def main():
                     torchtitan(tt_n, args, losses)
                 else:
                     titan(a.titan_train, titan_n, args)
-                if mode == "unbroken":
+                if mode == "unbroken" and a.resume_at:
                     # The runs that resume at RESUME_AT start from this run's save there.
                     if who == "titan" or a.tt_resume:
                         first_leg(dump, os.path.join(a.workdir, f"{name}-{who}-resumed"), a.resume_at, who)

@@ -71,6 +71,7 @@ fn summary_names_the_slow_stage_and_its_neighbours_bubble_grows_as_predicted() {
         assert!((0.0..0.5).contains(&bubble), "stage {s}: {p:#}");
     }
     let balanced_light = f(&rows[0]["bubble"]);
+    assert_pipeline_bytes(&dir.path().join("balanced"));
 
     let slowed = train_pp2(
         &dir.path().join("slowed"),
@@ -145,6 +146,28 @@ fn summary_names_the_slow_stage_and_its_neighbours_bubble_grows_as_predicted() {
     let screen = tui_screen_at_step(&dir.path().join("balanced"), 3, &labels);
     for label in labels {
         assert!(screen.contains(label), "{label} missing:\n{screen}");
+    }
+}
+
+/// The bytes the pipeline's point-to-point batches send (`comm/batch_isend_irecv_bytes`, summed
+/// over both ranks per step) against the count from the shapes: each step, stage 0 sends every
+/// microbatch's activations forward and stage 1 every microbatch's input gradient back, each
+/// (local batch / microbatches) x seq x dim values (debug model: dim 256) in bf16, the default
+/// `mixed_precision_param` the stages compute in (torchtitan 0.3.0's FSDP2 policy on every layout).
+fn assert_pipeline_bytes(run: &Path) {
+    let out = run_ok(
+        Command::new(bin("titan-obs"))
+            .args(["metrics", "--json"])
+            .arg(run),
+    );
+    let steps: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let per_transfer = (8.0 / MICROBATCHES) * 128.0 * 256.0 * 2.0;
+    let expected = 2.0 * MICROBATCHES * per_transfer;
+    let training: Vec<&Value> = steps.iter().filter(|s| s["validation"] == false).collect();
+    assert_eq!(training.len(), 4, "{steps:#?}");
+    for s in training {
+        let sent = f(&s["values"]["comm/batch_isend_irecv_bytes_sum"]);
+        assert_eq!(sent, expected, "step {}: {s:#}", s["step"]);
     }
 }
 

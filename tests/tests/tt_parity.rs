@@ -110,9 +110,13 @@ fn compare(
 /// the same number every step, or nothing, cannot pass).
 fn assert_trained(summary: &serde_json::Value, layout: &str, steps: u64) {
     let runs = summary["layouts"][layout].as_object().unwrap();
-    let mut keys = vec!["torchtitan_unbroken", "titan_unbroken", "titan_resumed"];
-    if torchtitan_resumes_itself() {
-        keys.push("torchtitan_resumed");
+    let mut keys = vec!["torchtitan_unbroken", "titan_unbroken"];
+    // A comparison run with `--resume-at 0` resumes nothing.
+    if summary["resume_at"] != 0 {
+        keys.push("titan_resumed");
+        if torchtitan_resumes_itself() {
+            keys.push("torchtitan_resumed");
+        }
     }
     for key in keys {
         let rows = runs[key]
@@ -481,10 +485,12 @@ fn expert_parallel_with_context_parallel_matches_torchtitan() {
 }
 
 /// qwen3 MoE's debug model (8 MoE blocks of 64 experts, top 8; 316 M parameters) under EP2 on
-/// 2 ranks against torchtitan's own EP2, 2 steps with a resume at step 1 (CI's two cores take
-/// 4.7 minutes for it; the full matrix's `bench/trainer/parity.sh` runs more steps): losses
-/// and grad norms within its family's bf16 grouped-matmul bounds (measured 2026-11-28: 1.2e-6
-/// and 2.8e-5), every saved `expert_bias_E` equal to the bit.
+/// 2 ranks against torchtitan's own EP2, 2 steps: losses and grad norms within its family's
+/// bf16 grouped-matmul bounds (measured 2026-11-28: 1.2e-6 and 2.8e-5), every saved
+/// `expert_bias_E` equal to the bit. No resume here: an EP checkpoint's resume and both
+/// cross-resumes are `expert_parallel_matches_torchtitan`'s (DeepSeek-V3, in CI) and this
+/// model's the full matrix's (`bench/trainer/parity.sh`, more steps); with a resume at step 1
+/// this test took 4.9 of CI's minutes (its titan-train leg and two 3.6 GB full saves).
 #[test]
 fn qwen3_moe_expert_parallel_matches_torchtitan() {
     let ep = "--parallelism.expert_parallel_degree 2 --parallelism.spmd_backend partial_dtensor \
@@ -492,7 +498,7 @@ fn qwen3_moe_expert_parallel_matches_torchtitan() {
     let s = compare(
         &[&format!("qwen3moeep2:2:2:{ep}")],
         2,
-        1,
+        0,
         MOE_LOSS_RTOL,
         MOE_GRAD_RTOL,
         &[
@@ -505,8 +511,8 @@ fn qwen3_moe_expert_parallel_matches_torchtitan() {
         ],
     );
     assert_trained(&s, "qwen3moeep2", 2);
-    // 8 MoE layers, saved at steps 1 and 2, in torchtitan's run and titan-train's two.
-    assert!(s["buffers_compared"].as_u64().unwrap() >= 8 * 2 * 3);
+    // 8 MoE layers, saved at step 2, in torchtitan's run and titan-train's.
+    assert!(s["buffers_compared"].as_u64().unwrap() >= 8 * 2);
     assert_eq!(s["worst_buffer_abs"].as_f64(), Some(0.0));
 }
 

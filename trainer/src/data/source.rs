@@ -9,8 +9,9 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use arrow::array::{Array, AsArray};
-use arrow::datatypes::DataType;
+use arrow_array::Array;
+use arrow_array::cast::AsArray;
+use arrow_schema::DataType;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 const EMBEDDED_TRAIN: &str = include_str!("../../assets/default_train.jsonl");
