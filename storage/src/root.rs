@@ -479,8 +479,6 @@ fn obj_path(prefix: &ObjPath, rel: &str) -> ObjPath {
         .fold(prefix.clone(), |p, part| p.join(part))
 }
 
-/// `memory://` stores are process-global per host name so a writer and a reader in one
-/// process (tests) see the same objects.
 /// Makes ring the process's rustls crypto provider, once, before the first HTTP client is built:
 /// the object stores' reqwest client is built without a provider of its own (the workspace
 /// builds rustls on ring alone, not aws-lc-rs), and would panic without one. A provider the
@@ -492,6 +490,8 @@ fn install_tls_provider() {
     });
 }
 
+/// `memory://` stores are process-global per host name so a writer and a reader in one
+/// process (tests) see the same objects.
 fn memory_store(host: &str) -> Arc<dyn ObjectStore> {
     static STORES: LazyLock<Mutex<HashMap<String, Arc<dyn ObjectStore>>>> =
         LazyLock::new(Default::default);

@@ -92,7 +92,8 @@ fn compare(
     {
         cmd.arg("--seed-from").arg(llama3_seed());
     }
-    if torchtitan_resumes_itself() {
+    // torchtitan resumes its own save only where there is a resume.
+    if torchtitan_resumes_itself() && resume_at > 0 {
         cmd.arg("--tt-resume");
     }
     let o = cmd.output().unwrap();
