@@ -3,7 +3,7 @@
 //! times what readers do with it. Driven by bench/obs/scale.sh; prints one JSON line per
 //! measurement.
 //!
-//!   obs_scale gen  RUN LAYOUT RANKS HOURS     LAYOUT = journal | old
+//!   obs_scale gen  RUN LAYOUT RANKS HOURS     LAYOUT = journal | journal-sparse | old
 //!   obs_scale load RUN RUNS                   headless load of what the TUI loads (all columns)
 //!   obs_scale follow RUN RANKS RUNS           open journals on every rank, then time refreshes
 //!                                             after one flush of every rank (the first lists
@@ -12,7 +12,8 @@
 //!                                             to each every EVERY_S seconds (a TUI follows)
 //!
 //! The simulated job: a step every STEP_S seconds, SPANS spans and 2 scalars per step per
-//! rank (forward_backward of rank 17 is 1.3x slower), flush every 2 s, rotate every 600 s
+//! rank (forward_backward of rank 17 is 1.3x slower, and the others wait for it in all_reduce;
+//! children inside their parents since issue 42's node figures), flush every 2 s, rotate every 600 s
 //! (the defaults).
 
 use std::collections::BTreeMap;
@@ -31,6 +32,8 @@ const STEP_S: f64 = 30.0;
 const FLUSH_S: f64 = 2.0;
 const ROTATE_S: f64 = 600.0;
 const START_NS: i64 = 1_750_000_000_000_000_000;
+/// The rank whose forward_backward is 1.3x slower.
+const SLOW_RANK: u32 = 17;
 const PHASES: [(&str, u16, f64); 10] = [
     ("step", 0, 1.0),
     ("data_loading", 1, 0.05),
@@ -58,23 +61,71 @@ struct Rec {
     end_ns: i64,
 }
 
-fn step_records(rank: u32, step: u64, seq: &mut u64, out: &mut Vec<Rec>) {
+/// The jitter of rank `rank`'s durations at `step` (small, deterministic).
+fn jitter(rank: u32, step: u64) -> f64 {
+    1.0 + (((rank as u64 * 7919 + step * 104_729) % 101) as f64 - 50.0) / 2000.0
+}
+
+/// How much slower rank `rank` is in phase `name`.
+fn slowdown(rank: u32, name: &str) -> f64 {
+    if rank == SLOW_RANK && name == "forward_backward" {
+        1.3
+    } else {
+        1.0
+    }
+}
+
+/// When rank `rank` starts the step's all_reduce, from the step's start: its phases before.
+fn arrival(rank: u32, step: u64, step_ns: i64) -> i64 {
+    PHASES
+        .iter()
+        .take_while(|(name, _, _)| *name != "all_reduce")
+        .filter(|(_, depth, _)| *depth == 1)
+        .map(|&(name, _, share)| {
+            (step_ns as f64 * share * jitter(rank, step) * slowdown(rank, name)) as i64
+        })
+        .sum()
+}
+
+/// One rank's records of one step, as the recorder writes them: children inside their
+/// parent, and every rank's all_reduce ending together, after the last rank arrived (a rank
+/// that arrives early spends the difference waiting in it).
+fn step_records(rank: u32, ranks: u32, step: u64, seq: &mut u64, out: &mut Vec<Rec>) {
     let t0 = START_NS + (step as f64 * STEP_S * 1e9) as i64;
     let step_ns = (STEP_S * 0.9 * 1e9) as i64;
-    // Small deterministic jitter per (rank, step).
-    let jitter = 1.0 + (((rank as u64 * 7919 + step * 104_729) % 101) as f64 - 50.0) / 2000.0;
-    let mut cursor = t0;
+    let jitter = jitter(rank, step);
+    // The last arrival: the slow rank's when there is one (its forward_backward is 1.3x,
+    // more than any jitter), else the latest of the few ranks there are.
+    let last = if ranks > SLOW_RANK {
+        arrival(SLOW_RANK, step, step_ns)
+    } else {
+        (0..ranks)
+            .map(|r| arrival(r, step, step_ns))
+            .max()
+            .unwrap_or(0)
+    };
+    let mut spans: Vec<(&'static str, u16, i64, i64)> = Vec::new();
+    let (mut cursor, mut child) = (t0, t0);
     for (name, depth, share) in PHASES {
-        let slow = if rank == 17 && name == "forward_backward" {
-            1.3
-        } else {
-            1.0
-        };
-        let dur = (step_ns as f64 * share * jitter * slow) as i64;
-        let start = if depth == 0 { t0 } else { cursor };
-        if depth == 1 {
-            cursor = start + dur;
+        let mut dur = (step_ns as f64 * share * jitter * slowdown(rank, name)) as i64;
+        match depth {
+            0 => continue,
+            1 => {
+                if name == "all_reduce" {
+                    dur += t0 + last - cursor;
+                }
+                spans.push((name, depth, cursor, dur));
+                child = cursor;
+                cursor += dur;
+            }
+            _ => {
+                spans.push((name, depth, child, dur));
+                child += dur;
+            }
         }
+    }
+    spans.insert(0, ("step", 0, t0, cursor - t0));
+    for (name, depth, start, dur) in spans {
         *seq += 1;
         out.push(Rec {
             kind: Kind::Span,
@@ -148,6 +199,7 @@ fn write_rank(
     ranks: u32,
     hours: f64,
     window_s: f64,
+    sparse: bool,
 ) -> Result<(u64, u64)> {
     // The rank summary is written once, after the last part: what the recorder leaves.
     let sink = PartSink::new(location.clone(), rank)?.defer_rank_summary();
@@ -173,7 +225,7 @@ fn write_rank(
     };
     for step in 0..steps {
         records.clear();
-        step_records(rank, step, &mut seq, &mut records);
+        step_records(rank, ranks, step, &mut seq, &mut records);
         records.sort_by_key(|r| r.end_ns);
         for r in &records {
             let w = (r.end_ns - START_NS) / window_ns;
@@ -186,20 +238,60 @@ fn write_rank(
     }
     flush(&mut builder, &mut part)?;
     sink.finish_rank_summary()?;
+    if sparse {
+        punch_parts(location, rank, part)?;
+    }
     Ok((part, bytes))
 }
 
+/// Frees the disk blocks of rank `rank`'s parts `0..parts`, keeping each file and its length
+/// (and the rank folder's mtime): what `summary` reads from the rank summaries and node
+/// figures stays as written, while a day at 16 384 ranks (~50 GB of parts) fits a small disk.
+/// Only a reader of the parts' bytes (`--exact`, the TUI's detail levels) sees zeros.
+fn punch_parts(location: &Location, rank: u32, parts: u64) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let Location::Local(run) = location else {
+        bail!("sparse parts need a local run");
+    };
+    for i in 0..parts {
+        let path = run
+            .join("obs")
+            .join(format!("rank-{rank}"))
+            .join(titan_obs_core::location::part_file_name(i));
+        let f = std::fs::OpenOptions::new().write(true).open(&path)?;
+        let len = f.metadata()?.len() as libc::off_t;
+        // SAFETY: fallocate on a file descriptor owned by `f` for the duration of the call.
+        let rc = unsafe {
+            libc::fallocate(
+                f.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                len,
+            )
+        };
+        anyhow::ensure!(
+            rc == 0,
+            "punching {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
 fn gen_run(run: &str, layout: &str, ranks: u32, hours: f64) -> Result<()> {
-    let window = match layout {
-        "journal" => ROTATE_S,
-        "old" => FLUSH_S,
-        other => bail!("unknown layout `{other}` (journal or old)"),
+    let (window, sparse) = match layout {
+        "journal" => (ROTATE_S, false),
+        // The journal layout with the parts' blocks freed once summarised (`punch_parts`).
+        "journal-sparse" => (ROTATE_S, true),
+        "old" => (FLUSH_S, false),
+        other => bail!("unknown layout `{other}` (journal, journal-sparse or old)"),
     };
     let location = Location::parse(run)?;
     let t = Instant::now();
     let results: Vec<(u64, u64)> = (0..ranks)
         .into_par_iter()
-        .map(|r| write_rank(&location, r, ranks, hours, window))
+        .map(|r| write_rank(&location, r, ranks, hours, window, sparse))
         .collect::<Result<_>>()?;
     let files: u64 = results.iter().map(|r| r.0).sum();
     let bytes: u64 = results.iter().map(|r| r.1).sum();
@@ -252,9 +344,10 @@ fn append_flush(
     seq: &mut u64,
 ) -> Result<()> {
     let mut builder = PartBuilder::new();
+    let ranks = journals.len() as u32;
     for (rank, (j, h)) in journals.iter_mut().enumerate() {
         let mut recs = Vec::new();
-        step_records(rank as u32, 1_000_000 + i as u64, seq, &mut recs);
+        step_records(rank as u32, ranks, 1_000_000 + i as u64, seq, &mut recs);
         let n = ((recs.len() as f64 * FLUSH_S / STEP_S).ceil() as usize).max(1);
         for r in &recs[..n] {
             push(&mut builder, r);

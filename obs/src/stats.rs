@@ -75,6 +75,20 @@ pub fn median_f64(values: &mut [f64]) -> f64 {
     }
 }
 
+/// The length of the union of `[start, end)` intervals (reorders them).
+pub(crate) fn union_len(iv: &mut [(i64, i64)]) -> i64 {
+    iv.sort_unstable();
+    let (mut total, mut end) = (0i64, i64::MIN);
+    for &(s, e) in iv.iter() {
+        let s = s.max(end);
+        if e > s {
+            total = total.saturating_add(e.saturating_sub(s));
+            end = e;
+        }
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

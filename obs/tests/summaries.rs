@@ -102,7 +102,7 @@ fn agree(run: &Path) -> Summary {
             );
         }
     }
-    let key = |s: &Summary| -> Vec<(String, u32, u64, u64, u64)> {
+    let key = |s: &Summary| -> Vec<(String, u32, Option<u64>, u64, u64)> {
         s.stragglers
             .iter()
             .map(|x| {
@@ -147,7 +147,13 @@ fn synth(dir: &Path) -> std::path::PathBuf {
 /// `synth`'s run on `ranks` ranks (synth puts ranks 8n..8n+7 on host `node-<n>`).
 fn synth_ranks(dir: &Path, ranks: u32) -> std::path::PathBuf {
     let run = dir.join("run");
-    let cfg = SynthConfig {
+    write_run(run.to_str().unwrap(), &synth_config(ranks)).unwrap();
+    run
+}
+
+/// The run [`synth_ranks`] writes: rank 3 slow in `forward_backward`, rank 6 in `optimizer`.
+fn synth_config(ranks: u32) -> SynthConfig {
+    SynthConfig {
         ranks,
         steps: 60,
         spans_per_step: 30,
@@ -167,9 +173,7 @@ fn synth_ranks(dir: &Path, ranks: u32) -> std::path::PathBuf {
         checkpoint_every: Some(10),
         validation_every: Some(4),
         ..Default::default()
-    };
-    write_run(run.to_str().unwrap(), &cfg).unwrap();
-    run
+    }
 }
 
 #[test]
@@ -489,8 +493,10 @@ fn a_part_is_one_file_and_summary_reads_one_rollup_per_node() {
     assert_eq!(
         top,
         [
+            "node-node-0.figures",
             "node-node-0.lock",
             "node-node-0.summary",
+            "node-node-1.figures",
             "node-node-1.lock",
             "node-node-1.summary"
         ]
@@ -534,6 +540,172 @@ fn a_part_is_one_file_and_summary_reads_one_rollup_per_node() {
     );
     assert_eq!(fast, old);
     agree(&run);
+}
+
+/// The summary from node figures (one file per node, merged as the ranks write) against the
+/// summary of every span (`--exact`): the same ranks, steps, phase counts and sums, tagged
+/// steps, ended-early ranks and "waiting on" table; p50/p95 within the sketches' error; the
+/// same stragglers, by the distribution rule, with their ratios close to the per-step ones.
+fn figures_agree(run: &Path) -> titan_obs_core::digest::figures::JobFigures {
+    use titan_obs_core::analysis::summary_of_figures;
+    let opts = StragglerOptions::default();
+    let job = titan_obs_core::digest::figures::read_local(&run.join("obs"), 0).unwrap();
+    let fig = summary_of_figures(run.to_str().unwrap(), &job, &opts);
+    let exact = summary(&load(run, false), &opts);
+    assert_eq!(
+        (fig.ranks, fig.world_size, fig.steps, fig.spans, fig.errors),
+        (
+            exact.ranks,
+            exact.world_size,
+            exact.steps,
+            exact.spans,
+            exact.errors
+        )
+    );
+    assert_eq!(fig.median_step_ns, exact.median_step_ns);
+    assert_eq!(fig.missing_ranks, exact.missing_ranks);
+    assert_eq!(fig.ended_early, exact.ended_early);
+    assert_eq!(fig.phases.len(), exact.phases.len());
+    for (f, e) in fig.phases.iter().zip(&exact.phases) {
+        assert_eq!(
+            (&f.name, f.depth, f.stats.count, f.stats.total_ns),
+            (&e.name, e.depth, e.stats.count, e.stats.total_ns)
+        );
+        assert_eq!(
+            (f.stats.min_ns, f.stats.max_ns),
+            (e.stats.min_ns, e.stats.max_ns)
+        );
+        assert_eq!(f.share_of_step, e.share_of_step, "{}", f.name);
+        for (a, b) in [
+            (f.stats.p50_ns, e.stats.p50_ns),
+            (f.stats.p95_ns, e.stats.p95_ns),
+        ] {
+            assert!(
+                ((a - b) as f64).abs() <= SKETCH_ALPHA * b.abs() as f64 + 1.0,
+                "{}",
+                f.name
+            );
+        }
+    }
+    let tagged = |s: &Summary| {
+        s.tagged_steps
+            .iter()
+            .map(|t| {
+                let mut tags = t.tags.clone();
+                tags.sort();
+                (t.step, tags, t.wall_ns, t.extra_ns, t.tagged_phase_ns)
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(tagged(&fig), tagged(&exact));
+    assert_eq!(fig.waits, exact.waits);
+    let found = |s: &Summary| {
+        let mut v: Vec<(String, u32)> = s
+            .stragglers
+            .iter()
+            .map(|x| (x.phase.clone(), x.rank))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        found(&fig),
+        found(&exact),
+        "{:#?}\n{:#?}",
+        fig.stragglers,
+        exact.stragglers
+    );
+    for f in &fig.stragglers {
+        let e = exact
+            .stragglers
+            .iter()
+            .find(|e| (e.rank, &e.phase) == (f.rank, &f.phase))
+            .unwrap();
+        assert_eq!((f.slowest_steps, f.steps), (None, e.steps));
+        assert!(
+            (f.median_ratio - e.median_ratio).abs() <= 0.03 * e.median_ratio,
+            "{f:?} {e:?}"
+        );
+        assert!(
+            (f.median_excess_ns - e.median_excess_ns).abs() <= 0.1 * e.median_excess_ns,
+            "{f:?} {e:?}"
+        );
+        assert!(
+            f.above_median_steps.abs_diff(e.above_median_steps) <= e.steps / 10,
+            "{f:?} {e:?}"
+        );
+    }
+    assert!(fig.node_figures.is_some() && exact.node_figures.is_none());
+    job
+}
+
+/// Issue 42: every node's ranks write one figures file beside their rollup, and `summary`
+/// reads the job from those (4 files for 32 ranks), agreeing with every span; a node whose
+/// rank folders changed since is summarised from its ranks' folders instead, and a run the
+/// figures do not describe (several runs, a damaged figures file) is not read from them.
+#[test]
+fn node_figures_agree_with_every_span() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let mut cfg = synth_config(32);
+    cfg.stragglers.push(Straggler {
+        rank: 21,
+        phase: "forward_backward".into(),
+        factor: 1.25,
+    });
+    write_run(run.to_str().unwrap(), &cfg).unwrap();
+    let figures: Vec<String> = names(&run.join("obs"))
+        .into_iter()
+        .filter(|n| n.ends_with(".figures"))
+        .collect();
+    assert_eq!(
+        figures,
+        [
+            "node-node-0.figures",
+            "node-node-1.figures",
+            "node-node-2.figures",
+            "node-node-3.figures"
+        ]
+    );
+    let job = figures_agree(&run);
+    assert_eq!((job.nodes_read, job.ranks_recomputed), (4, 0));
+    let fig = titan_obs_core::analysis::summary_of_figures(
+        run.to_str().unwrap(),
+        &job,
+        &StragglerOptions::default(),
+    );
+    let found: Vec<u32> = fig.stragglers.iter().map(|x| x.rank).collect();
+    for r in [3, 6, 21] {
+        assert!(found.contains(&r), "{:?}", fig.stragglers);
+    }
+    assert!(!fig.waits.is_empty() && !fig.tagged_steps.is_empty());
+
+    // Rank 9 gets one more part (a copy of its first): node 1 is read from its ranks' folders.
+    let parts = 60u64.div_ceil(7);
+    let rank9 = run.join("obs/rank-9");
+    std::fs::copy(
+        rank9.join("part-000000.parquet"),
+        rank9.join(format!("part-{parts:06}.parquet")),
+    )
+    .unwrap();
+    let job = figures_agree(&run);
+    assert_eq!((job.nodes_read, job.ranks_recomputed), (3, 8));
+
+    // A damaged figures file: not read from figures at all (the rank summaries report it).
+    let file = run.join("obs/node-node-2.figures");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let err = titan_obs_core::digest::figures::read_local(&run.join("obs"), 0).unwrap_err();
+    assert!(err.to_string().contains("node-node-2.figures"), "{err}");
+    // Fewer ranks than asked for: not read from figures.
+    std::fs::remove_file(&file).unwrap();
+    let err = titan_obs_core::digest::figures::read_local(&run.join("obs"), 1024).unwrap_err();
+    assert!(err.to_string().contains("fewer than 1024"), "{err}");
+    // Its ranks are in no figures file now: each read from its folder.
+    let job = figures_agree(&run);
+    assert_eq!((job.nodes_read, job.ranks_recomputed), (2, 16));
 }
 
 /// A rollup is used for a rank only while it describes the rank's folder: a part added behind

@@ -166,8 +166,8 @@ fn a_short_run_leaves_one_part_per_rank() {
         assert!(k.wait().unwrap().success());
     }
     // One file per part (its summary and detail levels in its footer) and the rank's
-    // summary; beside the rank folders, the node's rollup of both ranks' summaries and its
-    // lock (issue 42).
+    // summary; beside the rank folders, the node's rollup of both ranks' summaries, its
+    // figures and its lock (issue 42).
     for r in 0..2 {
         assert_eq!(
             files(&run.join(format!("obs/rank-{r}"))),
@@ -178,12 +178,17 @@ fn a_short_run_leaves_one_part_per_rank() {
         .into_iter()
         .filter(|f| !f.starts_with("rank-"))
         .collect();
-    assert_eq!(top.len(), 2, "{top:?}");
+    assert_eq!(top.len(), 3, "{top:?}");
     assert!(
-        top[0].starts_with("node-") && top[0].ends_with(".lock"),
+        top[0].starts_with("node-") && top[0].ends_with(".figures"),
         "{top:?}"
     );
-    assert!(top[1].ends_with(".summary"), "{top:?}");
+    assert!(top[1].ends_with(".lock"), "{top:?}");
+    assert!(top[2].ends_with(".summary"), "{top:?}");
+    // The node's figures (issue 42) describe both ranks' folders as the recorders left them.
+    let job = titan_obs_core::digest::figures::read_local(&run.join("obs"), 0).unwrap();
+    assert_eq!((job.nodes_read, job.ranks_recomputed), (1, 0));
+    assert_eq!(job.figures.ranks.len(), 2);
     // Both ranks wrote their entries at once; `summary` reads them instead of the folders.
     let mut reader = PartsReader::open(run.to_str().unwrap()).unwrap();
     let digests = ReadOptions {
@@ -200,6 +205,7 @@ fn a_short_run_leaves_one_part_per_rank() {
     assert!(loaded.report.is_complete());
     assert_eq!(loaded.spans.len(), 2 * 10 * 2);
     assert_eq!(loaded.scalars.rank.len(), 2 * 10);
+    assert_eq!(job.figures.spans, loaded.spans.len() as u64);
 }
 
 #[test]

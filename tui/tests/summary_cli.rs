@@ -94,3 +94,67 @@ fn a_slow_replica_of_a_stage_is_a_straggler_and_a_slower_stage_is_not() {
     assert_eq!(fast["stragglers"], exact["stragglers"]);
     same_pipeline(&fast, &exact);
 }
+
+/// Issue 42: `--node-figures on` reads the nodes' figures files (2 for 16 ranks) and says so;
+/// `auto` leaves a run this small to the rank summaries; a pipeline run is read from the rank
+/// summaries whatever is asked, with a warning naming why.
+#[test]
+fn node_figures_are_read_when_asked_and_not_for_pipelines() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let cfg = titan_obs_core::synth::SynthConfig {
+        ranks: 16,
+        steps: 12,
+        spans_per_step: 12,
+        steps_per_part: 5,
+        ..Default::default()
+    };
+    titan_obs_core::synth::write_run(run_s, &cfg).unwrap();
+    let on = summary_json(run_s, &["--node-figures", "on"]);
+    assert_eq!(on["node_figures"]["nodes"], 2, "{}", on["node_figures"]);
+    assert_eq!(on["node_figures"]["ranks_from_folders"], 0);
+    let auto = summary_json(run_s, &[]);
+    assert!(auto["node_figures"].is_null());
+    for k in ["ranks", "steps", "spans", "median_step_ns", "waits"] {
+        assert_eq!(on[k], auto[k], "{k}");
+    }
+    // A step's tags come in name order from the figures, in the run's order otherwise.
+    let tagged = |v: &serde_json::Value| {
+        let mut t = v["tagged_steps"].clone();
+        for s in t.as_array_mut().unwrap() {
+            s["tags"]
+                .as_array_mut()
+                .unwrap()
+                .sort_by_key(|x| x.to_string());
+        }
+        t
+    };
+    assert_eq!(tagged(&on), tagged(&auto));
+    let text = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .args(["summary", run_s, "--node-figures", "on"])
+        .output()
+        .unwrap();
+    assert!(text.status.success());
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(
+        text.contains("read from node figures: 2 nodes' files"),
+        "{text}"
+    );
+
+    let pp = dir.path().join("pp");
+    let pp_s = pp.to_str().unwrap();
+    write_pipeline_run(pp_s, &[(0, 0, 1.0), (1, 1, 1.0)], 4);
+    let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .args(["summary", pp_s, "--json", "--node-figures", "on"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["node_figures"].is_null() && v["pipeline"].is_object());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not read from node figures (damaged parts or pipeline schedules)"),
+        "{err}"
+    );
+}

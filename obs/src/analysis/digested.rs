@@ -13,13 +13,13 @@ use std::collections::HashMap;
 
 use super::summary::{
     Analysis, Gathered, PhaseStats, Straggler, StragglerOptions, assemble, phase_stragglers,
-    union_len,
 };
 use super::table::RunShape;
 use super::waits::{Arrival, Call, account, match_arrivals};
 use crate::digest::cells::Cells;
-use crate::digest::{RunCollective, RunDigest, sketch_quantile};
+use crate::digest::{PhaseDigest, RunCollective, RunDigest, sketch_quantile};
 use crate::stats::DurationStats;
+use crate::stats::union_len;
 use crate::tables::NameId;
 use crate::vocab::{Clock, is_tag_phase};
 
@@ -152,24 +152,7 @@ pub fn analyse_digest(
         .filter_map(|(id, p)| Some((id as NameId, p.as_ref()?)))
         .map(|(id, p)| {
             let name = names.get(id as usize).cloned().unwrap_or_default();
-            let stats = PhaseStats {
-                clock: Clock::of(&name),
-                name: name.clone(),
-                depth: p.shown_depth(),
-                stats: DurationStats {
-                    count: p.count,
-                    total_ns: p.sum_ns,
-                    mean_ns: p.sum_ns as f64 / p.count.max(1) as f64,
-                    p50_ns: sketch_quantile(&p.sketch, p.count, 0.5, p.min_ns, p.max_ns),
-                    p95_ns: sketch_quantile(&p.sketch, p.count, 0.95, p.min_ns, p.max_ns),
-                    min_ns: p.min_ns,
-                    max_ns: p.max_ns,
-                },
-                share_of_step: (p.in_step_main > 0 && step_total > 0)
-                    .then(|| p.in_step_ns as f64 / step_total as f64),
-                concurrent_share_of_step: (p.concurrent > 0 && step_total > 0)
-                    .then(|| p.concurrent_ns as f64 / step_total as f64),
-            };
+            let stats = phase_stats(&name, p, step_total);
             if p.in_step == 0 || n_ranks < 2 {
                 return (stats, Vec::new());
             }
@@ -231,4 +214,26 @@ pub fn analyse_digest(
         shape,
         opts,
     )
+}
+
+/// A phase's statistics from its merged summary; `step_total` is every rank's step time.
+pub(crate) fn phase_stats(name: &str, p: &PhaseDigest, step_total: i64) -> PhaseStats {
+    PhaseStats {
+        clock: Clock::of(name),
+        name: name.to_string(),
+        depth: p.shown_depth(),
+        stats: DurationStats {
+            count: p.count,
+            total_ns: p.sum_ns,
+            mean_ns: p.sum_ns as f64 / p.count.max(1) as f64,
+            p50_ns: sketch_quantile(&p.sketch, p.count, 0.5, p.min_ns, p.max_ns),
+            p95_ns: sketch_quantile(&p.sketch, p.count, 0.95, p.min_ns, p.max_ns),
+            min_ns: p.min_ns,
+            max_ns: p.max_ns,
+        },
+        share_of_step: (p.in_step_main > 0 && step_total > 0)
+            .then(|| p.in_step_ns as f64 / step_total as f64),
+        concurrent_share_of_step: (p.concurrent > 0 && step_total > 0)
+            .then(|| p.concurrent_ns as f64 / step_total as f64),
+    }
 }

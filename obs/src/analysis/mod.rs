@@ -5,6 +5,7 @@
 pub mod chrome;
 pub mod digested;
 pub mod experts;
+pub mod figured;
 pub mod metrics;
 pub mod pipeline;
 pub mod spread;
@@ -14,12 +15,13 @@ pub mod waits;
 
 pub use chrome::{ChromeStats, write_chrome};
 pub use experts::{HostLoad, HostLoads, LayerLoad, layer_loads};
+pub use figured::{analyse_figures, summary_of_figures};
 pub use metrics::{HostSyncs, MetricsLine, format_line, format_value, host_syncs, metrics, to_csv};
 pub use pipeline::{PipelineSummary, StageBubble, pipeline_summary, stage_groups};
 pub use spread::{RankTimes, Spread, phase_step_spread, rank_times};
 pub use summary::{
-    Analysis, EndedEarly, ErrorRecord, PhaseStats, Straggler, StragglerOptions, Summary,
-    TaggedStep, analyse, analyse_grouped, summary,
+    Analysis, EndedEarly, ErrorRecord, NodeFiguresRead, PhaseStats, Straggler, StragglerOptions,
+    Summary, TaggedStep, analyse, analyse_grouped, summary,
 };
 pub use table::{OwnedSpans, RunShape, SpanTable};
 pub use waits::{StepWait, Wait, Waits};

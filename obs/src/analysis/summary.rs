@@ -13,7 +13,7 @@ use crate::record::NO_STEP;
 use crate::roles::{StepRole, step_roles};
 use crate::run::{BadLine, ClockAlignment, Damage, OpenSpan, Run, RunFormat};
 use crate::runs::RunBrief;
-use crate::stats::{DurationStats, median_f64};
+use crate::stats::{DurationStats, median_f64, union_len};
 use crate::tables::NameId;
 use crate::vocab::{Clock, is_tag_phase, titan};
 
@@ -84,8 +84,9 @@ impl PhaseStats {
 pub struct Straggler {
     pub phase: String,
     pub rank: u32,
-    /// Steps where this rank was the slowest of all ranks, out of `steps`.
-    pub slowest_steps: u64,
+    /// Steps where this rank was the slowest of all ranks, out of `steps` (`None` from node
+    /// figures, which do not hold each step's slowest rank).
+    pub slowest_steps: Option<u64>,
     /// Steps where this rank was above the cross-rank median, out of `steps`.
     pub above_median_steps: u64,
     pub steps: u64,
@@ -182,6 +183,18 @@ pub struct Summary {
     pub host_syncs: Option<super::metrics::HostSyncs>,
     /// Mixture-of-experts runs: each MoE layer's expert load (empty when none was recorded).
     pub experts: Vec<super::experts::LayerLoad>,
+    /// Read from node figures (`None`: from the rank summaries or the spans): see
+    /// [`super::figured`] for what differs.
+    pub node_figures: Option<NodeFiguresRead>,
+}
+
+/// How a summary read from node figures was read.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeFiguresRead {
+    /// Node figures files used as written.
+    pub nodes: u64,
+    /// Ranks summarised from their folders instead (their node's figures were stale).
+    pub ranks_from_folders: u64,
 }
 
 /// What the analysis finds in a span table: everything `titan-obs summary`, the TUI and
@@ -282,6 +295,7 @@ pub fn summary(run: &Run, opts: &StragglerOptions) -> Summary {
         other_runs: run.other_runs(),
         host_syncs: super::metrics::host_syncs(run),
         experts,
+        node_figures: None,
     }
 }
 
@@ -590,7 +604,7 @@ pub(crate) fn phase_stragglers(
             .map(|s| Straggler {
                 phase: name.to_string(),
                 rank: ranks[columns[s.rank_index]],
-                slowest_steps: s.slowest_steps,
+                slowest_steps: Some(s.slowest_steps),
                 above_median_steps: s.above_median_steps,
                 steps: s.steps,
                 median_excess_ns: s.median_excess_ns,
@@ -689,20 +703,6 @@ fn tagged_phase_times(t: &SpanTable, shape: &RunShape) -> HashMap<(u64, u32), i6
         out.insert(key, ns);
     }
     out
-}
-
-/// The length of the union of `[start, end)` intervals (reorders them).
-pub(crate) fn union_len(iv: &mut [(i64, i64)]) -> i64 {
-    iv.sort_unstable();
-    let (mut total, mut end) = (0i64, i64::MIN);
-    for &(s, e) in iv.iter() {
-        let s = s.max(end);
-        if e > s {
-            total = total.saturating_add(e.saturating_sub(s));
-            end = e;
-        }
-    }
-    total
 }
 
 /// Phases in the order the summary lists them: inside steps first, then by total time.

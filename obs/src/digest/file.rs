@@ -471,7 +471,7 @@ impl Writer {
         }
         self.0.push(v as u8);
     }
-    fn i(&mut self, v: i64) {
+    pub(super) fn i(&mut self, v: i64) {
         self.u(((v << 1) ^ (v >> 63)) as u64);
     }
     /// A step as the difference from the previous one (steps are written in order; one out
@@ -484,13 +484,13 @@ impl Writer {
         self.u(v.len() as u64);
         self.0.extend_from_slice(v);
     }
-    fn strings(&mut self, v: &[String]) {
+    pub(super) fn strings(&mut self, v: &[String]) {
         self.u(v.len() as u64);
         for s in v {
             self.bytes(s.as_bytes());
         }
     }
-    fn phase(&mut self, p: &PhaseDigest) {
+    pub(super) fn phase(&mut self, p: &PhaseDigest) {
         self.u(u64::from(p.min_depth));
         self.u(p.count);
         for v in [p.sum_ns, p.min_ns, p.max_ns] {
@@ -522,7 +522,7 @@ impl<'a> Reader<'a> {
         }
         bail!("cut short or bad varint")
     }
-    fn i(&mut self) -> Result<i64> {
+    pub(super) fn i(&mut self) -> Result<i64> {
         let v = self.u()?;
         Ok(((v >> 1) as i64) ^ -((v & 1) as i64))
     }
@@ -555,13 +555,13 @@ impl<'a> Reader<'a> {
         self.0 = b;
         Ok(a)
     }
-    fn strings(&mut self) -> Result<Vec<String>> {
+    pub(super) fn strings(&mut self) -> Result<Vec<String>> {
         let n = self.count(1)?;
         (0..n)
             .map(|_| Ok(String::from_utf8(self.bytes()?.to_vec())?))
             .collect()
     }
-    fn phase(&mut self) -> Result<PhaseDigest> {
+    pub(super) fn phase(&mut self) -> Result<PhaseDigest> {
         let min_depth = self.u16()?;
         let count = self.u()?;
         let (sum_ns, min_ns, max_ns) = (self.i()?, self.i()?, self.i()?);

@@ -22,6 +22,7 @@
 
 mod absorb;
 pub mod cells;
+pub mod figures;
 pub mod file;
 pub mod local;
 pub mod merged;

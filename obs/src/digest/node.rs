@@ -169,7 +169,32 @@ pub fn update(
     let tmp = obs.join(format!(".{name}.{rank}.tmp"));
     std::fs::write(&tmp, encode(&entries)).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, &path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    // Without figures a reader summarises the node's ranks from their folders: logged only.
+    if let Err(e) = write_figures(obs, name, rank, &entries) {
+        tracing::warn!("no node figures written for rank {rank}: {e:#}");
+    }
+    Ok(())
+}
+
+/// Writes the node's figures (`node-<host>.figures`, [`super::figures`]) from the rank
+/// summaries of its rollup, still under the rollup's lock. An entry that does not decode is
+/// left out: its rank is then in no node's figures, and readers read it from its folder.
+fn write_figures(obs: &Path, name: &str, writer: u32, entries: &[Entry]) -> Result<()> {
+    let decoded: Vec<(&Entry, super::RankDigest)> = entries
+        .iter()
+        .filter_map(|e| Some((e, super::rank_file::decode(&e.summary).ok()?)))
+        .collect();
+    let inputs: Vec<super::figures::RankInput<'_>> = decoded
+        .iter()
+        .map(|(e, d)| super::figures::RankInput {
+            rank: e.rank,
+            dir_mtime_ns: e.dir_mtime_ns,
+            last_part: e.last_part,
+            digest: d,
+        })
+        .collect();
+    super::figures::write_local(obs, &super::figures::file_name(name), writer, &inputs)
 }
 
 /// An exclusive `flock` held until dropped (and released by the kernel if the process dies).

@@ -3,7 +3,9 @@
 use std::fmt::Write;
 
 use anyhow::Result;
-use titan_obs_core::analysis::{PipelineSummary, StragglerOptions, Summary, summary};
+use titan_obs_core::analysis::{
+    PipelineSummary, StragglerOptions, Summary, summary, summary_of_figures,
+};
 use titan_obs_core::read::Columns;
 
 use super::{RunArgs, exit_code, human_ns, load_run_with};
@@ -26,12 +28,52 @@ pub struct SummaryArgs {
     /// p50/p95 exact rather than within 1%, at the cost of reading all the data.
     #[arg(long)]
     pub exact: bool,
+    /// Read the nodes' figures (`obs/node-<host>.figures`: one file per node, merged as the
+    /// ranks write) instead of every rank's summary: `auto` does from 1024 ranks up, where the
+    /// rank summaries take seconds. Stragglers are then found from each rank's distribution
+    /// of step times rather than step by step, and the slowest-in counts are not known; runs
+    /// with several runs' records, damaged files, pipeline schedules or open journals are read
+    /// from the rank summaries whatever this says.
+    #[arg(long, value_enum, default_value_t = NodeFigures::Auto, value_name = "WHEN")]
+    pub node_figures: NodeFigures,
     /// Show at most this many stragglers and tagged steps in the tables (JSON has all).
     #[arg(long, default_value_t = 20)]
     pub top: usize,
 }
 
+/// When `summary` reads node figures.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeFigures {
+    /// From [`AUTO_FIGURES_RANKS`] ranks up.
+    Auto,
+    On,
+    Off,
+}
+
+/// Where `--node-figures auto` starts reading node figures: at 1024 ranks x 24 h the rank
+/// summaries take ~1.9 s (README), growing with ranks x steps; below, the step-by-step
+/// straggler rule is cheap enough to keep.
+pub const AUTO_FIGURES_RANKS: usize = 1024;
+
 pub fn run(args: &SummaryArgs) -> Result<i32> {
+    let opts = StragglerOptions {
+        min_share_of_steps: args.straggler_steps,
+        min_excess_ratio: args.straggler_excess,
+        ..StragglerOptions::default()
+    };
+    if let Some(s) = from_figures(args, &opts) {
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&s)?);
+        } else {
+            print!("{}", render(&s, args.top));
+        }
+        let incomplete = args.run.strict && !s.missing_ranks.is_empty();
+        return Ok(if incomplete {
+            titan_obs::conventions::INCOMPLETE.as_i32()
+        } else {
+            titan_obs::conventions::OK.as_i32()
+        });
+    }
     // Start times match collectives across ranks ("waiting on").
     let columns = Columns {
         start: true,
@@ -40,11 +82,6 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
         ..Columns::SUMMARY
     };
     let loaded = load_run_with(&args.run, columns, !args.exact)?;
-    let opts = StragglerOptions {
-        min_share_of_steps: args.straggler_steps,
-        min_excess_ratio: args.straggler_excess,
-        ..StragglerOptions::default()
-    };
     // The pipeline section too comes from the per-part summaries (their stages' passes and
     // windows), unless `--exact`.
     let s = summary(&loaded, &opts);
@@ -54,6 +91,44 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
         print!("{}", render(&s, args.top));
     }
     Ok(exit_code(&args.run, &loaded))
+}
+
+/// The summary from the run's node figures, when they are to be read and can be: a local
+/// titan run (its `obs/` folder), its clocks aligned, no run id picked, not `--exact`.
+fn from_figures(args: &SummaryArgs, opts: &StragglerOptions) -> Option<Summary> {
+    let min_ranks = match args.node_figures {
+        NodeFigures::Off => return None,
+        NodeFigures::On => 0,
+        NodeFigures::Auto => AUTO_FIGURES_RANKS,
+    };
+    if args.exact || args.run.no_clock_align || args.run.run_id.is_some() {
+        return None;
+    }
+    let obs = std::path::Path::new(&args.run.run).join("obs");
+    if !obs.is_dir() {
+        return None;
+    }
+    let started = std::time::Instant::now();
+    match titan_obs_core::digest::figures::read_local(&obs, min_ranks) {
+        Ok(job) => {
+            tracing::debug!(
+                "read {}: {} node figures, {} ranks from their folders, in {:.3} s",
+                obs.display(),
+                job.nodes_read,
+                job.ranks_recomputed,
+                started.elapsed().as_secs_f64()
+            );
+            Some(summary_of_figures(&args.run.run, &job, opts))
+        }
+        Err(why) => {
+            if args.node_figures == NodeFigures::On {
+                titan_obs::conventions::TITAN_OBS.warning(format_args!(
+                    "not read from node figures ({why}): reading the rank summaries"
+                ));
+            }
+            None
+        }
+    }
 }
 
 /// The human-readable report.
@@ -71,6 +146,15 @@ pub fn render(s: &Summary, top: usize) -> String {
         s.errors,
         human_ns(s.median_step_ns as f64)
     );
+    if let Some(f) = &s.node_figures {
+        let _ = writeln!(
+            o,
+            "read from node figures: {} nodes' files, {} ranks from their folders (stragglers \
+             from each rank's step times against all ranks'; `--node-figures off` compares \
+             them step by step)",
+            f.nodes, f.ranks_from_folders
+        );
+    }
     if !s.missing_ranks.is_empty() {
         let _ = writeln!(o, "missing ranks: {:?}", s.missing_ranks);
     }
@@ -216,7 +300,8 @@ pub fn render(s: &Summary, top: usize) -> String {
                 [
                     x.phase.clone(),
                     x.rank.to_string(),
-                    format!("{}/{} steps", x.slowest_steps, x.steps),
+                    x.slowest_steps
+                        .map_or_else(|| "-".to_string(), |n| format!("{n}/{} steps", x.steps)),
                     format!("{}/{} steps", x.above_median_steps, x.steps),
                     format!("+{}", human_ns(x.median_excess_ns)),
                     format!("x{:.2}", x.median_ratio),
