@@ -24,12 +24,13 @@ if [ ! -d "$RUN/obs" ]; then
   /usr/bin/time -f 'gen wall %e s, peak %M kB' "$SCALE" gen "$RUN" journal "$RANKS" "$HOURS"
 fi
 echo "{\"run\":\"$RUN\",\"files\":$(find "$RUN/obs" -type f | wc -l),\"files_rank_0\":$(find "$RUN/obs/rank-0" -type f | wc -l),\"node_rollups\":$(find "$RUN/obs" -maxdepth 1 -name 'node-*.summary' | wc -l),\"bytes\":$(du -sb "$RUN/obs" | cut -f1)}"
-TITAN_OBS_NODE_ROLLUPS=1 measure_json "summary through rollups ${RANKS}x${HOURS}h" 3 "$BIN" summary "$RUN" --quiet
+# --node-figures off: from 1024 ranks `summary` reads the node figures (bench/obs/node_figures.sh).
+TITAN_OBS_NODE_ROLLUPS=1 measure_json "summary through rollups ${RANKS}x${HOURS}h" 3 "$BIN" summary "$RUN" --quiet --node-figures off
 cp "$DIR/out.txt" "$DIR/summary-rollup.txt"
 TITAN_OBS_NODE_ROLLUPS=1 measure_json "metrics through rollups ${RANKS}x${HOURS}h" 3 "$BIN" metrics "$RUN" --quiet
 mkdir -p "$DIR/aside"
 mv "$RUN"/obs/node-* "$DIR/aside/"
-measure_json "summary from rank summaries ${RANKS}x${HOURS}h" 3 "$BIN" summary "$RUN" --quiet
+measure_json "summary from rank summaries ${RANKS}x${HOURS}h" 3 "$BIN" summary "$RUN" --quiet --node-figures off
 cp "$DIR/out.txt" "$DIR/summary-ranks.txt"
 mv "$DIR"/aside/node-* "$RUN/obs/"
 cmp "$DIR/summary-rollup.txt" "$DIR/summary-ranks.txt" && echo "same output with and without rollups"

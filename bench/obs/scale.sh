@@ -10,11 +10,12 @@
 #
 #   bash bench/obs/scale.sh [RUNS]     (median of RUNS timed runs, default 3)
 #
-# `summary` is measured three ways on each run: from the summaries the generator wrote (one per
-# rank, `rank.summary`, standing for the one next to every part: the default), with `--exact`
-# (every span decoded, as before them), and once after deleting them all (a run written before
-# summaries: the parts' and the ranks' built, cached, then summarised); `metrics` from the
-# summaries and with `--exact`.
+# `summary` is measured on each run as by default (from 1024 ranks: the node figures,
+# `obs/node-<host>.figures`), from the summaries the generator wrote (`--node-figures off`: one
+# per rank, `rank.summary`, standing for the one next to every part), with `--exact` (every span
+# decoded, as before them), and once after deleting them all (a run written before summaries:
+# the parts' and the ranks' built, cached, then summarised); `metrics` from the summaries and
+# with `--exact`.
 #
 # The run's files: all of them, rank 0's folder's (one per part and `rank.summary` since issue 42),
 # and the node rollups (`obs/node-<host>.summary`).
@@ -180,19 +181,21 @@ one() {  # one LAYOUT RANKS HOURS
     tui_follow "tui follow $1 $2x$3h" "$run" "$2"
     return
   fi
-  # The summary from the rank summaries (the default), from every span (--exact: what
-  # `summary` did before summaries), through the node rollups (opt-in:
-  # TITAN_OBS_NODE_ROLLUPS=1), then with the rollups moved aside (the default's path again,
-  # as a check), and without rank summaries either (every part's
-  # summary read from its footer; they are rebuilt and cached, then the summary is the first
-  # line's). The rollups are moved to $DIR/rollups and not put back (the rank summaries
+  # The summary as by default (from 1024 ranks up: the node figures, issue 42), from the rank
+  # summaries (--node-figures off), from every span (--exact: what `summary` did before
+  # summaries), through the node rollups (opt-in: TITAN_OBS_NODE_ROLLUPS=1), then with the
+  # rollups and figures moved aside (the rank summaries again, as a check), and without rank
+  # summaries either (every part's summary read from its footer; they are rebuilt and cached,
+  # then the summary is the second line's). The rollups are moved to $DIR/rollups and not put back (the rank summaries
   # rebuilt changed the rank folders, so they no longer describe them): the headless load,
   # the TUI and `--follow` below then read the rank summaries; TUI_ONLY=1 on a fresh run
   # measures the TUI with its rollups.
   measure_json "summary $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet
+  measure_json "summary --node-figures off $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet \
+    --node-figures off
   measure_json "summary --exact $1 $2x$3h" "$RUNS" "$BIN" summary "$run" --quiet --exact
   TITAN_OBS_NODE_ROLLUPS=1 measure_json "summary through node rollups $1 $2x$3h" "$RUNS" \
-    "$BIN" summary "$run" --quiet
+    "$BIN" summary "$run" --quiet --node-figures off
   # `metrics` reads the summaries' scalar sections the same way.
   measure_json "metrics $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet
   measure_json "metrics --exact $1 $2x$3h" "$RUNS" "$BIN" metrics "$run" --quiet --exact
