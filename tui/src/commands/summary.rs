@@ -44,9 +44,11 @@ pub struct SummaryArgs {
 /// When `summary` reads node figures.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NodeFigures {
-    /// From [`AUTO_FIGURES_RANKS`] ranks up.
+    /// From 1024 rank folders up (`AUTO_FIGURES_RANKS`).
     Auto,
+    /// At any number of ranks.
     On,
+    /// Never: the rank summaries, stragglers step by step.
     Off,
 }
 
