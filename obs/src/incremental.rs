@@ -1179,14 +1179,8 @@ fn rolled_rank_dir(
     file: &std::path::Path,
     entry: &crate::digest::node::Entry,
 ) -> Option<RankDirListed> {
-    let meta = std::fs::metadata(dir).ok()?;
-    if crate::digest::node::mtime_ns(&meta) != entry.dir_mtime_ns {
-        return None;
-    }
+    let meta = crate::digest::node::unchanged_folder(dir, entry.dir_mtime_ns, entry.last_part)?;
     let next = entry.last_part.map_or(0, |l| l + 1);
-    if dir.join(crate::location::part_file_name(next)).exists() {
-        return None;
-    }
     let journal_name = crate::location::journal_file_name(next);
     let journal = dir.join(&journal_name);
     let mut files = Vec::new();

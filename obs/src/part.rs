@@ -407,7 +407,7 @@ impl PartSink {
             let bytes = crate::digest::rank_file::encode(d)?;
             let path = crate::digest::rank_file::rank_summary_path(&dir);
             crate::sidecar::write_atomic(&path, &bytes)?;
-            self.roll_up(run, d, bytes);
+            self.roll_up(run, d, bytes, true);
             st.dirty = false;
             st.rolled_up = true;
         }
@@ -425,13 +425,21 @@ impl PartSink {
         let st = self.lock_rank_summary();
         if let (true, false, Some(d)) = (st.rolled_up, st.dirty, &st.digest) {
             match crate::digest::rank_file::encode(d) {
-                Ok(bytes) => self.roll_up(run, d, bytes),
+                Ok(bytes) => self.roll_up(run, d, bytes, false),
                 Err(e) => tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank),
             }
         }
     }
 
-    fn roll_up(&self, run: &Path, d: &crate::digest::RankDigest, encoded: Vec<u8>) {
+    /// Replaces this rank's entry of its node's rollup; `summary_changed`: its summary is new
+    /// (else only its folder changed since the last entry).
+    fn roll_up(
+        &self,
+        run: &Path,
+        d: &crate::digest::RankDigest,
+        encoded: Vec<u8>,
+        summary_changed: bool,
+    ) {
         use crate::digest::node;
         let host = d
             .segments
@@ -446,6 +454,7 @@ impl PartSink {
             &dir,
             d.last_index(),
             encoded,
+            summary_changed,
         ) {
             tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank);
         }

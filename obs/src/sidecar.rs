@@ -17,11 +17,22 @@ pub fn read_if_present(path: &Path) -> Result<Option<Vec<u8>>> {
 
 /// Writes `bytes` to `path` atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_through(path, bytes, "tmp")
+}
+
+/// [`write_atomic`] through a temporary name of writer `writer`'s own: for files several
+/// processes rewrite (a node's rollup and figures), so that should their lock not hold (a file
+/// system without `flock`) they still never write into each other's temporary file.
+pub fn write_atomic_as(path: &Path, bytes: &[u8], writer: u32) -> Result<()> {
+    write_through(path, bytes, &format!("{writer}.tmp"))
+}
+
+fn write_through(path: &Path, bytes: &[u8], suffix: &str) -> Result<()> {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    let tmp = path.with_file_name(format!(".{name}.{suffix}"));
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path)
         .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))

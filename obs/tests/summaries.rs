@@ -791,6 +791,7 @@ fn ranks_of_a_node_writing_at_once_lose_no_entry() {
                         &obs.join(format!("rank-{r}")),
                         Some(i),
                         body,
+                        true,
                     )
                     .unwrap();
                 }

@@ -142,6 +142,25 @@ fn node_figures_are_read_when_asked_and_not_for_pipelines() {
         "{text}"
     );
 
+    // `on` with a flag the figures cannot honour is a usage error naming both.
+    for flag in [
+        &["--exact"][..],
+        &["--no-clock-align"],
+        &["--run", "synthetic"],
+    ] {
+        let out = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+            .args(["summary", run_s, "--node-figures", "on"])
+            .args(flag)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag:?}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--node-figures on cannot go with") && err.contains(flag[0]),
+            "{err}"
+        );
+    }
+
     let pp = dir.path().join("pp");
     let pp_s = pp.to_str().unwrap();
     write_pipeline_run(pp_s, &[(0, 0, 1.0), (1, 1, 1.0)], 4);

@@ -34,7 +34,7 @@ use rustc_hash::FxHashMap;
 use super::file::{Reader, Writer, check_head, checked_body, framed};
 use super::merged::{CollectiveContext, RunDigest};
 use super::{PhaseDigest, RankDigest, SKETCH_ALPHA};
-use crate::tables::NameId;
+use crate::tables::{NameId, intern};
 use crate::vocab;
 
 const MAGIC: &[u8; 8] = b"TOBSFIG1";
@@ -264,7 +264,6 @@ pub struct NodeFigures {
     pub ranks: Vec<RankFigures>,
     /// Ranks with records of another run than `run_id`.
     pub other_run_ranks: Vec<u32>,
-    pub parts: u64,
     pub spans: u64,
     pub errors: u64,
     /// Parts compacted from damaged journals, and spans that belong to pipeline schedules:
@@ -326,12 +325,7 @@ impl NodeFigures {
                 let map: Vec<u32> = p
                     .names
                     .iter()
-                    .map(|n| {
-                        *name_ids.entry(n.clone()).or_insert_with(|| {
-                            names.push(n.clone());
-                            names.len() as u32 - 1
-                        })
-                    })
+                    .map(|n| intern(&mut names, &mut name_ids, n))
                     .collect();
                 d.merge(p, &map, p.info.clock_offset_ns);
                 out.damaged_parts +=
@@ -345,7 +339,6 @@ impl NodeFigures {
             }
         }
         out.other_run_ranks.sort_unstable();
-        out.parts = d.parts;
         out.spans = d.spans;
         out.errors = d.errors;
         out.pipeline_spans = d.pipeline_spans;
@@ -507,23 +500,17 @@ impl NodeFigures {
 
     /// Folds `o` (figures of other ranks) into `self`, mapping its names.
     pub fn merge(&mut self, o: &NodeFigures) {
-        let mut ids: HashMap<&str, u32> = HashMap::new();
-        for (i, n) in self.names.iter().enumerate() {
-            ids.insert(n.as_str(), i as u32);
-        }
-        let mut added: Vec<String> = Vec::new();
+        let mut ids: HashMap<String, u32> = self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), i as u32))
+            .collect();
         let map: Vec<NameId> = o
             .names
             .iter()
-            .map(|n| match ids.get(n.as_str()) {
-                Some(&i) => i,
-                None => {
-                    added.push(n.clone());
-                    (self.names.len() + added.len() - 1) as u32
-                }
-            })
+            .map(|n| intern(&mut self.names, &mut ids, n))
             .collect();
-        self.names.extend(added);
         let g = |n: NameId| {
             if n == CollectiveContext::UNKNOWN {
                 n
@@ -533,7 +520,6 @@ impl NodeFigures {
                     .unwrap_or(CollectiveContext::UNKNOWN)
             }
         };
-        self.parts = self.parts.saturating_add(o.parts);
         self.spans = self.spans.saturating_add(o.spans);
         self.errors = self.errors.saturating_add(o.errors);
         self.damaged_parts = self.damaged_parts.saturating_add(o.damaged_parts);
@@ -589,13 +575,7 @@ pub fn encode(f: &NodeFigures) -> Vec<u8> {
     let mut w = Writer(Vec::new());
     w.bytes(f.run_id.as_bytes());
     w.strings(&f.names);
-    for v in [
-        f.parts,
-        f.spans,
-        f.errors,
-        f.damaged_parts,
-        f.pipeline_spans,
-    ] {
+    for v in [f.spans, f.errors, f.damaged_parts, f.pipeline_spans] {
         w.u(v);
     }
     w.u(f.other_run_ranks.len() as u64);
@@ -687,8 +667,7 @@ pub fn decode(bytes: &[u8]) -> Result<NodeFigures> {
         ensure!(v < n_names, "name id {v} out of range ({n_names} names)");
         Ok(v as NameId)
     };
-    let (parts, spans, errors, damaged_parts, pipeline_spans) =
-        (r.u()?, r.u()?, r.u()?, r.u()?, r.u()?);
+    let (spans, errors, damaged_parts, pipeline_spans) = (r.u()?, r.u()?, r.u()?, r.u()?);
     let other_run_ranks = (0..r.count(1)?)
         .map(|_| u32_of(r.u()?, "rank"))
         .collect::<Result<Vec<_>>>()?;
@@ -726,6 +705,10 @@ pub fn decode(bytes: &[u8]) -> Result<NodeFigures> {
             ensure!(
                 total == steps,
                 "rank {rank}: its bins hold {total} steps, not {steps}"
+            );
+            ensure!(
+                steps == 0 || min_ns <= max_ns,
+                "rank {rank}: its step times' minimum {min_ns} is above their maximum {max_ns}"
             );
             phases.push((
                 id,
@@ -814,7 +797,6 @@ pub fn decode(bytes: &[u8]) -> Result<NodeFigures> {
         names,
         ranks,
         other_run_ranks,
-        parts,
         spans,
         errors,
         damaged_parts,
@@ -827,15 +809,34 @@ pub fn decode(bytes: &[u8]) -> Result<NodeFigures> {
     })
 }
 
-/// Writes the figures of the ranks `ranks` (decoded from their node's rollup) as
-/// `obs/<name>`, whole under a temporary name of `writer`'s, renamed into place.
+/// Writes the figures of the ranks `ranks` (decoded from their node's rollup) as `obs/<name>`.
 pub fn write_local(obs: &Path, name: &str, writer: u32, ranks: &[RankInput<'_>]) -> Result<()> {
-    let bytes = encode(&NodeFigures::build(ranks));
-    let path = obs.join(name);
-    let tmp = obs.join(format!(".{name}.{writer}.tmp"));
-    std::fs::write(&tmp, &bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    crate::sidecar::write_atomic_as(&obs.join(name), &encode(&NodeFigures::build(ranks)), writer)
+}
+
+/// Sets rank `rank`'s folder mtime and last part in the figures `obs/<name>` (its folder
+/// changed, not its summary: the recorder removed the journal it compacted), without
+/// rebuilding them. `Ok(false)` when the file is missing, does not decode or lacks the rank:
+/// the caller rebuilds it.
+pub fn restamp(
+    obs: &Path,
+    name: &str,
+    rank: u32,
+    dir_mtime_ns: u64,
+    last_part: Option<u64>,
+) -> Result<bool> {
+    let Some(bytes) = crate::sidecar::read_if_present(&obs.join(name))? else {
+        return Ok(false);
+    };
+    let Ok(mut f) = decode(&bytes) else {
+        return Ok(false);
+    };
+    let Some(r) = f.ranks.iter_mut().find(|r| r.rank == rank) else {
+        return Ok(false);
+    };
+    (r.dir_mtime_ns, r.last_part) = (dir_mtime_ns, last_part);
+    crate::sidecar::write_atomic_as(&obs.join(name), &encode(&f), rank)?;
+    Ok(true)
 }
 
 /// A local run's figures, merged: from each node's figures file where every rank it lists
@@ -874,10 +875,7 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
     for e in listing.flatten() {
         let name = e.file_name();
         let Some(name) = name.to_str() else { continue };
-        if let Some(rank) = name
-            .strip_prefix("rank-")
-            .and_then(|r| r.parse::<u32>().ok())
-        {
+        if let Some(rank) = crate::location::parse_rank_dir_name(name) {
             rank_dirs.push((rank, e.path()));
         } else if is_figures_name(name) {
             files.push(e.path());
@@ -958,12 +956,6 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
     acc.absorb(recomputed)?;
     let nodes_read = acc.nodes_read;
     let mut figures = acc.job.ok_or_else(|| not("no ranks".into()))?;
-    if !figures.other_run_ranks.is_empty() {
-        return Err(not("ranks of more than one run".into()));
-    }
-    if figures.damaged_parts > 0 || figures.pipeline_spans > 0 {
-        return Err(not("damaged parts or pipeline schedules".into()));
-    }
     figures.ranks.sort_by_key(|r| r.rank);
     Ok(JobFigures {
         figures,
@@ -983,23 +975,27 @@ struct Merged {
 }
 
 impl Merged {
+    /// Merges `f` in; refuses, as soon as one node shows them, what the figures leave to the
+    /// rank summaries.
     fn add(&mut self, f: NodeFigures) -> std::result::Result<(), NotUsable> {
-        match &mut self.job {
-            None => self.job = Some(f),
-            Some(j) => {
-                if f.ranks.is_empty() {
-                    j.merge(&f);
-                } else if j.ranks.is_empty() {
-                    let mut f = f;
-                    f.merge(j);
-                    *j = f;
-                } else if f.run_id != j.run_id {
-                    return Err(NotUsable("ranks of more than one run".into()));
-                } else {
-                    j.merge(&f);
-                }
+        if !f.other_run_ranks.is_empty() {
+            return Err(NotUsable("ranks of more than one run".into()));
+        }
+        if f.damaged_parts > 0 || f.pipeline_spans > 0 {
+            return Err(NotUsable("damaged parts or pipeline schedules".into()));
+        }
+        let Some(j) = &mut self.job else {
+            self.job = Some(f);
+            return Ok(());
+        };
+        if !f.ranks.is_empty() {
+            if j.ranks.is_empty() {
+                j.run_id.clone_from(&f.run_id);
+            } else if f.run_id != j.run_id {
+                return Err(NotUsable("ranks of more than one run".into()));
             }
         }
+        j.merge(&f);
         Ok(())
     }
 
@@ -1050,17 +1046,11 @@ fn figures_of_folders(
     Ok(NodeFigures::build(&inputs))
 }
 
-/// Whether a rank folder is as its figures describe it: the same mtime, and neither the next
-/// part nor its journal there (written inside the file system's timestamp granularity).
+/// Whether a rank folder is as its figures describe it ([`super::node::unchanged_folder`]),
+/// with no journal after its last part.
 fn rank_unchanged(dir: &Path, r: &RankFigures) -> bool {
-    let Ok(m) = std::fs::metadata(dir) else {
-        return false;
-    };
-    if super::node::mtime_ns(&m) != r.dir_mtime_ns {
-        return false;
-    }
-    let next = r.last_part.map_or(0, |l| l + 1);
-    !dir.join(crate::location::part_file_name(next)).exists() && !has_journal(dir, r.last_part)
+    super::node::unchanged_folder(dir, r.dir_mtime_ns, r.last_part).is_some()
+        && !has_journal(dir, r.last_part)
 }
 
 /// Whether the journal after part `last` is in `dir`.
@@ -1124,7 +1114,6 @@ mod tests {
         let mut f = NodeFigures {
             run_id: "r1".into(),
             names: vec!["step".into(), "all_reduce".into()],
-            parts: 3,
             spans: 40,
             ..Default::default()
         };
@@ -1172,5 +1161,13 @@ mod tests {
             assert!(decode(&b).is_err(), "a flip at byte {i} went unnoticed");
         }
         assert!(decode(&bytes[..bytes.len() - 1]).is_err());
+        // Well framed but inconsistent: a minimum above the maximum is refused, not clamped
+        // into a panic when a median is read.
+        f.ranks[0].phases[0].1.min_ns = 800_000;
+        let err = decode(&encode(&f)).unwrap_err().to_string();
+        assert!(
+            err.contains("minimum 800000 is above their maximum"),
+            "{err}"
+        );
     }
 }

@@ -80,6 +80,21 @@ pub fn mtime_ns(m: &std::fs::Metadata) -> u64 {
         .wrapping_add(m.mtime_nsec() as u64)
 }
 
+/// A rank folder's metadata when it still is as a writer left it: it has the mtime
+/// `dir_mtime_ns` the writer recorded after its last change, and the part after `last_part`
+/// is not there (one written within the file system's timestamp granularity leaves the mtime
+/// as it was). The check behind trusting a rollup entry and a node's figures.
+pub fn unchanged_folder(
+    dir: &Path,
+    dir_mtime_ns: u64,
+    last_part: Option<u64>,
+) -> Option<std::fs::Metadata> {
+    let m = std::fs::metadata(dir).ok()?;
+    let next = last_part.map_or(0, |l| l + 1);
+    (mtime_ns(&m) == dir_mtime_ns && !dir.join(crate::location::part_file_name(next)).exists())
+        .then_some(m)
+}
+
 /// Encodes a rollup (entries in rank order).
 pub fn encode(entries: &[Entry]) -> Vec<u8> {
     let mut w = Writer(Vec::with_capacity(
@@ -123,7 +138,9 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Entry>> {
 }
 
 /// Replaces rank `rank`'s entry of the rollup `obs/<name>` with `summary` (its encoded rank
-/// summary) and the mtime its folder `rank_dir` has now, under the rollup's lock.
+/// summary) and the mtime its folder `rank_dir` has now, under the rollup's lock, then the
+/// node's figures: rebuilt from every entry when `summary_changed`, else (the folder changed,
+/// not its summary) only this rank's mtime and last part rewritten in them.
 pub fn update(
     obs: &Path,
     name: &str,
@@ -131,6 +148,7 @@ pub fn update(
     rank_dir: &Path,
     last_part: Option<u64>,
     summary: Vec<u8>,
+    summary_changed: bool,
 ) -> Result<()> {
     let path = obs.join(name);
     let lock_path = path.with_extension("lock");
@@ -164,23 +182,21 @@ pub fn update(
         Ok(i) => entries[i] = entry,
         Err(i) => entries.insert(i, entry),
     }
-    // A temporary name of this rank's own: should the lock not hold (a file system without
-    // flock), writers still never write into each other's temporary file.
-    let tmp = obs.join(format!(".{name}.{rank}.tmp"));
-    std::fs::write(&tmp, encode(&entries)).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    crate::sidecar::write_atomic_as(&path, &encode(&entries), rank)?;
     // Without figures a reader summarises the node's ranks from their folders: logged only.
-    if let Err(e) = write_figures(obs, name, rank, &entries) {
+    let figures = super::figures::file_name(name);
+    let restamped = !summary_changed
+        && super::figures::restamp(obs, &figures, rank, dir_mtime_ns, last_part).unwrap_or(false);
+    if !restamped && let Err(e) = write_figures(obs, &figures, rank, &entries) {
         tracing::warn!("no node figures written for rank {rank}: {e:#}");
     }
     Ok(())
 }
 
-/// Writes the node's figures (`node-<host>.figures`, [`super::figures`]) from the rank
-/// summaries of its rollup, still under the rollup's lock. An entry that does not decode is
-/// left out: its rank is then in no node's figures, and readers read it from its folder.
-fn write_figures(obs: &Path, name: &str, writer: u32, entries: &[Entry]) -> Result<()> {
+/// Writes the node's figures (`obs/<figures>`, [`super::figures`]) from the rank summaries of
+/// its rollup, still under the rollup's lock. An entry that does not decode is left out: its
+/// rank is then in no node's figures, and readers read it from its folder.
+fn write_figures(obs: &Path, figures: &str, writer: u32, entries: &[Entry]) -> Result<()> {
     let decoded: Vec<(&Entry, super::RankDigest)> = entries
         .iter()
         .filter_map(|e| Some((e, super::rank_file::decode(&e.summary).ok()?)))
@@ -194,7 +210,7 @@ fn write_figures(obs: &Path, name: &str, writer: u32, entries: &[Entry]) -> Resu
             digest: d,
         })
         .collect();
-    super::figures::write_local(obs, &super::figures::file_name(name), writer, &inputs)
+    super::figures::write_local(obs, figures, writer, &inputs)
 }
 
 /// An exclusive `flock` held until dropped (and released by the kernel if the process dies).

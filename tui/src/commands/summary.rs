@@ -63,6 +63,26 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
         min_excess_ratio: args.straggler_excess,
         ..StragglerOptions::default()
     };
+    if args.node_figures == NodeFigures::On
+        && let Some(flag) = [
+            (args.exact, "--exact (every span decoded)"),
+            (
+                args.run.no_clock_align,
+                "--no-clock-align (the figures hold aligned times)",
+            ),
+            (
+                args.run.run_id.is_some(),
+                "--run ID (the figures hold the newest run)",
+            ),
+        ]
+        .into_iter()
+        .find_map(|(given, flag)| given.then_some(flag))
+    {
+        titan_obs::conventions::TITAN_OBS.error(format_args!(
+            "--node-figures on cannot go with {flag}: drop one (or pass --node-figures auto)"
+        ));
+        return Ok(titan_obs::conventions::USAGE.as_i32());
+    }
     if let Some(s) = from_figures(args, &opts) {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&s)?);
@@ -96,7 +116,8 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
 }
 
 /// The summary from the run's node figures, when they are to be read and can be: a local
-/// titan run (its `obs/` folder), its clocks aligned, no run id picked, not `--exact`.
+/// titan run (its `obs/` folder), its clocks aligned, no run id picked, not `--exact` (with
+/// `--node-figures on`, those flags were refused before).
 fn from_figures(args: &SummaryArgs, opts: &StragglerOptions) -> Option<Summary> {
     let min_ranks = match args.node_figures {
         NodeFigures::Off => return None,
@@ -108,6 +129,13 @@ fn from_figures(args: &SummaryArgs, opts: &StragglerOptions) -> Option<Summary> 
     }
     let obs = std::path::Path::new(&args.run.run).join("obs");
     if !obs.is_dir() {
+        if args.node_figures == NodeFigures::On {
+            titan_obs::conventions::TITAN_OBS.warning(format_args!(
+                "not read from node figures ({} is not a local titan run's folder): reading \
+                 it as usual",
+                args.run.run
+            ));
+        }
         return None;
     }
     let started = std::time::Instant::now();
