@@ -3,7 +3,8 @@
 //! times what readers do with it. Driven by bench/obs/scale.sh; prints one JSON line per
 //! measurement.
 //!
-//!   obs_scale gen  RUN LAYOUT RANKS HOURS     LAYOUT = journal | journal-sparse | old
+//!   obs_scale gen  RUN LAYOUT RANKS HOURS     LAYOUT = journal | journal-sparse |
+//!                                             journal-sparse-top | old
 //!   obs_scale load RUN RUNS                   headless load of what the TUI loads (all columns)
 //!   obs_scale follow RUN RANKS RUNS           open journals on every rank, then time refreshes
 //!                                             after one flush of every rank (the first lists
@@ -32,6 +33,8 @@ const STEP_S: f64 = 30.0;
 const FLUSH_S: f64 = 2.0;
 const ROTATE_S: f64 = 600.0;
 const START_NS: i64 = 1_750_000_000_000_000_000;
+/// Ranks whose parts `journal-sparse-top` keeps whole.
+const TOP_RANKS_KEPT: u32 = 64;
 /// The rank whose forward_backward is 1.3x slower.
 const SLOW_RANK: u32 = 17;
 const PHASES: [(&str, u16, f64); 10] = [
@@ -284,14 +287,23 @@ fn gen_run(run: &str, layout: &str, ranks: u32, hours: f64) -> Result<()> {
         "journal" => (ROTATE_S, false),
         // The journal layout with the parts' blocks freed once summarised (`punch_parts`).
         "journal-sparse" => (ROTATE_S, true),
+        // The same, but the first TOP_RANKS_KEPT ranks' parts kept whole: what the TUI's
+        // first frame and its zoom read (the ranks at the top of the gantt), on a run larger
+        // than the disk. Scrolled further down, the TUI would read parts of zeros.
+        "journal-sparse-top" => (ROTATE_S, true),
         "old" => (FLUSH_S, false),
-        other => bail!("unknown layout `{other}` (journal, journal-sparse or old)"),
+        other => {
+            bail!("unknown layout `{other}` (journal, journal-sparse, journal-sparse-top or old)")
+        }
     };
     let location = Location::parse(run)?;
     let t = Instant::now();
     let results: Vec<(u64, u64)> = (0..ranks)
         .into_par_iter()
-        .map(|r| write_rank(&location, r, ranks, hours, window, sparse))
+        .map(|r| {
+            let punch = sparse && !(layout == "journal-sparse-top" && r < TOP_RANKS_KEPT);
+            write_rank(&location, r, ranks, hours, window, punch)
+        })
         .collect::<Result<_>>()?;
     let files: u64 = results.iter().map(|r| r.0).sum();
     let bytes: u64 = results.iter().map(|r| r.1).sum();

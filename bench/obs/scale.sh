@@ -27,6 +27,9 @@
 # window (its `frame N ms`), and `--follow` while every rank appends: refresh read/append and
 # key latency), TUI_ARGS (more arguments for the TUI, e.g. `--detail-levels always` on a run
 # too small for `auto`),
+# TUI_MEASURES (with TUI_ONLY: which of "open whole zoom follow" to measure), LAYOUT (journal;
+# journal-sparse-top: the parts' blocks freed but those of the first 64 ranks, for a run larger
+# than the disk: the TUI's first frame and zoom read only those ranks' parts; see scale.rs),
 # FOLLOW_RUNS (5: follow refreshes timed; the first re-lists every rank directory),
 # OLD_RANKS (16) and OLD_HOURS (2): the previous layout is generated at OLD_RANKS x OLD_HOURS
 # only (1024 x 24 h of it would be 35 M files), next to the journal layout of the same size.
@@ -42,6 +45,8 @@ FOLLOW_RUNS=${FOLLOW_RUNS:-5}
 SUMMARY_ONLY=${SUMMARY_ONLY:-0}
 TUI_ONLY=${TUI_ONLY:-0}
 TUI_ARGS=${TUI_ARGS:-}
+LAYOUT=${LAYOUT:-journal}
+TUI_MEASURES=${TUI_MEASURES:-"open whole zoom follow"}
 TARGET=${CARGO_TARGET_DIR:-target}
 # PROFILE=dev: the dev profile's build (dependencies at opt-level 2, titan's crates at 1), for
 # a machine where a release build of the dependencies does not fit the time at hand.
@@ -175,10 +180,10 @@ one() {  # one LAYOUT RANKS HOURS
   [ -d "$run/obs" ] || "$SCALE" gen "$run" "$1" "$2" "$3"
   describe "$run"
   if [ "$TUI_ONLY" = 1 ]; then
-    tui_open "tui open $1 $2x$3h" "$run"
-    tui_whole "tui whole-run results $1 $2x$3h" "$run"
-    tui_zoom "tui zoom $1 $2x$3h" "$run"
-    tui_follow "tui follow $1 $2x$3h" "$run" "$2"
+    case " $TUI_MEASURES " in *" open "*) tui_open "tui open $1 $2x$3h" "$run" ;; esac
+    case " $TUI_MEASURES " in *" whole "*) tui_whole "tui whole-run results $1 $2x$3h" "$run" ;; esac
+    case " $TUI_MEASURES " in *" zoom "*) tui_zoom "tui zoom $1 $2x$3h" "$run" ;; esac
+    case " $TUI_MEASURES " in *" follow "*) tui_follow "tui follow $1 $2x$3h" "$run" "$2" ;; esac
     return
   fi
   # The summary as by default (from 1024 ranks up: the node figures, issue 42), from the rank
@@ -215,4 +220,4 @@ if [ "$OLD_HOURS" != 0 ]; then
   one old "$OLD_RANKS" "$OLD_HOURS"
   one journal "$OLD_RANKS" "$OLD_HOURS"
 fi
-for h in $HOURS; do one journal "$RANKS" "$h"; done
+for h in $HOURS; do one "$LAYOUT" "$RANKS" "$h"; done

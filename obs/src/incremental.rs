@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
@@ -90,6 +91,8 @@ struct Listing {
     rollups_read: u64,
     /// Object stores: LIST requests (pages of 1 000 objects).
     list_requests: u64,
+    /// Object stores: each rank's `rank.summary` object (its path and size).
+    object_rank_summaries: BTreeMap<u32, (object_store::path::Path, u64)>,
     rollup_damage: Vec<(String, String)>,
     /// Local rank directories read (the others were unchanged since their last listing).
     dirs_read: u64,
@@ -365,10 +368,26 @@ impl PartsReader {
                 rolled: Some(rolled),
             });
         }
-        let rollup_damage = listing.rollup_damage;
+        let mut rollup_damage = listing.rollup_damage;
         let rollups_read = listing.rollups_read;
-        let list_requests = listing.list_requests;
-        for file in listing.files {
+        let mut list_requests = listing.list_requests;
+        let mut files = listing.files;
+        // Object-store ranks read for the first time: from their rank summaries.
+        let mut ranks_summarised = Vec::new();
+        if let (true, Location::Object { store, url, .. }) = (opts.digests, &self.location) {
+            let wanted: Vec<(u32, object_store::path::Path)> = (listing.object_rank_summaries)
+                .into_iter()
+                .filter(|(rank, _)| !self.ranks_read.contains(rank))
+                .map(|(rank, (path, _))| (rank, path))
+                .collect();
+            if !wanted.is_empty() {
+                let (done, gets, damaged) = object_rank_summaries(store, url, wanted, &mut files);
+                ranks_summarised = done;
+                list_requests += gets;
+                rollup_damage.extend(damaged);
+            }
+        }
+        for file in files {
             let key = (file.rank, file.index);
             match (file.kind, self.seen.get(&key)) {
                 (_, Some(Seen::Part)) => {}
@@ -403,13 +422,22 @@ impl PartsReader {
             ..Default::default()
         };
         for (file, error) in rollup_damage {
+            let lost = if file.ends_with(crate::digest::RANK_SUMMARY_FILE) {
+                "nothing: its parts' own summaries were read instead"
+            } else {
+                "nothing: its ranks were read from their folders"
+            };
             self.run.report.damage.push(Damage {
                 bytes: std::fs::metadata(&file).map_or(0, |m| m.len()),
                 file,
                 offset: 0,
-                lost: "nothing: its ranks were read from their folders".into(),
+                lost: lost.into(),
                 error,
             });
+        }
+        // Before any part: a rank summary stands for a rank's first parts.
+        for done in ranks_summarised {
+            self.merge(done, opts);
         }
         // Decode in chunks: parallel within a chunk, merged (and freed) between chunks, so
         // peak memory is the tables plus one chunk of decoded files. A chunk holds at least
@@ -1047,6 +1075,7 @@ fn list_files(
     let mut rolled = BTreeMap::new();
     let mut rollups_read = 0;
     let mut list_requests = 0;
+    let mut object_rank_summaries = BTreeMap::new();
     let mut rollup_damage = Vec::new();
     let mut dirs_read = 0;
     match location {
@@ -1135,6 +1164,12 @@ fn list_files(
                 let [file, rank_dir, ..] = parts_of.as_slice() else {
                     continue;
                 };
+                if *file == crate::digest::RANK_SUMMARY_FILE
+                    && let Some(rank) = parse_rank_dir_name(rank_dir)
+                {
+                    object_rank_summaries.insert(rank, (m.location.clone(), m.size));
+                    continue;
+                }
                 let (Some(rank), Some(index)) =
                     (parse_rank_dir_name(rank_dir), parse_part_file_name(file))
                 else {
@@ -1164,9 +1199,85 @@ fn list_files(
         rolled,
         rollups_read,
         list_requests,
+        object_rank_summaries,
         rollup_damage,
         dirs_read,
     })
+}
+
+/// Object-store ranks read for the first time from their `rank.summary` objects (one GET a
+/// rank, a few at a time) instead of one footer GET per part: each summary that checks out
+/// against the rank's parts listed (every part it covers is listed with the size it covers,
+/// the others come after its last) stands for the parts it covers, which are taken out of
+/// `files`. Returns the ranks so read, the GETs made, and the summaries that did not decode
+/// (their ranks' parts are read as before).
+fn object_rank_summaries(
+    store: &Arc<dyn object_store::ObjectStore>,
+    url: &str,
+    wanted: Vec<(u32, object_store::path::Path)>,
+    files: &mut Vec<Listed>,
+) -> (Vec<Done>, u64, Vec<(String, String)>) {
+    use futures::StreamExt;
+    let requests = wanted.len() as u64;
+    let got: Vec<(u32, Result<Bytes>)> = titan_storage::runtime().block_on(
+        futures::stream::iter(wanted)
+            .map(|(rank, path)| {
+                let store = store.clone();
+                async move {
+                    let got = async { store.get(&path).await?.bytes().await }.await;
+                    (rank, got.map_err(anyhow::Error::from))
+                }
+            })
+            .buffer_unordered(16)
+            .collect(),
+    );
+    let mut sizes: BTreeMap<u32, BTreeMap<u64, u64>> = BTreeMap::new();
+    for f in files.iter().filter(|f| f.kind == FileKind::Part) {
+        sizes.entry(f.rank).or_default().insert(f.index, f.size);
+    }
+    let (mut done, mut damaged) = (Vec::new(), Vec::new());
+    let mut covered_of: BTreeMap<u32, BTreeSet<u64>> = BTreeMap::new();
+    for (rank, got) in got {
+        let shown = format!("{url}/obs/rank-{rank}/{}", crate::digest::RANK_SUMMARY_FILE);
+        let digest = match got.and_then(|b| crate::digest::rank_file::decode(&b)) {
+            Ok(d) => d,
+            Err(e) => {
+                damaged.push((shown, format!("{e:#}")));
+                continue;
+            }
+        };
+        let listed = sizes.get(&rank).cloned().unwrap_or_default();
+        let indices: BTreeSet<u64> = listed.keys().copied().collect();
+        let lengths_match = digest
+            .covered()
+            .all(|p| listed.get(&p.index) == Some(&p.len));
+        if !(digest.fits(&indices) && lengths_match) {
+            continue;
+        }
+        let covered = digest.covered_set();
+        covered_of.insert(rank, covered.clone());
+        done.push(Done::Rank {
+            rank,
+            dir: PathBuf::from(format!("{url}/obs/rank-{rank}")),
+            parts: covered,
+            summarised: crate::digest::RankSummarised {
+                digest,
+                ..Default::default()
+            },
+            rolled: false,
+        });
+    }
+    files.retain(|f| {
+        f.kind != FileKind::Part
+            || !covered_of
+                .get(&f.rank)
+                .is_some_and(|c| c.contains(&f.index))
+    });
+    done.sort_by_key(|d| match d {
+        Done::Rank { rank, .. } => *rank,
+        _ => 0,
+    });
+    (done, requests, damaged)
 }
 
 /// A rank folder that its node rollup entry still describes, without listing it: the folder

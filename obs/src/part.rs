@@ -358,6 +358,8 @@ struct RankSummaryState {
     dirty: bool,
     /// Written to the node rollup at least once.
     rolled_up: bool,
+    /// The parts put since the node timeline was last written (from their detail levels).
+    pending: Vec<crate::digest::timeline::PartTimeline>,
 }
 
 /// The default spool folder of object-store runs' journals: `$TMPDIR/titan-obs-spool`.
@@ -398,6 +400,14 @@ impl PartSink {
     /// rollup that cannot be written is only logged (readers then read the rank's folder).
     pub fn finish_rank_summary(&self) -> Result<()> {
         let Location::Local(run) = &self.location else {
+            // An object store: the rank summary is one more object beside the parts (no
+            // rollup: the ranks of a node share no lock there).
+            let mut st = self.lock_rank_summary();
+            if let (true, Some(d)) = (st.dirty, &st.digest) {
+                let bytes = crate::digest::rank_file::encode(d)?;
+                self.put_beside(crate::digest::RANK_SUMMARY_FILE, bytes)?;
+                st.dirty = false;
+            }
             return Ok(());
         };
         let mut st = self.lock_rank_summary();
@@ -407,7 +417,8 @@ impl PartSink {
             let bytes = crate::digest::rank_file::encode(d)?;
             let path = crate::digest::rank_file::rank_summary_path(&dir);
             crate::sidecar::write_atomic(&path, &bytes)?;
-            self.roll_up(run, d, bytes, true);
+            let added = std::mem::take(&mut st.pending);
+            self.roll_up(run, d, bytes, true, &added);
             st.dirty = false;
             st.rolled_up = true;
         }
@@ -425,20 +436,22 @@ impl PartSink {
         let st = self.lock_rank_summary();
         if let (true, false, Some(d)) = (st.rolled_up, st.dirty, &st.digest) {
             match crate::digest::rank_file::encode(d) {
-                Ok(bytes) => self.roll_up(run, d, bytes, false),
+                Ok(bytes) => self.roll_up(run, d, bytes, false, &[]),
                 Err(e) => tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank),
             }
         }
     }
 
     /// Replaces this rank's entry of its node's rollup; `summary_changed`: its summary is new
-    /// (else only its folder changed since the last entry).
+    /// (else only its folder changed since the last entry); `added`: the parts put since the
+    /// last entry, for the node's timeline.
     fn roll_up(
         &self,
         run: &Path,
         d: &crate::digest::RankDigest,
         encoded: Vec<u8>,
         summary_changed: bool,
+        added: &[crate::digest::timeline::PartTimeline],
     ) {
         use crate::digest::node;
         let host = d
@@ -455,6 +468,7 @@ impl PartSink {
             d.last_index(),
             encoded,
             summary_changed,
+            added,
         ) {
             tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank);
         }
@@ -562,34 +576,44 @@ impl PartSink {
     pub fn put(&self, index: u64, bytes: Vec<u8>) -> Result<String> {
         let bytes = bytes::Bytes::from(bytes);
         let at = self.put_part(index, bytes.clone())?;
-        let embedded =
-            crate::footer::key_values_of(&bytes).and_then(|kv| crate::digest::from_footer(&kv));
-        if let Ok(Some(digest)) = embedded {
-            if let Err(e) = self.update_rank_summary(index, bytes.len() as u64, digest) {
+        let kv = crate::footer::key_values_of(&bytes);
+        let embedded = kv
+            .as_ref()
+            .ok()
+            .map(|kv| (crate::digest::from_footer(kv), crate::lod::from_footer(kv)));
+        if let Some((Ok(Some(digest)), Ok(Some(detail)))) = embedded {
+            let len = bytes.len() as u64;
+            if let Err(e) = self.update_rank_summary(index, len, digest, Some(&detail)) {
                 tracing::warn!("no rank summary written for {at}: {e:#}");
             }
             return Ok(at);
         }
+        let detail = match self.put_detail(index, bytes.clone()) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!("no detail levels written for {at}: {e:#}");
+                None
+            }
+        };
         match self.put_summary(index, bytes.clone()) {
             Ok(digest) => {
-                if let Err(e) = self.update_rank_summary(index, bytes.len() as u64, digest) {
+                let len = bytes.len() as u64;
+                if let Err(e) = self.update_rank_summary(index, len, digest, detail.as_ref()) {
                     tracing::warn!("no rank summary written for {at}: {e:#}");
                 }
             }
             Err(e) => tracing::warn!("no summary written for {at}: {e:#}"),
         }
-        if let Err(e) = self.put_detail(index, bytes) {
-            tracing::warn!("no detail levels written for {at}: {e:#}");
-        }
         Ok(at)
     }
 
     /// Writes part `index`'s detail levels (`part-<N>.lod`, see [`crate::lod`]).
-    fn put_detail(&self, index: u64, part: bytes::Bytes) -> Result<()> {
+    fn put_detail(&self, index: u64, part: bytes::Bytes) -> Result<crate::lod::PartDetail> {
         let len = part.len() as u64;
         let detail = crate::lod::PartDetail::of_part(part, self.rank)?;
         let body = crate::lod::encode(&detail, len);
-        self.put_beside(&crate::lod::detail_file_name(index), body)
+        self.put_beside(&crate::lod::detail_file_name(index), body)?;
+        Ok(detail)
     }
 
     fn put_summary(&self, index: u64, part: bytes::Bytes) -> Result<crate::digest::PartDigest> {
@@ -601,21 +625,47 @@ impl PartSink {
         Ok(digest)
     }
 
-    /// Adds part `index` (`len` bytes, summarised as `digest`) to the rank summary and writes
-    /// it (unless deferred). The first part a sink puts, or one out of order, brings the
-    /// summary up to date with the folder first. Object stores have none: their readers
-    /// read the parts' own summaries.
+    /// Adds part `index` (`len` bytes, summarised as `digest`, its detail levels `detail`)
+    /// to the rank summary and writes it (unless deferred), and to the parts the node's
+    /// timeline gets next. The first part a sink puts, or one out of order, brings the
+    /// summary up to date with the folder first (on an object store: continues the rank
+    /// summary there when it ends before this part; a reader checks what it covers against
+    /// the parts listed).
     fn update_rank_summary(
         &self,
         index: u64,
         len: u64,
         digest: crate::digest::PartDigest,
+        detail: Option<&crate::lod::PartDetail>,
     ) -> Result<()> {
         let Location::Local(run) = &self.location else {
+            let mut st = self.lock_rank_summary();
+            match &mut st.digest {
+                Some(d) if d.last_index().is_none_or(|l| index > l) => {
+                    d.add_part(index, len, digest)
+                }
+                _ => {
+                    let mut d = self
+                        .stored_rank_summary()
+                        .filter(|d| d.last_index().is_none_or(|l| index > l))
+                        .unwrap_or_default();
+                    d.add_part(index, len, digest);
+                    st.digest = Some(d);
+                }
+            }
+            st.dirty = true;
+            if !st.deferred {
+                drop(st);
+                self.finish_rank_summary()?;
+            }
             return Ok(());
         };
         let dir = rank_dir(run, self.rank);
         let mut st = self.lock_rank_summary();
+        if let Some(d) = detail {
+            let part = crate::digest::timeline::PartTimeline::of(index, &digest.info.run_id, d);
+            st.pending.push(part);
+        }
         match &mut st.digest {
             Some(d) if d.last_index().is_none_or(|l| index > l) => d.add_part(index, len, digest),
             _ => {
@@ -630,6 +680,23 @@ impl PartSink {
             self.finish_rank_summary()?;
         }
         Ok(())
+    }
+
+    /// The rank summary an earlier writer of this rank left on the object store (`None` when
+    /// there is none or it does not decode: the new one starts empty).
+    fn stored_rank_summary(&self) -> Option<crate::digest::RankDigest> {
+        let Location::Object { store, base, .. } = &self.location else {
+            return None;
+        };
+        let path = (base.clone())
+            .join("obs")
+            .join(format!("rank-{}", self.rank))
+            .join(crate::digest::RANK_SUMMARY_FILE);
+        let rt = titan_storage::runtime();
+        let bytes = rt
+            .block_on(async { store.get(&path).await?.bytes().await })
+            .ok()?;
+        crate::digest::rank_file::decode(&bytes).ok()
     }
 
     /// Writes a file beside this rank's parts: atomically in a local folder, in one PUT to

@@ -189,29 +189,11 @@ pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
     let mut ranks: BTreeMap<u32, Vec<PartFile>> = BTreeMap::new();
     match location {
         Location::Local(run) => {
-            let obs = run.join("obs");
-            for e in
-                std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))?
-            {
-                let e = e.with_context(|| format!("listing {}", obs.display()))?;
-                let Some(rank) = e.file_name().to_str().and_then(parse_rank_dir_name) else {
-                    continue;
-                };
-                let dir = e.path();
-                let parts = ranks.entry(rank).or_default();
-                for f in std::fs::read_dir(&dir)
-                    .with_context(|| format!("listing {}", dir.display()))?
-                    .flatten()
-                {
-                    let name = f.file_name();
-                    if let Some(index) = name.to_str().and_then(parse_part_file_name) {
-                        parts.push(PartFile {
-                            rank,
-                            index,
-                            place: Place::Local(f.path()),
-                        });
-                    }
-                }
+            for (rank, dir) in local_rank_dirs(run)? {
+                ranks
+                    .entry(rank)
+                    .or_default()
+                    .extend(list_local_rank(&dir, rank)?);
             }
         }
         Location::Object { url, store, base } => {
@@ -269,6 +251,78 @@ pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
         parts.sort_by_key(|p| p.index);
     }
     Ok(ranks)
+}
+
+/// Whether the run's parts hold at least `bytes` in all: summed rank folder by rank folder
+/// (listing page by listing page on an object store) until they do, so a day-long run is
+/// told after a few folders, not after a stat of each of its millions of parts.
+pub fn hold_at_least(location: &Location, bytes: u64) -> Result<bool> {
+    let mut sum = 0u64;
+    match location {
+        Location::Local(run) => {
+            for (rank, dir) in local_rank_dirs(run)? {
+                for p in list_local_rank(&dir, rank)? {
+                    sum = sum.saturating_add(p.byte_len().unwrap_or(0));
+                    if sum >= bytes {
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+        Location::Object { url, store, base } => {
+            use futures::StreamExt;
+            let obs = base.clone().join("obs");
+            let rt = titan_storage::runtime();
+            let mut objects = store.list(Some(&obs));
+            while let Some(m) = rt.block_on(objects.next()) {
+                let m = m.with_context(|| format!("listing {url}/obs"))?;
+                if m.location
+                    .filename()
+                    .and_then(parse_part_file_name)
+                    .is_some()
+                {
+                    sum = sum.saturating_add(m.size);
+                    if sum >= bytes {
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// The rank folders of the local run `run` (`obs/rank-<R>`), in listing order.
+fn local_rank_dirs(run: &std::path::Path) -> Result<Vec<(u32, PathBuf)>> {
+    let obs = run.join("obs");
+    let mut dirs = Vec::new();
+    for e in std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))? {
+        let e = e.with_context(|| format!("listing {}", obs.display()))?;
+        if let Some(rank) = e.file_name().to_str().and_then(parse_rank_dir_name) {
+            dirs.push((rank, e.path()));
+        }
+    }
+    Ok(dirs)
+}
+
+/// The parts in rank `rank`'s local folder `dir`, by part index.
+pub fn list_local_rank(dir: &std::path::Path, rank: u32) -> Result<Vec<PartFile>> {
+    let mut parts = Vec::new();
+    for f in std::fs::read_dir(dir)
+        .with_context(|| format!("listing {}", dir.display()))?
+        .flatten()
+    {
+        let name = f.file_name();
+        if let Some(index) = name.to_str().and_then(parse_part_file_name) {
+            parts.push(PartFile {
+                rank,
+                index,
+                place: Place::Local(f.path()),
+            });
+        }
+    }
+    parts.sort_by_key(|p| p.index);
+    Ok(parts)
 }
 
 /// Keeps the parts of one run of a folder that may hold several (see [`crate::runs`]): run

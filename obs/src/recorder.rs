@@ -963,7 +963,7 @@ mod tests {
 
     /// The only unit test that starts the (process-global) recorder.
     #[test]
-    fn object_store_runs_journal_in_the_spool_and_upload_only_parts() {
+    fn object_store_runs_journal_in_the_spool_and_upload_parts_and_the_rank_summary() {
         let dir = tempfile::tempdir().unwrap();
         let spool = dir.path().join("spool");
         let url = "memory://recorder-test/runs/a";
@@ -1013,7 +1013,11 @@ mod tests {
             if n.is_multiple_of(50) {
                 saw_journal |= journals() > 0;
                 let o = objects();
-                assert!(o.iter().all(|o| o.ends_with(".parquet")), "{o:?}");
+                assert!(
+                    o.iter()
+                        .all(|o| o.ends_with(".parquet") || o.ends_with("/rank.summary")),
+                    "{o:?}"
+                );
             }
         }
         let stats = finish_with_stats().unwrap();
@@ -1026,8 +1030,11 @@ mod tests {
         let objects = with(".parquet");
         assert!(objects.len() >= 2, "{objects:?}");
         assert_eq!(objects.len() as u64, stats.parts);
-        // Every part is one object: its summary and detail levels are in its footer.
-        assert_eq!(all, objects, "{all:?}");
+        // Every part is one object: its summary and detail levels are in its footer; beside
+        // them the rank summary (issue 42).
+        let mut want = objects.clone();
+        want.push("runs/a/obs/rank-0/rank.summary".into());
+        assert_eq!(all, want, "{all:?}");
         assert!(
             objects
                 .iter()
@@ -1036,13 +1043,41 @@ mod tests {
         let loaded = crate::read::load(url, &Default::default()).unwrap();
         assert_eq!(loaded.spans.len() as u64, n);
         assert_eq!(stats.records, n);
-        // `summary` reads each part's summary from the end of the part: one LIST page and
-        // one ranged GET a part, no part read whole.
+        // `summary` reads the rank summary: one LIST page and one GET for the rank, not one
+        // a part, no part read whole.
         let mut reader = crate::read::PartsReader::open(url).unwrap();
         let digests = crate::read::ReadOptions {
             digests: true,
             ..Default::default()
         };
+        let run = reader.refresh_with(&digests, true).unwrap();
+        let s = crate::analysis::summary::summary(run, &Default::default());
+        let c = reader.last();
+        assert_eq!((c.requests, c.bytes, c.parts_decoded), (2, 0, 0), "{c:?}");
+        assert_eq!(s.spans, n);
+        // One that no longer fits the parts listed (a part's size is not the one it
+        // covered): the parts' own summaries are read instead, each once.
+        use object_store::ObjectStoreExt as _;
+        let summary = base.clone().join("obs").join("rank-0").join("rank.summary");
+        let rt = titan_storage::runtime();
+        let stored = rt
+            .block_on(async { store.get(&summary).await.unwrap().bytes().await })
+            .unwrap();
+        let mut d = crate::digest::rank_file::decode(&stored).unwrap();
+        d.segments[0].parts[0].len += 1;
+        let bytes = crate::digest::rank_file::encode(&d).unwrap();
+        rt.block_on(store.put(&summary, bytes.into())).unwrap();
+        let mut reader = crate::read::PartsReader::open(url).unwrap();
+        let run = reader.refresh_with(&digests, true).unwrap();
+        let s = crate::analysis::summary::summary(run, &Default::default());
+        let c = reader.last();
+        assert_eq!((c.requests, c.bytes), (2 + stats.parts, 0), "{c:?}");
+        assert_eq!(s.spans, n);
+        // Without one (a run written before issue 42's rank summaries): one ranged GET a part.
+        titan_storage::runtime()
+            .block_on(store.delete(&summary))
+            .unwrap();
+        let mut reader = crate::read::PartsReader::open(url).unwrap();
         reader.refresh_with(&digests, true).unwrap();
         let c = reader.last();
         assert_eq!((c.requests, c.bytes), (1 + stats.parts, 0), "{c:?}");

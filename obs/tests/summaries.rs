@@ -496,9 +496,11 @@ fn a_part_is_one_file_and_summary_reads_one_rollup_per_node() {
             "node-node-0.figures",
             "node-node-0.lock",
             "node-node-0.summary",
+            "node-node-0.timeline",
             "node-node-1.figures",
             "node-node-1.lock",
-            "node-node-1.summary"
+            "node-node-1.summary",
+            "node-node-1.timeline"
         ]
     );
     let (c, dirs) = read_counts(&run);
@@ -784,6 +786,20 @@ fn ranks_of_a_node_writing_at_once_lose_no_entry() {
             s.spawn(move || {
                 for i in 0..writes {
                     let body = vec![r as u8; 2000 + i as usize];
+                    let part = titan_obs_core::digest::timeline::PartTimeline {
+                        index: i,
+                        run_id: "run".into(),
+                        start_ns: i as i64 * 100 + i64::from(r),
+                        end_ns: i as i64 * 100 + 50,
+                        spans: 1,
+                        lanes: vec![(0, 1)],
+                        steps: vec![(
+                            i,
+                            i as i64 * 100 + i64::from(r),
+                            i as i64 * 100 + 50,
+                            vec![],
+                        )],
+                    };
                     titan_obs_core::digest::node::update(
                         obs,
                         "node-h.summary",
@@ -792,6 +808,7 @@ fn ranks_of_a_node_writing_at_once_lose_no_entry() {
                         Some(i),
                         body,
                         true,
+                        &[part],
                     )
                     .unwrap();
                 }
@@ -809,4 +826,24 @@ fn ranks_of_a_node_writing_at_once_lose_no_entry() {
         .map(|r| (r, Some(writes - 1), 2000 + writes as usize - 1))
         .collect();
     assert_eq!(got, want);
+    // The node's timeline, written under the same lock, holds every part of every rank and
+    // each step's bounds over the ranks.
+    let t = titan_obs_core::digest::timeline::decode(
+        &std::fs::read(obs.join("node-h.timeline")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(t.ranks.len(), ranks as usize);
+    for r in &t.ranks {
+        assert!(
+            r.contiguous() && r.parts.len() == writes as usize,
+            "rank {}",
+            r.rank
+        );
+        assert_eq!(r.spans, writes);
+    }
+    let steps: Vec<(u64, (i64, i64, u64))> = t.steps.into_iter().collect();
+    let want: Vec<(u64, (i64, i64, u64))> = (0..writes)
+        .map(|i| (i, (i as i64 * 100, i as i64 * 100 + 50, 0)))
+        .collect();
+    assert_eq!(steps, want);
 }

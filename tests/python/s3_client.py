@@ -4,6 +4,7 @@ usage: s3_client.py ENDPOINT BUCKET mkbucket
        s3_client.py ENDPOINT BUCKET put DIR PREFIX     upload every file of DIR under PREFIX/
        s3_client.py ENDPOINT BUCKET get PREFIX DIR     download every object under PREFIX/ into DIR
        s3_client.py ENDPOINT BUCKET ls PREFIX          print object names under PREFIX/, one a line
+       s3_client.py ENDPOINT BUCKET rm KEY             delete the object KEY
 """
 
 import os
@@ -39,6 +40,9 @@ def main():
         # Unfinished multipart uploads would be partial output too.
         for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", []):
             print("UPLOAD-IN-PROGRESS", u["Key"])
+    elif cmd == "rm":
+        (key,) = args
+        s3.delete_object(Bucket=bucket, Key=key)
     else:
         sys.exit(f"unknown command {cmd}")
 

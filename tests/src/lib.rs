@@ -324,6 +324,8 @@ pub struct MotoServer {
     pub endpoint: String,
     /// The bucket [`MotoServer::s3`] works on (created by [`MotoServer::start`]).
     pub bucket: String,
+    /// The server's request log (its stderr: one line per request, the method quoted).
+    log: tempfile::NamedTempFile,
 }
 
 impl MotoServer {
@@ -333,16 +335,18 @@ impl MotoServer {
         use std::process::Stdio;
         use std::time::{Duration, Instant};
         let port = free_port();
+        let log = tempfile::NamedTempFile::new().expect("a temporary file for moto's log");
         let child = Command::new(workspace_root().join(".venv/bin/moto_server"))
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log.reopen().expect("moto's log"))
             .spawn()
             .expect("start .venv/bin/moto_server (pip install 'moto[server]')");
         let server = MotoServer {
             child,
             endpoint: format!("http://127.0.0.1:{port}"),
             bucket: bucket.to_string(),
+            log,
         };
         let start = Instant::now();
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -367,6 +371,26 @@ impl MotoServer {
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
+    /// The requests the server has answered so far, by method (GET, PUT, HEAD, ...), from
+    /// its request log: what a client's run of commands cost is the difference of two calls.
+    pub fn requests(&self) -> BTreeMap<String, usize> {
+        let log = std::fs::read_to_string(self.log.path()).unwrap_or_default();
+        let mut by_method = BTreeMap::new();
+        for line in log.lines() {
+            // `127.0.0.1 - - [date] "GET /bucket/key HTTP/1.1" 200 -`, colour-coded.
+            let line = strip_colours(line);
+            let Some((_, request)) = line.split_once('"') else {
+                continue;
+            };
+            if let Some((method, rest)) = request.split_once(' ')
+                && rest.contains(" HTTP/")
+            {
+                *by_method.entry(method.to_string()).or_default() += 1;
+            }
+        }
+        by_method
+    }
+
     /// Points `cmd`'s object_store client at this server (dummy credentials, plain HTTP).
     pub fn aws_env<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
         cmd.env("AWS_ENDPOINT", &self.endpoint)
@@ -375,6 +399,46 @@ impl MotoServer {
             .env("AWS_SECRET_ACCESS_KEY", "test")
             .env("AWS_REGION", "us-east-1")
     }
+}
+
+/// Starts the recorder of a child process that records like the trainer (rank `rank` of
+/// `world`, its own rank as local rank) into `run`.
+pub fn init_trainer_recorder(
+    run: String,
+    rank: u32,
+    world: u32,
+    flush: std::time::Duration,
+    rotate: std::time::Duration,
+) {
+    titan_obs_core::init_with(
+        titan_obs_core::InitOptions {
+            run,
+            source: titan_obs_core::Source::Trainer,
+            rank,
+            local_rank: rank,
+            world_size: world,
+            flush_interval: flush,
+        },
+        titan_obs_core::Tuning {
+            rotate_interval: rotate,
+            ..Default::default()
+        },
+    )
+    .expect("init");
+}
+
+/// `s` without its ANSI colour sequences (`ESC [ ... m`).
+fn strip_colours(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            chars.by_ref().find(|&d| d == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 impl Drop for MotoServer {

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use titan_obs_core::Reduce;
 use titan_obs_core::read::{Columns, PartsReader, ReadOptions, Run};
-use titan_obs_core::{InitOptions, Reduce, Source, Tuning};
 
 const CHILD_ENV: &str = "JOURNAL_CHILD_RUN";
 
@@ -29,21 +29,13 @@ fn journal_child() {
     let env_ms = |k: &str, d: u64| std::env::var(k).map_or(d, |v| v.parse().unwrap());
     let rank = env_ms("JOURNAL_CHILD_RANK", 0) as u32;
     let world = env_ms("JOURNAL_CHILD_WORLD", 1) as u32;
-    titan_obs_core::init_with(
-        InitOptions {
-            run,
-            source: Source::Trainer,
-            rank,
-            local_rank: rank,
-            world_size: world,
-            flush_interval: Duration::from_millis(env_ms("JOURNAL_CHILD_FLUSH_MS", 2000)),
-        },
-        Tuning {
-            rotate_interval: Duration::from_millis(env_ms("JOURNAL_CHILD_ROTATE_MS", 600_000)),
-            ..Default::default()
-        },
-    )
-    .expect("init");
+    titan_tests::init_trainer_recorder(
+        run,
+        rank,
+        world,
+        Duration::from_millis(env_ms("JOURNAL_CHILD_FLUSH_MS", 2000)),
+        Duration::from_millis(env_ms("JOURNAL_CHILD_ROTATE_MS", 600_000)),
+    );
     match std::env::var("JOURNAL_CHILD_MODE").as_deref() {
         Ok("rate") => {
             let start = Instant::now();
@@ -167,7 +159,7 @@ fn a_short_run_leaves_one_part_per_rank() {
     }
     // One file per part (its summary and detail levels in its footer) and the rank's
     // summary; beside the rank folders, the node's rollup of both ranks' summaries, its
-    // figures and its lock (issue 42).
+    // figures, its timeline and its lock (issue 42).
     for r in 0..2 {
         assert_eq!(
             files(&run.join(format!("obs/rank-{r}"))),
@@ -178,13 +170,27 @@ fn a_short_run_leaves_one_part_per_rank() {
         .into_iter()
         .filter(|f| !f.starts_with("rank-"))
         .collect();
-    assert_eq!(top.len(), 3, "{top:?}");
+    assert_eq!(top.len(), 4, "{top:?}");
     assert!(
         top[0].starts_with("node-") && top[0].ends_with(".figures"),
         "{top:?}"
     );
     assert!(top[1].ends_with(".lock"), "{top:?}");
     assert!(top[2].ends_with(".summary"), "{top:?}");
+    assert!(top[3].ends_with(".timeline"), "{top:?}");
+    // The node's timeline (issue 42) describes both ranks' folders as the recorders left
+    // them (after removing the journals they compacted): the TUI opens on it.
+    let job = titan_obs_core::digest::timeline::read_local(&run.join("obs")).unwrap();
+    assert_eq!(job.timeline.ranks.len(), 2);
+    for (r, (rank, dir)) in job.timeline.ranks.iter().zip(&job.rank_dirs) {
+        assert_eq!(r.rank, *rank);
+        assert_eq!(r.parts.len(), 1);
+        assert!(
+            titan_obs_core::digest::timeline::JobTimeline::trusted(r, dir),
+            "{r:?}"
+        );
+    }
+    assert!(!job.timeline.steps.is_empty());
     // The node's figures (issue 42) describe both ranks' folders as the recorders left them.
     let job = titan_obs_core::digest::figures::read_local(&run.join("obs"), 0).unwrap();
     assert_eq!((job.nodes_read, job.ranks_recomputed), (1, 0));

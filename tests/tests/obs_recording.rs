@@ -6,11 +6,12 @@
 //! The recording process is this test binary re-executed with `OBS_CHILD_RUN` set, running
 //! the ignored `recorder_child` test.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use titan_obs_core::{InitOptions, Reduce, Source};
+use titan_obs_core::Reduce;
 use titan_tests::{MotoServer, bin, python_script};
 
 const CHILD_ENV: &str = "OBS_CHILD_RUN";
@@ -36,16 +37,12 @@ fn recorder_child() {
     let rank: u32 = std::env::var("OBS_CHILD_RANK").map_or(0, |r| r.parse().unwrap());
     let world: u32 = std::env::var("OBS_CHILD_WORLD").map_or(1, |r| r.parse().unwrap());
     let flush_ms: u64 = std::env::var("OBS_CHILD_FLUSH_MS").map_or(2000, |r| r.parse().unwrap());
+    // A rotate interval short enough for a few parts in the child's life (default 600 s).
+    let rotate = std::env::var("OBS_CHILD_ROTATE_MS").map_or(Duration::from_secs(600), |r| {
+        Duration::from_millis(r.parse().unwrap())
+    });
     titan_obs_core::set_clock_offset_ns(1234);
-    titan_obs_core::init(InitOptions {
-        run,
-        source: Source::Trainer,
-        rank,
-        local_rank: rank,
-        world_size: world,
-        flush_interval: Duration::from_millis(flush_ms),
-    })
-    .expect("init");
+    titan_tests::init_trainer_recorder(run, rank, world, Duration::from_millis(flush_ms), rotate);
     if mode == "rate" {
         let start = Instant::now();
         let mut i = 0u64;
@@ -473,7 +470,8 @@ fn records_to_and_reads_from_s3() {
     let url = "s3://obs-test/runs/r1";
     let mut kids: Vec<_> = (0..2)
         .map(|r| {
-            let mut c = child(Path::new(url), "train", r, 2, 2000);
+            let mut c = child(Path::new(url), "train", r, 2, 20);
+            c.env("OBS_CHILD_ROTATE_MS", "60");
             moto.aws_env(&mut c).spawn().unwrap()
         })
         .collect();
@@ -488,14 +486,48 @@ fn records_to_and_reads_from_s3() {
     assert!(stdout(&o).starts_with(
         "step:  1  training/loss_mean: 9.5  training/grad_norm_max: 2  trainer_throughput/tps_sum: 300"
     ));
-    let o = moto
-        .aws_env(
-            Command::new(bin("titan-obs")).args(["summary", url, "--json", "--quiet", "--strict"]),
-        )
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(s["ranks"], 2);
-    assert_eq!(s["steps"], STEPS);
+    let summary = || {
+        let before = moto.requests();
+        let o = moto
+            .aws_env(
+                Command::new(bin("titan-obs"))
+                    .args(["summary", url, "--json", "--quiet", "--strict"]),
+            )
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(s["ranks"], 2);
+        assert_eq!(s["steps"], STEPS);
+        let after = moto.requests();
+        let made: BTreeMap<String, usize> = after
+            .iter()
+            .map(|(m, n)| (m.clone(), n - before.get(m).copied().unwrap_or(0)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        (s, made)
+    };
+    // Issue 42: what `summary` costs on S3. Each rank's writer keeps its rank summary beside
+    // its parts: one LIST page and one GET a rank, not one a part; before them, what the
+    // location holds is told by a HEAD (one object?) and a LIST of its top level.
+    let listing = moto.s3(&["ls", "runs/r1/obs"]);
+    let parts = listing.lines().filter(|l| l.ends_with(".parquet")).count();
+    assert_eq!(
+        listing
+            .lines()
+            .filter(|l| l.ends_with("/rank.summary"))
+            .count(),
+        2,
+        "{listing}"
+    );
+    assert!(parts > 2, "{listing}");
+    let (with_rank_summaries, made) = summary();
+    let opened = |gets: usize| BTreeMap::from([("GET".to_string(), 1 + gets), ("HEAD".into(), 1)]);
+    assert_eq!(made, opened(1 + 2));
+    // Without them (a run written before): one ranged GET a part, the same summary.
+    moto.s3(&["rm", "runs/r1/obs/rank-0/rank.summary"]);
+    moto.s3(&["rm", "runs/r1/obs/rank-1/rank.summary"]);
+    let (without, made) = summary();
+    assert_eq!(made, opened(1 + parts));
+    assert_eq!(with_rank_summaries, without);
 }

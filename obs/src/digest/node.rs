@@ -140,7 +140,9 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Entry>> {
 /// Replaces rank `rank`'s entry of the rollup `obs/<name>` with `summary` (its encoded rank
 /// summary) and the mtime its folder `rank_dir` has now, under the rollup's lock, then the
 /// node's figures: rebuilt from every entry when `summary_changed`, else (the folder changed,
-/// not its summary) only this rank's mtime and last part rewritten in them.
+/// not its summary) only this rank's mtime and last part rewritten in them; then the node's
+/// timeline, with the parts `added` since the rank's last update.
+#[allow(clippy::too_many_arguments)]
 pub fn update(
     obs: &Path,
     name: &str,
@@ -149,6 +151,7 @@ pub fn update(
     last_part: Option<u64>,
     summary: Vec<u8>,
     summary_changed: bool,
+    added: &[super::timeline::PartTimeline],
 ) -> Result<()> {
     let path = obs.join(name);
     let lock_path = path.with_extension("lock");
@@ -189,6 +192,11 @@ pub fn update(
         && super::figures::restamp(obs, &figures, rank, dir_mtime_ns, last_part).unwrap_or(false);
     if !restamped && let Err(e) = write_figures(obs, &figures, rank, &entries) {
         tracing::warn!("no node figures written for rank {rank}: {e:#}");
+    }
+    // Without a timeline the TUI lists the node's rank folders: logged only.
+    let timeline = super::timeline::file_name(name);
+    if let Err(e) = super::timeline::update(obs, &timeline, rank, dir_mtime_ns, added) {
+        tracing::warn!("no node timeline written for rank {rank}: {e:#}");
     }
     Ok(())
 }

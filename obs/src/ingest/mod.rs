@@ -103,21 +103,13 @@ pub fn detect(location: &Location) -> Result<Detected> {
                         Detected::ChromeTrace(Source::Object(base.clone()))
                     });
                 }
-                let listing: Vec<object_store::path::Path> = store
+                // One LIST: its folders and its objects.
+                let listed = store
                     .list_with_delimiter(Some(base))
                     .await
-                    .with_context(|| format!("listing {url}"))?
-                    .common_prefixes
-                    .into_iter()
-                    .chain(
-                        store
-                            .list_with_delimiter(Some(base))
-                            .await
-                            .with_context(|| format!("listing {url}"))?
-                            .objects
-                            .into_iter()
-                            .map(|m| m.location),
-                    )
+                    .with_context(|| format!("listing {url}"))?;
+                let listing: Vec<object_store::path::Path> = (listed.common_prefixes.into_iter())
+                    .chain(listed.objects.into_iter().map(|m| m.location))
                     .collect();
                 let names: Vec<&str> = listing.iter().filter_map(|p| p.filename()).collect();
                 if names.contains(&"obs") {

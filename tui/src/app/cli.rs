@@ -52,9 +52,7 @@ fn use_detail_levels(run: &str, when: DetailLevels, titan: bool) -> bool {
     match when {
         DetailLevels::Never => false,
         DetailLevels::Always => true,
-        DetailLevels::Auto => {
-            super::detail::run_bytes(run).is_some_and(|b| b >= DETAIL_LEVELS_FROM)
-        }
+        DetailLevels::Auto => super::detail::run_holds(run, DETAIL_LEVELS_FROM),
     }
 }
 
@@ -261,8 +259,10 @@ fn collapses(args: &GanttArgs, t: &Timeline) -> bool {
 /// detail levels whose buckets fit in a pixel, or the spans of the parts under the window).
 fn gantt_from_detail_levels(args: &GanttArgs) -> anyhow::Result<(Timeline, bool)> {
     let (mut d, mut t) = DetailRun::open(&args.run, &title_of(&args.run), args.run_id.as_deref())?;
-    let (steps, spans) = detail_source::steps(&d.parts())?;
-    d.set_whole_steps(&mut t, steps, spans);
+    if let Some(parts) = d.parts_for_steps() {
+        let (steps, spans) = detail_source::steps(&parts)?;
+        d.set_whole_steps(&mut t, steps, spans);
+    }
     match detail_source::analysis(&args.run, d.run_id.as_deref()) {
         Ok((a, spread, _metrics)) => d.set_analysis(&mut t, a, spread),
         Err(e) => t.warnings.push(format!("summary: {e:#}")),

@@ -13,12 +13,14 @@
 //! long as the time spans cover in it, in the phase covering most of it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Result;
 use rayon::prelude::*;
 use titan_obs_core::analysis::Analysis;
-use titan_obs_core::location::Location;
+use titan_obs_core::digest::timeline::{self, JobTimeline};
+use titan_obs_core::location::{self, Location};
 use titan_obs_core::lod::{self, LEVEL_SHIFTS, Names, PartDetail, PartSpans};
 use titan_obs_core::part_files::{self, PartFile};
 
@@ -36,9 +38,10 @@ const DETAIL_CACHE: usize = 8192;
 /// Decoded parts kept in memory (their spans; tens of kB each).
 const SPANS_CACHE: usize = 256;
 
-/// One part of a rank: where it is and, once read, its time range on rank 0's clock.
+/// One part of a rank: its index and, once read (or from its node's timeline), its time
+/// range on rank 0's clock.
 struct PartRef {
-    file: PartFile,
+    index: u64,
     range: Option<(i64, i64)>,
     /// Could not be read at all (named in the warnings once).
     unreadable: bool,
@@ -47,8 +50,59 @@ struct PartRef {
 struct RankParts {
     rank: u32,
     parts: Vec<PartRef>,
+    /// Where its parts are: listed (one file per part), or a local folder holding
+    /// `part-<N>.parquet` for each part (a rank its node's timeline describes: no path is
+    /// held per part, a day of 16 384 ranks is 2.4 M parts).
+    files: RankFiles,
     /// Every part's range is known.
     scanned: bool,
+}
+
+enum RankFiles {
+    Listed(Vec<PartFile>),
+    Folder(PathBuf),
+}
+
+impl RankParts {
+    fn listed(rank: u32, files: Vec<PartFile>) -> RankParts {
+        RankParts {
+            rank,
+            parts: files
+                .iter()
+                .map(|f| PartRef {
+                    index: f.index,
+                    range: None,
+                    unreadable: false,
+                })
+                .collect(),
+            files: RankFiles::Listed(files),
+            scanned: false,
+        }
+    }
+
+    /// Part `pi`'s file.
+    fn file(&self, pi: usize) -> PartFile {
+        match &self.files {
+            RankFiles::Listed(f) => f[pi].clone(),
+            RankFiles::Folder(dir) => PartFile::local(
+                dir.join(location::part_file_name(self.parts[pi].index)),
+                self.rank,
+            ),
+        }
+    }
+}
+
+/// What the node timelines give at open (see [`from_timelines`]).
+struct FromTimelines {
+    ranks: Vec<RankParts>,
+    run_id: String,
+    /// (rank, thread) -> depths of the ranks they describe.
+    lanes: BTreeMap<(u32, u32), BTreeSet<u16>>,
+    /// The steps' bounds over the ranks described, with their tags.
+    steps: Vec<(u64, i64, i64, Vec<String>)>,
+    /// Every rank is described: those steps are the whole run's.
+    steps_complete: bool,
+    spans: u64,
 }
 
 /// A small cache: the least recently used quarter goes when it is full.
@@ -128,17 +182,10 @@ pub struct Appended {
     pub ranks: Vec<PartSpans>,
 }
 
-/// The bytes of a titan run's parts (local or in an object store), to tell whether it is
-/// large enough to be drawn from its detail levels; `None` when they cannot be listed.
-pub fn run_bytes(run: &str) -> Option<u64> {
-    let listed = part_files::list(&Location::parse(run).ok()?).ok()?;
-    Some(
-        listed
-            .values()
-            .flatten()
-            .map(|p| p.byte_len().unwrap_or(0))
-            .fold(0, u64::saturating_add),
-    )
+/// Whether a titan run's parts (local or in an object store) hold at least `bytes`: large
+/// enough to be drawn from its detail levels; false when they cannot be listed.
+pub fn run_holds(run: &str, bytes: u64) -> bool {
+    Location::parse(run).is_ok_and(|l| part_files::hold_at_least(&l, bytes).unwrap_or(false))
 }
 
 impl DetailRun {
@@ -147,23 +194,27 @@ impl DetailRun {
     /// parallel): the run's extent and each rank's rows.
     pub fn open(run: &str, title: &str, run_id: Option<&str>) -> Result<(DetailRun, Timeline)> {
         let location = Location::parse(run)?;
-        let mut listed = part_files::list(&location)?;
-        let run_id = part_files::keep_run(run, &mut listed, run_id)?;
-        let ranks: Vec<RankParts> = listed
-            .into_iter()
-            .map(|(rank, files)| RankParts {
-                rank,
-                parts: files
-                    .into_iter()
-                    .map(|file| PartRef {
-                        file,
-                        range: None,
-                        unreadable: false,
-                    })
-                    .collect(),
-                scanned: false,
-            })
-            .collect();
+        let timelines = match &location {
+            Location::Local(p) => from_timelines(run, &p.join("obs"), run_id)?,
+            Location::Object { .. } => None,
+        };
+        let (ranks, run_id, mut rows, (steps, steps_complete), spans) = match timelines {
+            Some(f) => (
+                f.ranks,
+                Some(f.run_id),
+                f.lanes,
+                (f.steps, f.steps_complete),
+                f.spans,
+            ),
+            None => {
+                let mut listed = part_files::list(&location)?;
+                let run_id = part_files::keep_run(run, &mut listed, run_id)?;
+                let ranks = (listed.into_iter())
+                    .map(|(rank, files)| RankParts::listed(rank, files))
+                    .collect();
+                (ranks, run_id, BTreeMap::new(), (Vec::new(), false), 0)
+            }
+        };
         let obs = match &location {
             Location::Local(p) => format!("{}/", p.join("obs").display()),
             Location::Object { url, .. } => format!("{url}/obs/"),
@@ -182,14 +233,16 @@ impl DetailRun {
             warned: HashSet::new(),
             origin: 0,
             end: 0,
-            spans_seen: 0,
+            spans_seen: spans,
             last: None,
             tail: BTreeMap::new(),
         };
+        // The first and last part of each rank no timeline describes.
         let ends: Vec<(usize, usize)> = d
             .ranks
             .iter()
             .enumerate()
+            .filter(|(_, r)| !r.scanned)
             .flat_map(|(ri, r)| {
                 let n = r.parts.len();
                 [(ri, 0), (ri, n.saturating_sub(1))]
@@ -202,6 +255,18 @@ impl DetailRun {
             ..Timeline::default()
         };
         t.tagsets.push(Vec::new());
+        // The steps of the ranks the timelines describe; with every rank described, the
+        // whole run's: parts read later add nothing.
+        for (step, a, z, tags) in steps {
+            let mask = (tags.iter().map(|n| d.tags.id(n)))
+                .filter(|&id| id < 64)
+                .fold(0u64, |m, id| m | 1 << id);
+            d.steps.insert(step, (a, z, mask));
+        }
+        if steps_complete {
+            d.publish(&mut t);
+            d.steps_final = true;
+        }
         d.read_details(&ends, &mut t);
         let ranges = d
             .ranks
@@ -215,9 +280,15 @@ impl DetailRun {
         }
         t.origin_ns = d.origin;
         t.end = d.end.saturating_sub(d.origin);
+        if d.steps_final {
+            // Published before the origin was known.
+            for s in &mut t.steps {
+                s.start = s.start.saturating_sub(d.origin);
+                s.end = s.end.saturating_sub(d.origin);
+            }
+        }
         t.ranks = d.ranks.iter().map(|r| r.rank).collect();
-        // Lanes: the threads and depths of the parts read, per rank.
-        let mut rows: BTreeMap<(u32, u32), BTreeSet<u16>> = BTreeMap::new();
+        // Lanes: those the timelines give, and the threads and depths of the parts read.
         for &(ri, pi) in &ends {
             if let Some(det) = d.details.get((ri, pi)) {
                 for r in &det.rows {
@@ -245,15 +316,15 @@ impl DetailRun {
     /// Reads the detail files of `parts` (rank index, part index) not yet cached, in
     /// parallel; records their ranges, steps and names.
     fn read_details(&mut self, parts: &[(usize, usize)], t: &mut Timeline) {
-        let wanted: Vec<(usize, usize, &PartFile)> = parts
+        let wanted: Vec<(usize, usize, PartFile)> = parts
             .iter()
             .filter(|&&k| !self.details.map.contains_key(&k))
             .filter(|&&(ri, pi)| !self.ranks[ri].parts[pi].unreadable)
-            .map(|&(ri, pi)| (ri, pi, &self.ranks[ri].parts[pi].file))
+            .map(|&(ri, pi)| (ri, pi, self.ranks[ri].file(pi)))
             .collect();
         let opened: Vec<_> = wanted
             .into_par_iter()
-            .map(|(ri, pi, file)| (ri, pi, lod::open(file), file.beside_shown("lod")))
+            .map(|(ri, pi, file)| (ri, pi, lod::open(&file), file.beside_shown("lod")))
             .collect();
         for (ri, pi, o, detail_file) in opened {
             match o {
@@ -650,30 +721,29 @@ impl DetailRun {
         reshaped
     }
 
-    /// Every part of the run shown, rank by rank.
-    pub fn parts(&self) -> Vec<PartFile> {
-        self.ranks
-            .iter()
-            .flat_map(|r| r.parts.iter().map(|p| p.file.clone()))
-            .collect()
+    /// Every part of the run shown, rank by rank; `None` when the whole run's steps are
+    /// known already (from the node timelines): the worker has no part to read then.
+    pub fn parts_for_steps(&self) -> Option<Vec<PartFile>> {
+        (!self.steps_final).then(|| {
+            self.ranks
+                .iter()
+                .flat_map(|r| (0..r.parts.len()).map(|pi| r.file(pi)))
+                .collect()
+        })
     }
 
     /// The last part index of every rank listed at open (a follower reads only later ones).
     pub fn last_parts(&self) -> BTreeMap<u32, u64> {
         self.ranks
             .iter()
-            .filter_map(|r| {
-                let last = r.parts.last()?;
-                Some((r.rank, last.file.index))
-            })
+            .filter_map(|r| Some((r.rank, r.parts.last()?.index)))
             .collect()
     }
 
     /// A part that cannot be read: named once, never read again, the run incomplete.
     fn unreadable(&mut self, ri: usize, pi: usize, e: &anyhow::Error, t: &mut Timeline) {
-        let part = &mut self.ranks[ri].parts[pi];
-        part.unreadable = true;
-        let shown = part.file.shown();
+        let shown = self.ranks[ri].file(pi).shown();
+        self.ranks[ri].parts[pi].unreadable = true;
         if self.warned.insert(shown.clone()) {
             let why = format!("corrupt part {shown}: {e:#}");
             t.warnings.push(why.replace(&self.obs, ""));
@@ -686,7 +756,7 @@ impl DetailRun {
         if let Some(s) = self.spans.get((ri, pi)) {
             return Some(s);
         }
-        match PartSpans::read(&self.ranks[ri].parts[pi].file) {
+        match PartSpans::read(&self.ranks[ri].file(pi)) {
             Ok(s) => {
                 let s = Arc::new(s);
                 self.spans.put((ri, pi), s.clone());
@@ -698,6 +768,110 @@ impl DetailRun {
             }
         }
     }
+}
+
+/// The run's ranks from its node timelines (`obs/node-<host>.timeline`): each rank a
+/// timeline describes as its folder is ([`JobTimeline::trusted`]) comes with its parts'
+/// ranges and its lanes, without its folder listed or a part read; the other rank folders
+/// are listed and keep only parts of the run shown. `None` — the run is listed and read as
+/// before — when there is no timeline, when the ranks described are of several runs or not
+/// of `run_id`, or when the newest run cannot be told without reading parts (the lowest
+/// rank is not described).
+fn from_timelines(run: &str, obs: &Path, run_id: Option<&str>) -> Result<Option<FromTimelines>> {
+    let Ok(job) = timeline::read_local(obs) else {
+        return Ok(None);
+    };
+    if job.timeline.ranks.is_empty() {
+        return Ok(None);
+    }
+    for why in &job.damaged {
+        tracing::warn!("{why}: its ranks' folders are read instead");
+    }
+    let entries: HashMap<u32, &timeline::RankTimeline> =
+        job.timeline.ranks.iter().map(|r| (r.rank, r)).collect();
+    let trusted: Vec<bool> = job
+        .rank_dirs
+        .par_iter()
+        .map(|(rank, dir)| {
+            entries
+                .get(rank)
+                .is_some_and(|e| JobTimeline::trusted(e, dir))
+        })
+        .collect();
+    let mut ids = job
+        .rank_dirs
+        .iter()
+        .zip(&trusted)
+        .filter(|(_, t)| **t)
+        .map(|((rank, _), _)| entries[rank].run_id.as_str());
+    let Some(id) = ids.next() else {
+        return Ok(None);
+    };
+    if ids.any(|i| i != id) || run_id.is_some_and(|want| want != id) {
+        return Ok(None);
+    }
+    if run_id.is_none() && !trusted.first().copied().unwrap_or(false) {
+        // The newest run is the lowest rank's last part's: not described here.
+        return Ok(None);
+    }
+    // Folders no timeline describes: listed, and only parts of this run kept.
+    let mut listed: BTreeMap<u32, Vec<PartFile>> = job
+        .rank_dirs
+        .par_iter()
+        .zip(&trusted)
+        .filter(|(_, t)| !**t)
+        .map(|((rank, dir), _)| Ok((*rank, part_files::list_local_rank(dir, *rank)?)))
+        .collect::<Result<_>>()?;
+    if !listed.is_empty() && part_files::keep_run(run, &mut listed, Some(id)).is_err() {
+        listed.clear();
+    }
+    listed.retain(|_, parts| !parts.is_empty());
+    let mut lanes: BTreeMap<(u32, u32), BTreeSet<u16>> = BTreeMap::new();
+    let mut spans = 0u64;
+    let mut ranks = Vec::with_capacity(job.rank_dirs.len());
+    for ((rank, dir), ok) in job.rank_dirs.iter().zip(&trusted) {
+        if !ok {
+            if let Some(files) = listed.remove(rank) {
+                ranks.push(RankParts::listed(*rank, files));
+            }
+            continue;
+        }
+        let e = entries[rank];
+        spans = spans.saturating_add(e.spans);
+        for &(thread, depth) in &e.lanes {
+            lanes.entry((*rank, thread)).or_default().insert(depth);
+        }
+        ranks.push(RankParts {
+            rank: *rank,
+            parts: (e.parts.iter())
+                .map(|p| PartRef {
+                    index: p.index,
+                    range: Some((p.start_ns, p.end_ns)),
+                    unreadable: false,
+                })
+                .collect(),
+            files: RankFiles::Folder(dir.clone()),
+            scanned: true,
+        });
+    }
+    let tags = &job.timeline.tags;
+    let steps = (job.timeline.steps.iter())
+        .map(|(&step, &(a, z, mask))| {
+            let names = (0..tags.len().min(64))
+                .filter(|&b| mask & (1 << b) != 0)
+                .map(|b| tags[b].clone())
+                .collect();
+            (step, a, z, names)
+        })
+        .collect();
+    Ok(Some(FromTimelines {
+        steps_complete: ranks.iter().all(|r| r.scanned),
+        ranks,
+        run_id: id.to_string(),
+        lanes,
+        steps,
+        spans,
+    }))
 }
 
 /// A row at `depth` holding nothing (depths past 255 share the last row).
@@ -819,5 +993,146 @@ fn push(
     let start = row.end.last().map_or(start, |&e| start.max(e));
     if end > start {
         row.push(start, end, phase, step, tagset, flags, slot);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use titan_obs_core::synth::{SynthConfig, write_run};
+
+    /// What a gantt drawn from detail levels shows, names for ids: the ranks, each lane's
+    /// (rank, thread, depths), the extent, the steps with their tags, the span count, and
+    /// every lane's entries for `windows` (each the whole run's share `(from, to)` of it).
+    type Drawn = (
+        Vec<u32>,
+        [Vec<(u32, u64, Vec<u8>)>; 2],
+        (i64, i64),
+        Vec<(u64, i64, i64, Vec<String>)>,
+        usize,
+        Vec<Vec<(i64, i64, String, u64)>>,
+    );
+
+    fn drawn(run: &str) -> (DetailRun, Drawn) {
+        let (mut d, mut t) = DetailRun::open(run, "t", None).unwrap();
+        let lanes_of = |t: &Timeline| -> Vec<(u32, u64, Vec<u8>)> {
+            (t.lanes.iter())
+                .map(|l| (l.rank, l.thread, l.rows.iter().map(|r| r.depth).collect()))
+                .collect()
+        };
+        let at_open = lanes_of(&t);
+        let lanes: Vec<usize> = (0..t.lanes.len()).collect();
+        let mut rows = Vec::new();
+        for (from, to) in [(0.0, 1.0), (0.4, 0.41)] {
+            let w = Window {
+                t0: (t.end as f64 * from) as i64,
+                t1: (t.end as f64 * to) as i64,
+            };
+            d.fill(&mut t, w, 200, &lanes);
+            for lane in &t.lanes {
+                for r in &lane.rows {
+                    rows.push(
+                        (0..r.len())
+                            .map(|i| {
+                                (
+                                    r.start[i],
+                                    r.end[i],
+                                    t.phases[r.phase[i] as usize].clone(),
+                                    r.step[i],
+                                )
+                            })
+                            .collect(),
+                    );
+                }
+            }
+        }
+        let lanes = [at_open, lanes_of(&t)];
+        let steps = t
+            .steps
+            .iter()
+            .map(|s| {
+                let mut tags: Vec<String> = s
+                    .tags
+                    .iter()
+                    .map(|&i| t.tag_names[i as usize].clone())
+                    .collect();
+                tags.sort();
+                (s.step, s.start, s.end, tags)
+            })
+            .collect();
+        let shown = (
+            t.ranks.clone(),
+            lanes,
+            (t.origin_ns, t.end),
+            steps,
+            t.span_count,
+            rows,
+        );
+        (d, shown)
+    }
+
+    /// Which ranks were drawn from their node's timeline (no part listed or read at open).
+    fn described(d: &DetailRun) -> Vec<u32> {
+        (d.ranks.iter())
+            .filter(|r| matches!(r.files, RankFiles::Folder(_)))
+            .map(|r| r.rank)
+            .collect()
+    }
+
+    /// Issue 42: a run opened from its node timelines draws what the run listed and its
+    /// parts read draw (the same lanes, extent, steps, spans and entries), a rank whose
+    /// folder changed since is listed, and a damaged timeline is read from the folders.
+    #[test]
+    fn timelines_open_the_gantt_the_parts_draw() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let cfg = SynthConfig {
+            ranks: 12,
+            steps: 120,
+            steps_per_part: 40,
+            ..SynthConfig::default()
+        };
+        write_run(run.to_str().unwrap(), &cfg).unwrap();
+        let run_s = run.to_str().unwrap();
+        let obs = run.join("obs");
+        let (d, from_timelines) = drawn(run_s);
+        assert_eq!(described(&d), (0..12).collect::<Vec<_>>());
+        assert!(
+            d.parts_for_steps().is_none(),
+            "the steps are the timelines'"
+        );
+        assert!(
+            from_timelines.3.iter().any(|s| !s.3.is_empty()),
+            "tagged steps"
+        );
+
+        // Rank 5's folder changed (a file added): it is listed, the others are not.
+        std::fs::write(obs.join("rank-5/notes.txt"), "x").unwrap();
+        let (d, drawn_then) = drawn(run_s);
+        let mut want: Vec<u32> = (0..12).collect();
+        want.retain(|&r| r != 5);
+        assert_eq!(described(&d), want);
+        assert!(d.parts_for_steps().is_some());
+        assert_eq!(drawn_then, from_timelines);
+
+        // A damaged timeline: its node's ranks are listed.
+        let path = obs.join("node-node-1.timeline");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        let (d, drawn_then) = drawn(run_s);
+        assert_eq!(described(&d), [0, 1, 2, 3, 4, 6, 7]);
+        assert_eq!(drawn_then, from_timelines);
+
+        // No timeline at all: every rank listed and its ends read, the same gantt.
+        for e in std::fs::read_dir(&obs).unwrap().flatten() {
+            if e.file_name().to_string_lossy().ends_with(".timeline") {
+                std::fs::remove_file(e.path()).unwrap();
+            }
+        }
+        let (d, listed) = drawn(run_s);
+        assert!(described(&d).is_empty());
+        assert_eq!(listed, from_timelines);
     }
 }

@@ -193,7 +193,7 @@ impl TimelineSource for DetailSource {
     fn load(&mut self) -> anyhow::Result<Timeline> {
         let (d, t) = DetailRun::open(&self.run, &self.title, self.run_id.as_deref())?;
         let (tx, rx) = mpsc::channel();
-        let (run, id, parts) = (self.run.clone(), d.run_id.clone(), d.parts());
+        let (run, id, parts) = (self.run.clone(), d.run_id.clone(), d.parts_for_steps());
         std::thread::spawn(move || whole_run(&run, id.as_deref(), &parts, |w| tx.send(w).is_ok()));
         if self.follow {
             let (tx, rx) = mpsc::channel();
@@ -297,7 +297,7 @@ impl TimelineSource for DetailSource {
 fn whole_run(
     run: &str,
     run_id: Option<&str>,
-    parts: &[PartFile],
+    parts: &Option<Vec<PartFile>>,
     send: impl Fn(Whole) -> bool + Send,
 ) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -310,21 +310,20 @@ fn whole_run(
     }
 }
 
+/// `parts`: every part, to read every step from; `None` when the gantt has them already.
 fn whole_run_here(
     run: &str,
     run_id: Option<&str>,
-    parts: &[PartFile],
+    parts: &Option<Vec<PartFile>>,
     send: impl Fn(Whole) -> bool,
 ) {
-    match steps(parts) {
-        Ok((s, n)) => {
-            if !send(Whole::Steps(s, n)) {
-                return;
-            }
-        }
-        Err(e) => {
-            send(Whole::Failed(format!("steps: {e:#}")));
-        }
+    let sent = match parts.as_deref().map(steps) {
+        Some(Ok((s, n))) => send(Whole::Steps(s, n)),
+        Some(Err(e)) => send(Whole::Failed(format!("steps: {e:#}"))),
+        None => true,
+    };
+    if !sent {
+        return;
     }
     match analysis(run, run_id) {
         Ok((a, spread, metrics)) => {
