@@ -455,6 +455,13 @@ impl DetailRun {
         analysis: Analysis,
         spread: Vec<(String, u64, PhaseSpread)>,
     ) {
+        t.analysis = analysis;
+        self.set_spread(t, spread);
+    }
+
+    /// Each (phase, step)'s spread across ranks: the collapsed rows (with the analysis'
+    /// stragglers marked).
+    pub fn set_spread(&mut self, t: &mut Timeline, spread: Vec<(String, u64, PhaseSpread)>) {
         // A collapsed bar starts at its step's start (no start times in the summaries).
         t.phase_step = spread
             .into_iter()
@@ -463,7 +470,6 @@ impl DetailRun {
                 ((self.phase_id(&name, t), step), s)
             })
             .collect();
-        t.analysis = analysis;
         let stragglers: HashSet<(PhaseId, u32)> = t
             .analysis
             .stragglers

@@ -8,7 +8,9 @@ use std::sync::mpsc::{self, Receiver};
 use std::time::Instant;
 
 use rayon::prelude::*;
+use titan_obs_core::analysis::figured::analyse_figures;
 use titan_obs_core::analysis::{RunShape, StragglerOptions, digested::analyse_digest};
+use titan_obs_core::digest::figures::AUTO_FIGURES_RANKS;
 use titan_obs_core::lod;
 use titan_obs_core::part_files::PartFile;
 use titan_obs_core::read::{Columns, PartsReader, ReadOptions};
@@ -29,6 +31,8 @@ enum Whole {
         Box<titan_obs_core::analysis::Analysis>,
         Vec<(String, u64, PhaseSpread)>,
     ),
+    /// Each (phase, step)'s spread across ranks, after an analysis sent without them.
+    Spread(Vec<(String, u64, PhaseSpread)>),
     Metrics(Vec<MetricSeries>),
     Failed(String),
 }
@@ -280,6 +284,7 @@ impl TimelineSource for DetailSource {
                     d.set_analysis(t, *a, spread);
                     self.arrived.push("summary");
                 }
+                Whole::Spread(spread) => d.set_spread(t, spread),
                 Whole::Metrics(m) => {
                     t.set_metrics(m);
                     self.arrived.push("metrics");
@@ -305,16 +310,19 @@ fn whole_run(
         .num_threads(cores.saturating_sub(1).max(1))
         .build()
     {
-        Ok(pool) => pool.install(|| whole_run_here(run, run_id, parts, send)),
-        Err(_) => whole_run_here(run, run_id, parts, send),
+        Ok(pool) => pool.install(|| whole_run_here(run, run_id, parts, AUTO_FIGURES_RANKS, send)),
+        Err(_) => whole_run_here(run, run_id, parts, AUTO_FIGURES_RANKS, send),
     }
 }
 
 /// `parts`: every part, to read every step from; `None` when the gantt has them already.
+/// `figures_from`: the rank folders from which a local run's analysis comes from its node
+/// figures.
 fn whole_run_here(
     run: &str,
     run_id: Option<&str>,
     parts: &Option<Vec<PartFile>>,
+    figures_from: usize,
     send: impl Fn(Whole) -> bool,
 ) {
     let sent = match parts.as_deref().map(steps) {
@@ -323,6 +331,28 @@ fn whole_run_here(
         None => true,
     };
     if !sent {
+        return;
+    }
+    if let Some(obs) = large_local_obs(run, figures_from)
+        && let Ok(job) = titan_obs_core::digest::figures::read_local(&obs, figures_from)
+    {
+        // From the node figures first, as `summary` reads them at this size; then the
+        // spreads and the metrics from the rank summaries, read one at a time.
+        let a = analyse_figures(&job.figures, &StragglerOptions::default());
+        drop(job);
+        if !send(Whole::Analysis(Box::new(a), Vec::new())) {
+            return;
+        }
+        match titan_obs_core::digest::streamed::read_local(&obs, run_id) {
+            Ok(s) => {
+                if send(Whole::Spread(s.spreads)) {
+                    send(Whole::Metrics(metric_series(&s.metrics, &s.names)));
+                }
+            }
+            Err(e) => {
+                send(Whole::Failed(format!("summary: {e:#}")));
+            }
+        }
         return;
     }
     match analysis(run, run_id) {
@@ -335,6 +365,27 @@ fn whole_run_here(
             send(Whole::Failed(format!("summary: {e:#}")));
         }
     }
+}
+
+/// The `obs` folder of a local run with at least `ranks` rank folders; `None` for other runs.
+fn large_local_obs(run: &str, ranks: usize) -> Option<std::path::PathBuf> {
+    let titan_obs_core::location::Location::Local(p) =
+        titan_obs_core::location::Location::parse(run).ok()?
+    else {
+        return None;
+    };
+    let obs = p.join("obs");
+    let found = std::fs::read_dir(&obs)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(titan_obs_core::location::parse_rank_dir_name)
+                .is_some()
+        })
+        .count();
+    (found >= ranks).then_some(obs)
 }
 
 type StepBounds = BTreeMap<u64, (i64, i64, Vec<String>)>;
@@ -495,4 +546,95 @@ fn metric_series(
             .push((step, value));
     }
     series.into_values().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use titan_obs_core::synth::{Straggler, SynthConfig, write_run};
+
+    use super::*;
+
+    /// A 12-rank run, rank 5 slower in `forward_backward`.
+    fn run(dir: &std::path::Path) -> String {
+        let run = dir.join("run");
+        let cfg = SynthConfig {
+            ranks: 12,
+            steps: 60,
+            steps_per_part: 20,
+            stragglers: vec![Straggler {
+                rank: 5,
+                phase: "forward_backward".into(),
+                factor: 1.5,
+            }],
+            ..SynthConfig::default()
+        };
+        write_run(run.to_str().unwrap(), &cfg).unwrap();
+        run.to_str().unwrap().to_string()
+    }
+
+    /// Issue 42: the spreads and metrics read one rank summary at a time are those of the
+    /// rank summaries merged (the median within the histogram's 1%), and a large run's
+    /// worker sends the analysis of the node figures first, then them.
+    #[test]
+    fn spreads_and_metrics_read_rank_by_rank_are_the_merged_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = run(dir.path());
+        let (_, mut merged, metrics) = analysis(&run, None).unwrap();
+        let obs = std::path::Path::new(&run).join("obs");
+        let s = titan_obs_core::digest::streamed::read_local(&obs, None).unwrap();
+        assert!(s.damaged.is_empty(), "{:?}", s.damaged);
+        merged.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        assert_eq!(s.spreads.len(), merged.len());
+        assert!(merged.len() > 100);
+        for ((n1, s1, a), (n2, s2, b)) in s.spreads.iter().zip(&merged) {
+            assert_eq!((n1, s1), (n2, s2));
+            let exact = |x: &PhaseSpread| (x.min, x.max, x.min_rank, x.max_rank, x.ranks);
+            assert_eq!(exact(a), exact(b), "{n1} step {s1}");
+            let within = (b.median as f64 * 0.01).max(1.0);
+            assert!(
+                (a.median - b.median).abs() as f64 <= within,
+                "{n1} step {s1}: median {} against {}",
+                a.median,
+                b.median
+            );
+        }
+        let series = |m: &[MetricSeries]| -> Vec<(String, Vec<(u64, f64)>)> {
+            m.iter()
+                .map(|s| (s.name.clone(), s.points.clone()))
+                .collect()
+        };
+        let streamed = metric_series(&s.metrics, &s.names);
+        assert!(!streamed.is_empty());
+        assert_eq!(series(&streamed), series(&metrics));
+
+        // The worker, with node figures from 1 rank: the figures' analysis (no spreads),
+        // then the spreads, then the metrics.
+        let got: RefCell<Vec<&'static str>> = RefCell::default();
+        let stragglers = RefCell::new(Vec::new());
+        whole_run_here(&run, None, &None, 1, |w| {
+            got.borrow_mut().push(match w {
+                Whole::Analysis(a, spread) => {
+                    assert!(spread.is_empty());
+                    stragglers.replace(a.stragglers.iter().map(|s| s.rank).collect());
+                    "analysis"
+                }
+                Whole::Spread(s) => {
+                    assert_eq!(s.len(), merged.len());
+                    "spread"
+                }
+                Whole::Metrics(_) => "metrics",
+                Whole::Steps(..) => "steps",
+                Whole::Failed(e) => panic!("{e}"),
+            });
+            true
+        });
+        assert_eq!(*got.borrow(), ["analysis", "spread", "metrics"]);
+        assert!(
+            stragglers.borrow().contains(&5),
+            "{:?}",
+            stragglers.borrow()
+        );
+    }
 }

@@ -52,10 +52,7 @@ pub enum NodeFigures {
     Off,
 }
 
-/// Where `--node-figures auto` starts reading node figures: at 1024 ranks x 24 h the rank
-/// summaries take ~1.9 s (README), growing with ranks x steps; below, the step-by-step
-/// straggler rule is cheap enough to keep.
-pub const AUTO_FIGURES_RANKS: usize = 1024;
+pub use titan_obs_core::digest::figures::AUTO_FIGURES_RANKS;
 
 pub fn run(args: &SummaryArgs) -> Result<i32> {
     let opts = StragglerOptions {

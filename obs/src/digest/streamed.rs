@@ -1,0 +1,133 @@
+//! What a viewer of a large local run needs of every rank summary besides the analysis (which
+//! the node figures give): each (phase, step)'s spread across ranks and the metric lines,
+//! read one rank summary at a time (a few dozen decoded at once), in memory that grows with
+//! phases x steps, not with ranks x phases x steps as a merged [`super::RunDigest`] does
+//! (3.6 GB at 16 384 ranks x 24 h).
+//!
+//! A spread's extremes and their ranks are exact; its median is read from a histogram of the
+//! ranks' times ([`StepTimes`], within [`super::SKETCH_ALPHA`]) instead of sorting them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use rayon::prelude::*;
+
+use super::figures::StepTimes;
+use crate::analysis::spread::Spread;
+use crate::metric_lines::Lines;
+
+/// Rank summaries decoded at once.
+const RANKS_AT_ONCE: usize = 64;
+
+/// Every (phase, step)'s spread across ranks and the metric lines of a local run's rank
+/// summaries (each brought up to date against its folder, not written back), of run
+/// `run_id` (every run when `None`).
+#[derive(Debug, Default)]
+pub struct Streamed {
+    /// (phase, step, spread), by phase then step.
+    pub spreads: Vec<(String, u64, Spread)>,
+    /// Metric lines; name ids index `names`.
+    pub metrics: Lines,
+    pub names: Vec<String>,
+    /// Rank summaries or parts that could not be read, as (file, error).
+    pub damaged: Vec<(String, String)>,
+}
+
+/// One (phase, step) across the ranks read so far.
+struct Cell {
+    min: (i64, u32),
+    max: (i64, u32),
+    times: StepTimes,
+}
+
+/// Reads the rank summaries of the local run whose `obs` folder is `obs`.
+pub fn read_local(obs: &Path, run_id: Option<&str>) -> Result<Streamed> {
+    let mut dirs: Vec<(u32, PathBuf)> = Vec::new();
+    for e in std::fs::read_dir(obs).with_context(|| format!("listing {}", obs.display()))? {
+        let e = e.with_context(|| format!("listing {}", obs.display()))?;
+        if let Some(rank) = e
+            .file_name()
+            .to_str()
+            .and_then(crate::location::parse_rank_dir_name)
+        {
+            dirs.push((rank, e.path()));
+        }
+    }
+    dirs.sort_unstable();
+    let mut names: Vec<String> = Vec::new();
+    let mut ids: HashMap<String, u32> = HashMap::new();
+    let mut cells: HashMap<(u32, u64), Cell> = HashMap::new();
+    let mut out = Streamed::default();
+    for chunk in dirs.chunks(RANKS_AT_ONCE) {
+        let read: Vec<(u32, super::RankSummarised)> = chunk
+            .par_iter()
+            .map(|(rank, dir)| {
+                let listed = super::local::list_parts(dir).unwrap_or_default();
+                (*rank, super::summarise_rank(dir, *rank, &listed, false))
+            })
+            .collect();
+        for (rank, s) in read {
+            out.damaged.extend(s.damaged);
+            out.damaged.extend(s.corrupt);
+            let segments = (s.digest.segments.iter())
+                .filter(|g| run_id.is_none_or(|id| g.digest.info.run_id == id));
+            // A rank's time in a phase at a step, over its segments (one, mostly).
+            let mut times: HashMap<(u32, u64), i64> = HashMap::new();
+            for g in segments {
+                let d = &g.digest;
+                let gid: Vec<u32> = (d.names.iter())
+                    .map(|n| crate::tables::intern(&mut names, &mut ids, n))
+                    .collect();
+                for &(step, name, v) in &d.cells {
+                    let e = times.entry((gid[name as usize], step)).or_default();
+                    *e = e.saturating_add(v);
+                }
+                for (step, name, reduce, acc) in &d.scalars {
+                    let validation = (d.names.get(*name as usize))
+                        .is_some_and(|n| crate::metric_lines::is_validation(n));
+                    out.metrics
+                        .add(*step, validation, gid[*name as usize], *reduce, acc);
+                }
+            }
+            for (key, t) in times {
+                if t < 0 {
+                    continue;
+                }
+                let c = cells.entry(key).or_insert_with(|| Cell {
+                    min: (t, rank),
+                    max: (t, rank),
+                    times: StepTimes::default(),
+                });
+                // Ties: the lowest rank has the minimum, the highest the maximum (ranks come
+                // in order), as a sort of (time, rank) would give them.
+                if t < c.min.0 {
+                    c.min = (t, rank);
+                }
+                if t >= c.max.0 {
+                    c.max = (t, rank);
+                }
+                c.times.add(t);
+            }
+        }
+    }
+    let mut spreads: Vec<(String, u64, Spread)> = cells
+        .into_iter()
+        .map(|((name, step), c)| {
+            let spread = Spread {
+                min: c.min.0,
+                median: c.times.nearest_rank(0.5),
+                max: c.max.0,
+                min_rank: c.min.1,
+                max_rank: c.max.1,
+                ranks: c.times.steps as u32,
+                median_start: 0,
+            };
+            (names[name as usize].clone(), step, spread)
+        })
+        .collect();
+    spreads.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    out.spreads = spreads;
+    out.names = names;
+    Ok(out)
+}
