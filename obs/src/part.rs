@@ -581,9 +581,12 @@ impl PartSink {
             .as_ref()
             .ok()
             .map(|kv| (crate::digest::from_footer(kv), crate::lod::from_footer(kv)));
-        if let Some((Ok(Some(digest)), Ok(Some(detail)))) = embedded {
+        if let Some((Ok(Some(digest)), detail)) = embedded {
+            // Without its detail levels (never from `encode`) the part is in no node timeline:
+            // the TUI then lists its rank's folder.
+            let detail = detail.ok().flatten();
             let len = bytes.len() as u64;
-            if let Err(e) = self.update_rank_summary(index, len, digest, Some(&detail)) {
+            if let Err(e) = self.update_rank_summary(index, len, digest, detail.as_ref()) {
                 tracing::warn!("no rank summary written for {at}: {e:#}");
             }
             return Ok(at);

@@ -9,6 +9,7 @@ pub mod figured;
 pub mod metrics;
 pub mod pipeline;
 pub mod spread;
+pub mod streamed;
 pub mod summary;
 pub mod table;
 pub mod waits;

@@ -30,7 +30,6 @@ pub mod node;
 pub mod rank;
 pub mod rank_file;
 pub(crate) mod schedule;
-pub mod streamed;
 pub mod timeline;
 
 use std::collections::{BTreeMap, HashMap};

@@ -254,19 +254,12 @@ fn collapses(args: &GanttArgs, t: &Timeline) -> bool {
 }
 
 /// The timeline of a `gantt` image drawn from detail levels, and whether it is collapsed:
-/// every step (from every part's detail file) and the analysis (from the per-part summaries);
+/// every step and the analysis, as the TUI's worker computes them;
 /// then, for lanes, every lane's rows for the image's window at one column per pixel (the
 /// detail levels whose buckets fit in a pixel, or the spans of the parts under the window).
 fn gantt_from_detail_levels(args: &GanttArgs) -> anyhow::Result<(Timeline, bool)> {
     let (mut d, mut t) = DetailRun::open(&args.run, &title_of(&args.run), args.run_id.as_deref())?;
-    if let Some(parts) = d.parts_for_steps() {
-        let (steps, spans) = detail_source::steps(&parts)?;
-        d.set_whole_steps(&mut t, steps, spans);
-    }
-    match detail_source::analysis(&args.run, d.run_id.as_deref()) {
-        Ok((a, spread, _metrics)) => d.set_analysis(&mut t, a, spread),
-        Err(e) => t.warnings.push(format!("summary: {e:#}")),
-    }
+    detail_source::whole_run_into(&mut d, &mut t, &args.run);
     let collapsed = collapses(args, &t);
     if !collapsed {
         let window =

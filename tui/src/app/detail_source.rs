@@ -275,24 +275,51 @@ impl TimelineSource for DetailSource {
         let mut changed = false;
         while let Ok(w) = rx.try_recv() {
             changed = true;
-            match w {
-                Whole::Steps(steps, spans) => {
-                    d.set_whole_steps(t, steps, spans);
-                    self.arrived.push("steps");
-                }
-                Whole::Analysis(a, spread) => {
-                    d.set_analysis(t, *a, spread);
-                    self.arrived.push("summary");
-                }
-                Whole::Spread(spread) => d.set_spread(t, spread),
-                Whole::Metrics(m) => {
-                    t.set_metrics(m);
-                    self.arrived.push("metrics");
-                }
-                Whole::Failed(e) => t.warnings.push(e),
+            if let Some(arrived) = apply(d, t, w) {
+                self.arrived.push(arrived);
             }
         }
         changed
+    }
+}
+
+/// Puts a whole-run result into the timeline; what arrived, for the status line.
+fn apply(d: &mut DetailRun, t: &mut Timeline, w: Whole) -> Option<&'static str> {
+    match w {
+        Whole::Steps(steps, spans) => {
+            d.set_whole_steps(t, steps, spans);
+            Some("steps")
+        }
+        Whole::Analysis(a, spread) => {
+            d.set_analysis(t, *a, spread);
+            Some("summary")
+        }
+        Whole::Spread(spread) => {
+            d.set_spread(t, spread);
+            None
+        }
+        Whole::Metrics(m) => {
+            t.set_metrics(m);
+            Some("metrics")
+        }
+        Whole::Failed(e) => {
+            t.warnings.push(e);
+            None
+        }
+    }
+}
+
+/// The whole-run results the TUI's worker computes, computed here and put into `t` (for a
+/// `gantt` image): its steps (unless the gantt has them), analysis, spreads and metrics.
+pub(super) fn whole_run_into(d: &mut DetailRun, t: &mut Timeline, run: &str) {
+    let parts = d.parts_for_steps();
+    let got = std::cell::RefCell::new(Vec::new());
+    whole_run_here(run, d.run_id.as_deref(), &parts, AUTO_FIGURES_RANKS, |w| {
+        got.borrow_mut().push(w);
+        true
+    });
+    for w in got.into_inner() {
+        apply(d, t, w);
     }
 }
 
@@ -343,7 +370,7 @@ fn whole_run_here(
         if !send(Whole::Analysis(Box::new(a), Vec::new())) {
             return;
         }
-        match titan_obs_core::digest::streamed::read_local(&obs, run_id) {
+        match titan_obs_core::analysis::streamed::read_local(&obs, run_id) {
             Ok(s) => {
                 if send(Whole::Spread(s.spreads)) {
                     send(Whole::Metrics(metric_series(&s.metrics, &s.names)));
@@ -392,7 +419,7 @@ type StepBounds = BTreeMap<u64, (i64, i64, Vec<String>)>;
 
 /// Every step's bounds and tags from every part's detail file (built and cached where
 /// missing), and the number of spans.
-pub(super) fn steps(parts: &[PartFile]) -> anyhow::Result<(Vec<WholeStep>, u64)> {
+fn steps(parts: &[PartFile]) -> anyhow::Result<(Vec<WholeStep>, u64)> {
     let (merged, spans) = parts
         .par_iter()
         .fold(
@@ -452,7 +479,7 @@ pub(super) fn steps(parts: &[PartFile]) -> anyhow::Result<(Vec<WholeStep>, u64)>
 /// the same summaries: no part is decoded). The summaries hold no start times: a collapsed
 /// bar starts at its step's start ([`PhaseSpread::median_start`] is that).
 #[allow(clippy::type_complexity)]
-pub(super) fn analysis(
+fn analysis(
     run: &str,
     run_id: Option<&str>,
 ) -> anyhow::Result<(
@@ -583,7 +610,7 @@ mod tests {
         let run = run(dir.path());
         let (_, mut merged, metrics) = analysis(&run, None).unwrap();
         let obs = std::path::Path::new(&run).join("obs");
-        let s = titan_obs_core::digest::streamed::read_local(&obs, None).unwrap();
+        let s = titan_obs_core::analysis::streamed::read_local(&obs, None).unwrap();
         assert!(s.damaged.is_empty(), "{:?}", s.damaged);
         merged.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
         assert_eq!(s.spreads.len(), merged.len());

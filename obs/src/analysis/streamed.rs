@@ -1,11 +1,12 @@
 //! What a viewer of a large local run needs of every rank summary besides the analysis (which
 //! the node figures give): each (phase, step)'s spread across ranks and the metric lines,
 //! read one rank summary at a time (a few dozen decoded at once), in memory that grows with
-//! phases x steps, not with ranks x phases x steps as a merged [`super::RunDigest`] does
+//! phases x steps, not with ranks x phases x steps as a merged [`crate::digest::RunDigest`] does
 //! (3.6 GB at 16 384 ranks x 24 h).
 //!
 //! A spread's extremes and their ranks are exact; its median is read from a histogram of the
-//! ranks' times ([`StepTimes`], within [`super::SKETCH_ALPHA`]) instead of sorting them.
+//! ranks' times ([`StepTimes`], within [`crate::digest::SKETCH_ALPHA`]) instead of sorting
+//! them.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -13,8 +14,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 
-use super::figures::StepTimes;
-use crate::analysis::spread::Spread;
+use super::spread::Spread;
+use crate::digest::figures::StepTimes;
+use crate::digest::{RankSummarised, local, summarise_rank};
 use crate::metric_lines::Lines;
 
 /// Rank summaries decoded at once.
@@ -60,11 +62,11 @@ pub fn read_local(obs: &Path, run_id: Option<&str>) -> Result<Streamed> {
     let mut cells: HashMap<(u32, u64), Cell> = HashMap::new();
     let mut out = Streamed::default();
     for chunk in dirs.chunks(RANKS_AT_ONCE) {
-        let read: Vec<(u32, super::RankSummarised)> = chunk
+        let read: Vec<(u32, RankSummarised)> = chunk
             .par_iter()
             .map(|(rank, dir)| {
-                let listed = super::local::list_parts(dir).unwrap_or_default();
-                (*rank, super::summarise_rank(dir, *rank, &listed, false))
+                let listed = local::list_parts(dir).unwrap_or_default();
+                (*rank, summarise_rank(dir, *rank, &listed, false))
             })
             .collect();
         for (rank, s) in read {
