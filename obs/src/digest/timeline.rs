@@ -8,7 +8,8 @@
 //! the detail levels of the parts each rank put since its last entry ([`PartTimeline`]):
 //! the file grows part by part, nothing is rebuilt. Each rank's entry records its folder's
 //! mtime, so a reader can tell a rank whose folder changed since and list that folder
-//! instead ([`read_local`]).
+//! instead ([`read_local`], [`JobTimeline::trusted`]), unless the change is the rank's next
+//! journal (a live rank: the TUI's `--follow` reads it).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -365,13 +366,22 @@ pub struct JobTimeline {
 
 impl JobTimeline {
     /// Whether rank `r`'s entry describes its folder as it is: its parts run from `part-0`,
-    /// are of one run, and the folder has the recorded mtime with no part after the last
-    /// ([`super::node::unchanged_folder`]).
+    /// are of one run, and the folder has no part after the last and either the recorded
+    /// mtime ([`super::node::unchanged_folder`]) or, changed since, the journal after the
+    /// last part: a live rank opens its next journal after its last entry (appending to it
+    /// leaves the folder's mtime alone).
     pub fn trusted(r: &RankTimeline, dir: &Path) -> bool {
+        let Some(last) = r.last_part() else {
+            return false;
+        };
+        let live = || {
+            dir.join(crate::location::journal_file_name(last + 1))
+                .exists()
+                && !dir.join(crate::location::part_file_name(last + 1)).exists()
+        };
         !r.mixed_runs
-            && !r.parts.is_empty()
             && r.contiguous()
-            && super::node::unchanged_folder(dir, r.dir_mtime_ns, r.last_part()).is_some()
+            && (super::node::unchanged_folder(dir, r.dir_mtime_ns, Some(last)).is_some() || live())
     }
 }
 

@@ -1,8 +1,10 @@
 //! The gantt of a large local titan run, drawn from its detail levels (`part-<N>.lod`, see
 //! [`titan_obs_core::lod`]) instead of from every span.
 //!
-//! Opening reads the first and last part's detail file of every rank (the run's extent and its
-//! lanes); everything else is read for what is on screen: [`DetailRun::fill`] fills the rows
+//! Opening reads a local run's node timelines (`obs/node-<host>.timeline`: each rank's parts'
+//! time ranges and lanes, each step's bounds), and the first and last part's detail file of
+//! every rank they do not describe (the run's extent and its lanes); everything else is read
+//! for what is on screen: [`DetailRun::fill`] fills the rows
 //! of the visible lanes for the window, from the finest level whose buckets are at least one
 //! screen cell wide, or — zoomed in further, or where a row's spans are no more than its
 //! buckets — from the spans of the parts overlapping the window, decoded then. Rows of lanes
@@ -189,9 +191,11 @@ pub fn run_holds(run: &str, bytes: u64) -> bool {
 }
 
 impl DetailRun {
-    /// Lists the run's parts (local or in an object store; those of run `run_id`, else of
-    /// the newest run) and reads the first and last part's detail file of every rank (in
-    /// parallel): the run's extent and each rank's rows.
+    /// Opens the run's parts (local or in an object store; those of run `run_id`, else of
+    /// the newest run): the run's extent, each rank's rows and (from node timelines) its
+    /// steps. A local run's ranks come from its node timelines ([`from_timelines`]); the
+    /// other ranks are listed and their first and last part's detail files read (in
+    /// parallel).
     pub fn open(run: &str, title: &str, run_id: Option<&str>) -> Result<(DetailRun, Timeline)> {
         let location = Location::parse(run)?;
         let timelines = match &location {
@@ -1112,14 +1116,32 @@ mod tests {
             "tagged steps"
         );
 
-        // Rank 5's folder changed (a file added): it is listed, the others are not.
-        std::fs::write(obs.join("rank-5/notes.txt"), "x").unwrap();
+        // A live rank (its next journal open, kept from here on) is still described.
+        std::fs::write(obs.join("rank-3/journal-000003.arrows"), "").unwrap();
+        let (d, _) = drawn(run_s);
+        assert_eq!(described(&d), (0..12).collect::<Vec<_>>());
+
+        // Rank 5 is in no timeline (its node's file written before it joined): it is
+        // listed, the others are not, and the gantt is the same.
+        let path = obs.join("node-node-0.timeline");
+        let mut t = timeline::decode(&std::fs::read(&path).unwrap()).unwrap();
+        t.ranks.retain(|r| r.rank != 5);
+        std::fs::write(&path, timeline::encode(&t)).unwrap();
         let (d, drawn_then) = drawn(run_s);
         let mut want: Vec<u32> = (0..12).collect();
         want.retain(|&r| r != 5);
         assert_eq!(described(&d), want);
         assert!(d.parts_for_steps().is_some());
         assert_eq!(drawn_then, from_timelines);
+
+        // A part after the last one rank 6's entry records, or rank 7's folder changed
+        // otherwise since (a file added): their folders are listed.
+        std::fs::write(obs.join("rank-6/part-000003.parquet"), "").unwrap();
+        std::fs::write(obs.join("rank-7/notes.txt"), "").unwrap();
+        let (d, _) = drawn(run_s);
+        assert_eq!(described(&d), [0, 1, 2, 3, 4, 8, 9, 10, 11]);
+        // Removed again, rank 6's folder still differs from its entry: listed from here on.
+        std::fs::remove_file(obs.join("rank-6/part-000003.parquet")).unwrap();
 
         // A damaged timeline: its node's ranks are listed.
         let path = obs.join("node-node-1.timeline");
@@ -1128,7 +1150,7 @@ mod tests {
         bytes[last] ^= 1;
         std::fs::write(&path, bytes).unwrap();
         let (d, drawn_then) = drawn(run_s);
-        assert_eq!(described(&d), [0, 1, 2, 3, 4, 6, 7]);
+        assert_eq!(described(&d), [0, 1, 2, 3, 4]);
         assert_eq!(drawn_then, from_timelines);
 
         // No timeline at all: every rank listed and its ends read, the same gantt.
