@@ -283,15 +283,15 @@ fn punch_parts(location: &Location, rank: u32, parts: u64) -> Result<()> {
 }
 
 fn gen_run(run: &str, layout: &str, ranks: u32, hours: f64) -> Result<()> {
-    let (window, sparse) = match layout {
-        "journal" => (ROTATE_S, false),
-        // The journal layout with the parts' blocks freed once summarised (`punch_parts`).
-        "journal-sparse" => (ROTATE_S, true),
-        // The same, but the first TOP_RANKS_KEPT ranks' parts kept whole: what the TUI's
-        // first frame and its zoom read (the ranks at the top of the gantt), on a run larger
-        // than the disk. Scrolled further down, the TUI would read parts of zeros.
-        "journal-sparse-top" => (ROTATE_S, true),
-        "old" => (FLUSH_S, false),
+    // The ranks from which the parts' blocks are freed once summarised (`punch_parts`).
+    let (window, punch_from) = match layout {
+        "journal" => (ROTATE_S, None),
+        "journal-sparse" => (ROTATE_S, Some(0)),
+        // The first TOP_RANKS_KEPT ranks' parts kept whole: what the TUI's first frame and
+        // its zoom read (the ranks at the top of the gantt), on a run larger than the disk.
+        // Scrolled further down, the TUI would read parts of zeros.
+        "journal-sparse-top" => (ROTATE_S, Some(TOP_RANKS_KEPT)),
+        "old" => (FLUSH_S, None),
         other => {
             bail!("unknown layout `{other}` (journal, journal-sparse, journal-sparse-top or old)")
         }
@@ -301,7 +301,7 @@ fn gen_run(run: &str, layout: &str, ranks: u32, hours: f64) -> Result<()> {
     let results: Vec<(u64, u64)> = (0..ranks)
         .into_par_iter()
         .map(|r| {
-            let punch = sparse && !(layout == "journal-sparse-top" && r < TOP_RANKS_KEPT);
+            let punch = punch_from.is_some_and(|from| r >= from);
             write_rank(&location, r, ranks, hours, window, punch)
         })
         .collect::<Result<_>>()?;

@@ -1219,7 +1219,7 @@ fn object_rank_summaries(
 ) -> (Vec<Done>, u64, Vec<(String, String)>) {
     use futures::StreamExt;
     let requests = wanted.len() as u64;
-    let got: Vec<(u32, Result<Bytes>)> = titan_storage::runtime().block_on(
+    let mut got: Vec<(u32, Result<Bytes>)> = titan_storage::runtime().block_on(
         futures::stream::iter(wanted)
             .map(|(rank, path)| {
                 let store = store.clone();
@@ -1231,6 +1231,8 @@ fn object_rank_summaries(
             .buffer_unordered(16)
             .collect(),
     );
+    // Ranks in order (they arrive as answered): merged rank by rank, as the parts are.
+    got.sort_by_key(|g| g.0);
     let mut sizes: BTreeMap<u32, BTreeMap<u64, u64>> = BTreeMap::new();
     for f in files.iter().filter(|f| f.kind == FileKind::Part) {
         sizes.entry(f.rank).or_default().insert(f.index, f.size);
@@ -1272,10 +1274,6 @@ fn object_rank_summaries(
             || !covered_of
                 .get(&f.rank)
                 .is_some_and(|c| c.contains(&f.index))
-    });
-    done.sort_by_key(|d| match d {
-        Done::Rank { rank, .. } => *rank,
-        _ => 0,
     });
     (done, requests, damaged)
 }

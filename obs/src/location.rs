@@ -113,6 +113,44 @@ pub fn parse_rank_dir_name(name: &str) -> Option<u32> {
     name.strip_prefix("rank-")?.parse().ok()
 }
 
+/// A local run's `obs/` folder, listed once: its rank folders and its other files (node
+/// rollups, figures, timelines, locks).
+#[derive(Debug, Default)]
+pub struct ObsFolder {
+    /// By rank.
+    pub rank_dirs: Vec<(u32, PathBuf)>,
+    /// (name, path) of every other entry with a UTF-8 name.
+    pub files: Vec<(String, PathBuf)>,
+}
+
+impl ObsFolder {
+    /// Lists `obs` (the `obs/` folder of a local run).
+    pub fn list(obs: &Path) -> Result<ObsFolder> {
+        use anyhow::Context as _;
+        let mut out = ObsFolder::default();
+        for e in std::fs::read_dir(obs).with_context(|| format!("listing {}", obs.display()))? {
+            let e = e.with_context(|| format!("listing {}", obs.display()))?;
+            let Ok(name) = e.file_name().into_string() else {
+                continue;
+            };
+            match parse_rank_dir_name(&name) {
+                Some(rank) => out.rank_dirs.push((rank, e.path())),
+                None => out.files.push((name, e.path())),
+            }
+        }
+        out.rank_dirs.sort_unstable();
+        Ok(out)
+    }
+
+    /// The paths of the other files whose name passes `keep`.
+    pub fn files_named(&self, keep: impl Fn(&str) -> bool) -> Vec<PathBuf> {
+        (self.files.iter())
+            .filter(|(n, _)| keep(n))
+            .map(|(_, p)| p.clone())
+            .collect()
+    }
+}
+
 /// The error of a location that holds no run titan-obs can read (a README, a checkpoint, a
 /// run's `obs/` folder): the command line named the wrong thing, so the CLI exits with its
 /// usage code. The message says what was found and what to pass instead.

@@ -576,36 +576,30 @@ impl PartSink {
     pub fn put(&self, index: u64, bytes: Vec<u8>) -> Result<String> {
         let bytes = bytes::Bytes::from(bytes);
         let at = self.put_part(index, bytes.clone())?;
+        let len = bytes.len() as u64;
         let kv = crate::footer::key_values_of(&bytes);
         let embedded = kv
             .as_ref()
             .ok()
             .map(|kv| (crate::digest::from_footer(kv), crate::lod::from_footer(kv)));
-        if let Some((Ok(Some(digest)), detail)) = embedded {
+        let (digest, detail) = match embedded {
             // Without its detail levels (never from `encode`) the part is in no node timeline:
             // the TUI then lists its rank's folder.
-            let detail = detail.ok().flatten();
-            let len = bytes.len() as u64;
-            if let Err(e) = self.update_rank_summary(index, len, digest, detail.as_ref()) {
-                tracing::warn!("no rank summary written for {at}: {e:#}");
-            }
-            return Ok(at);
-        }
-        let detail = match self.put_detail(index, bytes.clone()) {
-            Ok(d) => Some(d),
-            Err(e) => {
-                tracing::warn!("no detail levels written for {at}: {e:#}");
-                None
+            Some((Ok(Some(digest)), detail)) => (Some(digest), detail.ok().flatten()),
+            _ => {
+                let digest = (self.put_summary(index, bytes.clone()))
+                    .inspect_err(|e| tracing::warn!("no summary written for {at}: {e:#}"))
+                    .ok();
+                let detail = (self.put_detail(index, bytes))
+                    .inspect_err(|e| tracing::warn!("no detail levels written for {at}: {e:#}"))
+                    .ok();
+                (digest, detail)
             }
         };
-        match self.put_summary(index, bytes.clone()) {
-            Ok(digest) => {
-                let len = bytes.len() as u64;
-                if let Err(e) = self.update_rank_summary(index, len, digest, detail.as_ref()) {
-                    tracing::warn!("no rank summary written for {at}: {e:#}");
-                }
-            }
-            Err(e) => tracing::warn!("no summary written for {at}: {e:#}"),
+        if let Some(digest) = digest
+            && let Err(e) = self.update_rank_summary(index, len, digest, detail.as_ref())
+        {
+            tracing::warn!("no rank summary written for {at}: {e:#}");
         }
         Ok(at)
     }
@@ -648,8 +642,9 @@ impl PartSink {
                     d.add_part(index, len, digest)
                 }
                 _ => {
-                    let mut d = self
-                        .stored_rank_summary()
+                    // A writer that starts past part 0 continues the stored summary.
+                    let stored = (index > 0).then(|| self.stored_rank_summary()).flatten();
+                    let mut d = stored
                         .filter(|d| d.last_index().is_none_or(|l| index > l))
                         .unwrap_or_default();
                     d.add_part(index, len, digest);

@@ -14,7 +14,7 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::footer::Footer;
-use crate::location::{Location, parse_part_file_name, parse_rank_dir_name};
+use crate::location::{Location, ObsFolder, parse_part_file_name, parse_rank_dir_name};
 
 /// Where a part file is.
 #[derive(Clone)]
@@ -189,7 +189,7 @@ pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
     let mut ranks: BTreeMap<u32, Vec<PartFile>> = BTreeMap::new();
     match location {
         Location::Local(run) => {
-            for (rank, dir) in local_rank_dirs(run)? {
+            for (rank, dir) in ObsFolder::list(&run.join("obs"))?.rank_dirs {
                 ranks
                     .entry(rank)
                     .or_default()
@@ -260,7 +260,7 @@ pub fn hold_at_least(location: &Location, bytes: u64) -> Result<bool> {
     let mut sum = 0u64;
     match location {
         Location::Local(run) => {
-            for (rank, dir) in local_rank_dirs(run)? {
+            for (rank, dir) in ObsFolder::list(&run.join("obs"))?.rank_dirs {
                 for p in list_local_rank(&dir, rank)? {
                     sum = sum.saturating_add(p.byte_len().unwrap_or(0));
                     if sum >= bytes {
@@ -290,19 +290,6 @@ pub fn hold_at_least(location: &Location, bytes: u64) -> Result<bool> {
         }
     }
     Ok(false)
-}
-
-/// The rank folders of the local run `run` (`obs/rank-<R>`), in listing order.
-fn local_rank_dirs(run: &std::path::Path) -> Result<Vec<(u32, PathBuf)>> {
-    let obs = run.join("obs");
-    let mut dirs = Vec::new();
-    for e in std::fs::read_dir(&obs).with_context(|| format!("listing {}", obs.display()))? {
-        let e = e.with_context(|| format!("listing {}", obs.display()))?;
-        if let Some(rank) = e.file_name().to_str().and_then(parse_rank_dir_name) {
-            dirs.push((rank, e.path()));
-        }
-    }
-    Ok(dirs)
 }
 
 /// The parts in rank `rank`'s local folder `dir`, by part index.

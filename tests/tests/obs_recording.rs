@@ -478,33 +478,26 @@ fn records_to_and_reads_from_s3() {
     for k in &mut kids {
         assert!(k.wait().unwrap().success());
     }
-    let o = moto
-        .aws_env(Command::new(bin("titan-obs")).args(["metrics", url, "--quiet", "--strict"]))
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).starts_with(
-        "step:  1  training/loss_mean: 9.5  training/grad_norm_max: 2  trainer_throughput/tps_sum: 300"
-    ));
-    let summary = || {
+    // A titan-obs command on the run: its stdout, and the requests it made, by method.
+    let run = |args: &[&str]| {
         let before = moto.requests();
         let o = moto
-            .aws_env(
-                Command::new(bin("titan-obs"))
-                    .args(["summary", url, "--json", "--quiet", "--strict"]),
-            )
+            .aws_env(Command::new(bin("titan-obs")).args(args))
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", stderr(&o));
-        let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        assert_eq!(s["ranks"], 2);
-        assert_eq!(s["steps"], STEPS);
-        let after = moto.requests();
-        let made: BTreeMap<String, usize> = after
-            .iter()
-            .map(|(m, n)| (m.clone(), n - before.get(m).copied().unwrap_or(0)))
+        let made: BTreeMap<String, usize> = (moto.requests().into_iter())
+            .map(|(m, n)| (m.clone(), n - before.get(&m).copied().unwrap_or(0)))
             .filter(|(_, n)| *n > 0)
             .collect();
+        (stdout(&o), made)
+    };
+    let metrics = || run(&["metrics", url, "--quiet", "--strict"]);
+    let summary = || {
+        let (out, made) = run(&["summary", url, "--json", "--quiet", "--strict"]);
+        let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(s["ranks"], 2);
+        assert_eq!(s["steps"], STEPS);
         (s, made)
     };
     // Issue 42: what `summary` costs on S3. Each rank's writer keeps its rank summary beside
@@ -521,13 +514,22 @@ fn records_to_and_reads_from_s3() {
         "{listing}"
     );
     assert!(parts > 2, "{listing}");
-    let (with_rank_summaries, made) = summary();
     let opened = |gets: usize| BTreeMap::from([("GET".to_string(), 1 + gets), ("HEAD".into(), 1)]);
+    let (with_rank_summaries, made) = summary();
     assert_eq!(made, opened(1 + 2));
-    // Without them (a run written before): one ranged GET a part, the same summary.
+    // `metrics` reads the same summaries.
+    let (lines, made) = metrics();
+    assert!(lines.starts_with(
+        "step:  1  training/loss_mean: 9.5  training/grad_norm_max: 2  trainer_throughput/tps_sum: 300"
+    ));
+    assert_eq!(made, opened(1 + 2));
+    // Without them (a run written before): one ranged GET a part, the same answers.
     moto.s3(&["rm", "runs/r1/obs/rank-0/rank.summary"]);
     moto.s3(&["rm", "runs/r1/obs/rank-1/rank.summary"]);
     let (without, made) = summary();
     assert_eq!(made, opened(1 + parts));
     assert_eq!(with_rank_summaries, without);
+    let (lines_without, made) = metrics();
+    assert_eq!(made, opened(1 + parts));
+    assert_eq!(lines_without, lines);
 }

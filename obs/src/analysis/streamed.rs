@@ -9,9 +9,9 @@
 //! them.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use rayon::prelude::*;
 
 use super::spread::Spread;
@@ -45,18 +45,7 @@ struct Cell {
 
 /// Reads the rank summaries of the local run whose `obs` folder is `obs`.
 pub fn read_local(obs: &Path, run_id: Option<&str>) -> Result<Streamed> {
-    let mut dirs: Vec<(u32, PathBuf)> = Vec::new();
-    for e in std::fs::read_dir(obs).with_context(|| format!("listing {}", obs.display()))? {
-        let e = e.with_context(|| format!("listing {}", obs.display()))?;
-        if let Some(rank) = e
-            .file_name()
-            .to_str()
-            .and_then(crate::location::parse_rank_dir_name)
-        {
-            dirs.push((rank, e.path()));
-        }
-    }
-    dirs.sort_unstable();
+    let dirs = crate::location::ObsFolder::list(obs)?.rank_dirs;
     let mut names: Vec<String> = Vec::new();
     let mut ids: HashMap<String, u32> = HashMap::new();
     let mut cells: HashMap<(u32, u64), Cell> = HashMap::new();

@@ -898,19 +898,9 @@ impl std::fmt::Display for NotUsable {
 pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigures, NotUsable> {
     use rayon::prelude::*;
     let not = |why: String| NotUsable(why);
-    let mut rank_dirs: Vec<(u32, PathBuf)> = Vec::new();
-    let mut files: Vec<PathBuf> = Vec::new();
-    let listing =
-        std::fs::read_dir(obs).map_err(|e| not(format!("listing {}: {e}", obs.display())))?;
-    for e in listing.flatten() {
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if let Some(rank) = crate::location::parse_rank_dir_name(name) {
-            rank_dirs.push((rank, e.path()));
-        } else if is_figures_name(name) {
-            files.push(e.path());
-        }
-    }
+    let listed = crate::location::ObsFolder::list(obs).map_err(|e| not(format!("{e:#}")))?;
+    let files = listed.files_named(is_figures_name);
+    let rank_dirs = listed.rank_dirs;
     if files.is_empty() {
         return Err(not("no node figures".into()));
     }
@@ -920,7 +910,6 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
             rank_dirs.len()
         )));
     }
-    rank_dirs.sort_unstable();
     let dir_of: FxHashMap<u32, &PathBuf> = rank_dirs.iter().map(|(r, p)| (*r, p)).collect();
 
     // Each file read, checked against its rank folders and, when they are as it describes

@@ -8,7 +8,7 @@
 //! the detail levels of the parts each rank put since its last entry ([`PartTimeline`]):
 //! the file grows part by part, nothing is rebuilt. Each rank's entry records its folder's
 //! mtime, so a reader can tell a rank whose folder changed since and list that folder
-//! instead ([`read_local`], [`JobTimeline::trusted`]), unless the change is the rank's next
+//! instead ([`read_local`], [`RankTimeline::describes`]), unless the change is the rank's next
 //! journal (a live rank: the TUI's `--follow` reads it).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -112,6 +112,26 @@ impl RankTimeline {
     /// The last part recorded.
     pub fn last_part(&self) -> Option<u64> {
         self.parts.last().map(|p| p.index)
+    }
+
+    /// Whether this entry describes the rank folder `dir` as it is: its parts run from
+    /// `part-0`, are of one run, and the folder has no part after the last and either the
+    /// recorded mtime ([`super::node::unchanged_folder`]) or, changed since, the journal
+    /// after the last part: a live rank opens its next journal after its last entry
+    /// (appending to it leaves the folder's mtime alone).
+    pub fn describes(&self, dir: &Path) -> bool {
+        let Some(last) = self.last_part() else {
+            return false;
+        };
+        let live = || {
+            dir.join(crate::location::journal_file_name(last + 1))
+                .exists()
+                && !dir.join(crate::location::part_file_name(last + 1)).exists()
+        };
+        !self.mixed_runs
+            && self.contiguous()
+            && (super::node::unchanged_folder(dir, self.dir_mtime_ns, Some(last)).is_some()
+                || live())
     }
 
     /// Whether its parts are `part-0` up to the last with none missing: what a rank folder
@@ -291,9 +311,9 @@ pub fn decode(bytes: &[u8]) -> Result<NodeTimeline> {
         let mut parts: Vec<PartRange> = Vec::new();
         let (mut index, mut end) = (0u64, 0i64);
         for n in 0..r.count(3)? {
-            let step = r.u()?;
-            ensure!(n == 0 || step > 0, "rank {rank}: parts out of order");
-            index = index.checked_add(step).context("part index out of range")?;
+            let gap = r.u()?;
+            ensure!(n == 0 || gap > 0, "rank {rank}: parts out of order");
+            index = index.checked_add(gap).context("part index out of range")?;
             let start_ns = end.wrapping_add(r.i()?);
             let len = r.i()?;
             ensure!(len >= 0, "rank {rank}: part {index} ends before it starts");
@@ -364,45 +384,14 @@ pub struct JobTimeline {
     pub damaged: Vec<String>,
 }
 
-impl JobTimeline {
-    /// Whether rank `r`'s entry describes its folder as it is: its parts run from `part-0`,
-    /// are of one run, and the folder has no part after the last and either the recorded
-    /// mtime ([`super::node::unchanged_folder`]) or, changed since, the journal after the
-    /// last part: a live rank opens its next journal after its last entry (appending to it
-    /// leaves the folder's mtime alone).
-    pub fn trusted(r: &RankTimeline, dir: &Path) -> bool {
-        let Some(last) = r.last_part() else {
-            return false;
-        };
-        let live = || {
-            dir.join(crate::location::journal_file_name(last + 1))
-                .exists()
-                && !dir.join(crate::location::part_file_name(last + 1)).exists()
-        };
-        !r.mixed_runs
-            && r.contiguous()
-            && (super::node::unchanged_folder(dir, r.dir_mtime_ns, Some(last)).is_some() || live())
-    }
-}
-
 /// Reads every node timeline of the local run whose `obs` folder is `obs` (a few at a time)
 /// and lists its rank folders. A rank in two files is kept from neither (its host changed
 /// between launches: its folder is read instead).
 pub fn read_local(obs: &Path) -> Result<JobTimeline> {
     use rayon::prelude::*;
-    let mut rank_dirs: Vec<(u32, PathBuf)> = Vec::new();
-    let mut files: Vec<PathBuf> = Vec::new();
-    for e in std::fs::read_dir(obs).with_context(|| format!("listing {}", obs.display()))? {
-        let e = e.with_context(|| format!("listing {}", obs.display()))?;
-        let name = e.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if let Some(rank) = crate::location::parse_rank_dir_name(name) {
-            rank_dirs.push((rank, e.path()));
-        } else if is_timeline_name(name) {
-            files.push(e.path());
-        }
-    }
-    rank_dirs.sort_unstable();
+    let listed = crate::location::ObsFolder::list(obs)?;
+    let files = listed.files_named(is_timeline_name);
+    let rank_dirs = listed.rank_dirs;
     let (mut timeline, damaged) = files
         .par_iter()
         .fold(

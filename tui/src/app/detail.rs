@@ -21,7 +21,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use rayon::prelude::*;
 use titan_obs_core::analysis::Analysis;
-use titan_obs_core::digest::timeline::{self, JobTimeline};
+use titan_obs_core::digest::timeline;
 use titan_obs_core::location::{self, Location};
 use titan_obs_core::lod::{self, LEVEL_SHIFTS, Names, PartDetail, PartSpans};
 use titan_obs_core::part_files::{self, PartFile};
@@ -94,10 +94,10 @@ impl RankParts {
     }
 }
 
-/// What the node timelines give at open (see [`from_timelines`]).
-struct FromTimelines {
+/// What opening gives: the ranks, listed or from the node timelines ([`from_timelines`]).
+struct Opened {
     ranks: Vec<RankParts>,
-    run_id: String,
+    run_id: Option<String>,
     /// (rank, thread) -> depths of the ranks they describe.
     lanes: BTreeMap<(u32, u32), BTreeSet<u16>>,
     /// The steps' bounds over the ranks described, with their tags.
@@ -202,31 +202,32 @@ impl DetailRun {
             Location::Local(p) => from_timelines(run, &p.join("obs"), run_id)?,
             Location::Object { .. } => None,
         };
-        let (ranks, run_id, mut rows, (steps, steps_complete), spans) = match timelines {
-            Some(f) => (
-                f.ranks,
-                Some(f.run_id),
-                f.lanes,
-                (f.steps, f.steps_complete),
-                f.spans,
-            ),
+        let opened = match timelines {
+            Some(o) => o,
             None => {
                 let mut listed = part_files::list(&location)?;
                 let run_id = part_files::keep_run(run, &mut listed, run_id)?;
-                let ranks = (listed.into_iter())
-                    .map(|(rank, files)| RankParts::listed(rank, files))
-                    .collect();
-                (ranks, run_id, BTreeMap::new(), (Vec::new(), false), 0)
+                Opened {
+                    ranks: (listed.into_iter())
+                        .map(|(rank, files)| RankParts::listed(rank, files))
+                        .collect(),
+                    run_id,
+                    lanes: BTreeMap::new(),
+                    steps: Vec::new(),
+                    steps_complete: false,
+                    spans: 0,
+                }
             }
         };
+        let mut rows = opened.lanes;
         let obs = match &location {
             Location::Local(p) => format!("{}/", p.join("obs").display()),
             Location::Object { url, .. } => format!("{url}/obs/"),
         };
         let mut d = DetailRun {
             obs,
-            run_id,
-            ranks,
+            run_id: opened.run_id,
+            ranks: opened.ranks,
             names: Names::default(),
             tags: Names::default(),
             details: Cache::new(DETAIL_CACHE),
@@ -237,7 +238,7 @@ impl DetailRun {
             warned: HashSet::new(),
             origin: 0,
             end: 0,
-            spans_seen: spans,
+            spans_seen: opened.spans,
             last: None,
             tail: BTreeMap::new(),
         };
@@ -259,17 +260,12 @@ impl DetailRun {
             ..Timeline::default()
         };
         t.tagsets.push(Vec::new());
-        // The steps of the ranks the timelines describe; with every rank described, the
-        // whole run's: parts read later add nothing.
-        for (step, a, z, tags) in steps {
+        // The steps of the ranks the timelines describe.
+        for (step, a, z, tags) in opened.steps {
             let mask = (tags.iter().map(|n| d.tags.id(n)))
                 .filter(|&id| id < 64)
                 .fold(0u64, |m, id| m | 1 << id);
             d.steps.insert(step, (a, z, mask));
-        }
-        if steps_complete {
-            d.publish(&mut t);
-            d.steps_final = true;
         }
         d.read_details(&ends, &mut t);
         let ranges = d
@@ -284,13 +280,6 @@ impl DetailRun {
         }
         t.origin_ns = d.origin;
         t.end = d.end.saturating_sub(d.origin);
-        if d.steps_final {
-            // Published before the origin was known.
-            for s in &mut t.steps {
-                s.start = s.start.saturating_sub(d.origin);
-                s.end = s.end.saturating_sub(d.origin);
-            }
-        }
         t.ranks = d.ranks.iter().map(|r| r.rank).collect();
         // Lanes: those the timelines give, and the threads and depths of the parts read.
         for &(ri, pi) in &ends {
@@ -314,6 +303,9 @@ impl DetailRun {
             *ix += 1;
         }
         d.publish(&mut t);
+        // With every rank described, those are the whole run's steps: parts read later add
+        // nothing.
+        d.steps_final = opened.steps_complete;
         Ok((d, t))
     }
 
@@ -781,13 +773,13 @@ impl DetailRun {
 }
 
 /// The run's ranks from its node timelines (`obs/node-<host>.timeline`): each rank a
-/// timeline describes as its folder is ([`JobTimeline::trusted`]) comes with its parts'
+/// timeline describes as its folder is ([`timeline::RankTimeline::describes`]) comes with its parts'
 /// ranges and its lanes, without its folder listed or a part read; the other rank folders
 /// are listed and keep only parts of the run shown. `None` — the run is listed and read as
 /// before — when there is no timeline, when the ranks described are of several runs or not
 /// of `run_id`, or when the newest run cannot be told without reading parts (the lowest
 /// rank is not described).
-fn from_timelines(run: &str, obs: &Path, run_id: Option<&str>) -> Result<Option<FromTimelines>> {
+fn from_timelines(run: &str, obs: &Path, run_id: Option<&str>) -> Result<Option<Opened>> {
     let Ok(job) = timeline::read_local(obs) else {
         return Ok(None);
     };
@@ -802,11 +794,7 @@ fn from_timelines(run: &str, obs: &Path, run_id: Option<&str>) -> Result<Option<
     let trusted: Vec<bool> = job
         .rank_dirs
         .par_iter()
-        .map(|(rank, dir)| {
-            entries
-                .get(rank)
-                .is_some_and(|e| JobTimeline::trusted(e, dir))
-        })
+        .map(|(rank, dir)| entries.get(rank).is_some_and(|e| e.describes(dir)))
         .collect();
     let mut ids = job
         .rank_dirs
@@ -874,10 +862,10 @@ fn from_timelines(run: &str, obs: &Path, run_id: Option<&str>) -> Result<Option<
             (step, a, z, names)
         })
         .collect();
-    Ok(Some(FromTimelines {
+    Ok(Some(Opened {
         steps_complete: ranks.iter().all(|r| r.scanned),
         ranks,
-        run_id: id.to_string(),
+        run_id: Some(id.to_string()),
         lanes,
         steps,
         spans,

@@ -360,11 +360,13 @@ fn whole_run_here(
     if !sent {
         return;
     }
-    if let Some(obs) = large_local_obs(run, figures_from)
+    // From `figures_from` rank folders (`read_local` counts them): the node figures first,
+    // as `summary` reads them at this size (only those of the run shown); then the spreads
+    // and the metrics from the rank summaries, read one at a time.
+    if let Some(obs) = local_obs(run)
         && let Ok(job) = titan_obs_core::digest::figures::read_local(&obs, figures_from)
+        && run_id.is_none_or(|id| id == job.figures.run_id)
     {
-        // From the node figures first, as `summary` reads them at this size; then the
-        // spreads and the metrics from the rank summaries, read one at a time.
         let a = analyse_figures(&job.figures, &StragglerOptions::default());
         drop(job);
         if !send(Whole::Analysis(Box::new(a), Vec::new())) {
@@ -372,6 +374,20 @@ fn whole_run_here(
         }
         match titan_obs_core::analysis::streamed::read_local(&obs, run_id) {
             Ok(s) => {
+                if let Some((file, error)) = s.damaged.first() {
+                    let more = s.damaged.len() - 1;
+                    let why = format!(
+                        "summary: {file}: {error}{}: read without it",
+                        if more > 0 {
+                            format!(" (and {more} more)")
+                        } else {
+                            String::new()
+                        }
+                    );
+                    if !send(Whole::Failed(why)) {
+                        return;
+                    }
+                }
                 if send(Whole::Spread(s.spreads)) {
                     send(Whole::Metrics(metric_series(&s.metrics, &s.names)));
                 }
@@ -394,25 +410,12 @@ fn whole_run_here(
     }
 }
 
-/// The `obs` folder of a local run with at least `ranks` rank folders; `None` for other runs.
-fn large_local_obs(run: &str, ranks: usize) -> Option<std::path::PathBuf> {
-    let titan_obs_core::location::Location::Local(p) =
-        titan_obs_core::location::Location::parse(run).ok()?
-    else {
-        return None;
-    };
-    let obs = p.join("obs");
-    let found = std::fs::read_dir(&obs)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .and_then(titan_obs_core::location::parse_rank_dir_name)
-                .is_some()
-        })
-        .count();
-    (found >= ranks).then_some(obs)
+/// The `obs` folder of a local run; `None` for an object store.
+fn local_obs(run: &str) -> Option<std::path::PathBuf> {
+    match titan_obs_core::location::Location::parse(run).ok()? {
+        titan_obs_core::location::Location::Local(p) => Some(p.join("obs")),
+        titan_obs_core::location::Location::Object { .. } => None,
+    }
 }
 
 type StepBounds = BTreeMap<u64, (i64, i64, Vec<String>)>;
@@ -662,6 +665,43 @@ mod tests {
             stragglers.borrow().contains(&5),
             "{:?}",
             stragglers.borrow()
+        );
+
+        // A damaged rank summary: named once, its rank read from its parts' summaries, the
+        // same spreads.
+        let summary = obs.join("rank-2/rank.summary");
+        let mut bytes = std::fs::read(&summary).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&summary, bytes).unwrap();
+        let said = |run_id: Option<&str>| {
+            let got: RefCell<Vec<String>> = RefCell::default();
+            whole_run_here(&run, run_id, &None, 1, |w| {
+                got.borrow_mut().push(match w {
+                    Whole::Failed(e) => e,
+                    Whole::Spread(s) => format!("spread {}", s.len()),
+                    Whole::Analysis(_, s) => format!("analysis {}", s.len()),
+                    Whole::Metrics(_) => "metrics".into(),
+                    Whole::Steps(..) => "steps".into(),
+                });
+                true
+            });
+            got.into_inner()
+        };
+        let got = said(None);
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert_eq!(got[0], "analysis 0");
+        assert!(
+            got[1].contains("rank-2/rank.summary") && !got[1].contains("more"),
+            "{got:?}"
+        );
+        assert_eq!(got[2], format!("spread {}", merged.len()));
+        // Another run than the figures': they are not read (the rank summaries say there is
+        // no such run).
+        let got = said(Some("another"));
+        assert!(
+            got.len() == 1 && got[0].starts_with("summary:") && got[0].contains("another"),
+            "{got:?}"
         );
     }
 }
