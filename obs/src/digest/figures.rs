@@ -635,11 +635,7 @@ pub fn encode(f: &NodeFigures) -> Vec<u8> {
             }
         }
     }
-    w.u(f.phases.len() as u64);
-    for (id, p) in &f.phases {
-        w.u(u64::from(*id));
-        w.phase(p);
-    }
+    w.phases(&f.phases);
     w.u(f.steps.len() as u64);
     let (mut prev_step, mut prev_wall) = (0u64, 0i64);
     for (&step, s) in &f.steps {

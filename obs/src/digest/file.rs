@@ -66,11 +66,7 @@ pub fn encode(d: &PartDigest, part_len: u64) -> Result<Vec<u8>> {
     for v in [d.rows, d.spans, d.errors, d.pipeline_spans] {
         w.u(v);
     }
-    w.u(d.phases.len() as u64);
-    for (name, p) in &d.phases {
-        w.u(u64::from(*name));
-        w.phase(p);
-    }
+    w.phases(&d.phases);
     w.u(d.cells.len() as u64);
     let mut prev = 0u64;
     for &(s, n, v) in &d.cells {
@@ -488,6 +484,14 @@ impl Writer {
         self.u(v.len() as u64);
         for s in v {
             self.bytes(s.as_bytes());
+        }
+    }
+    /// A list of (name id, phase summary): the count, then each.
+    pub(super) fn phases(&mut self, phases: &[(NameId, PhaseDigest)]) {
+        self.u(phases.len() as u64);
+        for (name, p) in phases {
+            self.u(u64::from(*name));
+            self.phase(p);
         }
     }
     pub(super) fn phase(&mut self, p: &PhaseDigest) {
