@@ -151,6 +151,76 @@ impl ObsFolder {
     }
 }
 
+/// An object-store run's `obs/` prefix, listed once with a delimiter: its rank folders and
+/// the objects beside them (node figures and timelines), not the parts inside the folders
+/// (a 16 384-rank run is ~17 LIST pages so, against thousands to list every part).
+#[derive(Debug, Default)]
+pub struct ObjectObs {
+    /// The rank folders (`rank-<R>/` prefixes), by rank.
+    pub ranks: Vec<u32>,
+    /// (name, path) of every object beside them.
+    pub files: Vec<(String, StorePath)>,
+}
+
+/// Rank folders checked at once ([`ObjectObs::next_parts_absent`]).
+const CHECKS_AT_ONCE: usize = 64;
+
+impl ObjectObs {
+    /// Lists `<base>/obs/` of the store (`url` for messages).
+    pub fn list(store: &Arc<dyn ObjectStore>, base: &StorePath, url: &str) -> Result<ObjectObs> {
+        use anyhow::Context as _;
+        let obs = base.clone().join("obs");
+        let listed = titan_storage::runtime()
+            .block_on(store.list_with_delimiter(Some(&obs)))
+            .with_context(|| format!("listing {url}/obs/"))?;
+        let mut ranks: Vec<u32> = (listed.common_prefixes.iter())
+            .filter_map(|p| parse_rank_dir_name(p.filename()?))
+            .collect();
+        ranks.sort_unstable();
+        let files = (listed.objects.into_iter())
+            .filter_map(|m| Some((m.location.filename()?.to_string(), m.location)))
+            .collect();
+        Ok(ObjectObs { ranks, files })
+    }
+
+    /// The objects whose name passes `keep`.
+    pub fn files_named(&self, keep: impl Fn(&str) -> bool) -> Vec<StorePath> {
+        (self.files.iter())
+            .filter(|(n, _)| keep(n))
+            .map(|(_, p)| p.clone())
+            .collect()
+    }
+
+    /// For each (rank, last part) whether the rank's folder holds no part after `last` (one
+    /// HEAD a rank, [`CHECKS_AT_ONCE`] at a time): the object-store form of a local folder's
+    /// unchanged mtime, as a rank's writer adds parts in index order. An error other than
+    /// "not found" counts as a part there (the rank is then read from its folder).
+    pub async fn next_parts_absent(
+        store: &Arc<dyn ObjectStore>,
+        base: &StorePath,
+        ranks: &[(u32, Option<u64>)],
+    ) -> Vec<bool> {
+        use futures::StreamExt;
+        use object_store::ObjectStoreExt as _;
+        let obs = base.clone().join("obs");
+        let checks = ranks.iter().map(|&(rank, last)| {
+            let path = (obs.clone())
+                .join(format!("rank-{rank}"))
+                .join(part_file_name(last.map_or(0, |l| l + 1)).as_str());
+            async move {
+                matches!(
+                    store.head(&path).await,
+                    Err(object_store::Error::NotFound { .. })
+                )
+            }
+        });
+        futures::stream::iter(checks)
+            .buffered(CHECKS_AT_ONCE)
+            .collect()
+            .await
+    }
+}
+
 /// The error of a location that holds no run titan-obs can read (a README, a checkpoint, a
 /// run's `obs/` folder): the command line named the wrong thing, so the CLI exits with its
 /// usage code. The message says what was found and what to pass instead.

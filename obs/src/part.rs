@@ -362,6 +362,33 @@ struct RankSummaryState {
     pending: Vec<crate::digest::timeline::PartTimeline>,
 }
 
+/// An object store's `obs/` prefix, where a node's figures and timeline are published.
+struct StoreRemote<'a> {
+    store: &'a Arc<dyn object_store::ObjectStore>,
+    obs: object_store::path::Path,
+}
+
+impl crate::digest::node::Remote for StoreRemote<'_> {
+    fn get(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        let path = self.obs.clone().join(name);
+        let got =
+            titan_storage::runtime().block_on(async { self.store.get(&path).await?.bytes().await });
+        match got {
+            Ok(b) => Ok(Some(b.to_vec())),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {path}")),
+        }
+    }
+
+    fn put(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
+        let path = self.obs.clone().join(name);
+        titan_storage::runtime()
+            .block_on(self.store.put(&path, bytes.into()))
+            .with_context(|| format!("uploading {path}"))?;
+        Ok(())
+    }
+}
+
 /// The default spool folder of object-store runs' journals: `$TMPDIR/titan-obs-spool`.
 pub fn default_spool_dir() -> PathBuf {
     std::env::temp_dir().join("titan-obs-spool")
@@ -399,29 +426,26 @@ impl PartSink {
     /// entry of its node's rollup (`obs/node-<host>.summary`, [`crate::digest::node`]); a
     /// rollup that cannot be written is only logged (readers then read the rank's folder).
     pub fn finish_rank_summary(&self) -> Result<()> {
-        let Location::Local(run) = &self.location else {
-            // An object store: the rank summary is one more object beside the parts (no
-            // rollup: the ranks of a node share no lock there).
-            let mut st = self.lock_rank_summary();
-            if let (true, Some(d)) = (st.dirty, &st.digest) {
-                let bytes = crate::digest::rank_file::encode(d)?;
-                self.put_beside(crate::digest::RANK_SUMMARY_FILE, bytes)?;
-                st.dirty = false;
-            }
-            return Ok(());
-        };
         let mut st = self.lock_rank_summary();
         let st = &mut *st;
-        if let (true, Some(d)) = (st.dirty, &st.digest) {
-            let dir = rank_dir(run, self.rank);
-            let bytes = crate::digest::rank_file::encode(d)?;
-            let path = crate::digest::rank_file::rank_summary_path(&dir);
-            crate::sidecar::write_atomic(&path, &bytes)?;
-            let added = std::mem::take(&mut st.pending);
-            self.roll_up(run, d, bytes, true, &added);
-            st.dirty = false;
-            st.rolled_up = true;
+        let (true, Some(d)) = (st.dirty, &st.digest) else {
+            return Ok(());
+        };
+        let bytes = crate::digest::rank_file::encode(d)?;
+        match &self.location {
+            Location::Local(run) => {
+                let path = crate::digest::rank_file::rank_summary_path(&rank_dir(run, self.rank));
+                crate::sidecar::write_atomic(&path, &bytes)?;
+            }
+            // An object store: the rank summary is one more object beside the parts.
+            Location::Object { .. } => {
+                self.put_beside(crate::digest::RANK_SUMMARY_FILE, bytes.clone())?
+            }
         }
+        let added = std::mem::take(&mut st.pending);
+        self.roll_up(d, bytes, true, &added, !st.rolled_up);
+        st.dirty = false;
+        st.rolled_up = true;
         Ok(())
     }
 
@@ -430,13 +454,14 @@ impl PartSink {
     /// journal after [`Self::put`]), so readers can trust the rollup for this rank without
     /// listing its folder.
     pub fn restamp_rollup(&self) {
-        let Location::Local(run) = &self.location else {
+        if !matches!(self.location, Location::Local(_)) {
+            // The spool's journal is no part of what the store's readers check.
             return;
-        };
+        }
         let st = self.lock_rank_summary();
         if let (true, false, Some(d)) = (st.rolled_up, st.dirty, &st.digest) {
             match crate::digest::rank_file::encode(d) {
-                Ok(bytes) => self.roll_up(run, d, bytes, false, &[]),
+                Ok(bytes) => self.roll_up(d, bytes, false, &[], false),
                 Err(e) => tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank),
             }
         }
@@ -444,14 +469,16 @@ impl PartSink {
 
     /// Replaces this rank's entry of its node's rollup; `summary_changed`: its summary is new
     /// (else only its folder changed since the last entry); `added`: the parts put since the
-    /// last entry, for the node's timeline.
+    /// last entry, for the node's timeline; `first`: this sink's first entry. A local run's
+    /// node files are in its `obs/` folder; an object-store run's in the spool folder the
+    /// node's ranks share (the parent of their journal folders), published to the store.
     fn roll_up(
         &self,
-        run: &Path,
         d: &crate::digest::RankDigest,
         encoded: Vec<u8>,
         summary_changed: bool,
         added: &[crate::digest::timeline::PartTimeline],
+        first: bool,
     ) {
         use crate::digest::node;
         let host = d
@@ -459,17 +486,36 @@ impl PartSink {
             .last()
             .map_or("", |s| s.digest.info.header.host.as_str());
         let name = node::file_name(host, self.rank);
-        let dir = rank_dir(run, self.rank);
-        if let Err(e) = node::update(
-            &run.join("obs"),
-            &name,
-            self.rank,
-            &dir,
-            d.last_index(),
-            encoded,
-            summary_changed,
-            added,
-        ) {
+        let rolled = (|| -> Result<()> {
+            let update = |dir_mtime_ns| node::RankUpdate {
+                rank: self.rank,
+                dir_mtime_ns,
+                last_part: d.last_index(),
+                summary: encoded,
+                summary_changed,
+                added,
+            };
+            match &self.location {
+                Location::Local(run) => {
+                    let dir = rank_dir(run, self.rank);
+                    let m = std::fs::metadata(&dir)
+                        .with_context(|| format!("reading {}", dir.display()))?;
+                    let u = update(node::mtime_ns(&m));
+                    node::update(&run.join("obs"), &name, u, None, first)
+                }
+                Location::Object { store, base, .. } => {
+                    let spool = self.journal_dir.parent().unwrap_or(&self.journal_dir);
+                    std::fs::create_dir_all(spool)
+                        .with_context(|| format!("creating {}", spool.display()))?;
+                    let remote = StoreRemote {
+                        store,
+                        obs: base.clone().join("obs"),
+                    };
+                    node::update(spool, &name, update(0), Some(&remote), first)
+                }
+            }
+        })();
+        if let Err(e) = rolled {
             tracing::warn!("no node rollup written for rank {}: {e:#}", self.rank);
         }
     }
@@ -637,6 +683,10 @@ impl PartSink {
     ) -> Result<()> {
         let Location::Local(run) = &self.location else {
             let mut st = self.lock_rank_summary();
+            if let Some(d) = detail {
+                let part = crate::digest::timeline::PartTimeline::of(index, &digest.info.run_id, d);
+                st.pending.push(part);
+            }
             match &mut st.digest {
                 Some(d) if d.last_index().is_none_or(|l| index > l) => {
                     d.add_part(index, len, digest)

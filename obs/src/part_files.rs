@@ -14,7 +14,7 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::footer::Footer;
-use crate::location::{Location, ObsFolder, parse_part_file_name, parse_rank_dir_name};
+use crate::location::{Location, ObsFolder, parse_part_file_name};
 
 /// Where a part file is.
 #[derive(Clone)]
@@ -25,7 +25,8 @@ enum Place {
         path: StorePath,
         /// `<url>/obs/rank-<R>/part-<N>.parquet`, for messages.
         shown: String,
-        len: u64,
+        /// From the listing; `None` for a part known from its node's timeline (not listed).
+        len: Option<u64>,
     },
 }
 
@@ -58,6 +59,31 @@ impl PartFile {
         }
     }
 
+    /// Part `index` of `rank` in the object store `store` whose run is at `base` (`url`), not
+    /// listed: its size is learnt when it is read.
+    pub fn stored(
+        store: Arc<dyn ObjectStore>,
+        base: &StorePath,
+        url: &str,
+        rank: u32,
+        index: u64,
+    ) -> PartFile {
+        let name = crate::location::part_file_name(index);
+        PartFile {
+            rank,
+            index,
+            place: Place::Object {
+                store,
+                path: (base.clone())
+                    .join("obs")
+                    .join(format!("rank-{rank}"))
+                    .join(name.as_str()),
+                shown: format!("{url}/obs/rank-{rank}/{name}"),
+                len: None,
+            },
+        }
+    }
+
     /// The part's path or URL, for messages.
     pub fn shown(&self) -> String {
         match &self.place {
@@ -80,7 +106,13 @@ impl PartFile {
             Place::Local(p) => Ok(std::fs::metadata(p)
                 .with_context(|| format!("reading {}", p.display()))?
                 .len()),
-            Place::Object { len, .. } => Ok(*len),
+            Place::Object { len: Some(len), .. } => Ok(*len),
+            Place::Object {
+                store, path, shown, ..
+            } => Ok(titan_storage::runtime()
+                .block_on(store.head(path))
+                .with_context(|| format!("reading {shown}"))?
+                .size),
         }
     }
 
@@ -159,10 +191,35 @@ impl PartFile {
     /// The key-value metadata of the part's footer, reading only the end of the file.
     pub fn footer_kv(&self) -> Result<std::collections::HashMap<String, String>> {
         use crate::footer::{FOOTER_READ, Tail};
-        let len = self.byte_len()?;
+        let (len, mut tail) = match &self.place {
+            // Not listed: its size comes with the first read of its end.
+            Place::Object {
+                store,
+                path,
+                shown,
+                len: None,
+            } => {
+                let opts = object_store::GetOptions {
+                    range: Some(object_store::GetRange::Suffix(FOOTER_READ)),
+                    ..Default::default()
+                };
+                let got = titan_storage::runtime()
+                    .block_on(async {
+                        let r = store.get_opts(path, opts).await?;
+                        let len = r.meta.size;
+                        Ok::<_, object_store::Error>((len, r.bytes().await?))
+                    })
+                    .with_context(|| format!("reading {shown}"))?;
+                (got.0, Some(got.1))
+            }
+            _ => (self.byte_len()?, None),
+        };
         let mut want = len.min(FOOTER_READ);
         loop {
-            let tail = self.read_range(len - want..len)?;
+            let tail = match tail.take() {
+                Some(t) => t,
+                None => self.read_range(len - want..len)?,
+            };
             match crate::footer::parse_tail(&tail, len)
                 .with_context(|| format!("{}: invalid Parquet footer", self.shown()))?
             {
@@ -197,60 +254,66 @@ pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
             }
         }
         Location::Object { url, store, base } => {
-            use futures::{StreamExt, TryStreamExt};
-            let obs = base.clone().join("obs");
-            let rt = titan_storage::runtime();
             // The rank folders first, then each folder's objects, a few folders at a time: a
             // day-long run holds hundreds of thousands of objects, which one listing pages
             // through a thousand at a time.
-            let folders = rt
-                .block_on(store.list_with_delimiter(Some(&obs)))
-                .with_context(|| format!("listing {url}/obs"))?
-                .common_prefixes;
-            let listed: Vec<(u32, Vec<object_store::ObjectMeta>)> = rt
-                .block_on(
-                    futures::stream::iter(folders.into_iter().filter_map(|folder| {
-                        let rank = parse_rank_dir_name(folder.filename()?)?;
-                        Some((rank, folder))
-                    }))
-                    .map(|(rank, folder)| {
-                        let store = store.clone();
-                        async move {
-                            let metas = store.list(Some(&folder)).try_collect().await;
-                            metas.map(|m| (rank, m))
-                        }
-                    })
-                    .buffer_unordered(LISTINGS_AT_ONCE)
-                    .try_collect(),
-                )
-                .with_context(|| format!("listing {url}/obs"))?;
-            for (rank, metas) in listed {
-                let parts = ranks.entry(rank).or_default();
-                for m in metas {
-                    let Some(file) = m.location.filename() else {
-                        continue;
-                    };
-                    let Some(index) = parse_part_file_name(file) else {
-                        continue;
-                    };
-                    parts.push(PartFile {
-                        rank,
-                        index,
-                        place: Place::Object {
-                            store: store.clone(),
-                            shown: format!("{url}/obs/rank-{rank}/{file}"),
-                            path: m.location,
-                            len: m.size,
-                        },
-                    });
-                }
-            }
+            let folders = crate::location::ObjectObs::list(store, base, url)?.ranks;
+            ranks = list_object_ranks(store, base, url, &folders)?;
         }
     }
     for parts in ranks.values_mut() {
         parts.sort_by_key(|p| p.index);
     }
     Ok(ranks)
+}
+
+/// The parts of the object-store ranks `ranks` (run at `base`, `url` for messages), each
+/// folder listed, [`LISTINGS_AT_ONCE`] at a time; by rank and part index.
+pub fn list_object_ranks(
+    store: &Arc<dyn ObjectStore>,
+    base: &StorePath,
+    url: &str,
+    ranks: &[u32],
+) -> Result<BTreeMap<u32, Vec<PartFile>>> {
+    use futures::{StreamExt, TryStreamExt};
+    let obs = base.clone().join("obs");
+    let listed: Vec<(u32, Vec<object_store::ObjectMeta>)> = titan_storage::runtime()
+        .block_on(
+            futures::stream::iter(ranks.iter().map(|&rank| {
+                let folder = obs.clone().join(format!("rank-{rank}"));
+                async move {
+                    let metas = store.list(Some(&folder)).try_collect().await;
+                    metas.map(|m| (rank, m))
+                }
+            }))
+            .buffer_unordered(LISTINGS_AT_ONCE)
+            .try_collect(),
+        )
+        .with_context(|| format!("listing {url}/obs"))?;
+    let mut out: BTreeMap<u32, Vec<PartFile>> = BTreeMap::new();
+    for (rank, metas) in listed {
+        let parts = out.entry(rank).or_default();
+        for m in metas {
+            let Some(file) = m.location.filename() else {
+                continue;
+            };
+            let Some(index) = parse_part_file_name(file) else {
+                continue;
+            };
+            parts.push(PartFile {
+                rank,
+                index,
+                place: Place::Object {
+                    store: store.clone(),
+                    shown: format!("{url}/obs/rank-{rank}/{file}"),
+                    path: m.location,
+                    len: Some(m.size),
+                },
+            });
+        }
+        parts.sort_by_key(|p| p.index);
+    }
+    Ok(out)
 }
 
 /// Whether the run's parts hold at least `bytes` in all: summed rank folder by rank folder

@@ -996,6 +996,8 @@ mod tests {
             v
         };
         let spool_rank = crate::location::spool_rank_dir(&spool, url, 0);
+        let node = crate::digest::node::file_name(&hostname(), 0);
+        let node = node.strip_suffix(".summary").unwrap().to_string();
         let journals = || {
             std::fs::read_dir(&spool_rank)
                 .map(|d| d.count())
@@ -1014,8 +1016,9 @@ mod tests {
                 saw_journal |= journals() > 0;
                 let o = objects();
                 assert!(
-                    o.iter()
-                        .all(|o| o.ends_with(".parquet") || o.ends_with("/rank.summary")),
+                    o.iter().all(|o| o.ends_with(".parquet")
+                        || o.ends_with("/rank.summary")
+                        || o.starts_with(&format!("runs/a/obs/{node}."))),
                     "{o:?}"
                 );
             }
@@ -1031,10 +1034,31 @@ mod tests {
         assert!(objects.len() >= 2, "{objects:?}");
         assert_eq!(objects.len() as u64, stats.parts);
         // Every part is one object: its summary and detail levels are in its footer; beside
-        // them the rank summary (issue 42).
-        let mut want = objects.clone();
+        // them the rank summary, and beside the rank folders the node's figures and timeline,
+        // published from the spool folder that keeps the node's files (issue 42).
+        let mut want = vec![
+            format!("runs/a/obs/{node}.figures"),
+            format!("runs/a/obs/{node}.timeline"),
+        ];
+        want.extend(objects.iter().cloned());
         want.push("runs/a/obs/rank-0/rank.summary".into());
         assert_eq!(all, want, "{all:?}");
+        let spooled = spool_rank.parent().unwrap();
+        for ext in ["figures", "timeline"] {
+            let key = base.clone().join("obs").join(format!("{node}.{ext}"));
+            let published = titan_storage::runtime()
+                .block_on(async { store.get(&key).await?.bytes().await })
+                .unwrap();
+            let kept = std::fs::read(spooled.join(format!("{node}.{ext}"))).unwrap();
+            assert_eq!(published.to_vec(), kept, "{ext}");
+        }
+        let t = crate::digest::timeline::decode(
+            &std::fs::read(spooled.join(format!("{node}.timeline"))).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(t.ranks.len(), 1);
+        assert!(t.ranks[0].may_describe_stored());
+        assert_eq!(t.ranks[0].parts.len() as u64, stats.parts);
         assert!(
             objects
                 .iter()

@@ -241,6 +241,16 @@ impl Emitter<'_> {
 
 /// Writes a synthetic run to `run` (local dir or object store URL), ranks in parallel.
 pub fn write_run(run: &str, cfg: &SynthConfig) -> Result<SynthStats> {
+    write_run_spooled(run, cfg, None)
+}
+
+/// [`write_run`] with an object-store run's node files kept under `spool` (the writers'
+/// spool folder, [`PartSink::with_spool`]) instead of the default one.
+pub fn write_run_spooled(
+    run: &str,
+    cfg: &SynthConfig,
+    spool: Option<&std::path::Path>,
+) -> Result<SynthStats> {
     if cfg.ranks == 0 || cfg.steps_per_part == 0 {
         bail!("synthetic run needs at least one rank and steps_per_part >= 1");
     }
@@ -256,7 +266,7 @@ pub fn write_run(run: &str, cfg: &SynthConfig) -> Result<SynthStats> {
     (0..cfg.ranks)
         .into_par_iter()
         .try_for_each(|rank| -> Result<()> {
-            let s = write_rank(&location, cfg, &template, &starts, rank)?;
+            let s = write_rank(&location, spool, cfg, &template, &starts, rank)?;
             stats.0.fetch_add(s.spans, Ordering::Relaxed);
             stats.1.fetch_add(s.records, Ordering::Relaxed);
             stats.2.fetch_add(s.parts, Ordering::Relaxed);
@@ -382,14 +392,18 @@ fn step_starts(cfg: &SynthConfig, template: &Phase) -> Vec<(i64, Option<i64>)> {
 
 fn write_rank(
     location: &Location,
+    spool: Option<&std::path::Path>,
     cfg: &SynthConfig,
     template: &Phase,
     starts: &[(i64, Option<i64>)],
     rank: u32,
 ) -> Result<SynthStats> {
-    let sink = PartSink::new(location.clone(), rank)
+    let mut sink = PartSink::new(location.clone(), rank)
         .with_context(|| format!("preparing rank {rank} of the synthetic run"))?
         .defer_rank_summary();
+    if let Some(spool) = spool {
+        sink = sink.with_spool(spool);
+    }
     let header = PartHeader {
         run_id: cfg.run_id.clone(),
         source: "trainer".into(),

@@ -800,17 +800,19 @@ fn ranks_of_a_node_writing_at_once_lose_no_entry() {
                             vec![],
                         )],
                     };
-                    titan_obs_core::digest::node::update(
-                        obs,
-                        "node-h.summary",
-                        r,
-                        &obs.join(format!("rank-{r}")),
-                        Some(i),
-                        body,
-                        true,
-                        &[part],
-                    )
-                    .unwrap();
+                    let dir = obs.join(format!("rank-{r}"));
+                    let u = titan_obs_core::digest::node::RankUpdate {
+                        rank: r,
+                        dir_mtime_ns: titan_obs_core::digest::node::mtime_ns(
+                            &std::fs::metadata(&dir).unwrap(),
+                        ),
+                        last_part: Some(i),
+                        summary: body,
+                        summary_changed: true,
+                        added: &[part],
+                    };
+                    titan_obs_core::digest::node::update(obs, "node-h.summary", u, None, false)
+                        .unwrap();
                 }
             });
         }

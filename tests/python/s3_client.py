@@ -31,8 +31,11 @@ def main():
     elif cmd == "get":
         prefix, d = args
         os.makedirs(d, exist_ok=True)
-        for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
-            s3.download_file(bucket, o["Key"], os.path.join(d, o["Key"][len(prefix) + 1 :]))
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+        for o in (o for p in pages for o in p.get("Contents", [])):
+            dst = os.path.join(d, o["Key"][len(prefix) + 1 :])
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            s3.download_file(bucket, o["Key"], dst)
     elif cmd == "ls":
         (prefix,) = args
         for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", []):
@@ -43,6 +46,12 @@ def main():
     elif cmd == "rm":
         (key,) = args
         s3.delete_object(Bucket=bucket, Key=key)
+    elif cmd == "rm-suffix":
+        prefix, suffix = args
+        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+        for o in (o for p in pages for o in p.get("Contents", [])):
+            if o["Key"].endswith(suffix):
+                s3.delete_object(Bucket=bucket, Key=o["Key"])
     else:
         sys.exit(f"unknown command {cmd}")
 

@@ -468,10 +468,12 @@ fn corrupt_parts_and_missing_ranks_are_reported_by_name() {
 fn records_to_and_reads_from_s3() {
     let moto = MotoServer::start("obs-test");
     let url = "s3://obs-test/runs/r1";
+    // The writers' spool (journals, the node's files): this test's own.
+    let tmp = tempfile::tempdir().unwrap();
     let mut kids: Vec<_> = (0..2)
         .map(|r| {
             let mut c = child(Path::new(url), "train", r, 2, 20);
-            c.env("OBS_CHILD_ROTATE_MS", "60");
+            c.env("OBS_CHILD_ROTATE_MS", "60").env("TMPDIR", tmp.path());
             moto.aws_env(&mut c).spawn().unwrap()
         })
         .collect();
@@ -502,7 +504,9 @@ fn records_to_and_reads_from_s3() {
     };
     // Issue 42: what `summary` costs on S3. Each rank's writer keeps its rank summary beside
     // its parts: one LIST page and one GET a rank, not one a part; before them, what the
-    // location holds is told by a HEAD (one object?) and a LIST of its top level.
+    // location holds is told by a HEAD (one object?) and a LIST of its top level. `summary`
+    // lists `obs/`'s top level once more first (`--node-figures auto`: are there 1024 rank
+    // folders?).
     let listing = moto.s3(&["ls", "runs/r1/obs"]);
     let parts = listing.lines().filter(|l| l.ends_with(".parquet")).count();
     assert_eq!(
@@ -516,18 +520,107 @@ fn records_to_and_reads_from_s3() {
     assert!(parts > 2, "{listing}");
     let opened = |gets: usize| BTreeMap::from([("GET".to_string(), 1 + gets), ("HEAD".into(), 1)]);
     let (with_rank_summaries, made) = summary();
-    assert_eq!(made, opened(1 + 2));
+    assert_eq!(made, opened(1 + 1 + 2));
     // `metrics` reads the same summaries.
     let (lines, made) = metrics();
     assert!(lines.starts_with(
         "step:  1  training/loss_mean: 9.5  training/grad_norm_max: 2  trainer_throughput/tps_sum: 300"
     ));
     assert_eq!(made, opened(1 + 2));
+    // The node's figures and timeline, published by its ranks' writers beside the rank
+    // folders (both ranks run on this host: one node). `summary --node-figures on` reads them:
+    // a LIST of `obs/`'s top level, a GET a node, a HEAD a rank (is there a part after the
+    // last one its figures cover?), no rank folder listed and no rank summary read.
+    let node_files: Vec<&str> = (listing.lines())
+        .filter(|l| l.starts_with("node-"))
+        .collect();
+    assert_eq!(node_files.len(), 2, "{listing}");
+    assert!(node_files[0].ends_with(".figures") && node_files[1].ends_with(".timeline"));
+    let from_figures = |gets: usize, heads: usize| {
+        let (out, made) = run(&["summary", url, "--json", "--quiet", "--node-figures", "on"]);
+        assert_eq!(
+            made,
+            BTreeMap::from([("GET".to_string(), gets), ("HEAD".into(), heads)])
+        );
+        let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            (s["ranks"].clone(), s["steps"].clone()),
+            (2.into(), STEPS.into())
+        );
+        s
+    };
+    let mut fig = from_figures(2, 2);
+    assert_eq!(fig["node_figures"]["nodes"], 1, "{}", fig["node_figures"]);
+    assert_eq!(fig["node_figures"]["ranks_from_folders"], 0);
+    // The same figures as the run copied to a local folder gives: there they are
+    // recomputed from its rank folders (copied, the folders have other mtimes).
+    let copy = tempfile::tempdir().unwrap();
+    moto.s3(&["get", "runs/r1", copy.path().to_str().unwrap()]);
+    let local = titan_obs_core(&[
+        "summary",
+        copy.path().to_str().unwrap(),
+        "--json",
+        "--quiet",
+        "--node-figures",
+        "on",
+    ]);
+    assert!(local.status.success(), "{}", stderr(&local));
+    let mut local: serde_json::Value = serde_json::from_str(&stdout(&local)).unwrap();
+    assert_eq!(local["node_figures"]["ranks_from_folders"], 2);
+    for s in [&mut fig, &mut local] {
+        s.as_object_mut().unwrap().remove("run");
+        s.as_object_mut().unwrap().remove("node_figures");
+    }
+    assert_eq!(fig, local);
+    // Figures that end before a rank's last part (a writer killed before it published):
+    // the node's ranks are read from their folders, each listed and its rank summary read
+    // (which covers exactly its parts); the same figures.
+    let figures_file = copy.path().join("obs").join(node_files[0]);
+    let mut f =
+        titan_obs_core::digest::figures::decode(&std::fs::read(&figures_file).unwrap()).unwrap();
+    let r1 = f.ranks.iter_mut().find(|r| r.rank == 1).unwrap();
+    r1.last_part = r1.last_part.unwrap().checked_sub(1);
+    let older = tempfile::tempdir().unwrap();
+    std::fs::write(
+        older.path().join(node_files[0]),
+        titan_obs_core::digest::figures::encode(&f),
+    )
+    .unwrap();
+    moto.s3(&["put", older.path().to_str().unwrap(), "runs/r1/obs"]);
+    let mut recomputed = from_figures(2 + 2 * 2, 2);
+    assert_eq!(recomputed["node_figures"]["nodes"], 0);
+    assert_eq!(recomputed["node_figures"]["ranks_from_folders"], 2);
+    let shown = recomputed.as_object_mut().unwrap();
+    shown.remove("run");
+    shown.remove("node_figures");
+    assert_eq!(recomputed, fig);
+    // A part the rank summary does not cover (a writer killed between the two): the run is
+    // read as without figures.
+    let last = (listing.lines())
+        .filter_map(|l| l.strip_prefix("rank-1/part-"))
+        .filter_map(|l| l.strip_suffix(".parquet")?.parse::<u64>().ok())
+        .max()
+        .unwrap();
+    let extra = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        copy.path().join("obs/rank-1/part-000000.parquet"),
+        extra.path().join(format!("part-{:06}.parquet", last + 1)),
+    )
+    .unwrap();
+    moto.s3(&["put", extra.path().to_str().unwrap(), "runs/r1/obs/rank-1"]);
+    let (out, _) = run(&["summary", url, "--json", "--quiet", "--node-figures", "on"]);
+    let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(s["node_figures"].is_null(), "{}", s["node_figures"]);
+    moto.s3(&[
+        "rm",
+        &format!("runs/r1/obs/rank-1/part-{:06}.parquet", last + 1),
+    ]);
+
     // Without them (a run written before): one ranged GET a part, the same answers.
     moto.s3(&["rm", "runs/r1/obs/rank-0/rank.summary"]);
     moto.s3(&["rm", "runs/r1/obs/rank-1/rank.summary"]);
     let (without, made) = summary();
-    assert_eq!(made, opened(1 + parts));
+    assert_eq!(made, opened(1 + 1 + parts));
     assert_eq!(with_rank_summaries, without);
     let (lines_without, made) = metrics();
     assert_eq!(made, opened(1 + parts));

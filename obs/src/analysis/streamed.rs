@@ -1,4 +1,4 @@
-//! What a viewer of a large local run needs of every rank summary besides the analysis (which
+//! What a viewer of a large run (local or on an object store) needs of every rank summary besides the analysis (which
 //! the node figures give): each (phase, step)'s spread across ranks and the metric lines,
 //! read one rank summary at a time (a few dozen decoded at once), in memory that grows with
 //! phases x steps, not with ranks x phases x steps as a merged [`crate::digest::RunDigest`] does
@@ -46,18 +46,77 @@ struct Cell {
 /// Reads the rank summaries of the local run whose `obs` folder is `obs`.
 pub fn read_local(obs: &Path, run_id: Option<&str>) -> Result<Streamed> {
     let dirs = crate::location::ObsFolder::list(obs)?.rank_dirs;
+    let ranks: Vec<u32> = dirs.iter().map(|(r, _)| *r).collect();
+    let dir_of: HashMap<u32, &std::path::PathBuf> = dirs.iter().map(|(r, d)| (*r, d)).collect();
+    Ok(stream(&ranks, run_id, |chunk| {
+        chunk
+            .par_iter()
+            .map(|rank| {
+                let dir = dir_of[rank];
+                let listed = local::list_parts(dir).unwrap_or_default();
+                (*rank, summarise_rank(dir, *rank, &listed, false))
+            })
+            .collect()
+    }))
+}
+
+/// Reads the rank summaries (`obs/rank-<R>/rank.summary`) of the object-store run at `base`
+/// (`url` for messages), [`RANKS_AT_ONCE`] GETs at a time: each as its writer last left it
+/// (a rank its node's figures describe has one covering at least their parts: the writer
+/// puts it before it publishes them). A rank without one is named in `damaged`.
+pub fn read_object(
+    store: &std::sync::Arc<dyn object_store::ObjectStore>,
+    base: &object_store::path::Path,
+    url: &str,
+    run_id: Option<&str>,
+) -> Result<Streamed> {
+    use futures::StreamExt;
+    use object_store::ObjectStoreExt as _;
+    let ranks = crate::location::ObjectObs::list(store, base, url)?.ranks;
+    let rt = titan_storage::runtime();
+    Ok(stream(&ranks, run_id, |chunk| {
+        let gets = chunk.iter().map(|&rank| {
+            let path = (base.clone())
+                .join("obs")
+                .join(format!("rank-{rank}"))
+                .join(crate::digest::RANK_SUMMARY_FILE);
+            async move {
+                let got = async { store.get(&path).await?.bytes().await }.await;
+                let mut s = RankSummarised::default();
+                match got
+                    .map_err(anyhow::Error::from)
+                    .and_then(|b| crate::digest::rank_file::decode(&b))
+                {
+                    Ok(d) => s.digest = d,
+                    Err(e) => s.damaged.push((
+                        format!("{url}/obs/rank-{rank}/{}", crate::digest::RANK_SUMMARY_FILE),
+                        format!("{e:#}"),
+                    )),
+                }
+                (rank, s)
+            }
+        });
+        rt.block_on(
+            futures::stream::iter(gets)
+                .buffered(RANKS_AT_ONCE)
+                .collect(),
+        )
+    }))
+}
+
+/// The spreads and metric lines of `ranks` (in rank order), their summaries read by
+/// `read_chunk` [`RANKS_AT_ONCE`] at a time.
+fn stream(
+    ranks: &[u32],
+    run_id: Option<&str>,
+    read_chunk: impl Fn(&[u32]) -> Vec<(u32, RankSummarised)>,
+) -> Streamed {
     let mut names: Vec<String> = Vec::new();
     let mut ids: HashMap<String, u32> = HashMap::new();
     let mut cells: HashMap<(u32, u64), Cell> = HashMap::new();
     let mut out = Streamed::default();
-    for chunk in dirs.chunks(RANKS_AT_ONCE) {
-        let read: Vec<(u32, RankSummarised)> = chunk
-            .par_iter()
-            .map(|(rank, dir)| {
-                let listed = local::list_parts(dir).unwrap_or_default();
-                (*rank, summarise_rank(dir, *rank, &listed, false))
-            })
-            .collect();
+    for chunk in ranks.chunks(RANKS_AT_ONCE) {
+        let read = read_chunk(chunk);
         for (rank, s) in read {
             out.damaged.extend(s.damaged);
             out.damaged.extend(s.corrupt);
@@ -120,5 +179,5 @@ pub fn read_local(obs: &Path, run_id: Option<&str>) -> Result<Streamed> {
     spreads.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
     out.spreads = spreads;
     out.names = names;
-    Ok(out)
+    out
 }

@@ -919,24 +919,12 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
                 .and_then(|b| decode(&b))
                 .with_context(|| path.display().to_string())
                 .map_err(|e| not(format!("{e:#}")))?;
-            let ranks: Vec<u32> = f
-                .ranks
-                .iter()
-                .map(|r| r.rank)
-                .chain(f.other_run_ranks.iter().copied())
-                .collect();
             let fresh = f.ranks.iter().all(|r| {
                 dir_of
                     .get(&r.rank)
                     .is_some_and(|dir| rank_unchanged(dir, r))
             });
-            acc.listed.extend(&ranks);
-            if fresh {
-                acc.nodes_read += 1;
-                acc.add(f)?;
-            } else {
-                acc.stale.push(ranks);
-            }
+            acc.take(f, fresh)?;
             Ok(acc)
         })
         .try_reduce(Merged::default, |mut a, b| {
@@ -944,19 +932,7 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
             Ok(a)
         })?;
     let mut acc = fold;
-    // A rank in two files (its host changed between launches): which holds its records?
-    acc.listed.sort_unstable();
-    if let Some(w) = acc.listed.windows(2).find(|w| w[0] == w[1]) {
-        return Err(not(format!("rank {} is in two nodes' figures", w[0])));
-    }
-    // Ranks to read from their folders: those of stale nodes, and those in no node.
-    let mut groups = std::mem::take(&mut acc.stale);
-    for &(rank, _) in &rank_dirs {
-        if acc.listed.binary_search(&rank).is_err() {
-            groups.push(vec![rank]);
-        }
-    }
-    let ranks_recomputed = groups.iter().map(Vec::len).sum::<usize>() as u64;
+    let groups = acc.ranks_to_recompute(rank_dirs.iter().map(|(r, _)| *r))?;
     let recomputed = groups
         .par_iter()
         .map(|ranks| figures_of_folders(ranks, &dir_of))
@@ -969,14 +945,143 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
             Ok(a)
         })?;
     acc.absorb(recomputed)?;
-    let nodes_read = acc.nodes_read;
-    let mut figures = acc.job.ok_or_else(|| not("no ranks".into()))?;
-    figures.ranks.sort_by_key(|r| r.rank);
-    Ok(JobFigures {
-        figures,
-        nodes_read,
-        ranks_recomputed,
-    })
+    acc.finish()
+}
+
+/// Node figures files of an object store read at once (each then checks its ranks, a HEAD
+/// each, [`crate::location::ObjectObs::next_parts_absent`]).
+const OBJECTS_AT_ONCE: usize = 8;
+
+/// The figures of the object-store run `<base>` (`url` for messages), as [`read_local`]
+/// reads a local run's: `obs/` listed with a delimiter (its rank folders and node files, not
+/// the parts), each node's figures read (`obs/node-<host>.figures`, published by its ranks'
+/// writers) and trusted when every rank it lists is a listed folder with no part after the
+/// last it covers (a HEAD each); the ranks of the other nodes, and those in none, are read
+/// from their rank summaries (`rank.summary`), which must cover exactly the parts listed.
+pub fn read_object(
+    store: &std::sync::Arc<dyn object_store::ObjectStore>,
+    base: &object_store::path::Path,
+    url: &str,
+    min_ranks: usize,
+) -> std::result::Result<JobFigures, NotUsable> {
+    use futures::{StreamExt, TryStreamExt};
+    use object_store::ObjectStoreExt as _;
+    let not = |why: String| NotUsable(why);
+    let listed =
+        crate::location::ObjectObs::list(store, base, url).map_err(|e| not(format!("{e:#}")))?;
+    let files = listed.files_named(is_figures_name);
+    if files.is_empty() {
+        return Err(not("no node figures".into()));
+    }
+    if listed.ranks.len() < min_ranks {
+        return Err(not(format!(
+            "{} ranks, fewer than {min_ranks}",
+            listed.ranks.len()
+        )));
+    }
+    let rank_folders: BTreeSet<u32> = listed.ranks.iter().copied().collect();
+    let rt = titan_storage::runtime();
+    // Each file read, its ranks checked, and merged when they are as it says: a few files'
+    // figures decoded at a time, not the job's 2 048.
+    let checked = files.into_iter().map(|path| {
+        let rank_folders = &rank_folders;
+        async move {
+            let read = async { store.get(&path).await?.bytes().await }.await;
+            let f = read
+                .map_err(anyhow::Error::from)
+                .and_then(|b| decode(&b))
+                .map_err(|e| {
+                    not(format!(
+                        "{url}/obs/{}: {e:#}",
+                        path.filename().unwrap_or("")
+                    ))
+                })?;
+            let listed_all = f.ranks.iter().all(|r| rank_folders.contains(&r.rank));
+            let lasts: Vec<(u32, Option<u64>)> =
+                f.ranks.iter().map(|r| (r.rank, r.last_part)).collect();
+            let fresh = listed_all
+                && crate::location::ObjectObs::next_parts_absent(store, base, &lasts)
+                    .await
+                    .into_iter()
+                    .all(|absent| absent);
+            Ok::<_, NotUsable>((f, fresh))
+        }
+    });
+    let mut acc = rt.block_on(
+        futures::stream::iter(checked)
+            .buffer_unordered(OBJECTS_AT_ONCE)
+            .try_fold(Merged::default(), |mut acc, (f, fresh)| async move {
+                acc.take(f, fresh)?;
+                Ok(acc)
+            }),
+    )?;
+    for ranks in acc.ranks_to_recompute(listed.ranks.iter().copied())? {
+        let ranks: Vec<u32> = ranks
+            .into_iter()
+            .filter(|r| rank_folders.contains(r))
+            .collect();
+        let f = rt.block_on(figures_of_objects(store, base, url, &ranks))?;
+        acc.add(f)?;
+    }
+    acc.finish()
+}
+
+/// The figures of object-store ranks `ranks` from their rank summaries: each rank's folder
+/// listed and its `rank.summary` read, which must cover exactly the parts listed (with their
+/// sizes); otherwise the figures are not usable and the run is read as usual.
+async fn figures_of_objects(
+    store: &std::sync::Arc<dyn object_store::ObjectStore>,
+    base: &object_store::path::Path,
+    url: &str,
+    ranks: &[u32],
+) -> std::result::Result<NodeFigures, NotUsable> {
+    use futures::{StreamExt, TryStreamExt};
+    use object_store::ObjectStoreExt as _;
+    let not = |why: String| NotUsable(why);
+    let obs = base.clone().join("obs");
+    let read = ranks.iter().map(|&rank| {
+        let folder = obs.clone().join(format!("rank-{rank}"));
+        async move {
+            let shown = format!("{url}/obs/rank-{rank}");
+            let metas: Vec<object_store::ObjectMeta> = (store.list(Some(&folder)).try_collect())
+                .await
+                .map_err(|e| not(format!("listing {shown}: {e}")))?;
+            let parts: BTreeMap<u64, u64> = (metas.iter())
+                .filter_map(|m| {
+                    let index = crate::location::parse_part_file_name(m.location.filename()?)?;
+                    Some((index, m.size))
+                })
+                .collect();
+            let summary = folder.clone().join(super::RANK_SUMMARY_FILE);
+            let bytes = async { store.get(&summary).await?.bytes().await }
+                .await
+                .map_err(|e| not(format!("{shown}/{}: {e}", super::RANK_SUMMARY_FILE)))?;
+            let d = super::rank_file::decode(&bytes)
+                .map_err(|e| not(format!("{shown}/{}: {e:#}", super::RANK_SUMMARY_FILE)))?;
+            let covered: BTreeMap<u64, u64> = d.covered().map(|p| (p.index, p.len)).collect();
+            if covered != parts {
+                return Err(not(format!(
+                    "{shown}/{} does not cover the folder's parts",
+                    super::RANK_SUMMARY_FILE
+                )));
+            }
+            Ok((rank, d))
+        }
+    });
+    let digests: Vec<(u32, RankDigest)> = futures::stream::iter(read)
+        .buffered(OBJECTS_AT_ONCE)
+        .try_collect()
+        .await?;
+    let inputs: Vec<RankInput<'_>> = digests
+        .iter()
+        .map(|(rank, d)| RankInput {
+            rank: *rank,
+            dir_mtime_ns: 0,
+            last_part: d.last_index(),
+            digest: d,
+        })
+        .collect();
+    Ok(NodeFigures::build(&inputs))
 }
 
 /// Figures merged by one reader thread.
@@ -987,9 +1092,58 @@ struct Merged {
     /// The ranks of the files not merged (stale), and of every file read.
     stale: Vec<Vec<u32>>,
     listed: Vec<u32>,
+    /// Ranks read from their folders.
+    ranks_recomputed: u64,
 }
 
 impl Merged {
+    /// Takes a node's figures read: merged when its ranks are as it describes them (`fresh`),
+    /// else its ranks kept to be read from their folders.
+    fn take(&mut self, f: NodeFigures, fresh: bool) -> std::result::Result<(), NotUsable> {
+        let ranks = (f.ranks.iter().map(|r| r.rank)).chain(f.other_run_ranks.iter().copied());
+        let ranks: Vec<u32> = ranks.collect();
+        self.listed.extend(&ranks);
+        if fresh {
+            self.nodes_read += 1;
+            self.add(f)
+        } else {
+            self.stale.push(ranks);
+            Ok(())
+        }
+    }
+
+    /// Once every file is read: the ranks to read from their folders, in groups (the ranks of
+    /// each stale node, and each of the run's `ranks` in no node); refused when a rank is in
+    /// two files (its host changed between launches: which holds its records?).
+    fn ranks_to_recompute(
+        &mut self,
+        ranks: impl Iterator<Item = u32>,
+    ) -> std::result::Result<Vec<Vec<u32>>, NotUsable> {
+        self.listed.sort_unstable();
+        if let Some(w) = self.listed.windows(2).find(|w| w[0] == w[1]) {
+            return Err(NotUsable(format!("rank {} is in two nodes' figures", w[0])));
+        }
+        let mut groups = std::mem::take(&mut self.stale);
+        for rank in ranks {
+            if self.listed.binary_search(&rank).is_err() {
+                groups.push(vec![rank]);
+            }
+        }
+        self.ranks_recomputed = groups.iter().map(Vec::len).sum::<usize>() as u64;
+        Ok(groups)
+    }
+
+    /// The job's figures, ranks in order.
+    fn finish(self) -> std::result::Result<JobFigures, NotUsable> {
+        let mut figures = self.job.ok_or_else(|| NotUsable("no ranks".into()))?;
+        figures.ranks.sort_by_key(|r| r.rank);
+        Ok(JobFigures {
+            figures,
+            nodes_read: self.nodes_read,
+            ranks_recomputed: self.ranks_recomputed,
+        })
+    }
+
     /// Merges `f` in; refuses, as soon as one node shows them, what the figures leave to the
     /// rank summaries.
     fn add(&mut self, f: NodeFigures) -> std::result::Result<(), NotUsable> {

@@ -137,21 +137,49 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
-/// Replaces rank `rank`'s entry of the rollup `obs/<name>` with `summary` (its encoded rank
-/// summary) and the mtime its folder `rank_dir` has now, under the rollup's lock, then the
-/// node's figures: rebuilt from every entry when `summary_changed`, else (the folder changed,
-/// not its summary) only this rank's mtime and last part rewritten in them; then the node's
-/// timeline, with the parts `added` since the rank's last update.
-#[allow(clippy::too_many_arguments)]
+/// One rank's change to its node's files ([`update`]).
+pub struct RankUpdate<'a> {
+    pub rank: u32,
+    /// Its folder's mtime now (0 on an object store, whose readers check the next part
+    /// instead: [`crate::location::ObjectObs::next_part_absent`]).
+    pub dir_mtime_ns: u64,
+    pub last_part: Option<u64>,
+    /// Its encoded rank summary.
+    pub summary: Vec<u8>,
+    /// The summary is new (else only the folder changed since the rank's last update).
+    pub summary_changed: bool,
+    /// The parts put since the rank's last update, for the node's timeline.
+    pub added: &'a [super::timeline::PartTimeline],
+}
+
+/// Where an object-store run's node files are published: the ranks of a node keep them in a
+/// local folder they share (the spool, under the same lock), and the readers read the copies
+/// the store holds beside the rank folders (`obs/node-<host>.figures`, `.timeline`).
+pub trait Remote {
+    /// The object `obs/<name>`; `None` when there is none.
+    fn get(&self, name: &str) -> Result<Option<Vec<u8>>>;
+    /// Writes the object `obs/<name>` (one PUT: readers see the old or the new whole).
+    fn put(&self, name: &str, bytes: Vec<u8>) -> Result<()>;
+}
+
+/// Replaces rank `u.rank`'s entry of the rollup `obs/<name>` with its summary and folder
+/// mtime, under the rollup's lock, then the node's figures: rebuilt from every entry when the
+/// summary changed, else (the folder changed, not its summary) only this rank's mtime and last
+/// part rewritten in them; then the node's timeline, with the parts added since the rank's
+/// last update.
+///
+/// With `remote` (an object-store run; `obs` is then the node's spool folder), the figures and
+/// timeline are also PUT to the store while the lock is held, so the store's copies change in
+/// the order the node's ranks wrote. A writer's first update (`first`) checks the spool
+/// against the store: a spool whose timeline is not the store's (left by another run to the
+/// same URL, or the store's copy cleared) is dropped and the store's timeline taken instead,
+/// so what a writer publishes never describes parts the store does not hold.
 pub fn update(
     obs: &Path,
     name: &str,
-    rank: u32,
-    rank_dir: &Path,
-    last_part: Option<u64>,
-    summary: Vec<u8>,
-    summary_changed: bool,
-    added: &[super::timeline::PartTimeline],
+    u: RankUpdate<'_>,
+    remote: Option<&dyn Remote>,
+    first: bool,
 ) -> Result<()> {
     let path = obs.join(name);
     let lock_path = path.with_extension("lock");
@@ -163,6 +191,11 @@ pub fn update(
         .with_context(|| format!("opening {}", lock_path.display()))?;
     let _held =
         Flock::exclusive(&lock).with_context(|| format!("locking {}", lock_path.display()))?;
+    let figures = super::figures::file_name(name);
+    let timeline = super::timeline::file_name(name);
+    if let (Some(remote), true) = (remote, first) {
+        agree_with_store(obs, name, &figures, &timeline, remote, u.rank)?;
+    }
     let mut entries = match crate::sidecar::read_if_present(&path)? {
         None => Vec::new(),
         Some(b) => decode(&b).unwrap_or_else(|e| {
@@ -172,31 +205,68 @@ pub fn update(
             Vec::new()
         }),
     };
-    let dir_mtime_ns = mtime_ns(
-        &std::fs::metadata(rank_dir).with_context(|| format!("reading {}", rank_dir.display()))?,
-    );
     let entry = Entry {
-        rank,
-        dir_mtime_ns,
-        last_part,
-        summary: Arc::new(summary),
+        rank: u.rank,
+        dir_mtime_ns: u.dir_mtime_ns,
+        last_part: u.last_part,
+        summary: Arc::new(u.summary),
     };
-    match entries.binary_search_by_key(&rank, |e| e.rank) {
+    match entries.binary_search_by_key(&u.rank, |e| e.rank) {
         Ok(i) => entries[i] = entry,
         Err(i) => entries.insert(i, entry),
     }
-    crate::sidecar::write_atomic_as(&path, &encode(&entries), rank)?;
+    crate::sidecar::write_atomic_as(&path, &encode(&entries), u.rank)?;
     // Without figures a reader summarises the node's ranks from their folders: logged only.
-    let figures = super::figures::file_name(name);
-    let restamped = !summary_changed
-        && super::figures::restamp(obs, &figures, rank, dir_mtime_ns, last_part).unwrap_or(false);
-    if !restamped && let Err(e) = write_figures(obs, &figures, rank, &entries) {
-        tracing::warn!("no node figures written for rank {rank}: {e:#}");
+    let restamped = !u.summary_changed
+        && super::figures::restamp(obs, &figures, u.rank, u.dir_mtime_ns, u.last_part)
+            .unwrap_or(false);
+    if !restamped && let Err(e) = write_figures(obs, &figures, u.rank, &entries) {
+        tracing::warn!("no node figures written for rank {}: {e:#}", u.rank);
     }
     // Without a timeline the TUI lists the node's rank folders: logged only.
-    let timeline = super::timeline::file_name(name);
-    if let Err(e) = super::timeline::update(obs, &timeline, rank, dir_mtime_ns, added) {
-        tracing::warn!("no node timeline written for rank {rank}: {e:#}");
+    if let Err(e) = super::timeline::update(obs, &timeline, u.rank, u.dir_mtime_ns, u.added) {
+        tracing::warn!("no node timeline written for rank {}: {e:#}", u.rank);
+    }
+    if let Some(remote) = remote {
+        for file in [&figures, &timeline] {
+            let published = crate::sidecar::read_if_present(&obs.join(file))
+                .and_then(|b| b.map_or(Ok(()), |b| remote.put(file, b)));
+            if let Err(e) = published {
+                // Readers then read this node's ranks from their rank summaries.
+                tracing::warn!("{file} not published for rank {}: {e:#}", u.rank);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Makes the node's spool folder `obs` agree with the store: when its timeline is not the
+/// store's, its rollup, figures and timeline are removed and the store's timeline (if any)
+/// is taken. (The rollup and figures are not kept on the store; the node's other ranks put
+/// their entries back as they write, and readers read them from their rank summaries until
+/// then.)
+fn agree_with_store(
+    obs: &Path,
+    name: &str,
+    figures: &str,
+    timeline: &str,
+    remote: &dyn Remote,
+    rank: u32,
+) -> Result<()> {
+    let stored = remote.get(timeline)?;
+    if crate::sidecar::read_if_present(&obs.join(timeline))? == stored {
+        return Ok(());
+    }
+    for file in [name, figures, timeline] {
+        match std::fs::remove_file(obs.join(file)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing {}", obs.join(file).display()));
+            }
+            _ => {}
+        }
+    }
+    if let Some(b) = stored {
+        crate::sidecar::write_atomic_as(&obs.join(timeline), &b, rank)?;
     }
     Ok(())
 }

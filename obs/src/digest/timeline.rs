@@ -134,6 +134,13 @@ impl RankTimeline {
                 || live())
     }
 
+    /// Whether this entry can describe an object-store rank folder: its parts run from
+    /// `part-0` and are of one run. The reader then checks that the folder holds no part
+    /// after the last ([`crate::location::ObjectObs::next_parts_absent`]).
+    pub fn may_describe_stored(&self) -> bool {
+        self.last_part().is_some() && !self.mixed_runs && self.contiguous()
+    }
+
     /// Whether its parts are `part-0` up to the last with none missing: what a rank folder
     /// written by one sink (or by one after another, each recording its parts) holds. A
     /// rank whose earlier parts were never recorded (a timeline started mid-run) is not.
@@ -427,6 +434,80 @@ pub fn read_local(obs: &Path) -> Result<JobTimeline> {
     Ok(JobTimeline {
         timeline,
         rank_dirs,
+        damaged,
+    })
+}
+
+/// An object-store run's node timelines, merged, and the ranks they describe.
+#[derive(Debug, Default)]
+pub struct StoredTimeline {
+    pub timeline: NodeTimeline,
+    /// Every rank folder of `obs/`, by rank, and whether the timeline describes it (its
+    /// entry [`RankTimeline::may_describe_stored`] and the folder holds no part after its
+    /// last).
+    pub ranks: Vec<(u32, bool)>,
+    /// Timeline objects that could not be read, with why.
+    pub damaged: Vec<String>,
+}
+
+/// Timeline objects read at once.
+const OBJECTS_AT_ONCE: usize = 16;
+
+/// Reads every node timeline of the object-store run at `base` (`url` for messages): `obs/`
+/// listed with a delimiter, each `node-<host>.timeline` read, and the ranks they may describe
+/// checked (a HEAD each). A rank in two files is kept from neither.
+pub fn read_object(
+    store: &std::sync::Arc<dyn object_store::ObjectStore>,
+    base: &object_store::path::Path,
+    url: &str,
+) -> Result<StoredTimeline> {
+    use futures::StreamExt;
+    use object_store::ObjectStoreExt as _;
+    let listed = crate::location::ObjectObs::list(store, base, url)?;
+    let files = listed.files_named(is_timeline_name);
+    let rt = titan_storage::runtime();
+    let read: Vec<(String, Result<NodeTimeline>)> = rt.block_on(
+        futures::stream::iter(files.into_iter().map(|path| async move {
+            let got = async { store.get(&path).await?.bytes().await }.await;
+            let t = got.map_err(anyhow::Error::from).and_then(|b| decode(&b));
+            (format!("{url}/obs/{}", path.filename().unwrap_or("")), t)
+        }))
+        .buffer_unordered(OBJECTS_AT_ONCE)
+        .collect(),
+    );
+    let mut timeline = NodeTimeline::default();
+    let mut damaged = Vec::new();
+    for (shown, t) in read {
+        match t {
+            Ok(t) => timeline.merge(t),
+            Err(e) => damaged.push(format!("{shown}: {e:#}")),
+        }
+    }
+    timeline.ranks.sort_unstable_by_key(|r| r.rank);
+    let twice: BTreeSet<u32> = (timeline.ranks.windows(2))
+        .filter(|w| w[0].rank == w[1].rank)
+        .map(|w| w[0].rank)
+        .collect();
+    timeline.ranks.retain(|r| !twice.contains(&r.rank));
+    let folders: BTreeSet<u32> = listed.ranks.iter().copied().collect();
+    let candidates: Vec<(u32, Option<u64>)> = (timeline.ranks.iter())
+        .filter(|r| folders.contains(&r.rank) && r.may_describe_stored())
+        .map(|r| (r.rank, r.last_part()))
+        .collect();
+    let absent = rt.block_on(crate::location::ObjectObs::next_parts_absent(
+        store,
+        base,
+        &candidates,
+    ));
+    let described: BTreeSet<u32> = (candidates.iter().zip(absent))
+        .filter(|(_, a)| *a)
+        .map(|((r, _), _)| *r)
+        .collect();
+    Ok(StoredTimeline {
+        timeline,
+        ranks: (listed.ranks.iter())
+            .map(|&r| (r, described.contains(&r)))
+            .collect(),
         damaged,
     })
 }

@@ -15,7 +15,7 @@
 //! long as the time spans cover in it, in the phase covering most of it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -63,6 +63,8 @@ struct RankParts {
 enum RankFiles {
     Listed(Vec<PartFile>),
     Folder(PathBuf),
+    /// A rank folder of the object-store run at this location.
+    Stored(Location),
 }
 
 impl RankParts {
@@ -88,6 +90,14 @@ impl RankParts {
             RankFiles::Listed(f) => f[pi].clone(),
             RankFiles::Folder(dir) => PartFile::local(
                 dir.join(location::part_file_name(self.parts[pi].index)),
+                self.rank,
+            ),
+            RankFiles::Stored(Location::Object { store, base, url }) => {
+                PartFile::stored(store.clone(), base, url, self.rank, self.parts[pi].index)
+            }
+            RankFiles::Stored(Location::Local(run)) => PartFile::local(
+                location::rank_dir(run, self.rank)
+                    .join(location::part_file_name(self.parts[pi].index)),
                 self.rank,
             ),
         }
@@ -198,11 +208,7 @@ impl DetailRun {
     /// parallel).
     pub fn open(run: &str, title: &str, run_id: Option<&str>) -> Result<(DetailRun, Timeline)> {
         let location = Location::parse(run)?;
-        let timelines = match &location {
-            Location::Local(p) => from_timelines(run, &p.join("obs"), run_id)?,
-            Location::Object { .. } => None,
-        };
-        let opened = match timelines {
+        let opened = match from_timelines(run, &location, run_id)? {
             Some(o) => o,
             None => {
                 let mut listed = part_files::list(&location)?;
@@ -773,61 +779,82 @@ impl DetailRun {
 }
 
 /// The run's ranks from its node timelines (`obs/node-<host>.timeline`): each rank a
-/// timeline describes as its folder is ([`timeline::RankTimeline::describes`]) comes with its parts'
-/// ranges and its lanes, without its folder listed or a part read; the other rank folders
-/// are listed and keep only parts of the run shown. `None` — the run is listed and read as
+/// timeline describes as its folder is comes with its parts' ranges and its lanes, without its
+/// folder listed or a part read (a local folder: [`timeline::RankTimeline::describes`]; an
+/// object store's: [`timeline::read_object`], a HEAD a rank); the other rank folders are
+/// listed and keep only parts of the run shown. `None` — the run is listed and read as
 /// before — when there is no timeline, when the ranks described are of several runs or not
 /// of `run_id`, or when the newest run cannot be told without reading parts (the lowest
 /// rank is not described).
-fn from_timelines(run: &str, obs: &Path, run_id: Option<&str>) -> Result<Option<Opened>> {
-    let Ok(job) = timeline::read_local(obs) else {
-        return Ok(None);
+fn from_timelines(run: &str, location: &Location, run_id: Option<&str>) -> Result<Option<Opened>> {
+    let (node_timeline, folders, damaged) = match location {
+        Location::Local(p) => {
+            let obs = p.join("obs");
+            let Ok(job) = timeline::read_local(&obs) else {
+                return Ok(None);
+            };
+            let entries: HashMap<u32, &timeline::RankTimeline> =
+                job.timeline.ranks.iter().map(|r| (r.rank, r)).collect();
+            let folders: Vec<(u32, bool)> = job
+                .rank_dirs
+                .par_iter()
+                .map(|(rank, dir)| (*rank, entries.get(rank).is_some_and(|e| e.describes(dir))))
+                .collect();
+            (job.timeline, folders, job.damaged)
+        }
+        Location::Object { url, store, base } => {
+            let Ok(job) = timeline::read_object(store, base, url) else {
+                return Ok(None);
+            };
+            (job.timeline, job.ranks, job.damaged)
+        }
     };
-    if job.timeline.ranks.is_empty() {
+    if node_timeline.ranks.is_empty() {
         return Ok(None);
     }
-    for why in &job.damaged {
+    for why in &damaged {
         tracing::warn!("{why}: its ranks' folders are read instead");
     }
     let entries: HashMap<u32, &timeline::RankTimeline> =
-        job.timeline.ranks.iter().map(|r| (r.rank, r)).collect();
-    let trusted: Vec<bool> = job
-        .rank_dirs
-        .par_iter()
-        .map(|(rank, dir)| entries.get(rank).is_some_and(|e| e.describes(dir)))
-        .collect();
-    let mut ids = job
-        .rank_dirs
-        .iter()
-        .zip(&trusted)
-        .filter(|(_, t)| **t)
-        .map(|((rank, _), _)| entries[rank].run_id.as_str());
+        node_timeline.ranks.iter().map(|r| (r.rank, r)).collect();
+    let mut ids = (folders.iter())
+        .filter(|(_, t)| *t)
+        .map(|(rank, _)| entries[rank].run_id.as_str());
     let Some(id) = ids.next() else {
         return Ok(None);
     };
     if ids.any(|i| i != id) || run_id.is_some_and(|want| want != id) {
         return Ok(None);
     }
-    if run_id.is_none() && !trusted.first().copied().unwrap_or(false) {
+    if run_id.is_none() && !folders.first().is_some_and(|f| f.1) {
         // The newest run is the lowest rank's last part's: not described here.
         return Ok(None);
     }
     // Folders no timeline describes: listed, and only parts of this run kept.
-    let mut listed: BTreeMap<u32, Vec<PartFile>> = job
-        .rank_dirs
-        .par_iter()
-        .zip(&trusted)
-        .filter(|(_, t)| !**t)
-        .map(|((rank, dir), _)| Ok((*rank, part_files::list_local_rank(dir, *rank)?)))
-        .collect::<Result<_>>()?;
+    let untrusted: Vec<u32> = (folders.iter())
+        .filter(|(_, t)| !*t)
+        .map(|(r, _)| *r)
+        .collect();
+    let mut listed: BTreeMap<u32, Vec<PartFile>> = match location {
+        Location::Local(p) => untrusted
+            .par_iter()
+            .map(|&rank| {
+                let dir = location::rank_dir(p, rank);
+                Ok((rank, part_files::list_local_rank(&dir, rank)?))
+            })
+            .collect::<Result<_>>()?,
+        Location::Object { url, store, base } => {
+            part_files::list_object_ranks(store, base, url, &untrusted)?
+        }
+    };
     if !listed.is_empty() && part_files::keep_run(run, &mut listed, Some(id)).is_err() {
         listed.clear();
     }
     listed.retain(|_, parts| !parts.is_empty());
     let mut lanes: BTreeMap<(u32, u32), BTreeSet<u16>> = BTreeMap::new();
     let mut spans = 0u64;
-    let mut ranks = Vec::with_capacity(job.rank_dirs.len());
-    for ((rank, dir), ok) in job.rank_dirs.iter().zip(&trusted) {
+    let mut ranks = Vec::with_capacity(folders.len());
+    for (rank, ok) in &folders {
         if !ok {
             if let Some(files) = listed.remove(rank) {
                 ranks.push(RankParts::listed(*rank, files));
@@ -848,12 +875,15 @@ fn from_timelines(run: &str, obs: &Path, run_id: Option<&str>) -> Result<Option<
                     unreadable: false,
                 })
                 .collect(),
-            files: RankFiles::Folder(dir.clone()),
+            files: match location {
+                Location::Local(p) => RankFiles::Folder(location::rank_dir(p, *rank)),
+                Location::Object { .. } => RankFiles::Stored(location.clone()),
+            },
             scanned: true,
         });
     }
-    let tags = &job.timeline.tags;
-    let steps = (job.timeline.steps.iter())
+    let tags = &node_timeline.tags;
+    let steps = (node_timeline.steps.iter())
         .map(|(&step, &(a, z, mask))| {
             let names = (0..tags.len().min(64))
                 .filter(|&b| mask & (1 << b) != 0)
@@ -1149,6 +1179,69 @@ mod tests {
         }
         let (d, listed) = drawn(run_s);
         assert!(described(&d).is_empty());
+        assert_eq!(listed, from_timelines);
+    }
+
+    /// Issue 42 on object stores: the node timelines the writers publish open the gantt
+    /// without a rank folder listed (a HEAD a rank instead), drawing what the same run
+    /// written to a local folder draws; a rank with a part after its entry's last is listed;
+    /// without timelines every rank is listed, the same gantt.
+    #[test]
+    fn stored_timelines_open_the_gantt_the_parts_draw() {
+        use object_store::ObjectStoreExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SynthConfig {
+            ranks: 12,
+            steps: 120,
+            steps_per_part: 40,
+            ..SynthConfig::default()
+        };
+        let local = dir.path().join("run");
+        write_run(local.to_str().unwrap(), &cfg).unwrap();
+        let url = "memory://detail-stored-timelines/run";
+        let spool = dir.path().join("spool");
+        titan_obs_core::synth::write_run_spooled(url, &cfg, Some(&spool)).unwrap();
+        let stored = |d: &DetailRun| -> Vec<u32> {
+            (d.ranks.iter())
+                .filter(|r| matches!(r.files, RankFiles::Stored(_)))
+                .map(|r| r.rank)
+                .collect()
+        };
+        let (d, from_timelines) = drawn(url);
+        assert_eq!(stored(&d), (0..12).collect::<Vec<_>>());
+        assert!(
+            d.parts_for_steps().is_none(),
+            "the steps are the timelines'"
+        );
+        let (_, drawn_locally) = drawn(local.to_str().unwrap());
+        assert_eq!(from_timelines, drawn_locally);
+
+        let Location::Object { store, base, .. } = Location::parse(url).unwrap() else {
+            unreachable!()
+        };
+        let rt = titan_storage::runtime();
+        let obs = base.clone().join("obs");
+        // Rank 6's folder holds a part after its entry's last (a writer that died before
+        // publishing): listed; the others are not.
+        let extra = obs.clone().join("rank-6").join("part-000003.parquet");
+        let part0 = obs.clone().join("rank-6").join("part-000000.parquet");
+        let bytes = rt
+            .block_on(async { store.get(&part0).await?.bytes().await })
+            .unwrap();
+        rt.block_on(store.put(&extra, bytes.into())).unwrap();
+        let (d, _) = drawn(url);
+        let mut want: Vec<u32> = (0..12).collect();
+        want.retain(|&r| r != 6);
+        assert_eq!(stored(&d), want);
+        rt.block_on(store.delete(&extra)).unwrap();
+
+        // No timeline on the store: every rank listed and its ends read, the same gantt.
+        for node in 0..2 {
+            let t = obs.clone().join(format!("node-node-{node}.timeline"));
+            rt.block_on(store.delete(&t)).unwrap();
+        }
+        let (d, listed) = drawn(url);
+        assert!(stored(&d).is_empty());
         assert_eq!(listed, from_timelines);
     }
 }

@@ -343,8 +343,8 @@ fn whole_run(
 }
 
 /// `parts`: every part, to read every step from; `None` when the gantt has them already.
-/// `figures_from`: the rank folders from which a local run's analysis comes from its node
-/// figures.
+/// `figures_from`: the rank folders from which a run's analysis comes from its node figures
+/// (a local run's or an object store's).
 fn whole_run_here(
     run: &str,
     run_id: Option<&str>,
@@ -363,8 +363,18 @@ fn whole_run_here(
     // From `figures_from` rank folders (`read_local` counts them): the node figures first,
     // as `summary` reads them at this size (only those of the run shown); then the spreads
     // and the metrics from the rank summaries, read one at a time.
-    if let Some(obs) = local_obs(run)
-        && let Ok(job) = titan_obs_core::digest::figures::read_local(&obs, figures_from)
+    use titan_obs_core::location::Location;
+    let location = Location::parse(run).ok();
+    let figures = match &location {
+        Some(Location::Local(p)) => {
+            titan_obs_core::digest::figures::read_local(&p.join("obs"), figures_from).ok()
+        }
+        Some(Location::Object { url, store, base }) => {
+            titan_obs_core::digest::figures::read_object(store, base, url, figures_from).ok()
+        }
+        None => None,
+    };
+    if let (Some(location), Some(job)) = (&location, figures)
         && run_id.is_none_or(|id| id == job.figures.run_id)
     {
         let a = analyse_figures(&job.figures, &StragglerOptions::default());
@@ -372,7 +382,15 @@ fn whole_run_here(
         if !send(Whole::Analysis(Box::new(a), Vec::new())) {
             return;
         }
-        match titan_obs_core::analysis::streamed::read_local(&obs, run_id) {
+        let streamed = match location {
+            Location::Local(p) => {
+                titan_obs_core::analysis::streamed::read_local(&p.join("obs"), run_id)
+            }
+            Location::Object { url, store, base } => {
+                titan_obs_core::analysis::streamed::read_object(store, base, url, run_id)
+            }
+        };
+        match streamed {
             Ok(s) => {
                 if let Some((file, error)) = s.damaged.first() {
                     let more = s.damaged.len() - 1;
@@ -407,14 +425,6 @@ fn whole_run_here(
         Err(e) => {
             send(Whole::Failed(format!("summary: {e:#}")));
         }
-    }
-}
-
-/// The `obs` folder of a local run; `None` for an object store.
-fn local_obs(run: &str) -> Option<std::path::PathBuf> {
-    match titan_obs_core::location::Location::parse(run).ok()? {
-        titan_obs_core::location::Location::Local(p) => Some(p.join("obs")),
-        titan_obs_core::location::Location::Object { .. } => None,
     }
 }
 
@@ -586,10 +596,9 @@ mod tests {
 
     use super::*;
 
-    /// A 12-rank run, rank 5 slower in `forward_backward`.
-    fn run(dir: &std::path::Path) -> String {
-        let run = dir.join("run");
-        let cfg = SynthConfig {
+    /// 12 ranks, rank 5 slower in `forward_backward`.
+    fn config() -> SynthConfig {
+        SynthConfig {
             ranks: 12,
             steps: 60,
             steps_per_part: 20,
@@ -599,8 +608,13 @@ mod tests {
                 factor: 1.5,
             }],
             ..SynthConfig::default()
-        };
-        write_run(run.to_str().unwrap(), &cfg).unwrap();
+        }
+    }
+
+    /// A run of [`config`] in `dir`.
+    fn run(dir: &std::path::Path) -> String {
+        let run = dir.join("run");
+        write_run(run.to_str().unwrap(), &config()).unwrap();
         run.to_str().unwrap().to_string()
     }
 
@@ -703,5 +717,36 @@ mod tests {
             got.len() == 1 && got[0].starts_with("summary:") && got[0].contains("another"),
             "{got:?}"
         );
+    }
+
+    /// Issue 42 on object stores: the worker reads a stored run's node figures (published by
+    /// its writers) and its rank summaries one at a time, and sends what it sends for the same
+    /// run in a local folder.
+    #[test]
+    fn a_stored_run_is_analysed_as_the_same_local_run_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let local = run(dir.path());
+        let url = "memory://detail-source-stored/run";
+        let spool = dir.path().join("spool");
+        titan_obs_core::synth::write_run_spooled(url, &config(), Some(&spool)).unwrap();
+        let sent = |run: &str| -> Vec<String> {
+            let got: RefCell<Vec<String>> = RefCell::default();
+            whole_run_here(run, None, &None, 1, |w| {
+                got.borrow_mut().push(match w {
+                    Whole::Analysis(a, spread) => format!("analysis {a:?} {spread:?}"),
+                    Whole::Spread(s) => format!("spread {s:?}"),
+                    Whole::Metrics(m) => format!("metrics {m:?}"),
+                    Whole::Steps(..) => "steps".into(),
+                    Whole::Failed(e) => format!("failed {e}"),
+                });
+                true
+            });
+            got.into_inner()
+        };
+        let (stored, local) = (sent(url), sent(&local));
+        assert_eq!(stored.len(), 3, "{stored:?}");
+        assert!(stored[0].starts_with("analysis") && stored[0].contains("rank: 5"));
+        assert!(stored[1].starts_with("spread") && stored[2].starts_with("metrics"));
+        assert_eq!(stored, local);
     }
 }

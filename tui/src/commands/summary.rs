@@ -112,8 +112,8 @@ pub fn run(args: &SummaryArgs) -> Result<i32> {
     Ok(exit_code(&args.run, &loaded))
 }
 
-/// The summary from the run's node figures, when they are to be read and can be: a local
-/// titan run (its `obs/` folder), its clocks aligned, no run id picked, not `--exact` (with
+/// The summary from the run's node figures, when they are to be read and can be: a titan
+/// run (a local `obs/` folder or an object store's), its clocks aligned, no run id picked, not `--exact` (with
 /// `--node-figures on`, those flags were refused before).
 fn from_figures(args: &SummaryArgs, opts: &StragglerOptions) -> Option<Summary> {
     let min_ranks = match args.node_figures {
@@ -124,23 +124,31 @@ fn from_figures(args: &SummaryArgs, opts: &StragglerOptions) -> Option<Summary> 
     if args.exact || args.run.no_clock_align || args.run.run_id.is_some() {
         return None;
     }
-    let obs = std::path::Path::new(&args.run.run).join("obs");
-    if !obs.is_dir() {
-        if args.node_figures == NodeFigures::On {
-            titan_obs::conventions::TITAN_OBS.warning(format_args!(
-                "not read from node figures ({} is not a local titan run's folder): reading \
-                 it as usual",
-                args.run.run
-            ));
-        }
-        return None;
-    }
     let started = std::time::Instant::now();
-    match titan_obs_core::digest::figures::read_local(&obs, min_ranks) {
+    let read = match titan_obs_core::location::Location::parse(&args.run.run) {
+        Ok(titan_obs_core::location::Location::Object { url, store, base }) => {
+            titan_obs_core::digest::figures::read_object(&store, &base, &url, min_ranks)
+        }
+        _ => {
+            let obs = std::path::Path::new(&args.run.run).join("obs");
+            if !obs.is_dir() {
+                if args.node_figures == NodeFigures::On {
+                    titan_obs::conventions::TITAN_OBS.warning(format_args!(
+                        "not read from node figures ({} is not a titan run's folder): \
+                         reading it as usual",
+                        args.run.run
+                    ));
+                }
+                return None;
+            }
+            titan_obs_core::digest::figures::read_local(&obs, min_ranks)
+        }
+    };
+    match read {
         Ok(job) => {
             tracing::debug!(
                 "read {}: {} node figures, {} ranks from their folders, in {:.3} s",
-                obs.display(),
+                args.run.run,
                 job.nodes_read,
                 job.ranks_recomputed,
                 started.elapsed().as_secs_f64()
