@@ -20,7 +20,7 @@ if [ "${RELEASE:-0}" = 1 ]; then
   cargo build --release --locked -p titan-obs --bin titan-obs >&2
   BIN=$TARGET/release/titan-obs
 else
-  cargo build --locked --workspace --bins >&2
+  cargo build --locked --workspace --bins --tests >&2
   BIN=$TARGET/debug/titan-obs
 fi
 WORK=$(mktemp -d)

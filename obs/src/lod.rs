@@ -658,15 +658,15 @@ pub struct Opened {
 /// was missing and the folder is writable; a damaged file is left as evidence). Fails only
 /// when the part itself cannot be read.
 pub fn open(part: &PartFile) -> Result<Opened> {
-    let len = part.byte_len()?;
     // The footer first (issue 42: one read from the end of the part, one request on an
-    // object store); a part written before holds none, and has them beside it.
+    // object store, which learns the size of a part not listed); a part written before holds
+    // none, and has them beside it.
     let found = match part.footer_kv() {
         Ok(kv) if kv.contains_key(crate::schema::meta::DETAIL) => {
             from_footer(&kv).with_context(|| format!("{}: levels damaged", part.shown()))
         }
         _ => part.read_beside("lod").and_then(|b| match b {
-            Some(b) => decode(&b, len)
+            Some(b) => decode(&b, part.byte_len()?)
                 .map(Some)
                 .with_context(|| format!("{} is damaged", part.beside_shown("lod"))),
             None => Ok(None),
@@ -687,7 +687,9 @@ pub fn open(part: &PartFile) -> Result<Opened> {
         .with_context(|| format!("decoding {}", part.shown()))?;
     if damaged.is_none()
         && let Some(path) = part.local_path()
-        && let Err(e) = write_local(path, len, &detail)
+        && let Err(e) = part
+            .byte_len()
+            .and_then(|len| write_local(path, len, &detail))
     {
         tracing::debug!("not caching the detail levels of {}: {e:#}", path.display());
     }
