@@ -151,6 +151,46 @@ fn synth_ranks(dir: &Path, ranks: u32) -> std::path::PathBuf {
     run
 }
 
+/// Issue 42, a live job: a rank's open journal (the one after its last part, which a live
+/// rank opens after it published) leaves its node's figures trusted; the summary stops at its
+/// last part and counts the journal. A part after the last is no journal: the node is read
+/// from its ranks' folders.
+#[test]
+fn node_figures_take_a_live_rank_and_count_its_journal() {
+    use titan_obs_core::digest::figures::read_local;
+    let dir = tempfile::tempdir().unwrap();
+    let run = synth_ranks(dir.path(), 16);
+    let obs = run.join("obs");
+    let shown = |job: &titan_obs_core::digest::figures::JobFigures| {
+        let s = titan_obs_core::analysis::summary_of_figures("r", job, &Default::default());
+        let mut v = serde_json::to_value(&s).unwrap();
+        v.as_object_mut().unwrap().remove("node_figures");
+        v
+    };
+    let before = read_local(&obs, 0).unwrap();
+    let counts = |j: &titan_obs_core::digest::figures::JobFigures| {
+        (j.nodes_read, j.ranks_recomputed, j.open_journals)
+    };
+    assert_eq!(counts(&before), (2, 0, 0));
+    let last = 60u64.div_ceil(7) - 1;
+    let journal = obs.join(format!("rank-4/journal-{:06}.arrows", last + 1));
+    std::fs::write(&journal, b"appended").unwrap();
+    let live = read_local(&obs, 0).unwrap();
+    assert_eq!(counts(&live), (2, 0, 1));
+    assert_eq!(shown(&live), shown(&before));
+    let s = titan_obs_core::analysis::summary_of_figures("r", &live, &Default::default());
+    assert_eq!(s.node_figures.unwrap().open_journals, 1);
+    // Compacted into a part (a copy of its first here), with no next journal: node 0's
+    // figures do not describe rank 4's folder.
+    std::fs::remove_file(&journal).unwrap();
+    std::fs::copy(
+        obs.join("rank-4/part-000000.parquet"),
+        obs.join(format!("rank-4/part-{:06}.parquet", last + 1)),
+    )
+    .unwrap();
+    assert_eq!(counts(&read_local(&obs, 0).unwrap()), (1, 8, 0));
+}
+
 /// The run [`synth_ranks`] writes: rank 3 slow in `forward_backward`, rank 6 in `optimizer`.
 fn synth_config(ranks: u32) -> SynthConfig {
     SynthConfig {

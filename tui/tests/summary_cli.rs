@@ -141,6 +141,23 @@ fn node_figures_are_read_when_asked_and_not_for_pipelines() {
         text.contains("read from node figures: 2 nodes' files"),
         "{text}"
     );
+    assert!(!text.contains("live:"), "{text}");
+    // A live rank (its next journal open): still read from the figures, and said.
+    let journal = run.join("obs/rank-3/journal-000003.arrows");
+    std::fs::write(&journal, b"appended").unwrap();
+    let live = summary_json(run_s, &["--node-figures", "on"]);
+    assert_eq!(live["node_figures"]["nodes"], 2, "{}", live["node_figures"]);
+    assert_eq!(live["node_figures"]["open_journals"], 1);
+    let text = Command::new(PathBuf::from(env!("CARGO_BIN_EXE_titan-obs")))
+        .args(["summary", run_s, "--node-figures", "on"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(
+        text.contains("live: the open journals of 1 rank(s) not read"),
+        "{text}"
+    );
+    std::fs::remove_file(&journal).unwrap();
 
     // `on` with a flag the figures cannot honour is a usage error naming both.
     for flag in [

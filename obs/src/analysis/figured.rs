@@ -221,6 +221,7 @@ pub fn summary_of_figures(location: &str, job: &JobFigures, opts: &StragglerOpti
         node_figures: Some(NodeFiguresRead {
             nodes: job.nodes_read,
             ranks_from_folders: job.ranks_recomputed,
+            open_journals: job.open_journals,
         }),
     }
 }

@@ -195,6 +195,9 @@ pub struct NodeFiguresRead {
     pub nodes: u64,
     /// Ranks summarised from their folders instead (their node's figures were stale).
     pub ranks_from_folders: u64,
+    /// Ranks whose open journal (a live job) was not read: their records since their last
+    /// part are not in the summary.
+    pub open_journals: u64,
 }
 
 /// What the analysis finds in a span table: everything `titan-obs summary`, the TUI and

@@ -875,6 +875,9 @@ pub struct JobFigures {
     pub nodes_read: u64,
     /// Ranks read from their folders instead (their node's figures stale, or missing).
     pub ranks_recomputed: u64,
+    /// Ranks with an open journal (a live job), whose records since their last part the
+    /// figures do not hold: the summary stops at each rank's last part.
+    pub open_journals: u64,
 }
 
 /// Why a local run's figures are not used: the caller reads the run as before.
@@ -889,8 +892,9 @@ impl std::fmt::Display for NotUsable {
 
 /// The figures of the local run whose `obs` folder is `obs`: `Err(NotUsable)` when it has
 /// none, fewer than `min_ranks` rank folders, or holds what the figures leave to the rank
-/// summaries (several runs, damaged or corrupt parts or summaries, pipeline schedules, open
-/// journals).
+/// summaries (several runs, damaged or corrupt parts or summaries, pipeline schedules). Open
+/// journals (a live job) are not read: the figures stop at each rank's last part, and
+/// [`JobFigures::open_journals`] counts them.
 pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigures, NotUsable> {
     use rayon::prelude::*;
     let not = |why: String| NotUsable(why);
@@ -919,11 +923,13 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
                 .and_then(|b| decode(&b))
                 .with_context(|| path.display().to_string())
                 .map_err(|e| not(format!("{e:#}")))?;
-            let fresh = f.ranks.iter().all(|r| {
-                dir_of
-                    .get(&r.rank)
-                    .is_some_and(|dir| rank_unchanged(dir, r))
-            });
+            let described: Vec<Option<bool>> = (f.ranks.iter())
+                .map(|r| dir_of.get(&r.rank).and_then(|dir| described(dir, r)))
+                .collect();
+            let fresh = described.iter().all(Option::is_some);
+            if fresh {
+                acc.open_journals += described.iter().filter(|l| **l == Some(true)).count() as u64;
+            }
             acc.take(f, fresh)?;
             Ok(acc)
         })
@@ -937,7 +943,9 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
         .par_iter()
         .map(|ranks| figures_of_folders(ranks, &dir_of))
         .try_fold(Merged::default, |mut acc, f| {
-            acc.add(f?)?;
+            let (f, open) = f?;
+            acc.open_journals += open;
+            acc.add(f)?;
             Ok(acc)
         })
         .try_reduce(Merged::default, |mut a, b| {
@@ -1094,6 +1102,8 @@ struct Merged {
     listed: Vec<u32>,
     /// Ranks read from their folders.
     ranks_recomputed: u64,
+    /// Ranks read with an open journal (not read).
+    open_journals: u64,
 }
 
 impl Merged {
@@ -1141,6 +1151,7 @@ impl Merged {
             figures,
             nodes_read: self.nodes_read,
             ranks_recomputed: self.ranks_recomputed,
+            open_journals: self.open_journals,
         })
     }
 
@@ -1170,6 +1181,7 @@ impl Merged {
 
     fn absorb(&mut self, o: Merged) -> std::result::Result<(), NotUsable> {
         self.nodes_read += o.nodes_read;
+        self.open_journals += o.open_journals;
         self.stale.extend(o.stale);
         self.listed.extend(o.listed);
         match o.job {
@@ -1180,13 +1192,15 @@ impl Merged {
 }
 
 /// The figures of `ranks` from their folders' rank summaries (brought up to date against
-/// their parts, not written back).
+/// their parts, not written back; an open journal is not read), and how many have an open
+/// journal.
 fn figures_of_folders(
     ranks: &[u32],
     dir_of: &FxHashMap<u32, &PathBuf>,
-) -> std::result::Result<NodeFigures, NotUsable> {
+) -> std::result::Result<(NodeFigures, u64), NotUsable> {
     let not = |why: String| NotUsable(why);
     let mut digests = Vec::new();
+    let mut open = 0;
     for &rank in ranks {
         let Some(dir) = dir_of.get(&rank) else {
             continue;
@@ -1197,9 +1211,7 @@ fn figures_of_folders(
         if !s.damaged.is_empty() || !s.corrupt.is_empty() {
             return Err(not(format!("rank {rank} has damaged or corrupt files")));
         }
-        if has_journal(dir, s.digest.last_index()) {
-            return Err(not(format!("rank {rank} has an open journal")));
-        }
+        open += u64::from(has_journal(dir, s.digest.last_index()));
         let mtime = std::fs::metadata(dir).map_or(0, |m| super::node::mtime_ns(&m));
         digests.push((rank, mtime, s.digest));
     }
@@ -1212,14 +1224,20 @@ fn figures_of_folders(
             digest: d,
         })
         .collect();
-    Ok(NodeFigures::build(&inputs))
+    Ok((NodeFigures::build(&inputs), open))
 }
 
-/// Whether a rank folder is as its figures describe it ([`super::node::unchanged_folder`]),
-/// with no journal after its last part.
-fn rank_unchanged(dir: &Path, r: &RankFigures) -> bool {
-    super::node::unchanged_folder(dir, r.dir_mtime_ns, r.last_part).is_some()
-        && !has_journal(dir, r.last_part)
+/// Whether a rank folder is as its figures describe it, and then whether it is live: it has
+/// no part after the last they cover, and either the mtime they record
+/// ([`super::node::unchanged_folder`]) or, changed since, the journal after that part (a live
+/// rank opens its next journal after it published; appending to it leaves the folder's mtime
+/// alone). `Some(true)`: described, with an open journal whose records are not in them.
+fn described(dir: &Path, r: &RankFigures) -> Option<bool> {
+    let live = has_journal(dir, r.last_part);
+    let next = r.last_part.map_or(0, |l| l + 1);
+    let unchanged = super::node::unchanged_folder(dir, r.dir_mtime_ns, r.last_part).is_some();
+    let no_next_part = || !dir.join(crate::location::part_file_name(next)).exists();
+    (unchanged || (live && no_next_part())).then_some(live)
 }
 
 /// Whether the journal after part `last` is in `dir`.

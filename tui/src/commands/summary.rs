@@ -31,9 +31,10 @@ pub struct SummaryArgs {
     /// Read the nodes' figures (`obs/node-<host>.figures`: one file per node, merged as the
     /// ranks write) instead of every rank's summary: `auto` does from 1024 ranks up, where the
     /// rank summaries take seconds. Stragglers are then found from each rank's distribution
-    /// of step times rather than step by step, and the slowest-in counts are not known; runs
-    /// with several runs' records, damaged files, pipeline schedules or open journals are read
-    /// from the rank summaries whatever this says.
+    /// of step times rather than step by step, and the slowest-in counts are not known; a live
+    /// job's open journals are not read (the summary stops at each rank's last part, and says
+    /// so); runs with several runs' records, damaged files or pipeline schedules are read from
+    /// the rank summaries whatever this says.
     #[arg(long, value_enum, default_value_t = NodeFigures::Auto, value_name = "WHEN")]
     pub node_figures: NodeFigures,
     /// Show at most this many stragglers and tagged steps in the tables (JSON has all).
@@ -189,6 +190,14 @@ pub fn render(s: &Summary, top: usize) -> String {
              them step by step)",
             f.nodes, f.ranks_from_folders
         );
+        if f.open_journals > 0 {
+            let _ = writeln!(
+                o,
+                "live: the open journals of {} rank(s) not read (their records since their \
+                 last part; `--node-figures off` reads them)",
+                f.open_journals
+            );
+        }
     }
     if !s.missing_ranks.is_empty() {
         let _ = writeln!(o, "missing ranks: {:?}", s.missing_ranks);
