@@ -192,7 +192,7 @@ impl ObjectObs {
     }
 
     /// For each (rank, last part) whether the rank's folder holds no part after `last` (one
-    /// HEAD a rank, [`CHECKS_AT_ONCE`] at a time): the object-store form of a local folder's
+    /// HEAD a rank, `CHECKS_AT_ONCE` at a time): the object-store form of a local folder's
     /// unchanged mtime, as a rank's writer adds parts in index order. An error other than
     /// "not found" counts as a part there (the rank is then read from its folder).
     pub async fn next_parts_absent(

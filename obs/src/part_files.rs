@@ -268,7 +268,7 @@ pub fn list(location: &Location) -> Result<BTreeMap<u32, Vec<PartFile>>> {
 }
 
 /// The parts of the object-store ranks `ranks` (run at `base`, `url` for messages), each
-/// folder listed, [`LISTINGS_AT_ONCE`] at a time; by rank and part index.
+/// folder listed, `LISTINGS_AT_ONCE` at a time; by rank and part index.
 pub fn list_object_ranks(
     store: &Arc<dyn ObjectStore>,
     base: &StorePath,

@@ -61,7 +61,7 @@ pub fn read_local(obs: &Path, run_id: Option<&str>) -> Result<Streamed> {
 }
 
 /// Reads the rank summaries (`obs/rank-<R>/rank.summary`) of the object-store run at `base`
-/// (`url` for messages), [`RANKS_AT_ONCE`] GETs at a time: each as its writer last left it
+/// (`url` for messages), `RANKS_AT_ONCE` GETs at a time: each as its writer last left it
 /// (a rank its node's figures describe has one covering at least their parts: the writer
 /// puts it before it publishes them). A rank without one is named in `damaged`.
 pub fn read_object(

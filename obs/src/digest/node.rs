@@ -141,7 +141,7 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Entry>> {
 pub struct RankUpdate<'a> {
     pub rank: u32,
     /// Its folder's mtime now (0 on an object store, whose readers check the next part
-    /// instead: [`crate::location::ObjectObs::next_part_absent`]).
+    /// instead: [`crate::location::ObjectObs::next_parts_absent`]).
     pub dir_mtime_ns: u64,
     pub last_part: Option<u64>,
     /// Its encoded rank summary.
