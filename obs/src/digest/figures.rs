@@ -966,11 +966,15 @@ const OBJECTS_AT_ONCE: usize = 8;
 /// writers) and trusted when every rank it lists is a listed folder with no part after the
 /// last it covers (a HEAD each); the ranks of the other nodes, and those in none, are read
 /// from their rank summaries (`rank.summary`), which must cover exactly the parts listed.
+/// `seen_last`: ranks whose last part the caller found moments ago with none after it (the
+/// TUI's open, from its timelines' HEADs or its listing): a rank whose figures end at that
+/// part is not checked again.
 pub fn read_object(
     store: &std::sync::Arc<dyn object_store::ObjectStore>,
     base: &object_store::path::Path,
     url: &str,
     min_ranks: usize,
+    seen_last: &BTreeMap<u32, u64>,
 ) -> std::result::Result<JobFigures, NotUsable> {
     use futures::{StreamExt, TryStreamExt};
     use object_store::ObjectStoreExt as _;
@@ -1005,8 +1009,10 @@ pub fn read_object(
                     ))
                 })?;
             let listed_all = f.ranks.iter().all(|r| rank_folders.contains(&r.rank));
-            let lasts: Vec<(u32, Option<u64>)> =
-                f.ranks.iter().map(|r| (r.rank, r.last_part)).collect();
+            let lasts: Vec<(u32, Option<u64>)> = (f.ranks.iter())
+                .filter(|r| r.last_part.is_none() || seen_last.get(&r.rank) != r.last_part.as_ref())
+                .map(|r| (r.rank, r.last_part))
+                .collect();
             let fresh = listed_all
                 && crate::location::ObjectObs::next_parts_absent(store, base, &lasts)
                     .await
@@ -1249,6 +1255,49 @@ fn has_journal(dir: &Path, last: Option<u64>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An object-store run's figures: a rank with a part after the last its figures cover is
+    /// found by its HEAD (and, its rank summary not covering that part either, the figures are
+    /// not used), unless the caller says it saw that rank end at the figures' last part.
+    #[test]
+    fn stored_figures_check_each_rank_unless_its_last_part_was_seen() {
+        use object_store::ObjectStoreExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::synth::SynthConfig {
+            ranks: 16,
+            steps: 30,
+            steps_per_part: 10,
+            ..Default::default()
+        };
+        let url = "memory://figures-seen-last/run";
+        crate::synth::write_run_spooled(url, &cfg, Some(&dir.path().join("spool"))).unwrap();
+        let crate::location::Location::Object { store, base, .. } =
+            crate::location::Location::parse(url).unwrap()
+        else {
+            unreachable!()
+        };
+        let none = BTreeMap::new();
+        let read = |seen: &BTreeMap<u32, u64>| read_object(&store, &base, url, 0, seen);
+        let job = read(&none).unwrap();
+        assert_eq!((job.nodes_read, job.ranks_recomputed), (2, 0));
+        let rt = titan_storage::runtime();
+        let rank3 = base.clone().join("obs").join("rank-3");
+        let first = rt
+            .block_on(async {
+                store
+                    .get(&rank3.clone().join("part-000000.parquet"))
+                    .await?
+                    .bytes()
+                    .await
+            })
+            .unwrap();
+        rt.block_on(store.put(&rank3.clone().join("part-000003.parquet"), first.into()))
+            .unwrap();
+        assert!(read(&none).is_err(), "rank 3's extra part went unseen");
+        let seen: BTreeMap<u32, u64> = (0..16).map(|r| (r, 2)).collect();
+        let job = read(&seen).unwrap();
+        assert_eq!((job.nodes_read, job.ranks_recomputed), (2, 0));
+    }
 
     #[test]
     fn step_times_median_and_above_are_within_the_sketch_error() {

@@ -198,7 +198,10 @@ impl TimelineSource for DetailSource {
         let (d, t) = DetailRun::open(&self.run, &self.title, self.run_id.as_deref())?;
         let (tx, rx) = mpsc::channel();
         let (run, id, parts) = (self.run.clone(), d.run_id.clone(), d.parts_for_steps());
-        std::thread::spawn(move || whole_run(&run, id.as_deref(), &parts, |w| tx.send(w).is_ok()));
+        let seen = d.last_parts();
+        std::thread::spawn(move || {
+            whole_run(&run, id.as_deref(), &parts, &seen, |w| tx.send(w).is_ok())
+        });
         if self.follow {
             let (tx, rx) = mpsc::channel();
             let (run, id, skip) = (self.run.clone(), d.run_id.clone(), d.last_parts());
@@ -312,12 +315,19 @@ fn apply(d: &mut DetailRun, t: &mut Timeline, w: Whole) -> Option<&'static str> 
 /// The whole-run results the TUI's worker computes, computed here and put into `t` (for a
 /// `gantt` image): its steps (unless the gantt has them), analysis, spreads and metrics.
 pub(super) fn whole_run_into(d: &mut DetailRun, t: &mut Timeline, run: &str) {
-    let parts = d.parts_for_steps();
+    let (parts, seen) = (d.parts_for_steps(), d.last_parts());
     let got = std::cell::RefCell::new(Vec::new());
-    whole_run_here(run, d.run_id.as_deref(), &parts, AUTO_FIGURES_RANKS, |w| {
-        got.borrow_mut().push(w);
-        true
-    });
+    whole_run_here(
+        run,
+        d.run_id.as_deref(),
+        &parts,
+        &seen,
+        AUTO_FIGURES_RANKS,
+        |w| {
+            got.borrow_mut().push(w);
+            true
+        },
+    );
     for w in got.into_inner() {
         apply(d, t, w);
     }
@@ -330,25 +340,29 @@ fn whole_run(
     run: &str,
     run_id: Option<&str>,
     parts: &Option<Vec<PartFile>>,
+    seen_last: &BTreeMap<u32, u64>,
     send: impl Fn(Whole) -> bool + Send,
 ) {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let here = || whole_run_here(run, run_id, parts, seen_last, AUTO_FIGURES_RANKS, send);
     match rayon::ThreadPoolBuilder::new()
         .num_threads(cores.saturating_sub(1).max(1))
         .build()
     {
-        Ok(pool) => pool.install(|| whole_run_here(run, run_id, parts, AUTO_FIGURES_RANKS, send)),
-        Err(_) => whole_run_here(run, run_id, parts, AUTO_FIGURES_RANKS, send),
+        Ok(pool) => pool.install(here),
+        Err(_) => here(),
     }
 }
 
 /// `parts`: every part, to read every step from; `None` when the gantt has them already.
-/// `figures_from`: the rank folders from which a run's analysis comes from its node figures
-/// (a local run's or an object store's).
+/// `seen_last`: each rank's last part as the open found it (an object store's node figures
+/// that end there are not checked again). `figures_from`: the rank folders from which a run's
+/// analysis comes from its node figures (a local run's or an object store's).
 fn whole_run_here(
     run: &str,
     run_id: Option<&str>,
     parts: &Option<Vec<PartFile>>,
+    seen_last: &BTreeMap<u32, u64>,
     figures_from: usize,
     send: impl Fn(Whole) -> bool,
 ) {
@@ -370,7 +384,8 @@ fn whole_run_here(
             titan_obs_core::digest::figures::read_local(&p.join("obs"), figures_from).ok()
         }
         Some(Location::Object { url, store, base }) => {
-            titan_obs_core::digest::figures::read_object(store, base, url, figures_from).ok()
+            titan_obs_core::digest::figures::read_object(store, base, url, figures_from, seen_last)
+                .ok()
         }
         None => None,
     };
@@ -657,7 +672,7 @@ mod tests {
         // then the spreads, then the metrics.
         let got: RefCell<Vec<&'static str>> = RefCell::default();
         let stragglers = RefCell::new(Vec::new());
-        whole_run_here(&run, None, &None, 1, |w| {
+        whole_run_here(&run, None, &None, &BTreeMap::new(), 1, |w| {
             got.borrow_mut().push(match w {
                 Whole::Analysis(a, spread) => {
                     assert!(spread.is_empty());
@@ -690,7 +705,7 @@ mod tests {
         std::fs::write(&summary, bytes).unwrap();
         let said = |run_id: Option<&str>| {
             let got: RefCell<Vec<String>> = RefCell::default();
-            whole_run_here(&run, run_id, &None, 1, |w| {
+            whole_run_here(&run, run_id, &None, &BTreeMap::new(), 1, |w| {
                 got.borrow_mut().push(match w {
                     Whole::Failed(e) => e,
                     Whole::Spread(s) => format!("spread {}", s.len()),
@@ -731,7 +746,7 @@ mod tests {
         titan_obs_core::synth::write_run_spooled(url, &config(), Some(&spool)).unwrap();
         let sent = |run: &str| -> Vec<String> {
             let got: RefCell<Vec<String>> = RefCell::default();
-            whole_run_here(run, None, &None, 1, |w| {
+            whole_run_here(run, None, &None, &BTreeMap::new(), 1, |w| {
                 got.borrow_mut().push(match w {
                     Whole::Analysis(a, spread) => format!("analysis {a:?} {spread:?}"),
                     Whole::Spread(s) => format!("spread {s:?}"),

@@ -128,7 +128,8 @@ fn from_figures(args: &SummaryArgs, opts: &StragglerOptions) -> Option<Summary> 
     let started = std::time::Instant::now();
     let read = match titan_obs_core::location::Location::parse(&args.run.run) {
         Ok(titan_obs_core::location::Location::Object { url, store, base }) => {
-            titan_obs_core::digest::figures::read_object(&store, &base, &url, min_ranks)
+            let none_seen = Default::default();
+            titan_obs_core::digest::figures::read_object(&store, &base, &url, min_ranks, &none_seen)
         }
         _ => {
             let obs = std::path::Path::new(&args.run.run).join("obs");
