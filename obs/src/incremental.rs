@@ -368,7 +368,13 @@ impl PartsReader {
                 rolled: Some(rolled),
             });
         }
-        let mut rollup_damage = listing.rollup_damage;
+        // Damaged node rollups and object-store rank summaries, with what each cost.
+        const FROM_FOLDERS: &str = "nothing: its ranks were read from their folders";
+        const FROM_PARTS: &str = "nothing: its parts' own summaries were read instead";
+        let mut damaged_summaries: Vec<(String, String, &str)> = (listing.rollup_damage)
+            .into_iter()
+            .map(|(file, error)| (file, error, FROM_FOLDERS))
+            .collect();
         let rollups_read = listing.rollups_read;
         let mut list_requests = listing.list_requests;
         let mut files = listing.files;
@@ -384,7 +390,7 @@ impl PartsReader {
                 let (done, gets, damaged) = object_rank_summaries(store, url, wanted, &mut files);
                 ranks_summarised = done;
                 list_requests += gets;
-                rollup_damage.extend(damaged);
+                damaged_summaries.extend(damaged.into_iter().map(|(f, e)| (f, e, FROM_PARTS)));
             }
         }
         for file in files {
@@ -421,12 +427,7 @@ impl PartsReader {
             requests: list_requests,
             ..Default::default()
         };
-        for (file, error) in rollup_damage {
-            let lost = if file.ends_with(crate::digest::RANK_SUMMARY_FILE) {
-                "nothing: its parts' own summaries were read instead"
-            } else {
-                "nothing: its ranks were read from their folders"
-            };
+        for (file, error, lost) in damaged_summaries {
             self.run.report.damage.push(Damage {
                 bytes: std::fs::metadata(&file).map_or(0, |m| m.len()),
                 file,
@@ -1248,12 +1249,7 @@ fn object_rank_summaries(
                 continue;
             }
         };
-        let listed = sizes.get(&rank).cloned().unwrap_or_default();
-        let indices: BTreeSet<u64> = listed.keys().copied().collect();
-        let lengths_match = digest
-            .covered()
-            .all(|p| listed.get(&p.index) == Some(&p.len));
-        if !(digest.fits(&indices) && lengths_match) {
+        if !digest.fits_sized(sizes.get(&rank).unwrap_or(&BTreeMap::new())) {
             continue;
         }
         let covered = digest.covered_set();

@@ -65,6 +65,11 @@ pub fn rank_dir(run: &Path, rank: u32) -> PathBuf {
     run.join("obs").join(format!("rank-{rank}"))
 }
 
+/// `<base>/obs/rank-<R>`: a rank's folder of the object-store run at `base`.
+pub fn stored_rank_dir(base: &StorePath, rank: u32) -> StorePath {
+    base.clone().join("obs").join(format!("rank-{rank}"))
+}
+
 /// File name of part `index`: zero-padded so a plain listing sorts in time order.
 pub fn part_file_name(index: u64) -> String {
     format!("part-{index:06}.parquet")
@@ -202,10 +207,8 @@ impl ObjectObs {
     ) -> Vec<bool> {
         use futures::StreamExt;
         use object_store::ObjectStoreExt as _;
-        let obs = base.clone().join("obs");
         let checks = ranks.iter().map(|&(rank, last)| {
-            let path = (obs.clone())
-                .join(format!("rank-{rank}"))
+            let path = stored_rank_dir(base, rank)
                 .join(part_file_name(last.map_or(0, |l| l + 1)).as_str());
             async move {
                 matches!(

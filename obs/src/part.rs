@@ -561,10 +561,7 @@ impl PartSink {
                 .join(part_file_name(index))
                 .exists()),
             Location::Object { store, base, .. } => {
-                let path = base
-                    .clone()
-                    .join("obs")
-                    .join(format!("rank-{}", self.rank))
+                let path = crate::location::stored_rank_dir(base, self.rank)
                     .join(part_file_name(index).as_str());
                 let rt = titan_storage::runtime();
                 match rt.block_on(store.head(&path)) {
@@ -597,7 +594,7 @@ impl PartSink {
             }
             Location::Object { store, base, .. } => {
                 use futures::TryStreamExt;
-                let prefix = base.clone().join("obs").join(format!("rank-{}", self.rank));
+                let prefix = crate::location::stored_rank_dir(base, self.rank);
                 let rt = titan_storage::runtime();
                 let metas: Vec<object_store::ObjectMeta> = rt
                     .block_on(store.list(Some(&prefix)).try_collect())
@@ -736,9 +733,7 @@ impl PartSink {
         let Location::Object { store, base, .. } = &self.location else {
             return None;
         };
-        let path = (base.clone())
-            .join("obs")
-            .join(format!("rank-{}", self.rank))
+        let path = crate::location::stored_rank_dir(base, self.rank)
             .join(crate::digest::RANK_SUMMARY_FILE);
         let rt = titan_storage::runtime();
         let bytes = rt
@@ -755,11 +750,7 @@ impl PartSink {
                 crate::sidecar::write_atomic(&rank_dir(run, self.rank).join(name), &body)
             }
             Location::Object { store, base, .. } => {
-                let path = base
-                    .clone()
-                    .join("obs")
-                    .join(format!("rank-{}", self.rank))
-                    .join(name);
+                let path = crate::location::stored_rank_dir(base, self.rank).join(name);
                 titan_storage::runtime()
                     .block_on(store.put(&path, body.into()))
                     .with_context(|| format!("uploading {path}"))?;
@@ -785,11 +776,7 @@ impl PartSink {
                 Ok(dst.display().to_string())
             }
             Location::Object { store, base, .. } => {
-                let path = base
-                    .clone()
-                    .join("obs")
-                    .join(format!("rank-{}", self.rank))
-                    .join(name.as_str());
+                let path = crate::location::stored_rank_dir(base, self.rank).join(name.as_str());
                 let rt = titan_storage::runtime();
                 let shown = format!("{}/{}", self.location.rank_display(self.rank), name);
                 rt.block_on(store.put(&path, bytes.into()))

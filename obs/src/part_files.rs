@@ -74,10 +74,7 @@ impl PartFile {
             index,
             place: Place::Object {
                 store,
-                path: (base.clone())
-                    .join("obs")
-                    .join(format!("rank-{rank}"))
-                    .join(name.as_str()),
+                path: crate::location::stored_rank_dir(base, rank).join(name.as_str()),
                 shown: format!("{url}/obs/rank-{rank}/{name}"),
                 len: None,
             },
@@ -276,11 +273,10 @@ pub fn list_object_ranks(
     ranks: &[u32],
 ) -> Result<BTreeMap<u32, Vec<PartFile>>> {
     use futures::{StreamExt, TryStreamExt};
-    let obs = base.clone().join("obs");
     let listed: Vec<(u32, Vec<object_store::ObjectMeta>)> = titan_storage::runtime()
         .block_on(
             futures::stream::iter(ranks.iter().map(|&rank| {
-                let folder = obs.clone().join(format!("rank-{rank}"));
+                let folder = crate::location::stored_rank_dir(base, rank);
                 async move {
                     let metas = store.list(Some(&folder)).try_collect().await;
                     metas.map(|m| (rank, m))

@@ -1057,7 +1057,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(t.ranks.len(), 1);
-        assert!(t.ranks[0].may_describe_stored());
+        assert!(t.ranks[0].may_describe());
         assert_eq!(t.ranks[0].parts.len() as u64, stats.parts);
         assert!(
             objects

@@ -182,10 +182,10 @@ fn a_short_run_leaves_one_part_per_rank() {
     // them (after removing the journals they compacted): the TUI opens on it.
     let job = titan_obs_core::digest::timeline::read_local(&run.join("obs")).unwrap();
     assert_eq!(job.timeline.ranks.len(), 2);
-    for (r, (rank, dir)) in job.timeline.ranks.iter().zip(&job.rank_dirs) {
+    for (r, (rank, described)) in job.timeline.ranks.iter().zip(&job.ranks) {
         assert_eq!(r.rank, *rank);
         assert_eq!(r.parts.len(), 1);
-        assert!(r.describes(dir), "{r:?}");
+        assert!(described, "{r:?}");
     }
     assert!(!job.timeline.steps.is_empty());
     // The node's figures (issue 42) describe both ranks' folders as the recorders left them.

@@ -43,6 +43,16 @@ struct Cell {
     times: StepTimes,
 }
 
+/// Reads the rank summaries of the run at `location` ([`read_local`], [`read_object`]).
+pub fn read(location: &crate::location::Location, run_id: Option<&str>) -> Result<Streamed> {
+    match location {
+        crate::location::Location::Local(run) => read_local(&run.join("obs"), run_id),
+        crate::location::Location::Object { url, store, base } => {
+            read_object(store, base, url, run_id)
+        }
+    }
+}
+
 /// Reads the rank summaries of the local run whose `obs` folder is `obs`.
 pub fn read_local(obs: &Path, run_id: Option<&str>) -> Result<Streamed> {
     let dirs = crate::location::ObsFolder::list(obs)?.rank_dirs;
@@ -76,10 +86,8 @@ pub fn read_object(
     let rt = titan_storage::runtime();
     Ok(stream(&ranks, run_id, |chunk| {
         let gets = chunk.iter().map(|&rank| {
-            let path = (base.clone())
-                .join("obs")
-                .join(format!("rank-{rank}"))
-                .join(crate::digest::RANK_SUMMARY_FILE);
+            let path =
+                crate::location::stored_rank_dir(base, rank).join(crate::digest::RANK_SUMMARY_FILE);
             async move {
                 let got = async { store.get(&path).await?.bytes().await }.await;
                 let mut s = RankSummarised::default();

@@ -890,6 +890,30 @@ impl std::fmt::Display for NotUsable {
     }
 }
 
+/// The figures of the run at `location` ([`read_local`], [`read_object`]; `seen_last` is the
+/// latter's).
+pub fn read(
+    location: &crate::location::Location,
+    min_ranks: usize,
+    seen_last: &BTreeMap<u32, u64>,
+) -> std::result::Result<JobFigures, NotUsable> {
+    match location {
+        crate::location::Location::Local(run) => {
+            let obs = run.join("obs");
+            if !obs.is_dir() {
+                return Err(NotUsable(format!(
+                    "{} is not a titan run's folder",
+                    run.display()
+                )));
+            }
+            read_local(&obs, min_ranks)
+        }
+        crate::location::Location::Object { url, store, base } => {
+            read_object(store, base, url, min_ranks, seen_last)
+        }
+    }
+}
+
 /// The figures of the local run whose `obs` folder is `obs`: `Err(NotUsable)` when it has
 /// none, fewer than `min_ranks` rank folders, or holds what the figures leave to the rank
 /// summaries (several runs, damaged or corrupt parts or summaries, pipeline schedules). Open
@@ -924,7 +948,7 @@ pub fn read_local(obs: &Path, min_ranks: usize) -> std::result::Result<JobFigure
                 .with_context(|| path.display().to_string())
                 .map_err(|e| not(format!("{e:#}")))?;
             let described: Vec<Option<bool>> = (f.ranks.iter())
-                .map(|r| dir_of.get(&r.rank).and_then(|dir| described(dir, r)))
+                .map(|r| dir_of.get(&r.rank).and_then(|dir| recorded(dir, r)))
                 .collect();
             let fresh = described.iter().all(Option::is_some);
             if fresh {
@@ -1052,9 +1076,8 @@ async fn figures_of_objects(
     use futures::{StreamExt, TryStreamExt};
     use object_store::ObjectStoreExt as _;
     let not = |why: String| NotUsable(why);
-    let obs = base.clone().join("obs");
     let read = ranks.iter().map(|&rank| {
-        let folder = obs.clone().join(format!("rank-{rank}"));
+        let folder = crate::location::stored_rank_dir(base, rank);
         async move {
             let shown = format!("{url}/obs/rank-{rank}");
             let metas: Vec<object_store::ObjectMeta> = (store.list(Some(&folder)).try_collect())
@@ -1072,8 +1095,7 @@ async fn figures_of_objects(
                 .map_err(|e| not(format!("{shown}/{}: {e}", super::RANK_SUMMARY_FILE)))?;
             let d = super::rank_file::decode(&bytes)
                 .map_err(|e| not(format!("{shown}/{}: {e:#}", super::RANK_SUMMARY_FILE)))?;
-            let covered: BTreeMap<u64, u64> = d.covered().map(|p| (p.index, p.len)).collect();
-            if covered != parts {
+            if !(d.fits_sized(&parts) && d.covered().count() == parts.len()) {
                 return Err(not(format!(
                     "{shown}/{} does not cover the folder's parts",
                     super::RANK_SUMMARY_FILE
@@ -1233,17 +1255,10 @@ fn figures_of_folders(
     Ok((NodeFigures::build(&inputs), open))
 }
 
-/// Whether a rank folder is as its figures describe it, and then whether it is live: it has
-/// no part after the last they cover, and either the mtime they record
-/// ([`super::node::unchanged_folder`]) or, changed since, the journal after that part (a live
-/// rank opens its next journal after it published; appending to it leaves the folder's mtime
-/// alone). `Some(true)`: described, with an open journal whose records are not in them.
-fn described(dir: &Path, r: &RankFigures) -> Option<bool> {
-    let live = has_journal(dir, r.last_part);
-    let next = r.last_part.map_or(0, |l| l + 1);
-    let unchanged = super::node::unchanged_folder(dir, r.dir_mtime_ns, r.last_part).is_some();
-    let no_next_part = || !dir.join(crate::location::part_file_name(next)).exists();
-    (unchanged || (live && no_next_part())).then_some(live)
+/// Whether a rank folder is as its figures recorded it, and then whether it is live
+/// ([`super::node::recorded_folder`]: a live rank's open journal is not in them).
+fn recorded(dir: &Path, r: &RankFigures) -> Option<bool> {
+    super::node::recorded_folder(dir, r.dir_mtime_ns, r.last_part)
 }
 
 /// Whether the journal after part `last` is in `dir`.

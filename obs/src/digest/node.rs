@@ -95,6 +95,18 @@ pub fn unchanged_folder(
         .then_some(m)
 }
 
+/// Whether a rank folder is as a node file recorded it (`dir_mtime_ns`, `last_part`): no part
+/// after the last, and either the recorded mtime ([`unchanged_folder`]) or, changed since, the
+/// journal after the last part (a live rank opens it after it recorded; appending to it
+/// leaves the mtime alone). `Some(live)`: as recorded, `live` when that journal is there.
+pub fn recorded_folder(dir: &Path, dir_mtime_ns: u64, last_part: Option<u64>) -> Option<bool> {
+    let next = last_part.map_or(0, |l| l + 1);
+    let live = dir.join(crate::location::journal_file_name(next)).exists();
+    let as_recorded = unchanged_folder(dir, dir_mtime_ns, last_part).is_some()
+        || (live && !dir.join(crate::location::part_file_name(next)).exists());
+    as_recorded.then_some(live)
+}
+
 /// Encodes a rollup (entries in rank order).
 pub fn encode(entries: &[Entry]) -> Vec<u8> {
     let mut w = Writer(Vec::with_capacity(

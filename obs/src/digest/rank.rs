@@ -80,6 +80,13 @@ impl RankDigest {
                 .all(|i| covered.contains(i) || last.is_none_or(|l| *i > l))
     }
 
+    /// [`Self::fits`] for parts listed with their sizes (index -> bytes, an object store's
+    /// listing): and every part it covers is listed with the size it was summarised at.
+    pub fn fits_sized(&self, listed: &std::collections::BTreeMap<u64, u64>) -> bool {
+        self.fits(&listed.keys().copied().collect())
+            && self.covered().all(|p| listed.get(&p.index) == Some(&p.len))
+    }
+
     /// The indices of the parts covered.
     pub fn covered_set(&self) -> BTreeSet<u64> {
         self.covered().map(|p| p.index).collect()

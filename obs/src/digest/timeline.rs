@@ -12,7 +12,7 @@
 //! journal (a live rank: the TUI's `--follow` reads it).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result, ensure};
 
@@ -115,29 +115,18 @@ impl RankTimeline {
     }
 
     /// Whether this entry describes the rank folder `dir` as it is: its parts run from
-    /// `part-0`, are of one run, and the folder has no part after the last and either the
-    /// recorded mtime ([`super::node::unchanged_folder`]) or, changed since, the journal
-    /// after the last part: a live rank opens its next journal after its last entry
-    /// (appending to it leaves the folder's mtime alone).
+    /// `part-0`, are of one run, and the folder is as recorded (a live rank's included:
+    /// [`super::node::recorded_folder`]).
     pub fn describes(&self, dir: &Path) -> bool {
-        let Some(last) = self.last_part() else {
-            return false;
-        };
-        let live = || {
-            dir.join(crate::location::journal_file_name(last + 1))
-                .exists()
-                && !dir.join(crate::location::part_file_name(last + 1)).exists()
-        };
-        !self.mixed_runs
-            && self.contiguous()
-            && (super::node::unchanged_folder(dir, self.dir_mtime_ns, Some(last)).is_some()
-                || live())
+        self.may_describe()
+            && super::node::recorded_folder(dir, self.dir_mtime_ns, self.last_part()).is_some()
     }
 
-    /// Whether this entry can describe an object-store rank folder: its parts run from
-    /// `part-0` and are of one run. The reader then checks that the folder holds no part
-    /// after the last ([`crate::location::ObjectObs::next_parts_absent`]).
-    pub fn may_describe_stored(&self) -> bool {
+    /// Whether this entry can describe a rank folder: its parts run from `part-0` and are of
+    /// one run. The reader then checks the folder: a local one is as recorded
+    /// ([`Self::describes`]), an object store's holds no part after the last
+    /// ([`crate::location::ObjectObs::next_parts_absent`]).
+    pub fn may_describe(&self) -> bool {
         self.last_part().is_some() && !self.mixed_runs && self.contiguous()
     }
 
@@ -380,101 +369,33 @@ pub fn update(
     crate::sidecar::write_atomic_as(&path, &encode(&t), rank)
 }
 
-/// A local run's node timelines, merged, and the rank folders of `obs/`.
+/// A run's node timelines, merged, and its rank folders with whether they describe them.
 #[derive(Debug, Default)]
 pub struct JobTimeline {
     pub timeline: NodeTimeline,
-    /// Every rank folder of `obs/`, by rank.
-    pub rank_dirs: Vec<(u32, PathBuf)>,
+    /// Every rank folder of `obs/`, by rank, and whether its entry describes it: the entry
+    /// [`RankTimeline::may_describe`] and the folder is as it recorded (a local folder:
+    /// [`RankTimeline::describes`]; an object store's: no part after the last).
+    pub ranks: Vec<(u32, bool)>,
     /// Timeline files that could not be read, with why (their ranks are read from their
     /// folders).
     pub damaged: Vec<String>,
 }
 
-/// Reads every node timeline of the local run whose `obs` folder is `obs` (a few at a time)
-/// and lists its rank folders. A rank in two files is kept from neither (its host changed
-/// between launches: its folder is read instead).
-pub fn read_local(obs: &Path) -> Result<JobTimeline> {
-    use rayon::prelude::*;
-    let listed = crate::location::ObsFolder::list(obs)?;
-    let files = listed.files_named(is_timeline_name);
-    let rank_dirs = listed.rank_dirs;
-    let (mut timeline, damaged) = files
-        .par_iter()
-        .fold(
-            || (NodeTimeline::default(), Vec::new()),
-            |(mut acc, mut damaged), path| {
-                match std::fs::read(path)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|b| decode(&b))
-                {
-                    Ok(t) => acc.merge(t),
-                    Err(e) => damaged.push(format!("{}: {e:#}", path.display())),
-                }
-                (acc, damaged)
-            },
-        )
-        .reduce(
-            || (NodeTimeline::default(), Vec::new()),
-            |(mut a, mut da), (b, db)| {
-                a.merge(b);
-                da.extend(db);
-                (a, da)
-            },
-        );
-    timeline.ranks.sort_unstable_by_key(|r| r.rank);
-    // A rank in two files: neither entry can be trusted to be the folder's.
-    let twice: BTreeSet<u32> = timeline
-        .ranks
-        .windows(2)
-        .filter(|w| w[0].rank == w[1].rank)
-        .map(|w| w[0].rank)
-        .collect();
-    timeline.ranks.retain(|r| !twice.contains(&r.rank));
-    Ok(JobTimeline {
-        timeline,
-        rank_dirs,
-        damaged,
-    })
+/// The run at `location`'s node timelines ([`read_local`], [`read_object`]).
+pub fn read(location: &crate::location::Location) -> Result<JobTimeline> {
+    match location {
+        crate::location::Location::Local(run) => read_local(&run.join("obs")),
+        crate::location::Location::Object { url, store, base } => read_object(store, base, url),
+    }
 }
 
-/// An object-store run's node timelines, merged, and the ranks they describe.
-#[derive(Debug, Default)]
-pub struct StoredTimeline {
-    pub timeline: NodeTimeline,
-    /// Every rank folder of `obs/`, by rank, and whether the timeline describes it (its
-    /// entry [`RankTimeline::may_describe_stored`] and the folder holds no part after its
-    /// last).
-    pub ranks: Vec<(u32, bool)>,
-    /// Timeline objects that could not be read, with why.
-    pub damaged: Vec<String>,
-}
-
-/// Timeline objects read at once.
-const OBJECTS_AT_ONCE: usize = 16;
-
-/// Reads every node timeline of the object-store run at `base` (`url` for messages): `obs/`
-/// listed with a delimiter, each `node-<host>.timeline` read, and the ranks they may describe
-/// checked (a HEAD each). A rank in two files is kept from neither.
-pub fn read_object(
-    store: &std::sync::Arc<dyn object_store::ObjectStore>,
-    base: &object_store::path::Path,
-    url: &str,
-) -> Result<StoredTimeline> {
-    use futures::StreamExt;
-    use object_store::ObjectStoreExt as _;
-    let listed = crate::location::ObjectObs::list(store, base, url)?;
-    let files = listed.files_named(is_timeline_name);
-    let rt = titan_storage::runtime();
-    let read: Vec<(String, Result<NodeTimeline>)> = rt.block_on(
-        futures::stream::iter(files.into_iter().map(|path| async move {
-            let got = async { store.get(&path).await?.bytes().await }.await;
-            let t = got.map_err(anyhow::Error::from).and_then(|b| decode(&b));
-            (format!("{url}/obs/{}", path.filename().unwrap_or("")), t)
-        }))
-        .buffer_unordered(OBJECTS_AT_ONCE)
-        .collect(),
-    );
+/// The files' timelines merged (`read`: each file's, or why it could not be read), ranks in
+/// order; a rank in two files is kept from neither (its host changed between launches: its
+/// folder is read instead).
+fn merged(
+    read: impl IntoIterator<Item = (String, Result<NodeTimeline>)>,
+) -> (NodeTimeline, Vec<String>) {
     let mut timeline = NodeTimeline::default();
     let mut damaged = Vec::new();
     for (shown, t) in read {
@@ -489,9 +410,66 @@ pub fn read_object(
         .map(|w| w[0].rank)
         .collect();
     timeline.ranks.retain(|r| !twice.contains(&r.rank));
+    (timeline, damaged)
+}
+
+/// Reads every node timeline of the local run whose `obs` folder is `obs` (in parallel) and
+/// lists its rank folders.
+pub fn read_local(obs: &Path) -> Result<JobTimeline> {
+    use rayon::prelude::*;
+    let listed = crate::location::ObsFolder::list(obs)?;
+    let read: Vec<(String, Result<NodeTimeline>)> = listed
+        .files_named(is_timeline_name)
+        .par_iter()
+        .map(|path| {
+            let t = std::fs::read(path)
+                .map_err(anyhow::Error::from)
+                .and_then(|b| decode(&b));
+            (path.display().to_string(), t)
+        })
+        .collect();
+    let (timeline, damaged) = merged(read);
+    let entries: std::collections::HashMap<u32, &RankTimeline> =
+        timeline.ranks.iter().map(|r| (r.rank, r)).collect();
+    let ranks = (listed.rank_dirs.par_iter())
+        .map(|(rank, dir)| (*rank, entries.get(rank).is_some_and(|e| e.describes(dir))))
+        .collect();
+    Ok(JobTimeline {
+        timeline,
+        ranks,
+        damaged,
+    })
+}
+
+/// Timeline objects read at once.
+const OBJECTS_AT_ONCE: usize = 16;
+
+/// Reads every node timeline of the object-store run at `base` (`url` for messages): `obs/`
+/// listed with a delimiter, each `node-<host>.timeline` read, and the ranks they may describe
+/// checked (a HEAD each).
+pub fn read_object(
+    store: &std::sync::Arc<dyn object_store::ObjectStore>,
+    base: &object_store::path::Path,
+    url: &str,
+) -> Result<JobTimeline> {
+    use futures::StreamExt;
+    use object_store::ObjectStoreExt as _;
+    let listed = crate::location::ObjectObs::list(store, base, url)?;
+    let files = listed.files_named(is_timeline_name);
+    let rt = titan_storage::runtime();
+    let read: Vec<(String, Result<NodeTimeline>)> = rt.block_on(
+        futures::stream::iter(files.into_iter().map(|path| async move {
+            let got = async { store.get(&path).await?.bytes().await }.await;
+            let t = got.map_err(anyhow::Error::from).and_then(|b| decode(&b));
+            (format!("{url}/obs/{}", path.filename().unwrap_or("")), t)
+        }))
+        .buffer_unordered(OBJECTS_AT_ONCE)
+        .collect(),
+    );
+    let (timeline, damaged) = merged(read);
     let folders: BTreeSet<u32> = listed.ranks.iter().copied().collect();
     let candidates: Vec<(u32, Option<u64>)> = (timeline.ranks.iter())
-        .filter(|r| folders.contains(&r.rank) && r.may_describe_stored())
+        .filter(|r| folders.contains(&r.rank) && r.may_describe())
         .map(|r| (r.rank, r.last_part()))
         .collect();
     let absent = rt.block_on(crate::location::ObjectObs::next_parts_absent(
@@ -503,7 +481,7 @@ pub fn read_object(
         .filter(|(_, a)| *a)
         .map(|((r, _), _)| *r)
         .collect();
-    Ok(StoredTimeline {
+    Ok(JobTimeline {
         timeline,
         ranks: (listed.ranks.iter())
             .map(|&r| (r, described.contains(&r)))

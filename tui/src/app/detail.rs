@@ -15,7 +15,6 @@
 //! long as the time spans cover in it, in the phase covering most of it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Result;
@@ -52,9 +51,9 @@ struct PartRef {
 struct RankParts {
     rank: u32,
     parts: Vec<PartRef>,
-    /// Where its parts are: listed (one file per part), or a local folder holding
-    /// `part-<N>.parquet` for each part (a rank its node's timeline describes: no path is
-    /// held per part, a day of 16 384 ranks is 2.4 M parts).
+    /// Where its parts are: listed (one file per part), or its folder of the run's location
+    /// holding `part-<N>.parquet` for each part (a rank its node's timeline describes: no
+    /// path is held per part, a day of 16 384 ranks is 2.4 M parts).
     files: RankFiles,
     /// Every part's range is known.
     scanned: bool,
@@ -62,9 +61,8 @@ struct RankParts {
 
 enum RankFiles {
     Listed(Vec<PartFile>),
-    Folder(PathBuf),
-    /// A rank folder of the object-store run at this location.
-    Stored(Location),
+    /// The rank's folder of the run at this location.
+    Described(Location),
 }
 
 impl RankParts {
@@ -88,14 +86,10 @@ impl RankParts {
     fn file(&self, pi: usize) -> PartFile {
         match &self.files {
             RankFiles::Listed(f) => f[pi].clone(),
-            RankFiles::Folder(dir) => PartFile::local(
-                dir.join(location::part_file_name(self.parts[pi].index)),
-                self.rank,
-            ),
-            RankFiles::Stored(Location::Object { store, base, url }) => {
+            RankFiles::Described(Location::Object { store, base, url }) => {
                 PartFile::stored(store.clone(), base, url, self.rank, self.parts[pi].index)
             }
-            RankFiles::Stored(Location::Local(run)) => PartFile::local(
+            RankFiles::Described(Location::Local(run)) => PartFile::local(
                 location::rank_dir(run, self.rank)
                     .join(location::part_file_name(self.parts[pi].index)),
                 self.rank,
@@ -778,36 +772,21 @@ impl DetailRun {
     }
 }
 
-/// The run's ranks from its node timelines (`obs/node-<host>.timeline`): each rank a
-/// timeline describes as its folder is comes with its parts' ranges and its lanes, without its
-/// folder listed or a part read (a local folder: [`timeline::RankTimeline::describes`]; an
-/// object store's: [`timeline::read_object`], a HEAD a rank); the other rank folders are
+/// The run's ranks from its node timelines (`obs/node-<host>.timeline`, [`timeline::read`]):
+/// each rank a timeline describes as its folder is comes with its parts' ranges and its
+/// lanes, without its folder listed or a part read; the other rank folders are
 /// listed and keep only parts of the run shown. `None` — the run is listed and read as
 /// before — when there is no timeline, when the ranks described are of several runs or not
 /// of `run_id`, or when the newest run cannot be told without reading parts (the lowest
 /// rank is not described).
 fn from_timelines(run: &str, location: &Location, run_id: Option<&str>) -> Result<Option<Opened>> {
-    let (node_timeline, folders, damaged) = match location {
-        Location::Local(p) => {
-            let obs = p.join("obs");
-            let Ok(job) = timeline::read_local(&obs) else {
-                return Ok(None);
-            };
-            let entries: HashMap<u32, &timeline::RankTimeline> =
-                job.timeline.ranks.iter().map(|r| (r.rank, r)).collect();
-            let folders: Vec<(u32, bool)> = job
-                .rank_dirs
-                .par_iter()
-                .map(|(rank, dir)| (*rank, entries.get(rank).is_some_and(|e| e.describes(dir))))
-                .collect();
-            (job.timeline, folders, job.damaged)
-        }
-        Location::Object { url, store, base } => {
-            let Ok(job) = timeline::read_object(store, base, url) else {
-                return Ok(None);
-            };
-            (job.timeline, job.ranks, job.damaged)
-        }
+    let Ok(timeline::JobTimeline {
+        timeline: node_timeline,
+        ranks: folders,
+        damaged,
+    }) = timeline::read(location)
+    else {
+        return Ok(None);
     };
     if node_timeline.ranks.is_empty() {
         return Ok(None);
@@ -875,10 +854,7 @@ fn from_timelines(run: &str, location: &Location, run_id: Option<&str>) -> Resul
                     unreadable: false,
                 })
                 .collect(),
-            files: match location {
-                Location::Local(p) => RankFiles::Folder(location::rank_dir(p, *rank)),
-                Location::Object { .. } => RankFiles::Stored(location.clone()),
-            },
+            files: RankFiles::Described(location.clone()),
             scanned: true,
         });
     }
@@ -1102,7 +1078,7 @@ mod tests {
     /// Which ranks were drawn from their node's timeline (no part listed or read at open).
     fn described(d: &DetailRun) -> Vec<u32> {
         (d.ranks.iter())
-            .filter(|r| matches!(r.files, RankFiles::Folder(_)))
+            .filter(|r| matches!(r.files, RankFiles::Described(_)))
             .map(|r| r.rank)
             .collect()
     }
@@ -1203,7 +1179,7 @@ mod tests {
         titan_obs_core::synth::write_run_spooled(url, &cfg, Some(&spool)).unwrap();
         let stored = |d: &DetailRun| -> Vec<u32> {
             (d.ranks.iter())
-                .filter(|r| matches!(r.files, RankFiles::Stored(_)))
+                .filter(|r| matches!(r.files, RankFiles::Described(_)))
                 .map(|r| r.rank)
                 .collect()
         };

@@ -377,18 +377,9 @@ fn whole_run_here(
     // From `figures_from` rank folders (`read_local` counts them): the node figures first,
     // as `summary` reads them at this size (only those of the run shown); then the spreads
     // and the metrics from the rank summaries, read one at a time.
-    use titan_obs_core::location::Location;
-    let location = Location::parse(run).ok();
-    let figures = match &location {
-        Some(Location::Local(p)) => {
-            titan_obs_core::digest::figures::read_local(&p.join("obs"), figures_from).ok()
-        }
-        Some(Location::Object { url, store, base }) => {
-            titan_obs_core::digest::figures::read_object(store, base, url, figures_from, seen_last)
-                .ok()
-        }
-        None => None,
-    };
+    let location = titan_obs_core::location::Location::parse(run).ok();
+    let figures = (location.as_ref())
+        .and_then(|l| titan_obs_core::digest::figures::read(l, figures_from, seen_last).ok());
     if let (Some(location), Some(job)) = (&location, figures)
         && run_id.is_none_or(|id| id == job.figures.run_id)
     {
@@ -397,14 +388,7 @@ fn whole_run_here(
         if !send(Whole::Analysis(Box::new(a), Vec::new())) {
             return;
         }
-        let streamed = match location {
-            Location::Local(p) => {
-                titan_obs_core::analysis::streamed::read_local(&p.join("obs"), run_id)
-            }
-            Location::Object { url, store, base } => {
-                titan_obs_core::analysis::streamed::read_object(store, base, url, run_id)
-            }
-        };
+        let streamed = titan_obs_core::analysis::streamed::read(location, run_id);
         match streamed {
             Ok(s) => {
                 if let Some((file, error)) = s.damaged.first() {

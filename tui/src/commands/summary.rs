@@ -126,26 +126,9 @@ fn from_figures(args: &SummaryArgs, opts: &StragglerOptions) -> Option<Summary> 
         return None;
     }
     let started = std::time::Instant::now();
-    let read = match titan_obs_core::location::Location::parse(&args.run.run) {
-        Ok(titan_obs_core::location::Location::Object { url, store, base }) => {
-            let none_seen = Default::default();
-            titan_obs_core::digest::figures::read_object(&store, &base, &url, min_ranks, &none_seen)
-        }
-        _ => {
-            let obs = std::path::Path::new(&args.run.run).join("obs");
-            if !obs.is_dir() {
-                if args.node_figures == NodeFigures::On {
-                    titan_obs::conventions::TITAN_OBS.warning(format_args!(
-                        "not read from node figures ({} is not a titan run's folder): \
-                         reading it as usual",
-                        args.run.run
-                    ));
-                }
-                return None;
-            }
-            titan_obs_core::digest::figures::read_local(&obs, min_ranks)
-        }
-    };
+    let read = titan_obs_core::location::Location::parse(&args.run.run)
+        .map_err(|e| titan_obs_core::digest::figures::NotUsable(format!("{e:#}")))
+        .and_then(|l| titan_obs_core::digest::figures::read(&l, min_ranks, &Default::default()));
     match read {
         Ok(job) => {
             tracing::debug!(
