@@ -117,6 +117,38 @@ fn two_rank_ddp_with_full_ac_equals_none() {
     assert_eq!(full, none, "2-rank DDP: full AC differs from none");
 }
 
+/// TP 2 with selective `op` AC trains as without, and its recompute communicates only what
+/// torchtitan's policy recomputes: each recomputed block all-gathers its two regions' inputs
+/// again, while the reduce-scatters leaving them are kept from the forward
+/// (`reduce_scatter_tensor` is in torchtitan's save list).
+#[test]
+fn tp2_with_op_ac_recomputes_the_all_gathers_and_keeps_the_reduce_scatters() {
+    let dir = tempfile::tempdir().unwrap();
+    let tp = [
+        "--nproc-per-node",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--observability.enable=true",
+    ];
+    let none = run(dir.path(), "tp_none", &tp);
+    let op_args: Vec<&str> = tp.iter().chain(MODES[1].1).copied().collect();
+    let op = run(dir.path(), "tp_op", &op_args);
+    assert_eq!(op, none, "TP 2: selective op AC differs from none");
+    let counts = |name: &str, span: &str| span_counts(&dir.path().join(name), 0, span);
+    assert_eq!(
+        counts("tp_op", "reduce_scatter"),
+        counts("tp_none", "reduce_scatter"),
+        "the recompute reduce-scatters again"
+    );
+    // The debug model's 6 blocks, each entering attention and the feed-forward.
+    let again: BTreeMap<u64, u64> = counts("tp_none", "all_gather")
+        .into_iter()
+        .map(|(step, n)| (step, n + 12))
+        .collect();
+    assert_eq!(counts("tp_op", "all_gather"), again);
+}
+
 /// Rank 0's all-gathers of `step`, by the name of the thread that ran them (pyarrow reads the
 /// run's parts): FSDP's prefetches run on the group's `titan-comm` thread, a gather nobody
 /// prefetched on the thread that needs it.

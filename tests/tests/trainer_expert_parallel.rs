@@ -97,16 +97,34 @@ fn expert_parallel_follows_fsdp() {
     let fsdp = train(&dir.path().join("fsdp2"), 2, &[]);
     assert_eq!(fsdp.len(), STEPS, "{fsdp:?}");
     assert!(fsdp[STEPS - 1].1 < fsdp[0].1 - 0.3, "it learns: {fsdp:?}");
+    // With selective op AC (torchtitan's debug configs' mode).
     let ep_dump = dir.path().join("ep2");
-    let ep = train(&ep_dump, 2, &EP2);
+    let ep_op: Vec<&str> = EP2
+        .iter()
+        .copied()
+        .chain([
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ])
+        .collect();
+    let ep = train(&ep_dump, 2, &ep_op);
     assert_close(&fsdp, &ep, "EP 2 on 2 ranks");
     // Per step and rank: each of the 5 MoE layers exchanges counts, dispatches and combines
-    // in forward, and sends the gradients back both ways in backward (the recompute of a
-    // checkpointed block exchanges again).
+    // in forward, and sends the gradients back both ways in backward. The recompute exchanges
+    // nothing: torchtitan's policy saves `all_to_all_single`'s outputs.
     for rank in 0..2 {
         let counts = span_counts(&ep_dump, rank, "all_to_all_single");
         assert_eq!(counts.len(), STEPS, "rank {rank}: {counts:?}");
-        assert!(counts.values().all(|&n| n >= 25), "rank {rank}: {counts:?}");
+        assert!(counts.values().all(|&n| n == 25), "rank {rank}: {counts:?}");
+        assert_eq!(
+            span_counts(&ep_dump, rank, "recompute")
+                .values()
+                .sum::<u64>(),
+            (STEPS * 6) as u64,
+            "rank {rank}: every block recomputed"
+        );
     }
     // EP 2 x efsdp 2: each rank holds half the rows of 4 experts.
     let fsdp4 = train(&dir.path().join("fsdp4"), 4, &[]);

@@ -163,6 +163,20 @@ fn the_estimate_is_within_10_percent_on_4_ranks_and_with_checkpointing() {
             ],
         ),
         (
+            // The recompute's reduce-scatters are kept from the forward (torchtitan's policy).
+            "TP2, selective op AC",
+            &[
+                "--nproc-per-node",
+                "2",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ],
+        ),
+        (
             "FSDP2, full AC",
             &[
                 "--nproc-per-node",

@@ -66,7 +66,10 @@
 //! - `selective`, `op` (titan's rule: the 1st, 3rd, 5th, 7th matmul): the block input `T d / t`,
 //!   `wq` `T h_l e`, `wv` `T k_l e`, `w1` `T F_l`, `w2` `T d` (a mixture of experts' matmuls
 //!   are recomputed; torchtitan also keeps the SDPA
-//!   output, `T h_l e` more).
+//!   output, `T h_l e` more); and the collectives' outputs torchtitan's policy saves, so that
+//!   the recompute does not communicate them again: under tensor parallelism with sequence
+//!   parallelism the two reduce-scatters `2 T d / t`, under expert parallelism the dispatched
+//!   and combined tokens `2 R d`.
 //! - `selective`, `N`: layers N, 2N, ... as `full`, the others as `none`.
 //!
 //! With checkpointing, the backward of one layer recomputes its `none` set: that minus what the
@@ -531,10 +534,10 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let norm_saves = if device_cpu { 2 } else { 1 };
     // The feed-forward's saved tensors and its backward's gradients: a SwiGLU's four (B, S, F)
     // products, or a mixture of experts' (below).
-    let (ffn_saved, ffn_ws) = match args.moe_layer(largest_block) {
+    let (ffn_saved, ffn_ws, ep_exchanged) = match args.moe_layer(largest_block) {
         // A SwiGLU's backward holds three T x F gradients at once (of w2's input, then of the
         // gate and up outputs), by when w2's saved input has gone: two more than it saved.
-        None => (4 * tokens * f_l * ab, 2 * tokens * f_l * ab),
+        None => (4 * tokens * f_l * ab, 2 * tokens * f_l * ab, 0),
         Some(moe) => {
             // This rank's experts: all, or under expert parallelism its `E / ep`. The routed
             // tokens it computes: its own `T K`, or under expert parallelism what the ranks
@@ -564,7 +567,11 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             // Expert parallelism's all-to-alls hold the sent and the received tokens, and their
             // expert-major copy, while the experts run (2 R d more than without).
             let exchanged = if ep > 1 { 2 * routed * d * ab } else { 0 };
-            (saved, 3 * routed * f * 2 + routed * d * 4 + exchanged)
+            (
+                saved,
+                3 * routed * f * 2 + routed * d * 4 + exchanged,
+                exchanged,
+            )
         }
     };
     // Attention saves k and v as it reads them: under context parallelism every cp rank's,
@@ -589,12 +596,22 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     } else {
         tokens * f_l + tokens * d
     };
-    let op_bytes = (sp(tokens * d) + tokens * h_l * e + tokens * k_l * e + ffn_kept) * ab;
+    let op_kept = (sp(tokens * d) + tokens * h_l * e + tokens * k_l * e + ffn_kept) * ab;
+    // ... and the outputs of the collectives torchtitan's policy saves, which `none` does not
+    // save (the recompute does not make them again): tensor parallelism's two reduce-scatters
+    // under sequence parallelism (`T d / t` each) and expert parallelism's dispatched and
+    // combined tokens (`2 R d`).
+    let reduce_scattered = if t > 1 && seq_parallel {
+        2 * sp(tokens * d) * ab
+    } else {
+        0
+    };
+    let op_bytes = op_kept + reduce_scattered + ep_exchanged;
     let policy_ac = cfg.activation_checkpoint.policy();
     let (saved_per_stage, kept_when_recomputed, ac_name) = match policy_ac {
         ActivationCheckpointing::None => (stage_layers * none_bytes, none_bytes, "none".into()),
         ActivationCheckpointing::Full => (stage_layers * input_bytes, input_bytes, "full".into()),
-        ActivationCheckpointing::Op => (stage_layers * op_bytes, op_bytes, "selective op".into()),
+        ActivationCheckpointing::Op => (stage_layers * op_bytes, op_kept, "selective op".into()),
         ActivationCheckpointing::EveryNthLayer(every) => {
             let whole = stage_layers / every;
             (
@@ -716,7 +733,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             if policy_ac.whole_layer(layer) {
                 (input_bytes, none_bytes - input_bytes + grad_ws)
             } else if policy_ac == ActivationCheckpointing::Op {
-                (op_bytes, none_bytes.saturating_sub(op_bytes) + grad_ws)
+                (op_bytes, none_bytes.saturating_sub(op_kept) + grad_ws)
             } else {
                 (none_bytes, grad_ws)
             }

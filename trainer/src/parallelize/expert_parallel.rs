@@ -25,6 +25,7 @@ use std::sync::Arc;
 use tch::{Kind, Tensor};
 use titan_obs_core::vocab::moe as moe_names;
 
+use super::kept::Kept;
 use super::tp::ok;
 use crate::autograd::{self, Function};
 use crate::distributed::{CommError, Group};
@@ -81,12 +82,17 @@ impl ExpertParallel {
     /// Over ranks, the local experts run inside a span named after `layer`
     /// (`moe/layer/<L>/experts`): a rank whose experts got more tokens arrives late at the
     /// all-to-all that follows, and titan-obs names the layer it came late from.
+    ///
+    /// Under selective activation checkpointing (`kept`) the three exchanges' outputs are kept,
+    /// as torchtitan's policy saves `all_to_all_single`'s (and the counts' copy to the host):
+    /// the recompute exchanges nothing.
     pub fn routed_experts(
         &self,
         layer: Option<usize>,
         routed: &Tensor,
         per_expert: &Tensor,
         experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
+        kept: Option<&Kept>,
     ) -> Tensor {
         let ep = self.size();
         if ep == 1 {
@@ -94,38 +100,52 @@ impl ExpertParallel {
         }
         let total = per_expert.size()[0] as usize;
         let local = total / ep;
-        let sent = per_expert.to_kind(Kind::Int64).contiguous();
-        let received = sent.empty_like();
-        let blocks = vec![local; ep];
-        exchanged(
-            layer,
-            "token counts",
-            &self.members,
-            self.group.all_to_all(&received, &sent, &blocks, &blocks),
-        );
-        let counts = host_sync::read_f64s(
-            &Tensor::cat(&[&sent, &received], 0),
-            "expert parallelism's all-to-all splits",
-        );
-        let counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
+        let exchange_counts = || {
+            let sent = per_expert.to_kind(Kind::Int64).contiguous();
+            let received = sent.empty_like();
+            let blocks = vec![local; ep];
+            exchanged(
+                layer,
+                "token counts",
+                &self.members,
+                self.group.all_to_all(&received, &sent, &blocks, &blocks),
+            );
+            let counts = host_sync::read_f64s(
+                &Tensor::cat(&[&sent, &received], 0),
+                "expert parallelism's all-to-all splits",
+            );
+            // On the host: a recompute reads them without waiting for the device.
+            Tensor::from_slice(&counts.iter().map(|&c| c as i64).collect::<Vec<_>>())
+        };
+        let counts = Kept::keep_in(kept, "token counts exchange", exchange_counts, |c| c);
+        let counts: Vec<usize> = Vec::<i64>::try_from(&counts)
+            .expect("the token counts are a host vector of int64")
+            .into_iter()
+            .map(|c| c as usize)
+            .collect();
         let (sent, received) = counts.split_at(total);
         let per_rank = |c: &[usize]| -> Vec<usize> {
             c.chunks(local).map(|block| block.iter().sum()).collect()
         };
         let (input_splits, output_splits) = (per_rank(sent), per_rank(received));
-        let dispatched = autograd::apply(
-            AllToAll {
+        let dispatch = |kept: Option<Tensor>| {
+            let f = AllToAll {
                 group: self.group.clone(),
                 output_splits: output_splits.clone(),
                 input_splits: input_splits.clone(),
                 layer,
                 what: ["token dispatch", "token dispatch's gradients"],
                 members: self.members.clone(),
-            },
-            &[routed],
-            1,
-        )
-        .remove(0);
+                kept,
+            };
+            autograd::apply(f, &[routed], 1).remove(0)
+        };
+        let dispatched = Kept::keep_in(
+            kept,
+            "token dispatch",
+            || dispatch(None),
+            |v| dispatch(Some(v)),
+        );
         let (order, per_local_expert) = expert_major(received, ep, local);
         let device = routed.device();
         let n = order.len() as i64;
@@ -141,19 +161,19 @@ impl ExpertParallel {
             experts(&dispatched.index_select(0, &order), &counts)
         };
         let back = out.index_select(0, &inverse);
-        autograd::apply(
-            AllToAll {
+        let combine = |kept: Option<Tensor>| {
+            let f = AllToAll {
                 group: self.group.clone(),
-                output_splits: input_splits,
-                input_splits: output_splits,
+                output_splits: input_splits.clone(),
+                input_splits: output_splits.clone(),
                 layer,
                 what: ["combine of the experts' outputs", "combine's gradients"],
                 members: self.members.clone(),
-            },
-            &[&back],
-            1,
-        )
-        .remove(0)
+                kept,
+            };
+            autograd::apply(f, &[&back], 1).remove(0)
+        };
+        Kept::keep_in(kept, "combine", || combine(None), |v| combine(Some(v)))
     }
 }
 
@@ -193,10 +213,16 @@ struct AllToAll {
     what: [&'static str; 2],
     /// The ep group's global ranks.
     members: Arc<[usize]>,
+    /// The forward's output, kept by selective activation checkpointing: the recompute
+    /// returns it without exchanging (the backward still exchanges the gradients).
+    kept: Option<Tensor>,
 }
 
 impl Function for AllToAll {
     fn forward(&mut self, x: &[Tensor]) -> Vec<Tensor> {
+        if let Some(kept) = self.kept.take() {
+            return vec![kept];
+        }
         vec![self.exchange(&x[0], &self.output_splits, &self.input_splits, 0)]
     }
 
@@ -333,7 +359,7 @@ mod tests {
         let routed = Tensor::zeros([4, 2], (Kind::Float, tch::Device::Cpu));
         let counts = Tensor::from_slice(&[1i64, 1, 1, 1]);
         let panic = std::panic::catch_unwind(|| {
-            ep.routed_experts(Some(3), &routed, &counts, &|t, _| t.shallow_clone())
+            ep.routed_experts(Some(3), &routed, &counts, &|t, _| t.shallow_clone(), None)
         })
         .expect_err("the exchange fails");
         let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
@@ -352,10 +378,16 @@ mod tests {
         let ep = ExpertParallel::new(Group::solo(), vec![0]);
         let routed = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).view([3, 1]);
         let counts = Tensor::from_slice(&[2i64, 1]);
-        let out = ep.routed_experts(None, &routed, &counts, &|t, c| {
-            assert_eq!(Vec::<i64>::try_from(c).unwrap(), vec![2, 1]);
-            t * 2.0
-        });
+        let out = ep.routed_experts(
+            None,
+            &routed,
+            &counts,
+            &|t, c| {
+                assert_eq!(Vec::<i64>::try_from(c).unwrap(), vec![2, 1]);
+                t * 2.0
+            },
+            None,
+        );
         assert_eq!(
             Vec::<f32>::try_from(out.view([-1])).unwrap(),
             vec![2.0, 4.0, 6.0]

@@ -17,6 +17,7 @@
 pub mod context_parallel;
 pub mod expert_parallel;
 pub mod fsdp;
+mod kept;
 pub mod layout;
 mod parallel_model;
 pub mod pipeline;

@@ -10,7 +10,7 @@
 //!   and leave tensor parallelism's regions and run the linears in float8, with selective AC's
 //!   kept matmuls, or with zero-bubble's deferred weight gradients.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,6 +21,7 @@ use tch::{Device, Kind, Tensor};
 use super::context_parallel::ContextParallel;
 use super::expert_parallel::ExpertParallel;
 use super::fsdp::{Float8Gather, FsdpUnit, Gathered};
+use super::kept::Kept;
 use super::pipeline::StageModules;
 use super::plan::{TpStyle, tp_style};
 use super::tp::TensorParallel;
@@ -869,16 +870,23 @@ impl ParallelModel {
         let moe = self.moe_state(index);
         let moe_ = moe.as_ref().map(|m| m.share());
         if self.checkpointing == ActivationCheckpointing::Op {
-            // The first run (forward) records the kept matmul outputs, the second (the
-            // recompute in backward) replays them. Each run gathers the block's parameters.
+            // The first run (forward) records the kept matmul and collective outputs, the
+            // second (the recompute in backward) replays them. Each run gathers the block's
+            // parameters.
             let kept = Mutex::new(None);
             let [out] = checkpoint(&[&h], move |i| {
                 let mut kept = kept.lock().unwrap_or_else(|e| e.into_inner());
-                let matmuls = Matmuls::new(kept.take(), f8.clone());
+                let (matmuls, exchanges) = match kept.take() {
+                    Some((m, x)) => (Some(m), Some(x)),
+                    None => (None, None),
+                };
+                let matmuls = Matmuls::new(matmuls, f8.clone());
+                let exchanges = Kept::new(exchanges);
                 let (layer, gathered) = gather();
-                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered, Some(index));
+                let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered, Some(index))
+                    .keeping(&exchanges);
                 let out = model::block(&layer, shape, &ctx_, &ops, &i[0], moe_.as_ref());
-                *kept = matmuls.into_recorded();
+                *kept = matmuls.into_recorded().zip(exchanges.into_recorded());
                 [out]
             });
             out
@@ -1056,7 +1064,7 @@ impl ParallelModel {
 /// counts them: the odd-numbered ones are kept when recording and taken from the record when
 /// replaying.
 struct Matmuls {
-    memo: RefCell<Memo>,
+    kept: Kept,
     count: Cell<usize>,
     float8: ModuleFloat8,
     /// Zero-bubble pipelines: the plain (not float8, not recorded) linears' weight gradients
@@ -1064,29 +1072,19 @@ struct Matmuls {
     deferred: Option<WeightGradStash>,
 }
 
-enum Memo {
-    Plain,
-    Record(Vec<Tensor>),
-    Replay(VecDeque<Tensor>),
-}
-
 impl Matmuls {
     fn plain(float8: ModuleFloat8) -> Self {
-        Self::with(Memo::Plain, float8)
+        Self::with(Kept::off(), float8)
     }
 
     /// Records when `replay` is `None`, else replays it.
     fn new(replay: Option<VecDeque<Tensor>>, float8: ModuleFloat8) -> Self {
-        let memo = match replay {
-            None => Memo::Record(Vec::new()),
-            Some(kept) => Memo::Replay(kept),
-        };
-        Self::with(memo, float8)
+        Self::with(Kept::new(replay), float8)
     }
 
-    fn with(memo: Memo, float8: ModuleFloat8) -> Self {
+    fn with(kept: Kept, float8: ModuleFloat8) -> Self {
         Matmuls {
-            memo: RefCell::new(memo),
+            kept,
             count: Cell::new(0),
             float8,
             deferred: None,
@@ -1107,37 +1105,23 @@ impl Matmuls {
         f8: Option<&Float8Linear>,
     ) -> Tensor {
         self.count.set(self.count.get() + 1);
-        let kept = self.count.get() % 2 == 1;
         let multiply = || match (f8, &self.deferred) {
             (Some(f8), _) => f8.apply_in_chunks(x, w, gathered, self.float8.chunks),
             (None, Some(stash)) => deferred_linear(x, w, stash),
             (None, None) => x.linear::<&Tensor>(w, None),
         };
-        match &mut *self.memo.borrow_mut() {
-            Memo::Replay(record) if kept => {
-                let value = record
-                    .pop_front()
-                    .expect("the recompute runs the matmuls the forward recorded");
-                match f8 {
-                    Some(f8) => f8.apply_kept(x, w, gathered, &value),
-                    None => kept_linear(x, w, &value),
-                }
-            }
-            Memo::Record(record) if kept => {
-                let y = multiply();
-                record.push(y.shallow_clone());
-                y
-            }
-            _ => multiply(),
+        if self.count.get().is_multiple_of(2) {
+            return multiply();
         }
+        self.kept.keep("matmul", multiply, |value| match f8 {
+            Some(f8) => f8.apply_kept(x, w, gathered, &value),
+            None => kept_linear(x, w, &value),
+        })
     }
 
     /// What a recording run kept, for the replay (`None` after a replay).
     fn into_recorded(self) -> Option<VecDeque<Tensor>> {
-        match self.memo.into_inner() {
-            Memo::Record(record) => Some(record.into()),
-            Memo::Plain | Memo::Replay(_) => None,
-        }
+        self.kept.into_recorded()
     }
 }
 
@@ -1149,6 +1133,8 @@ struct SplitOps<'a> {
     cp: &'a ContextParallel,
     ep: &'a ExpertParallel,
     matmuls: &'a Matmuls,
+    /// The collectives' outputs selective activation checkpointing keeps ([`Kept`]).
+    exchanges: Option<&'a Kept>,
     gathered: &'a [Option<Float8Weight>],
     /// The block's global layer index (`None`: the output), for expert parallelism's span.
     layer: Option<usize>,
@@ -1168,9 +1154,17 @@ impl<'a> SplitOps<'a> {
             cp,
             ep,
             matmuls,
+            exchanges: None,
             gathered,
             layer,
         }
+    }
+
+    /// Under selective activation checkpointing: keeps (or replays) the outputs of the
+    /// collectives torchtitan's policy saves in `exchanges`.
+    fn keeping(mut self, exchanges: &'a Kept) -> Self {
+        self.exchanges = Some(exchanges);
+        self
     }
 
     fn gathered(&self, at: usize) -> Option<&Float8Weight> {
@@ -1184,7 +1178,7 @@ impl Ops for SplitOps<'_> {
     }
 
     fn exit(&self, x: &Tensor) -> Tensor {
-        self.tp.exit(x)
+        self.tp.exit_keeping(x, self.exchanges)
     }
 
     fn keys_values(&self, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
@@ -1198,7 +1192,7 @@ impl Ops for SplitOps<'_> {
         experts: &dyn Fn(&Tensor, &Tensor) -> Tensor,
     ) -> Tensor {
         self.ep
-            .routed_experts(self.layer, routed, per_expert, experts)
+            .routed_experts(self.layer, routed, per_expert, experts, self.exchanges)
     }
 
     /// Under expert parallelism with tensor parallelism every tp rank routes its own block of

@@ -14,6 +14,7 @@
 
 use tch::{Kind, Reduction, Tensor};
 
+use super::kept::Kept;
 use crate::autograd::{self, Function};
 use crate::distributed::{Group, ReduceOp};
 
@@ -83,12 +84,21 @@ enum Pair {
     Scatter,
 }
 
-struct Collective(Group, Pair);
+struct Collective {
+    group: Group,
+    pair: Pair,
+    /// The forward's output, kept by selective activation checkpointing: the recompute
+    /// returns it without communicating (the backward still runs the pair's collective).
+    kept: Option<Tensor>,
+}
 
 impl Function for Collective {
     fn forward(&mut self, x: &[Tensor]) -> Vec<Tensor> {
-        let g = &self.0;
-        vec![match self.1 {
+        if let Some(kept) = self.kept.take() {
+            return vec![kept];
+        }
+        let g = &self.group;
+        vec![match self.pair {
             Pair::Copy => x[0].shallow_clone(),
             Pair::Reduce => all_reduce(g, &x[0]),
             Pair::Gather => gather_seq(g, &x[0]),
@@ -97,8 +107,8 @@ impl Function for Collective {
     }
 
     fn backward(&mut self, grads: &[Tensor]) -> Vec<Tensor> {
-        let g = &self.0;
-        vec![match self.1 {
+        let g = &self.group;
+        vec![match self.pair {
             Pair::Copy => all_reduce(g, &grads[0]),
             Pair::Reduce => grads[0].shallow_clone(),
             Pair::Gather => reduce_scatter_seq(g, &grads[0]),
@@ -168,10 +178,19 @@ impl TensorParallel {
     }
 
     fn run(&self, x: &Tensor, pair: Pair) -> Tensor {
+        self.run_kept(x, pair, None)
+    }
+
+    fn run_kept(&self, x: &Tensor, pair: Pair, kept: Option<Tensor>) -> Tensor {
         if self.size() == 1 {
             return x.shallow_clone();
         }
-        autograd::apply(Collective(self.group.clone(), pair), &[x], 1).remove(0)
+        let f = Collective {
+            group: self.group.clone(),
+            pair,
+            kept,
+        };
+        autograd::apply(f, &[x], 1).remove(0)
     }
 
     /// The input of column-wise linears: the whole sequence on every rank.
@@ -195,6 +214,22 @@ impl TensorParallel {
             } else {
                 Pair::Reduce
             },
+        )
+    }
+
+    /// [`TensorParallel::exit`] in a block that selective activation checkpointing keeps the
+    /// reduce-scatters of (`kept`): torchtitan's policy saves `reduce_scatter_tensor`'s output,
+    /// so its recompute gives it back without communicating (an all-reduce, without sequence
+    /// parallelism, is recomputed).
+    pub(super) fn exit_keeping(&self, x: &Tensor, kept: Option<&Kept>) -> Tensor {
+        if !self.sequence_parallel() {
+            return self.exit(x);
+        }
+        Kept::keep_in(
+            kept,
+            "tensor-parallel reduce-scatter",
+            || self.exit(x),
+            |value| self.run_kept(x, Pair::Scatter, Some(value)),
         )
     }
 
