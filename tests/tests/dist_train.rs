@@ -349,6 +349,15 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
         }
     }
 
+    // PP x FSDP: a stage's units (stage 0: the embeddings and 3 blocks) are gathered once a
+    // step and kept for its 2 microbatches, as FSDP2 under torch's schedules keeps them
+    // (validation, at steps 5 and 10, gathers once more).
+    let gathers = span_counts(&f.root.join("pp2_dp2"), 0, "all_gather");
+    let want: std::collections::BTreeMap<u64, u64> = (1..=STEPS as u64)
+        .map(|s| (s, if s % 5 == 0 { 8 } else { 4 }))
+        .collect();
+    assert_eq!(gathers, want, "all-gathers a step on rank 0");
+
     // A PP=2 checkpoint (each stage writes its own parameters under their global names)
     // resumes on one process, whose 4 microbatches of one sample accumulate as the stages did.
     let ckpt = [

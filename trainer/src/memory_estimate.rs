@@ -399,13 +399,13 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         _ => pp.min(microbatches_per_step),
     };
     let in_flight = in_flight_on(0);
-    // Blocks kept gathered after forward are kept by each microbatch in flight: titan gathers a
-    // unit for every microbatch (torchtitan once a step), and each forward's copy lives until
-    // that microbatch's backward.
+    // Blocks not resharded after forward are kept gathered, once: under pipeline parallelism
+    // a unit's first gather of a step serves the step's other microbatches (FSDP2 under torch's
+    // schedules), so one copy lives from the stage's first forward to the step's end.
     let gathered_blocks = match (gathers, reshard_blocks) {
         (false, _) => 0,
         (true, true) => stage_layers.min(2),
-        (true, false) => stage_layers * in_flight,
+        (true, false) => stage_layers,
     };
     row(
         Term::Params,
@@ -415,14 +415,11 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             format!(
                 "{gathered_blocks} blocks ({}) x {block_full} elements (N x ceil(rows / N) x cols) x {pb} B ({})",
                 if reshard_blocks {
-                    "the one computing + the one prefetched".to_string()
-                } else if in_flight > 1 {
-                    format!(
-                        "not resharded after forward, one copy for each of {in_flight} \
-                         microbatches in flight"
-                    )
+                    "the one computing + the one prefetched"
+                } else if pp > 1 {
+                    "not resharded after forward: gathered once a step, for every microbatch"
                 } else {
-                    "not resharded after forward".to_string()
+                    "not resharded after forward"
                 },
                 param.name()
             )
@@ -759,7 +756,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         let gathered = match (gathers, reshard_blocks) {
             (false, _) => 0,
             (true, true) => stage_layers.min(2) * block_full * pb,
-            (true, false) => stage_layers * k * block_full * pb,
+            (true, false) => stage_layers * block_full * pb,
         } + if last && head_kept { head_full * pb } else { 0 }
             + if first && embed_kept {
                 embed_full * pb

@@ -246,6 +246,8 @@ fn validate(
         Ok(())
     });
     model.set_training(true);
+    // Under pipeline parallelism the units kept their gathers for the passes.
+    model.release_gathered();
     passes?;
     let mut loss_sum = host_sync::read_f64(&loss_sum, "validation loss");
     if pipeline.is_some() {

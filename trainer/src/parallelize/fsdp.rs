@@ -6,6 +6,9 @@
 //! shards receive the summed gradient of their rows. With `reshard_after_forward` the gathered
 //! parameters' memory is freed after the unit's forward ([`FsdpUnit::after_forward`]) and
 //! gathered again, into the same tensors autograd saved, when the backward pass reaches the unit.
+//! Under pipeline parallelism a unit that does not reshard after forward keeps its first gather
+//! of a step for the step's other microbatches (FSDP2 under torch's pipeline schedules keeps a
+//! stage unsharded until the step's last backward), until [`FsdpUnit::release`].
 //!
 //! Overlap: the gradient reduction of a unit runs in the background while backward goes on
 //! through the units before it; [`FsdpUnit::finish_gradients`] waits for it at the end of the
@@ -77,12 +80,26 @@ impl Reductions {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues `reduction` of `unit`, then settles what has finished or is over the bound.
+    /// Settles what has finished, and waits for the oldest while `REDUCTIONS_IN_FLIGHT` are in
+    /// flight: a unit's backward calls it before it allocates its own reduction's buffers, so
+    /// that no more than `REDUCTIONS_IN_FLIGHT` send buffers are ever alive (the memory
+    /// estimate's count).
+    fn make_room(&self) {
+        Self::settle(self.queue(), REDUCTIONS_IN_FLIGHT - 1);
+    }
+
+    /// Queues `reduction` of `unit`, then settles what has finished.
     fn push(&self, unit: Arc<UnitState>, reduction: Reduction) {
         let mut queue = self.queue();
         queue.push_back((unit, reduction));
+        Self::settle(queue, REDUCTIONS_IN_FLIGHT);
+    }
+
+    /// Adds finished reductions to their shards' gradients, oldest first, waiting for the
+    /// oldest while more than `keep` are queued.
+    fn settle(mut queue: std::sync::MutexGuard<'_, ReductionQueue>, keep: usize) {
         loop {
-            let over = queue.len() > REDUCTIONS_IN_FLIGHT;
+            let over = queue.len() > keep;
             let Some((_, oldest)) = queue.front_mut() else {
                 break;
             };
@@ -187,6 +204,10 @@ struct UnitState {
     /// How the forward's gathers pack the parameters.
     layout: GatherLayout,
     float8: Option<Float8Gather>,
+    /// Under pipeline parallelism (not resharded after forward): the first gather of a step is
+    /// kept for the step's other microbatches, as FSDP2 under torch's pipeline schedules keeps
+    /// a unit unsharded from its first forward to the step's end.
+    keep_for_step: bool,
     tensors: Mutex<UnitTensors>,
 }
 
@@ -203,6 +224,10 @@ struct UnitTensors {
     precomputed: Option<Tensor>,
     /// Float8 all-gather: the float8 weights of the last gather, by parameter.
     gathered_float8: Vec<Option<Float8Weight>>,
+    /// With `keep_for_step`: the unsharded values the step's first gather made (as
+    /// [`UnitState::unshard`] returns them), until [`FsdpUnit::finish_gradients`] or
+    /// [`FsdpUnit::release`].
+    kept_for_step: Option<Vec<Tensor>>,
 }
 
 /// A gradient reduction running in the background.
@@ -380,7 +405,7 @@ impl UnitState {
             return;
         }
         let mut t = self.tensors();
-        if t.prefetched.is_some() {
+        if t.prefetched.is_some() || t.kept_for_step.is_some() {
             return;
         }
         let scales = self.float8_scales(&mut t);
@@ -398,6 +423,7 @@ impl UnitState {
     /// summed over the shard group (each rank keeps its rows), then over the replicas. The
     /// shards get them in [`FsdpUnit::finish_gradients`].
     fn start_reduction(self: &Arc<Self>, grads: &[Tensor]) {
+        self.mesh.reductions.make_room();
         let kind = self.mesh.reduce_kind;
         let size = self.mesh.shard.size() as i64;
         let device = grads[0].device();
@@ -471,7 +497,24 @@ impl Function for AllGather {
         let s = &self.0;
         let mut t = s.tensors();
         let prefetched = t.prefetched.take();
-        let gathered = s.unshard(&mut t, prefetched);
+        let gathered = match &t.kept_for_step {
+            // Aliases, not the kept tensors themselves: each microbatch's gather is an
+            // autograd node of its own.
+            Some(kept) => {
+                // (A prefetch is not started while a gather is kept; one from before waits.)
+                if let Some(p) = prefetched {
+                    panic_on(p.pending.wait());
+                }
+                kept.iter().map(|g| g.detach()).collect()
+            }
+            None => {
+                let gathered = s.unshard(&mut t, prefetched);
+                if s.keep_for_step {
+                    t.kept_for_step = Some(gathered.iter().map(|g| g.detach()).collect());
+                }
+                gathered
+            }
+        };
         let scales = s.float8_scales(&mut t);
         let mut float8 = Vec::with_capacity(gathered.len());
         let out = gathered
@@ -554,6 +597,7 @@ impl FsdpUnit {
         shards: Vec<Tensor>,
         placements: &[&Placement],
         reshard_after_forward: bool,
+        keep_for_step: bool,
     ) -> Self {
         let mut offset = 0;
         let slots: Vec<Slot> = placements
@@ -576,6 +620,7 @@ impl FsdpUnit {
             })
             .collect();
         let communicates = mesh.shard.size() > 1;
+        let communicates_at_all = communicates || mesh.replicate.size() > 1;
         let layout = GatherLayout::uniform(&slots, mesh.param_kind);
         FsdpUnit {
             state: Arc::new(UnitState {
@@ -584,6 +629,7 @@ impl FsdpUnit {
                 per_rank: offset,
                 layout,
                 float8: None,
+                keep_for_step: keep_for_step && communicates_at_all,
                 tensors: Mutex::new(UnitTensors {
                     shards,
                     gathered: Vec::new(),
@@ -591,6 +637,7 @@ impl FsdpUnit {
                     scales: None,
                     precomputed: None,
                     gathered_float8: Vec::new(),
+                    kept_for_step: None,
                 }),
             }),
             reshard_after_forward: reshard_after_forward && communicates,
@@ -704,6 +751,12 @@ impl FsdpUnit {
     /// step, before reading gradients.
     pub fn finish_gradients(&self) {
         self.state.mesh.reductions.drain();
+    }
+
+    /// Lets go of a gather kept for the step: call when the step's passes are done (the
+    /// shards change before the next gather).
+    pub fn release(&self) {
+        self.state.tensors().kept_for_step = None;
     }
 
     /// Waits for and drops a prefetch no gather took, and the float8 scales computed for it

@@ -370,6 +370,13 @@ impl ParallelPlan {
             ReshardAfterForward::Default => !last_unit && !self.pipelined,
         }
     }
+
+    /// Whether a unit keeps its first gather of a step for the step's other microbatches:
+    /// under pipeline parallelism, when it does not reshard after forward (FSDP2 under torch's
+    /// pipeline schedules does not reshard after backward either until the step's last one).
+    pub fn keeps_gathered_for_step(&self, last_unit: bool) -> bool {
+        self.pipelined && !self.reshards(last_unit)
+    }
 }
 
 #[cfg(test)]

@@ -255,6 +255,7 @@ impl ParallelModel {
                     .collect(),
                 &members.iter().map(|&i| &placements[i]).collect::<Vec<_>>(),
                 plan.reshards(last),
+                plan.keeps_gathered_for_step(last),
             )
         };
         let unit = |range: std::ops::Range<usize>, last: bool| {
@@ -496,6 +497,17 @@ impl ParallelModel {
     pub fn finish_gradients(&self) {
         for unit in self.units() {
             unit.finish_gradients();
+        }
+        self.release_gathered();
+    }
+
+    /// Lets go of the gathers units keep for a step (pipeline parallelism): at the end of the
+    /// step's backward passes ([`ParallelModel::finish_gradients`]) and after passes with no
+    /// backward (validation's).
+    pub fn release_gathered(&self) {
+        let experts = self.expert_units.iter().map(|e| &e.unit);
+        for unit in self.units().chain(experts) {
+            unit.release();
         }
     }
 
