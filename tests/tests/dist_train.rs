@@ -671,14 +671,12 @@ fn all_gather_bytes(run: &Path) -> f64 {
 #[test]
 fn fsdp_float8_all_gather_gathers_float8_and_trains_bit_identically() {
     let f = Fixture::new();
-    // Two data-parallel ranks of `tp` tensor-parallel ranks each.
-    let run = |name: &str, tp: usize, extra: &[&str]| {
+    // Two data-parallel ranks of `mp` ranks each (the tp or pp degree `extra` sets).
+    let run = |name: &str, mp: usize, extra: &[&str]| {
         let mut c = titan_train(&f.args(name, GLOBAL_BATCH / 2));
         c.args([
             "--nproc-per-node",
-            &(2 * tp).to_string(),
-            "--parallelism.tensor_parallel_degree",
-            &tp.to_string(),
+            &(2 * mp).to_string(),
             "--float8.enable_float8_linear",
             "--float8.recipe_name",
             "tensorwise",
@@ -730,20 +728,34 @@ fn fsdp_float8_all_gather_gathers_float8_and_trains_bit_identically() {
         );
     }
     // FSDP2 x TP2: a weight's amax spans its tp shards too, so the gathered float8 values are
-    // still the ones the layer casts from the whole weight.
-    let (losses, norms, _) = run("f8_fsdp2_tp2", 2, &[]);
-    let (l, n, _) = run(
-        "f8_gather_tp2",
-        2,
-        &["--float8.enable_fsdp_float8_all_gather"],
-    );
+    // still the ones the layer casts from the whole weight. PP2 x FSDP2: a unit's float8 gather
+    // is kept for the step's 2 microbatches with the scales it was cast with.
+    for (layout, flag) in [
+        ("tp2", "--parallelism.tensor_parallel_degree"),
+        ("pp2", "--parallelism.pipeline_parallel_degree"),
+    ] {
+        let (losses, norms, _) = run(&format!("f8_fsdp2_{layout}"), 2, &[flag, "2"]);
+        let gather = [flag, "2", "--float8.enable_fsdp_float8_all_gather"];
+        let (l, n, _) = run(&format!("f8_gather_{layout}"), 2, &gather);
+        assert_eq!(
+            l, losses,
+            "{layout}: losses differ with the float8 all-gather"
+        );
+        assert_eq!(
+            n, norms,
+            "{layout}: grad norms differ with the float8 all-gather"
+        );
+    }
+    // Under PP the amax all-reduce runs once a unit and step (stage 0 holds 3 blocks of float8
+    // linears), not once a microbatch.
+    let all_reduces = |name: &str| span_counts(&f.root.join(name), 0, "all_reduce");
+    let plain = all_reduces("f8_fsdp2_pp2");
+    let want: std::collections::BTreeMap<u64, u64> =
+        plain.iter().map(|(&step, &n)| (step, n + 3)).collect();
     assert_eq!(
-        l, losses,
-        "FSDP2 x TP2: losses differ with the float8 all-gather"
-    );
-    assert_eq!(
-        n, norms,
-        "FSDP2 x TP2: grad norms differ with the float8 all-gather"
+        all_reduces("f8_gather_pp2"),
+        want,
+        "amax all-reduces a step"
     );
 }
 

@@ -597,7 +597,8 @@ fn interleaved_pipeline_matches_torchtitan_pp() {
     assert_trained(&s, "pp2int", 4);
 }
 
-/// The 2D meshes on 4 ranks: FSDP2 x TP2, and HSDP (2 replicas x 2 shards).
+/// The 2D meshes on 4 ranks: FSDP2 x TP2, HSDP (2 replicas x 2 shards) and PP2 x FSDP2 (each
+/// unit gathered once a step for both microbatches, as FSDP2 under torch's schedules).
 #[test]
 #[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn four_rank_meshes_match_torchtitan() {
@@ -605,9 +606,11 @@ fn four_rank_meshes_match_torchtitan() {
                    --parallelism.spmd_backend partial_dtensor";
     let hsdp = "hsdp:4:4:--parallelism.data_parallel_replicate_degree 2 \
                 --parallelism.data_parallel_shard_degree 2";
-    let s = compare(&[fsdp_tp, hsdp], 4, 2, 1e-5, 1e-5, &[]);
+    let pp_fsdp = format!("pp2fsdp2:4:4:{PP}");
+    let s = compare(&[fsdp_tp, hsdp, &pp_fsdp], 4, 2, 1e-5, 1e-5, &[]);
     assert_trained(&s, "fsdp2tp2", 4);
     assert_trained(&s, "hsdp", 4);
+    assert_trained(&s, "pp2fsdp2", 4);
 }
 
 /// With DDP on both sides both trainers sum the grad norm in fp32 over the full gradients, and

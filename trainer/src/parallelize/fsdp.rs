@@ -225,8 +225,8 @@ struct UnitTensors {
     /// Float8 all-gather: the float8 weights of the last gather, by parameter.
     gathered_float8: Vec<Option<Float8Weight>>,
     /// With `keep_for_step`: the unsharded values the step's first gather made (as
-    /// [`UnitState::unshard`] returns them), until [`FsdpUnit::finish_gradients`] or
-    /// [`FsdpUnit::release`].
+    /// [`UnitState::unshard`] returns them), until [`FsdpUnit::release`] (the model calls it
+    /// when the step's backward passes are done, and after validation).
     kept_for_step: Option<Vec<Tensor>>,
 }
 
@@ -620,7 +620,6 @@ impl FsdpUnit {
             })
             .collect();
         let communicates = mesh.shard.size() > 1;
-        let communicates_at_all = communicates || mesh.replicate.size() > 1;
         let layout = GatherLayout::uniform(&slots, mesh.param_kind);
         FsdpUnit {
             state: Arc::new(UnitState {
@@ -629,7 +628,7 @@ impl FsdpUnit {
                 per_rank: offset,
                 layout,
                 float8: None,
-                keep_for_step: keep_for_step && communicates_at_all,
+                keep_for_step,
                 tensors: Mutex::new(UnitTensors {
                     shards,
                     gathered: Vec::new(),
@@ -753,18 +752,23 @@ impl FsdpUnit {
         self.state.mesh.reductions.drain();
     }
 
-    /// Lets go of a gather kept for the step: call when the step's passes are done (the
-    /// shards change before the next gather).
+    /// Lets go of a gather kept for the step, and of the float8 scales it was cast with: call
+    /// when the step's passes are done (the shards change before the next gather).
     pub fn release(&self) {
-        self.state.tensors().kept_for_step = None;
+        let mut t = self.state.tensors();
+        t.kept_for_step = None;
+        t.scales = None;
     }
 
     /// Waits for and drops a prefetch no gather took, and the float8 scales computed for it
-    /// (the shards may have changed since). Precomputed scales stay.
+    /// (the shards may have changed since). Precomputed scales stay, and so do the scales of a
+    /// gather kept for the step (its shards have not changed: [`FsdpUnit::release`] drops them).
     pub fn drop_prefetch(&self) {
         let leftover = {
             let mut t = self.state.tensors();
-            t.scales = None;
+            if t.kept_for_step.is_none() {
+                t.scales = None;
+            }
             t.prefetched.take()
         };
         if let Some(p) = leftover {

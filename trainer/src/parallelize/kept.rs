@@ -13,22 +13,16 @@ use std::collections::VecDeque;
 
 use tch::Tensor;
 
-/// One kind of kept output of one run of a block.
+/// One kind of kept output of one run of a selectively checkpointed block (a run that keeps
+/// nothing has none: [`Kept::keep_in`] with `None`).
 pub struct Kept(RefCell<Memo>);
 
 enum Memo {
-    /// Not checkpointed selectively: everything is computed.
-    Off,
     Record(Vec<Tensor>),
     Replay(VecDeque<Tensor>),
 }
 
 impl Kept {
-    /// Computes everything, keeps nothing.
-    pub fn off() -> Self {
-        Kept(RefCell::new(Memo::Off))
-    }
-
     /// Records when `replay` is `None` (the forward run), else replays it (the recompute).
     pub fn new(replay: Option<VecDeque<Tensor>>) -> Self {
         Kept(RefCell::new(match replay {
@@ -50,7 +44,7 @@ impl Kept {
         // The borrow ends before `compute` or `replay` runs: either may keep outputs of another
         // kind, or run code that does.
         let kept = match &mut *self.0.borrow_mut() {
-            Memo::Off | Memo::Record(_) => None,
+            Memo::Record(_) => None,
             Memo::Replay(record) => Some(record.pop_front().unwrap_or_else(|| {
                 panic!("the recompute asks for a {what} the forward run did not keep")
             })),
@@ -79,11 +73,11 @@ impl Kept {
         }
     }
 
-    /// What a recording run kept, for the replay (`None` after a replay, or when off).
+    /// What a recording run kept, for the replay (`None` after a replay).
     pub fn into_recorded(self) -> Option<VecDeque<Tensor>> {
         match self.0.into_inner() {
             Memo::Record(record) => Some(record.into()),
-            Memo::Off | Memo::Replay(_) => None,
+            Memo::Replay(_) => None,
         }
     }
 }
@@ -113,9 +107,7 @@ mod tests {
         }
         assert_eq!(computed, 0, "a replay computes nothing it kept");
         assert!(replay.into_recorded().is_none());
-        let off = Kept::off();
-        let c = off.keep("x", || Tensor::from(3.0), |_| unreachable!());
+        let c = Kept::keep_in(None, "x", || Tensor::from(3.0), |_| unreachable!());
         assert_eq!(c.double_value(&[]), 3.0);
-        assert!(off.into_recorded().is_none());
     }
 }

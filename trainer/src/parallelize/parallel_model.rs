@@ -1076,7 +1076,8 @@ impl ParallelModel {
 /// counts them: the odd-numbered ones are kept when recording and taken from the record when
 /// replaying.
 struct Matmuls {
-    kept: Kept,
+    /// Under selective activation checkpointing, the record of the odd-numbered outputs.
+    kept: Option<Kept>,
     count: Cell<usize>,
     float8: ModuleFloat8,
     /// Zero-bubble pipelines: the plain (not float8, not recorded) linears' weight gradients
@@ -1086,15 +1087,15 @@ struct Matmuls {
 
 impl Matmuls {
     fn plain(float8: ModuleFloat8) -> Self {
-        Self::with(Kept::off(), float8)
+        Self::with(None, float8)
     }
 
     /// Records when `replay` is `None`, else replays it.
     fn new(replay: Option<VecDeque<Tensor>>, float8: ModuleFloat8) -> Self {
-        Self::with(Kept::new(replay), float8)
+        Self::with(Some(Kept::new(replay)), float8)
     }
 
-    fn with(kept: Kept, float8: ModuleFloat8) -> Self {
+    fn with(kept: Option<Kept>, float8: ModuleFloat8) -> Self {
         Matmuls {
             kept,
             count: Cell::new(0),
@@ -1125,7 +1126,7 @@ impl Matmuls {
         if self.count.get().is_multiple_of(2) {
             return multiply();
         }
-        self.kept.keep("matmul", multiply, |value| match f8 {
+        Kept::keep_in(self.kept.as_ref(), "matmul", multiply, |value| match f8 {
             Some(f8) => f8.apply_kept(x, w, gathered, &value),
             None => kept_linear(x, w, &value),
         })
@@ -1133,7 +1134,7 @@ impl Matmuls {
 
     /// What a recording run kept, for the replay (`None` after a replay).
     fn into_recorded(self) -> Option<VecDeque<Tensor>> {
-        self.kept.into_recorded()
+        self.kept.and_then(Kept::into_recorded)
     }
 }
 
