@@ -253,7 +253,7 @@ fn tensor_parallel_loss_curves_match_one_rank() {
 }
 
 /// Pipeline parallelism: PP=2 with each schedule (4 microbatches of one sample; Interleaved1F1B
-/// with 2 stages per rank), PP2 x DP2 and PP2 x TP2 on 4 ranks: the single process's losses,
+/// with 2 stages per rank), PP2 x DP2 (FSDP), PP2 x DDP2 and PP2 x TP2 on 4 ranks: the single process's losses,
 /// steps 1 to 10. Then a PP=2 checkpoint resumes on one process (the same microbatches as
 /// gradient accumulation) with the pipeline run's next losses.
 #[test]
@@ -279,7 +279,7 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
         "--parallelism.pipeline_parallel_degree",
         "2",
     ];
-    let layouts: [(&str, usize, &[&str]); 7] = [
+    let layouts: [(&str, usize, &[&str]); 8] = [
         ("pp2_1f1b", GLOBAL_BATCH, &[]),
         (
             "pp2_gpipe",
@@ -315,6 +315,19 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
             ],
         ),
         ("pp2_dp2", GLOBAL_BATCH / 2, &["--nproc-per-node", "4"]),
+        (
+            // DDP's buckets, summed over the microbatches and all-reduced once a step.
+            "pp2_ddp2",
+            GLOBAL_BATCH / 2,
+            &[
+                "--nproc-per-node",
+                "4",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            ],
+        ),
         (
             "pp2_tp2",
             GLOBAL_BATCH,
@@ -357,6 +370,11 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
         .map(|s| (s, if s % 5 == 0 { 8 } else { 4 }))
         .collect();
     assert_eq!(gathers, want, "all-gathers a step on rank 0");
+    // ... and their gradients, summed over the step's microbatches, are reduce-scattered once
+    // a step, after the last backward (torch's stage: gradient sync off, `perform_reduce_grad`).
+    let reductions = span_counts(&f.root.join("pp2_dp2"), 0, "reduce_scatter");
+    let want: std::collections::BTreeMap<u64, u64> = (1..=STEPS as u64).map(|s| (s, 4)).collect();
+    assert_eq!(reductions, want, "reduce-scatters a step on rank 0");
 
     // A PP=2 checkpoint (each stage writes its own parameters under their global names)
     // resumes on one process, whose 4 microbatches of one sample accumulate as the stages did.

@@ -195,8 +195,9 @@ fn the_estimate_is_within_10_percent_on_4_ranks_and_with_checkpointing() {
             ],
         ),
         (
-            // Blocks stay gathered after forward under PP; titan gathers them for every
-            // microbatch, and the estimate counts one copy per microbatch in flight.
+            // Blocks stay gathered after forward under PP, gathered once a step, and the
+            // gradients are summed unsharded over the microbatches (the stage's units in full,
+            // in the reduce dtype) and reduce-scattered once a step.
             "PP2 x FSDP2",
             &[
                 "--nproc-per-node",

@@ -30,7 +30,7 @@
 //! | tok_embeddings kept | unsharded in the param dtype when blocks are not resharded after forward |
 //! | gradient shards | the parameter shards' size in `training.dtype` (FSDP2 casts the reduced gradient to the sharded parameter's dtype) |
 //! | unsharded gradients | the largest FSDP unit (a block, or `norm`+`lm_head`, or `tok_embeddings`) unsharded, in the param dtype: what backward produces before the reduce-scatter |
-//! | reduce-scatter inputs | `2 x` the same unit in `mixed_precision_reduce` (fp32): FSDP copies the gradients into one per unit's backward, and keeps at most two reductions in flight (`fsdp::REDUCTIONS_IN_FLIGHT`, FSDP2's rule) |
+//! | reduce-scatter inputs | `2 x` the same unit in `mixed_precision_reduce` (fp32): FSDP copies the gradients into one per unit's backward, and keeps at most two reductions in flight (`fsdp::REDUCTIONS_IN_FLIGHT`, FSDP2's rule); under pipeline parallelism every unit of the stage in `mixed_precision_reduce` instead: the gradients summed over the step's microbatches, reduced once after the last backward |
 //! | AdamW state | `2 x` the parameter shards (`exp_avg`, `exp_avg_sq`, in `training.dtype`) |
 //! | saved activations | per layer and mode (below) `x` layers `x` microbatches in flight, in the param dtype |
 //! | output head inputs | final norm input `T d / t` + `lm_head` input `T d` (gathered by SP), param dtype, + `rstd` |
@@ -79,7 +79,11 @@
 //! `tok_embeddings`, the last `norm`+`lm_head`, the output head's inputs and the loss. The local
 //! batch runs as microbatches of `pipeline_parallel_microbatch_size`; a stage keeps the saved
 //! activations of those it has run forward and not yet backward: all of them with GPipe, `pp - s`
-//! on stage `s` with 1F1B, at most `pp` with the interleaved schedules.
+//! on stage `s` with 1F1B, at most `pp` with the interleaved schedules. Units that communicate
+//! (FSDP, or DDP's replicas) sum their unsharded gradients over the step's microbatches in
+//! `mixed_precision_reduce` and reduce them once after the last backward, as torch's pipeline
+//! stage does: those sums (the stage's units in full) replace the gradient shards and the
+//! reduce-scatter copies in every phase, and the step's gradient reduction is one more phase.
 //!
 //! **Peak.** The rows above are each item at its largest; they are not all alive at once. The
 //! peak is the largest of the step's phases on each stage, each adding what is alive then: the
@@ -484,15 +488,38 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         },
     );
     let copies_in = n > 1 || pb != rb;
+    // Under pipeline parallelism every unit that communicates (FSDP, or DDP's replicas) sums
+    // its unsharded gradients over the step's microbatches in the reduce dtype and reduces the
+    // sums once, after the last backward (torch's stage): a stage's gradients in full, which
+    // are also the reductions' send buffers.
+    let sums_for_step = pp > 1 && (n > 1 || layout.dp_replicate > 1);
+    let stage_full = |first: bool, last: bool| {
+        stage_layers * block_full
+            + if first { embed_full } else { 0 }
+            + if last { head_full } else { 0 }
+    };
+    let largest_stage = (0..pp)
+        .map(|s| stage_full(s == 0, s == pp - 1))
+        .max()
+        .unwrap_or(0);
     row(
         Term::Grads,
         "reduce-scatter inputs",
-        if gathers && copies_in {
+        if sums_for_step {
+            largest_stage * rb
+        } else if gathers && copies_in {
             REDUCTIONS_IN_FLIGHT as u64 * largest_unit * rb
         } else {
             0
         },
-        if gathers && copies_in {
+        if sums_for_step {
+            format!(
+                "every unit of the largest stage, summed over the step's microbatches and \
+                 reduced after the last backward: {largest_stage} elements x {rb} B ({}, \
+                 mixed_precision_reduce)",
+                reduce.name()
+            )
+        } else if gathers && copies_in {
             format!(
                 "{REDUCTIONS_IN_FLIGHT} reductions in flight x {largest_unit} elements x {rb} B \
                  ({}, mixed_precision_reduce)",
@@ -771,9 +798,16 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         let largest = block_full
             .max(if first { embed_full } else { 0 })
             .max(if last { head_full } else { 0 });
-        let reducing = if gathers {
+        // Under PP the gradients sum in `summed` (no shard has one until the step's end), and
+        // a unit's backward adds its unsharded gradients to them instead of sending a copy.
+        let summed = if sums_for_step {
+            stage_full(first, last) * rb
+        } else {
+            0
+        };
+        let reducing = if gathers || sums_for_step {
             largest * pb
-                + if copies_in {
+                + if copies_in && !sums_for_step {
                     REDUCTIONS_IN_FLIGHT as u64 * largest * rb
                 } else {
                     0
@@ -781,13 +815,24 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         } else {
             0
         };
-        let earlier_grads = if accumulating { shards } else { 0 };
+        let earlier_grads = match (sums_for_step, accumulating) {
+            (true, _) => summed,
+            (false, true) => shards,
+            (false, false) => 0,
+        };
         // The loss's backward ends in lm_head's, whose gradient (unsharded, and the copy its
         // reduce-scatter sends, under FSDP) comes while the logits' working set is alive.
         let head_grads = match (last, gathers) {
             (false, _) => 0,
             (true, false) => head_shards,
-            (true, true) => head_full * pb + if copies_in { head_full * rb } else { 0 },
+            (true, true) => {
+                head_full * pb
+                    + if copies_in && !sums_for_step {
+                        head_full * rb
+                    } else {
+                        0
+                    }
+            }
         };
         let head_phase = if last {
             head_inputs + loss_ws + head_grads
@@ -819,10 +864,10 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         let (bytes, formula) = (0..stage_layers as usize)
             .map(|j| {
                 let below: u64 = per_layer[..=j].iter().map(|(saved, _)| saved).sum();
-                let grads = if accumulating {
-                    shards
-                } else {
-                    head_shards + (stage_layers - 1 - j as u64) * block_shards
+                let grads = match (sums_for_step, accumulating) {
+                    (true, _) => summed,
+                    (false, true) => shards,
+                    (false, false) => head_shards + (stage_layers - 1 - j as u64) * block_shards,
                 };
                 let ws = per_layer[j].1;
                 let bytes = states + grads + (k - 1) * stage_saved + below + ws + reducing;
@@ -846,6 +891,21 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             bytes,
             formula,
         });
+        if sums_for_step {
+            // After the last backward: the sums are reduced (each freed when its reduction is
+            // done) into the gradient shards, with every activation gone.
+            phases.push(Phase {
+                stage: stage as usize,
+                what: "the step's gradient reduction",
+                bytes: states + summed + shards,
+                formula: format!(
+                    "states {} + summed gradients {} + gradient shards {}",
+                    mib(states),
+                    mib(summed),
+                    mib(shards)
+                ),
+            });
+        }
     }
 
     let (num_params, _) = args.num_params();
@@ -1245,6 +1305,53 @@ mod tests {
         assert!(
             format!("{err:#}").contains("tensor_parallel_degree"),
             "{err:#}"
+        );
+    }
+
+    #[test]
+    fn pipeline_stages_sum_their_gradients_unsharded_until_the_step_ends() {
+        // debugmodel (6 layers) on PP2 x FSDP2: each stage's units sum their gradients in
+        // fp32, in full, and reduce-scatter them once after the last backward.
+        let cfg = config(&[
+            "--training.mixed_precision_param",
+            "float32",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--memory_estimation.enable",
+        ]);
+        let est = estimate(&cfg, 4).unwrap();
+        let args = ModelArgs::flavor("debugmodel").unwrap();
+        let u = |v: i64| v as u64;
+        let (d, v) = (u(args.dim), u(args.vocab_size));
+        let block: u64 = args
+            .parameters()
+            .iter()
+            .filter(|p| p.module == Module::Layer(0))
+            .map(|p| p.shape.iter().product::<i64>() as u64)
+            .sum();
+        // The larger stage: 3 blocks and the embeddings (v x d) or norm + output (d + v x d).
+        let stage = 3 * block + d + v * d;
+        let row = |what: &str| est.rows.iter().find(|r| r.what == what).unwrap().bytes;
+        assert_eq!(row("reduce-scatter inputs"), 4 * stage, "{}", est.table());
+        let reductions: Vec<&Phase> = est
+            .phases
+            .iter()
+            .filter(|p| p.what == "the step's gradient reduction")
+            .collect();
+        assert_eq!(reductions.len(), 2, "one a stage:\n{}", est.table());
+        // Without pipeline parallelism: two reductions in flight, no sums.
+        let cfg = config(&[
+            "--training.mixed_precision_param",
+            "float32",
+            "--memory_estimation.enable",
+        ]);
+        let flat = estimate(&cfg, 2).unwrap();
+        let row = |what: &str| flat.rows.iter().find(|r| r.what == what).unwrap().bytes;
+        assert_eq!(row("reduce-scatter inputs"), 2 * 4 * block.max(d + v * d));
+        assert!(
+            flat.phases
+                .iter()
+                .all(|p| p.what != "the step's gradient reduction")
         );
     }
 

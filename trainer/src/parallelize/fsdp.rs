@@ -8,7 +8,10 @@
 //! gathered again, into the same tensors autograd saved, when the backward pass reaches the unit.
 //! Under pipeline parallelism a unit that does not reshard after forward keeps its first gather
 //! of a step for the step's other microbatches (FSDP2 under torch's pipeline schedules keeps a
-//! stage unsharded until the step's last backward), until [`FsdpUnit::release`].
+//! stage unsharded until the step's last backward), until [`FsdpUnit::release`]; and every unit
+//! sums its unsharded gradients over the step's microbatches, in the reduce dtype, and reduces
+//! them once, after the last backward ([`FsdpUnit::reduce_accumulated`]), as torch's pipeline
+//! stage does (`set_requires_gradient_sync(False)`, then `perform_reduce_grad`).
 //!
 //! Overlap: the gradient reduction of a unit runs in the background while backward goes on
 //! through the units before it; [`FsdpUnit::finish_gradients`] waits for it at the end of the
@@ -204,10 +207,8 @@ struct UnitState {
     /// How the forward's gathers pack the parameters.
     layout: GatherLayout,
     float8: Option<Float8Gather>,
-    /// Under pipeline parallelism (not resharded after forward): the first gather of a step is
-    /// kept for the step's other microbatches, as FSDP2 under torch's pipeline schedules keeps
-    /// a unit unsharded from its first forward to the step's end.
-    keep_for_step: bool,
+    /// When the unit frees and reduces over a step.
+    policy: UnitPolicy,
     tensors: Mutex<UnitTensors>,
 }
 
@@ -224,10 +225,30 @@ struct UnitTensors {
     precomputed: Option<Tensor>,
     /// Float8 all-gather: the float8 weights of the last gather, by parameter.
     gathered_float8: Vec<Option<Float8Weight>>,
-    /// With `keep_for_step`: the unsharded values the step's first gather made (as
+    /// With `keep_gathered_for_step`: the unsharded values the step's first gather made (as
     /// [`UnitState::unshard`] returns them), until [`FsdpUnit::release`] (the model calls it
     /// when the step's backward passes are done, and after validation).
     kept_for_step: Option<Vec<Tensor>>,
+    /// With `reduce_once_per_step`: the unsharded gradients of the step's microbatches so far,
+    /// summed in the reduce dtype and packed as the reduction sends them (its send buffer).
+    accumulated: Option<Tensor>,
+}
+
+/// When a unit frees its gathered parameters and reduces its gradients: FSDP2's per-module
+/// settings, which [`crate::parallelize::ParallelPlan::unit_policy`] chooses.
+#[derive(Clone, Copy, Debug)]
+pub struct UnitPolicy {
+    /// FSDP2's `reshard_after_forward`: free the gathered parameters after the unit's forward
+    /// and gather them again for its backward.
+    pub reshard_after_forward: bool,
+    /// Under pipeline parallelism (not resharded after forward): the first gather of a step is
+    /// kept for the step's other microbatches, as FSDP2 under torch's pipeline schedules keeps
+    /// a unit unsharded from its first forward to the step's end.
+    pub keep_gathered_for_step: bool,
+    /// Under pipeline parallelism: the gradients of the step's microbatches are summed
+    /// unsharded and reduced once, after the last backward (torch's pipeline stage turns
+    /// gradient sync off for its backwards and reduces in `perform_reduce_grad`).
+    pub reduce_once_per_step: bool,
 }
 
 /// A gradient reduction running in the background.
@@ -250,7 +271,6 @@ struct Prefetch {
 #[derive(Clone)]
 pub struct FsdpUnit {
     state: Arc<UnitState>,
-    reshard_after_forward: bool,
 }
 
 fn panic_on<E: std::fmt::Display>(r: Result<(), E>) {
@@ -419,24 +439,73 @@ impl UnitState {
         });
     }
 
-    /// Starts reducing the unsharded gradients in the background: cast to the reduce dtype,
-    /// summed over the shard group (each rank keeps its rows), then over the replicas. The
-    /// shards get them in [`FsdpUnit::finish_gradients`].
-    fn start_reduction(self: &Arc<Self>, grads: &[Tensor]) {
-        self.mesh.reductions.make_room();
-        let kind = self.mesh.reduce_kind;
-        let size = self.mesh.shard.size() as i64;
-        let device = grads[0].device();
-        let send = Tensor::zeros([size, self.per_rank], (kind, device));
+    /// Packs `grads` (the unit's unsharded gradients) into `send` (shard size x `per_rank`, the
+    /// reduce dtype) as the reduce-scatter sends them: each rank's rows of every parameter in
+    /// that rank's part, a short last part's padding left as it is. Adds to what `send` holds
+    /// when `add` (casting to the reduce dtype first, as FSDP2 accumulates), else overwrites.
+    fn pack_gradients(&self, send: &Tensor, grads: &[Tensor], add: bool) {
         for (slot, g) in self.slots.iter().zip(grads) {
             let n = slot.rows_per_shard * slot.row_elems;
-            let padded = Tensor::zeros([size * n], (kind, device));
-            padded
-                .narrow(0, 0, g.numel() as i64)
-                .copy_(&g.reshape([-1]));
-            send.narrow(1, slot.offset, n)
-                .copy_(&padded.view([size, n]));
+            let part = send.narrow(1, slot.offset, n);
+            let flat = g.reshape([-1]);
+            let numel = flat.numel() as i64;
+            let (rows, rest) = (numel / n, numel % n);
+            let put = |mut to: Tensor, from: Tensor| {
+                if add {
+                    let _ = to.g_add_(&from.to_kind(send.kind()));
+                } else {
+                    to.copy_(&from);
+                }
+            };
+            if rows > 0 {
+                put(
+                    part.narrow(0, 0, rows),
+                    flat.narrow(0, 0, rows * n).view([rows, n]),
+                );
+            }
+            if rest > 0 {
+                put(
+                    part.get(rows).narrow(0, 0, rest),
+                    flat.narrow(0, rows * n, rest),
+                );
+            }
         }
+    }
+
+    /// Starts reducing the unsharded gradients of one backward in the background: cast to the
+    /// reduce dtype, summed over the shard group (each rank keeps its rows), then over the
+    /// replicas. The shards get them in [`FsdpUnit::finish_gradients`].
+    fn start_reduction(self: &Arc<Self>, grads: &[Tensor]) {
+        self.mesh.reductions.make_room();
+        let size = self.mesh.shard.size() as i64;
+        let send = Tensor::zeros(
+            [size, self.per_rank],
+            (self.mesh.reduce_kind, grads[0].device()),
+        );
+        self.pack_gradients(&send, grads, false);
+        self.reduce(send);
+    }
+
+    /// Adds one microbatch's unsharded gradients to the step's sum (reduced once, by
+    /// [`FsdpUnit::reduce_accumulated`]).
+    fn accumulate(&self, grads: &[Tensor]) {
+        let size = self.mesh.shard.size() as i64;
+        let mut t = self.tensors();
+        let sum = t.accumulated.get_or_insert_with(|| {
+            Tensor::zeros(
+                [size, self.per_rank],
+                (self.mesh.reduce_kind, grads[0].device()),
+            )
+        });
+        tch::no_grad(|| self.pack_gradients(sum, grads, true));
+    }
+
+    /// Starts the reduction of `send` (packed gradients, as [`UnitState::pack_gradients`]
+    /// packs them) in the background and queues it.
+    fn reduce(self: &Arc<Self>, send: Tensor) {
+        let kind = self.mesh.reduce_kind;
+        let size = self.mesh.shard.size() as i64;
+        let device = send.device();
         let replicas = (self.mesh.replicate.size() > 1).then_some(&self.mesh.replicate);
         let reduction = match replicas {
             // DDP: the packed gradients are the unit's bucket, all-reduced in place over the
@@ -509,7 +578,7 @@ impl Function for AllGather {
             }
             None => {
                 let gathered = s.unshard(&mut t, prefetched);
-                if s.keep_for_step {
+                if s.policy.keep_gathered_for_step {
                     t.kept_for_step = Some(gathered.iter().map(|g| g.detach()).collect());
                 }
                 gathered
@@ -547,9 +616,14 @@ impl Function for AllGather {
             t.gathered.clear();
             t.shards.len()
         };
-        // The reduction runs while backward goes on; the shards' gradients arrive in
-        // `finish_gradients`, so autograd gets none here.
-        self.0.start_reduction(grads);
+        // The reduction runs while backward goes on (or, under pipeline parallelism, once
+        // the step's backwards are done); the shards' gradients arrive in `finish_gradients`,
+        // so autograd gets none here.
+        if self.0.policy.reduce_once_per_step {
+            self.0.accumulate(grads);
+        } else {
+            self.0.start_reduction(grads);
+        }
         (0..n).map(|_| Tensor::new()).collect()
     }
 }
@@ -596,8 +670,7 @@ impl FsdpUnit {
         mesh: &FsdpMesh,
         shards: Vec<Tensor>,
         placements: &[&Placement],
-        reshard_after_forward: bool,
-        keep_for_step: bool,
+        policy: UnitPolicy,
     ) -> Self {
         let mut offset = 0;
         let slots: Vec<Slot> = placements
@@ -619,7 +692,6 @@ impl FsdpUnit {
                 slot
             })
             .collect();
-        let communicates = mesh.shard.size() > 1;
         let layout = GatherLayout::uniform(&slots, mesh.param_kind);
         FsdpUnit {
             state: Arc::new(UnitState {
@@ -628,7 +700,11 @@ impl FsdpUnit {
                 per_rank: offset,
                 layout,
                 float8: None,
-                keep_for_step,
+                policy: UnitPolicy {
+                    // Nothing to free with one shard: the forward uses the shards' memory.
+                    reshard_after_forward: policy.reshard_after_forward && mesh.shard.size() > 1,
+                    ..policy
+                },
                 tensors: Mutex::new(UnitTensors {
                     shards,
                     gathered: Vec::new(),
@@ -637,9 +713,9 @@ impl FsdpUnit {
                     precomputed: None,
                     gathered_float8: Vec::new(),
                     kept_for_step: None,
+                    accumulated: None,
                 }),
             }),
-            reshard_after_forward: reshard_after_forward && communicates,
         }
     }
 
@@ -704,7 +780,7 @@ impl FsdpUnit {
         let mut t = s.tensors();
         let float8 = std::mem::take(&mut t.gathered_float8);
         // Under no_grad (validation, a checkpointed region's first run) nothing is saved to free.
-        if self.reshard_after_forward && params.first().is_some_and(|t| t.requires_grad()) {
+        if s.policy.reshard_after_forward && params.first().is_some_and(|t| t.requires_grad()) {
             // What holds the gathered memory: a float8 weight's values, not its placeholder.
             t.gathered = params
                 .iter()
@@ -736,13 +812,25 @@ impl FsdpUnit {
     /// Whether the unit frees its gathered parameters after forward (and gathers them again
     /// when backward reaches it).
     pub fn reshards_after_forward(&self) -> bool {
-        self.reshard_after_forward
+        self.state.policy.reshard_after_forward
     }
 
     /// Starts gathering this unit's parameters in the background, for its next
     /// [`FsdpUnit::gather`] in the same pass.
     pub fn prefetch(&self) {
         self.state.prefetch();
+    }
+
+    /// Under pipeline parallelism: starts reducing the gradients the step's microbatches
+    /// summed (nothing if the unit has none). Call after the step's last backward, before
+    /// [`FsdpUnit::finish_gradients`]; a collective: every rank of the shard group calls it for
+    /// its units in the same order.
+    pub fn reduce_accumulated(&self) {
+        let Some(sum) = self.state.tensors().accumulated.take() else {
+            return;
+        };
+        self.state.mesh.reductions.make_room();
+        self.state.reduce(sum);
     }
 
     /// Waits for the gradient reductions the backward passes started (every unit's: they share

@@ -371,11 +371,19 @@ impl ParallelPlan {
         }
     }
 
-    /// Whether a unit keeps its first gather of a step for the step's other microbatches:
-    /// under pipeline parallelism, when it does not reshard after forward (FSDP2 under torch's
-    /// pipeline schedules does not reshard after backward either until the step's last one).
-    pub fn keeps_gathered_for_step(&self, last_unit: bool) -> bool {
-        self.pipelined && !self.reshards(last_unit)
+    /// How an FSDP unit frees and reduces over a step: FSDP2's `reshard_after_forward`
+    /// ([`ParallelPlan::reshards`]); under pipeline parallelism a unit that does not reshard
+    /// after forward keeps its first gather of a step for the step's other microbatches (FSDP2
+    /// under torch's pipeline schedules does not reshard after backward either until the step's
+    /// last one), and every unit reduces its gradients once a step (torch's stage turns gradient
+    /// sync off for its backwards and reduces after the last).
+    pub fn unit_policy(&self, last_unit: bool) -> fsdp::UnitPolicy {
+        let reshard_after_forward = self.reshards(last_unit);
+        fsdp::UnitPolicy {
+            reshard_after_forward,
+            keep_gathered_for_step: self.pipelined && !reshard_after_forward,
+            reduce_once_per_step: self.pipelined,
+        }
     }
 }
 

@@ -254,8 +254,7 @@ impl ParallelModel {
                     .map(|&i| params[i].1.shallow_clone())
                     .collect(),
                 &members.iter().map(|&i| &placements[i]).collect::<Vec<_>>(),
-                plan.reshards(last),
-                plan.keeps_gathered_for_step(last),
+                plan.unit_policy(last),
             )
         };
         let unit = |range: std::ops::Range<usize>, last: bool| {
@@ -495,7 +494,15 @@ impl ParallelModel {
     /// Waits for the FSDP gradient reductions the backward passes started and puts their results
     /// in the parameters' gradients: call once after the step's last backward.
     pub fn finish_gradients(&self) {
-        for unit in self.units() {
+        // Pipeline parallelism: each unit's gradients, summed over the step's microbatches,
+        // are reduced now, in one order on every rank of a shard group (the head's before the
+        // blocks', as backward ended them; the experts' first).
+        let all: Vec<&FsdpUnit> = self.all_units().collect();
+        for unit in all.iter().rev() {
+            unit.reduce_accumulated();
+        }
+        // (One queue holds every unit's reductions.)
+        for unit in all {
             unit.finish_gradients();
         }
         self.release_gathered();
@@ -505,10 +512,15 @@ impl ParallelModel {
     /// step's backward passes ([`ParallelModel::finish_gradients`]) and after passes with no
     /// backward (validation's).
     pub fn release_gathered(&self) {
-        let experts = self.expert_units.iter().map(|e| &e.unit);
-        for unit in self.units().chain(experts) {
+        for unit in self.all_units() {
             unit.release();
         }
+    }
+
+    /// Every FSDP unit of this rank: [`ParallelModel::units`], then the experts' units.
+    fn all_units(&self) -> impl Iterator<Item = &FsdpUnit> {
+        let experts = self.expert_units.iter().map(|e| &e.unit);
+        self.units().chain(experts)
     }
 
     /// This rank's FSDP units in model order: the embeddings, its blocks, norm + output.
