@@ -662,6 +662,37 @@ fn float8_trains_the_same_on_fsdp2_tp2_and_pp2_as_on_one_process() {
     }
 }
 
+/// PP2 x HSDP (2 replicas x 2 shards) on 8 ranks: each stage's units reduce-scatter their
+/// gradients over the shards and all-reduce them over the replicas once a step, after the last
+/// backward; the losses and grad norms are one process's. (8 processes: the full matrix.)
+#[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
+fn pipeline_parallel_over_hsdp_matches_one_rank() {
+    let f = Fixture::new();
+    run_ok(&mut titan_train(&f.args("single", GLOBAL_BATCH)));
+    let mut c = titan_train(&f.args("pp2_hsdp", GLOBAL_BATCH / 4));
+    c.args([
+        "--nproc-per-node",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ]);
+    run_ok(&mut c);
+    assert_same_curve(&f.losses("single"), &f.losses("pp2_hsdp"), "pp2_hsdp");
+    assert_close_grad_norms(
+        &f.logged("single", "grad_norm"),
+        &f.logged("pp2_hsdp", "grad_norm"),
+        "pp2_hsdp",
+    );
+    let reductions = span_counts(&f.root.join("pp2_hsdp"), 0, "reduce_scatter");
+    let want: std::collections::BTreeMap<u64, u64> = (1..=STEPS as u64).map(|s| (s, 4)).collect();
+    assert_eq!(reductions, want, "reduce-scatters a step on rank 0");
+}
+
 /// The bytes every rank passed to all-gathers over the run (titan-obs's `comm/all_gather_bytes`).
 fn all_gather_bytes(run: &Path) -> f64 {
     let o = run_ok(
