@@ -140,6 +140,7 @@ fn the_estimate_is_within_10_percent_of_the_measured_tensor_peak() {
 #[ignore = "full matrix: bash bench/full_matrix.sh"]
 fn the_estimate_is_within_10_percent_on_4_ranks_and_with_checkpointing() {
     estimate_within_10_percent(&[
+        ("FSDP 4", &["--nproc-per-node", "4"]),
         (
             "HSDP 2 x 2",
             &[
@@ -204,6 +205,19 @@ fn the_estimate_is_within_10_percent_on_4_ranks_and_with_checkpointing() {
                 "4",
                 "--parallelism.pipeline_parallel_degree",
                 "2",
+            ],
+        ),
+        (
+            "PP2 x FSDP2, selective op AC",
+            &[
+                "--nproc-per-node",
+                "4",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
             ],
         ),
     ]);
