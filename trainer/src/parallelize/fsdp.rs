@@ -442,7 +442,8 @@ impl UnitState {
     /// Packs `grads` (the unit's unsharded gradients) into `send` (shard size x `per_rank`, the
     /// reduce dtype) as the reduce-scatter sends them: each rank's rows of every parameter in
     /// that rank's part, a short last part's padding left as it is. Adds to what `send` holds
-    /// when `add` (casting to the reduce dtype first, as FSDP2 accumulates), else overwrites.
+    /// when `add` (in the reduce dtype: FSDP2 adds a param-dtype gradient to its reduce-dtype
+    /// sum the same way), else overwrites (casting).
     fn pack_gradients(&self, send: &Tensor, grads: &[Tensor], add: bool) {
         for (slot, g) in self.slots.iter().zip(grads) {
             let n = slot.rows_per_shard * slot.row_elems;
@@ -452,7 +453,7 @@ impl UnitState {
             let (rows, rest) = (numel / n, numel % n);
             let put = |mut to: Tensor, from: Tensor| {
                 if add {
-                    let _ = to.g_add_(&from.to_kind(send.kind()));
+                    let _ = to.g_add_(&from);
                 } else {
                     to.copy_(&from);
                 }
