@@ -391,14 +391,104 @@ impl MotoServer {
         by_method
     }
 
-    /// Points `cmd`'s object_store client at this server (dummy credentials, plain HTTP).
-    pub fn aws_env<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
-        cmd.env("AWS_ENDPOINT", &self.endpoint)
-            .env("AWS_ALLOW_HTTP", "true")
-            .env("AWS_ACCESS_KEY_ID", "test")
-            .env("AWS_SECRET_ACCESS_KEY", "test")
-            .env("AWS_REGION", "us-east-1")
+    /// The variables that point an object_store client at this server (dummy credentials,
+    /// plain HTTP).
+    pub fn aws_vars(&self) -> [(&'static str, String); 5] {
+        [
+            ("AWS_ENDPOINT", self.endpoint.clone()),
+            ("AWS_ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+            ("AWS_REGION", "us-east-1".into()),
+        ]
     }
+
+    /// Points `cmd`'s object_store client at this server ([`MotoServer::aws_vars`]).
+    pub fn aws_env<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        cmd.envs(self.aws_vars())
+    }
+}
+
+/// A private tmux server (its own socket) running `cmd` in one `width` x `height` pane: the
+/// terminal the TUI tests drive (keys in, `capture-pane` out). Killed on drop.
+pub struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    pub fn start(cmd: &str, width: u16, height: u16) -> Tmux {
+        let have = Command::new("tmux").arg("-V").output();
+        assert!(
+            have.is_ok_and(|o| o.status.success()),
+            "tmux is required for this test: apt-get install -y tmux (scripts/setup.sh installs it)"
+        );
+        // One server per session: tests run in parallel.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = Tmux {
+            socket: format!("titan-e2e-{}-{n}", std::process::id()),
+        };
+        let (w, h) = (width.to_string(), height.to_string());
+        let out = t.run(&["new-session", "-d", "-s", "tui", "-x", &w, "-y", &h, cmd]);
+        assert!(
+            out.status.success(),
+            "tmux new-session: {}",
+            output_text(&out)
+        );
+        t
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new("tmux")
+            .args(["-L", &self.socket, "-f", "/dev/null"])
+            .args(args)
+            .env_remove("TMUX")
+            .output()
+            .expect("running tmux")
+    }
+
+    /// Types `keys` one at a time, as a user does: each is handled and drawn before the next.
+    pub fn keys(&self, keys: &[&str]) {
+        for k in keys {
+            let out = self.run(&["send-keys", "-t", "tui", k]);
+            assert!(
+                out.status.success(),
+                "tmux send-keys: {}",
+                output_text(&out)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// The pane's text now.
+    pub fn screen(&self) -> String {
+        String::from_utf8_lossy(&self.run(&["capture-pane", "-p", "-t", "tui"]).stdout).into_owned()
+    }
+
+    /// Waits (up to 30 s) until the screen satisfies `ok` and returns it, or fails naming
+    /// `what` with the last screen.
+    pub fn wait_for(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let s = self.screen();
+            if ok(&s) {
+                return s;
+            }
+            assert!(std::time::Instant::now() < deadline, "no {what}:\n{s}");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.run(&["kill-server"]);
+    }
+}
+
+/// `p` quoted for a POSIX shell command line.
+pub fn shell_quote(p: &str) -> String {
+    format!("'{}'", p.replace('\'', "'\\''"))
 }
 
 /// Starts the recorder of a child process that records like the trainer (rank `rank` of

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
-use titan_tests::{bin, output_text as text, run_ok};
+use titan_tests::{Tmux, bin, output_text as text, run_ok, shell_quote};
 
 const MICROBATCHES: f64 = 8.0;
 
@@ -174,55 +174,17 @@ fn assert_pipeline_bytes(run: &Path) {
 /// The TUI's screen (200 x 30, in a private tmux server) after jumping to `step` and zooming
 /// in twice on its start, once it shows every one of `labels` (else after 30 s).
 fn tui_screen_at_step(run: &Path, step: u64, labels: &[&str]) -> String {
-    let socket = format!("titan-obs-pipeline-{}", std::process::id());
-    let tmux = |args: &[&str]| {
-        Command::new("tmux")
-            .args(["-L", &socket, "-f", "/dev/null"])
-            .args(args)
-            .env_remove("TMUX")
-            .output()
-            .expect("tmux is required (scripts/setup.sh installs it)")
-    };
     let cmd = format!(
-        "TERM=xterm-256color '{}' '{}'; sleep 60",
-        bin("titan-obs").display(),
-        run.display()
+        "TERM=xterm-256color {} {}; sleep 60",
+        shell_quote(&bin("titan-obs").display().to_string()),
+        shell_quote(&run.display().to_string())
     );
-    let started = tmux(&[
-        "new-session",
-        "-d",
-        "-s",
-        "tui",
-        "-x",
-        "200",
-        "-y",
-        "30",
-        &cmd,
-    ]);
-    assert!(started.status.success(), "{}", text(&started));
-    let capture =
-        || String::from_utf8_lossy(&tmux(&["capture-pane", "-p", "-t", "tui"]).stdout).into_owned();
-    let wait = |what: &str, ok: &dyn Fn(&str) -> bool| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        loop {
-            let s = capture();
-            if ok(&s) {
-                return s;
-            }
-            assert!(std::time::Instant::now() < deadline, "no {what}:\n{s}");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-    };
-    wait("gantt", &|s| s.contains("forward_backward"));
-    for key in ["g", &step.to_string(), "Enter", "+", "+"] {
-        tmux(&["send-keys", "-t", "tui", key]);
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    let screen = wait("the zoomed step's labels", &|s| {
+    let tmux = Tmux::start(&cmd, 200, 30);
+    tmux.wait_for("gantt", |s| s.contains("forward_backward"));
+    tmux.keys(&["g", &step.to_string(), "Enter", "+", "+"]);
+    tmux.wait_for("the zoomed step's labels", |s| {
         s.contains(&format!("step {step}")) && labels.iter().all(|l| s.contains(l))
-    });
-    tmux(&["kill-server"]);
-    screen
+    })
 }
 
 /// torchtitan's PP is torch.distributed.pipelining: with its profiler on, the schedule runtime

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use titan_obs_core::Reduce;
-use titan_tests::{MotoServer, bin, python_script};
+use titan_tests::{MotoServer, Tmux, bin, python_script, shell_quote};
 
 const CHILD_ENV: &str = "OBS_CHILD_RUN";
 
@@ -536,6 +536,29 @@ fn records_to_and_reads_from_s3() {
         .collect();
     assert_eq!(node_files.len(), 2, "{listing}");
     assert!(node_files[0].ends_with(".figures") && node_files[1].ends_with(".timeline"));
+    // The TUI on the run in the bucket, in a terminal: its gantt of both ranks (drawn from the
+    // node's timeline), a selected span's figures over the ranks, and a clean exit.
+    let vars: Vec<String> = (moto.aws_vars().iter())
+        .map(|(k, v)| format!("{k}={}", shell_quote(v)))
+        .collect();
+    let cmd = format!(
+        "{} TERM=xterm-256color {} {url}; echo TITAN_OBS_EXIT=$?; sleep 60",
+        vars.join(" "),
+        shell_quote(&bin("titan-obs").display().to_string())
+    );
+    let tui = Tmux::start(&cmd, 160, 40);
+    let screen = tui.wait_for("the gantt of both ranks", |s| {
+        s.contains("r0") && s.contains("r1") && s.contains("forward_backward")
+    });
+    assert!(screen.contains("2 ranks"), "{screen}");
+    tui.keys(&["g", "2", "Enter", "Down", "Tab"]);
+    let screen = tui.wait_for("a selection", |s| s.contains("selected: "));
+    assert!(screen.contains("step 2"), "{screen}");
+    assert!(screen.contains("on 2 ranks: min"), "{screen}");
+    tui.keys(&["q"]);
+    let screen = tui.wait_for("the exit", |s| s.contains("TITAN_OBS_EXIT="));
+    assert!(screen.contains("TITAN_OBS_EXIT=0"), "{screen}");
+    drop(tui);
     let from_figures = |gets: usize, heads: usize| {
         let (out, made) = run(&["summary", url, "--json", "--quiet", "--node-figures", "on"]);
         assert_eq!(

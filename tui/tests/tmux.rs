@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use titan_tests::{Tmux, shell_quote};
+
 /// Runs `titan-obs ARGS` to completion, asserts it succeeded (its stderr otherwise) and returns
 /// its stdout.
 fn titan_obs_core<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Vec<u8> {
@@ -63,87 +65,6 @@ fn synthetic_run(dir: &Path) -> PathBuf {
     run
 }
 
-/// A private tmux server (own socket), killed on drop.
-struct Tmux {
-    socket: String,
-}
-
-impl Tmux {
-    fn start(cmd: &str, width: u16, height: u16) -> Self {
-        let have = Command::new("tmux").arg("-V").output();
-        assert!(
-            have.is_ok_and(|o| o.status.success()),
-            "tmux is required for this test: apt-get install -y tmux (scripts/setup.sh installs it)"
-        );
-        // One server per test: tests run in parallel, whatever their sizes.
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let socket = format!("titan-tui-test-{}-{n}", std::process::id());
-        let t = Tmux { socket };
-        let out = t.run(&[
-            "new-session",
-            "-d",
-            "-s",
-            "tui",
-            "-x",
-            &width.to_string(),
-            "-y",
-            &height.to_string(),
-            cmd,
-        ]);
-        assert!(
-            out.status.success(),
-            "tmux new-session failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        t
-    }
-
-    fn run(&self, args: &[&str]) -> std::process::Output {
-        Command::new("tmux")
-            .args(["-L", &self.socket, "-f", "/dev/null"])
-            .args(args)
-            .env_remove("TMUX")
-            .output()
-            .expect("running tmux")
-    }
-
-    fn keys(&self, keys: &[&str]) {
-        for k in keys {
-            let out = self.run(&["send-keys", "-t", "tui", k]);
-            assert!(out.status.success());
-            // One key at a time, as a user types: each is handled and drawn before the next.
-            std::thread::sleep(Duration::from_millis(60));
-        }
-    }
-
-    fn screen(&self) -> String {
-        let out = self.run(&["capture-pane", "-p", "-t", "tui"]);
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    /// Waits until the screen satisfies `ok`, or fails with the last screen.
-    fn wait_for(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let s = self.screen();
-            if ok(&s) {
-                return s;
-            }
-            if Instant::now() > deadline {
-                panic!("timed out waiting for {what}; screen:\n{s}");
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = self.run(&["kill-server"]);
-    }
-}
-
 /// The status line's window text, e.g. "window 0 – 1.2s (1.20s)".
 fn status_line(screen: &str) -> String {
     screen
@@ -153,10 +74,6 @@ fn status_line(screen: &str) -> String {
         .to_string()
 }
 
-fn shell_quote(p: &Path) -> String {
-    format!("'{}'", p.display().to_string().replace('\'', "'\\''"))
-}
-
 #[test]
 fn tui_in_tmux_zoom_step_jump_select_quit() {
     let dir = tempfile::tempdir().unwrap();
@@ -164,8 +81,8 @@ fn tui_in_tmux_zoom_step_jump_select_quit() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin),
-        shell_quote(&run)
+        shell_quote(&bin.display().to_string()),
+        shell_quote(&run.display().to_string())
     );
     let tmux = Tmux::start(&cmd, 160, 50);
 
@@ -331,8 +248,8 @@ fn tui_follows_a_torchtitan_run_as_its_logs_grow() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {} --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin),
-        shell_quote(&live)
+        shell_quote(&bin.display().to_string()),
+        shell_quote(&live.display().to_string())
     );
     let tmux = Tmux::start(&cmd, 160, 40);
     let s = tmux.wait_for("the first part of rank 0", |s| {
@@ -381,8 +298,8 @@ fn tui_opens_a_torchtitan_gantt_trace() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin),
-        shell_quote(&gantt)
+        shell_quote(&bin.display().to_string()),
+        shell_quote(&gantt.display().to_string())
     );
     let tmux = Tmux::start(&cmd, 160, 40);
     let s = tmux.wait_for("the gantt of the trace", |s| {
@@ -421,7 +338,11 @@ fn summary_tui_and_gantt_name_the_same_straggler() {
 
     // The TUI: title and the phase table's "slow" column.
     let tmux = Tmux::start(
-        &format!("{} {}", env!("CARGO_BIN_EXE_titan-obs"), shell_quote(&run)),
+        &format!(
+            "{} {}",
+            env!("CARGO_BIN_EXE_titan-obs"),
+            shell_quote(&run.display().to_string())
+        ),
         200,
         50,
     );
@@ -604,8 +525,8 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin),
-        shell_quote(&run)
+        shell_quote(&bin.display().to_string()),
+        shell_quote(&run.display().to_string())
     );
     let tmux = Tmux::start(&cmd, 160, 50);
 
@@ -659,8 +580,8 @@ fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {} --detail-levels always --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin),
-        shell_quote(&run)
+        shell_quote(&bin.display().to_string()),
+        shell_quote(&run.display().to_string())
     );
     let tmux = Tmux::start(&cmd, 160, 50);
     let s = tmux.wait_for("the gantt and the whole run", |s| {
@@ -897,7 +818,7 @@ fn tui_draws_an_object_store_run_from_detail_levels() {
     let cmd = format!(
         "TERM=xterm-256color {} {} {url} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
         env.join(" "),
-        shell_quote(&bin),
+        shell_quote(&bin.display().to_string()),
     );
     let tmux = Tmux::start(&cmd, 160, 50);
     // Drawn from the detail files in the bucket: every rank's lanes, the whole run, a bucket
@@ -1004,8 +925,8 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
         Tmux::start(
             &format!(
                 "TERM=xterm-256color {} {} --detail-levels always {extra}; echo TITAN_OBS_EXIT=$?; sleep 60",
-                shell_quote(&bin),
-                shell_quote(&run)
+                shell_quote(&bin.display().to_string()),
+                shell_quote(&run.display().to_string())
             ),
             160,
             50,
@@ -1106,7 +1027,7 @@ fn tui_names_the_stragglers_of_each_pipeline_stage() {
             &format!(
                 "{} {} --detail-levels {when}",
                 env!("CARGO_BIN_EXE_titan-obs"),
-                shell_quote(&run)
+                shell_quote(&run.display().to_string())
             ),
             200,
             50,
