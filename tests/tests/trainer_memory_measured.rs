@@ -208,6 +208,20 @@ fn the_estimate_is_within_10_percent_on_4_ranks_and_with_checkpointing() {
             ],
         ),
         (
+            // DDP's buckets under PP: the stage's gradients summed in full, all-reduced once.
+            "PP2 x DDP2",
+            &[
+                "--nproc-per-node",
+                "4",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+            ],
+        ),
+        (
             "PP2 x FSDP2, selective op AC",
             &[
                 "--nproc-per-node",

@@ -474,11 +474,22 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     } else {
         "tok_embeddings"
     };
+    // Under pipeline parallelism every unit that communicates (FSDP, or DDP's replicas) sums
+    // its unsharded gradients over the step's microbatches in the reduce dtype and reduces the
+    // sums once, after the last backward (torch's stage): a stage's gradients in full, which
+    // are also the reductions' send buffers.
+    let sums_for_step = pp > 1 && (n > 1 || layout.dp_replicate > 1);
+    // A unit's backward hands its unsharded gradients to FSDP (or to DDP's sum, under PP).
+    let unit_grads_apart = gathers || sums_for_step;
     row(
         Term::Grads,
         "unsharded gradients of one unit",
-        if gathers { largest_unit * pb } else { 0 },
-        if gathers {
+        if unit_grads_apart {
+            largest_unit * pb
+        } else {
+            0
+        },
+        if unit_grads_apart {
             format!(
                 "the largest FSDP unit ({unit_name}) {largest_unit} elements x {pb} B ({})",
                 param.name()
@@ -488,11 +499,6 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         },
     );
     let copies_in = n > 1 || pb != rb;
-    // Under pipeline parallelism every unit that communicates (FSDP, or DDP's replicas) sums
-    // its unsharded gradients over the step's microbatches in the reduce dtype and reduces the
-    // sums once, after the last backward (torch's stage): a stage's gradients in full, which
-    // are also the reductions' send buffers.
-    let sums_for_step = pp > 1 && (n > 1 || layout.dp_replicate > 1);
     let stage_full = |first: bool, last: bool| {
         stage_layers * block_full
             + if first { embed_full } else { 0 }
@@ -805,7 +811,7 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
         } else {
             0
         };
-        let reducing = if gathers || sums_for_step {
+        let reducing = if unit_grads_apart {
             largest * pb
                 + if copies_in && !sums_for_step {
                     REDUCTIONS_IN_FLIGHT as u64 * largest * rb
