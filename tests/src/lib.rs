@@ -486,9 +486,9 @@ impl Drop for Tmux {
     }
 }
 
-/// `p` quoted for a POSIX shell command line.
-pub fn shell_quote(p: &str) -> String {
-    format!("'{}'", p.replace('\'', "'\\''"))
+/// `p` (a path or a string) quoted for a POSIX shell command line.
+pub fn shell_quote(p: impl AsRef<std::ffi::OsStr>) -> String {
+    format!("'{}'", p.as_ref().to_string_lossy().replace('\'', "'\\''"))
 }
 
 /// Starts the recorder of a child process that records like the trainer (rank `rank` of

@@ -254,8 +254,8 @@ fn tensor_parallel_loss_curves_match_one_rank() {
 
 /// Pipeline parallelism: PP=2 with each schedule (4 microbatches of one sample; Interleaved1F1B
 /// with 2 stages per rank), PP2 x DP2 (FSDP), PP2 x DDP2 and PP2 x TP2 on 4 ranks: the single
-/// process's losses, steps 1 to 10. Then a PP=2 checkpoint resumes on one process (the same microbatches as
-/// gradient accumulation) with the pipeline run's next losses.
+/// process's losses, steps 1 to 10. Then a PP=2 checkpoint resumes on one process (the same
+/// microbatches as gradient accumulation) with the pipeline run's next losses.
 #[test]
 fn pipeline_parallel_loss_curves_match_one_rank() {
     let f = Fixture::new();

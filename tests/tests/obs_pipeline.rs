@@ -176,8 +176,8 @@ fn assert_pipeline_bytes(run: &Path) {
 fn tui_screen_at_step(run: &Path, step: u64, labels: &[&str]) -> String {
     let cmd = format!(
         "TERM=xterm-256color {} {}; sleep 60",
-        shell_quote(&bin("titan-obs").display().to_string()),
-        shell_quote(&run.display().to_string())
+        shell_quote(bin("titan-obs")),
+        shell_quote(run)
     );
     let tmux = Tmux::start(&cmd, 200, 30);
     tmux.wait_for("gantt", |s| s.contains("forward_backward"));

@@ -544,7 +544,7 @@ fn records_to_and_reads_from_s3() {
     let cmd = format!(
         "{} TERM=xterm-256color {} {url}; echo TITAN_OBS_EXIT=$?; sleep 60",
         vars.join(" "),
-        shell_quote(&bin("titan-obs").display().to_string())
+        shell_quote(bin("titan-obs"))
     );
     let tui = Tmux::start(&cmd, 160, 40);
     let screen = tui.wait_for("the gantt of both ranks", |s| {

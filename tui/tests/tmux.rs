@@ -81,8 +81,8 @@ fn tui_in_tmux_zoom_step_jump_select_quit() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin.display().to_string()),
-        shell_quote(&run.display().to_string())
+        shell_quote(&bin),
+        shell_quote(&run)
     );
     let tmux = Tmux::start(&cmd, 160, 50);
 
@@ -248,8 +248,8 @@ fn tui_follows_a_torchtitan_run_as_its_logs_grow() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {} --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin.display().to_string()),
-        shell_quote(&live.display().to_string())
+        shell_quote(&bin),
+        shell_quote(&live)
     );
     let tmux = Tmux::start(&cmd, 160, 40);
     let s = tmux.wait_for("the first part of rank 0", |s| {
@@ -298,8 +298,8 @@ fn tui_opens_a_torchtitan_gantt_trace() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin.display().to_string()),
-        shell_quote(&gantt.display().to_string())
+        shell_quote(&bin),
+        shell_quote(&gantt)
     );
     let tmux = Tmux::start(&cmd, 160, 40);
     let s = tmux.wait_for("the gantt of the trace", |s| {
@@ -338,11 +338,7 @@ fn summary_tui_and_gantt_name_the_same_straggler() {
 
     // The TUI: title and the phase table's "slow" column.
     let tmux = Tmux::start(
-        &format!(
-            "{} {}",
-            env!("CARGO_BIN_EXE_titan-obs"),
-            shell_quote(&run.display().to_string())
-        ),
+        &format!("{} {}", env!("CARGO_BIN_EXE_titan-obs"), shell_quote(&run)),
         200,
         50,
     );
@@ -525,8 +521,8 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin.display().to_string()),
-        shell_quote(&run.display().to_string())
+        shell_quote(&bin),
+        shell_quote(&run)
     );
     let tmux = Tmux::start(&cmd, 160, 50);
 
@@ -580,8 +576,8 @@ fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
         "TERM=xterm-256color {} {} --detail-levels always --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
-        shell_quote(&bin.display().to_string()),
-        shell_quote(&run.display().to_string())
+        shell_quote(&bin),
+        shell_quote(&run)
     );
     let tmux = Tmux::start(&cmd, 160, 50);
     let s = tmux.wait_for("the gantt and the whole run", |s| {
@@ -818,7 +814,7 @@ fn tui_draws_an_object_store_run_from_detail_levels() {
     let cmd = format!(
         "TERM=xterm-256color {} {} {url} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
         env.join(" "),
-        shell_quote(&bin.display().to_string()),
+        shell_quote(&bin),
     );
     let tmux = Tmux::start(&cmd, 160, 50);
     // Drawn from the detail files in the bucket: every rank's lanes, the whole run, a bucket
@@ -925,8 +921,8 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
         Tmux::start(
             &format!(
                 "TERM=xterm-256color {} {} --detail-levels always {extra}; echo TITAN_OBS_EXIT=$?; sleep 60",
-                shell_quote(&bin.display().to_string()),
-                shell_quote(&run.display().to_string())
+                shell_quote(&bin),
+                shell_quote(&run)
             ),
             160,
             50,
@@ -1027,7 +1023,7 @@ fn tui_names_the_stragglers_of_each_pipeline_stage() {
             &format!(
                 "{} {} --detail-levels {when}",
                 env!("CARGO_BIN_EXE_titan-obs"),
-                shell_quote(&run.display().to_string())
+                shell_quote(&run)
             ),
             200,
             50,

@@ -14,7 +14,7 @@
 //! stage does (`set_requires_gradient_sync(False)`, then `perform_reduce_grad`).
 //!
 //! Overlap: the gradient reduction of a unit runs in the background while backward goes on
-//! through the units before it; [`FsdpUnit::finish_gradients`] waits for it at the end of the
+//! through the units before it; [`Reductions::drain`] waits for it at the end of the
 //! step's backward passes. [`FsdpUnit::prefetch`] starts a unit's all-gather in the background (in issue order
 //! with the group's other collectives, see [`crate::distributed::Group`]): the model prefetches the next
 //! unit while the current one computes in forward, and the backward pass prefetches the previous
@@ -70,7 +70,7 @@ pub const REDUCTIONS_IN_FLIGHT: usize = 2;
 
 /// The gradient reductions of a model's units in issue order. A finished one is added to its
 /// unit's shards' gradients and its buffers freed as soon as a later unit starts one (or the
-/// step's [`FsdpUnit::finish_gradients`]); past [`REDUCTIONS_IN_FLIGHT`] the oldest is waited
+/// step's [`Reductions::drain`]); past [`REDUCTIONS_IN_FLIGHT`] the oldest is waited
 /// for. Issue order is kept, so each shard's gradient sums its microbatches in order.
 #[derive(Clone, Default)]
 pub struct Reductions(Arc<Mutex<ReductionQueue>>);
@@ -120,8 +120,9 @@ impl Reductions {
         }
     }
 
-    /// Waits for every reduction in flight and adds each to its unit's shards' gradients.
-    fn drain(&self) {
+    /// Waits for every reduction in flight and adds each to its unit's shards' gradients: call
+    /// after the last backward of a step, before reading gradients.
+    pub fn drain(&self) {
         let mut queue = self.queue();
         while let Some((unit, r)) = queue.pop_front() {
             panic_on(r.pending.wait());
@@ -475,7 +476,7 @@ impl UnitState {
 
     /// Starts reducing the unsharded gradients of one backward in the background: cast to the
     /// reduce dtype, summed over the shard group (each rank keeps its rows), then over the
-    /// replicas. The shards get them in [`FsdpUnit::finish_gradients`].
+    /// replicas. The shards get them in [`Reductions::drain`].
     fn start_reduction(self: &Arc<Self>, grads: &[Tensor]) {
         self.mesh.reductions.make_room();
         let size = self.mesh.shard.size() as i64;
@@ -824,7 +825,7 @@ impl FsdpUnit {
 
     /// Under pipeline parallelism: starts reducing the gradients the step's microbatches
     /// summed (nothing if the unit has none). Call after the step's last backward, before
-    /// [`FsdpUnit::finish_gradients`]; a collective: every rank of the shard group calls it for
+    /// [`Reductions::drain`]; a collective: every rank of the shard group calls it for
     /// its units in the same order.
     pub fn reduce_accumulated(&self) {
         let Some(sum) = self.state.tensors().accumulated.take() else {
@@ -832,13 +833,6 @@ impl FsdpUnit {
         };
         self.state.mesh.reductions.make_room();
         self.state.reduce(sum);
-    }
-
-    /// Waits for the gradient reductions the backward passes started (every unit's: they share
-    /// one queue) and adds them to the shards' gradients. Call after the last backward of a
-    /// step, before reading gradients.
-    pub fn finish_gradients(&self) {
-        self.state.mesh.reductions.drain();
     }
 
     /// Lets go of a gather kept for the step, and of the float8 scales it was cast with: call

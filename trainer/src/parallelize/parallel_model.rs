@@ -20,7 +20,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::context_parallel::ContextParallel;
 use super::expert_parallel::ExpertParallel;
-use super::fsdp::{Float8Gather, FsdpUnit, Gathered};
+use super::fsdp::{Float8Gather, FsdpUnit, Gathered, Reductions};
 use super::kept::Kept;
 use super::pipeline::StageModules;
 use super::plan::{TpStyle, tp_style};
@@ -53,6 +53,8 @@ pub struct ParallelModel {
     expert_units: Vec<ExpertsUnit>,
     /// The final norm and the output projection.
     head: Option<FsdpUnit>,
+    /// Every unit's gradient reductions in flight (both FSDP meshes share the queue).
+    reductions: Reductions,
     /// The dtype parameters are gathered and computed in (FSDP's `mixed_precision_param`), and
     /// so the dtype of the hidden states.
     compute_kind: Kind,
@@ -303,6 +305,7 @@ impl ParallelModel {
             layers,
             expert_units,
             head,
+            reductions: plan.fsdp.reductions.clone(),
             compute_kind: plan.fsdp.param_kind,
             tp: plan.tp.clone(),
             cp: plan.cp.clone(),
@@ -501,10 +504,7 @@ impl ParallelModel {
         for unit in all.iter().rev() {
             unit.reduce_accumulated();
         }
-        // (One queue holds every unit's reductions.)
-        for unit in all {
-            unit.finish_gradients();
-        }
+        self.reductions.drain();
         self.release_gathered();
     }
 
