@@ -44,9 +44,10 @@
 //! **Activations saved per layer** (elements of the param dtype; with TP, `h_l = h / t`,
 //! `k_l = k / t`, `F_l = F / t`; sequence-parallel regions hold `T / t` tokens):
 //!
-//! - `none`: the two norm inputs `2 T d / t` (twice that with `training.device = cpu`: libtorch's
-//!   CPU `rms_norm` is the composite op and also saves the normalised input); the two norm outputs all-gathered for the
-//!   column-wise matmuls `2 T d` (saved by `wq`/`wk`/`wv` and `w1`/`w3`); `q` `T h_l e`; `k`, `v`
+//! - `none`: the two norm inputs `2 T d / t` (with `training.device = cpu` `4 T d / t` in fp32
+//!   whatever the dtype: libtorch's CPU `rms_norm` is the composite op, which saves its input
+//!   upcast to fp32 and the normalised input; qwen3's q and k norms save likewise, `T (h_l +
+//!   k_l) e`); the two norm outputs all-gathered for the column-wise matmuls `2 T d` (saved by `wq`/`wk`/`wv` and `w1`/`w3`); `q` `T h_l e`; `k`, `v`
 //!   `2 T k_l e` (at the kv heads: the varlen kernel, or SDPA with `enable_gqa`; under context
 //!   parallelism gathered from every cp rank, `2 T cp k_l e`); the attention
 //!   output `T h_l e` (also `wo`'s input); the FFN's `w1` output, its
@@ -406,6 +407,8 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     // Blocks not resharded after forward are kept gathered, once: under pipeline parallelism
     // a unit's first gather of a step serves the step's other microbatches (FSDP2 under torch's
     // schedules), so one copy lives from the stage's first forward to the step's end.
+    // (A unit of one shard that casts to another param dtype frees its cast copy as it would a
+    // gather, as FSDP2 on one rank does.)
     let gathered_blocks = match (gathers, reshard_blocks) {
         (false, _) => 0,
         (true, true) => stage_layers.min(2),
@@ -498,7 +501,9 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             "gradients accumulate in place: N = 1 and one dtype".into()
         },
     );
-    let copies_in = n > 1 || pb != rb;
+    // The reduce-scatter sends a copy in the reduce dtype; DDP's all-reduce too where that is
+    // another dtype; a unit that communicates nothing, none.
+    let copies_in = n > 1 || (layout.dp_replicate > 1 && pb != rb);
     let stage_full = |first: bool, last: bool| {
         stage_layers * block_full
             + if first { embed_full } else { 0 }
@@ -559,9 +564,11 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     let varlen = document_causal && ab == 2 && !device_cpu;
     // Both attention paths take k and v at the kv heads (SDPA with `enable_gqa`).
     let kv_saved = k_l;
-    // libtorch's CPU rms_norm is the composite one: it also saves the normalised input (one more
-    // `T d / t` per norm); CUDA's fused kernel saves the input and rstd only.
-    let norm_saves = if device_cpu { 2 } else { 1 };
+    // What an rms_norm over `x` elements saves, in bytes. libtorch's CPU rms_norm is the
+    // composite one: it upcasts the input to fp32 and saves that and the normalised input, in
+    // fp32 whatever the activations' dtype (`2 x 4 B` an element; a bf16 input itself is not
+    // saved). CUDA's fused kernel saves the input in its dtype and rstd only.
+    let norm_saved = |x: u64| if device_cpu { 2 * x * 4 } else { x * ab };
     // The feed-forward's saved tensors and its backward's gradients: a SwiGLU's four (B, S, F)
     // products, or a mixture of experts' (below).
     let (ffn_saved, ffn_ws, ep_exchanged) = match args.moe_layer(largest_block) {
@@ -606,18 +613,23 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     };
     // Attention saves k and v as it reads them: under context parallelism every cp rank's,
     // gathered (B x S keys for T = B x S / cp queries).
-    let none_elems = 2 * norm_saves * sp(tokens * d)
-        + 2 * tokens * d
-        + tokens * h_l * e
-        + 2 * tokens * cp * kv_saved * e
-        + tokens * h_l * e;
+    let none_elems =
+        2 * tokens * d + tokens * h_l * e + 2 * tokens * cp * kv_saved * e + tokens * h_l * e;
     let none_fp32 = 2 * sp(tokens) + tokens * h_l;
     // SDPA given a boolean mask saves it as an additive one in the activations' dtype, T x S
     // per layer (measured: +8.0 MiB a layer at b8 x s512 in fp32 on one process, +4.0 MiB
     // under cp 2).
     let masked = cp > 1 || (document_causal && !varlen);
     let mask_saved = if masked { tokens * seq * ab } else { 0 };
-    let none_bytes = none_elems * ab + none_fp32 * 4 + ffn_saved + mask_saved;
+    // The block's two norms (over the sequence-parallel tokens), and qwen3's per-head norms of
+    // q and k before RoPE.
+    let norms_saved = 2 * norm_saved(sp(tokens * d))
+        + if args.qk_norm {
+            norm_saved(tokens * h_l * e) + norm_saved(tokens * k_l * e)
+        } else {
+            0
+        };
+    let none_bytes = norms_saved + none_elems * ab + none_fp32 * 4 + ffn_saved + mask_saved;
     let input_bytes = sp(tokens * d) * ab;
     // Selective op AC keeps every other linear's output (wq, wv, w1, w2); a mixture of experts'
     // grouped matmuls are recomputed.
@@ -672,17 +684,18 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
             }
         ),
     );
-    let head_inputs = (norm_saves * sp(tokens * d) + tokens * d) * ab + sp(tokens) * 4;
+    let head_inputs = norm_saved(sp(tokens * d)) + tokens * d * ab + sp(tokens) * 4;
     row(
         Term::Activations,
         "final norm + lm_head inputs",
         head_inputs,
         format!(
-            "({norm_saves} x T d / t + T d) x {ab} B + rstd T / t x 4 B{}",
+            "{} + T d x {ab} B + rstd T / t x 4 B",
             if device_cpu {
-                " (CPU rms_norm also saves its normalised input)"
+                "2 x T d / t x 4 B (CPU rms_norm saves its input and the normalised input, in fp32)"
+                    .to_string()
             } else {
-                ""
+                format!("T d / t x {ab} B")
             }
         ),
     );
@@ -760,13 +773,14 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     // (The first stage's layers, by the model's own rule of which layers are checkpointed.)
     let per_layer: Vec<(u64, u64)> = (0..stage_layers as usize)
         .map(|layer| {
-            if policy_ac.whole_layer(layer) {
+            let (saved, ws) = if policy_ac.whole_layer(layer) {
                 (input_bytes, none_bytes - input_bytes + grad_ws)
             } else if policy_ac == ActivationCheckpointing::Op {
                 (op_bytes, none_bytes.saturating_sub(op_kept) + grad_ws)
             } else {
                 (none_bytes, grad_ws)
-            }
+            };
+            (saved, ws)
         })
         .collect();
     let stage_saved: u64 = per_layer.iter().map(|(saved, _)| saved).sum();
@@ -1170,12 +1184,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn debugmodel_none_activations_by_hand() {
-        // b2 x s64, fp32, sdpa (no mask), one rank: every term written out.
-        let cfg = config(&[
-            "--training.mixed_precision_param",
-            "float32",
+    /// The debug model at b2 x s64 with sdpa (no mask), and `extra`.
+    fn b2_s64(extra: &[&str]) -> JobConfig {
+        let mut args = vec![
             "--training.local_batch_size",
             "2",
             "--training.seq_len",
@@ -1185,7 +1196,15 @@ mod tests {
             "--model.attn_backend",
             "sdpa",
             "--memory_estimation.enable",
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        config(&args)
+    }
+
+    #[test]
+    fn debugmodel_none_activations_by_hand() {
+        // b2 x s64, fp32, sdpa (no mask), one rank: every term written out.
+        let cfg = b2_s64(&["--training.mixed_precision_param", "float32"]);
         let est = estimate(&cfg, 1).unwrap();
         let (tk, d, h, e, f, v, l) = (128u64, 256u64, 16u64, 16u64, 768u64, 2048u64, 6u64);
         // norm inputs 2Td, gathered norm outputs 2Td, q, k, v (repeated), out: 4 T h e, FFN 4TF.
@@ -1199,6 +1218,38 @@ mod tests {
             est.activations_bytes(),
             saved + head + loss.max(grads) + other
         );
+    }
+
+    /// bf16 parameters on one CPU process, as `trainer_memory_measured` measured them: the CPU
+    /// rms_norm saves fp32 whatever the dtype, the blocks' cast copies are freed after forward
+    /// as gathers are (kept for the step under PP), and nothing is copied for a reduction.
+    #[test]
+    fn one_process_with_bf16_parameters_on_cpu() {
+        let row =
+            |est: &Estimate, what: &str| est.rows.iter().find(|r| r.what == what).unwrap().bytes;
+        let cpu = ["--training.device", "cpu"];
+        let est = estimate(&b2_s64(&cpu), 1).unwrap();
+        let (tk, d, h, e, f) = (128u64, 256u64, 16u64, 16u64, 768u64);
+        // Two norms saving 2 T d in fp32; norm outputs 2Td, q, k, v, out 4 T h e, FFN 4 T F in
+        // bf16; rstd and the log-sum-exp in fp32.
+        let per_layer = 2 * 2 * tk * d * 4
+            + (2 * tk * d + 4 * tk * h * e + 4 * tk * f) * 2
+            + (2 * tk + tk * h) * 4;
+        assert_eq!(row(&est, "saved activations"), 6 * per_layer);
+        let block = ModelArgs::flavor("debugmodel")
+            .unwrap()
+            .parameters()
+            .iter()
+            .filter(|p| p.module == Module::Layer(0))
+            .map(|p| p.shape.iter().product::<i64>() as u64)
+            .sum::<u64>();
+        assert_eq!(row(&est, "all-gathered blocks"), 2 * block * 2);
+        assert_eq!(row(&est, "reduce-scatter inputs"), 0);
+        // Under PP a stage's copies serve the step's microbatches: one of each block.
+        let pp_cpu = [&cpu[..], &["--parallelism.pipeline_parallel_degree", "2"]].concat();
+        let pp = estimate(&b2_s64(&pp_cpu), 2).unwrap();
+        assert_eq!(row(&pp, "all-gathered blocks"), 3 * block * 2);
+        assert_eq!(row(&pp, "reduce-scatter inputs"), 0);
     }
 
     /// A mixture of experts holds every expert (total, not active, parameters): each grouped

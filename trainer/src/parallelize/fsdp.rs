@@ -285,6 +285,21 @@ impl UnitState {
         self.mesh.shard.size() > 1 || self.mesh.replicate.size() > 1
     }
 
+    /// Whether `shards` (the unit's) are in another dtype than the parameters compute in (fp32
+    /// master weights under `mixed_precision_param`): every gather is then a cast copy, even of
+    /// one shard. Every shard or none: one already in the parameter dtype would be its own
+    /// copy, and freeing that would free the shard. (Asked at each gather: `training.dtype =
+    /// bfloat16` casts the shards after the units are built.)
+    fn casts(&self, shards: &[Tensor]) -> bool {
+        !shards.is_empty() && shards.iter().all(|s| s.kind() != self.mesh.param_kind)
+    }
+
+    /// Whether the gathered parameters are freed after the unit's forward: FSDP2's
+    /// `reshard_after_forward`, where they are copies (gathered, or cast).
+    fn frees_after_forward(&self, shards: &[Tensor]) -> bool {
+        self.policy.reshard_after_forward && (self.mesh.shard.size() > 1 || self.casts(shards))
+    }
+
     fn tensors(&self) -> std::sync::MutexGuard<'_, UnitTensors> {
         self.tensors.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -618,6 +633,23 @@ impl Function for AllGather {
             t.gathered.clear();
             t.shards.len()
         };
+        // A unit that only casts (one shard, no replicas) has nothing to reduce: its gradients
+        // go to the shards through autograd, cast to their dtype, which sums them over the
+        // step's microbatches in fp32 as FSDP2's reduction would.
+        if !self.0.communicates() {
+            let t = self.0.tensors();
+            return grads
+                .iter()
+                .zip(&t.shards)
+                .map(|(g, s)| {
+                    if g.defined() {
+                        g.to_kind(s.kind())
+                    } else {
+                        Tensor::new()
+                    }
+                })
+                .collect();
+        }
         // The reduction runs while backward goes on (or, under pipeline parallelism, once
         // the step's backwards are done); the shards' gradients arrive in `finish_gradients`,
         // so autograd gets none here.
@@ -702,11 +734,7 @@ impl FsdpUnit {
                 per_rank: offset,
                 layout,
                 float8: None,
-                policy: UnitPolicy {
-                    // Nothing to free with one shard: the forward uses the shards' memory.
-                    reshard_after_forward: policy.reshard_after_forward && mesh.shard.size() > 1,
-                    ..policy
-                },
+                policy,
                 tensors: Mutex::new(UnitTensors {
                     shards,
                     gathered: Vec::new(),
@@ -761,20 +789,11 @@ impl FsdpUnit {
             .iter()
             .map(|t| t.shallow_clone())
             .collect();
-        if !s.communicates() {
-            let params = shards
-                .iter()
-                .map(|p| {
-                    if p.kind() == s.mesh.param_kind {
-                        p.shallow_clone()
-                    } else {
-                        p.to_kind(s.mesh.param_kind)
-                    }
-                })
-                .collect();
+        // One process's parameters in their own dtype: the forward computes with the shards.
+        if !s.communicates() && !s.casts(&shards) {
             return Gathered {
-                params,
                 float8: vec![None; shards.len()],
+                params: shards,
             };
         }
         let refs: Vec<&Tensor> = shards.iter().collect();
@@ -782,7 +801,10 @@ impl FsdpUnit {
         let mut t = s.tensors();
         let float8 = std::mem::take(&mut t.gathered_float8);
         // Under no_grad (validation, a checkpointed region's first run) nothing is saved to free.
-        if s.policy.reshard_after_forward && params.first().is_some_and(|t| t.requires_grad()) {
+        // Nothing to free with one shard in the parameter dtype (the forward uses the shards'
+        // memory); a cast copy is freed as a gather is, as FSDP2 on one rank frees its
+        // unsharded parameters.
+        if s.frees_after_forward(&shards) && params.first().is_some_and(|t| t.requires_grad()) {
             // What holds the gathered memory: a float8 weight's values, not its placeholder.
             t.gathered = params
                 .iter()
@@ -811,10 +833,20 @@ impl FsdpUnit {
         self.state.gather_now(&shards, &layout, None)
     }
 
+    /// The bytes the gathered parameters of the forward in flight hold now, if the unit keeps
+    /// them to free (0 once freed after forward).
+    #[cfg(test)]
+    pub fn gathered_bytes(&self) -> Option<usize> {
+        let t = self.state.tensors();
+        (!t.gathered.is_empty())
+            .then(|| t.gathered.iter().map(crate::autograd::storage_nbytes).sum())
+    }
+
     /// Whether the unit frees its gathered parameters after forward (and gathers them again
     /// when backward reaches it).
     pub fn reshards_after_forward(&self) -> bool {
-        self.state.policy.reshard_after_forward
+        let s = &self.state;
+        s.frees_after_forward(&s.tensors().shards)
     }
 
     /// Starts gathering this unit's parameters in the background, for its next

@@ -1282,6 +1282,55 @@ mod tests {
         args
     }
 
+    /// One process with bf16 parameters over fp32 master weights frees each block's cast copy
+    /// after the block's forward and casts again for its backward, as FSDP2 on one rank does
+    /// (before, the matmuls kept every block's copy until backward); the gradients are those of
+    /// keeping the copies, bit for bit.
+    #[test]
+    fn one_process_frees_its_cast_copies_after_forward() {
+        use crate::config::{Parallelism, ReshardAfterForward};
+        use crate::distributed::DeviceMesh;
+        let _generator = crate::rng::global_generator();
+        let args = args("llama3", "debugmodel");
+        let run = |policy| {
+            let parallelism = Parallelism {
+                fsdp_reshard_after_forward: policy,
+                ..Parallelism::default()
+            };
+            let plan = ParallelPlan::new(
+                &DeviceMesh::single(),
+                &parallelism,
+                Kind::BFloat16,
+                Kind::Float,
+            );
+            tch::manual_seed(3);
+            let model = ParallelModel::new(args.clone(), Device::Cpu, &plan).unwrap();
+            let tokens = Tensor::from_slice(&[1i64, 5, 9, 2, 7, 3, 8, 4]).view([1, 8]);
+            let logits = model.forward(&tokens, None);
+            let held: Vec<Option<usize>> = model
+                .layers
+                .iter()
+                .map(|(_, unit)| unit.gathered_bytes())
+                .collect();
+            logits.square().sum(Kind::Float).backward();
+            model.finish_gradients();
+            let grads: Vec<Tensor> = model
+                .named_parameters()
+                .iter()
+                .map(|(_, p)| p.grad().copy())
+                .collect();
+            (held, grads)
+        };
+        let (freed, grads) = run(ReshardAfterForward::Default);
+        assert_eq!(freed, vec![Some(0); args.n_layers as usize]);
+        let (kept, kept_grads) = run(ReshardAfterForward::Never);
+        assert_eq!(kept, vec![None; args.n_layers as usize], "nothing to free");
+        for (a, b) in grads.iter().zip(&kept_grads) {
+            assert_eq!(a.kind(), Kind::Float);
+            assert!(a.equal(b));
+        }
+    }
+
     /// On one process the split model is the model: the same parameters from the same seed, and
     /// the same logits and gradients bit for bit, for every family (dense, q/k norms and tied
     /// embeddings, latent attention with experts), with and without documents.
