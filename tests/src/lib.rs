@@ -410,12 +410,16 @@ impl MotoServer {
 }
 
 /// A private tmux server (its own socket) running `cmd` in one `width` x `height` pane: the
-/// terminal the TUI tests drive (keys in, `capture-pane` out). Killed on drop.
+/// terminal the TUI tests drive (keys in, `capture-pane` out). When `cmd` exits the pane shows
+/// [`Tmux::EXIT`] and its exit status, and stays. Killed on drop.
 pub struct Tmux {
     socket: String,
 }
 
 impl Tmux {
+    /// What the pane prints when the command has exited, followed by its exit status.
+    pub const EXIT: &'static str = "TITAN_OBS_EXIT=";
+
     pub fn start(cmd: &str, width: u16, height: u16) -> Tmux {
         let have = Command::new("tmux").arg("-V").output();
         assert!(
@@ -429,7 +433,9 @@ impl Tmux {
             socket: format!("titan-e2e-{}-{n}", std::process::id()),
         };
         let (w, h) = (width.to_string(), height.to_string());
-        let out = t.run(&["new-session", "-d", "-s", "tui", "-x", &w, "-y", &h, cmd]);
+        // The pane outlives the command, so that a test reads its last screen and exit status.
+        let cmd = format!("{cmd}; echo {}$?; sleep 60", Tmux::EXIT);
+        let out = t.run(&["new-session", "-d", "-s", "tui", "-x", &w, "-y", &h, &cmd]);
         assert!(
             out.status.success(),
             "tmux new-session: {}",
@@ -466,7 +472,7 @@ impl Tmux {
     }
 
     /// Waits (up to 30 s) until the screen satisfies `ok` and returns it, or fails naming
-    /// `what` with the last screen.
+    /// `what` with the last screen, at once if the command has exited.
     pub fn wait_for(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         loop {
@@ -474,6 +480,10 @@ impl Tmux {
             if ok(&s) {
                 return s;
             }
+            assert!(
+                !s.contains(Tmux::EXIT),
+                "no {what}: the command exited:\n{s}"
+            );
             assert!(std::time::Instant::now() < deadline, "no {what}:\n{s}");
             std::thread::sleep(std::time::Duration::from_millis(100));
         }

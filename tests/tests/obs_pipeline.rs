@@ -175,7 +175,7 @@ fn assert_pipeline_bytes(run: &Path) {
 /// in twice on its start, once it shows every one of `labels` (else after 30 s).
 fn tui_screen_at_step(run: &Path, step: u64, labels: &[&str]) -> String {
     let cmd = format!(
-        "TERM=xterm-256color {} {}; sleep 60",
+        "TERM=xterm-256color {} {}",
         shell_quote(bin("titan-obs")),
         shell_quote(run)
     );

@@ -542,7 +542,7 @@ fn records_to_and_reads_from_s3() {
         .map(|(k, v)| format!("{k}={}", shell_quote(v)))
         .collect();
     let cmd = format!(
-        "{} TERM=xterm-256color {} {url}; echo TITAN_OBS_EXIT=$?; sleep 60",
+        "{} TERM=xterm-256color {} {url}",
         vars.join(" "),
         shell_quote(bin("titan-obs"))
     );
@@ -556,7 +556,7 @@ fn records_to_and_reads_from_s3() {
     assert!(screen.contains("step 2"), "{screen}");
     assert!(screen.contains("on 2 ranks: min"), "{screen}");
     tui.keys(&["q"]);
-    let screen = tui.wait_for("the exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let screen = tui.wait_for("the exit", |s| s.contains(Tmux::EXIT));
     assert!(screen.contains("TITAN_OBS_EXIT=0"), "{screen}");
     drop(tui);
     let from_figures = |gets: usize, heads: usize| {

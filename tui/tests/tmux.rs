@@ -80,7 +80,7 @@ fn tui_in_tmux_zoom_step_jump_select_quit() {
     let run = synthetic_run(dir.path());
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
-        "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
+        "TERM=xterm-256color {} {}",
         shell_quote(&bin),
         shell_quote(&run)
     );
@@ -129,7 +129,7 @@ fn tui_in_tmux_zoom_step_jump_select_quit() {
 
     // q quits cleanly and gives the terminal back.
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
 }
 
@@ -247,7 +247,7 @@ fn tui_follows_a_torchtitan_run_as_its_logs_grow() {
 
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
-        "TERM=xterm-256color {} {} --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
+        "TERM=xterm-256color {} {} --follow",
         shell_quote(&bin),
         shell_quote(&live)
     );
@@ -276,7 +276,7 @@ fn tui_follows_a_torchtitan_run_as_its_logs_grow() {
     assert!(s.contains("│4"), "step 4 missing:\n{s}");
 
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
 }
 
@@ -297,7 +297,7 @@ fn tui_opens_a_torchtitan_gantt_trace() {
     assert!(out.status.success(), "{out:?}");
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
-        "TERM=xterm-256color {} {}; echo TITAN_OBS_EXIT=$?; sleep 60",
+        "TERM=xterm-256color {} {}",
         shell_quote(&bin),
         shell_quote(&gantt)
     );
@@ -307,7 +307,7 @@ fn tui_opens_a_torchtitan_gantt_trace() {
     });
     assert!(s.contains("2 ranks"), "{s}");
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
 }
 
@@ -520,7 +520,7 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     std::fs::write(&damaged, &bytes).unwrap();
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
-        "TERM=xterm-256color {} {} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
+        "TERM=xterm-256color {} {} --detail-levels always",
         shell_quote(&bin),
         shell_quote(&run)
     );
@@ -562,7 +562,7 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     assert!(lane_has_bars(&s, 0), "{s}");
 
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
 }
 
@@ -575,7 +575,7 @@ fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
     let run = long_run(dir.path(), 300);
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let cmd = format!(
-        "TERM=xterm-256color {} {} --detail-levels always --follow; echo TITAN_OBS_EXIT=$?; sleep 60",
+        "TERM=xterm-256color {} {} --detail-levels always --follow",
         shell_quote(&bin),
         shell_quote(&run)
     );
@@ -642,7 +642,7 @@ fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
     assert!(!lane_has_bars(&s, 0), "rank 0 recorded nothing there:\n{s}");
 
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
     drop(journal);
 }
@@ -812,7 +812,7 @@ fn tui_draws_an_object_store_run_from_detail_levels() {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_titan-obs"));
     let env: Vec<String> = s3.env().iter().map(|(k, v)| format!("{k}={v}")).collect();
     let cmd = format!(
-        "TERM=xterm-256color {} {} {url} --detail-levels always; echo TITAN_OBS_EXIT=$?; sleep 60",
+        "TERM=xterm-256color {} {} {url} --detail-levels always",
         env.join(" "),
         shell_quote(&bin),
     );
@@ -827,7 +827,7 @@ fn tui_draws_an_object_store_run_from_detail_levels() {
         assert!(lane_has_bars(&s, r), "rank {r} has no spans:\n{s}");
     }
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
     assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
 
     // `gantt` on the bucket: the image from detail levels is the one from every span.
@@ -920,7 +920,7 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
     let open = |extra: &str| {
         Tmux::start(
             &format!(
-                "TERM=xterm-256color {} {} --detail-levels always {extra}; echo TITAN_OBS_EXIT=$?; sleep 60",
+                "TERM=xterm-256color {} {} --detail-levels always {extra}",
                 shell_quote(&bin),
                 shell_quote(&run)
             ),
@@ -949,7 +949,7 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
     tmux.keys(&["q"]);
     // No such run: a usage error naming the runs.
     let tmux = open("--run third");
-    let s = tmux.wait_for("exit", |s| s.contains("TITAN_OBS_EXIT="));
+    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
     assert!(s.contains("TITAN_OBS_EXIT=2"), "{s}");
     assert!(s.contains("second") && s.contains("synthetic"), "{s}");
 
