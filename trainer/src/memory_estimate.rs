@@ -30,16 +30,18 @@
 //! | tok_embeddings kept | unsharded in the param dtype when blocks are not resharded after forward |
 //! | gradient shards | the parameter shards' size in `training.dtype` (FSDP2 casts the reduced gradient to the sharded parameter's dtype) |
 //! | unsharded gradients | the largest FSDP unit (a block, or `norm`+`lm_head`, or `tok_embeddings`) unsharded, in the param dtype: what backward produces before the reduce-scatter |
-//! | reduce-scatter inputs | `2 x` the same unit in `mixed_precision_reduce` (fp32): FSDP copies the gradients into one per unit's backward, and keeps at most two reductions in flight (`fsdp::REDUCTIONS_IN_FLIGHT`, FSDP2's rule); under pipeline parallelism every unit of the stage in `mixed_precision_reduce` instead: the gradients summed over the step's microbatches, reduced once after the last backward |
+//! | reduce-scatter inputs | none for a unit that communicates nothing; else `2 x` the same unit in `mixed_precision_reduce` (fp32): FSDP copies the gradients into one per unit's backward, and keeps at most two reductions in flight (`fsdp::REDUCTIONS_IN_FLIGHT`, FSDP2's rule); under pipeline parallelism every unit of the stage in `mixed_precision_reduce` instead: the gradients summed over the step's microbatches, reduced once after the last backward |
 //! | AdamW state | `2 x` the parameter shards (`exp_avg`, `exp_avg_sq`, in `training.dtype`) |
 //! | saved activations | per layer and mode (below) `x` layers `x` microbatches in flight, in the param dtype |
 //! | output head inputs | final norm input `T d / t` + `lm_head` input `T d` (gathered by SP), param dtype, + `rstd` |
 //! | backward working set | `max(3 x T x V_l x 4` (the fp32 log-softmax output and the gradients of it and of the logits, measured; `V_l = V / t` with loss parallel), one layer's recompute + activation gradients `2 T d + 2 T F / t`: a SwiGLU's backward holds three `T F / t` gradients once w2's saved input is gone) |
 //! | batch + RoPE | input ids, labels, positions (`3 B S / cp x 8`), the RoPE table (`max_seq_len x e / 2 x 8`, complex64) and its rows for the batch (`T x e / 2 x 8`), the `B x S x S` boolean document mask when attention is document-causal without the varlen kernel (under context parallelism, with any backend, this rank's queries over every key: `T x S`) |
 //!
-//! The gather and reduce-scatter transients exist only when FSDP gathers something: `N > 1`, or
-//! a param dtype other than `training.dtype` (FSDP2 then casts each unit). With `N = 1` and one
-//! dtype (a plain fp32 single process) they are 0.
+//! The gathered copies exist only when FSDP gathers something: `N > 1`, or a param dtype other
+//! than `training.dtype` (FSDP2 then casts each unit, and frees the casts as gathers); the
+//! reduce-scatter copies only when the unit communicates (`N > 1`, or DDP's replicas with a
+//! reduce dtype other than the param dtype). With `N = 1` and one dtype (a plain fp32 single
+//! process) both are 0.
 //!
 //! **Activations saved per layer** (elements of the param dtype; with TP, `h_l = h / t`,
 //! `k_l = k / t`, `F_l = F / t`; sequence-parallel regions hold `T / t` tokens):
