@@ -279,7 +279,7 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
         "--parallelism.pipeline_parallel_degree",
         "2",
     ];
-    let layouts: [(&str, usize, &[&str]); 8] = [
+    let layouts: [(&str, usize, &[&str]); 9] = [
         ("pp2_1f1b", GLOBAL_BATCH, &[]),
         (
             "pp2_gpipe",
@@ -315,6 +315,18 @@ fn pipeline_parallel_loss_curves_match_one_rank() {
             ],
         ),
         ("pp2_dp2", GLOBAL_BATCH / 2, &["--nproc-per-node", "4"]),
+        (
+            // The weight passes' gradients join the stage's sums before the step's one
+            // reduce-scatter.
+            "pp2_dp2_zero_bubble",
+            GLOBAL_BATCH / 2,
+            &[
+                "--nproc-per-node",
+                "4",
+                "--parallelism.pipeline_parallel_schedule",
+                "InterleavedZeroBubble",
+            ],
+        ),
         (
             // DDP's buckets, summed over the microbatches and all-reduced once a step.
             "pp2_ddp2",
@@ -691,6 +703,53 @@ fn pipeline_parallel_over_hsdp_matches_one_rank() {
     let reductions = span_counts(&f.root.join("pp2_hsdp"), 0, "reduce_scatter");
     let want: std::collections::BTreeMap<u64, u64> = (1..=STEPS as u64).map(|s| (s, 4)).collect();
     assert_eq!(reductions, want, "reduce-scatters a step on rank 0");
+}
+
+/// InterleavedZeroBubble with data parallelism (DDP) and with expert parallelism: its weight
+/// passes bring each linear's gradient after the input pass, and the stage's sums take them in
+/// before the step's one reduction, so its steps are Interleaved1F1B's bit for bit (the same
+/// stages and microbatches; only when each weight gradient is computed differs). PP2 x FSDP2
+/// with it is in `pipeline_parallel_loss_curves_match_one_rank`.
+#[test]
+#[ignore = "full matrix: bash bench/full_matrix.sh"]
+fn zero_bubble_with_data_and_expert_parallelism_equals_interleaved_1f1b() {
+    let f = Fixture::new();
+    let ddp: &[&str] = &[
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+    ];
+    let ep: &[&str] = &[
+        "--module",
+        "deepseek_v3",
+        "--config",
+        "deepseek_v3_debugmodel",
+        "--activation_checkpoint.mode",
+        "none",
+        "--parallelism.expert_parallel_degree",
+        "2",
+    ];
+    for (layout, extra) in [("ddp2", ddp), ("ep2", ep)] {
+        let run = |schedule: &str| {
+            let name = format!("{layout}_{schedule}");
+            let mut c = titan_train(&f.args(&name, GLOBAL_BATCH / 2));
+            c.args([
+                "--nproc-per-node",
+                "4",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                schedule,
+            ])
+            .args(extra);
+            run_ok(&mut c);
+            (f.losses(&name), f.logged(&name, "grad_norm"))
+        };
+        let zero_bubble = run("InterleavedZeroBubble");
+        assert_eq!(zero_bubble.0.len(), STEPS, "{layout}");
+        assert_eq!(zero_bubble, run("Interleaved1F1B"), "{layout}");
+    }
 }
 
 /// The bytes every rank passed to all-gathers over the run (titan-obs's `comm/all_gather_bytes`).

@@ -462,6 +462,12 @@ impl UnitState {
     /// sum the same way), else overwrites (casting).
     fn pack_gradients(&self, send: &Tensor, grads: &[Tensor], add: bool) {
         for (slot, g) in self.slots.iter().zip(grads) {
+            // A backward that reached only some of the unit's parameters (a zero-bubble weight
+            // pass brings one linear's) adds nothing for the others.
+            if !g.defined() {
+                assert!(add, "a unit's first gradients come for all its parameters");
+                continue;
+            }
             let n = slot.rows_per_shard * slot.row_elems;
             let part = send.narrow(1, slot.offset, n);
             let flat = g.reshape([-1]);

@@ -42,7 +42,7 @@ pub fn check_layout(cfg: &JobConfig, world: &Mesh) -> Result<Option<PipelineConf
         ConfigError::invalid("parallelism.pipeline_parallel_degree", format!("{e:#}"))
     })?;
     if schedule.splits_backward() {
-        refuse_with_split_backward(cfg, world.dp_degree(), schedule)?;
+        refuse_with_split_backward(cfg, schedule)?;
     }
     Ok(Some(p))
 }
@@ -229,35 +229,23 @@ fn pipeline_config(
 }
 
 /// What a split backward (zero-bubble) does not run with yet, refused naming the key: its
-/// weight pass hands each linear's gradient to the parameter itself, which FSDP's and DDP's
-/// per-unit reductions, the activation-checkpoint recompute and float8's own backward would not
-/// see.
-fn refuse_with_split_backward(
-    cfg: &JobConfig,
-    dp_degree: usize,
-    schedule: Schedule,
-) -> Result<(), ConfigError> {
+/// weight pass hands each linear's gradient to the weight through autograd after the input
+/// pass, which the activation-checkpoint recompute and float8's own backward would not see.
+/// (Under pipeline parallelism FSDP's and DDP's units sum their gradients over the step and
+/// reduce them after the last weight pass, so data parallelism runs with it.)
+fn refuse_with_split_backward(cfg: &JobConfig, schedule: Schedule) -> Result<(), ConfigError> {
     let name = schedule.name();
     let refuse = |key: &str, why: String| {
         Err(ConfigError::invalid(
             key,
-            format!("{why}; schedule {name} runs with pipeline and tensor parallelism only"),
+            format!("{why}; schedule {name} runs with pipeline, tensor and data parallelism only"),
         ))
     };
-    if dp_degree > 1 {
-        return refuse(
-            "parallelism.data_parallel_shard_degree",
-            format!("data parallelism ({dp_degree} replicas) is not implemented with {name}"),
-        );
-    }
-    // FSDP shards over the context-parallel ranks too.
     let cp = cfg.parallelism.context_parallel_degree;
     if cp > 1 {
         return refuse(
             "parallelism.context_parallel_degree",
-            format!(
-                "context parallelism ({cp} ranks, FSDP over them) is not implemented with {name}"
-            ),
+            format!("context parallelism ({cp} ranks) is not implemented with {name}"),
         );
     }
     if cfg.activation_checkpoint.mode != config::AcMode::None {
