@@ -705,14 +705,15 @@ fn pipeline_parallel_over_hsdp_matches_one_rank() {
     assert_eq!(reductions, want, "reduce-scatters a step on rank 0");
 }
 
-/// InterleavedZeroBubble with data parallelism (DDP) and with expert parallelism: its weight
+/// InterleavedZeroBubble with data parallelism (DDP), expert parallelism and context
+/// parallelism (FSDP over the cp ranks, and the ring's K/V exchange in backward): its weight
 /// passes bring each linear's gradient after the input pass, and the stage's sums take them in
 /// before the step's one reduction, so its steps are Interleaved1F1B's bit for bit (the same
 /// stages and microbatches; only when each weight gradient is computed differs). PP2 x FSDP2
 /// with it is in `pipeline_parallel_loss_curves_match_one_rank`.
 #[test]
 #[ignore = "full matrix: bash bench/full_matrix.sh"]
-fn zero_bubble_with_data_and_expert_parallelism_equals_interleaved_1f1b() {
+fn zero_bubble_with_data_expert_and_context_parallelism_equals_interleaved_1f1b() {
     let f = Fixture::new();
     let ddp: &[&str] = &[
         "--parallelism.data_parallel_replicate_degree",
@@ -730,7 +731,8 @@ fn zero_bubble_with_data_and_expert_parallelism_equals_interleaved_1f1b() {
         "--parallelism.expert_parallel_degree",
         "2",
     ];
-    for (layout, extra) in [("ddp2", ddp), ("ep2", ep)] {
+    let cp: &[&str] = &["--parallelism.context_parallel_degree", "2"];
+    for (layout, extra) in [("ddp2", ddp), ("ep2", ep), ("cp2", cp)] {
         let run = |schedule: &str| {
             let name = format!("{layout}_{schedule}");
             let mut c = titan_train(&f.args(&name, GLOBAL_BATCH / 2));

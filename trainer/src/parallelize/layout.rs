@@ -229,25 +229,18 @@ fn pipeline_config(
 }
 
 /// What a split backward (zero-bubble) does not run with yet, refused naming the key: its
-/// weight pass hands each linear's gradient to the weight through autograd after the input
-/// pass, which the activation-checkpoint recompute and float8's own backward would not see.
-/// (Under pipeline parallelism FSDP's and DDP's units sum their gradients over the step and
-/// reduce them after the last weight pass, so data parallelism runs with it.)
+/// weight pass defers the linears' weight gradients, which a checkpointed block's recompute and
+/// float8's own backward do not. (Under pipeline parallelism FSDP's and DDP's units sum their
+/// gradients over the step and reduce them after the last weight pass, so data and context
+/// parallelism run with it.)
 fn refuse_with_split_backward(cfg: &JobConfig, schedule: Schedule) -> Result<(), ConfigError> {
     let name = schedule.name();
     let refuse = |key: &str, why: String| {
         Err(ConfigError::invalid(
             key,
-            format!("{why}; schedule {name} runs with pipeline, tensor and data parallelism only"),
+            format!("{why}; schedule {name} runs without activation checkpointing and float8"),
         ))
     };
-    let cp = cfg.parallelism.context_parallel_degree;
-    if cp > 1 {
-        return refuse(
-            "parallelism.context_parallel_degree",
-            format!("context parallelism ({cp} ranks) is not implemented with {name}"),
-        );
-    }
     if cfg.activation_checkpoint.mode != config::AcMode::None {
         return refuse(
             "activation_checkpoint.mode",
