@@ -229,24 +229,19 @@ fn pipeline_config(
 }
 
 /// What a split backward (zero-bubble) does not run with yet, refused naming the key: its
-/// weight pass defers the linears' weight gradients, which a checkpointed block's recompute and
-/// float8's own backward do not. (Under pipeline parallelism FSDP's and DDP's units sum their
-/// gradients over the step and reduce them after the last weight pass, so data and context
-/// parallelism run with it.)
+/// weight pass defers the linears' weight gradients, which float8's own backward does not.
+/// (Under pipeline parallelism FSDP's and DDP's units sum their gradients over the step and
+/// reduce them after the last weight pass, and a checkpointed block's recompute defers as a
+/// plain block does, so data and context parallelism and activation checkpointing run with
+/// it.)
 fn refuse_with_split_backward(cfg: &JobConfig, schedule: Schedule) -> Result<(), ConfigError> {
     let name = schedule.name();
     let refuse = |key: &str, why: String| {
         Err(ConfigError::invalid(
             key,
-            format!("{why}; schedule {name} runs without activation checkpointing and float8"),
+            format!("{why}; schedule {name} runs without float8"),
         ))
     };
-    if cfg.activation_checkpoint.mode != config::AcMode::None {
-        return refuse(
-            "activation_checkpoint.mode",
-            format!("activation checkpointing is not implemented with {name}"),
-        );
-    }
     if Float8Training::from_config(cfg).is_some() {
         return refuse(
             "float8.enable_float8_linear",

@@ -893,6 +893,10 @@ impl ParallelModel {
         // the recompute activation checkpointing runs in backward.
         let moe = self.moe_state(index);
         let moe_ = moe.as_ref().map(|m| m.share());
+        // A checkpointed block's recompute runs its linears deferring too: their weight
+        // gradients wait for the schedule's weight pass as a plain block's do (the first run,
+        // without autograd, parks nothing).
+        let deferred = defer_weight_grads.cloned();
         if self.checkpointing == ActivationCheckpointing::Op {
             // The first run (forward) records the kept matmul and collective outputs, the
             // second (the recompute in backward) replays them. Each run gathers the block's
@@ -904,7 +908,7 @@ impl ParallelModel {
                     Some((m, x)) => (Some(m), Some(x)),
                     None => (None, None),
                 };
-                let matmuls = Matmuls::new(matmuls, f8.clone());
+                let matmuls = Matmuls::new(matmuls, f8.clone()).deferring(deferred.as_ref());
                 let exchanges = Kept::new(exchanges);
                 let (layer, gathered) = gather();
                 let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered, Some(index))
@@ -916,7 +920,7 @@ impl ParallelModel {
             out
         } else if self.checkpointing.whole_layer(index) {
             let [out] = checkpoint(&[&h], move |i| {
-                let matmuls = Matmuls::plain(f8.clone());
+                let matmuls = Matmuls::plain(f8.clone()).deferring(deferred.as_ref());
                 let (layer, gathered) = gather();
                 let ops = SplitOps::new(&tp_, &cp_, &ep_, &matmuls, &gathered, Some(index));
                 [model::block(
@@ -1282,6 +1286,64 @@ mod tests {
         args
     }
 
+    /// The model's gradients after its backward passes: the reductions collected, a copy of
+    /// each parameter's gradient.
+    fn gradients(model: &ParallelModel) -> Vec<Tensor> {
+        model.finish_gradients();
+        model
+            .named_parameters()
+            .iter()
+            .map(|(_, p)| p.grad().copy())
+            .collect()
+    }
+
+    /// A zero-bubble schedule's input pass parks every linear's weight gradient, in checkpointed
+    /// blocks too (their recompute defers as a plain block does), and the weight pass gives the
+    /// gradients of a plain backward, bit for bit.
+    #[test]
+    fn checkpointed_blocks_defer_their_weight_gradients() {
+        use crate::parallelize::weight_grad::WeightGradStash;
+        let _generator = crate::rng::global_generator();
+        let args = args("llama3", "debugmodel");
+        let tokens = Tensor::from_slice(&[1i64, 5, 9, 2, 7, 3, 8, 4]).view([1, 8]);
+        let layout = TokenLayout {
+            positions: None,
+            documents: None,
+            cp_mask: None,
+        };
+        for policy in [
+            ActivationCheckpointing::None,
+            ActivationCheckpointing::Full,
+            ActivationCheckpointing::Op,
+        ] {
+            let run = |defer: bool| {
+                tch::manual_seed(3);
+                let model = ParallelModel::new(args.clone(), Device::Cpu, &ParallelPlan::single())
+                    .unwrap()
+                    .with_checkpointing(policy);
+                let stash = WeightGradStash::new();
+                let logits = model.forward_stage(0, &tokens, layout, defer.then_some(&stash));
+                logits.square().sum(Kind::Float).backward();
+                let parked = stash.len();
+                stash.apply().unwrap();
+                (parked, gradients(&model))
+            };
+            let (parked, deferred) = run(true);
+            // Each block's 7 linears and lm_head; selective op AC keeps the 1st, 3rd, 5th and
+            // 7th matmul's output, whose replay computes its weight gradient at once.
+            let per_block = match policy {
+                ActivationCheckpointing::Op => 3,
+                _ => 7,
+            };
+            let want = per_block * args.n_layers as usize + 1;
+            assert_eq!(parked, want, "{policy:?}: linears parked");
+            let (_, plain) = run(false);
+            for (a, b) in deferred.iter().zip(&plain) {
+                assert!(a.equal(b), "{policy:?}");
+            }
+        }
+    }
+
     /// One process with bf16 parameters over fp32 master weights frees each block's cast copy
     /// after the block's forward and casts again for its backward, as FSDP2 on one rank does
     /// (before, the matmuls kept every block's copy until backward); the gradients are those of
@@ -1313,13 +1375,7 @@ mod tests {
                 .map(|(_, unit)| unit.gathered_bytes())
                 .collect();
             logits.square().sum(Kind::Float).backward();
-            model.finish_gradients();
-            let grads: Vec<Tensor> = model
-                .named_parameters()
-                .iter()
-                .map(|(_, p)| p.grad().copy())
-                .collect();
-            (held, grads)
+            (held, gradients(&model))
         };
         let (freed, grads) = run(ReshardAfterForward::Default);
         assert_eq!(freed, vec![Some(0); args.n_layers as usize]);
