@@ -775,14 +775,13 @@ pub fn estimate(cfg: &JobConfig, world_size: usize) -> Result<Estimate> {
     // (The first stage's layers, by the model's own rule of which layers are checkpointed.)
     let per_layer: Vec<(u64, u64)> = (0..stage_layers as usize)
         .map(|layer| {
-            let (saved, ws) = if policy_ac.whole_layer(layer) {
+            if policy_ac.whole_layer(layer) {
                 (input_bytes, none_bytes - input_bytes + grad_ws)
             } else if policy_ac == ActivationCheckpointing::Op {
                 (op_bytes, none_bytes.saturating_sub(op_kept) + grad_ws)
             } else {
                 (none_bytes, grad_ws)
-            };
-            (saved, ws)
+            }
         })
         .collect();
     let stage_saved: u64 = per_layer.iter().map(|(saved, _)| saved).sum();

@@ -514,11 +514,10 @@ impl UnitState {
     fn accumulate(&self, grads: &[Tensor]) {
         let size = self.mesh.shard.size() as i64;
         let mut t = self.tensors();
+        // On the shards' device: a backward may bring no gradient for the first parameter.
+        let device = t.shards[0].device();
         let sum = t.accumulated.get_or_insert_with(|| {
-            Tensor::zeros(
-                [size, self.per_rank],
-                (self.mesh.reduce_kind, grads[0].device()),
-            )
+            Tensor::zeros([size, self.per_rank], (self.mesh.reduce_kind, device))
         });
         tch::no_grad(|| self.pack_gradients(sum, grads, true));
     }
@@ -657,7 +656,7 @@ impl Function for AllGather {
                 .collect();
         }
         // The reduction runs while backward goes on (or, under pipeline parallelism, once
-        // the step's backwards are done); the shards' gradients arrive in `finish_gradients`,
+        // the step's backwards are done); the shards' gradients arrive in `Reductions::drain`,
         // so autograd gets none here.
         if self.0.policy.reduce_once_per_step {
             self.0.accumulate(grads);
