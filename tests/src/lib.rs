@@ -488,6 +488,18 @@ impl Tmux {
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
     }
+
+    /// Waits (up to 30 s) for the command to exit; returns its exit status and the last screen.
+    pub fn wait_for_exit(&self) -> (i32, String) {
+        let screen = self.wait_for("the exit", |s| s.contains(Tmux::EXIT));
+        let status = screen
+            .split(Tmux::EXIT)
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|code| code.parse().ok())
+            .unwrap_or_else(|| panic!("no exit status after {}:\n{screen}", Tmux::EXIT));
+        (status, screen)
+    }
 }
 
 impl Drop for Tmux {

@@ -556,8 +556,8 @@ fn records_to_and_reads_from_s3() {
     assert!(screen.contains("step 2"), "{screen}");
     assert!(screen.contains("on 2 ranks: min"), "{screen}");
     tui.keys(&["q"]);
-    let screen = tui.wait_for("the exit", |s| s.contains(Tmux::EXIT));
-    assert!(screen.contains("TITAN_OBS_EXIT=0"), "{screen}");
+    let (status, screen) = tui.wait_for_exit();
+    assert_eq!(status, 0, "{screen}");
     drop(tui);
     let from_figures = |gets: usize, heads: usize| {
         let (out, made) = run(&["summary", url, "--json", "--quiet", "--node-figures", "on"]);

@@ -129,8 +129,8 @@ fn tui_in_tmux_zoom_step_jump_select_quit() {
 
     // q quits cleanly and gives the terminal back.
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
-    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+    let (status, s) = tmux.wait_for_exit();
+    assert_eq!(status, 0, "{s}");
 }
 
 #[test]
@@ -276,8 +276,8 @@ fn tui_follows_a_torchtitan_run_as_its_logs_grow() {
     assert!(s.contains("│4"), "step 4 missing:\n{s}");
 
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
-    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+    let (status, s) = tmux.wait_for_exit();
+    assert_eq!(status, 0, "{s}");
 }
 
 #[test]
@@ -307,8 +307,8 @@ fn tui_opens_a_torchtitan_gantt_trace() {
     });
     assert!(s.contains("2 ranks"), "{s}");
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
-    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+    let (status, s) = tmux.wait_for_exit();
+    assert_eq!(status, 0, "{s}");
 }
 
 /// Rank 3 is 1.3x slow in forward_backward; the other ranks wait for it at the all_reduce.
@@ -562,8 +562,8 @@ fn tui_draws_a_long_run_from_detail_levels_and_zooms_in_to_its_spans() {
     assert!(lane_has_bars(&s, 0), "{s}");
 
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
-    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+    let (status, s) = tmux.wait_for_exit();
+    assert_eq!(status, 0, "{s}");
 }
 
 #[test]
@@ -642,8 +642,8 @@ fn tui_follow_appends_a_growing_run_to_its_detail_levels() {
     assert!(!lane_has_bars(&s, 0), "rank 0 recorded nothing there:\n{s}");
 
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
-    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+    let (status, s) = tmux.wait_for_exit();
+    assert_eq!(status, 0, "{s}");
     drop(journal);
 }
 
@@ -827,8 +827,8 @@ fn tui_draws_an_object_store_run_from_detail_levels() {
         assert!(lane_has_bars(&s, r), "rank {r} has no spans:\n{s}");
     }
     tmux.keys(&["q"]);
-    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
-    assert!(s.contains("TITAN_OBS_EXIT=0"), "{s}");
+    let (status, s) = tmux.wait_for_exit();
+    assert_eq!(status, 0, "{s}");
 
     // `gantt` on the bucket: the image from detail levels is the one from every span.
     let dir = tempfile::tempdir().unwrap();
@@ -949,8 +949,8 @@ fn tui_run_id_picks_a_run_drawn_from_detail_levels() {
     tmux.keys(&["q"]);
     // No such run: a usage error naming the runs.
     let tmux = open("--run third");
-    let s = tmux.wait_for("exit", |s| s.contains(Tmux::EXIT));
-    assert!(s.contains("TITAN_OBS_EXIT=2"), "{s}");
+    let (status, s) = tmux.wait_for_exit();
+    assert_eq!(status, 2, "{s}");
     assert!(s.contains("second") && s.contains("synthetic"), "{s}");
 
     // Following the first run: journals of both runs grow; only the first's spans are drawn.
